@@ -1,0 +1,116 @@
+"""dataparallel: data-parallel training across processes and machines.
+
+Horovod's power without Horovod's build: pure Python over real engines (MPI through mpi4py, Gloo and
+NCCL), for NumPy, PyTorch, JAX and CuPy arrays in nested containers.
+
+>>> import dataparallel as dp
+>>> backend = dp.initialize()          # MPI under mpiexec, Gloo under torchrun, else a world of one
+>>> grads = dp.allreduce_gradients({"w": 1.0})   # averaged across ranks
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dataparallel.backends.base import Backend
+from dataparallel.collectives import (
+    Request,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_gradients,
+    barrier,
+    broadcast,
+    broadcast_object,
+    iallreduce,
+    ibroadcast,
+    reduce,
+    synchronize,
+    wait_all,
+)
+from dataparallel.errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DataParallelError,
+    NotInitializedError,
+    RankFailedError,
+)
+from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
+from dataparallel.world import (
+    device,
+    finalize,
+    get_backend,
+    initialize,
+    initialized,
+    is_main,
+    local_rank,
+    local_size,
+    print,  # noqa: A004
+    rank,
+    size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "CoalescingReducer",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DataParallelError",
+    "InlineReducer",
+    "NotInitializedError",
+    "RankFailedError",
+    "Reducer",
+    "Request",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_gradients",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "device",
+    "finalize",
+    "get_backend",
+    "iallreduce",
+    "ibroadcast",
+    "initialize",
+    "initialized",
+    "is_main",
+    "local_rank",
+    "local_size",
+    "print",
+    "rank",
+    "reduce",
+    "size",
+    "synchronize",
+    "wait_all",
+]
+
+# Names whose modules load on first access, so `import dataparallel` needs NumPy alone.
+_LAZY = {
+    "torch": ("dataparallel.torch", None),
+    "DistributedOptimizer": ("dataparallel.optim", "DistributedOptimizer"),
+    "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
+    "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
+    "progress": ("dataparallel.progress", "progress"),
+    "timeline": ("dataparallel.timeline", "timeline"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dataparallel' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_LAZY])

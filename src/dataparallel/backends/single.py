@@ -1,0 +1,69 @@
+"""A world of one: every collective is the identity, with the same semantics as the real engines."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.config import Settings
+
+__all__ = ["SingleBackend"]
+
+
+class SingleBackend(Backend):
+    """The process group of a single process (Flashlight's STUB backend)."""
+
+    name = "single"
+
+    def __init__(self) -> None:
+        self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        init_method: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        settings: Settings | None = None,
+    ) -> SingleBackend:
+        if world_size not in (None, 1) or rank not in (None, 0):
+            raise ValueError(
+                f"The 'single' backend is a world of one, but rank={rank}, world_size={world_size} "
+                "were given: use backend='mpi' or 'gloo' for several processes."
+            )
+        return cls()
+
+    def accepts_device(self, device: str) -> bool:
+        return True
+
+    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+        return None
+
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+        return CompletedRequest()
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+        return None
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        return None
+
+    def ibroadcast(self, buf: Any, root: int) -> Request:
+        return CompletedRequest()
+
+    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+        recv[: counts[0]] = send
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        return obj
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        return None
+
+    def abort(self, code: int = 1) -> None:
+        sys.exit(code)

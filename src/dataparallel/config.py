@@ -1,0 +1,126 @@
+"""Every environment variable dataparallel reads, read here and nowhere else.
+
+`Settings.from_env()` validates the values at once, so a typo fails with the list of valid values
+instead of being silently ignored.
+
+| variable | meaning | default |
+| --- | --- | --- |
+| `DATAPARALLEL_CHECK` | `0` turns collective mismatch detection off | `1` |
+| `DATAPARALLEL_DEBUG` | `1` logs every collective, prefixed with its rank, to stderr | `0` |
+| `DATAPARALLEL_TIMELINE` | path of a Chrome-trace JSON file to record every collective in | unset |
+| `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
+| `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
+| `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
+
+The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, and the ones by which an MPI launcher reveals itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Settings"]
+
+# Chosen by measurement (benchmarks/bucket_size.py): on 2 ranks over shared memory, a 4 MiB bucket
+# reaches the bandwidth plateau (5-7 GB/s), while leaving a backward pass several flushes to overlap.
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+# Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.
+_MPI_LAUNCHER_VARIABLES = (
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "HYDI_CONTROL_FD",
+)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool | None) -> bool | None:
+    raw = env.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={env[name]!r} is not a valid flag: use one of {_TRUE + _FALSE}.")
+
+
+def _number(env: Mapping[str, str], name: str, kind: type[int] | type[float]) -> int | float | None:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}.") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive.")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer.") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The process's configuration, as read from its environment once."""
+
+    check: bool = True
+    debug: bool = False
+    timeline: str | None = None
+    cuda_aware_mpi: bool | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout: float | None = None
+    # Launcher-provided topology (torchrun / dataparallel run --backend gloo).
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    # True when an MPI launcher (mpiexec, srun) started this process.
+    mpi_launched: bool = False
+
+    @property
+    def torchrun_launched(self) -> bool:
+        """Whether torchrun-style rendezvous variables are all present."""
+        return (
+            self.rank is not None and self.world_size is not None and self.master_addr is not None
+        )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read and validate the settings from `env` (default: `os.environ`)."""
+        env = os.environ if env is None else env
+        bucket = _number(env, "DATAPARALLEL_BUCKET_BYTES", int)
+        timeout = _number(env, "DATAPARALLEL_TIMEOUT", float)
+        return cls(
+            check=bool(_flag(env, "DATAPARALLEL_CHECK", True)),
+            debug=bool(_flag(env, "DATAPARALLEL_DEBUG", False)),
+            timeline=env.get("DATAPARALLEL_TIMELINE") or None,
+            cuda_aware_mpi=_flag(env, "DATAPARALLEL_CUDA_AWARE_MPI", None),
+            bucket_bytes=int(bucket) if bucket is not None else DEFAULT_BUCKET_BYTES,
+            timeout=float(timeout) if timeout is not None else None,
+            rank=_int(env, "RANK"),
+            world_size=_int(env, "WORLD_SIZE"),
+            local_rank=_int(env, "LOCAL_RANK"),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE"),
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=_int(env, "MASTER_PORT"),
+            mpi_launched=any(name in env for name in _MPI_LAUNCHER_VARIABLES),
+        )
