@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "BufferPool",
     "SUPPORTED_DTYPES",
+    "BufferPool",
     "Family",
     "bf16_to_f32",
+    "dtype_name",
     "f32_to_bf16",
     "family_of",
     "storage_dtype",
@@ -32,6 +33,17 @@ INTEGER_DTYPES = frozenset(
     {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 )
 _BF16_BITS = np.dtype(np.uint16)
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Return the name of a NumPy dtype (`"float32"`, `"bfloat16"`), cached: `.name` is slow."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(np.dtype(dtype).name)
+    return name
 
 
 def storage_dtype(dtype: str) -> np.dtype:
@@ -112,7 +124,7 @@ class NumpyFamily(Family):
     name = "numpy"
 
     def dtype(self, x: np.ndarray) -> str:
-        return str(x.dtype.name)
+        return dtype_name(x.dtype)
 
     def shape(self, x: np.ndarray) -> tuple[int, ...]:
         return tuple(x.shape)
@@ -135,6 +147,9 @@ class NumpyFamily(Family):
         return np.array(host).view(like.dtype)
 
 
+_PYTHON_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
+
+
 class ScalarFamily(Family):
     """Python numbers and NumPy scalars: immutable, returned as the same type."""
 
@@ -142,7 +157,9 @@ class ScalarFamily(Family):
     mutable = False
 
     def dtype(self, x: Any) -> str:
-        return str(np.asarray(x).dtype.name)
+        if isinstance(x, np.generic):
+            return dtype_name(x.dtype)
+        return _PYTHON_DTYPES.get(type(x)) or dtype_name(np.asarray(x).dtype)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return ()
@@ -163,7 +180,10 @@ class TorchFamily(Family):
     name = "torch"
 
     def dtype(self, x: Any) -> str:
-        return str(x.dtype).removeprefix("torch.")
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+        return name
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(x.shape)
@@ -213,7 +233,7 @@ class JaxFamily(Family):
     mutable = False
 
     def dtype(self, x: Any) -> str:
-        return str(x.dtype)
+        return dtype_name(x.dtype)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(x.shape)
@@ -240,7 +260,7 @@ class CupyFamily(Family):
     name = "cupy"
 
     def dtype(self, x: Any) -> str:
-        return str(x.dtype.name)
+        return dtype_name(x.dtype)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(x.shape)
@@ -304,9 +324,9 @@ def family_of(x: Any, path: str = "x") -> Family:
             f"{path}: expected an array (NumPy, PyTorch, JAX, CuPy) or a number, "
             f"got {type(x).__module__}.{type(x).__qualname__}."
         )
-    if family is _SCALAR and isinstance(x, int) and not isinstance(x, bool):
-        if not -(2**63) <= x < 2**63:
-            raise TypeError(f"{path}: the integer {x} does not fit in int64.")
+    is_int = family is _SCALAR and isinstance(x, int) and not isinstance(x, bool)
+    if is_int and not -(2**63) <= x < 2**63:
+        raise TypeError(f"{path}: the integer {x} does not fit in int64.")
     _check_dtype(family.dtype(x), path)
     return family
 

@@ -10,6 +10,7 @@ pickled exchange made, to name the ranks and what differs; every rank then raise
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from dataparallel.arrays import INTEGER_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.errors import CollectiveMismatchError
 
-__all__ = ["parse_op", "validate_reduction", "verify_same_call"]
+__all__ = ["parse_op", "reduction_error", "validate_reduction", "verify_same_call"]
 
 _OPS = ("sum", "prod", "min", "max", "avg")
 _MAX_DIFFERENCES = 8
@@ -34,21 +35,29 @@ def parse_op(op: str) -> tuple[ReduceOp, bool]:
         raise ValueError(f"op={op!r} is not a reduction: use one of {_OPS}.") from None
 
 
-def validate_reduction(dtype: str, op: str, scale: float | None, path: str) -> None:
-    """Raise `TypeError` for a reduction the dtype cannot hold, naming the leaf's `path`."""
+def reduction_error(dtype: str, op: str, scale: float | None) -> str | None:
+    """Return why a reduction cannot be done on `dtype`, or None when it can."""
     if dtype in INTEGER_DTYPES or dtype == "bool":
         if op == "avg":
-            raise TypeError(
-                f"{path}: op='avg' on an {dtype} array would truncate; convert the leaf to a "
-                "floating dtype, or use op='sum' and divide yourself."
+            return (
+                f"op='avg' on a {dtype} array would truncate; convert the leaf to a floating "
+                "dtype, or use op='sum' and divide yourself."
             )
         if scale is not None and (dtype == "bool" or not float(scale).is_integer()):
-            raise TypeError(
-                f"{path}: scale={scale} cannot be applied to a {dtype} array; use a floating "
-                "dtype, or an integral scale."
+            return (
+                f"scale={scale} cannot be applied to a {dtype} array; use a floating dtype, "
+                "or an integral scale."
             )
     if dtype.startswith("complex") and op in ("min", "max"):
-        raise TypeError(f"{path}: op={op!r} is not defined for complex values ({dtype}).")
+        return f"op={op!r} is not defined for complex values ({dtype})."
+    return None
+
+
+def validate_reduction(dtype: str, op: str, scale: float | None, path: str) -> None:
+    """Raise `TypeError` for a reduction the dtype cannot hold, naming the leaf's `path`."""
+    error = reduction_error(dtype, op, scale)
+    if error is not None:
+        raise TypeError(f"{path}: {error}")
 
 
 def _digest(description: str) -> int:
@@ -56,23 +65,31 @@ def _digest(description: str) -> int:
     return int.from_bytes(raw, "little") >> 2
 
 
-def verify_same_call(backend: Backend, call: dict[str, Any]) -> None:
-    """Raise `CollectiveMismatchError` on every rank unless all ranks describe the same `call`.
+def verify_same_call(
+    backend: Backend,
+    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    summary: str | None = None,
+) -> None:
+    """Raise `CollectiveMismatchError` on every rank unless all ranks make the same call.
 
     Args:
         backend: the engine the collective will run on.
-        call: an ordered description: `{"collective": "allreduce", "op": "sum", "x.shape": ...}`;
-            every value has a stable `repr`.
+        call: a description of the call, field by field (`{"collective": "allreduce", "op":
+            "sum", "x['w']": "float32[3]"}`), or a function that makes one: it is only needed to
+            explain a mismatch, so a caller with a cheap `summary` can defer it.
+        summary: a string equal on two ranks exactly when their calls are the same (default:
+            derived from `call`).
     """
     if backend.size == 1:
         return
-    description = repr(sorted(call.items()))
-    h = _digest(description)
+    if summary is None:
+        summary = repr(sorted((call if isinstance(call, dict) else call()).items()))
+    h = _digest(summary)
     bounds = np.array([h, -h], dtype=np.int64)
     backend.allreduce(bounds, ReduceOp.MAX)
     if bounds[0] == -bounds[1]:
         return
-    calls = backend.allgather_object(call)
+    calls = backend.allgather_object(call if isinstance(call, dict) else call())
     raise CollectiveMismatchError(_explain(calls))
 
 
@@ -101,7 +118,12 @@ def _explain(calls: list[dict[str, Any]]) -> str:
         if len(collectives) > 1
         else f"Ranks called {collectives[0]} with different arguments"
     )
-    return head + ":\n" + "\n".join(shown) + (
-        "\nEvery rank must make the same collective calls, in the same order, with the same "
-        "tree structure, shapes (first axis excepted for allgather), dtypes, ops and roots."
+    return (
+        head
+        + ":\n"
+        + "\n".join(shown)
+        + (
+            "\nEvery rank must make the same collective calls, in the same order, with the same "
+            "tree structure, shapes (first axis excepted for allgather), dtypes, ops and roots."
+        )
     )

@@ -19,7 +19,7 @@ import numpy as np
 from dataparallel import tree, world
 from dataparallel.arrays import BufferPool, Family, family_of, storage_dtype
 from dataparallel.backends.base import Backend
-from dataparallel.checks import parse_op, validate_reduction, verify_same_call
+from dataparallel.checks import parse_op, reduction_error, verify_same_call
 from dataparallel.config import Settings
 from dataparallel.reducers import Broadcast, Fusion, Reduction
 
@@ -58,7 +58,7 @@ def _context(backend: Backend | None) -> _Context:
 @dataclass
 class _Leaf:
     value: Any
-    path: str
+    index: int  # position among the tree's leaves, for its path
     family: Family
     dtype: str
     shape: tuple[int, ...]
@@ -66,19 +66,48 @@ class _Leaf:
     is_view: bool = False
 
 
+def _leaf(flat: tree.Flat, i: int) -> _Leaf:
+    value = flat.leaves[i]
+    try:
+        family = family_of(value)
+    except TypeError:
+        family_of(value, flat.path(i))  # raise again, naming the leaf's path
+        raise
+    return _Leaf(value, i, family, family.dtype(value), family.shape(value))
+
+
 def _leaves(flat: tree.Flat) -> list[_Leaf]:
-    out = []
-    for value, path in zip(flat.leaves, flat.paths, strict=True):
-        family = family_of(value, path)
-        out.append(_Leaf(value, path, family, family.dtype(value), family.shape(value)))
-    return out
+    return [_leaf(flat, i) for i in range(len(flat.leaves))]
 
 
-def _describe(collective: str, flat: tree.Flat, leaves: list[_Leaf], **args: Any) -> dict[str, Any]:
-    call: dict[str, Any] = {"collective": collective, **args, "tree structure": str(flat.spec)}
-    for leaf in leaves:
-        call[leaf.path] = f"{leaf.dtype}{list(leaf.shape)}"
-    return call
+def _verify(
+    ctx: _Context,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[_Leaf],
+    args: dict[str, Any],
+    *,
+    first_axis: bool = True,
+) -> None:
+    """Check that every rank makes this call (see `checks.verify_same_call`)."""
+    if not ctx.settings.check or ctx.backend.size == 1:
+        return
+
+    def signature(leaf: _Leaf) -> str:
+        shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]
+        return f"{leaf.dtype}{shape}"
+
+    signatures = [signature(leaf) for leaf in leaves]
+    summary = f"{collective}|{sorted(args.items())}|{flat.structure()}|{'|'.join(signatures)}"
+
+    def details() -> dict[str, Any]:
+        call: dict[str, Any] = {"collective": collective, **args}
+        call["tree structure"] = flat.structure()
+        for leaf, sig in zip(leaves, signatures, strict=True):
+            call[flat.path(leaf.index)] = sig
+        return call
+
+    verify_same_call(ctx.backend, details, summary)
 
 
 def _check_root(root: int, backend: Backend) -> None:
@@ -92,7 +121,9 @@ def _log(ctx: _Context, message: str) -> None:
         print(f"[dataparallel {b.rank}/{b.size}] {message}", file=sys.stderr, flush=True)
 
 
-def _fuse(ctx: _Context, leaves: list[_Leaf], action: Reduction | Broadcast, async_op: bool) -> Fusion:
+def _fuse(
+    ctx: _Context, leaves: list[_Leaf], action: Reduction | Broadcast, async_op: bool
+) -> Fusion:
     fusion = Fusion(
         ctx.backend,
         action,
@@ -110,7 +141,9 @@ def _results(leaves: list[_Leaf], receives: bool) -> list[Any]:
     if not receives:
         return [leaf.value for leaf in leaves]
     return [
-        leaf.value if leaf.is_view else leaf.family.from_host(leaf.value, leaf.work)
+        leaf.value
+        if leaf.is_view or leaf.work is None
+        else leaf.family.from_host(leaf.value, leaf.work)
         for leaf in leaves
     ]
 
@@ -143,7 +176,12 @@ class Request:
 
 
 def _start_reduction(
-    x: Any, op: str, scale: float | None, backend: Backend | None, name: str, async_op: bool,
+    x: Any,
+    op: str,
+    scale: float | None,
+    backend: Backend | None,
+    name: str,
+    async_op: bool,
     root: int | None = None,
 ) -> tuple[Fusion, Callable[[], Any], _Context]:
     ctx = _context(backend)
@@ -151,13 +189,14 @@ def _start_reduction(
     flat = tree.flatten(x, name)
     leaves = _leaves(flat)
     for leaf in leaves:
-        validate_reduction(leaf.dtype, op, scale, leaf.path)
+        error = reduction_error(leaf.dtype, op, scale)
+        if error is not None:
+            raise TypeError(f"{flat.path(leaf.index)}: {error}")
     collective = ("i" if async_op else "") + ("allreduce" if root is None else "reduce")
     if root is not None:
         _check_root(root, ctx.backend)
-    if ctx.settings.check:
-        args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
-        verify_same_call(ctx.backend, _describe(collective, flat, leaves, **args))
+    args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
+    _verify(ctx, collective, flat, leaves, args)
     _log(ctx, f"{collective} op={op} leaves={len(leaves)}")
     total = 1.0 if scale is None else scale
     if average:
@@ -245,8 +284,7 @@ def _start_broadcast(
     flat = tree.flatten(x, "x")
     leaves = _leaves(flat)
     collective = "ibroadcast" if async_op else "broadcast"
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, _describe(collective, flat, leaves, root=root))
+    _verify(ctx, collective, flat, leaves, {"root": root})
     _log(ctx, f"{collective} root={root} leaves={len(leaves)}")
     fusion = _fuse(ctx, leaves, Broadcast(root), async_op)
     receives = ctx.backend.rank != root
@@ -292,15 +330,12 @@ def allgather(x: Any, *, backend: Backend | None = None) -> Any:
     flat = tree.flatten(x, "x")
     leaves = _leaves(flat)
     rows = [leaf.shape[0] if leaf.shape else 1 for leaf in leaves]
-    if ctx.settings.check:
-        call = {"collective": "allgather", "tree structure": str(flat.spec)}
-        call |= {leaf.path: f"{leaf.dtype}{['*', *leaf.shape[1:]]}" for leaf in leaves}
-        verify_same_call(b, call)
+    _verify(ctx, "allgather", flat, leaves, {}, first_axis=False)
     _log(ctx, f"allgather leaves={len(leaves)}")
-    every_rows = np.empty(b.size * len(leaves), np.int64)
+    gathered_rows = np.empty(b.size * len(leaves), np.int64)
     if leaves:
-        b.allgatherv(np.array(rows, np.int64), every_rows, [len(leaves)] * b.size)
-    every_rows = every_rows.reshape(b.size, len(leaves))
+        b.allgatherv(np.array(rows, np.int64), gathered_rows, [len(leaves)] * b.size)
+    every_rows = gathered_rows.reshape(b.size, len(leaves))
     out = []
     for i, leaf in enumerate(leaves):
         rest = leaf.shape[1:]
@@ -382,20 +417,21 @@ def synchronize(
     arrays: list[_Leaf] = []
     others: list[int] = []
     framework: list[int] = []
-    for i, (value, path) in enumerate(zip(flat.leaves, flat.paths, strict=True)):
+    for i, value in enumerate(flat.leaves):
         if _torch_kind(value) is not None:
             framework.append(i)
             continue
         try:
-            family = family_of(value, path)
+            arrays.append(_leaf(flat, i))
         except TypeError:
             others.append(i)
-            continue
-        arrays.append(_Leaf(value, path, family, family.dtype(value), family.shape(value)))
-    if ctx.settings.check:
-        call = _describe("synchronize", flat, arrays, root=root, objects=objects)
-        call["objects at"] = [flat.paths[i] for i in others]
-        verify_same_call(ctx.backend, call)
+    _verify(
+        ctx,
+        "synchronize",
+        flat,
+        arrays,
+        {"root": root, "objects": objects, "object leaves": others},
+    )
     _log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
     fusion = _fuse(ctx, arrays, Broadcast(root), async_op=False)
     fusion.finalize()

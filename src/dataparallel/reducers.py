@@ -1,10 +1,11 @@
 """The one fusion engine (Flashlight's reducers, Horovod's tensor fusion, DDP's buckets).
 
-Arrays handed to a reducer are cached in buckets per (array family, device, dtype); when the cached
-bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is packed into
-one contiguous buffer and reduced with one call, non-blocking when `async_op`. An array larger than
-`bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at all). Buffers come
-from a pool and are reused once their call completes. `finalize()` flushes, waits and unpacks.
+Arrays handed to a reducer are cached in buckets per (array family, device, dtype); when the
+cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
+packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
+array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
+all). Buffers come from a pool and are reused once their call completes. `finalize()` flushes,
+waits and unpacks.
 
 The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, ...) and the optimizers all run
 on `Fusion`; `InlineReducer` and `CoalescingReducer` are its public faces.
@@ -39,6 +40,7 @@ __all__ = [
     "Reducer",
     "Reduction",
 ]
+
 
 @dataclass(frozen=True)
 class Reduction:
@@ -155,9 +157,7 @@ class Fusion:
                 buf[offset : offset + work.size].reshape(work.shape)[...] = work
                 flight.slots.append((work, offset))
                 offset += work.size
-        if isinstance(self.action, Broadcast):
-            flight.wire = buf.view(np.uint8)
-        elif dtype == "bool":
+        if isinstance(self.action, Broadcast) or dtype == "bool":
             flight.wire = buf.view(np.uint8)
         elif dtype not in self.backend.native_dtypes:
             wide = self.pool.take(np.dtype(np.float32), buf.size)
@@ -219,7 +219,7 @@ def _scale_in_place(values: np.ndarray, scale: float) -> None:
 
 
 class Reducer(ABC):
-    """Flashlight's reducer interface: ingest arrays with `add`, force completion with `finalize`."""
+    """Flashlight's reducer interface: ingest arrays with `add`, complete them with `finalize`."""
 
     @abstractmethod
     def add(self, x: Any) -> None:

@@ -8,6 +8,8 @@ optree namespace (so user registrations elsewhere are left alone).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Hashable, Iterable
 from typing import Any, NamedTuple
 
 import optree
@@ -18,19 +20,37 @@ NAMESPACE = "dataparallel"
 
 
 class Flat(NamedTuple):
-    """A flattened tree: its leaves, their paths (`x['fc1'].weight`) and the structure."""
+    """A flattened tree: its leaves, its structure, and the leaves' paths (`x['fc1'].weight`).
+
+    Paths are spelled out on demand (`path(i)`, `paths`): they are for error messages, and
+    spelling them for every call would cost more than a small allreduce.
+    """
 
     leaves: list[Any]
-    paths: list[str]
     spec: optree.PyTreeSpec
+    name: str
+
+    def path(self, i: int) -> str:
+        """Return the path of leaf `i`, rooted at the tree's name."""
+        return str(optree.treespec_accessors(self.spec)[i].codify(self.name))
+
+    @property
+    def paths(self) -> list[str]:
+        """Return the paths of every leaf."""
+        return [self.path(i) for i in range(len(self.leaves))]
+
+    def structure(self) -> str:
+        """Return a description of the structure that is equal on every rank for equal trees."""
+        return _structure(self.spec)
+
+
+_registered: set[type] = (
+    set()
+)  # dataclass types registered in NAMESPACE, mirroring optree's registry
 
 
 def _is_unregistered_dataclass(x: Any) -> bool:
-    return (
-        dataclasses.is_dataclass(x)
-        and not isinstance(x, type)
-        and type(x) not in optree.register_pytree_node.get(namespace=NAMESPACE)  # type: ignore[attr-defined]
-    )
+    return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in _registered
 
 
 def _register_dataclass(cls: type) -> None:
@@ -39,25 +59,26 @@ def _register_dataclass(cls: type) -> None:
     def flatten(obj: Any) -> tuple[tuple[Any, ...], None, tuple[str, ...]]:
         return tuple(getattr(obj, n) for n in names), None, names
 
-    def unflatten(_: None, children: Any) -> Any:
-        obj = object.__new__(cls)
+    def unflatten(_: Hashable | None, children: Iterable[Any]) -> Any:
+        obj: Any = object.__new__(cls)
         for name, child in zip(names, children, strict=True):
             object.__setattr__(obj, name, child)
         return obj
 
     optree.register_pytree_node(
         cls,
-        flatten,  # type: ignore[arg-type]
+        flatten,
         unflatten,
         path_entry_type=optree.GetAttrEntry,
         namespace=NAMESPACE,
     )
+    _registered.add(cls)
 
 
 def flatten(tree: Any, name: str = "x") -> Flat:
     """Flatten `tree` into leaves, their paths (rooted at `name`) and its structure."""
     while True:
-        accessors, leaves, spec = optree.tree_flatten_with_accessor(
+        leaves, spec = optree.tree_flatten(
             tree, is_leaf=_is_unregistered_dataclass, none_is_leaf=False, namespace=NAMESPACE
         )
         fresh = {type(leaf) for leaf in leaves if _is_unregistered_dataclass(leaf)}
@@ -65,8 +86,12 @@ def flatten(tree: Any, name: str = "x") -> Flat:
             break
         for cls in fresh:
             _register_dataclass(cls)
-    paths = [accessor.codify(name) for accessor in accessors]
-    return Flat(leaves, paths, spec)
+    return Flat(leaves, spec, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _structure(spec: optree.PyTreeSpec) -> str:
+    return str(spec)
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:

@@ -89,7 +89,7 @@ def initialize(
         settings = _replace(settings, timeout=timeout)
     name = _resolve_backend_name(backend, init_method, settings)
     cls = _load_backend(name)
-    engine = cls.create(  # type: ignore[attr-defined]
+    engine = cls.create(
         init_method=init_method, rank=rank, world_size=world_size, settings=settings
     )
     gpu = choose_device(engine.local_rank, _cuda_device_count(), gpu_devices)
@@ -144,9 +144,7 @@ def _load_backend(name: str) -> type[Backend]:
     return cls
 
 
-def choose_device(
-    local_rank: int, n_gpus: int, gpu_devices: list[int] | None = None
-) -> int | None:
+def choose_device(local_rank: int, n_gpus: int, gpu_devices: list[int] | None = None) -> int | None:
     """Return the GPU index for `local_rank`: `gpu_devices[local_rank]`, or round robin, or None.
 
     >>> choose_device(3, 2), choose_device(1, 4, [2, 3]), choose_device(0, 0)
@@ -258,7 +256,7 @@ def device() -> int | None:
     return current().device
 
 
-def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - mirrors builtins.print on purpose
+def print(*args: Any, **kwargs: Any) -> None:
     """Print with a timestamp and a `[rank/size]` prefix, flushed at once.
 
     Never communicates, so a print on one rank alone cannot deadlock (FluxMPI's is collective).

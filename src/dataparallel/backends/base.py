@@ -17,7 +17,7 @@ __all__ = ["Backend", "CompletedRequest", "ReduceOp", "Request"]
 
 
 class ReduceOp(enum.Enum):
-    """Element-wise reductions every engine provides. `avg` is built above them (sum, then scale)."""
+    """Element-wise reductions every engine provides; `avg` is built above them (sum, scale)."""
 
     SUM = "sum"
     PROD = "prod"

@@ -73,7 +73,10 @@ class MPIBackend(Backend):
                 "launcher: use init_method='mpi' (or none), or backend='gloo' for env/tcp/file."
             )
         backend = cls()
-        for given, actual, what in ((rank, backend.rank, "rank"), (world_size, backend.size, "world_size")):
+        for given, actual, what in (
+            (rank, backend.rank, "rank"),
+            (world_size, backend.size, "world_size"),
+        ):
             if given is not None and given != actual:
                 raise ValueError(
                     f"{what}={given} was given, but the MPI launcher made it {actual}: "

@@ -7,7 +7,7 @@ from typing import Any
 __all__ = ["DistributedOptimizer"]
 
 
-def DistributedOptimizer(optimizer: Any, *, op: str = "avg", **options: Any) -> Any:  # noqa: N802
+def DistributedOptimizer(optimizer: Any, *, op: str = "avg", **options: Any) -> Any:
     """Wrap a `torch.optim.Optimizer` or an `optax.GradientTransformation` (dispatch on type).
 
     Gradients are reduced across ranks (averaged by default; `op="sum"` is FluxMPI's behaviour)
@@ -37,4 +37,5 @@ def _is_torch_optimizer(optimizer: Any) -> bool:
 
 
 def _is_optax_transformation(optimizer: Any) -> bool:
-    return callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    init, update = getattr(optimizer, "init", None), getattr(optimizer, "update", None)
+    return callable(init) and callable(update)

@@ -1,0 +1,46 @@
+# `make demo` trains on 2 ranks; `make test` runs lint, types and the test suite at 1, 2 and 3 ranks
+# (MPI) and 2 ranks (Gloo). Both set up .venv on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# A failure on one rank must end the job, never hang it: the conftest aborts the world on the first
+# failing test, and the launchers stop after this many seconds whatever happens.
+JOB_TIMEOUT := 900
+RUN_ENV := OMP_NUM_THREADS=1 MPIEXEC_TIMEOUT=$(JOB_TIMEOUT) JAX_PLATFORMS=cpu
+
+.PHONY: demo test lint test-1 test-mpi test-gloo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[mpi,torch,jax,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 --timeout $(JOB_TIMEOUT) examples/torch_digits.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
+
+test-mpi: $(STAMP)
+	$(RUN_ENV) $(BIN)/mpiexec -n 2 $(BIN)/python -m pytest -x -q
+	$(RUN_ENV) $(BIN)/mpiexec -n 3 $(BIN)/python -m pytest -x -q
+
+test-gloo: $(STAMP)
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
+
+# The world of one runs last, so the job ends on a plain pytest summary.
+test-1: $(STAMP)
+	$(RUN_ENV) $(BIN)/python -m pytest -q
+
+test: lint test-mpi test-gloo test-1
+
+bench: $(STAMP)
+	$(RUN_ENV) $(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/collectives.py
+	$(RUN_ENV) $(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
