@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -209,22 +209,20 @@ class _ArraySource(_Source):
 
 class _FieldsSource(_Source):
     def __init__(self, data: Any, owner: str) -> None:
-        if isinstance(data, Mapping):
-            keys: list[Any] = list(data)
-            values = [data[k] for k in keys]
-            names = [repr(k) for k in keys]
-            self.build: Callable[[list[Any]], Any] = lambda vs: dict(zip(keys, vs, strict=True))
+        # What `build` makes of one value per field: a dict with these keys, a namedtuple, a tuple.
+        self.keys: list[Any] | None = list(data) if isinstance(data, Mapping) else None
+        self.named: type | None = type(data) if hasattr(data, "_fields") else None
+        if self.keys is not None:
+            values, names = [data[k] for k in self.keys], [repr(k) for k in self.keys]
         else:
             values, names = list(data), [f"[{i}]" for i in range(len(data))]
-            cls = type(data)
-            self.build = (lambda vs: cls(*vs)) if hasattr(data, "_fields") else tuple
         self.fields = [
             _ArraySource(v, str(_family(v)), owner, f" at {name}")
             for v, name in zip(values, names, strict=True)
         ]
         lengths = {name: f.n for name, f in zip(names, self.fields, strict=True)}
         if len(set(lengths.values())) > 1:
-            kind = "dict" if isinstance(data, Mapping) else "tuple"
+            kind = "dict" if self.keys is not None else "tuple"
             listed = ", ".join(f"{name}: {n}" for name, n in lengths.items())
             raise ValueError(
                 f"{owner} got a {kind} of arrays with different first dimensions ({listed}), "
@@ -232,6 +230,11 @@ class _FieldsSource(_Source):
                 "number of rows."
             )
         self.n = self.fields[0].n
+
+    def build(self, values: list[Any]) -> Any:
+        if self.keys is not None:
+            return dict(zip(self.keys, values, strict=True))
+        return self.named(*values) if self.named is not None else tuple(values)
 
     def item(self, i: int) -> Any:
         return self.build([f.item(i) for f in self.fields])
@@ -344,7 +347,8 @@ class DistributedDataContainer(_Sharded):
     arrays with equal first dimension (items come back as tuples or dicts; a namedtuple keeps its
     type), or anything with `__len__` and `__getitem__` (a list, a torch map-style `Dataset`). Rank
     `r` gets `n // size` samples, plus one when `r < n % size`, for any `n` including `n < size`
-    (some ranks then hold nothing) and `n = 0`. See `shard_indices` for the exact split.
+    (some ranks then hold nothing) and `n = 0`. See `shard_indices` for the exact split. A tuple
+    that holds no array is taken as a sequence of samples, like a list.
 
     The container is itself a map-style dataset: `len`, integer indexing (negative too) and
     iteration over the share, so `torch.utils.data.DataLoader(container, ...)` works as is. A slice
