@@ -38,6 +38,7 @@ from dataparallel.errors import (
     RankFailedError,
 )
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
+from dataparallel.timeline import timeline
 from dataparallel.world import (
     device,
     finalize,
@@ -47,7 +48,7 @@ from dataparallel.world import (
     is_main,
     local_rank,
     local_size,
-    print,  # noqa: A004
+    print,
     rank,
     size,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "reduce",
     "size",
     "synchronize",
+    "timeline",
     "wait_all",
 ]
 
@@ -98,7 +100,6 @@ _LAZY = {
     "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
     "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
     "progress": ("dataparallel.progress", "progress"),
-    "timeline": ("dataparallel.timeline", "timeline"),
 }
 
 

@@ -22,6 +22,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, reduction_error, verify_same_call
 from dataparallel.config import Settings
 from dataparallel.reducers import Broadcast, Fusion, Reduction
+from dataparallel.timeline import Timeline
 
 __all__ = [
     "Request",
@@ -46,12 +47,19 @@ class _Context:
     settings: Settings
     pool: BufferPool
     pending: list[Any] | None
+    timeline: Timeline | None = None
 
 
 def _context(backend: Backend | None) -> _Context:
     if backend is None or world.initialized():
         active = world.current()
-        return _Context(backend or active.backend, active.settings, active.buffers, active.pending)
+        return _Context(
+            backend or active.backend,
+            active.settings,
+            active.buffers,
+            active.pending,
+            active.timeline,
+        )
     return _Context(backend, Settings.from_env(), BufferPool(), None)
 
 
@@ -121,6 +129,33 @@ def _log(ctx: _Context, message: str) -> None:
         print(f"[dataparallel {b.rank}/{b.size}] {message}", file=sys.stderr, flush=True)
 
 
+def _run(
+    ctx: _Context,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[_Leaf],
+    action: Reduction | Broadcast,
+    async_op: bool,
+) -> tuple[Fusion, Callable[[], Any]]:
+    """Start the fused collective; return it and the function that builds its result."""
+    _log(ctx, f"{collective} {action} leaves={len(leaves)}")
+    started = ctx.timeline.now() if ctx.timeline is not None else 0.0
+    fusion = _fuse(ctx, leaves, action, async_op)
+    rank = ctx.backend.rank
+    if isinstance(action, Broadcast):
+        receives = rank != action.root
+    else:
+        receives = action.root is None or action.root == rank
+
+    def finish() -> Any:
+        result = tree.unflatten(flat.spec, _results(leaves, receives))
+        if ctx.timeline is not None:
+            ctx.timeline.complete(collective, started, leaves=len(leaves), calls=fusion.calls)
+        return result
+
+    return fusion, finish
+
+
 def _fuse(
     ctx: _Context, leaves: list[_Leaf], action: Reduction | Broadcast, async_op: bool
 ) -> Fusion:
@@ -130,6 +165,7 @@ def _fuse(
         bucket_bytes=ctx.settings.bucket_bytes,
         async_op=async_op,
         pool=ctx.pool,
+        timeline=ctx.timeline,
     )
     for leaf in leaves:
         leaf.work, leaf.is_view = leaf.family.work(leaf.value)
@@ -197,18 +233,11 @@ def _start_reduction(
         _check_root(root, ctx.backend)
     args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
     _verify(ctx, collective, flat, leaves, args)
-    _log(ctx, f"{collective} op={op} leaves={len(leaves)}")
     total = 1.0 if scale is None else scale
     if average:
         total /= ctx.backend.size
     action = Reduction(engine_op, None if total == 1 else total, root)
-    fusion = _fuse(ctx, leaves, action, async_op)
-    receives = root is None or root == ctx.backend.rank
-
-    def finish() -> Any:
-        return tree.unflatten(flat.spec, _results(leaves, receives))
-
-    return fusion, finish, ctx
+    return (*_run(ctx, collective, flat, leaves, action, async_op), ctx)
 
 
 def allreduce(
@@ -232,7 +261,7 @@ def allreduce(
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
-    {'n': 3.0, 'w': array([1., 1.])}
+    {'w': array([1., 1.]), 'n': 3.0}
     """
     fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False)
     fusion.finalize()
@@ -285,14 +314,7 @@ def _start_broadcast(
     leaves = _leaves(flat)
     collective = "ibroadcast" if async_op else "broadcast"
     _verify(ctx, collective, flat, leaves, {"root": root})
-    _log(ctx, f"{collective} root={root} leaves={len(leaves)}")
-    fusion = _fuse(ctx, leaves, Broadcast(root), async_op)
-    receives = ctx.backend.rank != root
-
-    def finish() -> Any:
-        return tree.unflatten(flat.spec, _results(leaves, receives))
-
-    return fusion, finish, ctx
+    return (*_run(ctx, collective, flat, leaves, Broadcast(root), async_op), ctx)
 
 
 def broadcast(x: Any, *, root: int = 0, backend: Backend | None = None) -> Any:

@@ -31,6 +31,7 @@ from dataparallel.arrays import (
 )
 from dataparallel.backends.base import Backend, ReduceOp, Request
 from dataparallel.checks import parse_op, validate_reduction
+from dataparallel.timeline import Timeline
 
 __all__ = [
     "Broadcast",
@@ -68,6 +69,7 @@ class _Flight:
     wire: np.ndarray  # what the engine reduces (buf, or a widened copy)
     slots: list[tuple[np.ndarray, int]] = field(default_factory=list)  # (work, offset) to unpack
     pooled: list[np.ndarray] = field(default_factory=list)
+    span: int = 0  # the timeline's id of the communicate phase
 
 
 class Fusion:
@@ -80,6 +82,7 @@ class Fusion:
         async_op: start calls without blocking (`finalize` waits).
         contiguous: pack a flush into one buffer per bucket (else one call per array).
         pool: where buffers come from.
+        timeline: records queue/pack/communicate/unpack phases when given.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Fusion:
         async_op: bool = True,
         contiguous: bool = True,
         pool: BufferPool | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
@@ -100,6 +104,8 @@ class Fusion:
         self._open: dict[tuple[Any, ...], list[np.ndarray]] = {}
         self._open_bytes = 0
         self._flights: list[_Flight] = []
+        self.timeline = timeline
+        self._opened_at: dict[tuple[Any, ...], float] = {}
         self.calls = 0  # communication calls made (observable for tests and the timeline)
 
     def add(self, work: np.ndarray, dtype: str, key: tuple[Any, ...] = ()) -> None:
@@ -110,13 +116,18 @@ class Fusion:
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
             self.flush()
-        self._open.setdefault((*key, dtype), []).append(work)
+        bucket_key = (*key, dtype)
+        if self.timeline is not None and bucket_key not in self._open:
+            self._opened_at[bucket_key] = self.timeline.now()
+        self._open.setdefault(bucket_key, []).append(work)
         self._open_bytes += nbytes
 
     def flush(self) -> None:
         """Start communicating everything cached."""
         for bucket_key, works in self._open.items():
             dtype = bucket_key[-1]
+            if self.timeline is not None:
+                self._trace_queue(bucket_key, len(works))
             if self.contiguous:
                 self._launch(works, dtype)
             else:
@@ -136,8 +147,23 @@ class Fusion:
         for flight in flights:
             self._land(flight)
 
+    def _trace_queue(self, bucket_key: tuple[Any, ...], arrays: int) -> None:
+        assert self.timeline is not None
+        opened = self._opened_at.pop(bucket_key, None)
+        if opened is not None:
+            self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
+
     def _launch(self, works: list[np.ndarray], dtype: str) -> None:
-        flight = self._pack(works, dtype)
+        timeline = self.timeline
+        if timeline is None:
+            flight = self._pack(works, dtype)
+        else:
+            packing = timeline.now()
+            flight = self._pack(works, dtype)
+            timeline.complete(
+                "pack", packing, dtype=dtype, arrays=len(works), bytes=flight.buf.nbytes
+            )
+            flight.span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
         self._start(flight)
         self.calls += 1
         if self.async_op:
@@ -196,6 +222,10 @@ class Fusion:
     def _land(self, flight: _Flight) -> None:
         if flight.request is not None:
             flight.request.wait()
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.end("communicate", flight.span)
+            unpacking = timeline.now()
         if self._receives():
             scale = None if isinstance(self.action, Broadcast) else self.action.scale
             if scale is not None and scale != 1:
@@ -209,6 +239,8 @@ class Fusion:
                 work[...] = flight.buf[offset : offset + work.size].reshape(work.shape)
         for buf in flight.pooled:
             self.pool.give(buf)
+        if timeline is not None:
+            timeline.complete("unpack", unpacking, arrays=len(flight.slots))
 
 
 def _scale_in_place(values: np.ndarray, scale: float) -> None:
@@ -266,6 +298,7 @@ class _FusionReducer(Reducer):
             async_op=async_op,
             contiguous=contiguous,
             pool=active.buffers,
+            timeline=active.timeline,
         )
         self._staged: list[tuple[Family, Any, np.ndarray]] = []
 

@@ -48,6 +48,7 @@ class World:
     verbose: bool = False
     pending: list[Any] = field(default_factory=list)  # dp.Request objects not yet waited on
     buffers: BufferPool = field(default_factory=BufferPool)
+    timeline: Any = None  # a dataparallel.timeline.Timeline while one records
 
 
 _world: World | None = None
@@ -96,6 +97,10 @@ def initialize(
     if gpu is not None:
         _point_frameworks_at(gpu)
     _world = World(backend=engine, settings=settings, device=gpu, verbose=verbose)
+    if settings.timeline:
+        from dataparallel.timeline import Timeline
+
+        _world.timeline = Timeline(settings.timeline, engine.rank, engine.size)
     if verbose:
         print(f"initialized {engine.name} backend, local rank {engine.local_rank}, GPU {gpu}")
     return engine
@@ -205,6 +210,8 @@ def finalize() -> None:
     world, _world = _world, None
     for request in list(world.pending):
         request.wait()
+    if world.timeline is not None:
+        world.timeline.close()
     world.backend.close()
 
 
