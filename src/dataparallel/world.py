@@ -270,5 +270,8 @@ def print(*args: Any, **kwargs: Any) -> None:
     """
     where = f"{rank()}/{size()}" if _world is not None else "-/-"
     stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+    text = kwargs.pop("sep", " ").join(map(str, args))
+    end = kwargs.pop("end", "\n")
     kwargs.setdefault("flush", True)
-    builtins.print(f"[{stamp}] [{where}]", *args, **kwargs)
+    # One write per line, so lines from ranks sharing a terminal never interleave mid-line.
+    builtins.print(f"[{stamp}] [{where}] {text}{end}", end="", **kwargs)
