@@ -37,6 +37,7 @@ from dataparallel.errors import (
     NotInitializedError,
     RankFailedError,
 )
+from dataparallel.progress import progress
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
 from dataparallel.timeline import timeline
 from dataparallel.world import (
@@ -85,6 +86,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "print",
+    "progress",
     "rank",
     "reduce",
     "size",
@@ -99,7 +101,6 @@ _LAZY = {
     "DistributedOptimizer": ("dataparallel.optim", "DistributedOptimizer"),
     "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
     "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
-    "progress": ("dataparallel.progress", "progress"),
 }
 
 

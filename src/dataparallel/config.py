@@ -13,7 +13,8 @@ instead of being silently ignored.
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-`LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, and the ones by which an MPI launcher reveals itself.
+`LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
+and the rank it gives (`PMI_RANK`, `OMPI_COMM_WORLD_RANK`, `PMIX_RANK`: `Settings.mpi_rank`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Settings"]
 
-# Chosen by measurement (benchmarks/bucket_size.py): on 2 ranks over shared memory, a 4 MiB bucket
-# reaches the bandwidth plateau (5-7 GB/s), while leaving a backward pass several flushes to overlap.
+# Chosen by measurement (benchmarks/bucket_size.py, docs/performance.md): on 2 ranks over shared
+# memory a 4 MiB bucket reaches the bandwidth plateau, and a backward pass still gets several
+# flushes to overlap with.
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 # Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.
@@ -37,6 +39,8 @@ _MPI_LAUNCHER_VARIABLES = (
     "MPI_LOCALNRANKS",
     "HYDI_CONTROL_FD",
 )
+# The rank an MPI launcher gives each process (MPICH/Hydra, Open MPI, PMIx), first found wins.
+_MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -57,12 +61,13 @@ def _number(env: Mapping[str, str], name: str, kind: type[int] | type[float]) ->
     raw = env.get(name, "").strip()
     if raw == "":
         return None
+    expected = "a positive integer" if kind is int else "a positive number"
     try:
         value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}.") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive.")
+        raise ValueError(f"{name}={raw!r} is not valid: use {expected}.") from None
+    if not value > 0:  # also rejects nan
+        raise ValueError(f"{name}={raw!r} is not valid: use {expected}.")
     return value
 
 
@@ -95,6 +100,8 @@ class Settings:
     master_port: int | None = None
     # True when an MPI launcher (mpiexec, srun) started this process.
     mpi_launched: bool = False
+    # The rank that MPI launcher gave this process, known before MPI is initialized.
+    mpi_rank: int | None = None
 
     @property
     def torchrun_launched(self) -> bool:
@@ -123,4 +130,8 @@ class Settings:
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=_int(env, "MASTER_PORT"),
             mpi_launched=any(name in env for name in _MPI_LAUNCHER_VARIABLES),
+            mpi_rank=next(
+                (_int(env, name) for name in _MPI_RANK_VARIABLES if env.get(name, "").strip()),
+                None,
+            ),
         )

@@ -1,0 +1,276 @@
+"""The `dataparallel` command: `run` launches a job, `info` describes what is installed.
+
+`python -m dataparallel ...` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+
+from dataparallel.errors import DataParallelError
+
+__all__ = ["main"]
+
+_DESCRIPTION = """\
+Data-parallel training across processes and machines, for NumPy, PyTorch, JAX and CuPy.
+"""
+
+_EPILOG = """\
+`dataparallel run --help` shows how to launch a job; `python -m dataparallel` is the same command.
+"""
+
+_RUN_DESCRIPTION = """\
+Start SCRIPT (or -m MODULE) on N processes, each one rank of the job, with SCRIPT's ARGS in its
+sys.argv. Inside, `dp.initialize()` finds the backend by itself.
+
+--backend mpi (default) runs `mpiexec -n N python -m dataparallel.launch.runner SCRIPT ARGS`, with
+the mpiexec installed beside this Python (the mpich wheel's) and this Python. --backend gloo spawns
+the N processes itself with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `.
+
+When a rank raises, its traceback is printed once, prefixed with its rank, and the whole job ends
+at once instead of hanging. The exit status is 0 only if every rank succeeded; otherwise the failing
+rank's status, 124 after --timeout, or 128+N when the launcher is stopped by signal N.
+"""
+
+_RUN_EPILOG = """\
+examples:
+  dataparallel run -n 4 train.py --epochs 10
+  dataparallel run -n 2 -m pytest -q tests/
+  dataparallel run -n 2 --backend gloo --timeout 600 train.py
+  # two machines, 4 processes each (run on both; node 0 hosts the rendezvous):
+  dataparallel run -n 4 --backend gloo --nnodes 2 --node-rank 0 --master-addr node0 train.py
+  dataparallel run -n 16 --hostfile hosts.txt train.py     # MPI over several machines
+"""
+
+# Options of `run` that take a value: everything after the first other word is the target's.
+_RUN_VALUE_OPTIONS = frozenset(
+    (
+        "-n",
+        "--np",
+        "--backend",
+        "--timeout",
+        "--hostfile",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+    )
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dataparallel",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="{run,info}", required=True)
+    run = commands.add_parser(
+        "run",
+        help="start a script (or -m module) on N processes, under MPI (default) or Gloo",
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="dataparallel run -n N [options] (SCRIPT | -m MODULE) [ARGS ...]",
+    )
+    run.add_argument("-n", "--np", dest="n", type=int, required=True, help="processes to start")
+    run.add_argument(
+        "--backend",
+        choices=("mpi", "gloo"),
+        default="mpi",
+        help="how to start them: mpi (mpiexec, default) or gloo (local processes, torchrun-style)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="stop the whole job after S seconds (exit status 124); sets MPIEXEC_TIMEOUT too",
+    )
+    run.add_argument(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="run the library module MODULE as a script, as `python -m` does (e.g. -m pytest)",
+    )
+    mpi = run.add_argument_group("MPI")
+    mpi.add_argument("--hostfile", metavar="FILE", help="the machines to run on (mpiexec -f FILE)")
+    gloo = run.add_argument_group("Gloo across machines (torchrun's numbering)")
+    gloo.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines (default: 1)")
+    gloo.add_argument(
+        "--node-rank", type=int, default=0, metavar="I", help="this machine's index, 0..K-1"
+    )
+    gloo.add_argument(
+        "--master-addr",
+        metavar="A",
+        help="address of node 0, where rank 0 listens (default: 127.0.0.1; needed when K > 1)",
+    )
+    gloo.add_argument(
+        "--master-port",
+        type=int,
+        metavar="P",
+        help="its port (default: a free port with one machine, 29500 with several)",
+    )
+    run.add_argument("script", metavar="SCRIPT", help="the Python file (or, with -m, the module)")
+    run.add_argument("args", metavar="ARGS", nargs="*", help="arguments passed on to SCRIPT")
+    commands.add_parser(
+        "info",
+        help="show what is installed here and which backends are usable",
+        description="Show Python, NumPy, the MPI library and mpiexec, CUDA-awareness, the "
+        "frameworks, Gloo, NCCL and GPUs found here, and for each backend whether it is usable.",
+    )
+    return parser
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("dataparallel")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split `run`'s arguments into the launcher's own and the target's (from SCRIPT on).
+
+    argparse would read options placed after SCRIPT as the launcher's, and drops a `--` meant for
+    the script, so the split is done by hand: the target starts at the first word that is neither
+    an option nor an option's value (after `-m`, at the word after it), or after a lone `--`.
+    """
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1 :]
+        if word == "-m":
+            return argv[: i + 1], argv[i + 1 :]
+        if not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        takes_value = word in _RUN_VALUE_OPTIONS
+        i += 2 if takes_value else 1
+    return argv, []
+
+
+def _module_exists(name: str) -> bool:
+    """Return whether the ranks (`python -m` in this directory) can find module `name`.
+
+    Only the top-level package is looked up, so no user code is imported into the launcher.
+    """
+    top = name.partition(".")[0]
+    if not top.isidentifier():
+        return False
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())  # the ranks run `python -m`, which puts it first
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path[:] = saved
+
+
+def _check_run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Reject bad `run` arguments with argparse's usage error (exit status 2)."""
+    if ns.n < 1:
+        parser.error(f"-n must be at least 1, got {ns.n}.")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {ns.timeout:g}.")
+    if ns.module:
+        if not _module_exists(ns.script):
+            parser.error(
+                f"no module named {ns.script!r}: -m runs a module that this Python can import "
+                "(from the current directory or its sys.path)."
+            )
+    elif not os.path.isfile(ns.script):
+        parser.error(
+            f"script {ns.script!r} not found: give the path of a Python file, or -m MODULE."
+        )
+    if ns.backend == "mpi":
+        gloo_only = [
+            flag
+            for flag, value, default in (
+                ("--nnodes", ns.nnodes, 1),
+                ("--node-rank", ns.node_rank, 0),
+                ("--master-addr", ns.master_addr, None),
+                ("--master-port", ns.master_port, None),
+            )
+            if value != default
+        ]
+        if gloo_only:
+            parser.error(
+                f"{', '.join(gloo_only)} set the Gloo rendezvous; with MPI use --hostfile FILE, "
+                "or add --backend gloo."
+            )
+        if ns.hostfile is not None and not os.path.isfile(ns.hostfile):
+            parser.error(f"--hostfile {ns.hostfile!r} is not a file.")
+        return
+    if ns.hostfile is not None:
+        parser.error("--hostfile is for --backend mpi; with Gloo use --nnodes/--node-rank.")
+    if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
+        parser.error(
+            f"--node-rank must be in 0..{ns.nnodes - 1} and --nnodes at least 1, "
+            f"got --nnodes {ns.nnodes} --node-rank {ns.node_rank}."
+        )
+    if ns.nnodes > 1 and ns.master_addr is None:
+        parser.error("--nnodes > 1 needs --master-addr: the address of node 0, reachable by all.")
+    if ns.master_port is not None and not 0 < ns.master_port < 65536:
+        parser.error(f"--master-port must be in 1..65535, got {ns.master_port}.")
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    own, target = _split_target(argv)
+    # SCRIPT goes after `--` so that argparse takes it as the positional whatever it looks like;
+    # without one, argparse says that SCRIPT is required.
+    ns = parser.parse_args(["run", *own, *(["--", target[0]] if target else [])])
+    _check_run(parser, ns)
+    runner_target = (["-m"] if ns.module else []) + target
+    if ns.backend == "mpi":
+        from dataparallel.launch.mpi import run_mpi
+
+        return run_mpi(ns.n, runner_target, timeout=ns.timeout, hostfile=ns.hostfile)
+    from dataparallel.launch.gloo import Topology, run_gloo
+
+    port = ns.master_port
+    if port is None and ns.nnodes > 1:
+        port = 29500  # torchrun's default: every node must agree on it without talking
+    topology = Topology(
+        nproc_per_node=ns.n,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=ns.master_addr or "127.0.0.1",
+        master_port=port,
+    )
+    return run_gloo(runner_target, topology, timeout=ns.timeout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `dataparallel` command line and return its exit status.
+
+    Args:
+        argv: the arguments after the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        The exit status: the job's for `run` (0 only if every rank succeeded), 0 for `info`,
+        2 for bad arguments or when the job cannot be started.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    try:
+        if args and args[0] == "run":
+            return _run(parser, args[1:])
+        parser.parse_args(args)  # only `info` comes back: --help, --version and errors exit
+        from dataparallel.launch.info import main as info
+
+        return info()
+    except DataParallelError as exc:
+        print(f"dataparallel: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,235 @@
+"""Run one rank of a job: `python -m dataparallel.launch.runner [options] (script | -m module) ...`.
+
+`dataparallel run` starts every rank through this wrapper, as `python -m mpi4py` does for MPI
+programs. It runs the script (or module) as `__main__` with `sys.argv` set, and turns a failure on
+one rank into the end of the whole job instead of a hang:
+
+- an uncaught exception prints its traceback once, each line prefixed with the rank
+  (`[rank 1] Traceback ...`), then aborts the job (`MPI.COMM_WORLD.Abort` under MPI; under Gloo a
+  plain non-zero exit, on which the launcher stops the other ranks);
+- `sys.exit(0)` (or `None`) is success; any other `SystemExit` code is a failure with that code;
+- at a normal exit, `dataparallel.world.finalize()` runs if the script initialized the world.
+
+Under an MPI launcher MPI is initialized *before* the script runs (mpi4py's defaults, so
+`MPI_THREAD_MULTIPLE` is requested): a rank that fails before its own `dp.initialize()` could not
+abort the job otherwise, and the other ranks would wait in `MPI_Init` for it forever. Differs from
+`python -m mpi4py`, which lets the script set `mpi4py.rc` first.
+
+Options (before the script):
+    --prefixed     the launcher already prefixes every output line with the rank (Gloo).
+    --parent PID   exit when process PID (the launcher) dies, so no rank outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+_USAGE = (
+    "usage: python -m dataparallel.launch.runner [--prefixed] [--parent PID]"
+    " (script | -m module) [args ...]"
+)
+
+
+@dataclass
+class _Options:
+    prefixed: bool = False
+    parent: int | None = None
+    module: bool = False
+    target: list[str] = field(default_factory=list)
+
+
+def _parse(argv: list[str]) -> _Options:
+    options = _Options()
+    args = list(argv)
+    while args and args[0].startswith("-") and args[0] != "-m":
+        flag = args.pop(0)
+        if flag == "--prefixed":
+            options.prefixed = True
+        elif flag == "--parent":
+            if not args or not args[0].isdigit():
+                _usage_error("--parent needs the launcher's process id")
+            options.parent = int(args.pop(0))
+        else:
+            _usage_error(f"unknown option {flag!r}")
+    if args and args[0] == "-m":
+        options.module = True
+        args.pop(0)
+    if not args:
+        _usage_error("expected a script path or -m module to run")
+    options.target = args
+    return options
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(f"{_USAGE}\nerror: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Make the kernel kill this process when `parent` dies (Linux), or watch for it elsewhere."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # it died before we could ask
+        os._exit(1)
+    if not sys.platform.startswith("linux"):
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="dataparallel-parent-watch", daemon=True).start()
+
+
+def _init_mpi() -> None:
+    """Initialize MPI if an MPI launcher started this process and mpi4py is installed."""
+    from dataparallel.config import Settings
+
+    if Settings.from_env().mpi_launched:
+        with contextlib.suppress(ImportError):
+            from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
+
+
+def _live_mpi() -> Any:
+    """Return `mpi4py.MPI` if MPI is initialized and not yet finalized, else None."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi
+    return None
+
+
+def _rank() -> str:
+    mpi = _live_mpi()
+    if mpi is not None:
+        return str(mpi.COMM_WORLD.Get_rank())
+    world = sys.modules.get("dataparallel.world")
+    if world is not None and world.initialized():
+        return str(world.rank())
+    from dataparallel.config import Settings
+
+    settings = Settings.from_env()
+    rank = settings.rank if settings.rank is not None else settings.mpi_rank
+    return "0" if rank is None else str(rank)  # no launcher: a world of one
+
+
+def _run(options: _Options) -> None:
+    sys.argv[:] = options.target
+    if options.module:
+        runpy.run_module(options.target[0], run_name="__main__", alter_sys=True)
+        return
+    script = options.target[0]
+    # As `python script.py` does: the script's directory comes first on the import path.
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+# This wrapper's and runpy's frames (runpy is frozen in Python 3.11+, named "<frozen runpy>").
+_OWN_FILES = frozenset(
+    (__file__, os.path.realpath(__file__), runpy.__file__, os.path.realpath(runpy.__file__))
+)
+
+
+def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the frames of this wrapper and of runpy, so the traceback starts in the user's code."""
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in _OWN_FILES
+        or tb.tb_frame.f_code.co_filename == "<frozen runpy>"
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def _report(text: str, prefixed: bool) -> None:
+    """Write `text` to stderr in one piece, each line prefixed with the rank (unless `prefixed`)."""
+    if not prefixed:
+        prefix = f"[rank {_rank()}] "
+        text = "".join(prefix + line for line in text.splitlines(keepends=True))
+    if not text.endswith("\n"):
+        text += "\n"
+    sys.stderr.write(text)
+
+
+def _fail(code: int) -> NoReturn:
+    """End this rank with `code` and, under MPI, the whole job with it."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    mpi = _live_mpi()
+    if mpi is not None:
+        mpi.COMM_WORLD.Abort(code)
+    # Not `sys.exit`: threads or atexit hooks of a failed program must not keep the rank alive.
+    os._exit(code)
+
+
+def _exit_code(code: object, prefixed: bool) -> int:
+    """Turn a `SystemExit.code` into an exit status, printing a message code as Python does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code % 256 or (1 if code else 0)  # 256 must not read as success
+    _report(str(code), prefixed)
+    return 1
+
+
+def _guarded(call: Callable[[], object], prefixed: bool) -> int:
+    """Run `call` and return the exit status it amounts to, reporting any failure on stderr."""
+    try:
+        call()
+    except SystemExit as exc:
+        return _exit_code(exc.code, prefixed)
+    except KeyboardInterrupt:
+        _report("KeyboardInterrupt", prefixed)
+        return 128 + int(signal.SIGINT)
+    except BaseException as exc:  # whatever the failure, it must end the job
+        tb = _user_traceback(exc.__traceback__)
+        _report("".join(traceback.format_exception(type(exc), exc, tb)), prefixed)
+        return 1
+    return 0
+
+
+def _finalize_world() -> None:
+    world = sys.modules.get("dataparallel.world")
+    if world is not None and world.initialized():
+        world.finalize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the target given on the command line as one rank; return 0 or end the job on failure.
+
+    Args:
+        argv: the runner's arguments (default: `sys.argv[1:]`).
+
+    Returns:
+        0 when the script succeeded and the world (if any) was finalized. On failure this does not
+        return: it aborts the job (MPI) or exits with the failure's code.
+    """
+    options = _parse(sys.argv[1:] if argv is None else argv)
+    if options.parent is not None:
+        _die_with_parent(options.parent)
+    _init_mpi()
+    code = _guarded(lambda: _run(options), options.prefixed)
+    if code == 0:
+        code = _guarded(_finalize_world, options.prefixed)
+    if code != 0:
+        _fail(code)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

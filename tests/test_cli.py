@@ -1,0 +1,573 @@
+"""The `dataparallel` command, run as real jobs: `run` under MPI and Gloo, failures, exits, `info`.
+
+These tests start their own jobs of several processes, so they run in the world of one and skip
+under an outer `mpiexec -n N` (N > 1). Every subprocess call has a time limit, and every mpiexec
+gets `MPIEXEC_TIMEOUT`, so a regression shows up as a failure, never as a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dataparallel.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
+from dataparallel.errors import BackendUnavailableError
+from dataparallel.launch._output import PARTIAL_LINE_SECONDS, Output, pump
+from dataparallel.launch.mpi import find_mpiexec, mpi_command, require_mpi4py
+
+SCRIPTS = Path(__file__).parent / "scripts"
+# Generous: a job of 3 Python processes on 2 cores takes a few seconds; the waits are far longer.
+LIMIT = 120
+# A failing job must end well before its other ranks' 600-second sleep.
+FAST = 60
+
+
+def _outer_world_size() -> int:
+    """Return the size of the job (MPI, or torchrun-style) running this file (1 outside any)."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return int(mpi.COMM_WORLD.Get_size())
+    return 1
+
+
+pytestmark = [
+    pytest.mark.spawns,
+    pytest.mark.skipif(
+        _outer_world_size() > 1,
+        reason="launches its own multi-process jobs: run this file in a world of one",
+    ),
+]
+
+needs_mpi = pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None,
+    reason="needs mpi4py: pip install 'dataparallel[mpi]'",
+)
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="needs torch for --backend gloo"
+)
+BACKENDS = [pytest.param("mpi", marks=needs_mpi), pytest.param("gloo", marks=needs_torch)]
+
+
+def _env() -> dict[str, str]:
+    """Return this environment without an outer MPI job's variables, and with a hang guard."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PMI_", "PMIX_", "HYDI_", "OMPI_COMM_WORLD", "MPI_LOCAL"))
+    }
+    env["MPIEXEC_TIMEOUT"] = str(LIMIT)
+    return env
+
+
+def dataparallel(*args: str | Path, timeout: float = LIMIT) -> subprocess.CompletedProcess[str]:
+    """Run `python -m dataparallel ARGS` and return what it did."""
+    return subprocess.run(
+        [sys.executable, "-m", "dataparallel", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+        cwd=SCRIPTS,
+        check=False,
+    )
+
+
+def _json_lines(text: str, prefixed: bool = False) -> dict[int, dict[str, object]]:
+    """Parse the JSON line of each rank, keyed by the rank (from the prefix when `prefixed`)."""
+    found: dict[int, dict[str, object]] = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"\[rank (\d+)\] (\{.*\})" if prefixed else r"(\{.*\})", line)
+        if match is None:
+            continue
+        data = json.loads(match.group(match.lastindex or 1))
+        key = int(match.group(1)) if prefixed else int(data["rank"])
+        assert key not in found, f"rank {key} printed twice:\n{text}"
+        found[key] = data
+    return found
+
+
+# --- run: every rank runs, arguments reach the script ---------------------------------------
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_run_mpi_starts_every_rank_in_one_world(n: int) -> None:
+    done = dataparallel("run", "-n", n, "cli_hello.py", "x", "-n", "5", "--", "y")
+    assert done.returncode == 0, done.stderr
+    ranks = _json_lines(done.stdout)
+    assert sorted(ranks) == list(range(n)), done.stdout
+    for data in ranks.values():
+        assert data["size"] == n
+        assert data["sum"] == n * (n - 1) // 2
+        # Options after the script are the script's, even those the launcher also has, and `--`.
+        assert data["argv"] == ["x", "-n", "5", "--", "y"]
+
+
+@needs_mpi
+def test_run_console_script_and_module_target() -> None:
+    console = Path(sys.executable).parent / "dataparallel"
+    if not console.exists():
+        pytest.skip("the `dataparallel` console script is not installed next to this Python")
+    done = subprocess.run(
+        [str(console), "run", "-n", "2", "-m", "cli_hello", "--flag"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=_env(),
+        cwd=SCRIPTS,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    ranks = _json_lines(done.stdout)
+    assert sorted(ranks) == [0, 1]
+    assert all(data["argv"] == ["--flag"] for data in ranks.values())
+
+
+@needs_mpi
+def test_run_m_pytest_runs_the_tests_on_every_rank() -> None:
+    done = dataparallel(
+        "run",
+        "-n",
+        "2",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--noconftest",
+        "-o",
+        "addopts=",
+        "cli_pytest_target.py",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("1 passed") == 2, done.stdout
+
+
+@needs_torch
+@pytest.mark.parametrize("n", [2, 3])
+def test_run_gloo_gives_torchrun_variables_and_prefixes_output(n: int) -> None:
+    done = dataparallel("run", "-n", n, "--backend", "gloo", "cli_env.py")
+    assert done.returncode == 0, done.stderr
+    ranks = _json_lines(done.stdout, prefixed=True)
+    assert sorted(ranks) == list(range(n)), done.stdout
+    ports = {data["MASTER_PORT"] for data in ranks.values()}
+    assert len(ports) == 1 and str(ports.pop()).isdigit()
+    for r, data in ranks.items():
+        assert data["RANK"] == str(r)
+        assert data["LOCAL_RANK"] == str(r)
+        assert data["WORLD_SIZE"] == data["LOCAL_WORLD_SIZE"] == str(n)
+        assert data["MASTER_ADDR"] == "127.0.0.1"
+    for r in range(n):  # stderr is streamed too, prefixed the same way
+        assert f"[rank {r}] stderr of rank {r}\n" in done.stderr
+
+
+@needs_torch
+def test_run_gloo_numbers_ranks_across_nodes_as_torchrun() -> None:
+    done = dataparallel(
+        "run",
+        "-n",
+        "2",
+        "--backend",
+        "gloo",
+        "--nnodes",
+        "3",
+        "--node-rank",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29999",
+        "cli_env.py",
+    )
+    assert done.returncode == 0, done.stderr
+    ranks = _json_lines(done.stdout, prefixed=True)
+    assert sorted(ranks) == [4, 5]
+    for r, data in ranks.items():
+        assert data["RANK"] == str(r)
+        assert data["LOCAL_RANK"] == str(r - 4)
+        assert data["WORLD_SIZE"] == "6"
+        assert data["LOCAL_WORLD_SIZE"] == "2"
+        assert data["MASTER_PORT"] == "29999"
+
+
+@needs_torch
+def test_run_gloo_rendezvous_works_for_torch_distributed() -> None:
+    done = dataparallel("run", "-n", "2", "--backend", "gloo", "cli_gloo_allreduce.py")
+    assert done.returncode == 0, done.stderr
+    for r in range(2):
+        assert f"[rank {r}] sum=1 size=2" in done.stdout, done.stdout
+
+
+# --- failures end the job, with one traceback -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "wait"),
+    [
+        pytest.param("mpi", "sleep", marks=needs_mpi),
+        # The classic MPI deadlock: the others wait in a collective that rank 1 never joins.
+        pytest.param("mpi", "barrier", marks=needs_mpi),
+        pytest.param("gloo", "sleep", marks=needs_torch),
+    ],
+)
+def test_a_raising_rank_ends_the_job_with_its_traceback_once(backend: str, wait: str) -> None:
+    start = time.monotonic()
+    done = dataparallel("run", "-n", "3", "--backend", backend, "cli_fail.py", wait, timeout=FAST)
+    assert time.monotonic() - start < FAST
+    assert done.returncode == 1, done.stderr
+    err = done.stderr
+    assert err.count("Traceback (most recent call last):") == 1, err
+    assert err.count("RuntimeError: rank 1 fails on purpose") == 1, err
+    assert "[rank 1] Traceback (most recent call last):" in err
+    assert "[rank 1] RuntimeError: rank 1 fails on purpose" in err
+    assert 'cli_fail.py", line' in err
+    # The traceback starts in the user's script, not in the runner or runpy.
+    assert "runpy" not in err and "runner.py" not in err, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sys_exit_zero_on_every_rank_is_success(backend: str) -> None:
+    done = dataparallel("run", "-n", "2", "--backend", backend, "cli_exit.py", "0", "all")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sys_exit_nonzero_on_one_rank_fails_the_job_with_its_code(backend: str) -> None:
+    start = time.monotonic()
+    done = dataparallel(
+        "run", "-n", "3", "--backend", backend, "cli_exit.py", "3", "1", timeout=FAST
+    )
+    assert time.monotonic() - start < FAST
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sys_exit_with_a_message_prints_it_with_the_rank(backend: str) -> None:
+    done = dataparallel(
+        "run", "-n", "2", "--backend", backend, "cli_exit.py", "bad config", "1", timeout=FAST
+    )
+    assert done.returncode == 1, done.stderr
+    assert "[rank 1] bad config\n" in done.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timeout_stops_the_job_with_status_124(backend: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = dataparallel(
+        "run", "-n", "2", "--backend", backend, "--timeout", "3", "cli_sleep.py", tmp_path
+    )
+    assert time.monotonic() - start < FAST
+    assert done.returncode == 124, done.stderr
+    assert "ran past --timeout 3s" in done.stderr
+    _assert_gone(tmp_path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_on_the_launcher_ends_every_rank(backend: str, tmp_path: Path) -> None:
+    sleeper = ["cli_sleep.py", str(tmp_path)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dataparallel", "run", "-n", "2", "--backend", backend, *sleeper],
+        env=_env(),
+        cwd=SCRIPTS,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + LIMIT
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert launcher.poll() is None, "the job ended before its ranks started"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=FAST) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=FAST)
+    _assert_gone(tmp_path)
+
+
+def _assert_gone(piddir: Path) -> None:
+    """Assert that the ranks that wrote their pid to `piddir` have all exited."""
+    pids = [int(p.read_text()) for p in piddir.glob("*.pid") if p.read_text()]
+    deadline = time.monotonic() + 15
+    for pid in pids:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"rank with pid {pid} outlived its job")
+            time.sleep(0.1)
+
+
+# --- bad input: clear errors, exit status 2 -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("run -n 0 cli_env.py", "-n must be at least 1, got 0"),
+        ("run -n 2 no_such_script.py", "script 'no_such_script.py' not found"),
+        ("run -n 2 -m no_such_module_xyz", "no module named 'no_such_module_xyz'"),
+        ("run -n 2", "the following arguments are required: SCRIPT"),
+        ("run -n 2 --timeout 0 cli_env.py", "--timeout must be a positive"),
+        ("run -n 2 --nnodes 2 cli_env.py", "with MPI use --hostfile"),
+        ("run -n 2 --backend gloo --nnodes 2 cli_env.py", "needs --master-addr"),
+        (
+            "run -n 2 --backend gloo --nnodes 2 --node-rank 2 --master-addr h cli_env.py",
+            "--node-rank must be in 0..1",
+        ),
+        ("run -n 2 --backend gloo --hostfile cli_env.py cli_env.py", "--hostfile is for"),
+        ("run -n 2 --backend nccl cli_env.py", "invalid choice: 'nccl'"),
+        ("launch", "invalid choice: 'launch'"),
+    ],
+)
+def test_bad_input_is_a_usage_error(args: str, message: str) -> None:
+    done = dataparallel(*args.split(), timeout=FAST)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert "usage: dataparallel" in done.stderr
+
+
+def test_help_explains_the_commands() -> None:
+    top = dataparallel("--help", timeout=FAST)
+    assert top.returncode == 0
+    assert "run" in top.stdout and "info" in top.stdout
+    run = dataparallel("run", "--help", timeout=FAST)
+    assert run.returncode == 0
+    for needle in ("--backend", "--timeout", "--hostfile", "--nnodes", "-m", "examples:", "124"):
+        assert needle in run.stdout, needle
+
+
+def test_version() -> None:
+    done = dataparallel("--version", timeout=FAST)
+    assert done.returncode == 0
+    assert re.fullmatch(r"dataparallel \S+\n", done.stdout), done.stdout
+
+
+# --- info ------------------------------------------------------------------------------------
+
+
+def test_info_reports_mpi_frameworks_and_backends() -> None:
+    done = dataparallel("info")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for section in ("dataparallel", "MPI", "frameworks", "engines", "backends"):
+        assert re.search(rf"^{section}$", out, re.M), section
+    assert re.search(r"^  torch +\S", out, re.M)
+    assert re.search(r"^  single +usable$", out, re.M)
+    if importlib.util.find_spec("mpi4py") is not None:
+        assert re.search(r"^  library +\S", out, re.M), out
+        assert re.search(r"^  thread level +MPI_THREAD_\w+$", out, re.M), out
+        assert re.search(r"^  CUDA-aware +(yes|no|unknown)", out, re.M), out
+        assert re.search(r"^  mpiexec +\S", out, re.M), out
+
+
+# --- the launcher's argument split (in process) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "own", "target"),
+    [
+        (["-n", "2", "s.py", "-n", "5"], ["-n", "2"], ["s.py", "-n", "5"]),
+        (["-n2", "--timeout=3", "s.py"], ["-n2", "--timeout=3"], ["s.py"]),
+        (["-n", "2", "-m", "pytest", "-q"], ["-n", "2", "-m"], ["pytest", "-q"]),
+        (["-n", "2", "--", "-odd.py", "a"], ["-n", "2"], ["-odd.py", "a"]),
+        (["-n", "2", "s.py", "--", "a"], ["-n", "2"], ["s.py", "--", "a"]),
+        (["--backend", "gloo", "-n", "2"], ["--backend", "gloo", "-n", "2"], []),
+    ],
+)
+def test_split_target(argv: list[str], own: list[str], target: list[str]) -> None:
+    assert _split_target(argv) == (own, target)
+
+
+def test_split_target_knows_every_option_that_takes_a_value() -> None:
+    run = next(
+        choice
+        for action in _parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, choice in action.choices.items()
+        if name == "run"
+    )
+    taking = {
+        flag for action in run._actions if action.nargs != 0 for flag in action.option_strings
+    }
+    assert taking == set(_RUN_VALUE_OPTIONS)
+
+
+# --- the Gloo launcher's output streaming (in process) --------------------------------------
+
+
+def test_output_closes_a_partial_line_that_another_rank_interrupts() -> None:
+    sink = io.StringIO()
+    out = Output(sink)
+    out.write(b"[rank 0] ", b"loading 50%", complete=False)
+    out.write(b"[rank 0] ", b" 60%", complete=False)  # same rank: continues, no new prefix
+    out.write(b"[rank 1] ", b"hello\n", complete=True)
+    out.write(b"[rank 0] ", b"done\n", complete=True)
+    out.end(b"[rank 1] ", b"no newline at exit")
+    out.end(b"[rank 0] ", b"")
+    assert sink.getvalue() == (
+        "[rank 0] loading 50% 60%\n[rank 1] hello\n[rank 0] done\n[rank 1] no newline at exit\n"
+    )
+
+
+def test_pump_prefixes_lines_and_progress_bar_redraws() -> None:
+    read, write = os.pipe()
+    os.write(write, b"a\nb\r\nbar 1\rbar 2\rlast")
+    os.close(write)
+    sink = io.StringIO()
+    pump(os.fdopen(read, "rb"), Output(sink), b"[rank 3] ")
+    assert sink.getvalue() == (
+        "[rank 3] a\n[rank 3] b\r\n[rank 3] bar 1\r[rank 3] bar 2\r[rank 3] last\n"
+    )
+
+
+def test_pump_shows_a_stalled_partial_line() -> None:
+    read, write = os.pipe()
+    sink = io.StringIO()
+    thread = threading.Thread(target=pump, args=(os.fdopen(read, "rb"), Output(sink), b"[0] "))
+    thread.start()
+    try:
+        os.write(write, b"Name: ")  # a prompt: no newline until the answer
+        deadline = time.monotonic() + 10 * PARTIAL_LINE_SECONDS + 5
+        while sink.getvalue() != "[0] Name: " and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.getvalue() == "[0] Name: "
+        os.write(write, b"Ada\n")
+    finally:
+        os.close(write)
+        thread.join(timeout=LIMIT)
+    assert sink.getvalue() == "[0] Name: Ada\n"
+
+
+# --- which mpiexec (in process) -------------------------------------------------------------
+
+
+def test_find_mpiexec_prefers_the_one_beside_this_python() -> None:
+    path, warning = find_mpiexec()
+    beside = Path(sys.executable).parent / "mpiexec"
+    if not beside.exists():
+        pytest.skip("no mpiexec beside this Python")
+    assert path == str(beside)
+    assert warning is None
+
+
+def _fake_mpiexec(folder: Path) -> Path:
+    folder.mkdir()
+    exe = folder / "mpiexec"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_find_mpiexec_falls_back_to_path_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = tmp_path / "env" / "bin"
+    empty.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(empty / "python"))
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(empty))
+    other = _fake_mpiexec(tmp_path / "other")
+    monkeypatch.setenv("PATH", str(other.parent))
+    path, warning = find_mpiexec()
+    assert path == str(other)
+    assert warning is not None
+    assert "from PATH" in warning and "pip install 'dataparallel[mpi]'" in warning
+
+
+def test_find_mpiexec_without_any_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'dataparallel\[mpi\]'"):
+        find_mpiexec()
+
+
+def test_missing_mpi4py_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a)
+    )
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'dataparallel\[mpi\]'"):
+        require_mpi4py()
+
+
+def test_mpi_command_runs_this_python_through_the_runner(tmp_path: Path) -> None:
+    exe = _fake_mpiexec(tmp_path / "bin")  # says nothing to --version: taken for Hydra
+    command = mpi_command(str(exe), 3, ["-m", "pytest", "-q"], hostfile="hosts")
+    runner = [sys.executable, "-m", "dataparallel.launch.runner"]
+    assert command == [str(exe), "-n", "3", "-f", "hosts", *runner, "-m", "pytest", "-q"]
+
+
+@needs_mpi
+def test_run_mpi_with_a_hostfile(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:3\n")
+    done = dataparallel("run", "-n", "3", "--hostfile", hosts, "cli_hello.py")
+    assert done.returncode == 0, done.stderr
+    assert sorted(_json_lines(done.stdout)) == [0, 1, 2]
+
+
+# --- the per-rank runner on its own ----------------------------------------------------------
+
+
+def _runner(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataparallel.launch.runner", *args],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env={k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")},
+        cwd=SCRIPTS,
+        check=False,
+    )
+
+
+def test_runner_alone_is_a_world_of_one(tmp_path: Path) -> None:
+    assert _runner("cli_exit.py", "0", "all").returncode == 0
+    assert _runner("cli_exit.py", "5", "0").returncode == 5
+    script = tmp_path / "raises.py"
+    script.write_text("def f():\n    raise KeyError('x')\n\nf()\n")
+    done = _runner(str(script))
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback") == 1
+    assert "[rank 0] Traceback (most recent call last):\n" in done.stderr
+    assert "[rank 0] KeyError: 'x'\n" in done.stderr
+    assert "in f\n" in done.stderr
+
+
+def test_runner_rejects_bad_options() -> None:
+    for args, message in (
+        ((), "expected a script path or -m module"),
+        (("--bogus", "x.py"), "unknown option '--bogus'"),
+        (("--parent", "x.py"), "--parent needs the launcher's process id"),
+    ):
+        done = _runner(*args)
+        assert done.returncode == 2
+        assert (
+            message in done.stderr and "usage: python -m dataparallel.launch.runner" in done.stderr
+        )
