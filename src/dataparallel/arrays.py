@@ -113,7 +113,11 @@ class Family(ABC):
         """Return a new array of `like`'s family, device and dtype holding `host` (any shape)."""
 
     def work(self, x: Any) -> tuple[np.ndarray, bool]:
-        """Return a writable host array for `x` and whether it is a view (no write-back needed)."""
+        """Return a writable host array for `x` and whether it is a view (no write-back needed).
+
+        GPU leaves of mutable families (torch CUDA tensors, CuPy arrays) come back as a
+        `devices.DeviceWork` instead (with True): the fusion engine packs them on their device.
+        """
         view = self.host_view(x)
         if view is not None:
             return view, True
@@ -130,21 +134,25 @@ class NumpyFamily(Family):
         return tuple(x.shape)
 
     def host_view(self, x: np.ndarray) -> np.ndarray | None:
-        if not x.flags.writeable:
+        if not x.flags.writeable or not x.dtype.isnative:  # byte-swapped: staged, converted
             return None
         return x.view(storage_dtype(self.dtype(x)))
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
-        return np.array(x).view(storage_dtype(self.dtype(x)))
+        native = np.array(x, dtype=x.dtype.newbyteorder("="))
+        return native.view(storage_dtype(self.dtype(x)))
 
     def from_host(self, x: np.ndarray, host: np.ndarray) -> np.ndarray:
         if x.flags.writeable:
-            x.view(host.dtype)[...] = host
+            if x.dtype.isnative:
+                x.view(host.dtype)[...] = host
+            else:
+                x[...] = host.view(x.dtype.newbyteorder("="))
             return x
         return self.new(x, host)
 
     def new(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
-        return np.array(host).view(like.dtype)
+        return np.array(host).view(like.dtype.newbyteorder("="))
 
 
 _PYTHON_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
@@ -165,15 +173,15 @@ class ScalarFamily(Family):
         return ()
 
     def to_host(self, x: Any) -> np.ndarray:
-        return np.array(x)
+        return np.array(x).view(storage_dtype(self.dtype(x)))  # bfloat16 as its bits
 
     def from_host(self, x: Any, host: np.ndarray) -> Any:
         if isinstance(x, np.generic):
-            return host.reshape(()).astype(x.dtype)[()]
+            return host.reshape(()).view(x.dtype)[()]
         return type(x)(host.reshape(()).item())
 
     def new(self, like: Any, host: np.ndarray) -> np.ndarray:
-        return np.array(host)
+        return np.array(host).view(np.asarray(like).dtype)
 
 
 class TorchFamily(Family):
@@ -203,6 +211,14 @@ class TorchFamily(Family):
         if x.device.type != "cpu" or x.is_conj() or x.is_neg():
             return None
         return self._host_numpy(x)
+
+    def work(self, x: Any) -> tuple[Any, bool]:
+        view = self.host_view(x)
+        if view is not None:
+            return view, True
+        if x.is_cuda:
+            return _device_work(self, x), True
+        return self.to_host(x), False
 
     def to_host(self, x: Any) -> np.ndarray:
         return np.array(self._host_numpy(x.detach().cpu().resolve_conj().resolve_neg()))
@@ -255,9 +271,12 @@ class JaxFamily(Family):
 
 
 class CupyFamily(Family):
-    """CuPy arrays live on a GPU: staged through host memory and written back in place."""
+    """CuPy arrays live on a GPU: packed and communicated there (`devices.py`), written in place."""
 
     name = "cupy"
+
+    def work(self, x: Any) -> tuple[Any, bool]:
+        return _device_work(self, x), True
 
     def dtype(self, x: Any) -> str:
         return dtype_name(x.dtype)
@@ -282,6 +301,12 @@ class CupyFamily(Family):
 
         with cupy.cuda.Device(like.device.id):
             return cupy.asarray(host)
+
+
+def _device_work(family: Family, x: Any) -> Any:
+    from dataparallel.devices import DeviceWork  # GPU leaves only: the host path never loads it
+
+    return DeviceWork(family, x)
 
 
 _NUMPY, _SCALAR = NumpyFamily(), ScalarFamily()

@@ -5,7 +5,8 @@ cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed
 packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
 all). Buffers come from a pool and are reused once their call completes. `finalize()` flushes,
-waits and unpacks.
+waits and unpacks. Buckets of GPU leaves are packed on their device (`devices.DeviceBucket`) and
+handed to the backend there, or staged through pinned host memory once per bucket.
 
 The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, ...) and the optimizers all run
 on `Fusion`; `InlineReducer` and `CoalescingReducer` are its public faces.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from dataparallel.arrays import (
 )
 from dataparallel.backends.base import Backend, ReduceOp, Request
 from dataparallel.checks import parse_op, validate_reduction
+from dataparallel.devices import DeviceBucket, DeviceWork
 from dataparallel.timeline import Timeline
 
 __all__ = [
@@ -70,6 +72,7 @@ class _Flight:
     slots: list[tuple[np.ndarray, int]] = field(default_factory=list)  # (work, offset) to unpack
     pooled: list[np.ndarray] = field(default_factory=list)
     span: int = 0  # the timeline's id of the communicate phase
+    device: DeviceBucket | None = None  # the GPU bucket this flight carries (devices.py)
 
 
 class Fusion:
@@ -112,10 +115,17 @@ class Fusion:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective."""
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
+            self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
             self._launch([work], dtype)
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
             self.flush()
+        elif self._flights:
+            # MPI progresses non-blocking collectives only inside MPI calls: testing the oldest
+            # flight (about 1 us) moves them all along while the caller is still producing arrays.
+            oldest = self._flights[0].request
+            if oldest is not None:
+                oldest.test()
         bucket_key = (*key, dtype)
         if self.timeline is not None and bucket_key not in self._open:
             self._opened_at[bucket_key] = self.timeline.now()
@@ -172,6 +182,8 @@ class Fusion:
             self._land(flight)
 
     def _pack(self, works: list[np.ndarray], dtype: str) -> _Flight:
+        if type(works[0]) is DeviceWork:
+            return self._pack_device(works, dtype)
         if len(works) == 1 and works[0].flags.c_contiguous:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
             flight = _Flight(None, dtype, buf, buf)
@@ -193,6 +205,16 @@ class Fusion:
                 wide[...] = buf
             flight.wire = wide
             flight.pooled.append(wide)
+        return flight
+
+    def _pack_device(self, works: list[Any], dtype: str) -> _Flight:
+        """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
+        bucket = DeviceBucket(works, dtype)
+        if self.backend.accepts_device(bucket.device):
+            wire = bucket.send_direct(self.backend, isinstance(self.action, Broadcast))
+            return _Flight(None, dtype, bucket.buf, wire, device=bucket)
+        flight = self._pack([bucket.stage()], dtype)  # one host buffer: communicated in place
+        flight.device = bucket
         return flight
 
     def _start(self, flight: _Flight) -> None:
@@ -226,7 +248,11 @@ class Fusion:
         if timeline is not None:
             timeline.end("communicate", flight.span)
             unpacking = timeline.now()
-        if self._receives():
+        receives = self._receives()
+        if flight.device is not None and flight.device.direct:
+            scale = None if isinstance(self.action, Broadcast) else self.action.scale
+            flight.device.land(receives, scale)
+        elif receives:
             scale = None if isinstance(self.action, Broadcast) else self.action.scale
             if scale is not None and scale != 1:
                 _scale_in_place(flight.wire, scale)
@@ -237,6 +263,8 @@ class Fusion:
                     flight.buf[...] = flight.wire
             for work, offset in flight.slots:
                 work[...] = flight.buf[offset : offset + work.size].reshape(work.shape)
+        if flight.device is not None and not flight.device.direct:
+            flight.device.unstage(receives)
         for buf in flight.pooled:
             self.pool.give(buf)
         if timeline is not None:
@@ -250,6 +278,9 @@ def _scale_in_place(values: np.ndarray, scale: float) -> None:
         np.multiply(values, scale, out=values, casting="unsafe")
 
 
+_R = TypeVar("_R", bound="Reducer")
+
+
 class Reducer(ABC):
     """Flashlight's reducer interface: ingest arrays with `add`, complete them with `finalize`."""
 
@@ -261,7 +292,7 @@ class Reducer(ABC):
     def finalize(self) -> None:
         """Complete every reduction started by `add`."""
 
-    def __enter__(self) -> Reducer:
+    def __enter__(self: _R) -> _R:
         return self
 
     def __exit__(
@@ -274,7 +305,7 @@ class Reducer(ABC):
 
 
 class _FusionReducer(Reducer):
-    """A reducer over `Fusion`; stages GPU arrays through the host and writes them back."""
+    """A reducer over `Fusion`; leaves without a writable host view are copied and written back."""
 
     def __init__(
         self,

@@ -96,6 +96,9 @@ def initialize(
     gpu = choose_device(engine.local_rank, _cuda_device_count(), gpu_devices)
     if gpu is not None:
         _point_frameworks_at(gpu)
+        bind_device = getattr(engine, "bind_device", None)  # NCCL: make its communicator there
+        if bind_device is not None:
+            bind_device(gpu)
     _world = World(backend=engine, settings=settings, device=gpu, verbose=verbose)
     if settings.timeline:
         from dataparallel.timeline import Timeline
@@ -152,19 +155,28 @@ def _load_backend(name: str) -> type[Backend]:
 def choose_device(local_rank: int, n_gpus: int, gpu_devices: list[int] | None = None) -> int | None:
     """Return the GPU index for `local_rank`: `gpu_devices[local_rank]`, or round robin, or None.
 
-    >>> choose_device(3, 2), choose_device(1, 4, [2, 3]), choose_device(0, 0)
+    Without a visible GPU (`n_gpus == 0`) the answer is None, `gpu_devices` or not, so a script
+    written for GPUs still runs on the CPU.
+
+    >>> choose_device(3, 2), choose_device(1, 4, [2, 3]), choose_device(0, 0, [0])
     (1, 3, None)
     """
-    if gpu_devices is not None:
-        if local_rank >= len(gpu_devices):
-            raise ValueError(
-                f"gpu_devices={gpu_devices!r} names {len(gpu_devices)} GPUs, but this node runs "
-                f"local rank {local_rank}: give one GPU index per process on the node."
-            )
-        return gpu_devices[local_rank]
     if n_gpus <= 0:
         return None
-    return local_rank % n_gpus
+    if gpu_devices is None:
+        return local_rank % n_gpus
+    if local_rank >= len(gpu_devices):
+        raise ValueError(
+            f"gpu_devices={gpu_devices!r} names {len(gpu_devices)} GPUs, but this node runs "
+            f"local rank {local_rank}: give one GPU index per process on the node."
+        )
+    gpu = gpu_devices[local_rank]
+    if not 0 <= gpu < n_gpus:
+        raise ValueError(
+            f"gpu_devices[{local_rank}]={gpu}, but this process sees {n_gpus} GPU(s), "
+            f"0 to {n_gpus - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0): give visible indices."
+        )
+    return gpu
 
 
 def _cuda_device_count() -> int:
@@ -186,7 +198,8 @@ def _point_frameworks_at(gpu: int) -> None:
     try:
         import torch
 
-        torch.cuda.set_device(gpu)
+        if torch.cuda.is_available():  # a CPU build of torch on a GPU machine has no devices
+            torch.cuda.set_device(gpu)
     except ImportError:
         pass
     try:

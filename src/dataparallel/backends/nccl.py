@@ -1,0 +1,422 @@
+"""NCCL for CUDA buffers, through CuPy's bindings; host buffers go to an MPI or Gloo fallback.
+
+Lux's NCCL backend holds an MPI backend for what NCCL does not do; so does this one: CUDA buffers
+(torch CUDA tensors and CuPy arrays) are reduced by NCCL, while host buffers, picklable objects,
+barriers and aborts go to the fallback engine of the world (MPI under an MPI launcher, Gloo under
+torchrun or with an `init_method`, the world of one otherwise).
+
+Why `cupy.cuda.nccl` rather than `torch.distributed`'s NCCL process group:
+
+- bootstrapping without torch: a communicator needs only NCCL's 128-byte unique id, which rank 0
+  makes and the fallback broadcasts (MPI's bcast under mpiexec, Gloo's store-backed broadcast
+  under torchrun). torch.distributed would need a c10d store and a second process group, and would
+  share global state with the user's own `torch.distributed.init_process_group`.
+- stream control: every NCCL call takes the CUDA stream to enqueue on, so the ordering below is
+  ours to state exactly; torch's process group picks its own internal streams.
+- one code path for both families: NCCL takes raw device pointers, so torch tensors and CuPy
+  arrays go through the same calls, zero-copy; torch.distributed takes torch tensors only.
+- install footprint: CuPy (`cupy-cuda12x`, about 100 MB) plus NCCL, against a CUDA build of torch
+  (several GB) for CuPy users. The price: torch users install CuPy as well.
+- avg: both offer NCCL's native `ncclAvg` (NCCL 2.10+); the fusion engine reduces `avg` as a sum
+  and a scale, which it fuses into the one unpacking pass per bucket, so it is not used here.
+
+Stream order (Flashlight's `syncDistributed`): each call first makes the backend's communication
+stream wait for an event recorded on the producer's current stream (torch's for tensors, CuPy's for
+CuPy arrays), so NCCL reads the values the compute stream produced; it records a completion event on
+the communication stream. `Request.wait()` (and so `dp.wait_all`, and the fusion engine's landing)
+makes the consumer's current stream wait for that event, without blocking the host;
+`Request.test()` queries it. NCCL calls never block the host: a blocking `allreduce` is the
+non-blocking one plus `wait()` (only the host round trips below are synchronous).
+
+Dtypes. NCCL reduces int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32 and
+float64 natively; complex sums are sums of the real and imaginary parts; the rest (int16, uint16,
+complex products) take a host round trip through the fallback engine, exactly.
+
+Requirements: an NVIDIA GPU, CuPy for its CUDA (`pip install cupy-cuda12x`), and NCCL where CuPy
+loads it. `unavailable_reason()` says what is missing; `create` raises `BackendUnavailableError`
+with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.config import Settings
+from dataparallel.errors import BackendUnavailableError
+
+__all__ = ["INSTALL_HINT", "NCCLBackend", "unavailable_reason"]
+
+INSTALL_HINT = (
+    "The 'nccl' backend needs an NVIDIA GPU with its driver, CuPy built for its CUDA "
+    "(pip install cupy-cuda12x, or cupy-cuda11x) and the NCCL library where CuPy loads it "
+    "(python -m cupyx.tools.install_library --library nccl --cuda 12.x, or a system libnccl2); "
+    "torch tensors are reduced through CuPy too. Without a GPU, use backend='mpi' or 'gloo'."
+)
+
+# ncclDataType_t and ncclRedOp_t values (nccl.h), stable since NCCL 2.0 (bfloat16 since 2.10).
+_NCCL_TYPES = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "uint32": 3,
+    "int64": 4,
+    "uint64": 5,
+    "float16": 6,
+    "float32": 7,
+    "float64": 8,
+    "bfloat16": 9,
+}
+_NCCL_BYTES = _NCCL_TYPES["uint8"]
+_NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
+_COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}
+
+
+def nccl_reduction(dtype: str, op: ReduceOp) -> tuple[int, int] | None:
+    """Return (NCCL datatype, items per element) to reduce `dtype` with `op`, or None.
+
+    None means NCCL cannot do it (int16, uint16, bool, complex products): the backend then takes a
+    host round trip through its fallback engine.
+
+    >>> nccl_reduction("bfloat16", ReduceOp.MAX), nccl_reduction("complex64", ReduceOp.SUM)
+    ((9, 1), (7, 2))
+    """
+    if dtype in _NCCL_TYPES:
+        return _NCCL_TYPES[dtype], 1
+    if dtype in _COMPLEX_PARTS and op is ReduceOp.SUM:
+        return _NCCL_TYPES[_COMPLEX_PARTS[dtype]], 2
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Return why NCCL cannot be used by this process (with what to install), or None if it can."""
+    try:
+        cupy = importlib.import_module("cupy")
+    except ImportError:
+        return f"CuPy is not installed. {INSTALL_HINT}"
+    try:
+        nccl = importlib.import_module("cupy.cuda.nccl")
+    except ImportError as exc:
+        return f"CuPy cannot load NCCL ({exc}). {INSTALL_HINT}"
+    if not getattr(nccl, "available", False):
+        return f"CuPy cannot load the NCCL library. {INSTALL_HINT}"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # any CUDA failure means: no usable GPU here
+        return f"CUDA is not usable here ({type(exc).__name__}: {exc}). {INSTALL_HINT}"
+    if count < 1:
+        return f"No CUDA GPU is visible to this process. {INSTALL_HINT}"
+    return None
+
+
+def fallback_name(init_method: str | None, settings: Settings) -> str:
+    """Return the engine that carries host buffers and bootstraps NCCL: mpi, gloo or single.
+
+    As `dp.initialize("auto")` picks: MPI under an MPI launcher (or when MPI is initialized, or
+    with `init_method="mpi"`), Gloo with another `init_method` or under torchrun, else a world of
+    one.
+    """
+    if init_method == "mpi":
+        return "mpi"
+    if init_method is not None:
+        return "gloo"
+    mpi = sys.modules.get("mpi4py.MPI")
+    if settings.mpi_launched or (mpi is not None and mpi.Is_initialized()):
+        return "mpi"
+    if settings.torchrun_launched:
+        return "gloo"
+    return "single"
+
+
+_FALLBACKS = {
+    "mpi": "dataparallel.backends.mpi:MPIBackend",
+    "gloo": "dataparallel.backends.gloo:GlooBackend",
+    "single": "dataparallel.backends.single:SingleBackend",
+}
+
+
+class _Buffer(NamedTuple):
+    """What NCCL needs to know of a device buffer."""
+
+    array: Any
+    ptr: int
+    items: int
+    itemsize: int
+    dtype: str
+    device: int
+    torch: bool
+
+
+def _describe(buf: Any) -> _Buffer:
+    if type(buf).__module__.partition(".")[0] == "torch":
+        return _Buffer(
+            buf,
+            int(buf.data_ptr()),
+            int(buf.numel()),
+            int(buf.element_size()),
+            str(buf.dtype).removeprefix("torch."),
+            int(buf.device.index),
+            True,
+        )
+    return _Buffer(
+        buf,
+        int(buf.data.ptr),
+        int(buf.size),
+        int(buf.itemsize),
+        buf.dtype.name,
+        buf.device.id,
+        False,
+    )
+
+
+class _NCCLRequest:
+    """An NCCL call enqueued on the communication stream."""
+
+    __slots__ = ("_backend", "_buffer", "_done")
+
+    def __init__(self, backend: NCCLBackend, buffer: _Buffer, done: Any) -> None:
+        self._backend, self._buffer, self._done = backend, buffer, done
+
+    def test(self) -> bool:
+        return bool(self._done.done)
+
+    def wait(self) -> None:
+        """Make the consumer's current stream wait for the call (the host does not block)."""
+        self._backend._current_stream(self._buffer).wait_event(self._done)
+
+
+class NCCLBackend(Backend):
+    """NCCL collectives on CUDA buffers; the `fallback` engine for host buffers and objects.
+
+    Args:
+        fallback: the engine of the same processes (MPI, Gloo or single).
+        device: the CUDA device to make the communicator on now; default: the device of the first
+            CUDA buffer (`dp.initialize` binds it to `dp.device()` at once).
+    """
+
+    name = "nccl"
+    stream_aware = True  # orders its calls on CUDA streams: no host synchronization needed
+    # What NCCL reduces in device memory (exactly, possibly with a host round trip): every dtype
+    # of the protocol, bfloat16 included. Host buffers follow the fallback's `native_dtypes`.
+    device_native_dtypes = Backend.native_dtypes | {"bfloat16"}
+
+    def __init__(self, fallback: Backend, device: int | None = None) -> None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(reason)
+        self._cupy = importlib.import_module("cupy")
+        self._nccl = importlib.import_module("cupy.cuda.nccl")
+        self.fallback = fallback
+        self.rank, self.size = fallback.rank, fallback.size
+        self.local_rank, self.local_size = fallback.local_rank, fallback.local_size
+        self._comm: Any = None
+        self._stream: Any = None
+        self._device: int | None = None
+        if device is not None:
+            self.bind_device(device)
+
+    @property
+    def native_dtypes(self) -> frozenset[str]:  # type: ignore[override]
+        """The fallback's: host buffers are reduced by it."""
+        return self.fallback.native_dtypes
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        init_method: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        settings: Settings | None = None,
+    ) -> NCCLBackend:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(reason)
+        settings = settings if settings is not None else Settings.from_env()
+        module_name, _, attr = _FALLBACKS[fallback_name(init_method, settings)].partition(":")
+        fallback_cls = getattr(importlib.import_module(module_name), attr)
+        fallback = fallback_cls.create(
+            init_method=init_method, rank=rank, world_size=world_size, settings=settings
+        )
+        return cls(fallback)
+
+    def bind_device(self, device: int) -> None:
+        """Make this process's NCCL communicator on CUDA device `device` (collective, once).
+
+        Rank 0 makes NCCL's unique id and the fallback engine broadcasts it.
+        """
+        if self._comm is not None:
+            if device != self._device:
+                raise ValueError(
+                    f"This process's NCCL communicator is on cuda:{self._device}, but a buffer on "
+                    f"cuda:{device} came: NCCL drives one GPU per process. Keep the arrays of "
+                    "collectives on the device dp.initialize() chose (dp.device()), or choose "
+                    "it with dp.initialize(gpu_devices=[...])."
+                )
+            return
+        unique_id = self._nccl.get_unique_id() if self.rank == 0 else None
+        unique_id = self.fallback.broadcast_object(unique_id, 0)
+        with self._cupy.cuda.Device(device):
+            self._comm = self._nccl.NcclCommunicator(self.size, unique_id, self.rank)
+            self._stream = self._cupy.cuda.Stream(non_blocking=True)
+        self._device = device
+
+    def accepts_device(self, device: str) -> bool:
+        return device == "cpu" or device.startswith("cuda")
+
+    # -- streams -----------------------------------------------------------------------------
+
+    def _current_stream(self, buffer: _Buffer) -> Any:
+        """Return the current stream of the buffer's framework, as a CuPy stream."""
+        cupy = self._cupy
+        if buffer.torch:
+            torch = importlib.import_module("torch")
+            pointer = torch.cuda.current_stream(buffer.device).cuda_stream
+            return cupy.cuda.ExternalStream(pointer, buffer.device)
+        with cupy.cuda.Device(buffer.device):
+            return cupy.cuda.get_current_stream()
+
+    def _enqueue(self, buffer: _Buffer, call: Any) -> _NCCLRequest:
+        """Run `call(comm, stream_pointer)` on the communication stream, after the producer."""
+        self.bind_device(buffer.device)
+        cupy = self._cupy
+        with cupy.cuda.Device(buffer.device):
+            ready = cupy.cuda.Event(disable_timing=True)
+            ready.record(self._current_stream(buffer))
+            self._stream.wait_event(ready)
+            call(self._comm, self._stream.ptr)
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(self._stream)
+        if buffer.torch:  # tell torch's caching allocator the memory is in use on our stream
+            torch = importlib.import_module("torch")
+            buffer.array.record_stream(torch.cuda.ExternalStream(self._stream.ptr))
+        return _NCCLRequest(self, buffer, done)
+
+    def _via_host(self, buffer: _Buffer, run: Any) -> Request:
+        """Do what NCCL cannot on a host copy, with the fallback engine, and copy it back."""
+        array = buffer.array
+        if buffer.torch:
+            host = array.detach().cpu().numpy()  # waits for the producer's stream
+            run(host)
+            array.copy_(importlib.import_module("torch").from_numpy(host))
+        else:
+            host = array.get()
+            run(host)
+            array.set(host)
+        return CompletedRequest()
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+        if isinstance(buf, np.ndarray):
+            return self.fallback.iallreduce(buf, op)
+        buffer = _describe(buf)
+        how = nccl_reduction(buffer.dtype, op)
+        if how is None:
+            return self._via_host(buffer, lambda host: self.fallback.allreduce(host, op))
+        kind, parts = how
+
+        def call(comm: Any, stream: int) -> None:
+            count = buffer.items * parts
+            comm.allReduce(buffer.ptr, buffer.ptr, count, kind, _NCCL_OPS[op], stream)
+
+        return self._enqueue(buffer, call)
+
+    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+        if isinstance(buf, np.ndarray):
+            self.fallback.allreduce(buf, op)
+        else:
+            self.iallreduce(buf, op).wait()
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+        if isinstance(buf, np.ndarray):
+            self.fallback.reduce(buf, op, root)
+            return
+        buffer = _describe(buf)
+        how = nccl_reduction(buffer.dtype, op)
+        if how is None:
+            self._via_host(buffer, lambda host: self.fallback.reduce(host, op, root))
+            return
+        kind, parts = how
+
+        def call(comm: Any, stream: int) -> None:
+            count = buffer.items * parts
+            comm.reduce(buffer.ptr, buffer.ptr, count, kind, _NCCL_OPS[op], root, stream)
+
+        self._enqueue(buffer, call).wait()
+
+    def ibroadcast(self, buf: Any, root: int) -> Request:
+        if isinstance(buf, np.ndarray):
+            return self.fallback.ibroadcast(buf, root)
+        buffer = _describe(buf)
+
+        def call(comm: Any, stream: int) -> None:
+            nbytes = buffer.items * buffer.itemsize
+            comm.bcast(buffer.ptr, nbytes, _NCCL_BYTES, root, stream)
+
+        return self._enqueue(buffer, call)
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        if isinstance(buf, np.ndarray):
+            self.fallback.broadcast(buf, root)
+        else:
+            self.ibroadcast(buf, root).wait()
+
+    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+        if isinstance(send, np.ndarray) and isinstance(recv, np.ndarray):
+            self.fallback.allgatherv(send, recv, counts)
+            return
+        if isinstance(send, np.ndarray) or isinstance(recv, np.ndarray):
+            raise TypeError(
+                "allgatherv: send and recv must both be host arrays or both CUDA buffers, got "
+                f"{type(send).__name__} and {type(recv).__name__}."
+            )
+        source, target = _describe(send), _describe(recv)
+        nccl, rank = self._nccl, self.rank
+
+        def call(comm: Any, stream: int) -> None:
+            # NCCL's allgather needs equal counts: a group of one broadcast per rank instead.
+            offset = 0
+            nccl.groupStart()
+            try:
+                for r, count in enumerate(counts):
+                    nbytes = count * target.itemsize
+                    into = target.ptr + offset
+                    comm.broadcast(
+                        source.ptr if r == rank else into, into, nbytes, _NCCL_BYTES, r, stream
+                    )
+                    offset += nbytes
+            finally:
+                nccl.groupEnd()
+
+        self._enqueue(target, call).wait()
+
+    # -- the rest goes to the fallback -----------------------------------------------------------
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        return self.fallback.broadcast_object(obj, root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.fallback.allgather_object(obj)
+
+    def barrier(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()  # NCCL work enqueued so far is part of "reached"
+        self.fallback.barrier()
+
+    def abort(self, code: int = 1) -> None:
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
+        self.fallback.abort(code)
+
+    def close(self) -> None:
+        if self._comm is not None:
+            self._stream.synchronize()
+            self._comm.destroy()
+            self._comm = None
+        self.fallback.close()
