@@ -1,0 +1,221 @@
+"""`DistributedOptimizer` for PyTorch: gradients reduced during `backward()`, then the inner step.
+
+The wrapper is an instance of a subclass of the wrapped optimizer's class (as Horovod's), created
+once per class, and it shares the wrapped optimizer's `__dict__`: `param_groups`, `state`,
+`defaults` and step hooks are the same objects for both, so `isinstance`, `state_dict`,
+`load_state_dict`, `param_groups` edits and learning-rate schedulers behave exactly as on the
+wrapped optimizer. Only `step`, `zero_grad`, `add_param_group` and the new `synchronize` differ.
+The reduction itself is `dataparallel.torch.GradientSync`, shared with `DataParallelModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dataparallel.backends.base import Backend
+from dataparallel.torch import GradientSync, NamedParams
+
+__all__ = ["distributed_torch_optimizer"]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """The methods every `DistributedOptimizer` subclass adds to its wrapped optimizer's class."""
+
+    __slots__ = ("_dp_sync",)
+    _dp_sync: GradientSync
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish the gradient reduction (unless `synchronize()` did), then run the inner step.
+
+        With a `closure` (LBFGS), the gradients of every evaluation are reduced before the inner
+        optimizer reads them.
+        """
+        sync = self._dp_sync
+        if closure is None:
+            sync.finish()
+            try:
+                return super().step()
+            finally:
+                sync.reset()
+        if sync.started:
+            sync.finish()
+        sync.reset()
+
+        def reduced() -> Any:
+            loss = closure()
+            sync.finish()
+            sync.reset()
+            return loss
+
+        return super().step(reduced)
+
+    step.hooked = True  # type: ignore[attr-defined]  # torch's step hooks run around the inner step
+
+    def synchronize(self) -> None:
+        """Finish reducing the gradients now, e.g. to clip them; `step()` then does not reduce.
+
+        >>> import torch, dataparallel as dp
+        >>> _ = dp.initialize()
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> opt.synchronize()
+        >>> _ = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> opt.step()
+        """
+        self._dp_sync.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients and start a new step.
+
+        A reduction already in flight is completed first (every rank started it, so every rank
+        must finish it); passes accumulated without one are discarded.
+        """
+        sync = self._dp_sync
+        if sync.in_flight:
+            sync.finish()
+        super().zero_grad(set_to_none)
+        sync.reset()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group as the wrapped optimizer does; its parameters are reduced too."""
+        super().add_param_group(param_group)
+        sync = getattr(self, "_dp_sync", None)
+        if sync is not None:
+            sync.refresh()
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before the gradients are reduced."""
+        return self._dp_sync.passes
+
+    @property
+    def gradient_sync(self) -> GradientSync:
+        """The `GradientSync` that reduces this optimizer's gradients."""
+        return self._dp_sync
+
+    def __repr__(self) -> str:
+        sync = self._dp_sync
+        return (
+            f"DistributedOptimizer({super().__repr__()}, op={sync.op!r}, "
+            f"bucket_bytes={sync.bucket_bytes}, backward_passes_per_step={sync.passes})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "A DistributedOptimizer cannot be pickled (it holds gradient hooks); save "
+            "optimizer.state_dict() instead, and load it into a new DistributedOptimizer."
+        )
+
+
+_CLASSES: dict[type, type[_DistributedOptimizer]] = {}
+
+
+def _distributed_class(cls: type) -> type[_DistributedOptimizer]:
+    made = _CLASSES.get(cls)
+    if made is None:
+        made = type(cls.__name__, (_DistributedOptimizer, cls), {"__slots__": ()})
+        made.__qualname__ = cls.__qualname__
+        made.__module__ = cls.__module__
+        made.__doc__ = f"`{cls.__qualname__}` whose gradients are reduced across ranks."
+        _CLASSES[cls] = made
+    return made
+
+
+def _named_params(state: dict[str, Any]) -> Callable[[], NamedParams]:
+    """Return the optimizer's parameters as named in mismatch reports (reads the shared dict)."""
+
+    def params() -> NamedParams:
+        return [
+            (f"param_groups[{g}]['params'][{i}]", p)
+            for g, group in enumerate(state["param_groups"])
+            for i, p in enumerate(group["params"])
+        ]
+
+    return params
+
+
+def distributed_torch_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    op: str = "avg",
+    bucket_bytes: int | None = None,
+    backward_passes_per_step: int = 1,
+    backend: Backend | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that gradients are reduced across ranks before each step.
+
+    Called by `dp.DistributedOptimizer(optimizer, ...)`. Each parameter gets a gradient hook;
+    the hooks of a step's last backward pass start the reduction of full buckets while backward
+    is still running (overlapping communication with computation), the remaining buckets are
+    started when that pass ends, and `step()` waits for them, then runs the wrapped optimizer's
+    step. Bucketing, unused parameters and mismatch detection are described in
+    `dataparallel.torch`.
+
+    The result is an instance of the wrapped optimizer's class (`isinstance` holds) that shares
+    its state: `zero_grad`, `state_dict`, `load_state_dict`, `param_groups` and learning-rate
+    schedulers work as on the wrapped optimizer. Create schedulers on the wrapper (or after
+    wrapping): a scheduler patches the `step` of the object it is given.
+
+    Args:
+        optimizer: any `torch.optim.Optimizer`, identical in structure on every rank. Give every
+            rank the same initial parameters (`dp.synchronize(model)`) and, when resuming, the
+            same state (`dp.synchronize(optimizer)`).
+        op: `"avg"` (default: Horovod, Lux, Flashlight) or `"sum"` (FluxMPI).
+        bucket_bytes: fusion bucket size (default `DATAPARALLEL_BUCKET_BYTES`).
+        backward_passes_per_step: backward passes whose gradients are accumulated (summed)
+            locally before one reduction (default 1). Scale the loss by `1 / N` for the mean
+            over passes, as with Horovod. `step()` after fewer passes reduces what there is.
+        backend: the engine to use (default: the active one).
+
+    Returns:
+        The distributed optimizer.
+
+    Raises:
+        TypeError: `optimizer` is already distributed.
+        ValueError: a bad option, or an optimizer whose `step` was already patched by an LR
+            scheduler.
+
+    Note: unlike Horovod, `synchronize()` followed by `step()` needs no `skip_synchronize()`,
+    and `zero_grad()` between a backward pass and `step()` completes the reduction in flight
+    instead of raising.
+
+    >>> import torch, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> model = torch.nn.Linear(3, 1)
+    >>> opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> isinstance(opt, torch.optim.SGD)
+    True
+    >>> model(torch.ones(4, 3)).pow(2).mean().backward()   # averaged while backward runs
+    >>> opt.step()
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise TypeError(
+            "This optimizer is already a DistributedOptimizer; wrap the plain optimizer once."
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "distributed_torch_optimizer wraps a torch.optim.Optimizer, got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}."
+        )
+    if "step" in vars(optimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step was patched on the instance (a learning-rate "
+            "scheduler created before wrapping does this), so the wrapper's step would be "
+            "bypassed. Create the DistributedOptimizer first, then the scheduler on it."
+        )
+    cls = _distributed_class(type(optimizer))
+    wrapper = object.__new__(cls)
+    wrapper.__dict__ = optimizer.__dict__  # the same dict: one state for both
+    wrapper._dp_sync = GradientSync(
+        _named_params(optimizer.__dict__),
+        op=op,
+        bucket_bytes=bucket_bytes,
+        passes=backward_passes_per_step,
+        owner="DistributedOptimizer",
+        backend=backend,
+    )
+    return wrapper

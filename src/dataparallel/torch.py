@@ -1,0 +1,749 @@
+"""PyTorch integration: gradient reduction during `backward()`, model wrapping, state broadcast.
+
+`GradientSync` is the one implementation of overlapped gradient reduction; `DataParallelModel`
+(here) and `DistributedOptimizer` (`dataparallel.optim.torch_optimizer`) are two faces of it. It
+registers a post-accumulate-grad hook on every parameter; each gradient that is final for the
+step marks its bucket ready, and ready buckets go out through the fusion engine
+(`reducers.Fusion`, non-blocking) while backward keeps running.
+
+How buckets are made, and why every rank makes the same calls:
+
+- Buckets have fixed members, as DDP's do: parameters in reverse registration order (the order
+  backward usually produces them), grouped per (device, dtype), cut at `bucket_bytes`. After the
+  first step the order is rebuilt once from the order in which rank 0's gradients actually
+  arrived (broadcast from rank 0), again as DDP does, so a model whose layers are registered in
+  another order than they run still overlaps.
+- Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it. So
+  ranks whose hooks fire in different orders still make the same calls in the same order.
+- At the end of the pass that completes a step (a callback queued on the autograd engine), every
+  parameter whose hook did not fire (unused in this step on this rank) contributes its current
+  gradient, or zeros when it has none, and the remaining buckets are launched. Every rank has
+  then started every bucket before `backward()` returns, so collectives the user makes between
+  `backward()` and `step()` stay in the same order on every rank. A parameter that no rank used
+  keeps `grad=None` (a small flag vector travels with the last bucket), so optimizers skip it
+  exactly as they would in one process.
+- The parameter shapes and dtypes are checked across ranks once (`checks.verify_same_call`),
+  before the first bucket goes out, not per bucket.
+
+A parameter is reduced by one `GradientSync` only: the one created last over it. Wrapping the
+same parameters again (a new `DistributedOptimizer` in a re-run notebook cell, or a
+`DistributedOptimizer` over a `DataParallelModel`'s parameters) moves their reduction to the new
+wrapper; the old one stops reducing them. Gradients are never reduced twice. The hooks hold
+their `GradientSync` weakly: a wrapper that is dropped stops reducing.
+
+Sharp bits:
+
+- MPI moves a non-blocking collective forward only while some MPI call runs (MPICH has no
+  progress thread unless `MPIR_CVAR_ASYNC_PROGRESS=1`). Each gradient hook tests the buckets in
+  flight, which lets them progress between layers; what is left is completed by the wait in
+  `step()` (or at the end of backward for `DataParallelModel`).
+- A rank whose backward reaches none of the parameters (its loss does not depend on them) starts
+  its buckets only at `step()`; a collective of yours between `backward()` and `step()` would
+  then be matched against a bucket on the other ranks. Every rank's loss must use the model.
+- Reentrant activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`) runs
+  nested backward passes; when one holds the first gradient of a pass, its end is taken for the
+  end of the pass and the next gradient raises `RuntimeError`. Use `use_reentrant=False`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dataparallel import collectives, world
+from dataparallel.arrays import family_of
+from dataparallel.backends.base import Backend
+from dataparallel.checks import parse_op, verify_same_call
+from dataparallel.config import Settings
+from dataparallel.reducers import Fusion, Reduction
+
+__all__ = ["DataParallelModel", "GradientSync", "synchronize_torch"]
+
+NamedParams = list[tuple[str, torch.Tensor]]
+
+_OPEN, _LAUNCHED, _DONE = "open", "launched", "done"
+
+
+@dataclass
+class _Bucket:
+    members: list[int]  # parameter indices, in launch order
+    key: tuple[str, str]  # (device, dtype)
+
+
+def _plan(params: NamedParams, order: list[int], bucket_bytes: int) -> list[_Bucket]:
+    """Cut `order` into buckets of at most `bucket_bytes` per (device, dtype)."""
+    buckets: list[_Bucket] = []
+    open_: dict[tuple[str, str], tuple[_Bucket, int]] = {}
+    for i in order:
+        p = params[i][1]
+        key = (str(p.device), str(p.dtype).removeprefix("torch."))
+        nbytes = p.numel() * p.element_size()
+        current = open_.get(key)
+        if current is None or (current[1] + nbytes > bucket_bytes and current[0].members):
+            current = (_Bucket([], key), 0)
+            buckets.append(current[0])
+        current[0].members.append(i)
+        open_[key] = (current[0], current[1] + nbytes)
+    return buckets
+
+
+# Which GradientSync reduces a parameter: id(param) -> (weakref to param, weakref to sync).
+_owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientSync]]] = {}
+
+
+def _claim(param: torch.Tensor, sync: GradientSync) -> GradientSync | None:
+    """Make `sync` the one that reduces `param`; return the previous owner, if another."""
+    key = id(param)
+    previous = _owners.get(key)
+
+    def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+        entry = _owners.get(key)
+        if entry is not None and entry[0] is ref:
+            del _owners[key]
+
+    _owners[key] = (weakref.ref(param, forget), weakref.ref(sync))
+    if previous is not None and previous[0]() is param:
+        old = previous[1]()
+        if old is not None and old is not sync:
+            return old
+    return None
+
+
+def _owner(param: torch.Tensor) -> GradientSync | None:
+    entry = _owners.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def _make_hook(sync: weakref.ref[GradientSync], index: int) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        target = sync()
+        if target is not None:
+            target._on_grad(index)
+
+    return hook
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _signature(params: NamedParams) -> list[tuple[int, torch.dtype, torch.device]]:
+    return [(id(p), p.dtype, p.device) for _, p in params]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class GradientSync:
+    """Reduce the gradients of a set of parameters across ranks while `backward()` runs.
+
+    The engine under `DataParallelModel` and `DistributedOptimizer`; use those. A step's
+    reduction is started by the hooks of its last backward pass, completed by `finish()`, and a
+    new step begins with `reset()`.
+
+    Args:
+        params: returns the parameters to reduce, named, in registration order (those that do
+            not require gradients are skipped). It is called again at every step, so parameters
+            added, frozen or unfrozen later are taken into account (identically on every rank,
+            since every rank's code changes them identically).
+        op: `"avg"` (default) or `"sum"`.
+        bucket_bytes: flush threshold (default `DATAPARALLEL_BUCKET_BYTES`).
+        passes: backward passes per step; gradients are accumulated locally in between.
+        finish_after_backward: finish the reduction at the end of every step's last backward
+            pass (`DataParallelModel`), instead of at `finish()` (`DistributedOptimizer.step`).
+        owner: the name used in error messages.
+        backend: the engine to use (default: the active one).
+    """
+
+    def __init__(
+        self,
+        params: Callable[[], NamedParams],
+        *,
+        op: str = "avg",
+        bucket_bytes: int | None = None,
+        passes: int = 1,
+        finish_after_backward: bool = False,
+        owner: str = "GradientSync",
+        backend: Backend | None = None,
+    ) -> None:
+        if op not in ("avg", "sum"):
+            raise ValueError(
+                f"{owner}: op={op!r} cannot combine gradients; use 'avg' (the default) or 'sum'."
+            )
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(
+                f"{owner}: backward_passes_per_step={passes!r} must be an int of at least 1."
+            )
+        if bucket_bytes is not None and (
+            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+        ):
+            raise ValueError(f"{owner}: bucket_bytes={bucket_bytes!r} must be a positive int.")
+        active = world.current()
+        self.backend = backend if backend is not None else active.backend
+        self.op, self.passes, self.owner = op, passes, owner
+        self.bucket_bytes = int(bucket_bytes or active.settings.bucket_bytes)
+        self.finish_after_backward = finish_after_backward
+        # False for the backward of a forward run inside DataParallelModel.no_sync().
+        self.enabled = True
+        self.steps = 0  # completed reductions (observable for tests)
+        engine_op, average = parse_op(op)
+        scale = 1.0 / self.backend.size if average else 1.0
+        self._fusion = Fusion(
+            self.backend,
+            Reduction(engine_op, None if scale == 1 else scale),
+            bucket_bytes=self.bucket_bytes,
+            async_op=True,
+            pool=active.buffers,
+        )
+        self._source = params
+        self._params: NamedParams = []
+        self._handles: list[Any] = []
+        self._cleanup = weakref.finalize(self, _remove_hooks, self._handles)
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: list[int] = []
+        self._verified = False
+        self._rebuilt = False
+        self._replan([(n, p) for n, p in params() if p.requires_grad], None)
+        self.reset()
+
+    @property
+    def calls(self) -> int:
+        """Communication calls made so far."""
+        return self._fusion.calls
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters this object reduces, in registration order."""
+        return [p for _, p in self._params]
+
+    @property
+    def buckets(self) -> list[list[torch.Tensor]]:
+        """The parameters of each bucket, in the order the buckets are launched."""
+        return [[self._params[i][1] for i in b.members] for b in self._buckets]
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _current(self) -> NamedParams:
+        """The parameters to reduce now: trainable ones that no newer GradientSync has claimed."""
+        out = []
+        for name, p in self._source():
+            if p.requires_grad:
+                owner = _owner(p)
+                if owner is None or owner is self:
+                    out.append((name, p))
+        return out
+
+    def _replan(self, params: NamedParams, order: list[int] | None) -> None:
+        """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
+        if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
+            _remove_hooks(self._handles)
+            self._params = list(params)
+            ref = weakref.ref(self)
+            displaced = set()
+            for index, (_, p) in enumerate(self._params):
+                old = _claim(p, self)
+                if old is not None:
+                    displaced.add(old)
+                self._handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+            self._verified = self._rebuilt = False
+            for old in displaced:
+                old.refresh()
+        if order is None:
+            order = list(range(len(self._params)))[::-1]
+        # Leave room for the flag vector that travels with the last bucket (one float each).
+        flags = 4 * len(self._params)
+        budget = self.bucket_bytes - flags if 2 * flags <= self.bucket_bytes else self.bucket_bytes
+        self._buckets = _plan(self._params, order, budget)
+        self._bucket_of = [0] * len(self._params)
+        for b, bucket in enumerate(self._buckets):
+            for i in bucket.members:
+                self._bucket_of[i] = b
+        self._signature = _signature(self._params)
+
+    def refresh(self) -> bool:
+        """Take parameters added, removed, frozen, unfrozen or converted since into account.
+
+        Called at the start of every step (`reset`); call it on every rank alike. Returns whether
+        the plan changed (the current step then starts over).
+        """
+        current = self._current()
+        if _signature(current) == self._signature:
+            return False
+        self._replan(current, None)
+        self._clear()
+        return True
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Begin a new step: forget readiness, passes and pending results."""
+        if not self.refresh():
+            self._clear()
+
+    def _clear(self) -> None:
+        self._state = _OPEN
+        self._passes = 0
+        self._queued = False
+        self._ready = [False] * len(self._params)
+        self._pending = [len(b.members) for b in self._buckets]
+        self._next = 0
+        self._filled: list[int] = []
+        self._arrival: list[int] = []
+        self._staged: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._flags: np.ndarray | None = None
+        self._fusion.timeline = world.current().timeline if world.initialized() else None
+        self._started_at = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether this step's reduction has started and not finished."""
+        return self._state == _LAUNCHED
+
+    @property
+    def finished(self) -> bool:
+        """Whether this step's reduction has finished (`finish()` ran, `reset()` did not yet)."""
+        return self._state == _DONE
+
+    @property
+    def started(self) -> bool:
+        """Whether a backward pass of this step has run (or its reduction has started)."""
+        return self._state != _OPEN or self._passes > 0 or self._queued
+
+    def _on_grad(self, index: int) -> None:
+        if not self.enabled:
+            return
+        if self._state != _OPEN:
+            raise RuntimeError(
+                f"{self.owner}: a gradient was computed after this step's reduction had started "
+                f"(more than backward_passes_per_step={self.passes} backward passes before "
+                "step(), or a backward pass between synchronize() and step()). Call step() or "
+                "zero_grad() before the next backward pass, or raise backward_passes_per_step "
+                "to accumulate gradients locally. (Reentrant activation checkpointing also "
+                "causes this: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).)"
+            )
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+            self._queued = True
+        if self._passes + 1 < self.passes or self._ready[index]:
+            return
+        if self._next > 0:
+            self._fusion.test()  # let the engine progress the buckets in flight
+        self._ready[index] = True
+        self._arrival.append(index)
+        b = self._bucket_of[index]
+        self._pending[b] -= 1
+        if b == self._next and self._pending[b] == 0:
+            self._launch_ready()
+
+    def _end_of_pass(self) -> None:
+        self._queued = False
+        self._passes += 1
+        if self._passes >= self.passes:
+            self._launch_rest()
+            if self.finish_after_backward:
+                self.finish()
+                self.reset()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket not launched yet; parameters without a gradient send zeros."""
+        if self._state != _OPEN:
+            return
+        for index, ready in enumerate(self._ready):
+            if not ready:
+                self._ready[index] = True
+                self._pending[self._bucket_of[index]] -= 1
+        self._launch_ready()
+        self._state = _LAUNCHED
+        # Parameters that became trainable after this step's plan (identical on every rank).
+        planned = {id(p) for _, p in self._params}
+        late = [(n, p) for n, p in self._current() if id(p) not in planned]
+        for name, p in late:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._add(name, p.grad)
+        if late:
+            self._fusion.flush()
+
+    def _verify(self) -> None:
+        call: dict[str, Any] = {
+            "collective": f"{self.owner} gradient reduction",
+            "op": self.op,
+            "bucket_bytes": self.bucket_bytes,
+            "backward_passes_per_step": self.passes,
+            "parameters": len(self._params),
+        }
+        for i, (name, p) in enumerate(self._params):
+            call[f"{name} ({i})"] = f"{_dtype_name(p)}{list(p.shape)}"
+        verify_same_call(self.backend, call)
+        self._verified = True
+
+    def _add(self, name: str, grad: torch.Tensor) -> None:
+        if grad.layout != torch.strided:
+            raise TypeError(
+                f"{self.owner}: {name} has a {grad.layout} gradient; only dense gradients are "
+                "reduced. Use dense gradients (nn.Embedding(..., sparse=False))."
+            )
+        family = family_of(grad, f"{name}.grad")
+        work, is_view = family.work(grad)
+        if not is_view:
+            self._staged.append((grad, work))
+        self._fusion.add(work, family.dtype(grad), ("torch", family.device(grad)))
+
+    def _launch(self, b: int) -> None:
+        if not self._verified:
+            self._verify()
+        if b == 0 and self._fusion.timeline is not None:
+            self._started_at = self._fusion.timeline.now()
+        for i in self._buckets[b].members:
+            name, p = self._params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                self._filled.append(i)
+            self._add(name, p.grad)
+        if b == len(self._buckets) - 1:
+            self._flags = np.ones(len(self._params), np.float32)
+            self._flags[self._filled] = 0
+            self._fusion.add(self._flags, "float32", ("torch", "cpu"))
+        self._fusion.flush()
+
+    def finish(self) -> None:
+        """Complete this step's reduction: launch what is left, wait, and write the results.
+
+        Afterwards every parameter's `.grad` holds the reduction over ranks; a parameter that
+        had no gradient on any rank keeps `grad=None`. Calling it again before `reset()` does
+        nothing.
+        """
+        if self._state == _DONE:
+            return
+        self._launch_rest()
+        self._fusion.finalize()
+        for grad, work in self._staged:
+            family_of(grad).from_host(grad, work)
+        if self._flags is not None:
+            for i in self._filled:
+                if self._flags[i] == 0:  # no rank had a gradient: keep None, as one process would
+                    self._params[i][1].grad = None
+        self._state = _DONE
+        self.steps += 1
+        timeline = self._fusion.timeline
+        if timeline is not None and self._started_at:
+            timeline.complete(
+                f"{self.owner} gradients", self._started_at, buckets=len(self._buckets)
+            )
+        if not self._rebuilt:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
+        self._rebuilt = True
+        seen = set(self._arrival)
+        order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
+        if self.backend.size > 1:
+            order = self.backend.broadcast_object(order, 0)
+        if sorted(order) == list(range(len(self._params))):
+            self._replan(self._params, order)
+
+
+def _named_trainable(module: nn.Module) -> Callable[[], NamedParams]:
+    return lambda: list(module.named_parameters())
+
+
+class DataParallelModel(nn.Module):
+    """Wrap `module` for data-parallel training: gradients are averaged during `backward()`.
+
+    FluxMPI's `DataParallelFluxModel`, PyTorch's `DistributedDataParallel`: at wrap time, rank
+    0's parameters and buffers are broadcast to every rank; then every backward pass averages the
+    gradients across ranks, in buckets started by gradient hooks while backward is still running
+    (see `GradientSync`), and finished before `backward()` returns. Any optimizer works unchanged.
+
+    - `no_sync()`: backward passes whose forward ran inside it only accumulate locally; the next
+      backward outside it reduces the accumulated gradients (as with DDP, the forward decides).
+    - Attribute access passes through to the wrapped module; `model.module` is the module itself.
+    - `state_dict()` has no `module.` prefix (unlike DDP), so checkpoints load into the bare
+      module and back; `load_state_dict` accepts keys with or without the prefix.
+    - Buffers (BatchNorm statistics) are broadcast at wrap time only; call `dp.synchronize(model)`
+      to make them equal again (DDP broadcasts them at every forward).
+    - A parameter used by no rank in a step keeps `grad=None`; one used on some ranks only gets
+      the average with zeros from the others.
+
+    Args:
+        module: the model, identical in structure on every rank.
+        op: `"avg"` (default) or `"sum"` (FluxMPI's reduction).
+        bucket_bytes: fusion bucket size (default `DATAPARALLEL_BUCKET_BYTES`).
+        root: the rank whose initial parameters win (default 0).
+        backend: the engine to use (default: the active one).
+
+    >>> import torch, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> model = dp.torch.DataParallelModel(torch.nn.Linear(3, 1))
+    >>> model(torch.ones(2, 3)).sum().backward()   # gradients are averaged when this returns
+    >>> sorted(model.state_dict())
+    ['bias', 'weight']
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        op: str = "avg",
+        bucket_bytes: int | None = None,
+        root: int = 0,
+        backend: Backend | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"DataParallelModel wraps a torch.nn.Module, got {type(module).__module__}."
+                f"{type(module).__qualname__}."
+            )
+        super().__init__()
+        self.module = module
+        synchronize_torch(module, root=root, backend=backend)
+        self._require_sync = True
+        self._sync = GradientSync(
+            _named_trainable(module),
+            op=op,
+            bucket_bytes=bucket_bytes,
+            finish_after_backward=True,
+            owner="DataParallelModel",
+            backend=backend,
+        )
+        self.register_state_dict_post_hook(_drop_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; the backward of this forward reduces unless in `no_sync()`."""
+        self._sync.enabled = self._require_sync
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally for the forward/backward passes inside the block.
+
+        >>> import torch, dataparallel as dp
+        >>> _ = dp.initialize()
+        >>> model = dp.torch.DataParallelModel(torch.nn.Linear(2, 1))
+        >>> with model.no_sync():
+        ...     model(torch.ones(1, 2)).sum().backward()    # local only
+        >>> model(torch.ones(1, 2)).sum().backward()        # reduces both passes' sum
+        """
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    @property
+    def gradient_sync(self) -> GradientSync:
+        """The `GradientSync` that reduces this model's gradients."""
+        return self._sync
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict of the wrapped module, with or without DDP's `module.` prefix."""
+        keys = list(state_dict)
+        if keys and all(k.startswith("module.") for k in keys):
+            state_dict = _renamed(state_dict, "", "module.", "")
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _renamed(state_dict: Any, prefix: str, old: str, new: str) -> OrderedDict[str, Any]:
+    """Return `state_dict` with keys `prefix + old + rest` renamed `prefix + new + rest`."""
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, value in state_dict.items():
+        if key.startswith(prefix + old):
+            key = prefix + new + key[len(prefix + old) :]
+        out[key] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        meta: OrderedDict[str, Any] = OrderedDict()
+        inner = (prefix + old).rstrip(".")
+        for key, value in metadata.items():
+            if key == inner:
+                key = (prefix + new).rstrip(".")
+            elif key.startswith(prefix + old):
+                key = prefix + new + key[len(prefix + old) :]
+            meta[key] = value
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def _drop_module_prefix(
+    module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any
+) -> None:
+    renamed = _renamed(state_dict, prefix, "module.", "")
+    state_dict.clear()
+    state_dict.update(renamed)
+    if hasattr(renamed, "_metadata") and hasattr(state_dict, "_metadata"):
+        state_dict._metadata.clear()
+        state_dict._metadata.update(renamed._metadata)
+
+
+def _add_module_prefix(
+    module: nn.Module,
+    state_dict: Any,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Accept unprefixed keys when a wrapper nested in a parent module is loaded."""
+    for key in list(state_dict):
+        if key.startswith(prefix) and not key.startswith(prefix + "module."):
+            state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
+
+
+# -- synchronize ---------------------------------------------------------------------------------
+
+
+def synchronize_torch(obj: Any, *, root: int = 0, backend: Backend | None = None) -> Any:
+    """Make every rank hold `root`'s state of a module or an optimizer, in place; return it.
+
+    - `nn.Module`: parameters and buffers, broadcast in fused buckets.
+    - `torch.optim.Optimizer` (a `DistributedOptimizer` too): the hyper-parameters of every
+      param group (lr, momentum, betas, ...: numbers, strings, tuples of them, and tensors) and
+      the per-parameter state. State that exists on root only (Adam's moments before the other
+      ranks' first step) is created on the others first, from root's shapes and dtypes; state
+      that root lacks is removed. Entries of other types are kept as each rank has them.
+
+    `dp.synchronize(model)` and `dp.synchronize(optimizer)` call this.
+
+    >>> import torch, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> model = dp.synchronize(torch.nn.Linear(2, 2))   # rank 0's initial weights everywhere
+    """
+    if isinstance(obj, nn.Module):
+        tensors = [*obj.parameters(), *obj.buffers()]
+        collectives.broadcast(tensors, root=root, backend=backend)
+        return obj
+    if isinstance(obj, torch.optim.Optimizer):
+        _synchronize_optimizer(obj, root, backend)
+        return obj
+    raise TypeError(
+        "synchronize_torch takes a torch.nn.Module or a torch.optim.Optimizer, got "
+        f"{type(obj).__module__}.{type(obj).__qualname__}."
+    )
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_is_plain(v) for v in value)
+    return False
+
+
+def _describe_tensor(t: torch.Tensor, param: torch.Tensor | None) -> tuple[Any, ...]:
+    on_param = param is not None and t.device == param.device
+    return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), on_param)
+
+
+def _describe_entries(entries: dict[Any, Any], param: torch.Tensor | None) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for key, value in entries.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = _describe_tensor(value, param)
+        elif _is_plain(value):
+            out[key] = ("plain", value)
+    return out
+
+
+def _ensure_tensor(
+    entries: dict[Any, Any], key: Any, spec: tuple[Any, ...], param: torch.Tensor | None
+) -> torch.Tensor:
+    _, dtype_name, shape, on_param = spec
+    dtype = getattr(torch, dtype_name)
+    device = param.device if (on_param and param is not None) else torch.device("cpu")
+    current = entries.get(key)
+    if (
+        not isinstance(current, torch.Tensor)
+        or current.dtype != dtype
+        or tuple(current.shape) != tuple(shape)
+        or current.device != device
+    ):
+        current = torch.zeros(shape, dtype=dtype, device=device)
+        entries[key] = current
+    return current
+
+
+def _apply_entries(
+    entries: dict[Any, Any], spec: dict[Any, Any], param: torch.Tensor | None, prune: bool
+) -> list[torch.Tensor]:
+    """Give `entries` root's plain values and tensor slots; return the tensors to broadcast."""
+    tensors = []
+    for key, (kind, *rest) in spec.items():
+        if kind == "plain":
+            entries[key] = rest[0]
+        else:
+            tensors.append(_ensure_tensor(entries, key, (kind, *rest), param))
+    if prune:
+        for key in [k for k in entries if k not in spec]:
+            del entries[key]
+    return tensors
+
+
+def _synchronize_optimizer(opt: torch.optim.Optimizer, root: int, backend: Backend | None) -> None:
+    b = backend if backend is not None else world.current().backend
+    groups = opt.param_groups
+    params = [p for g in groups for p in g["params"]]
+    call = {
+        "collective": "synchronize(optimizer)",
+        "root": root,
+        "param_groups": [
+            [f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}" for p in g["params"]]
+            for g in groups
+        ],
+    }
+    settings = world.current().settings if world.initialized() else Settings.from_env()
+    if settings.check:
+        verify_same_call(b, call)
+    spec: dict[str, Any] | None = None
+    if b.rank == root:
+        spec = {
+            "groups": [_describe_entries(g, None) for g in groups],
+            "state": [
+                _describe_entries(opt.state[p], p) if p in opt.state else None for p in params
+            ],
+        }
+    spec = collectives.broadcast_object(spec, root=root, backend=b)
+    assert spec is not None
+    tensors: list[torch.Tensor] = []
+    for group, group_spec in zip(groups, spec["groups"], strict=True):
+        tensors += _apply_entries(group, group_spec, None, prune=False)
+    for p, state_spec in zip(params, spec["state"], strict=True):
+        if state_spec is None:
+            opt.state.pop(p, None)
+            continue
+        entries = opt.state[p]
+        tensors += _apply_entries(entries, state_spec, p, prune=True)
+    with torch.no_grad():
+        collectives.broadcast(tensors, root=root, backend=b)

@@ -1,0 +1,272 @@
+"""`dp.torch.DataParallelModel` and `dp.synchronize` of modules, at any world size.
+
+Every rank trains on its share of a global batch and is compared with a single-process reference
+that every rank computes locally on the whole batch. Values from the other ranks are gathered
+with `dp.allgather_object` before asserting, so a failure on one rank cannot leave the others
+waiting.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+from dataparallel.data import shard_indices
+
+BATCH = 12
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def share(t: torch.Tensor) -> torch.Tensor:
+    return t[torch.from_numpy(shard_indices(len(t), dp.rank(), dp.size()))]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def assert_same_on_every_rank(tensors: list[torch.Tensor]) -> None:
+    every = dp.allgather_object([t.detach().numpy().copy() for t in tensors])
+    for theirs in every[1:]:
+        for a, b in zip(every[0], theirs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+OPTIMIZERS: dict[str, Any] = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_shares_of_a_global_batch_match_one_process_on_the_whole(name: str, world: Backend) -> None:
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare, bucket_bytes=96)
+    opt = OPTIMIZERS[name](model.parameters())
+    ref_opt = OPTIMIZERS[name](reference.parameters())
+    for step in range(4):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        # The reduction is complete when backward returns: a plain optimizer reads .grad.
+        ref_opt.zero_grad()
+        loss_of(reference, x, y).backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
+        opt.step()
+        ref_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert_same_on_every_rank(list(model.parameters()))
+    assert model.gradient_sync.steps == 4
+    assert len(model.gradient_sync.buckets) >= 3
+
+
+def test_wrapping_broadcasts_parameters_and_buffers_from_rank_0(world: Backend) -> None:
+    torch.manual_seed(world.rank)
+    bare = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    bare[1].running_mean.fill_(float(world.rank))
+    bare[1].num_batches_tracked.fill_(world.rank + 5)
+    model = dp.torch.DataParallelModel(bare)
+    torch.manual_seed(0)
+    want = nn.Linear(3, 4)
+    torch.testing.assert_close(model.module[0].weight, want.weight)
+    assert torch.count_nonzero(model.module[1].running_mean) == 0
+    assert model.module[1].num_batches_tracked.item() == 5
+    assert_same_on_every_rank([*model.parameters(), *model.buffers()])
+
+
+def test_no_sync_accumulates_locally_then_reduces_the_sum(world: Backend) -> None:
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare, bucket_bytes=128)
+    sync = model.gradient_sync
+    calls, steps = sync.calls, sync.steps
+    batches = [tuple(share(t) for t in global_batch(10 + k)) for k in range(3)]
+    with model.no_sync():
+        for x, y in batches[:2]:
+            loss_of(model, x, y).backward()
+    assert (sync.calls, sync.steps) == (calls, steps), "no_sync must not communicate"
+    local = [p.grad.clone() for p in model.parameters()]
+    for x, y in batches[:2]:
+        loss_of(reference, x, y).backward()
+    for got, want in zip(local, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad)  # local sums, not reduced
+    loss_of(model, *batches[2]).backward()
+    loss_of(reference, *batches[2]).backward()
+    assert sync.steps == steps + 1
+    want = dp.allreduce([p.grad.clone() for p in reference.parameters()], op="avg")
+    for p, expected in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, expected)
+
+
+def test_the_forward_decides_whether_backward_reduces(world: Backend) -> None:
+    model = dp.torch.DataParallelModel(make_model())
+    x, y = (share(t) for t in global_batch(0))
+    with model.no_sync():
+        loss = loss_of(model, x, y)
+    steps = model.gradient_sync.steps
+    loss.backward()  # outside the block, but its forward ran inside: local only (as DDP)
+    assert model.gradient_sync.steps == steps
+
+
+class Branchy(nn.Module):
+    """`b` is used on rank 0 only; `unused` on no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        if dp.rank() == 0:
+            out = out + self.b(x)
+        return out
+
+
+def test_parameters_unused_on_some_ranks(world: Backend) -> None:
+    bare = Branchy()
+    probe = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare, bucket_bytes=32)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(world.rank))
+    probe(x).sum().backward()
+    mine = {
+        n: None if p.grad is None else p.grad.numpy().copy() for n, p in probe.named_parameters()
+    }
+    every = dp.allgather_object(mine)
+    for _ in range(2):  # twice: the buckets are rebuilt after the first step
+        model.zero_grad()
+        model(x).sum().backward()
+        for name, p in model.module.named_parameters():
+            got = [g[name] for g in every if g[name] is not None]
+            if not got:
+                assert p.grad is None, f"{name}: no rank used it, so its gradient must stay None"
+            else:
+                np.testing.assert_allclose(p.grad.numpy(), sum(got) / world.size, rtol=1e-6)
+    assert model.module.b.weight.grad is not None
+
+
+def test_attributes_pass_through_to_the_wrapped_module(world: Backend) -> None:
+    bare = nn.Linear(3, 2)
+    bare.note = "kept"  # type: ignore[assignment]
+    model = dp.torch.DataParallelModel(bare)
+    assert model.module is bare
+    assert model.weight is bare.weight and model.in_features == 3 and model.note == "kept"
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing'"):
+        _ = model.nothing
+    model.eval()
+    assert not bare.training
+
+
+def test_state_dict_has_no_module_prefix_and_loads_both_forms(world: Backend) -> None:
+    model = dp.torch.DataParallelModel(make_model())
+    state = model.state_dict()
+    assert list(state) == list(model.module.state_dict())
+    bare = make_model(seed=3)
+    bare.load_state_dict(state)  # a checkpoint of the wrapper loads into the bare model
+    for a, b in zip(bare.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    other = dp.torch.DataParallelModel(make_model(seed=4))
+    other.load_state_dict(bare.state_dict())
+    assert torch.equal(other.module[0].weight, bare[0].weight)
+    ddp_style = OrderedDict(("module." + k, v * 2) for k, v in bare.state_dict().items())
+    other.load_state_dict(ddp_style)
+    assert torch.equal(other.module[0].weight, bare[0].weight * 2)
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"extra\""):
+        other.load_state_dict({**bare.state_dict(), "extra": torch.zeros(1)})
+
+
+def test_state_dict_of_a_wrapper_inside_a_parent_module(world: Backend) -> None:
+    parent = nn.ModuleDict({"net": dp.torch.DataParallelModel(make_model())})
+    state = parent.state_dict()
+    assert "net.0.weight" in state and not any(".module." in k for k in state)
+    fresh = nn.ModuleDict({"net": dp.torch.DataParallelModel(make_model(seed=5))})
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh["net"].module[0].weight, parent["net"].module[0].weight)
+
+
+def test_a_plain_tensor_module_is_refused(world: Backend) -> None:
+    with pytest.raises(TypeError, match=r"wraps a torch.nn.Module, got torch.Tensor"):
+        dp.torch.DataParallelModel(torch.zeros(2))  # type: ignore[arg-type]
+
+
+def test_synchronize_a_module_makes_parameters_and_buffers_roots(world: Backend) -> None:
+    torch.manual_seed(world.rank + 1)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model[1].running_var.fill_(world.rank + 2.0)
+    root = world.size - 1
+    assert dp.synchronize(model, root=root) is model
+    assert torch.all(model[1].running_var == root + 2.0)
+    torch.manual_seed(root + 1)
+    torch.testing.assert_close(model[0].weight, nn.Linear(3, 4).weight)
+    assert_same_on_every_rank([*model.parameters(), *model.buffers()])
+
+
+def test_a_backward_pass_that_reaches_no_parameter_is_not_a_step(world: Backend) -> None:
+    model = dp.torch.DataParallelModel(make_model())
+    steps = model.gradient_sync.steps
+    x = torch.randn(2, 5, requires_grad=True)
+    (x * 2).sum().backward()
+    assert model.gradient_sync.steps == steps
+
+
+@pytest.mark.spawns
+def test_the_digits_example_trains_to_95_percent_on_two_ranks(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "digits.pt"
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
+    for name in [k for k in env if k.startswith(("PMI_", "HYDI_", "MPI_LOCAL"))]:
+        del env[name]  # a clean launch, whatever started this process
+    done = subprocess.run(
+        [
+            str(mpiexec),
+            "-n",
+            "2",
+            sys.executable,
+            str(EXAMPLES / "torch_digits.py"),
+            "--mode",
+            "model",
+            "--checkpoint",
+            str(checkpoint),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("final test accuracy")]
+    assert len(lines) == 1, done.stdout  # printed by rank 0 only
+    assert float(lines[0].split()[3].rstrip("%")) >= 95.0
+    state = torch.load(checkpoint, weights_only=True)
+    bare = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+    bare.load_state_dict(state["model"])  # no `module.` prefix

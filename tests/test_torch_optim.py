@@ -1,0 +1,543 @@
+"""`dp.DistributedOptimizer` for PyTorch, at any world size (`pytest`, `mpiexec -n 3 ... pytest`).
+
+Every rank trains on its share of a global batch and is compared with a single-process reference
+that every rank computes locally on the whole batch, from the same seed. Values from the other
+ranks are gathered with `dp.allgather_object` before asserting, so a failure on one rank cannot
+leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+from dataparallel.data import shard_indices
+from dataparallel.errors import CollectiveMismatchError
+
+BATCH = 12  # divisible by 1, 2 and 3: equal shares, so the average of means is the global mean
+
+
+def make_model(seed: int = 0, hidden: int = 8) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 3)
+    )
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def share(t: torch.Tensor) -> torch.Tensor:
+    return t[torch.from_numpy(shard_indices(len(t), dp.rank(), dp.size()))]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def gathered(tensors: list[torch.Tensor]) -> list[list[np.ndarray]]:
+    """Every rank's copy of `tensors`, as NumPy arrays, in rank order."""
+    return dp.allgather_object([t.detach().numpy().copy() for t in tensors])
+
+
+def assert_same_on_every_rank(tensors: list[torch.Tensor]) -> None:
+    every = gathered(tensors)
+    for theirs in every[1:]:
+        for a, b in zip(every[0], theirs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+# -- equivalence --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("bucket_bytes", [64, None], ids=["small-buckets", "default-buckets"])
+def test_shares_of_a_global_batch_match_one_process_on_the_whole(
+    name: str, bucket_bytes: int | None, world: Backend
+) -> None:
+    model = make_model()
+    reference = copy.deepcopy(model)
+    opt = dp.DistributedOptimizer(OPTIMIZERS[name](model.parameters()), bucket_bytes=bucket_bytes)
+    ref_opt = OPTIMIZERS[name](reference.parameters())
+    initial = [p.detach().clone() for p in model.parameters()]
+    for step in range(4):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of(reference, x, y).backward()
+        ref_opt.step()
+        for got, want in zip(grads(model), grads(reference), strict=True):
+            torch.testing.assert_close(got, want)
+    for got, want, before in zip(model.parameters(), reference.parameters(), initial, strict=True):
+        torch.testing.assert_close(got, want)
+        assert not torch.equal(got, before)
+    assert_same_on_every_rank(list(model.parameters()))
+    sync = opt.gradient_sync
+    assert sync.steps == 4
+    if bucket_bytes == 64:
+        assert len(sync.buckets) >= 4
+
+
+@pytest.fixture(scope="module")
+def torch_distributed(world: Backend) -> Iterator[None]:
+    """A Gloo process group in the test processes (the default one when dp runs on Gloo)."""
+    if dist.is_initialized():
+        yield
+        return
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = dp.broadcast_object(port)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_parity_with_distributed_data_parallel(name: str, torch_distributed: None) -> None:
+    ours = make_model(seed=1)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(ours))
+    opt = dp.DistributedOptimizer(OPTIMIZERS[name](ours.parameters()), bucket_bytes=256)
+    ddp_opt = OPTIMIZERS[name](theirs.parameters())
+    for step in range(4):
+        x, y = global_batch(step)
+        x, y = share(x), share(y)
+        opt.zero_grad()
+        loss_of(ours, x, y).backward()
+        opt.step()
+        ddp_opt.zero_grad()
+        loss_of(theirs, x, y).backward()
+        ddp_opt.step()
+    for got, want in zip(ours.parameters(), theirs.module.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# -- overlap and buckets ------------------------------------------------------------------------
+
+
+def test_buckets_go_out_while_backward_still_runs(
+    world: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model(hidden=16)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=256)
+    events: list[str] = []
+    start = world.iallreduce
+
+    def recording(buf: Any, op: Any) -> Any:
+        events.append("iallreduce")
+        return start(buf, op)
+
+    monkeypatch.setattr(world, "iallreduce", recording)
+    # A hook on the first layer's weight runs when backward has reached the first layer, which
+    # comes last in backward.
+    model[0].weight.register_hook(lambda g: events.append("backward reached the first layer"))
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    assert "backward reached the first layer" in events
+    first_layer = events.index("backward reached the first layer")
+    assert events[:first_layer].count("iallreduce") >= 2, events
+    # One call per bucket, and one for the used-parameter flags unless they fit in the last.
+    assert events.count("iallreduce") in (
+        len(opt.gradient_sync.buckets),
+        len(opt.gradient_sync.buckets) + 1,
+    )
+    assert opt.gradient_sync.in_flight  # every bucket started before backward returned
+    opt.step()
+    assert not opt.gradient_sync.in_flight
+
+
+def test_buckets_are_the_same_on_every_rank_and_follow_backward_order(world: Backend) -> None:
+    class Reversed(nn.Module):
+        """Registers its layers in the opposite order from the one they run in."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.head = nn.Linear(8, 3)
+            self.middle = nn.Linear(8, 8)
+            self.stem = nn.Linear(5, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.middle(torch.tanh(self.stem(x)))))
+
+    model = Reversed()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64)
+    sync = opt.gradient_sync
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def layout() -> list[list[str]]:
+        return [[names[id(p)] for p in bucket] for bucket in sync.buckets]
+
+    assert layout()[0][0] == "stem.bias"  # reverse registration order, as DDP starts
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    opt.step()
+    assert layout()[0][0] == "head.bias"  # rebuilt from the order gradients arrived on rank 0
+    every = dp.allgather_object(layout())
+    assert all(theirs == every[0] for theirs in every)
+
+
+# -- unused parameters, synchronize, accumulation -----------------------------------------------
+
+
+class Branchy(nn.Module):
+    """`b` is used on rank 0 only; `unused` on no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        if dp.rank() == 0:
+            out = out + self.b(x)
+        return out
+
+
+def local_then_averaged(model: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray | None]:
+    """Each parameter's gradient averaged over ranks, zeros standing for ranks without one."""
+    probe = copy.deepcopy(model)
+    probe.zero_grad(set_to_none=True)
+    probe(x).sum().backward()
+    mine = {
+        n: (None if p.grad is None else p.grad.numpy().copy()) for n, p in probe.named_parameters()
+    }
+    every = dp.allgather_object(mine)
+    out: dict[str, np.ndarray | None] = {}
+    for name, _ in model.named_parameters():
+        got = [g[name] for g in every if g[name] is not None]
+        out[name] = None if not got else sum(got) / dp.size()
+    return out
+
+
+def test_parameters_unused_on_some_ranks_get_the_average_with_zeros(world: Backend) -> None:
+    model = Branchy()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=32)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(world.rank))
+    want = local_then_averaged(model, x)
+    model(x).sum().backward()
+    opt.synchronize()
+    for name, p in model.named_parameters():
+        if want[name] is None:
+            assert p.grad is None, f"{name}: no rank used it, so its gradient must stay None"
+        else:
+            assert p.grad is not None
+            np.testing.assert_allclose(p.grad.numpy(), want[name], rtol=1e-6, atol=1e-7)
+    assert model.unused.weight.grad is None
+    before = model.unused.weight.detach().clone()
+    opt.step()
+    assert torch.equal(model.unused.weight, before)
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+def test_synchronize_then_step_reduces_once(world: Backend) -> None:
+    model = make_model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=128)
+    sync = opt.gradient_sync
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    opt.synchronize()
+    calls = sync.calls
+    assert calls >= 2 and sync.steps == 1
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    clipped = [g.clone() for g in grads(model)]
+    opt.synchronize()  # a second call does nothing
+    opt.step()
+    assert (sync.calls, sync.steps) == (calls, 1)
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), clipped, strict=True))
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+def test_backward_passes_per_step_reduces_once_per_n_passes(world: Backend) -> None:
+    model = make_model()
+    reference = copy.deepcopy(model)
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2, bucket_bytes=128
+    )
+    assert opt.backward_passes_per_step == 2
+    sync = opt.gradient_sync
+    for step in range(2):
+        opt.zero_grad()
+        reference.zero_grad()
+        calls = sync.calls
+        for k in range(2):
+            x, y = global_batch(10 * step + k)
+            loss_of(model, share(x), share(y)).backward()
+            loss_of(reference, share(x), share(y)).backward()  # local sum of the two passes
+            if k == 0:
+                assert sync.calls == calls, "the first pass must only accumulate"
+        assert sync.calls > calls
+        want = dp.allreduce([g.clone() for g in grads(reference)], op="avg")
+        opt.synchronize()
+        for got, expected in zip(grads(model), want, strict=True):
+            torch.testing.assert_close(got, expected)
+        opt.step()
+        reference.load_state_dict(model.state_dict())
+    assert sync.steps == 2
+
+
+def test_more_backward_passes_than_declared_raise(world: Backend) -> None:
+    model = make_model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    with pytest.raises(RuntimeError, match=r"more than backward_passes_per_step=1 backward"):
+        loss_of(model, share(x), share(y)).backward()
+    opt.zero_grad()  # completes the reduction in flight on every rank, then zeros
+    assert all(p.grad is None for p in model.parameters())
+    loss_of(model, share(x), share(y)).backward()
+    opt.step()
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+# -- behaves as the wrapped optimizer -----------------------------------------------------------
+
+
+def test_isinstance_param_groups_and_zero_grad(world: Backend) -> None:
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    opt = dp.DistributedOptimizer(inner)
+    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    opt.param_groups[0]["lr"] = 0.25
+    assert inner.param_groups[0]["lr"] == 0.25
+    assert "DistributedOptimizer(SGD (" in repr(opt)
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_state_dict_round_trip(world: Backend) -> None:
+    model = make_model()
+    opt = dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    for step in range(2):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"][0]["step"].item() == 2
+    again = dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.5))
+    again.load_state_dict(saved)
+    assert again.param_groups[0]["lr"] == 0.01
+    for p in model.parameters():
+        torch.testing.assert_close(again.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+    # The newest wrapper reduces the parameters; the first one no longer does.
+    assert again.gradient_sync.parameters == list(model.parameters())
+    assert opt.gradient_sync.parameters == []
+    x, y = global_batch(2)
+    again.zero_grad()
+    loss_of(model, share(x), share(y)).backward()
+    again.step()
+    assert again.state[next(iter(model.parameters()))]["step"].item() == 3
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+def test_learning_rate_scheduler_on_the_wrapper(world: Backend) -> None:
+    model = make_model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.4))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        opt.step()
+        scheduler.step()  # warnings are errors: it must see that opt.step() ran
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt.gradient_sync.steps == 3
+
+
+def test_a_scheduler_created_before_wrapping_is_refused(world: Backend) -> None:
+    inner = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(inner, step_size=1)
+    with pytest.raises(ValueError, match=r"Create the DistributedOptimizer first"):
+        dp.DistributedOptimizer(inner)
+
+
+def test_closure_optimizers_reduce_every_evaluation(world: Backend) -> None:
+    model = make_model()
+    reference = copy.deepcopy(model)
+    opt = dp.DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3))
+    ref_opt = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=3)
+    x, y = global_batch(0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_of(model, share(x), share(y))
+        loss.backward()
+        return dp.allreduce(loss.detach(), op="avg")  # LBFGS compares losses: use the global one
+
+    def ref_closure() -> torch.Tensor:
+        ref_opt.zero_grad()
+        loss = loss_of(reference, x, y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+        ref_opt.step(ref_closure)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+def test_bad_arguments(world: Backend) -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match=r"op='max' cannot combine gradients"):
+        dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="max")
+    with pytest.raises(ValueError, match=r"backward_passes_per_step=0 must be an int"):
+        dp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=0
+        )
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"already a DistributedOptimizer"):
+        dp.DistributedOptimizer(opt)
+    with pytest.raises(TypeError, match=r"save\s+optimizer.state_dict\(\) instead"):
+        copy.deepcopy(opt)
+
+
+def test_op_sum_adds_the_gradients(world: Backend) -> None:
+    model = nn.Linear(2, 1, bias=False)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="sum")
+    (model(torch.full((1, 2), float(world.rank + 1))).sum()).backward()
+    opt.synchronize()
+    total = world.size * (world.size + 1) / 2
+    torch.testing.assert_close(model.weight.grad, torch.full((1, 2), total))
+
+
+@pytest.mark.skipif(dp.size() == 1, reason="a mismatch needs two ranks")
+def test_different_models_raise_a_mismatch_on_every_rank(world: Backend) -> None:
+    model = make_model(hidden=4 + (world.rank == world.size - 1))
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = global_batch(0)
+    with pytest.raises(CollectiveMismatchError, match=r"DistributedOptimizer gradient reduction"):
+        loss_of(model, share(x), share(y)).backward()
+    del opt
+    assert dp.allreduce(1) == world.size  # the world is still usable
+
+
+# -- synchronize(optimizer) ---------------------------------------------------------------------
+
+
+def test_synchronize_gives_every_rank_roots_state_and_hyper_parameters(world: Backend) -> None:
+    model = dp.synchronize(make_model(seed=world.rank))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (world.rank + 1), betas=(0.8, 0.9))
+    if world.rank == 0:  # only root has stepped: the others have no state at all
+        loss_of(model, *global_batch(0)).backward()
+        opt.step()
+    else:
+        opt.param_groups[0]["betas"] = (0.5, 0.5)
+    assert dp.synchronize(opt) is opt
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["betas"] == (0.8, 0.9)
+    keys = sorted(opt.state[next(iter(model.parameters()))])
+    assert keys == ["exp_avg", "exp_avg_sq", "step"]
+    state = [opt.state[p][k] for p in model.parameters() for k in keys]
+    assert_same_on_every_rank(state)
+    assert opt.state[next(iter(model.parameters()))]["step"].item() == 1
+    # Then every rank steps identically.
+    x, y = global_batch(1)
+    dopt = dp.DistributedOptimizer(opt)
+    dp.synchronize(model)
+    dopt.zero_grad()
+    loss_of(model, share(x), share(y)).backward()
+    dopt.step()
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+def test_synchronize_removes_state_root_does_not_have(world: Backend) -> None:
+    model = dp.synchronize(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if world.rank != 0:
+        loss_of(model, *global_batch(0)).backward()
+        opt.step()
+    dp.synchronize({"optimizer": opt})
+    assert len(opt.state) == 0
+
+
+def test_parameters_added_or_unfrozen_later_are_reduced(world: Backend) -> None:
+    model = make_model()
+    for p in model[4].parameters():
+        p.requires_grad_(False)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), bucket_bytes=64)
+    opt.add_param_group({"params": list(model[2].parameters())})
+    opt.add_param_group({"params": list(model[4].parameters())})
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(world.rank))
+
+    def check() -> None:
+        want = local_then_averaged(model, x)
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            if want[name] is None:
+                assert p.grad is None, name
+            else:
+                np.testing.assert_allclose(p.grad.numpy(), want[name], rtol=1e-6, atol=1e-7)
+        opt.step()
+
+    check()
+    assert model[4].weight.grad is None and len(opt.gradient_sync.parameters) == 4
+    for p in model[4].parameters():  # unfrozen between step() and backward: reduced at once
+        p.requires_grad_(True)
+    check()
+    assert len(opt.gradient_sync.parameters) == 6
+    check()
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+def test_sparse_gradients_are_refused(world: Backend) -> None:
+    model = nn.Embedding(5, 2, sparse=True)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.gradient_sync.parameters == [model.weight]
+    with pytest.raises(TypeError, match=r"sparse_coo gradient; only dense gradients are reduced"):
+        model(torch.tensor([1, 2])).sum().backward()
+
+
+def test_the_timeline_records_each_steps_gradient_buckets(world: Backend, tmp_path: Any) -> None:
+    model = make_model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=256)
+    with dp.timeline(tmp_path / "trace.json") as timeline:
+        for step in range(2):
+            x, y = global_batch(step)
+            opt.zero_grad()
+            loss_of(model, share(x), share(y)).backward()
+            opt.step()
+    events = json.loads(timeline.path.read_text())
+    names = [e["name"] for e in events]
+    assert names.count("DistributedOptimizer gradients") == 2
+    assert names.count("communicate") >= 2 * 2 * len(opt.gradient_sync.buckets)  # begin and end
