@@ -110,7 +110,8 @@ def _family(x: Any) -> str | None:
 def _take(x: Any, family: str, idx: Index) -> Any:
     """Gather rows `idx` of array `x` with one fancy index, keeping its family and device."""
     if family == "torch":
-        return x[sys.modules["torch"].as_tensor(idx, device=x.device)]
+        # torch warns on read-only NumPy memory (a share's indices are read-only): copy it.
+        return x[sys.modules["torch"].tensor(np.asarray(idx), device=x.device)]
     if family == "cupy":
         return x[sys.modules["cupy"].asarray(idx)]
     return x[idx]  # NumPy and JAX index with a NumPy integer array directly.
