@@ -368,8 +368,10 @@ class BufferPool:
     def take(self, dtype: np.dtype, n: int) -> np.ndarray:
         """Return a 1-D buffer of `n` items (a view of a pooled buffer)."""
         capacity = max(_MIN_CAPACITY, 1 << max(n - 1, 0).bit_length())
-        free = self._free.get((dtype, capacity))
-        base = free.pop() if free else np.empty(capacity, dtype)
+        try:  # pop and append are atomic: a callback thread may share the pool with the main one
+            base = self._free[(dtype, capacity)].pop()
+        except (KeyError, IndexError):
+            base = np.empty(capacity, dtype)
         return base[:n]
 
     def give(self, buf: np.ndarray) -> None:

@@ -1,0 +1,194 @@
+"""`distributed_optax`: reduce gradients across ranks, then hand off to an optax transformation.
+
+The optax face of `dp.DistributedOptimizer` (Lux's `DistributedOptimizer`, FluxMPI's
+`DistributedOptimizer`): a wrapper transformation in the shape of `optax.apply_if_finite`, whose
+state is a NamedTuple carrying the wrapped one's `inner_state`. Each `update` reduces the gradient
+tree across ranks (averaging by default) with one fused allreduce per dtype bucket, then calls the
+wrapped transformation on the result.
+
+It works eagerly and inside `jax.jit`:
+
+- Eagerly, the gradient leaves go through `dataparallel.collectives.allreduce` directly.
+- Under `jax.jit` (or any trace), the leaves go through one *ordered* host callback per step
+  (`jax.experimental.io_callback(..., ordered=True)`), which hands them to the same allreduce as
+  NumPy arrays and returns the reduced ones. Ordered effects run exactly once per executed step and
+  in program order, so every rank makes the same collective calls in the same order; a
+  `jax.pure_callback` could be dropped, duplicated or reordered by the compiler, which would
+  deadlock the ranks.
+
+Sharp bits:
+
+- Every rank must run the same number of updates in the same order: each one is a collective. Do
+  not put the update in a branch that depends on rank-local data; in particular wrap as
+  `DistributedOptimizer(optax.apply_if_finite(opt, n))`, not the other way round, so the
+  finiteness test sees the averaged gradients and every rank takes the same branch.
+- Under `jit` the gradients travel device -> host -> device for the reduction; on CPU, JAX runs a
+  step that holds a host callback synchronously. On GPUs, `mpi4jax` (`mpi4jax.allreduce` inside
+  `jit`, not a dependency here) reduces without leaving the XLA program and can use CUDA-aware MPI.
+- With MPI and more than one rank, the callbacks run on a private duplicate of the backend's
+  communicator, created collectively when the first transformation is built (or, when the world
+  is not initialized yet, when the first update is traced). A GPU step still in flight thus never
+  interleaves its reduction with collectives that the main thread makes meanwhile (logging a loss
+  with `dp.allreduce`, say). Other backends share their one process group.
+- Errors raised inside the callback (`CollectiveMismatchError` when ranks send different trees)
+  reach the caller wrapped in JAX's runtime error, with the dataparallel message inside; dtype
+  errors (`op="avg"` on integer gradients) are raised at trace time, as a plain `TypeError`.
+- The update cannot be `vmap`ped (ordered effects do not batch), and the callback expects the
+  data-parallel layout: one JAX device per process (within a process, use JAX's own sharding).
+- Staging the gradient tree through a host callback has a cost of its own, which grows with the
+  gradients' size. The alternative is to split the step: compute the gradients under `jit`,
+  reduce them eagerly with `dp.allreduce_gradients`, and apply a plain optax update under `jit`.
+  `benchmarks/optax_step.py` measures both ways side by side; pick by measuring on your model.
+
+>>> import jax.numpy as jnp, optax, dataparallel as dp
+>>> _ = dp.initialize()  # a world of one here
+>>> opt = dp.DistributedOptimizer(optax.sgd(0.1))
+>>> params = {"w": jnp.ones(2)}
+>>> state = opt.init(params)
+>>> updates, state = opt.update({"w": jnp.ones(2)}, state, params)
+>>> optax.apply_updates(params, updates)["w"].tolist()
+[0.8999999761581421, 0.8999999761581421]
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import numpy as np
+
+try:
+    import jax
+    import optax
+    from jax.experimental import io_callback
+except ImportError as exc:  # pragma: no cover - exercised only without JAX
+    raise ImportError(
+        "dp.DistributedOptimizer for optax needs JAX and optax: pip install 'dataparallel[jax]'."
+    ) from exc
+
+from dataparallel import collectives, world
+from dataparallel.backends.base import Backend
+from dataparallel.checks import parse_op, validate_reduction
+
+__all__ = ["DistributedState", "distributed_optax"]
+
+
+class DistributedState(NamedTuple):
+    """State of `distributed_optax`: the wrapped transformation's state, unchanged."""
+
+    inner_state: Any
+
+
+def distributed_optax(
+    inner: optax.GradientTransformation, *, op: str = "avg", backend: Backend | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap `inner` so that its updates see gradients reduced across all ranks.
+
+    Usually reached through `dp.DistributedOptimizer(inner)`. With more than one MPI rank,
+    building the transformation is collective when the world is initialized (see the module's
+    sharp bits): every rank must build it.
+
+    Args:
+        inner: the optax transformation to hand the reduced gradients to.
+        op: `"avg"` (default: Lux, Flashlight, Horovod), `"sum"` (FluxMPI, whose users scale the
+            loss by `1 / size()` themselves), or `"prod"`, `"min"`, `"max"`.
+        backend: the engine to reduce on (default: the active one, looked up at each update).
+
+    Returns:
+        An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
+        `update(updates, state, params=None, **extra_args)` reduces `updates` and returns the
+        inner transformation's updates with the new `DistributedState`. Both work eagerly and
+        inside `jax.jit`.
+
+    Raises:
+        ValueError: `op` is not a reduction.
+        TypeError: (at `update`) `op="avg"` meets an integer or bool gradient; the message names
+            its path (`grads['fc1']['w']`).
+
+    >>> import jax, jax.numpy as jnp, optax, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> opt = distributed_optax(optax.adam(1e-3))
+    >>> params = {"w": jnp.zeros(3)}
+    >>> state = opt.init(params)
+    >>> @jax.jit
+    ... def step(params, state):
+    ...     grads = jax.grad(lambda p: jnp.sum((p["w"] - 1.0) ** 2))(params)
+    ...     updates, state = opt.update(grads, state, params)
+    ...     return optax.apply_updates(params, updates), state
+    >>> params, state = step(params, state)
+    >>> type(state).__name__, [round(float(w), 4) for w in params["w"]]
+    ('DistributedState', [0.001, 0.001, 0.001])
+    """
+    parse_op(op)
+    inner = optax.with_extra_args_support(inner)
+    if world.initialized():
+        _callback_backend(backend)  # collective: create the private communicator now, everywhere
+
+    def init_fn(params: Any) -> DistributedState:
+        return DistributedState(inner_state=inner.init(params))
+
+    def update_fn(
+        updates: Any, state: DistributedState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, DistributedState]:
+        if not isinstance(state, DistributedState):
+            raise TypeError(
+                "update expected the DistributedState made by this transformation's init, got "
+                f"{type(state).__module__}.{type(state).__qualname__}: pass the state returned by "
+                "the distributed transformation's init (or update), not the inner one's."
+            )
+        reduced = _allreduce_tree(updates, op, backend)
+        new_updates, inner_state = inner.update(reduced, state.inner_state, params, **extra_args)
+        return new_updates, DistributedState(inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _allreduce_tree(grads: Any, op: str, backend: Backend | None) -> Any:
+    """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    if not with_paths:
+        return grads
+    for key, leaf in with_paths:
+        validate_reduction(_dtype(leaf), op, None, "grads" + jax.tree_util.keystr(key))
+    leaves = [leaf for _, leaf in with_paths]
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        reduced = _allreduce_traced(leaves, op, _callback_backend(backend))
+    else:
+        # NumPy leaves are copied first: the collectives write them in place, optax never does.
+        leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
+        reduced = collectives.allreduce(leaves, op=op, backend=backend)
+    return jax.tree_util.tree_unflatten(treedef, reduced)
+
+
+def _dtype(leaf: Any) -> str:
+    return str(np.dtype(jax.numpy.result_type(leaf)))
+
+
+def _allreduce_traced(leaves: list[Any], op: str, backend: Backend) -> list[Any]:
+    """Stage `leaves` out to one ordered host callback that allreduces them as NumPy arrays."""
+    shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in leaves]
+
+    def reduce_on_host(*arrays: Any) -> list[np.ndarray]:
+        # JAX hands over CPU jax.Arrays; writable NumPy copies are reduced in place by the engine.
+        work = [np.array(a, copy=True) for a in arrays]
+        return [np.asarray(a) for a in collectives.allreduce(work, op=op, backend=backend)]
+
+    return list(io_callback(reduce_on_host, shapes, *leaves, ordered=True))
+
+
+# One private backend per backend, for the callbacks: see the module's sharp bits.
+_PRIVATE: weakref.WeakKeyDictionary[Backend, Backend] = weakref.WeakKeyDictionary()
+
+
+def _callback_backend(backend: Backend | None) -> Backend:
+    """Return the backend the host callbacks reduce on, duplicating `backend` the first time."""
+    base = backend if backend is not None else world.get_backend()
+    private = _PRIVATE.get(base)
+    if private is None:
+        private = base
+        if base.name == "mpi" and base.size > 1:
+            from dataparallel.backends.mpi import MPIBackend
+
+            private = MPIBackend(base.comm)  # type: ignore[attr-defined]
+        _PRIVATE[base] = private
+    return private

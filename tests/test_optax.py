@@ -1,0 +1,415 @@
+"""Tests of `dataparallel.optim.optax_transform`, passing at any world size.
+
+`pytest tests/test_optax.py` runs them in a world of one; under
+`mpiexec -n 3 python -m pytest tests/test_optax.py` every rank runs them in lockstep. Results are
+compared across ranks by gathering plain NumPy values first and asserting afterwards, so a failure
+on one rank cannot leave the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+jnp = jax.numpy
+
+import dataparallel as dp  # noqa: E402
+from dataparallel import collectives  # noqa: E402
+from dataparallel.backends.base import Backend  # noqa: E402
+from dataparallel.errors import CollectiveMismatchError  # noqa: E402
+from dataparallel.optim import optax_transform  # noqa: E402
+from dataparallel.optim.optax_transform import DistributedState, distributed_optax  # noqa: E402
+
+GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks: every share has the same size
+STEPS = 6
+
+
+def gather(tree: Any) -> list[Any]:
+    """Return every rank's `tree`, as NumPy leaves, in rank order."""
+    return dp.allgather_object(jax.tree.map(np.asarray, tree))
+
+
+def assert_same_on_every_rank(tree: Any) -> None:
+    every = gather(tree)
+    for other in every[1:]:
+        jax.tree.map(np.testing.assert_array_equal, every[0], other)
+
+
+# --- A small regression problem: the same global batch on every rank. -----------------------------
+
+
+def problem() -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    params = {
+        "hidden": {
+            "w": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+            "b": jnp.zeros(8, jnp.float32),
+        },
+        "out": [jnp.asarray(rng.normal(size=(8,)), jnp.float32), jnp.zeros((), jnp.float32)],
+    }
+    x = rng.normal(size=(GLOBAL_BATCH, 4)).astype(np.float32)
+    y = rng.normal(size=(GLOBAL_BATCH,)).astype(np.float32)
+    return params, x, y
+
+
+def loss(params: Any, x: Any, y: Any) -> Any:
+    h = jnp.tanh(x @ params["hidden"]["w"] + params["hidden"]["b"])
+    w, b = params["out"]
+    return jnp.mean((h @ w + b - y) ** 2)
+
+
+def share(a: np.ndarray, rank: int, size: int) -> np.ndarray:
+    return np.array_split(a, size)[rank]
+
+
+def train(
+    opt: Any, params: Any, x: np.ndarray, y: np.ndarray, steps: int, jit: bool
+) -> tuple[Any, Any]:
+    """Run `steps` steps of `opt` on (x, y): with a jitted train step, or with `opt.update` eager.
+
+    (The eager variant still jits the gradient: JAX compiles every primitive it runs eagerly, which
+    would make the test slow without testing anything more.)
+    """
+    grad = jax.jit(jax.grad(loss))
+
+    def step(params: Any, state: Any) -> tuple[Any, Any]:
+        grads = grad(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    run = jax.jit(step) if jit else step
+    state = opt.init(params)
+    for _ in range(steps):
+        params, state = run(params, state)
+    return params, state
+
+
+OPTIMIZERS: dict[str, Callable[[], Any]] = {
+    "adam": lambda: optax.adam(1e-2),
+    "sgd-momentum": lambda: optax.sgd(5e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_shares_averaged_match_one_process_on_the_whole_batch(
+    name: str, jit: bool, rank: int, size: int
+) -> None:
+    params, x, y = problem()
+    reference, ref_state = train(OPTIMIZERS[name](), params, x, y, STEPS, jit=True)
+    opt = dp.DistributedOptimizer(OPTIMIZERS[name]())
+    mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), STEPS, jit=jit)
+
+    assert isinstance(state, DistributedState)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), mine, reference
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+        state.inner_state,
+        ref_state,
+    )
+    assert_same_on_every_rank((mine, state))
+
+
+# --- The optax interface. -------------------------------------------------------------------------
+
+
+def test_state_is_a_namedtuple_carrying_the_inner_state() -> None:
+    params = {"w": jnp.ones(3)}
+    inner = optax.adam(1e-3)
+    opt = dp.DistributedOptimizer(inner)
+    assert isinstance(opt, optax.GradientTransformationExtraArgs)
+    state = opt.init(params)
+    assert type(state) is DistributedState and state._fields == ("inner_state",)
+    assert jax.tree.structure(state.inner_state) == jax.tree.structure(inner.init(params))
+
+
+def test_update_signature_matches_optax(size: int) -> None:
+    params = {"w": jnp.ones(3)}
+    opt = distributed_optax(optax.sgd(0.5))
+    state = opt.init(params)
+    grads = {"w": jnp.full(3, 2.0)}
+    no_params, _ = opt.update(grads, state)  # params defaults to None
+    positional, _ = opt.update(grads, state, params)
+    keyword, _ = opt.update(updates=grads, state=state, params=params)
+    for updates in (no_params, positional, keyword):
+        np.testing.assert_allclose(updates["w"], [-1.0, -1.0, -1.0])
+
+
+def test_extra_args_reach_the_inner_transformation() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        seen.append(extra)
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    opt = distributed_optax(inner)
+    opt.update({"w": jnp.ones(2)}, opt.init({"w": jnp.ones(2)}), None, value=jnp.asarray(3.0))
+    assert len(seen) == 1 and float(seen[0]["value"]) == 3.0
+
+
+def test_plain_transformations_ignore_extra_args() -> None:
+    opt = distributed_optax(optax.sgd(1.0))
+    params = {"w": jnp.ones(2)}
+    updates, _ = opt.update({"w": jnp.ones(2)}, opt.init(params), params, value=jnp.asarray(1.0))
+    np.testing.assert_allclose(updates["w"], [-1.0, -1.0])
+
+
+def test_the_inner_state_is_refused_with_a_clear_message() -> None:
+    params = {"w": jnp.ones(2)}
+    inner = optax.sgd(0.1)
+    opt = distributed_optax(inner)
+    with pytest.raises(TypeError, match="expected the DistributedState made by this"):
+        opt.update({"w": jnp.ones(2)}, inner.init(params), params)
+
+
+def test_unknown_op_is_refused_when_built() -> None:
+    with pytest.raises(ValueError, match=r"op='mean' is not a reduction"):
+        dp.DistributedOptimizer(optax.sgd(0.1), op="mean")
+
+
+def test_empty_gradient_tree_is_passed_through() -> None:
+    opt = distributed_optax(optax.sgd(0.1))
+    updates, state = opt.update({}, opt.init({}))
+    assert updates == {} and isinstance(state, DistributedState)
+
+
+# --- Reductions: op, dtypes, errors. --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_sum_and_avg_over_mixed_dtypes(jit: bool, rank: int, size: int) -> None:
+    grads = {
+        "f32": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) + rank,
+        "f16": jnp.full(4, rank + 1, jnp.float16),
+        "bf16": jnp.full((), rank + 1, jnp.bfloat16),
+        "i32": jnp.asarray([rank, 2 * rank], jnp.int32),
+    }
+    total = sum(range(size))
+    for op in ("sum", "avg"):
+        tree = grads if op == "sum" else {k: v for k, v in grads.items() if k != "i32"}
+        opt = distributed_optax(optax.identity(), op=op)
+        update = jax.jit(opt.update) if jit else opt.update
+        out, _ = update(tree, opt.init(tree))
+        div = 1 if op == "sum" else size
+        for key, value in out.items():
+            assert value.dtype == tree[key].dtype and value.shape == tree[key].shape, key
+        np.testing.assert_allclose(
+            out["f32"], (size * np.arange(6).reshape(2, 3) + total) / div, rtol=1e-6
+        )
+        np.testing.assert_allclose(out["f16"].astype(np.float32), (size + total) / div, rtol=1e-3)
+        np.testing.assert_allclose(float(out["bf16"]), (size + total) / div, rtol=1e-2)
+        if op == "sum":
+            np.testing.assert_array_equal(out["i32"], [total, 2 * total])
+
+
+def test_numpy_gradients_are_not_written_in_place(rank: int, size: int) -> None:
+    grads = {"w": np.full(3, rank + 1.0, np.float32)}
+    opt = distributed_optax(optax.identity(), op="sum")
+    out, _ = opt.update(grads, opt.init(grads))
+    np.testing.assert_array_equal(grads["w"], np.full(3, rank + 1.0))
+    np.testing.assert_allclose(out["w"], np.full(3, size * (size + 1) / 2))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_avg_on_integer_gradients_names_the_leaf(jit: bool) -> None:
+    params = {"layer": {"w": jnp.ones(2), "i": jnp.ones(2, jnp.int32)}}
+    opt = distributed_optax(optax.identity())
+    update = jax.jit(opt.update) if jit else opt.update
+    message = re.escape("grads['layer']['i']: op='avg' on a") + r".*int32"
+    with pytest.raises(TypeError, match=message):
+        update(params, opt.init(params))
+
+
+def test_mismatched_gradients_fail_on_every_rank_and_the_world_survives(
+    rank: int, size: int
+) -> None:
+    if size == 1:
+        pytest.skip("needs peers")
+    opt = distributed_optax(optax.identity())
+    grads = {"w": jnp.ones(3 + rank)}
+    with pytest.raises(CollectiveMismatchError, match=r"float32\[3\] on rank 0"):
+        opt.update(grads, opt.init(grads))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
+        jax.jit(opt.update)(grads, opt.init(grads))
+    same = {"w": jnp.ones(3)}
+    out, _ = jax.jit(opt.update)(same, opt.init(same))
+    np.testing.assert_allclose(out["w"], np.ones(3))
+
+
+# --- Under jit: one callback per step, ranks in step. ---------------------------------------------
+
+
+@pytest.fixture
+def allreduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls the transformation makes to `collectives.allreduce` (one per step)."""
+    calls: list[int] = []
+    real = collectives.allreduce
+
+    def counting(x: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(x))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(collectives, "allreduce", counting)
+    return calls
+
+
+def test_one_fused_callback_per_jitted_step_and_ranks_stay_in_step(
+    allreduce_calls: list[int], rank: int, size: int
+) -> None:
+    lr, steps = 0.01, 100
+    opt = dp.DistributedOptimizer(optax.sgd(lr))
+    key = jax.random.key(rank)
+
+    @jax.jit
+    def step(params: Any, state: Any, key: Any) -> tuple[Any, Any, Any]:
+        # Gradient (rank + 1) * params: the average over ranks is (size + 1) / 2 * params.
+        grads = jax.tree.map(lambda p: (rank + 1) * p, params)
+        updates, state = opt.update(grads, state, params)
+        noise = jax.random.normal(key, ())  # rank-local work that must not leak into the result
+        return optax.apply_updates(params, updates), state, noise
+
+    params = {"a": jnp.ones((3, 2)), "b": [jnp.full(5, 2.0)]}
+    state = opt.init(params)
+    for _ in range(steps):
+        key, sub = jax.random.split(key)
+        params, state, _ = step(params, state, sub)
+
+    assert allreduce_calls == [2] * steps  # one call per step, both leaves fused into it
+    factor = (1 - lr * (size + 1) / 2) ** steps
+    np.testing.assert_allclose(params["a"], np.full((3, 2), factor), rtol=1e-4)
+    np.testing.assert_allclose(params["b"][0], np.full(5, 2 * factor), rtol=1e-4)
+    assert_same_on_every_rank(params)
+
+
+def test_callback_runs_once_per_iteration_inside_a_loop(
+    allreduce_calls: list[int], rank: int, size: int
+) -> None:
+    opt = distributed_optax(optax.identity(), op="sum")
+
+    @jax.jit
+    def loop(x: Any) -> Any:
+        state = opt.init(x)
+
+        def body(_: Any, acc: Any) -> Any:
+            out, _ = opt.update(jnp.full_like(acc, rank + 1.0), state)
+            return acc + out
+
+        return jax.lax.fori_loop(0, 7, body, x)
+
+    out = loop(jnp.zeros(2))
+    assert allreduce_calls == [1] * 7
+    np.testing.assert_allclose(out, np.full(2, 7 * size * (size + 1) / 2))
+
+
+def test_value_and_grad_train_step_with_apply_updates(rank: int, size: int) -> None:
+    params, x, y = problem()
+    opt = dp.DistributedOptimizer(optax.adam(1e-2))
+
+    @jax.jit
+    def step(params: Any, state: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    state = opt.init(params)
+    values = []
+    for _ in range(30):
+        params, state, value = step(params, state, share(x, rank, size), share(y, rank, size))
+        values.append(float(value))
+    assert values[-1] < values[0]  # this rank's share's loss
+    # The global loss went down, and every rank holds the same parameters.
+    assert float(loss(params, x, y)) < 0.8 * float(loss(problem()[0], x, y))
+    assert_same_on_every_rank(params)
+
+
+def test_callbacks_use_a_private_communicator(world: Backend, rank: int) -> None:
+    """A step reducing on another thread cannot interleave with the main thread's collectives.
+
+    On a GPU a jitted step returns before its callback runs, so the main thread may make its own
+    collective (log a loss) while the callback reduces. Rank 0 starts the step first and rank 1
+    the main-thread collective first: on one shared communicator the calls would cross.
+    """
+    if world.name != "mpi" or world.size == 1:
+        pytest.skip("needs several MPI ranks")
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("MPI is not initialized with MPI_THREAD_MULTIPLE")
+    opt = distributed_optax(optax.identity(), op="sum")
+    private = optax_transform._callback_backend(None)
+    assert private is not world and private.comm != world.comm  # type: ignore[attr-defined]
+    step = jax.jit(opt.update)
+    grads = {"w": jnp.full(4, rank + 1.0)}
+    state = opt.init(grads)
+    step(grads, state)  # compile on the main thread first
+    result: dict[str, Any] = {}
+
+    def run_step() -> None:
+        result["step"] = step(grads, state)[0]
+
+    thread = threading.Thread(target=run_step)
+    if rank == 0:
+        thread.start()
+    logged = dp.allreduce(np.full(2, float(rank)))
+    if rank != 0:
+        thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    total = world.size * (world.size + 1) / 2
+    np.testing.assert_allclose(result["step"]["w"], np.full(4, total))
+    np.testing.assert_allclose(logged, np.full(2, total - world.size))
+
+
+# --- dp.synchronize on optax states and JAX parameter trees. --------------------------------------
+
+
+@pytest.mark.parametrize("root", [0, -1], ids=["root0", "last"])
+def test_synchronize_gives_every_rank_roots_optax_state(root: int, rank: int, size: int) -> None:
+    root = root % size
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    inner = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2 * (rank + 1)),
+    )
+    state = inner.init(params)
+    update = jax.jit(inner.update)
+    for i in range(rank + 1):  # rank-dependent counts, moments and hyper-parameters
+        grads = jax.tree.map(lambda p, i=i: p * (rank + 1) + i + 1, params)
+        _, state = update(grads, state, params)
+    dstate = DistributedState(inner_state=state)
+    theirs = gather(dstate)[root]
+
+    synced = dp.synchronize(dstate, root=root)
+
+    assert jax.tree.structure(synced) == jax.tree.structure(dstate)
+    assert type(synced) is DistributedState
+    assert isinstance(synced.inner_state[0], optax.EmptyState)
+    for got, was in zip(jax.tree.leaves(synced), jax.tree.leaves(dstate), strict=True):
+        assert isinstance(got, jax.Array) and got.dtype == was.dtype and got.shape == was.shape
+    jax.tree.map(np.testing.assert_array_equal, synced, theirs)
+    assert int(synced.inner_state[1].count) == root + 1
+
+
+def test_synchronize_gives_every_rank_roots_parameters(rank: int, size: int) -> None:
+    params = {
+        "dense": {"w": jnp.full((3, 2), float(rank)), "b": jnp.arange(2) + rank},
+        "scale": jnp.asarray(rank, jnp.bfloat16),
+        "steps": [jnp.asarray(rank, jnp.int32)],
+    }
+    synced = dp.synchronize(params)
+    assert jax.tree.structure(synced) == jax.tree.structure(params)
+    np.testing.assert_array_equal(synced["dense"]["w"], np.zeros((3, 2)))
+    np.testing.assert_array_equal(synced["dense"]["b"], np.arange(2))
+    assert synced["scale"].dtype == jnp.bfloat16 and float(synced["scale"]) == 0.0
+    assert synced["steps"][0].dtype == jnp.int32 and int(synced["steps"][0]) == 0
+    assert_same_on_every_rank(synced)
