@@ -325,7 +325,7 @@ class _FusionReducer(Reducer):
         self._fusion = Fusion(
             self.backend,
             Reduction(engine_op, total if total != 1 else None),
-            bucket_bytes=bucket_bytes or active.settings.bucket_bytes,
+            bucket_bytes=active.settings.bucket_bytes if bucket_bytes is None else bucket_bytes,
             async_op=async_op,
             contiguous=contiguous,
             pool=active.buffers,
@@ -350,6 +350,12 @@ class _FusionReducer(Reducer):
                 f"{type(self).__name__}.add takes mutable arrays (NumPy, PyTorch, CuPy), since it "
                 f"reduces in place; got an immutable {family.name} value. Use "
                 "`x = dp.allreduce(x)` for JAX arrays and numbers."
+            )
+        if isinstance(x, np.ndarray) and not x.flags.writeable:
+            raise TypeError(
+                f"{type(self).__name__}.add takes writable arrays, since it reduces in place; got "
+                "a read-only NumPy array. Pass a writable copy (`np.array(x)`), or use "
+                "`x = dp.allreduce(x)`."
             )
         dtype = family.dtype(x)
         validate_reduction(dtype, self.op, self.scale if self.scale != 1 else None, "x")

@@ -1,0 +1,174 @@
+"""The test suite's world: one process group per run, and a guard so that no failure ever hangs.
+
+The same tests run as a world of one (`pytest`), under MPI (`mpiexec -n 3 python -m pytest`) and
+under Gloo (`dataparallel run -n 2 --backend gloo -m pytest`): the world is set up once, when pytest
+starts, by `dp.initialize()`, which reads how the process was launched.
+
+When the world has several ranks:
+- a failing test, in any phase (setup, call, teardown), or a module that fails to import, prints
+  `[rank r] FAILED test_id` and its traceback to stderr and ends the whole job at once
+  (`MPI_Abort`, or `os._exit(1)` for other engines): the other ranks would otherwise wait forever
+  in the next collective;
+- every rank must collect the same tests, in the same order (checked once, after collection);
+- only rank 0 prints pytest's usual report, so the job's last line is rank 0's summary;
+- tests marked `spawns` (they launch their own processes) are skipped; they run in the world of one;
+- hypothesis draws the same examples on every rank (`derandomize=True`).
+
+Fixtures: `world` (the active backend), `rank`, `size`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+
+SPAWNS_REASON = "launches its own processes; runs in the world-of-one pass"
+
+# Set in pytest_configure: the backend, and a private copy of the real stderr (pytest redirects
+# file descriptor 2 while it captures, and a dying rank's report must reach the terminal).
+_state: dict[str, Any] = {}
+
+hypothesis_settings.register_profile("dataparallel", database=None, deadline=None)
+# Under several ranks every rank must draw the same examples, and nothing may depend on timing:
+# a health check that fails on one slow rank only would desynchronize the ranks.
+hypothesis_settings.register_profile(
+    "dataparallel-world",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Set up the world, the markers, the hypothesis profile, and quiet ranks > 0."""
+    config.addinivalue_line(
+        "markers", f"spawns: the test launches its own processes ({SPAWNS_REASON})"
+    )
+    backend = dp.initialize()
+    _state["backend"] = backend
+    _state["stderr"] = os.dup(2)
+    multi = backend.size > 1
+    hypothesis_settings.load_profile("dataparallel-world" if multi else "dataparallel")
+    if multi and backend.rank > 0:
+        _quiet(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Tear the world down after the last test."""
+    dp.finalize()
+    stderr = _state.pop("stderr", None)
+    if stderr is not None:
+        os.close(stderr)
+    devnull = _state.pop("devnull", None)
+    if devnull is not None:
+        devnull.close()
+
+
+def _quiet(config: pytest.Config) -> None:
+    """Send pytest's terminal report on this rank to /dev/null; the guard still reports failures.
+
+    The reporter is replaced rather than removed, so plugins that write through it still work.
+    """
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    config.pluginmanager.unregister(reporter)
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - open for the whole session
+    _state["devnull"] = devnull
+    config.pluginmanager.register(pytest.TerminalReporter(config, devnull), "terminalreporter")
+
+
+def _multi() -> bool:
+    backend = _state.get("backend")
+    return backend is not None and backend.size > 1
+
+
+def _abort(header: str, text: str) -> None:
+    """Print `header` and `text` to the real stderr and end the whole job at once."""
+    backend: Backend = _state["backend"]
+    message = f"[rank {backend.rank}] {header}\n{text}\n"
+    fd = _state.get("stderr", 2)
+    os.write(fd, message.encode(errors="replace"))
+    if backend.name == "mpi":
+        backend.abort(1)
+    os._exit(1)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """End the job when a test fails on a rank of a multi-rank world (any phase)."""
+    if report.failed and _multi():
+        phase = "" if report.when == "call" else f" (in {report.when})"
+        _abort(f"FAILED {report.nodeid}{phase}", report.longreprtext)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """End the job when a module fails to import on a rank of a multi-rank world."""
+    if report.failed and _multi():
+        _abort(f"ERROR collecting {report.nodeid}", report.longreprtext)
+
+
+def pytest_internalerror(excrepr: Any, excinfo: Any) -> None:
+    """End the job when pytest itself fails on a rank of a multi-rank world."""
+    if _multi():
+        _abort("INTERNALERROR", str(excrepr))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `spawns` tests when the world has several ranks."""
+    if not _multi():
+        return
+    skip = pytest.mark.skip(reason=SPAWNS_REASON)
+    for item in items:
+        if "spawns" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Check that every rank collected the same tests, which the ranks must run in lockstep."""
+    if not _multi():
+        return
+    backend: Backend = _state["backend"]
+    ids = "\n".join(item.nodeid for item in session.items)
+    mine = (len(session.items), hashlib.blake2b(ids.encode(), digest_size=16).hexdigest())
+    every = backend.allgather_object(mine)
+    if any(other != every[0] for other in every):
+        counts = ", ".join(f"rank {r}: {n} tests" for r, (n, _) in enumerate(every))
+        _abort(
+            "collected different tests than another rank",
+            f"({counts}). Every rank must collect the same tests in the same order: "
+            "parametrize on values that are equal on every rank.",
+        )
+
+
+@pytest.fixture(scope="session")
+def world() -> Backend:
+    """Return the active backend (MPI under mpiexec, Gloo under `dataparallel run`, or single).
+
+    The world is set up in `pytest_configure` and finalized in `pytest_unconfigure`, so the guard
+    knows the rank from the start; this fixture only hands it out (and sets it up again if a test
+    finalized it).
+    """
+    return dp.initialize()
+
+
+@pytest.fixture(scope="session")
+def rank(world: Backend) -> int:
+    """Return this process's rank."""
+    return world.rank
+
+
+@pytest.fixture(scope="session")
+def size(world: Backend) -> int:
+    """Return the world size."""
+    return world.size

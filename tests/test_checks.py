@@ -1,0 +1,280 @@
+"""Input validation and collective mismatch detection (`dataparallel.checks`).
+
+The mismatch tests make the ranks call collectives differently on purpose: every rank must raise
+`CollectiveMismatchError` naming the ranks and what differs, and the next collective must work.
+They need two ranks or more; the message itself is also tested on a simulated world of three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dataparallel as dp
+import dataparallel.world as world_module
+from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.checks import parse_op, reduction_error, validate_reduction, verify_same_call
+
+
+def test_parse_op() -> None:
+    assert parse_op("sum") == (ReduceOp.SUM, False)
+    assert parse_op("avg") == (ReduceOp.SUM, True)
+    assert parse_op("prod") == (ReduceOp.PROD, False)
+    assert parse_op("min") == (ReduceOp.MIN, False)
+    assert parse_op("max") == (ReduceOp.MAX, False)
+    with pytest.raises(ValueError, match=r"op='SUM' is not a reduction: use one of \('sum', "):
+        parse_op("SUM")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint64", "bool"])
+def test_integers_reject_avg_and_fractional_scale(dtype: str) -> None:
+    assert "op='avg'" in (reduction_error(dtype, "avg", None) or "")
+    assert "scale=0.5 cannot be applied" in (reduction_error(dtype, "sum", 0.5) or "")
+    assert reduction_error(dtype, "sum", None) is None
+    assert reduction_error(dtype, "max", None) is None
+    with pytest.raises(TypeError, match=r"^grads\['w'\]: op='avg' on a "):
+        validate_reduction(dtype, "avg", None, "grads['w']")
+
+
+def test_integral_scale_is_accepted_on_integers_but_not_on_bool() -> None:
+    assert reduction_error("int32", "sum", 2.0) is None
+    assert reduction_error("int32", "sum", 3) is None
+    assert "scale=2 cannot be applied to a bool" in (reduction_error("bool", "sum", 2) or "")
+
+
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_complex_rejects_min_and_max(op: str) -> None:
+    assert f"op={op!r} is not defined for complex values" in (
+        reduction_error("complex64", op, None) or ""
+    )
+    assert reduction_error("complex128", "avg", 0.5) is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "complex64"])
+def test_floats_accept_every_op_and_scale(dtype: str) -> None:
+    for op in ("sum", "prod", "avg") + (("min", "max") if "complex" not in dtype else ()):
+        assert reduction_error(dtype, op, 0.25) is None
+
+
+# --- verify_same_call on a simulated world of three -----------------------------------------
+
+
+class Simulated(Backend):
+    """Rank 0 of a world of three whose peers made the calls in `peers`."""
+
+    name = "simulated"
+
+    def __init__(self, peers: list[dict[str, Any]]) -> None:
+        self.rank, self.size, self.local_rank, self.local_size = 0, 3, 0, 3
+        self.peers = peers
+        self.log: list[str] = []
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> Simulated:
+        raise NotImplementedError
+
+    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+        self.log.append(f"allreduce {op.value} {buf.dtype}[{buf.size}]")
+        if any(peer != self.peers[0] for peer in self.peers):
+            buf[0] += 1  # the largest hash differs from the smallest
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        self.log.append("allgather_object")
+        return [obj, *self.peers[1:]]
+
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+        raise NotImplementedError
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+        raise NotImplementedError
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        raise NotImplementedError
+
+    def ibroadcast(self, buf: Any, root: int) -> Request:
+        return CompletedRequest()
+
+    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+        raise NotImplementedError
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def abort(self, code: int = 1) -> None:
+        raise NotImplementedError
+
+
+CALL = {"collective": "allreduce", "op": "sum", "x['w']": "float32[3]"}
+
+
+def test_matching_calls_cost_one_small_allreduce() -> None:
+    backend = Simulated([CALL, CALL, CALL])
+    verify_same_call(backend, CALL)
+    assert backend.log == ["allreduce max int64[2]"]
+
+
+def test_a_lazy_description_is_only_built_on_a_mismatch() -> None:
+    built = []
+
+    def describe() -> dict[str, Any]:
+        built.append(1)
+        return CALL
+
+    verify_same_call(Simulated([CALL] * 3), describe, summary="same")
+    assert built == []
+    with pytest.raises(dp.CollectiveMismatchError):
+        verify_same_call(Simulated([CALL, CALL, {**CALL, "op": "max"}]), describe, summary="x")
+    assert built == [1]
+
+
+def test_mismatch_message_names_ranks_and_fields() -> None:
+    peers = [CALL, {**CALL, "x['w']": "float32[4]"}, {**CALL, "x['w']": "float32[4]"}]
+    with pytest.raises(dp.CollectiveMismatchError) as info:
+        verify_same_call(Simulated(peers), CALL)
+    assert str(info.value).startswith("Ranks called allreduce with different arguments:\n")
+    assert "  x['w']: float32[3] on rank 0; float32[4] on ranks 1, 2\n" in str(info.value)
+    assert "op:" not in str(info.value)  # fields that agree are not listed
+
+
+def test_mismatch_message_for_different_collectives_and_absent_fields() -> None:
+    other = {"collective": "broadcast", "root": 0, "x['w']": "float32[3]"}
+    with pytest.raises(dp.CollectiveMismatchError) as info:
+        verify_same_call(Simulated([CALL, other, CALL]), CALL)
+    message = str(info.value)
+    assert message.startswith("Ranks called different collectives (allreduce, broadcast):")
+    assert "  collective: allreduce on ranks 0, 2; broadcast on rank 1" in message
+    assert "  op: sum on ranks 0, 2; <absent> on rank 1" in message
+    assert "  root: <absent> on ranks 0, 2; 0 on rank 1" in message
+
+
+def test_many_differences_are_summarized() -> None:
+    mine = {"collective": "allreduce", **{f"x[{i}]": "float32[1]" for i in range(20)}}
+    theirs = {"collective": "allreduce", **{f"x[{i}]": "float32[2]" for i in range(20)}}
+    with pytest.raises(dp.CollectiveMismatchError, match=r"\.\.\. and 12 more differences"):
+        verify_same_call(Simulated([mine, theirs, theirs]), mine)
+
+
+# --- real mismatches (two ranks or more) ----------------------------------------------------
+
+
+@pytest.fixture
+def others(size: int) -> str:
+    """Return how a message names every rank but 0."""
+    if size == 1:
+        pytest.skip("a mismatch needs two ranks or more")
+    return ("rank " if size == 2 else "ranks ") + ", ".join(map(str, range(1, size)))
+
+
+def expect_mismatch(call: Callable[[], Any], *fragments: str) -> str:
+    """Check that `call` raises CollectiveMismatchError with `fragments`, then that dp works."""
+    with pytest.raises(dp.CollectiveMismatchError) as info:
+        call()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    assert "Every rank must make the same collective calls" in message
+    size = dp.size()
+    assert dp.allreduce(np.ones(2))[0] == size  # the world stays usable
+    return message
+
+
+def test_different_shapes(rank: int, others: str) -> None:
+    x = {"w": np.zeros(2 if rank == 0 else 3)}
+    expect_mismatch(
+        lambda: dp.allreduce(x),
+        "Ranks called allreduce with different arguments",
+        f"x['w']: float64[2] on rank 0; float64[3] on {others}",
+    )
+
+
+def test_different_dtypes(rank: int, others: str) -> None:
+    x = [np.zeros(2, np.float32 if rank == 0 else np.float64)]
+    expect_mismatch(lambda: dp.broadcast(x), f"x[0]: float32[2] on rank 0; float64[2] on {others}")
+
+
+def test_different_tree_structures(rank: int, others: str) -> None:
+    x = {"a": 1.0} if rank == 0 else {"b": 1.0}
+    expect_mismatch(
+        lambda: dp.allreduce(x),
+        "tree structure:",
+        f"x['a']: float64[] on rank 0; <absent> on {others}",
+        f"x['b']: <absent> on rank 0; float64[] on {others}",
+    )
+
+
+def test_different_ops(rank: int, others: str) -> None:
+    op = "sum" if rank == 0 else "max"
+    expect_mismatch(lambda: dp.allreduce(np.ones(2), op=op), f"op: sum on rank 0; max on {others}")
+
+
+def test_different_scales(rank: int, others: str) -> None:
+    scale = None if rank == 0 else 2.0
+    expect_mismatch(
+        lambda: dp.allreduce(1.0, scale=scale), f"scale: None on rank 0; 2.0 on {others}"
+    )
+
+
+def test_different_roots(rank: int, others: str) -> None:
+    root = 0 if rank == 0 else 1
+    expect_mismatch(lambda: dp.reduce(np.ones(2), root=root), f"root: 0 on rank 0; 1 on {others}")
+    expect_mismatch(
+        lambda: dp.broadcast(np.ones(2), root=root), f"root: 0 on rank 0; 1 on {others}"
+    )
+    expect_mismatch(lambda: dp.broadcast_object("o", root=root), "broadcast_object")
+
+
+def test_different_collectives(rank: int, others: str) -> None:
+    def call() -> Any:
+        return dp.allreduce(np.ones(2)) if rank == 0 else dp.broadcast(np.ones(2))
+
+    expect_mismatch(
+        call,
+        "Ranks called different collectives (allreduce, broadcast)",
+        f"collective: allreduce on rank 0; broadcast on {others}",
+    )
+    expect_mismatch(
+        lambda: dp.barrier() if rank == 0 else dp.allgather_object(1),
+        "Ranks called different collectives (allgather_object, barrier)",
+    )
+    expect_mismatch(
+        lambda: dp.allreduce(1.0) if rank == 0 else dp.iallreduce(1.0).wait(),
+        "Ranks called different collectives (allreduce, iallreduce)",
+    )
+
+
+def test_allgather_allows_a_different_first_axis_only(rank: int, size: int, others: str) -> None:
+    out = dp.allgather(np.zeros((rank + 1, 2)))
+    assert out.shape == (size * (size + 1) // 2, 2)
+    expect_mismatch(
+        lambda: dp.allgather(np.zeros((1, 2 + (rank > 0)))),
+        f"x: float64['*', 2] on rank 0; float64['*', 3] on {others}",
+    )
+
+
+def test_check_off_skips_the_verification(
+    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    active = world_module.current()
+    calls: list[str] = []
+    backend = active.backend
+    real = backend.allreduce
+
+    def counting(buf: Any, op: ReduceOp) -> None:
+        calls.append(op.value)
+        real(buf, op)
+
+    monkeypatch.setattr(backend, "allreduce", counting)
+    dp.allreduce(np.ones(3))
+    assert len(calls) == (2 if size > 1 else 1)  # the 16-byte check, then the reduction
+    calls.clear()
+    monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, check=False))
+    out = dp.allreduce(np.ones(3))
+    assert calls == ["sum"]
+    np.testing.assert_array_equal(out, np.full(3, float(size)))

@@ -1,0 +1,304 @@
+"""The process group (`dataparallel.world`), and the suite's own guard against hangs.
+
+Tests that need a world other than the session's save and restore `world._world` (monkeypatch),
+so the session's world is untouched. The guard tests launch their own MPI jobs (`spawns`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dataparallel as dp
+import dataparallel.world as world_module
+from dataparallel.backends.single import SingleBackend
+from dataparallel.config import Settings
+from dataparallel.world import choose_device
+
+# --- device choice ----------------------------------------------------------------------------
+
+
+def test_choose_device_round_robin() -> None:
+    assert [choose_device(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert [choose_device(r, 4) for r in range(3)] == [0, 1, 2]
+    assert choose_device(3, 0) is None
+
+
+def test_choose_device_from_gpu_devices() -> None:
+    assert [choose_device(r, 8, [6, 7, 2]) for r in range(3)] == [6, 7, 2]
+    assert choose_device(1, 0, [5, 3]) is None  # no GPU visible: run on the CPU
+    with pytest.raises(ValueError, match=r"gpu_devices=\[0, 1\] names 2 GPUs, but this node runs "):
+        choose_device(2, 4, [0, 1])
+    with pytest.raises(ValueError, match=r"gpu_devices\[1\]=4, but this process sees 4 GPU\(s\)"):
+        choose_device(1, 4, [0, 4])
+
+
+def test_device_is_none_without_gpus(world: Any) -> None:
+    if world_module._cuda_device_count() == 0:
+        assert dp.device() is None
+    else:
+        assert dp.device() == dp.local_rank() % world_module._cuda_device_count()
+
+
+# --- the active world -------------------------------------------------------------------------
+
+
+def test_rank_size_and_backend(world: Any, rank: int, size: int) -> None:
+    assert dp.initialized()
+    assert dp.get_backend() is world
+    assert (dp.rank(), dp.size()) == (world.rank, world.size) == (rank, size)
+    assert 0 <= rank < size
+    assert world.name in ("mpi", "gloo", "nccl", "single")
+    if size == 1:
+        assert world.name == "single" or not Settings.from_env().mpi_launched
+    if Settings.from_env().mpi_launched:
+        assert world.name == "mpi"
+
+
+def test_ranks_are_distinct_and_local_ranks_consistent(rank: int, size: int) -> None:
+    every = dp.allgather_object((dp.rank(), dp.local_rank(), dp.local_size()))
+    assert [r for r, _, _ in every] == list(range(size))
+    # The suite runs on one machine: the node holds the whole world.
+    assert sorted(local for _, local, _ in every) == list(range(size))
+    assert all(n == size for _, _, n in every)
+    assert sum(1 for _, _, _ in every) == size
+
+
+def test_is_main(rank: int) -> None:
+    assert dp.is_main() is (rank == 0)
+
+
+def test_initialize_is_idempotent(world: Any) -> None:
+    assert dp.initialize() is world
+    assert dp.initialize("single") is world  # the active backend, whatever is asked
+
+
+def test_print_prefixes_time_rank_and_size(
+    rank: int, size: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dp.print("hello", 3, sep="|")
+    dp.print("to stderr", file=sys.stderr)
+    out, err = capsys.readouterr()
+    assert re.fullmatch(rf"\[\d\d:\d\d:\d\d\.\d{{3}}\] \[{rank}/{size}\] hello\|3\n", out), out
+    assert err.endswith(f"[{rank}/{size}] to stderr\n")
+
+
+def test_print_never_communicates(rank: int, size: int, capsys: pytest.CaptureFixture[str]) -> None:
+    if rank == 0:
+        dp.print("only rank 0 prints")
+    # Had the print been collective, the other ranks would now be waiting in it, not here.
+    assert dp.allreduce(np.ones(1))[0] == size
+    assert ("only rank 0 prints" in capsys.readouterr().out) is (rank == 0)
+
+
+# --- other worlds, set up and torn down in place of the session's ---------------------------
+
+
+@pytest.fixture
+def no_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hide the session's world for the test (restored afterwards)."""
+    monkeypatch.setattr(world_module, "_world", None)
+
+
+def test_before_initialize(no_world: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert not dp.initialized()
+    for call in (dp.rank, dp.size, dp.local_rank, dp.get_backend, dp.is_main):
+        with pytest.raises(dp.NotInitializedError, match=r"call dp\.initialize\(\) first"):
+            call()
+    assert isinstance(dp.NotInitializedError("x"), dp.DataParallelError)
+    dp.print("early")  # printing needs no world
+    assert "[-/-] early" in capsys.readouterr().out
+    dp.finalize()  # finalizing no world is harmless
+
+
+def test_a_fresh_world_of_one(no_world: None, capsys: pytest.CaptureFixture[str]) -> None:
+    backend = dp.initialize("single", verbose=True)
+    assert isinstance(backend, SingleBackend)
+    assert "[0/1] initialized single backend, local rank 0" in capsys.readouterr().out
+    assert dp.initialize() is backend and dp.initialize("mpi") is backend
+    assert (dp.rank(), dp.size(), dp.local_rank(), dp.local_size()) == (0, 1, 0, 1)
+    x = np.ones(3)
+    request = dp.iallreduce(x, op="avg")
+    assert world_module.current().pending == [request]
+    dp.finalize()  # waits for the request in flight
+    assert request.test() and not dp.initialized()
+    dp.finalize()
+
+
+def test_unknown_backend_names_are_refused(no_world: None) -> None:
+    message = r"backend='bogus' is not known: use 'auto', 'mpi', 'gloo', 'nccl', 'single'\."
+    with pytest.raises(ValueError, match=message):
+        dp.initialize("bogus")
+    assert not dp.initialized()
+
+
+def test_a_world_of_one_refuses_peers(no_world: None) -> None:
+    with pytest.raises(ValueError, match=r"'single' backend is a world of one, but rank=None, "):
+        dp.initialize("single", world_size=2)
+    with pytest.raises(ValueError, match=r"rank=1, world_size=None"):
+        dp.initialize("single", rank=1)
+    assert not dp.initialized()
+
+
+def test_timeout_argument_reaches_the_settings(no_world: None) -> None:
+    dp.initialize("single", timeout=12.5)
+    try:
+        assert world_module.current().settings.timeout == 12.5
+    finally:
+        dp.finalize()
+
+
+@pytest.mark.parametrize(
+    ("backend", "init_method", "env", "name"),
+    [
+        ("auto", None, {}, "single"),
+        ("auto", None, {"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),
+        ("auto", None, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "gloo"),
+        ("auto", "mpi", {}, "mpi"),
+        ("auto", "tcp://h:1234", {}, "gloo"),
+        ("auto", "file:///tmp/x", {}, "gloo"),
+        ("nccl", None, {"PMI_RANK": "0"}, "nccl"),
+        ("single", None, {"PMI_RANK": "0"}, "single"),
+    ],
+)
+def test_auto_backend_resolution(
+    backend: str, init_method: str | None, env: dict[str, str], name: str, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(world_module, "_mpi_already_initialized", lambda: False)
+    settings = Settings.from_env(env)
+    assert world_module._resolve_backend_name(backend, init_method, settings) == name
+
+
+# --- the suite's guard (conftest.py), on real MPI jobs ---------------------------------------
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def run_job(tmp_path: Path, test_source: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """Run pytest on `test_source` under `mpiexec -n ranks`, with this suite's conftest."""
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable} (pip install 'dataparallel[mpi]')")
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_job.py").write_text(textwrap.dedent(test_source))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYD", "MPI"))}
+    env |= {"MPIEXEC_TIMEOUT": "90", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "pytest", "-q"]
+    command += ["-p", "no:cacheprovider", "test_job.py"]
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.spawns
+def test_guard_only_rank_0_reports_and_spawns_tests_are_skipped(tmp_path: Path) -> None:
+    job = run_job(
+        tmp_path,
+        """
+        import hypothesis
+        import pytest
+        import dataparallel as dp
+
+        def test_world(world, rank, size):
+            assert size == 2 and world.name == "mpi" and rank == dp.rank()
+            assert hypothesis.settings.default.derandomize
+            assert hypothesis.settings.default.database is None
+
+        @pytest.mark.spawns
+        def test_spawner():
+            raise AssertionError("never runs under mpiexec")
+        """,
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output
+    assert output.count("1 passed, 1 skipped") == 1, output  # rank 0's summary alone
+    assert "launches its own processes" in job.stdout or "1 skipped" in job.stdout
+
+
+@pytest.mark.spawns
+def test_guard_aborts_the_job_when_one_rank_fails(tmp_path: Path) -> None:
+    start = time.monotonic()
+    job = run_job(
+        tmp_path,
+        """
+        import dataparallel as dp
+
+        def test_fails_on_rank_1(rank):
+            assert rank != 1, "rank 1 is broken"
+            dp.barrier()  # rank 0 would wait here forever
+
+        def test_never_reached():
+            pass
+        """,
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode != 0, output
+    assert "[rank 1] FAILED test_job.py::test_fails_on_rank_1" in job.stderr, output
+    assert "AssertionError: rank 1 is broken" in job.stderr
+    assert "[rank 0] FAILED" not in output
+    assert time.monotonic() - start < 60  # aborted, not timed out by MPIEXEC_TIMEOUT
+
+
+@pytest.mark.spawns
+def test_guard_aborts_on_a_failing_fixture_and_on_collection_errors(tmp_path: Path) -> None:
+    job = run_job(
+        tmp_path,
+        """
+        import pytest
+
+        @pytest.fixture
+        def broken(rank):
+            yield
+            assert rank != 1, "teardown broke"
+
+        def test_teardown(broken):
+            pass
+
+        def test_after(world):
+            world.barrier()
+        """,
+    )
+    assert job.returncode != 0
+    assert "[rank 1] FAILED test_job.py::test_teardown (in teardown)" in job.stderr, job.stderr
+    job = run_job(
+        tmp_path,
+        """
+        import dataparallel as dp
+
+        if dp.rank() == 1:
+            raise ImportError("rank 1 cannot import this module")
+
+        def test_anything(world):
+            world.barrier()
+        """,
+    )
+    assert job.returncode != 0
+    assert "[rank 1] ERROR collecting test_job.py" in job.stderr, job.stdout + job.stderr
+    assert "rank 1 cannot import this module" in job.stderr
+
+
+def test_settings_come_from_the_environment_at_initialize(
+    no_world: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATAPARALLEL_CHECK", "0")
+    monkeypatch.setenv("DATAPARALLEL_BUCKET_BYTES", "4096")
+    dp.initialize("single")
+    try:
+        settings = world_module.current().settings
+        assert settings.check is False and settings.bucket_bytes == 4096
+        assert dp.CoalescingReducer().bucket_bytes == 4096
+    finally:
+        dp.finalize()
+    monkeypatch.setenv("DATAPARALLEL_CHECK", "sometimes")
+    with pytest.raises(ValueError, match=r"DATAPARALLEL_CHECK='sometimes' is not a valid flag"):
+        dp.initialize("single")
+    assert not dp.initialized()
