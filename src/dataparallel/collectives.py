@@ -1,8 +1,8 @@
 """The public collectives over arrays, numbers and pytrees of them.
 
-Every call has the same skeleton: flatten the tree and identify each leaf's family and dtype,
-check that every rank makes the same call (`checks.verify_same_call`), run the leaves through the
-fusion engine (`reducers.Fusion`), and rebuild the tree. Mutable arrays are written in place and
+Every call has the same skeleton (`calls.py`): flatten the tree and identify each leaf's family and
+dtype, check that every rank makes the same call, run the leaves through the fusion engine
+(`fusion.Fusion`), and rebuild the tree. Mutable arrays are written in place and
 returned; immutable values (JAX arrays, numbers) come back new: always use the return value.
 """
 
@@ -11,18 +11,29 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dataparallel import tree, world
-from dataparallel.arrays import BufferPool, Family, family_of, storage_dtype
+from dataparallel.arrays import storage_dtype
 from dataparallel.backends.base import Backend
+from dataparallel.calls import (
+    Context,
+    Leaf,
+    Request,
+    check_root,
+    context,
+    fuse,
+    leaf_of,
+    leaves_of,
+    log,
+    results,
+    run,
+    verify,
+)
 from dataparallel.checks import parse_op, reduction_error, verify_same_call
-from dataparallel.config import Settings
-from dataparallel.reducers import Broadcast, Fusion, Reduction
-from dataparallel.timeline import Timeline
+from dataparallel.fusion import Broadcast, Fusion, Reduction
 
 __all__ = [
     "Request",
@@ -41,176 +52,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Context:
-    backend: Backend
-    settings: Settings
-    pool: BufferPool
-    pending: list[Any] | None
-    timeline: Timeline | None = None
-
-
-def _context(backend: Backend | None) -> _Context:
-    if backend is None or world.initialized():
-        active = world.current()
-        return _Context(
-            backend or active.backend,
-            active.settings,
-            active.buffers,
-            active.pending,
-            active.timeline,
-        )
-    return _Context(backend, Settings.from_env(), BufferPool(), None)
-
-
-@dataclass
-class _Leaf:
-    value: Any
-    index: int  # position among the tree's leaves, for its path
-    family: Family
-    dtype: str
-    shape: tuple[int, ...]
-    work: np.ndarray | None = None
-    is_view: bool = False
-
-
-def _leaf(flat: tree.Flat, i: int) -> _Leaf:
-    value = flat.leaves[i]
-    try:
-        family = family_of(value)
-    except TypeError:
-        family_of(value, flat.path(i))  # raise again, naming the leaf's path
-        raise
-    return _Leaf(value, i, family, family.dtype(value), family.shape(value))
-
-
-def _leaves(flat: tree.Flat) -> list[_Leaf]:
-    return [_leaf(flat, i) for i in range(len(flat.leaves))]
-
-
-def _verify(
-    ctx: _Context,
-    collective: str,
-    flat: tree.Flat,
-    leaves: list[_Leaf],
-    args: dict[str, Any],
-    *,
-    first_axis: bool = True,
-) -> None:
-    """Check that every rank makes this call (see `checks.verify_same_call`)."""
-    if not ctx.settings.check or ctx.backend.size == 1:
-        return
-
-    def signature(leaf: _Leaf) -> str:
-        shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]
-        return f"{leaf.dtype}{shape}"
-
-    signatures = [signature(leaf) for leaf in leaves]
-    summary = f"{collective}|{sorted(args.items())}|{flat.structure()}|{'|'.join(signatures)}"
-
-    def details() -> dict[str, Any]:
-        call: dict[str, Any] = {"collective": collective, **args}
-        call["tree structure"] = flat.structure()
-        for leaf, sig in zip(leaves, signatures, strict=True):
-            call[flat.path(leaf.index)] = sig
-        return call
-
-    verify_same_call(ctx.backend, details, summary)
-
-
-def _check_root(root: int, backend: Backend) -> None:
-    if not 0 <= root < backend.size:
-        raise ValueError(f"root={root} is not a rank of this world of {backend.size}.")
-
-
-def _log(ctx: _Context, message: str) -> None:
-    if ctx.settings.debug:
-        b = ctx.backend
-        print(f"[dataparallel {b.rank}/{b.size}] {message}", file=sys.stderr, flush=True)
-
-
-def _run(
-    ctx: _Context,
-    collective: str,
-    flat: tree.Flat,
-    leaves: list[_Leaf],
-    action: Reduction | Broadcast,
-    async_op: bool,
-) -> tuple[Fusion, Callable[[], Any]]:
-    """Start the fused collective; return it and the function that builds its result."""
-    _log(ctx, f"{collective} {action} leaves={len(leaves)}")
-    started = ctx.timeline.now() if ctx.timeline is not None else 0.0
-    fusion = _fuse(ctx, leaves, action, async_op)
-    rank = ctx.backend.rank
-    if isinstance(action, Broadcast):
-        receives = rank != action.root
-    else:
-        receives = action.root is None or action.root == rank
-
-    def finish() -> Any:
-        result = tree.unflatten(flat.spec, _results(leaves, receives))
-        if ctx.timeline is not None:
-            ctx.timeline.complete(collective, started, leaves=len(leaves), calls=fusion.calls)
-        return result
-
-    return fusion, finish
-
-
-def _fuse(
-    ctx: _Context, leaves: list[_Leaf], action: Reduction | Broadcast, async_op: bool
-) -> Fusion:
-    fusion = Fusion(
-        ctx.backend,
-        action,
-        bucket_bytes=ctx.settings.bucket_bytes,
-        async_op=async_op,
-        pool=ctx.pool,
-        timeline=ctx.timeline,
-    )
-    for leaf in leaves:
-        leaf.work, leaf.is_view = leaf.family.work(leaf.value)
-        fusion.add(leaf.work, leaf.dtype, (leaf.family.name, leaf.family.device(leaf.value)))
-    return fusion
-
-
-def _results(leaves: list[_Leaf], receives: bool) -> list[Any]:
-    if not receives:
-        return [leaf.value for leaf in leaves]
-    return [
-        leaf.value
-        if leaf.is_view or leaf.work is None
-        else leaf.family.from_host(leaf.value, leaf.work)
-        for leaf in leaves
-    ]
-
-
-class Request:
-    """A non-blocking collective in flight.
-
-    `wait()` returns what the blocking call would have; `test()` says whether it has completed.
-    The input must not be touched until `wait()` has returned.
-    """
-
-    def __init__(self, fusion: Fusion, finish: Callable[[], Any], pending: list[Any] | None):
-        self._fusion, self._finish, self._pending = fusion, finish, pending
-        self._done, self._result = False, None
-        if pending is not None:
-            pending.append(self)
-
-    def test(self) -> bool:
-        """Return whether the communication has completed (`wait()` then returns at once)."""
-        return self._done or self._fusion.test()
-
-    def wait(self) -> Any:
-        """Block until the collective completes and return its result."""
-        if not self._done:
-            self._fusion.finalize()
-            self._result, self._done = self._finish(), True
-            if self._pending is not None and self in self._pending:
-                self._pending.remove(self)
-        return self._result
-
-
 def _start_reduction(
     x: Any,
     op: str,
@@ -219,25 +60,25 @@ def _start_reduction(
     name: str,
     async_op: bool,
     root: int | None = None,
-) -> tuple[Fusion, Callable[[], Any], _Context]:
-    ctx = _context(backend)
+) -> tuple[Fusion, Callable[[], Any], Context]:
+    ctx = context(backend)
     engine_op, average = parse_op(op)
     flat = tree.flatten(x, name)
-    leaves = _leaves(flat)
+    leaves = leaves_of(flat)
     for leaf in leaves:
         error = reduction_error(leaf.dtype, op, scale)
         if error is not None:
             raise TypeError(f"{flat.path(leaf.index)}: {error}")
     collective = ("i" if async_op else "") + ("allreduce" if root is None else "reduce")
     if root is not None:
-        _check_root(root, ctx.backend)
+        check_root(root, ctx.backend)
     args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
-    _verify(ctx, collective, flat, leaves, args)
+    verify(ctx, collective, flat, leaves, args)
     total = 1.0 if scale is None else scale
     if average:
         total /= ctx.backend.size
     action = Reduction(engine_op, None if total == 1 else total, root)
-    return (*_run(ctx, collective, flat, leaves, action, async_op), ctx)
+    return (*run(ctx, collective, flat, leaves, action, async_op), ctx)
 
 
 def allreduce(
@@ -307,14 +148,14 @@ def allreduce_gradients(grads: Any, op: str = "avg", *, backend: Backend | None 
 
 def _start_broadcast(
     x: Any, root: int, backend: Backend | None, async_op: bool
-) -> tuple[Fusion, Callable[[], Any], _Context]:
-    ctx = _context(backend)
-    _check_root(root, ctx.backend)
+) -> tuple[Fusion, Callable[[], Any], Context]:
+    ctx = context(backend)
+    check_root(root, ctx.backend)
     flat = tree.flatten(x, "x")
-    leaves = _leaves(flat)
+    leaves = leaves_of(flat)
     collective = "ibroadcast" if async_op else "broadcast"
-    _verify(ctx, collective, flat, leaves, {"root": root})
-    return (*_run(ctx, collective, flat, leaves, Broadcast(root), async_op), ctx)
+    verify(ctx, collective, flat, leaves, {"root": root})
+    return (*run(ctx, collective, flat, leaves, Broadcast(root), async_op), ctx)
 
 
 def broadcast(x: Any, *, root: int = 0, backend: Backend | None = None) -> Any:
@@ -347,13 +188,13 @@ def allgather(x: Any, *, backend: Backend | None = None) -> Any:
     0-d arrays count as one row each, so they gather into a 1-D array of `size()` items.
     Results are new arrays of each leaf's family (NumPy arrays for numbers).
     """
-    ctx = _context(backend)
+    ctx = context(backend)
     b = ctx.backend
     flat = tree.flatten(x, "x")
-    leaves = _leaves(flat)
+    leaves = leaves_of(flat)
     rows = [leaf.shape[0] if leaf.shape else 1 for leaf in leaves]
-    _verify(ctx, "allgather", flat, leaves, {}, first_axis=False)
-    _log(ctx, f"allgather leaves={len(leaves)}")
+    verify(ctx, "allgather", flat, leaves, {}, first_axis=False)
+    log(ctx, f"allgather leaves={len(leaves)}")
     gathered_rows = np.empty(b.size * len(leaves), np.int64)
     if leaves:
         b.allgatherv(np.array(rows, np.int64), gathered_rows, [len(leaves)] * b.size)
@@ -373,8 +214,8 @@ def allgather(x: Any, *, backend: Backend | None = None) -> Any:
 
 def broadcast_object(obj: Any, *, root: int = 0, backend: Backend | None = None) -> Any:
     """Return `root`'s `obj` (anything picklable) on every rank."""
-    ctx = _context(backend)
-    _check_root(root, ctx.backend)
+    ctx = context(backend)
+    check_root(root, ctx.backend)
     if ctx.settings.check:
         verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": root})
     return ctx.backend.broadcast_object(obj, root)
@@ -382,7 +223,7 @@ def broadcast_object(obj: Any, *, root: int = 0, backend: Backend | None = None)
 
 def allgather_object(obj: Any, *, backend: Backend | None = None) -> list[Any]:
     """Return the list of every rank's `obj` (anything picklable), in rank order."""
-    ctx = _context(backend)
+    ctx = context(backend)
     if ctx.settings.check:
         verify_same_call(ctx.backend, {"collective": "allgather_object"})
     return ctx.backend.allgather_object(obj)
@@ -390,7 +231,7 @@ def allgather_object(obj: Any, *, backend: Backend | None = None) -> list[Any]:
 
 def barrier(*, backend: Backend | None = None) -> None:
     """Block until every rank has reached the barrier."""
-    ctx = _context(backend)
+    ctx = context(backend)
     if ctx.settings.check:
         verify_same_call(ctx.backend, {"collective": "barrier"})
     ctx.backend.barrier()
@@ -432,11 +273,11 @@ def synchronize(
     """
     if objects not in _OBJECTS:
         raise ValueError(f"objects={objects!r} is not one of {_OBJECTS}.")
-    ctx = _context(backend)
-    _check_root(root, ctx.backend)
+    ctx = context(backend)
+    check_root(root, ctx.backend)
     flat = tree.flatten(x, "x")
     values: list[Any] = list(flat.leaves)
-    arrays: list[_Leaf] = []
+    arrays: list[Leaf] = []
     others: list[int] = []
     framework: list[int] = []
     for i, value in enumerate(flat.leaves):
@@ -444,20 +285,20 @@ def synchronize(
             framework.append(i)
             continue
         try:
-            arrays.append(_leaf(flat, i))
+            arrays.append(leaf_of(flat, i))
         except TypeError:
             others.append(i)
-    _verify(
+    verify(
         ctx,
         "synchronize",
         flat,
         arrays,
         {"root": root, "objects": objects, "object leaves": others},
     )
-    _log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
-    fusion = _fuse(ctx, arrays, Broadcast(root), async_op=False)
+    log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
+    fusion = fuse(ctx, arrays, Broadcast(root), async_op=False)
     fusion.finalize()
-    synced = iter(_results(arrays, ctx.backend.rank != root))
+    synced = iter(results(arrays, ctx.backend.rank != root))
     others_set = set(others)
     for i in range(len(values)):
         if i not in others_set and i not in framework:

@@ -1,0 +1,203 @@
+"""How a collective call runs, the skeleton every public collective shares.
+
+Find the engine and settings (`context`), identify each leaf's family and dtype (`leaves_of`),
+check that every rank makes the same call (`verify`), run the leaves through the fusion engine
+(`run`), and rebuild the tree from the results. `Request` is what the non-blocking calls return.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataparallel import tree, world
+from dataparallel.arrays import BufferPool, Family, family_of
+from dataparallel.backends.base import Backend
+from dataparallel.checks import verify_same_call
+from dataparallel.config import Settings
+from dataparallel.fusion import Broadcast, Fusion, Reduction
+from dataparallel.timeline import Timeline
+
+__all__ = [
+    "Context",
+    "Leaf",
+    "Request",
+    "check_root",
+    "context",
+    "leaf_of",
+    "leaves_of",
+    "run",
+    "verify",
+]
+
+
+@dataclass
+class Context:
+    backend: Backend
+    settings: Settings
+    pool: BufferPool
+    pending: list[Any] | None
+    timeline: Timeline | None = None
+
+
+def context(backend: Backend | None) -> Context:
+    if backend is None or world.initialized():
+        active = world.current()
+        return Context(
+            backend or active.backend,
+            active.settings,
+            active.buffers,
+            active.pending,
+            active.timeline,
+        )
+    return Context(backend, Settings.from_env(), BufferPool(), None)
+
+
+@dataclass
+class Leaf:
+    value: Any
+    index: int  # position among the tree's leaves, for its path
+    family: Family
+    dtype: str
+    shape: tuple[int, ...]
+    work: np.ndarray | None = None
+    is_view: bool = False
+
+
+def leaf_of(flat: tree.Flat, i: int) -> Leaf:
+    value = flat.leaves[i]
+    try:
+        family = family_of(value)
+    except TypeError:
+        family_of(value, flat.path(i))  # raise again, naming the leaf's path
+        raise
+    return Leaf(value, i, family, family.dtype(value), family.shape(value))
+
+
+def leaves_of(flat: tree.Flat) -> list[Leaf]:
+    return [leaf_of(flat, i) for i in range(len(flat.leaves))]
+
+
+def verify(
+    ctx: Context,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    args: dict[str, Any],
+    *,
+    first_axis: bool = True,
+) -> None:
+    """Check that every rank makes this call (see `checks.verify_same_call`)."""
+    if not ctx.settings.check or ctx.backend.size == 1:
+        return
+
+    def signature(leaf: Leaf) -> str:
+        shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]
+        return f"{leaf.dtype}{shape}"
+
+    signatures = [signature(leaf) for leaf in leaves]
+    summary = f"{collective}|{sorted(args.items())}|{flat.structure()}|{'|'.join(signatures)}"
+
+    def details() -> dict[str, Any]:
+        call: dict[str, Any] = {"collective": collective, **args}
+        call["tree structure"] = flat.structure()
+        for leaf, sig in zip(leaves, signatures, strict=True):
+            call[flat.path(leaf.index)] = sig
+        return call
+
+    verify_same_call(ctx.backend, details, summary)
+
+
+def check_root(root: int, backend: Backend) -> None:
+    if not 0 <= root < backend.size:
+        raise ValueError(f"root={root} is not a rank of this world of {backend.size}.")
+
+
+def log(ctx: Context, message: str) -> None:
+    if ctx.settings.debug:
+        b = ctx.backend
+        print(f"[dataparallel {b.rank}/{b.size}] {message}", file=sys.stderr, flush=True)
+
+
+def run(
+    ctx: Context,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    action: Reduction | Broadcast,
+    async_op: bool,
+) -> tuple[Fusion, Callable[[], Any]]:
+    """Start the fused collective; return it and the function that builds its result."""
+    log(ctx, f"{collective} {action} leaves={len(leaves)}")
+    started = ctx.timeline.now() if ctx.timeline is not None else 0.0
+    fusion = fuse(ctx, leaves, action, async_op)
+    rank = ctx.backend.rank
+    if isinstance(action, Broadcast):
+        receives = rank != action.root
+    else:
+        receives = action.root is None or action.root == rank
+
+    def finish() -> Any:
+        result = tree.unflatten(flat.spec, results(leaves, receives))
+        if ctx.timeline is not None:
+            ctx.timeline.complete(collective, started, leaves=len(leaves), calls=fusion.calls)
+        return result
+
+    return fusion, finish
+
+
+def fuse(ctx: Context, leaves: list[Leaf], action: Reduction | Broadcast, async_op: bool) -> Fusion:
+    fusion = Fusion(
+        ctx.backend,
+        action,
+        bucket_bytes=ctx.settings.bucket_bytes,
+        async_op=async_op,
+        pool=ctx.pool,
+        timeline=ctx.timeline,
+    )
+    for leaf in leaves:
+        leaf.work, leaf.is_view = leaf.family.work(leaf.value)
+        fusion.add(leaf.work, leaf.dtype, (leaf.family.name, leaf.family.device(leaf.value)))
+    return fusion
+
+
+def results(leaves: list[Leaf], receives: bool) -> list[Any]:
+    if not receives:
+        return [leaf.value for leaf in leaves]
+    return [
+        leaf.value
+        if leaf.is_view or leaf.work is None
+        else leaf.family.from_host(leaf.value, leaf.work)
+        for leaf in leaves
+    ]
+
+
+class Request:
+    """A non-blocking collective in flight.
+
+    `wait()` returns what the blocking call would have; `test()` says whether it has completed.
+    The input must not be touched until `wait()` has returned.
+    """
+
+    def __init__(self, fusion: Fusion, finish: Callable[[], Any], pending: list[Any] | None):
+        self._fusion, self._finish, self._pending = fusion, finish, pending
+        self._done, self._result = False, None
+        if pending is not None:
+            pending.append(self)
+
+    def test(self) -> bool:
+        """Return whether the communication has completed (`wait()` then returns at once)."""
+        return self._done or self._fusion.test()
+
+    def wait(self) -> Any:
+        """Block until the collective completes and return its result."""
+        if not self._done:
+            self._fusion.finalize()
+            self._result, self._done = self._finish(), True
+            if self._pending is not None and self in self._pending:
+                self._pending.remove(self)
+        return self._result
