@@ -1,0 +1,19 @@
+"""PyTorch integration: gradient reduction during `backward()`, model wrapping, state broadcast.
+
+- `GradientSync` (`_gradsync`): the one implementation of overlapped gradient reduction, under
+  `DataParallelModel` and `DistributedOptimizer`; its bucket plan (`_buckets`) and the registry of
+  which `GradientSync` reduces a parameter (`_hooks`).
+- `DataParallelModel` (`_model`): a module wrapper that averages gradients during `backward()`.
+- `synchronize_torch` (`_synchronize`): broadcast a module's or an optimizer's state from a root.
+
+Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataparallel.torch._buckets import NamedParams as NamedParams
+from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._model import DataParallelModel
+from dataparallel.torch._synchronize import synchronize_torch
+
+__all__ = ["DataParallelModel", "GradientSync", "synchronize_torch"]

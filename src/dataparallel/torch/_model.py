@@ -1,0 +1,175 @@
+"""`DataParallelModel`: a module wrapper whose gradients are averaged during `backward()`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from dataparallel.backends.base import Backend
+from dataparallel.torch._buckets import NamedParams
+from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._synchronize import synchronize_torch
+
+__all__ = ["DataParallelModel"]
+
+
+def _named_trainable(module: nn.Module) -> Callable[[], NamedParams]:
+    return lambda: list(module.named_parameters())
+
+
+class DataParallelModel(nn.Module):
+    """Wrap `module` for data-parallel training: gradients are averaged during `backward()`.
+
+    FluxMPI's `DataParallelFluxModel`, PyTorch's `DistributedDataParallel`: at wrap time, rank
+    0's parameters and buffers are broadcast to every rank; then every backward pass averages the
+    gradients across ranks, in buckets started by gradient hooks while backward is still running
+    (see `GradientSync`), and finished before `backward()` returns. Any optimizer works unchanged.
+
+    - `no_sync()`: backward passes whose forward ran inside it only accumulate locally; the next
+      backward outside it reduces the accumulated gradients (as with DDP, the forward decides).
+    - Attribute access passes through to the wrapped module; `model.module` is the module itself.
+    - `state_dict()` has no `module.` prefix (unlike DDP), so checkpoints load into the bare
+      module and back; `load_state_dict` accepts keys with or without the prefix.
+    - Buffers (BatchNorm statistics) are broadcast at wrap time only; call `dp.synchronize(model)`
+      to make them equal again (DDP broadcasts them at every forward).
+    - A parameter used by no rank in a step keeps `grad=None`; one used on some ranks only gets
+      the average with zeros from the others.
+
+    Args:
+        module: the model, identical in structure on every rank.
+        op: `"avg"` (default) or `"sum"` (FluxMPI's reduction).
+        bucket_bytes: fusion bucket size (default `DATAPARALLEL_BUCKET_BYTES`).
+        root: the rank whose initial parameters win (default 0).
+        backend: the engine to use (default: the active one).
+
+    >>> import torch, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> model = dp.torch.DataParallelModel(torch.nn.Linear(3, 1))
+    >>> model(torch.ones(2, 3)).sum().backward()   # gradients are averaged when this returns
+    >>> sorted(model.state_dict())
+    ['bias', 'weight']
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        op: str = "avg",
+        bucket_bytes: int | None = None,
+        root: int = 0,
+        backend: Backend | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"DataParallelModel wraps a torch.nn.Module, got {type(module).__module__}."
+                f"{type(module).__qualname__}."
+            )
+        super().__init__()
+        self.module = module
+        synchronize_torch(module, root=root, backend=backend)
+        self._require_sync = True
+        self._sync = GradientSync(
+            _named_trainable(module),
+            op=op,
+            bucket_bytes=bucket_bytes,
+            finish_after_backward=True,
+            owner="DataParallelModel",
+            backend=backend,
+        )
+        self.register_state_dict_post_hook(_drop_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; the backward of this forward reduces unless in `no_sync()`."""
+        self._sync.enabled = self._require_sync
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally for the forward/backward passes inside the block.
+
+        >>> import torch, dataparallel as dp
+        >>> _ = dp.initialize()
+        >>> model = dp.torch.DataParallelModel(torch.nn.Linear(2, 1))
+        >>> with model.no_sync():
+        ...     model(torch.ones(1, 2)).sum().backward()    # local only
+        >>> model(torch.ones(1, 2)).sum().backward()        # reduces both passes' sum
+        """
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    @property
+    def gradient_sync(self) -> GradientSync:
+        """The `GradientSync` that reduces this model's gradients."""
+        return self._sync
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict of the wrapped module, with or without DDP's `module.` prefix."""
+        keys = list(state_dict)
+        if keys and all(k.startswith("module.") for k in keys):
+            state_dict = _renamed(state_dict, "", "module.", "")
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _renamed(state_dict: Any, prefix: str, old: str, new: str) -> OrderedDict[str, Any]:
+    """Return `state_dict` with keys `prefix + old + rest` renamed `prefix + new + rest`."""
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, value in state_dict.items():
+        if key.startswith(prefix + old):
+            key = prefix + new + key[len(prefix + old) :]
+        out[key] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        meta: OrderedDict[str, Any] = OrderedDict()
+        inner = (prefix + old).rstrip(".")
+        for key, value in metadata.items():
+            if key == inner:
+                key = (prefix + new).rstrip(".")
+            elif key.startswith(prefix + old):
+                key = prefix + new + key[len(prefix + old) :]
+            meta[key] = value
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def _drop_module_prefix(
+    module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any
+) -> None:
+    renamed = _renamed(state_dict, prefix, "module.", "")
+    state_dict.clear()
+    state_dict.update(renamed)
+    if hasattr(renamed, "_metadata") and hasattr(state_dict, "_metadata"):
+        state_dict._metadata.clear()
+        state_dict._metadata.update(renamed._metadata)
+
+
+def _add_module_prefix(
+    module: nn.Module,
+    state_dict: Any,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Accept unprefixed keys when a wrapper nested in a parent module is loaded."""
+    for key in list(state_dict):
+        if key.startswith(prefix) and not key.startswith(prefix + "module."):
+            state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
