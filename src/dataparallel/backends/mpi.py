@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import pickle
+import time
 from typing import Any
+
+import numpy as np
 
 from dataparallel.backends.base import Backend, ReduceOp, Request
 from dataparallel.config import Settings
-from dataparallel.errors import BackendUnavailableError
+from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 
 __all__ = ["MPIBackend", "detect_cuda_aware", "import_mpi"]
 
@@ -59,14 +64,31 @@ def _mpix_query(mpi: Any) -> Any:
     return function
 
 
-class _MPIRequest:
-    __slots__ = ("_request",)
+def _wait(request: Any, timeout: float | None, what: str, rank: int) -> None:
+    """Wait for an MPI request; past `timeout` seconds raise `CollectiveTimeoutError`."""
+    if timeout is None:
+        request.Wait()
+        return
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"rank {rank}: {what} did not complete within {timeout:g} s. Another rank is not "
+                "making the same call: it is stuck, has died, or called a different collective. "
+                "Every rank must make the same collective calls in the same order; raise the "
+                "limit with DATAPARALLEL_TIMEOUT or dp.initialize(timeout=...) if it is too short."
+            )
+        time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
-    def __init__(self, request: Any) -> None:
-        self._request = request
+
+class _MPIRequest:
+    __slots__ = ("_rank", "_request", "_timeout", "_what")
+
+    def __init__(self, request: Any, timeout: float | None, what: str, rank: int) -> None:
+        self._request, self._timeout, self._what, self._rank = request, timeout, what, rank
 
     def wait(self) -> None:
-        self._request.Wait()
+        _wait(self._request, self._timeout, self._what, self._rank)
 
     def test(self) -> bool:
         return bool(self._request.Test())
@@ -75,14 +97,19 @@ class _MPIRequest:
 class MPIBackend(Backend):
     """Collectives on a private duplicate of `MPI.COMM_WORLD` (or of the communicator given).
 
-    The duplicate keeps the library's traffic apart from the user's own MPI calls.
+    The duplicate keeps the library's traffic apart from the user's own MPI calls. With a
+    `timeout`, every call is made non-blocking and polled, so that a peer that never joins ends
+    the call with `CollectiveTimeoutError` instead of a hang.
     """
 
     name = "mpi"
 
-    def __init__(self, comm: Any = None, *, cuda_aware: bool | None = None) -> None:
+    def __init__(
+        self, comm: Any = None, *, cuda_aware: bool | None = None, timeout: float | None = None
+    ) -> None:
         mpi = import_mpi()
         self._mpi = mpi
+        self.timeout = timeout
         if cuda_aware is None:
             cuda_aware = Settings.from_env().cuda_aware_mpi
         # Whether CUDA buffers may be passed as they are (else the fusion engine stages them).
@@ -112,7 +139,8 @@ class MPIBackend(Backend):
                 f"init_method={init_method!r} does not apply to MPI, which rendezvous through its "
                 "launcher: use init_method='mpi' (or none), or backend='gloo' for env/tcp/file."
             )
-        backend = cls(cuda_aware=settings.cuda_aware_mpi if settings is not None else None)
+        settings = settings if settings is not None else Settings.from_env()
+        backend = cls(cuda_aware=settings.cuda_aware_mpi, timeout=settings.timeout)
         for given, actual, what in (
             (rank, backend.rank, "rank"),
             (world_size, backend.size, "world_size"),
@@ -133,38 +161,72 @@ class MPIBackend(Backend):
         """
         return device == "cpu" or (self.cuda_aware and device.startswith("cuda"))
 
+    def _done(self, request: Any, what: str) -> None:
+        _wait(request, self.timeout, what, self.rank)
+
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
-        self.comm.Allreduce(self._mpi.IN_PLACE, buf, self._ops[op])
+        if self.timeout is None:
+            self.comm.Allreduce(self._mpi.IN_PLACE, buf, self._ops[op])
+        else:
+            self._done(self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op]), "allreduce")
 
     def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
-        return _MPIRequest(self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op]))
+        request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
+        return _MPIRequest(request, self.timeout, "iallreduce", self.rank)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
-        if self.rank == root:
-            self.comm.Reduce(self._mpi.IN_PLACE, buf, self._ops[op], root)
+        send, recv = (self._mpi.IN_PLACE, buf) if self.rank == root else (buf, None)
+        if self.timeout is None:
+            self.comm.Reduce(send, recv, self._ops[op], root)
         else:
-            self.comm.Reduce(buf, None, self._ops[op], root)
+            self._done(self.comm.Ireduce(send, recv, self._ops[op], root), "reduce")
 
     def broadcast(self, buf: Any, root: int) -> None:
-        self.comm.Bcast(buf, root)
+        if self.timeout is None:
+            self.comm.Bcast(buf, root)
+        else:
+            self._done(self.comm.Ibcast(buf, root), "broadcast")
 
     def ibroadcast(self, buf: Any, root: int) -> Request:
-        return _MPIRequest(self.comm.Ibcast(buf, root))
+        return _MPIRequest(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         displacements = [0] * len(counts)
         for r in range(1, len(counts)):
             displacements[r] = displacements[r - 1] + counts[r - 1]
-        self.comm.Allgatherv(send, [recv, (counts, displacements)])
+        if self.timeout is None:
+            self.comm.Allgatherv(send, [recv, (counts, displacements)])
+        else:
+            request = self.comm.Iallgatherv(send, [recv, (counts, displacements)])
+            self._done(request, "allgather")
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
-        return self.comm.bcast(obj, root)
+        if self.timeout is None:
+            return self.comm.bcast(obj, root)
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        length = np.array([len(payload)], np.int64)
+        self._done(self.comm.Ibcast(length, root), "broadcast_object")
+        data = np.frombuffer(payload, np.uint8).copy() if self.rank == root else None
+        data = data if data is not None else np.empty(int(length[0]), np.uint8)
+        self._done(self.comm.Ibcast(data, root), "broadcast_object")
+        return pickle.loads(data.tobytes())
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return list(self.comm.allgather(obj))
+        if self.timeout is None:
+            return list(self.comm.allgather(obj))
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+        lengths = np.empty(self.size, np.int64)
+        self._done(self.comm.Iallgather(np.array([payload.size], np.int64), lengths), "allgather")
+        received = np.empty(int(lengths.sum()), np.uint8)
+        self.allgatherv(payload, received, [int(n) for n in lengths])
+        edges = np.concatenate([[0], np.cumsum(lengths)])
+        return [pickle.loads(received[a:b].tobytes()) for a, b in itertools.pairwise(edges)]
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        if self.timeout is None:
+            self.comm.Barrier()
+        else:
+            self._done(self.comm.Ibarrier(), "barrier")
 
     def abort(self, code: int = 1) -> None:
         self._mpi.COMM_WORLD.Abort(code)

@@ -58,7 +58,7 @@ from dataparallel import world
 from dataparallel.arrays import family_of
 from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, verify_same_call
-from dataparallel.reducers import Fusion, Reduction
+from dataparallel.fusion import Fusion, Reduction
 from dataparallel.torch._buckets import NamedParams, _Bucket, _dtype_name, _plan, _signature
 from dataparallel.torch._hooks import _claim, _make_hook, _owner, _remove_hooks
 

@@ -1,0 +1,35 @@
+"""`DATAPARALLEL_TIMEOUT` / `initialize(timeout=)`: a collective whose peer never comes fails.
+
+Each case launches its own 2-rank MPI job in which rank 1 never joins; rank 0's call must end with
+`CollectiveTimeoutError` within the limit, and the launcher must end the job (exit code non-zero).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "timeout_job.py"
+LAUNCHER = [sys.executable, "-m", "dataparallel", "run", "-n", "2", "--timeout", "60"]
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize(
+    "call", ["allreduce", "iallreduce", "broadcast", "barrier", "allgather_object"]
+)
+def test_a_collective_whose_peer_never_comes_times_out(call: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DATAPARALLEL_CHECK": "0"}
+    started = time.monotonic()
+    job = subprocess.run(
+        [*LAUNCHER, str(SCRIPT), call], capture_output=True, text=True, timeout=120, env=env
+    )
+    elapsed = time.monotonic() - started
+    assert job.returncode != 0, job.stdout + job.stderr
+    assert "TIMEOUT rank 0:" in job.stdout, job.stdout + job.stderr
+    assert "did not complete within 1 s" in job.stdout
+    assert elapsed < 45, f"the job took {elapsed:.0f} s to end"
