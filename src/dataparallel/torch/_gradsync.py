@@ -4,7 +4,7 @@
 (`dataparallel.torch._model`) and `DistributedOptimizer` (`dataparallel.optim.torch_optimizer`)
 are two faces of it. It registers a post-accumulate-grad hook on every parameter; each gradient
 that is final for the step marks its bucket ready, and ready buckets go out through the fusion
-engine (`reducers.Fusion`, non-blocking) while backward keeps running.
+engine (`fusion.Fusion`, non-blocking) while backward keeps running.
 
 How buckets are made, and why every rank makes the same calls:
 
