@@ -23,6 +23,7 @@ from dataparallel.fusion import Broadcast, Fusion, Reduction
 from dataparallel.timeline import Timeline
 
 __all__ = [
+    "CallContext",
     "Context",
     "Leaf",
     "Request",
@@ -37,23 +38,27 @@ __all__ = [
 
 @dataclass
 class Context:
+    """What a call runs with: the world's engine, settings, buffers, requests and timeline."""
+
     backend: Backend
     settings: Settings
-    pool: BufferPool
+    buffers: BufferPool
     pending: list[Any] | None
     timeline: Timeline | None = None
 
 
-def context(backend: Backend | None) -> Context:
-    if backend is None or world.initialized():
+CallContext = Context | world.World  # both have backend, settings, buffers, pending, timeline
+
+
+def context(backend: Backend | None) -> CallContext:
+    """Return the active world (the common case: nothing to build), or a context for `backend`."""
+    if backend is None:
+        return world.current()
+    if world.initialized():
         active = world.current()
-        return Context(
-            backend or active.backend,
-            active.settings,
-            active.buffers,
-            active.pending,
-            active.timeline,
-        )
+        if backend is active.backend:
+            return active
+        return Context(backend, active.settings, active.buffers, active.pending, active.timeline)
     return Context(backend, Settings.from_env(), BufferPool(), None)
 
 
@@ -83,7 +88,7 @@ def leaves_of(flat: tree.Flat) -> list[Leaf]:
 
 
 def verify(
-    ctx: Context,
+    ctx: CallContext,
     collective: str,
     flat: tree.Flat,
     leaves: list[Leaf],
@@ -117,14 +122,14 @@ def check_root(root: int, backend: Backend) -> None:
         raise ValueError(f"root={root} is not a rank of this world of {backend.size}.")
 
 
-def log(ctx: Context, message: str) -> None:
+def log(ctx: CallContext, message: str) -> None:
     if ctx.settings.debug:
         b = ctx.backend
         print(f"[dataparallel {b.rank}/{b.size}] {message}", file=sys.stderr, flush=True)
 
 
 def run(
-    ctx: Context,
+    ctx: CallContext,
     collective: str,
     flat: tree.Flat,
     leaves: list[Leaf],
@@ -132,7 +137,8 @@ def run(
     async_op: bool,
 ) -> tuple[Fusion, Callable[[], Any]]:
     """Start the fused collective; return it and the function that builds its result."""
-    log(ctx, f"{collective} {action} leaves={len(leaves)}")
+    if ctx.settings.debug:  # formatting costs more than a small call: only when asked
+        log(ctx, f"{collective} {action} leaves={len(leaves)}")
     started = ctx.timeline.now() if ctx.timeline is not None else 0.0
     fusion = fuse(ctx, leaves, action, async_op)
     rank = ctx.backend.rank
@@ -150,13 +156,15 @@ def run(
     return fusion, finish
 
 
-def fuse(ctx: Context, leaves: list[Leaf], action: Reduction | Broadcast, async_op: bool) -> Fusion:
+def fuse(
+    ctx: CallContext, leaves: list[Leaf], action: Reduction | Broadcast, async_op: bool
+) -> Fusion:
     fusion = Fusion(
         ctx.backend,
         action,
         bucket_bytes=ctx.settings.bucket_bytes,
         async_op=async_op,
-        pool=ctx.pool,
+        pool=ctx.buffers,
         timeline=ctx.timeline,
     )
     for leaf in leaves:

@@ -19,7 +19,7 @@ from dataparallel import tree, world
 from dataparallel.arrays import storage_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.calls import (
-    Context,
+    CallContext,
     Leaf,
     Request,
     check_root,
@@ -60,7 +60,7 @@ def _start_reduction(
     name: str,
     async_op: bool,
     root: int | None = None,
-) -> tuple[Fusion, Callable[[], Any], Context]:
+) -> tuple[Fusion, Callable[[], Any], CallContext]:
     ctx = context(backend)
     engine_op, average = parse_op(op)
     flat = tree.flatten(x, name)
@@ -72,8 +72,9 @@ def _start_reduction(
     collective = ("i" if async_op else "") + ("allreduce" if root is None else "reduce")
     if root is not None:
         check_root(root, ctx.backend)
-    args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
-    verify(ctx, collective, flat, leaves, args)
+    if ctx.settings.check and ctx.backend.size > 1:
+        args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
+        verify(ctx, collective, flat, leaves, args)
     total = 1.0 if scale is None else scale
     if average:
         total /= ctx.backend.size
@@ -148,7 +149,7 @@ def allreduce_gradients(grads: Any, op: str = "avg", *, backend: Backend | None 
 
 def _start_broadcast(
     x: Any, root: int, backend: Backend | None, async_op: bool
-) -> tuple[Fusion, Callable[[], Any], Context]:
+) -> tuple[Fusion, Callable[[], Any], CallContext]:
     ctx = context(backend)
     check_root(root, ctx.backend)
     flat = tree.flatten(x, "x")

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Hashable, Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
 import optree
 
 __all__ = ["Flat", "flatten", "unflatten"]
@@ -44,13 +45,19 @@ class Flat(NamedTuple):
         return _structure(self.spec)
 
 
-_registered: set[type] = (
-    set()
-)  # dataclass types registered in NAMESPACE, mirroring optree's registry
+# Dataclass types registered in NAMESPACE, mirroring optree's registry.
+_registered: set[type] = set()
+# Leaves that are certainly not dataclasses, checked in C before any Python-level test.
+_PLAIN = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
 
 
 def _is_unregistered_dataclass(x: Any) -> bool:
-    return dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in _registered
+    return (
+        not isinstance(x, _PLAIN)
+        and dataclasses.is_dataclass(x)
+        and not isinstance(x, type)
+        and type(x) not in _registered
+    )
 
 
 def _register_dataclass(cls: type) -> None:
@@ -77,10 +84,8 @@ def _register_dataclass(cls: type) -> None:
 
 def flatten(tree: Any, name: str = "x") -> Flat:
     """Flatten `tree` into leaves, their paths (rooted at `name`) and its structure."""
-    while True:
-        leaves, spec = optree.tree_flatten(
-            tree, is_leaf=_is_unregistered_dataclass, none_is_leaf=False, namespace=NAMESPACE
-        )
+    while True:  # an unregistered dataclass is a leaf to optree: register it and flatten again
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
         fresh = {type(leaf) for leaf in leaves if _is_unregistered_dataclass(leaf)}
         if not fresh:
             break
