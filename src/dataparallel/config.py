@@ -15,6 +15,7 @@ instead of being silently ignored.
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
 and the rank it gives (`PMI_RANK`, `OMPI_COMM_WORLD_RANK`, `PMIX_RANK`: `Settings.mpi_rank`).
+`GLOO_SOCKET_IFNAME` (torch's) is read to know whether the user chose Gloo's network interface.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class Settings:
     local_world_size: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    # Gloo's network interface(s), when the user chose them (torch reads the variable itself).
+    gloo_socket_ifname: str | None = None
     # True when an MPI launcher (mpiexec, srun) started this process.
     mpi_launched: bool = False
     # The rank that MPI launcher gave this process, known before MPI is initialized.
@@ -129,6 +132,7 @@ class Settings:
             local_world_size=_int(env, "LOCAL_WORLD_SIZE"),
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=_int(env, "MASTER_PORT"),
+            gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
             mpi_launched=any(name in env for name in _MPI_LAUNCHER_VARIABLES),
             mpi_rank=next(
                 (_int(env, name) for name in _MPI_RANK_VARIABLES if env.get(name, "").strip()),

@@ -1,0 +1,649 @@
+"""Gloo through `torch.distributed`: collectives over host buffers, with env/tcp/file rendezvous.
+
+NumPy buffers are wrapped zero-copy with `torch.from_numpy`, so Gloo reads and writes the caller's
+memory. Gloo lacks a few things MPI has; this module fills them in exactly:
+
+- dtypes: Gloo reduces int8/32/64, uint8, float16/32/64, bool and complex (sum only). int16 and
+  uint16 are reduced as int32 copies (wrapping like native integers); uint32 and uint64 as int32 /
+  int64 views (two's complement sums and products are bit-identical; min/max flip the sign bit in
+  place first, which maps unsigned order onto signed order). Complex products gather every rank's
+  buffer and multiply locally in rank order. Broadcast and gathers move raw bytes.
+- `reduce`: Gloo uses the non-root buffers as scratch, so non-root ranks reduce a copy.
+- `allgatherv`: Gloo gathers equal sizes only. Equal counts gather straight into `recv`; uneven
+  ones are padded to the largest count (traffic `size * max(counts)` bytes instead of
+  `sum(counts)`, and one copy in and out).
+- `abort`: Gloo has none. The failing rank prints why and leaves with `os._exit`; the other ranks
+  see the connection close and raise `RankFailedError`.
+- teardown: the group is destroyed by `close()` (`dp.finalize()`) or, failing that, at interpreter
+  exit, so no Gloo thread outlives the interpreter.
+- network interface: Gloo binds to the address its hostname resolves to, else to loopback, which
+  breaks jobs across hosts wherever the hostname does not resolve to a routable address (common
+  in containers). Unless `GLOO_SOCKET_IFNAME` is set, this module binds Gloo to the interface
+  through which rank 0's address is reached (env:// and tcp://; file:// has no address to go by).
+- an existing `torch.distributed` default group (the user's own `init_process_group`) is left
+  alone: the library works on a private Gloo group over the same processes.
+
+Rendezvous (`init_method`), as in Flashlight:
+
+- `"env://"` (or none): torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
+  (`dataparallel run --backend gloo` sets them).
+- `"tcp://host:port"` with `rank=` and `world_size=`: rank 0 listens on `host:port`.
+- `"file:///dir"` with `rank=` and `world_size=`: a directory every rank can reach (a shared file
+  system across hosts). The rendezvous file is `dir/dataparallel-rendezvous`, or
+  `dir/dataparallel-rendezvous-ID` with `"file:///dir?job=ID"`. A file left by a job that did not
+  finish cleanly would mislead the next job: use a fresh directory or job id per job (a clean
+  finish removes the file).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import socket
+import struct
+import sys
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+
+from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.config import Settings
+from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError, RankFailedError
+
+__all__ = ["GlooBackend", "Rendezvous", "import_torch_distributed", "parse_init_method"]
+
+RENDEZVOUS_FILE = "dataparallel-rendezvous"
+
+_SCHEMES = ("env://", "tcp://host:port", "file:///dir")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "Socket closed",
+)
+# Unsigned integers travel as the signed type of the same width (wrapping sums and products are
+# bit-identical); for min/max their sign bit is flipped first, which keeps their order.
+_SIGNED_VIEW: dict[str, np.dtype[Any]] = {
+    "uint32": np.dtype(np.int32),
+    "uint64": np.dtype(np.int64),
+}
+_SIGN_BIT: dict[str, np.unsignedinteger[Any]] = {
+    "uint32": np.uint32(1 << 31),
+    "uint64": np.uint64(1 << 63),
+}
+_WIDENED: dict[str, np.dtype[Any]] = {"int16": np.dtype(np.int32), "uint16": np.dtype(np.int32)}
+
+
+def import_torch_distributed() -> Any:
+    """Import `torch.distributed`, or raise `BackendUnavailableError` saying what to install."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "The 'gloo' backend needs PyTorch: pip install 'dataparallel[torch]' "
+            "(or pip install torch)."
+        ) from exc
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise BackendUnavailableError(
+            "This PyTorch build has no torch.distributed with Gloo: install a standard build "
+            "(pip install torch), or use backend='mpi'."
+        )
+    return dist
+
+
+class Rendezvous:
+    """Where and how the ranks meet: the `init_method` torch gets, and who this process is.
+
+    `master` is rank 0's (host, port) when known (env://, tcp://); `file` the rendezvous file.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        rank: int,
+        world_size: int,
+        *,
+        file: Path | None = None,
+        master: tuple[str, int] | None = None,
+    ) -> None:
+        self.url, self.rank, self.world_size = url, rank, world_size
+        self.file, self.master = file, master
+
+    def __repr__(self) -> str:
+        return f"Rendezvous({self.url!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+def parse_init_method(
+    init_method: str | None, rank: int | None, world_size: int | None, settings: Settings
+) -> Rendezvous:
+    """Check `init_method` and the rank and size it needs, before any process communicates.
+
+    Args:
+        init_method: `None` or `"env://"`, `"tcp://host:port"`, `"file:///dir"`.
+        rank, world_size: as given to `dp.initialize()`.
+        settings: the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+
+    Raises:
+        ValueError: an unknown scheme, a malformed address, or a rank or size missing or out
+            of range.
+
+    >>> parse_init_method("tcp://10.0.0.1:29500", 1, 2, Settings())
+    Rendezvous('tcp://10.0.0.1:29500', rank=1, world_size=2)
+    """
+    method = init_method or "env://"
+    if method == "env://":
+        missing = [
+            name
+            for name, value in (
+                ("RANK", settings.rank if rank is None else rank),
+                ("WORLD_SIZE", settings.world_size if world_size is None else world_size),
+                ("MASTER_ADDR", settings.master_addr),
+                ("MASTER_PORT", settings.master_port),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(
+                f"The Gloo rendezvous env:// needs {', '.join(missing)} in the environment "
+                "(torchrun and `dataparallel run --backend gloo` set them); or rendezvous "
+                "explicitly: dp.initialize('gloo', init_method='tcp://HOST:PORT', rank=R, "
+                "world_size=N)."
+            )
+        rank = settings.rank if rank is None else rank
+        world_size = settings.world_size if world_size is None else world_size
+        assert rank is not None and world_size is not None
+        assert settings.master_addr is not None and settings.master_port is not None
+        _check_rank(method, rank, world_size)
+        master = (settings.master_addr, settings.master_port)
+        return Rendezvous("env://", rank, world_size, master=master)
+    parsed = urllib.parse.urlsplit(method)
+    if parsed.scheme not in ("tcp", "file"):
+        raise ValueError(
+            f"init_method={init_method!r} is not a Gloo rendezvous: use one of "
+            f"{', '.join(_SCHEMES)}, or 'mpi' with backend='mpi'."
+        )
+    if rank is None or world_size is None:
+        raise ValueError(
+            f"init_method={init_method!r} needs rank= and world_size= (got rank={rank}, "
+            f"world_size={world_size}): pass both to dp.initialize(), or use init_method='env://' "
+            "with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun does)."
+        )
+    _check_rank(method, rank, world_size)
+    if parsed.scheme == "tcp":
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
+            raise ValueError(
+                f"init_method={init_method!r} is not a TCP address: use 'tcp://HOST:PORT', where "
+                "rank 0 listens (e.g. 'tcp://10.0.0.1:29500')."
+            )
+        master = (parsed.hostname, port)
+        return Rendezvous(f"tcp://{parsed.netloc}", rank, world_size, master=master)
+    if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise ValueError(
+            f"init_method={init_method!r} does not name an absolute directory: use three slashes, "
+            "'file:///path/to/shared/dir'."
+        )
+    directory = Path(urllib.parse.unquote(parsed.path))
+    job = urllib.parse.parse_qs(parsed.query).get("job", [""])[0]
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(
+            f"init_method={init_method!r}: {directory} is a file, but file:// names a directory "
+            "shared by every rank (Flashlight's FILE_SYSTEM rendezvous), where dataparallel "
+            f"keeps its own '{RENDEZVOUS_FILE}' file: pass a directory."
+        )
+    file = directory / (f"{RENDEZVOUS_FILE}-{job}" if job else RENDEZVOUS_FILE)
+    return Rendezvous(f"file://{file}", rank, world_size, file=file)
+
+
+def _check_rank(method: str, rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank={rank}, world_size={world_size} for {method}: world_size must be positive "
+            "and rank in [0, world_size)."
+        )
+
+
+def _translate(exc: BaseException, what: str, rank: int) -> BaseException:
+    """Return the dataparallel error for a Gloo failure (timeouts, vanished peers), or `exc`."""
+    message = str(exc)
+    first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+    if "timed out" in message.lower() or "timeout" in message.lower():
+        return CollectiveTimeoutError(
+            f"Gloo {what} on rank {rank} timed out ({first}). A rank may be stuck or calling "
+            "other collectives; raise dp.initialize(timeout=...) / DATAPARALLEL_TIMEOUT if it is "
+            "just slow."
+        )
+    if any(sign in message for sign in _PEER_GONE):
+        return RankFailedError(
+            f"Gloo {what} on rank {rank} failed: another rank failed or exited ({first}). "
+            "Look for the first traceback of the job: it names the rank that failed."
+        )
+    return exc
+
+
+def _rendezvous_failed(exc: BaseException, rendezvous: Rendezvous) -> BaseException:
+    """Return the error to raise when `init_process_group` failed, with what to check."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = (
+        f"Gloo rendezvous at {rendezvous.url} (rank {rendezvous.rank} of {rendezvous.world_size})"
+    )
+    hint = (
+        f"Check that all {rendezvous.world_size} ranks were started with the same init_method "
+        "and distinct ranks, and that rank 0's address can be reached from every host."
+    )
+    if rendezvous.file is not None:
+        hint += (
+            f" If {rendezvous.file} was left by an earlier job that did not finish cleanly, "
+            "delete it, or give each job its own directory or 'file:///dir?job=ID'."
+        )
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        return CollectiveTimeoutError(f"{where} timed out ({first}). {hint}")
+    if isinstance(exc, RuntimeError) and "address already in use" in str(exc).lower():
+        return RuntimeError(
+            f"{where} failed: the port is taken ({first}). Choose a free port for rank 0."
+        )
+    return exc
+
+
+class _GlooRequest:
+    """A Gloo work object in flight, with the buffers it needs kept alive until it completes."""
+
+    __slots__ = ("_backend", "_done", "_finish", "_keep", "_work")
+
+    def __init__(
+        self, backend: GlooBackend, work: Any, keep: Any, finish: Callable[[], None] | None
+    ) -> None:
+        self._backend, self._work, self._keep, self._finish = backend, work, keep, finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise _translate(exc, "non-blocking collective", self._backend.rank) from exc
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+        self._work = self._keep = self._finish = None
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if not self._work.is_completed():
+            return False
+        self.wait()  # completes the unpacking, or raises the error it completed with
+        return True
+
+
+def _flat(buf: Any, where: str) -> np.ndarray:
+    array = np.asarray(buf)
+    if not array.flags.c_contiguous:
+        raise ValueError(f"GlooBackend.{where}: the buffer must be contiguous (got strides).")
+    return array.reshape(-1)
+
+
+def _writable(array: np.ndarray, where: str) -> np.ndarray:
+    if not array.flags.writeable:
+        raise ValueError(
+            f"GlooBackend.{where}: the buffer is read-only, but the result is written into it; "
+            "pass a writable array (e.g. a copy)."
+        )
+    return array
+
+
+class GlooBackend(Backend):
+    """Collectives on a Gloo process group of `torch.distributed`.
+
+    When this module initializes torch's default group, the user may use `torch.distributed` on
+    it too; when the user had initialized it already, the library makes a private Gloo group over
+    the same processes instead, and leaves the user's group alone.
+    """
+
+    name = "gloo"
+    # Every integer dtype is listed, though Gloo lacks int16/uint16/uint32/uint64: they are
+    # reduced here exactly (see the module's notes), which beats widening them to float32.
+    native_dtypes = Backend.native_dtypes
+
+    def __init__(
+        self,
+        dist: Any,
+        group: Any,
+        *,
+        owns_default_group: bool,
+        local: tuple[int, int] | None,
+    ) -> None:
+        import torch
+
+        self._torch, self._dist, self.group = torch, dist, group
+        self._owns_default_group = owns_default_group
+        self._closed = False
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if local is None:
+            hosts = self.allgather_object(socket.gethostname())
+            local = (hosts[: self.rank].count(hosts[self.rank]), hosts.count(hosts[self.rank]))
+        self.local_rank, self.local_size = local
+        self._ops = {
+            ReduceOp.SUM: dist.ReduceOp.SUM,
+            ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+            ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.MAX: dist.ReduceOp.MAX,
+        }
+        atexit.register(self.close)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        init_method: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        settings: Settings | None = None,
+    ) -> GlooBackend:
+        """Join the Gloo group through `init_method` (see the module's notes); called by initialize.
+
+        When `torch.distributed` is already initialized, its processes are used as they are (a
+        private Gloo group over them), and `init_method` is not consulted.
+
+        Raises:
+            BackendUnavailableError: PyTorch, or its Gloo, is missing.
+            ValueError: a malformed `init_method`, or a rank or size missing or out of range.
+            CollectiveTimeoutError: not every rank arrived within `timeout` (torch's default: 30
+                minutes; `DATAPARALLEL_TIMEOUT` / `dp.initialize(timeout=...)`).
+        """
+        settings = settings if settings is not None else Settings.from_env()
+        dist = import_torch_distributed()
+        if dist.is_initialized():
+            return cls._over_existing_group(dist, rank, world_size, settings)
+        rendezvous = parse_init_method(init_method, rank, world_size, settings)
+        if rendezvous.file is not None:
+            rendezvous.file.parent.mkdir(parents=True, exist_ok=True)
+        timeout = (
+            datetime.timedelta(seconds=settings.timeout) if settings.timeout is not None else None
+        )
+        interface = None
+        if settings.gloo_socket_ifname is None and rendezvous.master is not None:
+            interface = _interface_toward(*rendezvous.master)
+        try:
+            with _gloo_interface(interface):
+                dist.init_process_group(
+                    "gloo",
+                    init_method=rendezvous.url,
+                    rank=rendezvous.rank,
+                    world_size=rendezvous.world_size,
+                    timeout=timeout,
+                )
+        except (RuntimeError, TimeoutError) as exc:
+            raise _rendezvous_failed(exc, rendezvous) from exc
+        local = None
+        if rendezvous.url == "env://" or (
+            settings.rank == rendezvous.rank and settings.world_size == rendezvous.world_size
+        ):
+            local = _launcher_local(settings)
+        return cls(dist, None, owns_default_group=True, local=local)
+
+    @classmethod
+    def _over_existing_group(
+        cls, dist: Any, rank: int | None, world_size: int | None, settings: Settings
+    ) -> GlooBackend:
+        actual = (dist.get_rank(), dist.get_world_size())
+        for given, value, what in (
+            (rank, actual[0], "rank"),
+            (world_size, actual[1], "world_size"),
+        ):
+            if given is not None and given != value:
+                raise ValueError(
+                    f"{what}={given} was given, but torch.distributed is already initialized "
+                    f"with {what} {value}: drop the argument."
+                )
+        group = dist.new_group(backend="gloo")
+        local = _launcher_local(settings) if settings.world_size == actual[1] else None
+        return cls(dist, group, owns_default_group=False, local=local)
+
+    # -- reductions --------------------------------------------------------------------------
+
+    def _prepare(
+        self, buf: np.ndarray, op: ReduceOp
+    ) -> tuple[np.ndarray, Callable[[], None] | None]:
+        """Return what Gloo reduces for `buf`, and what to do once it has (None: nothing)."""
+        name = buf.dtype.name
+        if name in _SIGNED_VIEW:
+            if op in (ReduceOp.MIN, ReduceOp.MAX):
+                sign = _SIGN_BIT[name]
+                np.bitwise_xor(buf, sign, out=buf)
+                return buf.view(_SIGNED_VIEW[name]), lambda: np.bitwise_xor(buf, sign, out=buf)
+            return buf.view(_SIGNED_VIEW[name]), None
+        if name in _WIDENED:
+            wide = buf.astype(_WIDENED[name])
+            return wide, lambda: np.copyto(buf, wide, casting="unsafe")
+        if buf.dtype.kind == "c" and op is not ReduceOp.SUM:
+            raise TypeError(f"op={op.value!r} is not defined here for complex values ({name}).")
+        return buf, None
+
+    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+        buf = _writable(_flat(buf, "allreduce"), "allreduce")
+        if buf.dtype.kind == "c" and op is ReduceOp.PROD:
+            buf[...] = self._gathered_product(buf)
+            return
+        wire, finish = self._prepare(buf, op)
+        self._call("allreduce", self._dist.all_reduce, wire, op=self._ops[op])
+        if finish is not None:
+            finish()
+
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+        buf = _writable(_flat(buf, "iallreduce"), "iallreduce")
+        if buf.dtype.kind == "c" and op is ReduceOp.PROD:
+            self.allreduce(buf, op)
+            return CompletedRequest()
+        wire, finish = self._prepare(buf, op)
+        tensor = self._torch.from_numpy(wire)
+        work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
+        return _GlooRequest(self, work, (wire, tensor), finish)
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+        buf = _flat(buf, "reduce")
+        if self.rank != root:
+            buf = buf.copy()  # Gloo uses non-root buffers as scratch
+        _writable(buf, "reduce")
+        if buf.dtype.kind == "c" and op is ReduceOp.PROD:
+            product = self._gathered_product(buf)
+            if self.rank == root:
+                buf[...] = product
+            return
+        wire, finish = self._prepare(buf, op)
+        self._call("reduce", self._dist.reduce, wire, dst=root, op=self._ops[op])
+        if finish is not None:
+            finish()
+
+    def _gathered_product(self, buf: np.ndarray) -> np.ndarray:
+        """Multiply every rank's `buf` in rank order (Gloo has no complex product)."""
+        every = np.empty(self.size * buf.size, buf.dtype)
+        self.allgatherv(buf, every, [buf.size] * self.size)
+        product: np.ndarray = np.prod(every.reshape(self.size, -1), axis=0)
+        return product
+
+    # -- data movement -----------------------------------------------------------------------
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        raw = _writable(_flat(buf, "broadcast"), "broadcast").view(np.uint8)
+        self._call("broadcast", self._dist.broadcast, raw, src=root)
+
+    def ibroadcast(self, buf: Any, root: int) -> Request:
+        raw = _writable(_flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
+        tensor = self._torch.from_numpy(raw)
+        work = self._start("ibroadcast", self._dist.broadcast, tensor, src=root)
+        return _GlooRequest(self, work, (raw, tensor), None)
+
+    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+        send, recv = _flat(send, "allgatherv"), _writable(_flat(recv, "allgatherv"), "allgatherv")
+        item = send.dtype.itemsize
+        sizes = [count * item for count in counts]
+        raw_send, raw_recv = send.view(np.uint8), recv.view(np.uint8)
+        if raw_send.size != sizes[self.rank] or raw_recv.size < sum(sizes):
+            raise ValueError(
+                f"GlooBackend.allgatherv on rank {self.rank}: counts={counts} do not fit the "
+                f"buffers (send holds {send.size} items, recv {recv.size})."
+            )
+        widest = max(sizes, default=0)
+        if widest == 0:
+            return
+        torch = self._torch
+        if all(size == widest for size in sizes):  # straight into recv, no copy
+            rows = raw_recv[: widest * self.size].reshape(self.size, widest)
+            source = raw_send if raw_send.flags.writeable else raw_send.copy()
+            outputs = [torch.from_numpy(row) for row in rows]
+            self._call_tensors(
+                "allgatherv", self._dist.all_gather, outputs, torch.from_numpy(source)
+            )
+            return
+        padded = np.empty(widest, np.uint8)
+        padded[: raw_send.size] = raw_send
+        gathered = np.empty((self.size, widest), np.uint8)
+        outputs = [torch.from_numpy(row) for row in gathered]
+        self._call_tensors("allgatherv", self._dist.all_gather, outputs, torch.from_numpy(padded))
+        offset = 0
+        for r, size in enumerate(sizes):
+            raw_recv[offset : offset + size] = gathered[r, :size]
+            offset += size
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        box = [obj]
+        try:
+            self._dist.broadcast_object_list(box, src=root, group=self.group)
+        except RuntimeError as exc:
+            raise self._translated(exc, "broadcast_object") from exc
+        return box[0]
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        try:
+            self._dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            raise self._translated(exc, "allgather_object") from exc
+        return out
+
+    def barrier(self) -> None:
+        try:
+            self._dist.barrier(group=self.group)
+        except RuntimeError as exc:
+            raise self._translated(exc, "barrier") from exc
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def abort(self, code: int = 1) -> NoReturn:
+        """End this process at once; Gloo has no abort, so the peers see it leave and fail."""
+        print(
+            f"dataparallel: rank {self.rank} of {self.size} is ending the job (exit code {code}); "
+            "the other ranks fail with RankFailedError when they next communicate with it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(code)
+
+    def close(self) -> None:
+        """Destroy the Gloo group (safe to call twice; also run at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        dist = self._dist
+        if not dist.is_initialized():
+            return
+        if self._owns_default_group:
+            dist.destroy_process_group()
+            return
+        with contextlib.suppress(ValueError, RuntimeError):  # gone with the user's default group
+            dist.destroy_process_group(self.group)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _translated(self, exc: RuntimeError, what: str) -> BaseException:
+        return _translate(exc, what, self.rank)
+
+    def _call(self, what: str, fn: Callable[..., Any], array: np.ndarray, **kwargs: Any) -> None:
+        try:
+            fn(self._torch.from_numpy(array), group=self.group, **kwargs)
+        except RuntimeError as exc:
+            raise self._translated(exc, what) from exc
+
+    def _call_tensors(self, what: str, fn: Callable[..., Any], *tensors: Any) -> None:
+        try:
+            fn(*tensors, group=self.group)
+        except RuntimeError as exc:
+            raise self._translated(exc, what) from exc
+
+    def _start(self, what: str, fn: Callable[..., Any], tensor: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(tensor, group=self.group, async_op=True, **kwargs)
+        except RuntimeError as exc:
+            raise self._translated(exc, what) from exc
+
+
+def _interface_toward(host: str, port: int) -> str | None:
+    """Return the network interface through which this machine reaches `host` (None: unknown).
+
+    Gloo binds to the address its hostname resolves to, else to loopback: in containers, where
+    the hostname often resolves to 127.0.1.1 or not at all, ranks on other hosts then cannot
+    connect. Binding to the interface that routes to rank 0 avoids that (and for a rank 0 on
+    loopback, binds to loopback without looking the hostname up).
+    """
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, port))  # UDP: picks the route, sends nothing
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return _interface_of(local)
+
+
+def _interface_of(address: str) -> str | None:
+    """Return the name of the interface whose IPv4 address is `address` (Linux), or None."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(s.fileno(), siocgifaddr, request)
+            except OSError:
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def _gloo_interface(interface: str | None) -> Iterator[None]:
+    """Make Gloo bind to `interface` while the group is created (torch reads GLOO_SOCKET_IFNAME)."""
+    if interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def _launcher_local(settings: Settings) -> tuple[int, int] | None:
+    """Return (LOCAL_RANK, LOCAL_WORLD_SIZE) when the launcher set both consistently."""
+    lr, ls = settings.local_rank, settings.local_world_size
+    if lr is None or ls is None or not 0 <= lr < ls:
+        return None
+    return lr, ls

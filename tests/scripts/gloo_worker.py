@@ -1,0 +1,111 @@
+"""One rank of a Gloo job started by `tests/test_gloo.py` or `tests/test_multihost.py`.
+
+usage: gloo_worker.py SCENARIO [--init-method URL] [--rank R] [--world-size N] [--no-finalize]
+
+Without --init-method, `dp.initialize()` finds the rendezvous in the environment (env://).
+Scenarios:
+  basic    allreduce (sum of rank + 1) and broadcast (from the last rank); prints `RESULT {json}`
+  engine   `gloo_engine.check_engine` on the backend; prints `ENGINE OK`
+  abort    the last rank calls `abort(3)`; the others report what their next allreduce raised
+  timeout  the last rank sleeps past the timeout; the others report what their allreduce raised
+  existing torch.distributed is initialized first (by "the user"); dp works beside it, and
+           `dp.finalize()` leaves the user's group usable; prints `RESULT {json}`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import dataparallel as dp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=("basic", "engine", "abort", "timeout", "existing"))
+    parser.add_argument("--init-method")
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--no-finalize", action="store_true")
+    args = parser.parse_args()
+    if args.scenario == "existing":
+        existing(args.init_method, args.rank, args.world_size)
+        return
+    backend = dp.initialize(
+        init_method=args.init_method, rank=args.rank, world_size=args.world_size
+    )
+    last = backend.size - 1
+    if args.scenario == "basic":
+        total = dp.allreduce(np.full(3, backend.rank + 1.0))
+        shared = dp.broadcast(np.arange(4) * backend.rank, root=last)
+        result = {
+            "backend": backend.name,
+            "rank": backend.rank,
+            "size": backend.size,
+            "local": [backend.local_rank, backend.local_size],
+            "allreduce": total.tolist(),
+            "broadcast": shared.tolist(),
+        }
+        sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: launchers may interleave
+        sys.stdout.flush()
+    elif args.scenario == "engine":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gloo_engine import check_engine
+
+        check_engine(backend)
+        print(f"ENGINE OK rank={backend.rank}", flush=True)
+    else:
+        dp.barrier()
+        if backend.rank == last:
+            if args.scenario == "abort":
+                backend.abort(3)
+            time.sleep(60)  # past the others' timeout: the test ends this rank once they report
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            dp.allreduce(np.ones(3))
+        except dp.DataParallelError as exc:
+            elapsed = time.monotonic() - start
+            print(f"RAISED {type(exc).__name__} after {elapsed:.1f}s: {exc}", flush=True)
+            os._exit(0)  # the peer is gone or stuck: nothing left to tear down cleanly
+        print("NOTHING RAISED", flush=True)
+        os._exit(1)
+    if not args.no_finalize:
+        dp.finalize()
+
+
+def existing(init_method: str, rank: int, world_size: int) -> None:
+    """Initialize torch.distributed as a user would, then use dp beside it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    backend = dp.initialize("gloo")
+    total = dp.allreduce(np.full(3, backend.rank + 1.0))
+    shared = dp.broadcast(np.arange(4) * backend.rank, root=backend.size - 1)
+    private = backend.group is not None  # type: ignore[attr-defined]
+    dp.finalize()
+    mine = torch.ones(2)
+    dist.all_reduce(mine)  # the user's group still works
+    result = {
+        "backend": backend.name,
+        "rank": backend.rank,
+        "size": backend.size,
+        "local": [backend.local_rank, backend.local_size],
+        "allreduce": total.tolist(),
+        "broadcast": shared.tolist(),
+        "private group": private,
+        "user allreduce": mine.tolist(),
+    }
+    sys.stdout.write(f"RESULT {json.dumps(result)}\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""The Gloo engine: its rendezvous methods with real processes, its errors, and the engine itself.
+
+Tests marked `spawns` start their own Gloo jobs (`tests/scripts/gloo_worker.py`), so they run in
+the world-of-one pass. `test_engine_on_the_active_world` checks the engine in place when the suite
+itself runs under Gloo (`dataparallel run -n 3 --backend gloo -m pytest tests/test_gloo.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+from dataparallel.config import Settings
+
+pytest.importorskip("torch.distributed")
+
+from dataparallel.backends.gloo import (
+    RENDEZVOUS_FILE,
+    GlooBackend,
+    parse_init_method,
+)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+WORKER = SCRIPTS / "gloo_worker.py"
+TIMEOUT = 120  # seconds for a whole spawned job; each normally takes a few
+# Variables of launchers that would mislead the children's dp.initialize().
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "MPI_LOCALNRANKS",
+    "HYDI_CONTROL_FD",
+    "DATAPARALLEL_TIMEOUT",
+)
+
+
+def _engine_checks() -> Any:
+    spec = importlib.util.spec_from_file_location("gloo_engine", SCRIPTS / "gloo_engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """Return this environment without any launcher's variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def spawn(
+    commands: list[list[str]],
+    envs: list[dict[str, str]],
+    timeout: float = TIMEOUT,
+    *,
+    wait_for: int | None = None,
+) -> list[tuple[int, str, str]]:
+    """Run one process per rank at once; return (status, stdout, stderr) per rank, in rank order.
+
+    With `wait_for=k`, only the first k ranks are waited for; the others are then killed.
+    """
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for i, proc in enumerate(procs):
+            if wait_for is not None and i >= wait_for:
+                proc.kill()
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        outputs = [proc.communicate() for proc in procs]
+        pytest.fail(f"the job did not finish within {timeout}s: {outputs}")
+    return results
+
+
+def worker(scenario: str, *args: str) -> list[str]:
+    return [sys.executable, str(WORKER), scenario, *args]
+
+
+def results_of(runs: list[tuple[int, str, str]]) -> list[dict[str, Any]]:
+    """Check every rank succeeded cleanly and return each rank's RESULT."""
+    out = []
+    for rank, (status, stdout, stderr) in enumerate(runs):
+        assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
+        assert "terminate called" not in stderr, stderr
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert len(lines) == 1, stdout
+        out.append(json.loads(lines[0].removeprefix("RESULT ")))
+    return out
+
+
+def check_basic(
+    results: list[dict[str, Any]], local_size: int | None = None, backend: str = "gloo"
+) -> None:
+    """Check the `basic` scenario: sum of rank + 1, and the last rank's broadcast."""
+    size = len(results)
+    for rank, result in enumerate(results):
+        assert result["backend"] == backend
+        assert (result["rank"], result["size"]) == (rank, size)
+        assert result["allreduce"] == [size * (size + 1) / 2] * 3
+        assert result["broadcast"] == [i * (size - 1) for i in range(4)]
+        if local_size is not None:
+            assert result["local"] == [rank, local_size]
+
+
+# -- rendezvous with real processes ------------------------------------------------------------
+
+
+@pytest.mark.spawns
+def test_env_rendezvous_from_launcher_variables() -> None:
+    port = str(free_port())
+    envs = [
+        clean_env(
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        for r in range(2)
+    ]
+    # no init_method: dp.initialize() picks Gloo and env:// from the variables alone
+    check_basic(results_of(spawn([worker("basic")] * 2, envs)), local_size=2)
+
+
+@pytest.mark.spawns
+def test_tcp_rendezvous_and_exit_without_finalize() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    commands = [
+        worker(
+            "basic", "--init-method", url, "--rank", str(r), "--world-size", "2", "--no-finalize"
+        )
+        for r in range(2)
+    ]
+    # No LOCAL_RANK in the environment: local ranks come from gathering the hostnames. No
+    # dp.finalize(): the group is destroyed at exit (status 0, no C++ "terminate called").
+    check_basic(results_of(spawn(commands, [clean_env()] * 2)), local_size=2)
+
+
+@pytest.mark.spawns
+def test_file_rendezvous_in_a_shared_directory(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"  # created by the first rank that gets there
+    commands = [
+        worker("basic", "--init-method", f"file://{shared}", "--rank", str(r), "--world-size", "2")
+        for r in range(2)
+    ]
+    check_basic(results_of(spawn(commands, [clean_env()] * 2)))
+    assert not (shared / RENDEZVOUS_FILE).exists(), "a clean finish removes the rendezvous file"
+    # the directory serves the next job too, here with its own job id and no dp.finalize()
+    commands = [
+        [*cmd[:4], f"file://{shared}?job=second", *cmd[5:], "--no-finalize"] for cmd in commands
+    ]
+    check_basic(results_of(spawn(commands, [clean_env()] * 2)))
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.spawns
+def test_an_existing_torch_group_is_left_to_its_owner() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    commands = [
+        worker("existing", "--init-method", url, "--rank", str(r), "--world-size", "2")
+        for r in range(2)
+    ]
+    results = results_of(spawn(commands, [clean_env()] * 2))
+    check_basic(results, local_size=2)
+    for result in results:
+        assert result["private group"] is True
+        assert result["user allreduce"] == [2.0, 2.0]
+
+
+@pytest.mark.spawns
+def test_engine_in_a_spawned_job_of_three() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    commands = [
+        worker("engine", "--init-method", url, "--rank", str(r), "--world-size", "3")
+        for r in range(3)
+    ]
+    for rank, (status, stdout, stderr) in enumerate(spawn(commands, [clean_env()] * 3)):
+        assert status == 0, f"rank {rank}:\n{stdout}\n{stderr}"
+        assert f"ENGINE OK rank={rank}" in stdout
+
+
+@pytest.mark.spawns
+def test_abort_ends_the_rank_and_its_peers_raise_rank_failed() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    commands = [
+        worker("abort", "--init-method", url, "--rank", str(r), "--world-size", "2")
+        for r in range(2)
+    ]
+    (status0, out0, err0), (status1, _, err1) = spawn(commands, [clean_env()] * 2)
+    assert status1 == 3
+    assert "rank 1 of 2 is ending the job (exit code 3)" in err1
+    assert status0 == 0, f"{out0}\n{err0}"
+    assert "RAISED RankFailedError" in out0
+    assert "another rank failed or exited" in out0
+
+
+@pytest.mark.spawns
+def test_timeout_raises_collective_timeout_error() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    commands = [
+        worker("timeout", "--init-method", url, "--rank", str(r), "--world-size", "2")
+        for r in range(2)
+    ]
+    envs = [clean_env(DATAPARALLEL_TIMEOUT="3")] * 2  # the rendezvous must fit in it too
+    (status0, out0, err0), _ = spawn(commands, envs, wait_for=1)
+    assert status0 == 0, f"{out0}\n{err0}"
+    assert "RAISED CollectiveTimeoutError" in out0
+    assert "timed out" in out0
+    seconds = float(out0.split(" after ")[1].split("s:")[0])
+    assert 2.5 <= seconds < 10, out0
+
+
+# -- the engine on the active world --------------------------------------------------------------
+
+
+def test_engine_on_the_active_world(world: Backend) -> None:
+    if world.name != "gloo":
+        pytest.skip("the active world is not Gloo (run under `dataparallel run --backend gloo`)")
+    _engine_checks().check_engine(world)
+
+
+def test_native_dtypes_leave_bfloat16_to_the_fusion_engine() -> None:
+    assert "bfloat16" not in GlooBackend.native_dtypes
+    assert {"int16", "uint16", "uint32", "uint64", "float16"} <= GlooBackend.native_dtypes
+
+
+# -- errors, before any process communicates ------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", [(None, 2), (0, None), (None, None)])
+def test_tcp_needs_rank_and_world_size(given: tuple[int | None, int | None]) -> None:
+    rank, world_size = given
+    with pytest.raises(ValueError, match=r"needs rank= and world_size= \(got rank="):
+        parse_init_method("tcp://127.0.0.1:29500", rank, world_size, Settings())
+    with pytest.raises(ValueError, match=r"needs rank= and world_size="):
+        parse_init_method("file:///tmp/shared", rank, world_size, Settings())
+
+
+def test_create_rejects_tcp_without_rank() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is initialized here: create() would join that group")
+    with pytest.raises(ValueError, match=r"'tcp://127.0.0.1:1' needs rank= and world_size="):
+        GlooBackend.create(init_method="tcp://127.0.0.1:1", world_size=2, settings=Settings())
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("method", ["udp://host:1", "nccl://x", "mpi", "shm:///x"])
+def test_unknown_scheme_names_the_valid_ones(method: str) -> None:
+    with pytest.raises(ValueError, match=r"is not a Gloo rendezvous: use one of env://, tcp://"):
+        parse_init_method(method, 0, 2, Settings())
+
+
+def test_env_names_the_missing_variables() -> None:
+    with pytest.raises(ValueError, match=r"needs RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        parse_init_method("env://", None, None, Settings())
+    partial = Settings(rank=0, world_size=2, master_addr="127.0.0.1")
+    with pytest.raises(ValueError, match=r"env:// needs MASTER_PORT in the environment"):
+        parse_init_method(None, None, None, partial)
+    full = Settings(rank=1, world_size=2, master_addr="127.0.0.1", master_port=29500)
+    rendezvous = parse_init_method(None, None, None, full)
+    assert (rendezvous.url, rendezvous.rank, rendezvous.world_size) == ("env://", 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("tcp://127.0.0.1", r"is not a TCP address: use 'tcp://HOST:PORT'"),
+        ("tcp://:29500", r"is not a TCP address"),
+        ("tcp://host:port", r"is not a TCP address"),
+        ("file://relative/dir", r"does not name an absolute directory: use three slashes"),
+    ],
+)
+def test_malformed_addresses(method: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_init_method(method, 0, 2, Settings())
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [(2, 2), (-1, 2), (0, 0)])
+def test_rank_out_of_range(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match=r"rank in \[0, world_size\)"):
+        parse_init_method("tcp://127.0.0.1:29500", rank, world_size, Settings())
+
+
+def test_file_names_a_directory(tmp_path: Path) -> None:
+    rendezvous = parse_init_method(f"file://{tmp_path}", 0, 2, Settings())
+    assert rendezvous.file == tmp_path / RENDEZVOUS_FILE
+    assert rendezvous.url == f"file://{tmp_path / RENDEZVOUS_FILE}"
+    with_job = parse_init_method(f"file://{tmp_path}?job=42", 0, 2, Settings())
+    assert with_job.file == tmp_path / f"{RENDEZVOUS_FILE}-42"
+    a_file = tmp_path / "torch-style-file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match=r"is a file, but file:// names a directory"):
+        parse_init_method(f"file://{a_file}", 0, 2, Settings())
+
+
+def test_missing_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    with pytest.raises(dp.BackendUnavailableError, match=r"pip install 'dataparallel\[torch\]'"):
+        GlooBackend.create(init_method="tcp://127.0.0.1:1", rank=0, world_size=2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="interfaces are found on Linux")
+def test_gloo_binds_to_the_interface_that_reaches_rank_0() -> None:
+    from dataparallel.backends.gloo import _interface_toward
+
+    loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    assert _interface_toward("127.0.0.1", 29500) in loopback
