@@ -1,7 +1,7 @@
 """Tests of `dataparallel.data`, passing at any world size (`pytest`, `mpiexec -n 3 ... pytest`).
 
 Two kinds of test live here. Those on the real world compare what every rank got, gathered with
-mpi4py's `allgather` on plain Python values (gathered before asserting, so a failure on one rank
+`dp.allgather_object` on plain Python values (gathered before asserting, so a failure on one rank
 cannot leave the others waiting). Those on simulated worlds build one object per simulated rank,
 with `dataparallel.data._rank_and_size` patched, and check properties over all ranks at once; they
 need no peer, so hypothesis can drive them.
@@ -41,11 +41,7 @@ def world() -> tuple[int, int]:
 
 def allgather(value: Any) -> list[Any]:
     """Return every rank's picklable `value`, in rank order."""
-    if dataparallel.world.size() == 1:
-        return [value]
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.allgather(value)
+    return dataparallel.allgather_object(value)
 
 
 def as_rank(rank: int, size: int, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
