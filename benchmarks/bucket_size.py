@@ -11,27 +11,13 @@ and of one `Allreduce` over a single pre-packed buffer (the floor: no packing co
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import numpy as np
+from _timing import timed
 from mpi4py import MPI
 
 import dataparallel as dp
 
 MiB = 1 << 20
-
-
-def timed(fn: Callable[[], object], comm: MPI.Comm, repeat: int = 7) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(samples)
 
 
 def gradient_tree() -> list[np.ndarray]:

@@ -13,32 +13,15 @@ The ratio column is raw time / dp time: above 1, dp is faster.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
+from _timing import timed
 from mpi4py import MPI
 
 import dataparallel as dp
 from dataparallel import world
 
 MiB = 1 << 20
-
-
-def timed(fn: Callable[[], object], comm: MPI.Comm, repeat: int, inner: int) -> float:
-    """Return the median over `repeat` runs of the mean time of `inner` calls, in seconds."""
-    for _ in range(max(1, inner // 4)):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        samples.append(elapsed / inner)
-    return statistics.median(samples)
 
 
 def with_checks(enabled: bool) -> None:
@@ -52,19 +35,18 @@ def main() -> None:
     rows: list[tuple[str, float, float]] = []
 
     tiny = np.ones(1, np.float32)
-    raw = timed(lambda: comm.Allreduce(MPI.IN_PLACE, tiny, MPI.SUM), comm, 9, 2000)
+    raw = timed(lambda: comm.Allreduce(MPI.IN_PLACE, tiny, MPI.SUM), comm)
     with_checks(True)
-    checked = timed(lambda: dp.allreduce(tiny), comm, 9, 2000)
+    checked = timed(lambda: dp.allreduce(tiny), comm)
     with_checks(False)
-    unchecked = timed(lambda: dp.allreduce(tiny), comm, 9, 2000)
+    unchecked = timed(lambda: dp.allreduce(tiny), comm)
     rows += [("4 B, checks on", raw, checked), ("4 B, checks off", raw, unchecked)]
     with_checks(True)
 
     for mib in (1, 16, 64):
         buf = np.ones(mib * MiB // 4, np.float32)
-        inner = 20 if mib < 64 else 5
-        raw = timed(lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), comm, 7, inner)
-        ours = timed(lambda buf=buf: dp.allreduce(buf), comm, 7, inner)
+        raw = timed(lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), comm)
+        ours = timed(lambda buf=buf: dp.allreduce(buf), comm)
         rows.append((f"{mib} MiB array", raw, ours))
 
     rng = np.random.default_rng(0)
@@ -80,9 +62,9 @@ def main() -> None:
         for leaf in leaves:
             comm.allreduce(leaf, op=MPI.SUM)
 
-    fused = timed(lambda: dp.allreduce(leaves), comm, 7, 10)
-    rows.append(("tree 200 x 16 MiB, raw per leaf", timed(per_leaf, comm, 7, 10), fused))
-    rows.append(("tree 200 x 16 MiB, raw pickled", timed(pickled, comm, 5, 3), fused))
+    fused = timed(lambda: dp.allreduce(leaves), comm)
+    rows.append(("tree 200 x 16 MiB, raw per leaf", timed(per_leaf, comm), fused))
+    rows.append(("tree 200 x 16 MiB, raw pickled", timed(pickled, comm), fused))
 
     if comm.rank == 0:
         print(f"dataparallel vs raw mpi4py, {comm.size} ranks, {MPI.Get_library_version()[:12]}")

@@ -21,8 +21,6 @@ Columns: milliseconds per call; `vs` is the named reference's time divided by th
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _timing import timed
 from jax.experimental import io_callback
 from mpi4py import MPI
 
@@ -41,28 +40,6 @@ MODELS = {
     "large": (1024, 2048, 2048, 1024, 10),
 }
 BATCH = 64
-
-
-def timed(fn: Callable[[], object], comm: MPI.Comm, repeat: int = 7, budget: float = 0.3) -> float:
-    """Return the median over `repeat` runs of the mean time of a call, in seconds.
-
-    Each run makes as many calls as fit in about `budget` seconds (the same count on every rank).
-    """
-    for _ in range(2):
-        fn()
-    start = time.perf_counter()
-    fn()
-    once = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-    inner = max(3, min(1000, int(budget / max(once, 1e-6))))
-    samples = []
-    for _ in range(repeat):
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        samples.append(elapsed / inner)
-    return statistics.median(samples)
 
 
 def init_mlp(sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:

@@ -14,50 +14,25 @@ import subprocess
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _torch_common import (
+    OPTIMIZERS,
+    Branchy,
+    assert_same_on_every_rank,
+    global_batch,
+    loss_of,
+    make_model,
+    share,
+)
 from torch import nn
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
-from dataparallel.data import shard_indices
 
-BATCH = 12
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
-
-
-def share(t: torch.Tensor) -> torch.Tensor:
-    return t[torch.from_numpy(shard_indices(len(t), dp.rank(), dp.size()))]
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((model(x) - y) ** 2).mean()
-
-
-def assert_same_on_every_rank(tensors: list[torch.Tensor]) -> None:
-    every = dp.allgather_object([t.detach().numpy().copy() for t in tensors])
-    for theirs in every[1:]:
-        for a, b in zip(every[0], theirs, strict=True):
-            np.testing.assert_array_equal(a, b)
-
-
-OPTIMIZERS: dict[str, Any] = {
-    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
-}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -131,23 +106,6 @@ def test_the_forward_decides_whether_backward_reduces(world: Backend) -> None:
     steps = model.gradient_sync.steps
     loss.backward()  # outside the block, but its forward ran inside: local only (as DDP)
     assert model.gradient_sync.steps == steps
-
-
-class Branchy(nn.Module):
-    """`b` is used on rank 0 only; `unused` on no rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(4, 2)
-        self.b = nn.Linear(4, 2)
-        self.unused = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.a(x)
-        if dp.rank() == 0:
-            out = out + self.b(x)
-        return out
 
 
 def test_parameters_unused_on_some_ranks(world: Backend) -> None:

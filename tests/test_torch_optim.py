@@ -11,63 +11,31 @@ from __future__ import annotations
 import copy
 import json
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _torch_common import (
+    OPTIMIZERS,
+    Branchy,
+    assert_same_on_every_rank,
+    global_batch,
+    loss_of,
+    make_model,
+    share,
+)
 from torch import nn
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
-from dataparallel.data import shard_indices
 from dataparallel.errors import CollectiveMismatchError
-
-BATCH = 12  # divisible by 1, 2 and 3: equal shares, so the average of means is the global mean
-
-
-def make_model(seed: int = 0, hidden: int = 8) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 3)
-    )
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
-
-
-def share(t: torch.Tensor) -> torch.Tensor:
-    return t[torch.from_numpy(shard_indices(len(t), dp.rank(), dp.size()))]
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((model(x) - y) ** 2).mean()
-
-
-def gathered(tensors: list[torch.Tensor]) -> list[list[np.ndarray]]:
-    """Every rank's copy of `tensors`, as NumPy arrays, in rank order."""
-    return dp.allgather_object([t.detach().numpy().copy() for t in tensors])
-
-
-def assert_same_on_every_rank(tensors: list[torch.Tensor]) -> None:
-    every = gathered(tensors)
-    for theirs in every[1:]:
-        for a, b in zip(every[0], theirs, strict=True):
-            np.testing.assert_array_equal(a, b)
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
-
-
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
-}
 
 
 # -- equivalence --------------------------------------------------------------------------------
@@ -207,23 +175,6 @@ def test_buckets_are_the_same_on_every_rank_and_follow_backward_order(world: Bac
 
 
 # -- unused parameters, synchronize, accumulation -----------------------------------------------
-
-
-class Branchy(nn.Module):
-    """`b` is used on rank 0 only; `unused` on no rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(4, 2)
-        self.b = nn.Linear(4, 2)
-        self.unused = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.a(x)
-        if dp.rank() == 0:
-            out = out + self.b(x)
-        return out
 
 
 def local_then_averaged(model: nn.Module, x: torch.Tensor) -> dict[str, np.ndarray | None]:

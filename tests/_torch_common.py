@@ -1,0 +1,76 @@
+"""Models, batches and cross-rank checks shared by the PyTorch tests (`test_torch_*.py`).
+
+Every rank trains on its share of a global batch and is compared with a single-process reference
+that every rank computes locally on the whole batch, from the same seed. Values from the other
+ranks are gathered with `dp.allgather_object` before asserting, so a failure on one rank cannot
+leave the others waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.data import shard_indices
+
+BATCH = 12  # divisible by 1, 2 and 3: equal shares, so the average of means is the global mean
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+def make_model(seed: int = 0, hidden: int = 8) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 3)
+    )
+
+
+def global_batch(step: int, seed: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + step)
+    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def share(t: torch.Tensor) -> torch.Tensor:
+    """Return this rank's share of the global batch `t`."""
+    return t[torch.from_numpy(shard_indices(len(t), dp.rank(), dp.size()))]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def gathered(tensors: list[torch.Tensor]) -> list[list[np.ndarray]]:
+    """Every rank's copy of `tensors`, as NumPy arrays, in rank order."""
+    return dp.allgather_object([t.detach().numpy().copy() for t in tensors])
+
+
+def assert_same_on_every_rank(tensors: list[torch.Tensor]) -> None:
+    every = gathered(tensors)
+    for theirs in every[1:]:
+        for a, b in zip(every[0], theirs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+class Branchy(nn.Module):
+    """`b` is used on rank 0 only; `unused` on no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        if dp.rank() == 0:
+            out = out + self.b(x)
+        return out
