@@ -20,7 +20,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert settings == Settings()
     assert settings.check is True and settings.debug is False
     assert settings.timeline is None and settings.cuda_aware_mpi is None
-    assert settings.bucket_bytes == DEFAULT_BUCKET_BYTES == 4 * 1024 * 1024
+    assert settings.bucket_bytes == DEFAULT_BUCKET_BYTES == 256 * 1024
     assert settings.timeout is None
     assert not settings.mpi_launched and not settings.torchrun_launched
     assert settings.mpi_rank is None

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_BUCKET_BYTES", "Settings"]
 
 # Chosen by measurement (benchmarks/bucket_size.py, docs/performance.md): on 2 ranks over shared
-# memory a 4 MiB bucket reaches the bandwidth plateau, and a backward pass still gets several
-# flushes to overlap with.
-DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+# memory, packing costs as much as sending, so buckets pay off for small arrays only. 256 KiB was
+# best or within 10% of best on a gradient-shaped tree (160 arrays, 32 MiB), where 4 MiB took
+# 1.9x as long; trees of many small arrays favour bigger buckets (1 MiB+). Networks and GPUs, where
+# latency is dearer and copies cheaper, favour bigger ones still (DDP: 25 MiB, Horovod: 64 MiB).
+DEFAULT_BUCKET_BYTES = 256 * 1024
 
 # Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.
 _MPI_LAUNCHER_VARIABLES = (

@@ -75,6 +75,7 @@ class _FusionReducer(Reducer):
             timeline=active.timeline,
         )
         self._staged: list[tuple[Family, Any, np.ndarray]] = []
+        self._valid_dtypes: set[str] = set()  # dtypes already checked against op and scale
 
     @property
     def bucket_bytes(self) -> int:
@@ -101,7 +102,9 @@ class _FusionReducer(Reducer):
                 "`x = dp.allreduce(x)`."
             )
         dtype = family.dtype(x)
-        validate_reduction(dtype, self.op, self.scale if self.scale != 1 else None, "x")
+        if dtype not in self._valid_dtypes:
+            validate_reduction(dtype, self.op, self.scale if self.scale != 1 else None, "x")
+            self._valid_dtypes.add(dtype)
         work, is_view = family.work(x)
         if not is_view:
             self._staged.append((family, x, work))
@@ -150,7 +153,7 @@ class CoalescingReducer(_FusionReducer):
         scale: factor applied after the sum (default 1.0).
         async_op: start flushes without blocking (default True); `finalize` waits.
         contiguous: pack each bucket into one buffer (default True); False makes one call per array.
-        bucket_bytes: flush threshold (default `DATAPARALLEL_BUCKET_BYTES`, 4 MiB, measured in
+        bucket_bytes: flush threshold (default `DATAPARALLEL_BUCKET_BYTES`, 256 KiB, measured in
             `benchmarks/bucket_size.py`).
         op: `"sum"` (default, as Flashlight), or `"avg"`, `"min"`, `"max"`, `"prod"`.
         backend: the engine to use (default: the active one).
