@@ -30,3 +30,19 @@ def timed(fn: Callable[[], object], comm: MPI.Comm, repeat: int = 7, budget: flo
         elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
         samples.append(elapsed / inner)
     return statistics.median(samples)
+
+
+def compare(
+    cases: dict[str, Callable[[], object]], comm: MPI.Comm, rounds: int = 3
+) -> dict[str, float]:
+    """Time every case in turn, `rounds` times round-robin; return each case's best median.
+
+    Interleaving the cases spreads the machine's drifts (frequency, neighbours, page cache) over
+    all of them, so their ratios mean something even on a noisy machine.
+    """
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            seconds = timed(fn, comm)
+            best[name] = min(best.get(name, seconds), seconds)
+    return best

@@ -1,6 +1,6 @@
 """How the fusion bucket size changes the time to allreduce a gradient-shaped tree.
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/bucket_size.py`
+Run: `OMP_NUM_THREADS=1 dataparallel run -n 2 benchmarks/bucket_size.py`
 
 The tree mimics a convolutional network's gradients: 160 arrays from 64 floats to 2.4 M floats,
 32 MiB in all. Each row reduces it through `CoalescingReducer` (non-blocking flushes, one
@@ -12,7 +12,7 @@ and of one `Allreduce` over a single pre-packed buffer (the floor: no packing co
 from __future__ import annotations
 
 import numpy as np
-from _timing import timed
+from _timing import compare
 from mpi4py import MPI
 
 import dataparallel as dp
@@ -37,13 +37,10 @@ def main() -> None:
         for leaf in leaves:
             comm.Allreduce(MPI.IN_PLACE, leaf, MPI.SUM)
 
-    rows = [
-        ("raw: one Allreduce per array", timed(per_array, comm)),
-        (
-            "raw: one Allreduce, pre-packed",
-            timed(lambda: comm.Allreduce(MPI.IN_PLACE, packed, MPI.SUM), comm),
-        ),
-    ]
+    cases = {
+        "raw: one Allreduce per array": per_array,
+        "raw: one Allreduce, pre-packed": lambda: comm.Allreduce(MPI.IN_PLACE, packed, MPI.SUM),
+    }
     for kib in (64, 256, 1024, 4096, 16384, 65536):
 
         def fused(kib: int = kib) -> None:
@@ -51,7 +48,8 @@ def main() -> None:
                 for leaf in leaves:
                     reducer.add(leaf)
 
-        rows.append((f"dp: bucket {kib} KiB", timed(fused, comm)))
+        cases[f"dp: bucket {kib} KiB"] = fused
+    rows = list(compare(cases, comm).items())
     if comm.rank == 0:
         reference = rows[0][1]
         print(f"allreduce of {len(leaves)} arrays, 32 MiB, {comm.size} ranks")

@@ -1,8 +1,8 @@
 """Latency and bandwidth of dp.allreduce next to raw mpi4py, measured side by side in one run.
 
-Run: `OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/collectives.py`
+Run: `OMP_NUM_THREADS=1 dataparallel run -n 2 benchmarks/collectives.py`
 
-Rows (each the median of several timed repetitions, every rank in lock step):
+Rows (each the best of 3 interleaved rounds of medians, every rank in lock step):
 - a 4-byte allreduce: raw `comm.Allreduce(IN_PLACE, ...)`, dp with and without mismatch checks;
 - one array of 1, 16 and 64 MiB: raw Allreduce vs dp.allreduce (zero-copy, in place);
 - a tree of 200 arrays (16 MiB in all): raw Allreduce per leaf vs dp.allreduce (fused buckets);
@@ -13,9 +13,10 @@ The ratio column is raw time / dp time: above 1, dp is faster.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
-from _timing import timed
+from _timing import compare
 from mpi4py import MPI
 
 import dataparallel as dp
@@ -24,9 +25,19 @@ from dataparallel import world
 MiB = 1 << 20
 
 
-def with_checks(enabled: bool) -> None:
-    active = world.current()
-    active.settings = dataclasses.replace(active.settings, check=enabled)
+def checked(enabled: bool, fn: Callable[[], object]) -> Callable[[], object]:
+    """Return `fn` run with mismatch detection on or off."""
+
+    def run() -> object:
+        active = world.current()
+        before = active.settings
+        active.settings = dataclasses.replace(before, check=enabled)
+        try:
+            return fn()
+        finally:
+            active.settings = before
+
+    return run
 
 
 def main() -> None:
@@ -35,19 +46,27 @@ def main() -> None:
     rows: list[tuple[str, float, float]] = []
 
     tiny = np.ones(1, np.float32)
-    raw = timed(lambda: comm.Allreduce(MPI.IN_PLACE, tiny, MPI.SUM), comm)
-    with_checks(True)
-    checked = timed(lambda: dp.allreduce(tiny), comm)
-    with_checks(False)
-    unchecked = timed(lambda: dp.allreduce(tiny), comm)
-    rows += [("4 B, checks on", raw, checked), ("4 B, checks off", raw, unchecked)]
-    with_checks(True)
+    best = compare(
+        {
+            "raw": lambda: comm.Allreduce(MPI.IN_PLACE, tiny, MPI.SUM),
+            "checks on": checked(True, lambda: dp.allreduce(tiny)),
+            "checks off": checked(False, lambda: dp.allreduce(tiny)),
+        },
+        comm,
+    )
+    rows += [("4 B, checks on", best["raw"], best["checks on"])]
+    rows += [("4 B, checks off", best["raw"], best["checks off"])]
 
     for mib in (1, 16, 64):
         buf = np.ones(mib * MiB // 4, np.float32)
-        raw = timed(lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), comm)
-        ours = timed(lambda buf=buf: dp.allreduce(buf), comm)
-        rows.append((f"{mib} MiB array", raw, ours))
+        best = compare(
+            {
+                "raw": lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
+                "dp": lambda buf=buf: dp.allreduce(buf),
+            },
+            comm,
+        )
+        rows.append((f"{mib} MiB array", best["raw"], best["dp"]))
 
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 40_000, 200)
@@ -62,9 +81,11 @@ def main() -> None:
         for leaf in leaves:
             comm.allreduce(leaf, op=MPI.SUM)
 
-    fused = timed(lambda: dp.allreduce(leaves), comm)
-    rows.append(("tree 200 x 16 MiB, raw per leaf", timed(per_leaf, comm), fused))
-    rows.append(("tree 200 x 16 MiB, raw pickled", timed(pickled, comm), fused))
+    best = compare(
+        {"per leaf": per_leaf, "pickled": pickled, "dp": lambda: dp.allreduce(leaves)}, comm
+    )
+    rows.append(("tree 200 x 16 MiB, raw per leaf", best["per leaf"], best["dp"]))
+    rows.append(("tree 200 x 16 MiB, raw pickled", best["pickled"], best["dp"]))
 
     if comm.rank == 0:
         print(f"dataparallel vs raw mpi4py, {comm.size} ranks, {MPI.Get_library_version()[:12]}")
