@@ -217,8 +217,12 @@ def _probe_engines(report: Report) -> None:
                 found.append(f"cupy.cuda.nccl (NCCL {cupy_nccl.get_version()})")
             except ImportError:
                 pass
-        facts["nccl"] = bool(found)
-        return ", ".join(found) if found else "not available (needs CUDA torch or cupy with NCCL)"
+        from dataparallel.backends.nccl import unavailable_reason
+
+        # dataparallel's NCCL backend runs on cupy.cuda.nccl (docs/gpu.md): that decides.
+        facts["nccl_reason"] = unavailable_reason()
+        facts["nccl"] = facts["nccl_reason"] is None
+        return ", ".join(found) if found else "not available"
 
     def gpus() -> str:
         from dataparallel.world import _cuda_device_count
@@ -237,13 +241,7 @@ def _probe_backends(report: Report) -> None:
     reasons = {
         "mpi": facts.get("mpi"),
         "gloo": None if facts.get("gloo") else "needs torch with Gloo: pip install torch",
-        "nccl": (
-            "needs a CUDA GPU"
-            if not facts.get("gpus")
-            else None
-            if facts.get("nccl")
-            else "needs CUDA torch or cupy with NCCL"
-        ),
+        "nccl": facts.get("nccl_reason", "not probed"),
         "single": None,
     }
     for name, reason in reasons.items():
