@@ -39,8 +39,10 @@ test-1: $(STAMP)
 test: lint test-mpi test-gloo test-1
 
 bench: $(STAMP)
-	$(RUN_ENV) $(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/collectives.py
-	$(RUN_ENV) $(BIN)/mpiexec -n 2 $(BIN)/python benchmarks/train_step.py
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/collectives.py
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/bucket_size.py
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/train_step.py
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/optax_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
