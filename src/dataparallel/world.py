@@ -104,6 +104,8 @@ def initialize(
         from dataparallel.timeline import Timeline
 
         _world.timeline = Timeline(settings.timeline, engine.rank, engine.size)
+    if engine.size > 1:
+        _abort_on_uncaught_exceptions(engine)
     if verbose:
         print(f"initialized {engine.name} backend, local rank {engine.local_rank}, GPU {gpu}")
     return engine
@@ -208,6 +210,25 @@ def _point_frameworks_at(gpu: int) -> None:
         cupy.cuda.Device(gpu).use()
     except ImportError:
         pass
+
+
+def _abort_on_uncaught_exceptions(engine: Backend) -> None:
+    """Make an uncaught exception end the whole job, not only this rank.
+
+    Otherwise the other ranks wait forever in their next collective (mpi4py's `python -m mpi4py`
+    and `dataparallel run` do the same; under them, their own handler acts first). The traceback is
+    printed as usual, once, then the backend aborts the job.
+    """
+    previous = sys.excepthook
+
+    def abort_the_job(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        previous(kind, error, tb)
+        if _world is not None and _world.backend is engine:
+            sys.stderr.write(f"[rank {engine.rank}] uncaught {kind.__name__}: ending the job\n")
+            sys.stderr.flush()
+            engine.abort(1)
+
+    sys.excepthook = abort_the_job
 
 
 def initialized() -> bool:
