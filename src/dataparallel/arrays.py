@@ -332,7 +332,8 @@ def family_of(x: Any, path: str = "x") -> Family:
         family = _SCALAR
     else:
         module = type(x).__module__.partition(".")[0]
-        if module == "torch" and type(x).__name__ in ("Tensor", "Parameter"):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(x, torch.Tensor):  # subclasses too (Parameter, ...)
             family = _TORCH
         elif module in ("jax", "jaxlib") and _is_jax_array(x):
             if type(x).__name__.endswith("Tracer") or "Tracer" in type(x).__name__:

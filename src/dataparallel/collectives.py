@@ -73,7 +73,8 @@ def _start_reduction(
     if root is not None:
         check_root(root, ctx.backend)
     if ctx.settings.check and ctx.backend.size > 1:
-        args = {"op": op, "scale": scale} | ({"root": root} if root is not None else {})
+        scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
+        args = {"op": op, "scale": scale_arg} | ({"root": root} if root is not None else {})
         verify(ctx, collective, flat, leaves, args)
     total = 1.0 if scale is None else scale
     if average:
