@@ -25,11 +25,8 @@ from dataparallel.config import Settings
 
 pytest.importorskip("torch.distributed")
 
-from dataparallel.backends.gloo import (
-    RENDEZVOUS_FILE,
-    GlooBackend,
-    parse_init_method,
-)
+from dataparallel.backends.gloo import GlooBackend
+from dataparallel.backends.rendezvous import RENDEZVOUS_FILE, parse_init_method
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKER = SCRIPTS / "gloo_worker.py"
@@ -338,7 +335,7 @@ def test_missing_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="interfaces are found on Linux")
 def test_gloo_binds_to_the_interface_that_reaches_rank_0() -> None:
-    from dataparallel.backends.gloo import _interface_toward
+    from dataparallel.backends.rendezvous import interface_toward
 
     loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    assert _interface_toward("127.0.0.1", 29500) in loopback
+    assert interface_toward("127.0.0.1", 29500) in loopback

@@ -1,0 +1,207 @@
+"""How Gloo (and NCCL's store) processes find each other: Flashlight's rendezvous methods.
+
+Rendezvous (`init_method`), as in Flashlight:
+
+- `"env://"` (or none): torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
+  (`dataparallel run --backend gloo` sets them).
+- `"tcp://host:port"` with `rank=` and `world_size=`: rank 0 listens on `host:port`.
+- `"file:///dir"` with `rank=` and `world_size=`: a directory every rank can reach (a shared file
+  system across hosts). The rendezvous file is `dir/dataparallel-rendezvous`, or
+  `dir/dataparallel-rendezvous-ID` with `"file:///dir?job=ID"`. A file left by a job that did not
+  finish cleanly would mislead the next job: use a fresh directory or job id per job (a clean
+  finish removes the file).
+
+Network interface: Gloo binds to the address its hostname resolves to, else to loopback, which
+  breaks jobs across hosts wherever the hostname does not resolve to a routable address (common
+  in containers). Unless `GLOO_SOCKET_IFNAME` is set, this module binds Gloo to the interface
+  through which rank 0's address is reached (env:// and tcp://; file:// has no address to go by).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+from dataparallel.config import Settings
+
+__all__ = [
+    "RENDEZVOUS_FILE",
+    "Rendezvous",
+    "gloo_interface",
+    "interface_toward",
+    "parse_init_method",
+]
+
+RENDEZVOUS_FILE = "dataparallel-rendezvous"
+
+_SCHEMES = ("env://", "tcp://host:port", "file:///dir")
+
+
+class Rendezvous:
+    """Where and how the ranks meet: the `init_method` torch gets, and who this process is.
+
+    `master` is rank 0's (host, port) when known (env://, tcp://); `file` the rendezvous file.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        rank: int,
+        world_size: int,
+        *,
+        file: Path | None = None,
+        master: tuple[str, int] | None = None,
+    ) -> None:
+        self.url, self.rank, self.world_size = url, rank, world_size
+        self.file, self.master = file, master
+
+    def __repr__(self) -> str:
+        return f"Rendezvous({self.url!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+def parse_init_method(
+    init_method: str | None, rank: int | None, world_size: int | None, settings: Settings
+) -> Rendezvous:
+    """Check `init_method` and the rank and size it needs, before any process communicates.
+
+    Args:
+        init_method: `None` or `"env://"`, `"tcp://host:port"`, `"file:///dir"`.
+        rank, world_size: as given to `dp.initialize()`.
+        settings: the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+
+    Raises:
+        ValueError: an unknown scheme, a malformed address, or a rank or size missing or out
+            of range.
+
+    >>> parse_init_method("tcp://10.0.0.1:29500", 1, 2, Settings())
+    Rendezvous('tcp://10.0.0.1:29500', rank=1, world_size=2)
+    """
+    method = init_method or "env://"
+    if method == "env://":
+        missing = [
+            name
+            for name, value in (
+                ("RANK", settings.rank if rank is None else rank),
+                ("WORLD_SIZE", settings.world_size if world_size is None else world_size),
+                ("MASTER_ADDR", settings.master_addr),
+                ("MASTER_PORT", settings.master_port),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(
+                f"The Gloo rendezvous env:// needs {', '.join(missing)} in the environment "
+                "(torchrun and `dataparallel run --backend gloo` set them); or rendezvous "
+                "explicitly: dp.initialize('gloo', init_method='tcp://HOST:PORT', rank=R, "
+                "world_size=N)."
+            )
+        rank = settings.rank if rank is None else rank
+        world_size = settings.world_size if world_size is None else world_size
+        assert rank is not None and world_size is not None
+        assert settings.master_addr is not None and settings.master_port is not None
+        _check_rank(method, rank, world_size)
+        master = (settings.master_addr, settings.master_port)
+        return Rendezvous("env://", rank, world_size, master=master)
+    parsed = urllib.parse.urlsplit(method)
+    if parsed.scheme not in ("tcp", "file"):
+        raise ValueError(
+            f"init_method={init_method!r} is not a Gloo rendezvous: use one of "
+            f"{', '.join(_SCHEMES)}, or 'mpi' with backend='mpi'."
+        )
+    if rank is None or world_size is None:
+        raise ValueError(
+            f"init_method={init_method!r} needs rank= and world_size= (got rank={rank}, "
+            f"world_size={world_size}): pass both to dp.initialize(), or use init_method='env://' "
+            "with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun does)."
+        )
+    _check_rank(method, rank, world_size)
+    if parsed.scheme == "tcp":
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
+            raise ValueError(
+                f"init_method={init_method!r} is not a TCP address: use 'tcp://HOST:PORT', where "
+                "rank 0 listens (e.g. 'tcp://10.0.0.1:29500')."
+            )
+        master = (parsed.hostname, port)
+        return Rendezvous(f"tcp://{parsed.netloc}", rank, world_size, master=master)
+    if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise ValueError(
+            f"init_method={init_method!r} does not name an absolute directory: use three slashes, "
+            "'file:///path/to/shared/dir'."
+        )
+    directory = Path(urllib.parse.unquote(parsed.path))
+    job = urllib.parse.parse_qs(parsed.query).get("job", [""])[0]
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(
+            f"init_method={init_method!r}: {directory} is a file, but file:// names a directory "
+            "shared by every rank (Flashlight's FILE_SYSTEM rendezvous), where dataparallel "
+            f"keeps its own '{RENDEZVOUS_FILE}' file: pass a directory."
+        )
+    file = directory / (f"{RENDEZVOUS_FILE}-{job}" if job else RENDEZVOUS_FILE)
+    return Rendezvous(f"file://{file}", rank, world_size, file=file)
+
+
+def _check_rank(method: str, rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank={rank}, world_size={world_size} for {method}: world_size must be positive "
+            "and rank in [0, world_size)."
+        )
+
+
+def interface_toward(host: str, port: int) -> str | None:
+    """Return the network interface through which this machine reaches `host` (None: unknown).
+
+    Gloo binds to the address its hostname resolves to, else to loopback: in containers, where
+    the hostname often resolves to 127.0.1.1 or not at all, ranks on other hosts then cannot
+    connect. Binding to the interface that routes to rank 0 avoids that (and for a rank 0 on
+    loopback, binds to loopback without looking the hostname up).
+    """
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, port))  # UDP: picks the route, sends nothing
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return _interface_of(local)
+
+
+def _interface_of(address: str) -> str | None:
+    """Return the name of the interface whose IPv4 address is `address` (Linux), or None."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(s.fileno(), siocgifaddr, request)
+            except OSError:
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_interface(interface: str | None) -> Iterator[None]:
+    """Make Gloo bind to `interface` while the group is created (torch reads GLOO_SOCKET_IFNAME)."""
+    if interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
