@@ -69,6 +69,7 @@ class Leaf:
     family: Family
     dtype: str
     shape: tuple[int, ...]
+    device: str  # "cpu", "cuda:0", ...
     work: np.ndarray | None = None
     is_view: bool = False
 
@@ -80,7 +81,7 @@ def leaf_of(flat: tree.Flat, i: int) -> Leaf:
     except TypeError:
         family_of(value, flat.path(i))  # raise again, naming the leaf's path
         raise
-    return Leaf(value, i, family, family.dtype(value), family.shape(value))
+    return Leaf(value, i, family, family.dtype(value), family.shape(value), family.device(value))
 
 
 def leaves_of(flat: tree.Flat) -> list[Leaf]:
@@ -102,7 +103,9 @@ def verify(
 
     def signature(leaf: Leaf) -> str:
         shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]
-        return f"{leaf.dtype}{shape}"
+        # The device's kind, not its index: rank r's GPU is cuda:r, yet CPU against GPU differs.
+        where = "" if leaf.device == "cpu" else f" on {leaf.device.partition(':')[0]}"
+        return f"{leaf.dtype}{shape}{where}"
 
     signatures = [signature(leaf) for leaf in leaves]
     summary = f"{collective}|{sorted(args.items())}|{flat.structure()}|{'|'.join(signatures)}"
@@ -169,7 +172,7 @@ def fuse(
     )
     for leaf in leaves:
         leaf.work, leaf.is_view = leaf.family.work(leaf.value)
-        fusion.add(leaf.work, leaf.dtype, (leaf.family.name, leaf.family.device(leaf.value)))
+        fusion.add(leaf.work, leaf.dtype, (leaf.family.name, leaf.device))
     return fusion
 
 
