@@ -154,3 +154,49 @@ def test_a_bare_leaf_is_its_own_tree(leaf: Any) -> None:
     flat = tree.flatten(leaf)
     assert flat.leaves == [leaf] and flat.paths == ["x"]
     assert tree.unflatten(flat.spec, [leaf]) is leaf
+
+
+# -- nodes registered with JAX only (flax's FrozenDict, register_pytree_node_class) -------------
+
+
+def _jax_box() -> type:
+    jax = pytest.importorskip("jax")
+
+    @jax.tree_util.register_pytree_node_class
+    class Box:
+        def __init__(self, a: Any, b: Any) -> None:
+            self.a, self.b = a, b
+
+        def tree_flatten(self) -> tuple[tuple[Any, Any], str]:
+            return (self.a, self.b), "meta"
+
+        @classmethod
+        def tree_unflatten(cls, aux: str, children: Any) -> Any:
+            assert aux == "meta"
+            return cls(*children)
+
+    return Box
+
+
+def test_jax_registered_nodes_flatten_through_jax() -> None:
+    box = _jax_box()
+    flat = tree.flatten({"box": box(np.ones(2), [3.0, None])}, "params")
+    assert [type(leaf) for leaf in flat.leaves] == [np.ndarray, float]
+    rebuilt = tree.unflatten(flat.spec, [np.zeros(2), 4.0])
+    assert type(rebuilt["box"]) is box
+    np.testing.assert_array_equal(rebuilt["box"].a, np.zeros(2))
+    assert rebuilt["box"].b == [4.0, None]
+
+
+def test_jax_registered_nodes_are_reduced_across_ranks(world: Any, rank: int, size: int) -> None:
+    import dataparallel as dp
+
+    box = _jax_box()
+    jnp = pytest.importorskip("jax.numpy")
+    out = dp.allreduce(box(jnp.full(3, rank + 1.0), {"n": float(rank)}))
+    assert type(out) is box
+    np.testing.assert_allclose(np.asarray(out.a), np.full(3, size * (size + 1) / 2))
+    assert out.b == {"n": float(size * (size - 1) / 2)}
+    synced = dp.synchronize(box(jnp.full(1, float(rank)), "kept"))
+    np.testing.assert_array_equal(np.asarray(synced.a), [0.0])
+    assert synced.b == "kept"

@@ -1,14 +1,17 @@
 """Flatten and unflatten pytrees (on optree), with readable leaf paths for error messages.
 
 Containers are dict, list, tuple, namedtuple, `None` (an empty node, so it stays `None`), anything
-registered with optree, and dataclasses, which are registered on first sight in dataparallel's own
-optree namespace (so user registrations elsewhere are left alone).
+registered with optree, dataclasses, and nodes registered with JAX only (flax's `FrozenDict`,
+`register_pytree_node_class` classes). The last two are registered on first sight in
+dataparallel's own optree namespace (so user registrations elsewhere are left alone); JAX nodes
+flatten and unflatten through JAX's own registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Hashable, Iterable
 from typing import Any, NamedTuple
 
@@ -82,15 +85,50 @@ def _register_dataclass(cls: type) -> None:
     _registered.add(cls)
 
 
+def _is_jax_node(x: Any) -> bool:
+    """Return whether JAX (loaded) sees `x` as a container that optree does not know."""
+    kind = type(x)
+    if kind in _leaf_types or isinstance(x, _PLAIN):
+        return False
+    jax = sys.modules.get("jax")
+    if jax is None or isinstance(x, jax.Array) or jax.tree_util.all_leaves([x]):
+        _leaf_types.add(kind)  # a leaf to JAX too: never asked again
+        return False
+    return kind not in _registered
+
+
+def _register_jax_node(cls: type) -> None:
+    jax = sys.modules["jax"]
+
+    def flatten(obj: Any) -> tuple[list[Any], Any]:
+        def one_level(y: Any) -> bool:
+            return y is not obj
+
+        children = jax.tree_util.tree_leaves(obj, is_leaf=one_level)
+        return children, jax.tree_util.tree_structure(obj, is_leaf=one_level)
+
+    def unflatten(treedef: Any, children: Iterable[Any]) -> Any:
+        return treedef.unflatten(list(children))
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    _registered.add(cls)
+
+
+_leaf_types: set[type] = set()  # types JAX sees as leaves (asked once per type)
+
+
 def flatten(tree: Any, name: str = "x") -> Flat:
     """Flatten `tree` into leaves, their paths (rooted at `name`) and its structure."""
     while True:  # an unregistered dataclass is a leaf to optree: register it and flatten again
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
-        fresh = {type(leaf) for leaf in leaves if _is_unregistered_dataclass(leaf)}
-        if not fresh:
+        dataclass_types = {type(leaf) for leaf in leaves if _is_unregistered_dataclass(leaf)}
+        jax_types = {type(leaf) for leaf in leaves if _is_jax_node(leaf)} - dataclass_types
+        if not dataclass_types and not jax_types:
             break
-        for cls in fresh:
+        for cls in dataclass_types:
             _register_dataclass(cls)
+        for cls in jax_types:
+            _register_jax_node(cls)
     return Flat(leaves, spec, name)
 
 
