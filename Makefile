@@ -1,5 +1,5 @@
 # `make demo` trains on 2 ranks; `make test` runs lint, types and the test suite at 1, 2 and 3 ranks
-# (MPI) and 2 ranks (Gloo). Both set up .venv on a fresh machine first.
+# (MPI) and 2 and 3 ranks (Gloo). Both set up .venv on a fresh machine first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,6 +31,7 @@ test-mpi: $(STAMP)
 
 test-gloo: $(STAMP)
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
+	$(RUN_ENV) $(BIN)/dataparallel run -n 3 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
 
 # The world of one runs last, so the job ends on a plain pytest summary.
 test-1: $(STAMP)
