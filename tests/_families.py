@@ -232,3 +232,15 @@ def invalid(op: str, dtype: str) -> bool:
     return (op == "avg" and (dtype in INTEGER or dtype == "bool")) or (
         op in ("min", "max") and dtype in COMPLEX
     )
+
+
+def assert_values(family: Family, out: Any, want: np.ndarray, dtype: str) -> None:
+    """Check that leaf `out` of `family` holds `want`: exactly for integers and bool."""
+    got = np.asarray(family.read(out))
+    assert got.shape == want.shape
+    if dtype == "bool":
+        np.testing.assert_array_equal(got.astype(bool), want)
+    elif dtype in INTEGER:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(as_float(got), want, rtol=tolerance(dtype))

@@ -29,14 +29,12 @@ import torch
 from _families import (
     DTYPES,
     FAMILY,
-    INTEGER,
     OPS,
     Family,
-    as_float,
+    assert_values,
     expected,
     invalid,
     rank_values,
-    tolerance,
     usable,
 )
 
@@ -130,14 +128,7 @@ def make(family: Family, values: np.ndarray, dtype: str) -> Any:
 def check(family: Family, out: Any, before: Any, want: np.ndarray, dtype: str) -> None:
     """Check a leaf written in place with values `want` (exact for integers and bool)."""
     assert out is before, "device leaves must be written in place and returned"
-    got = np.asarray(family.read(out))
-    assert got.shape == want.shape
-    if dtype == "bool":
-        np.testing.assert_array_equal(got.astype(bool), want)
-    elif dtype in INTEGER:
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(as_float(got), want, rtol=tolerance(dtype))
+    assert_values(family, out, want, dtype)
 
 
 def tree_of(family: Family, rank: int, dtype: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
