@@ -20,6 +20,7 @@ Fixtures: `world` (the active backend), `rank`, `size`.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from typing import Any
 
@@ -70,23 +71,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     stderr = _state.pop("stderr", None)
     if stderr is not None:
         os.close(stderr)
-    devnull = _state.pop("devnull", None)
-    if devnull is not None:
-        devnull.close()
 
 
 def _quiet(config: pytest.Config) -> None:
-    """Send pytest's terminal report on this rank to /dev/null; the guard still reports failures.
+    """Keep pytest's terminal report on this rank in memory; the guard still reports failures.
 
     The reporter is replaced rather than removed, so plugins that write through it still work.
+    The report is shown after all if the session still ends badly on this rank (see
+    `pytest_sessionfinish`): a rank must never fail the job silently.
     """
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
     config.pluginmanager.unregister(reporter)
-    devnull = open(os.devnull, "w")  # noqa: SIM115 - open for the whole session
-    _state["devnull"] = devnull
-    config.pluginmanager.register(pytest.TerminalReporter(config, devnull), "terminalreporter")
+    report = io.StringIO()
+    _state["report"] = report
+    config.pluginmanager.register(pytest.TerminalReporter(config, report), "terminalreporter")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """On a quiet rank whose session failed (warnings turned errors at the end, say): show why."""
+    report = _state.get("report")
+    if report is None or exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+        return
+    rank = _state["backend"].rank
+    text = "".join(f"[rank {rank}] {line}\n" for line in report.getvalue().splitlines()[-60:])
+    os.write(_state["stderr"], f"[rank {rank}] pytest exit status {exitstatus}:\n{text}".encode())
 
 
 def _multi() -> bool:

@@ -101,9 +101,9 @@ def test_scale_multiplies_the_result(family: Family, rank: int, size: int) -> No
         z = family.make(rank_values(rank, "int64", shape), "int64")
         out = dp.allreduce(z, scale=3)
         check_leaf(family, z, out, 3 * expected("sum", "int64", size, shape), "int64")
-        with pytest.raises(TypeError, match=r"^x: scale=0.5 cannot be applied to a int64"):
+        with pytest.raises(TypeError, match=r"^x: scale=0.5 cannot be applied to int64 values"):
             dp.allreduce(z, scale=0.5)
-        with pytest.raises(TypeError, match=r"^x: op='avg' on a int64 array would truncate"):
+        with pytest.raises(TypeError, match=r"^x: op='avg' on int64 values would truncate"):
             dp.allreduce(z, op="avg")
 
 
@@ -114,10 +114,21 @@ def test_integral_float_scale_is_accepted_on_integers(rank: int, size: int) -> N
 
 def test_bool_rejects_scale_and_avg(rank: int) -> None:
     flags = np.array([True, False])
-    with pytest.raises(TypeError, match=r"^x\['f'\]: scale=2 cannot be applied to a bool"):
+    with pytest.raises(TypeError, match=r"^x\['f'\]: scale=2 cannot be applied to bool values"):
         dp.allreduce({"f": flags}, scale=2)
     with pytest.raises(TypeError, match=r"^x\['f'\]: op='avg'"):
         dp.allreduce({"f": flags}, op="avg")
+
+
+@pytest.mark.parametrize("scale", ["2", 1j, np.complex64(2)])
+def test_a_scale_that_is_not_a_real_number_is_a_type_error(scale: Any, rank: int) -> None:
+    with pytest.raises(TypeError, match=r"scale=.* must be a real number"):
+        dp.allreduce(np.ones(2), scale=scale)
+    with pytest.raises(TypeError, match=r"scale=.* must be a real number"):
+        dp.reduce(np.ones(2), scale=scale)
+    np.testing.assert_array_equal(
+        dp.allreduce(np.ones(2), scale=np.float32(0.5)), [0.5 * dp.size()] * 2
+    )
 
 
 def test_unknown_op_is_a_value_error(rank: int) -> None:

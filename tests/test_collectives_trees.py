@@ -249,7 +249,7 @@ def test_allreduce_gradients_sum(rank: int, size: int) -> None:
 
 
 def test_allreduce_gradients_names_integer_leaves(rank: int) -> None:
-    with pytest.raises(TypeError, match=r"^grads\['steps'\]: op='avg' on a int32"):
+    with pytest.raises(TypeError, match=r"^grads\['steps'\]: op='avg' on int32 values"):
         dp.allreduce_gradients({"steps": np.zeros(2, np.int32)})
 
 

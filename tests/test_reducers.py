@@ -71,8 +71,16 @@ def test_inline_reducer_default_scale_is_a_plain_sum(rank: int, size: int) -> No
     x = np.full(2, rank + 1, np.int32)
     dp.InlineReducer().add(x)
     np.testing.assert_array_equal(x, np.full(2, size * (size + 1) // 2, np.int32))
-    with pytest.raises(TypeError, match=r"scale=0\.5 cannot be applied to a int32"):
+    with pytest.raises(TypeError, match=r"scale=0\.5 cannot be applied to int32 values"):
         dp.InlineReducer(scale=0.5).add(x)
+
+
+@pytest.mark.parametrize("scale", ["0.5", 1j])
+def test_reducers_reject_a_scale_that_is_not_a_real_number(scale: Any, rank: int) -> None:
+    with pytest.raises(TypeError, match=r"scale=.* must be a real number"):
+        dp.InlineReducer(scale)
+    with pytest.raises(TypeError, match=r"scale=.* must be a real number"):
+        dp.CoalescingReducer(scale)
 
 
 def test_coalescing_flush_rules_are_flashlight_s(rank: int, size: int, sent: Sent) -> None:
@@ -175,7 +183,7 @@ def test_coalescing_reducer_ops(rank: int, size: int) -> None:
     with dp.CoalescingReducer(op="max") as reducer:
         reducer.add(b)
     np.testing.assert_array_equal(b, np.full(3, size, np.int16))
-    with pytest.raises(TypeError, match=r"op='avg' on a int16 array"):
+    with pytest.raises(TypeError, match=r"op='avg' on int16 values"):
         dp.CoalescingReducer(op="avg").add(b)
     with pytest.raises(ValueError, match=r"op='mean' is not a reduction"):
         dp.CoalescingReducer(op="mean")

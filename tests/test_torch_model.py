@@ -228,3 +228,21 @@ def test_the_digits_example_trains_to_95_percent_on_two_ranks(tmp_path: Path) ->
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
     )
     bare.load_state_dict(state["model"])  # no `module.` prefix
+
+
+def test_dp_torch_without_pytorch_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if PyTorch were not installed\n"
+        "import dataparallel as dp\n"
+        "try:\n"
+        "    dp.torch\n"
+        "except ImportError as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDI_", "MPI_LOCAL"))}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'dataparallel[torch]'" in done.stdout, done.stdout

@@ -10,6 +10,7 @@ pickled exchange made, to name the ranks and what differs; every rank then raise
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,13 @@ from dataparallel.arrays import INTEGER_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.errors import CollectiveMismatchError
 
-__all__ = ["parse_op", "reduction_error", "validate_reduction", "verify_same_call"]
+__all__ = [
+    "check_scale",
+    "parse_op",
+    "reduction_error",
+    "validate_reduction",
+    "verify_same_call",
+]
 
 _OPS = ("sum", "prod", "min", "max", "avg")
 _MAX_DIFFERENCES = 8
@@ -35,17 +42,28 @@ def parse_op(op: str) -> tuple[ReduceOp, bool]:
         raise ValueError(f"op={op!r} is not a reduction: use one of {_OPS}.") from None
 
 
+def check_scale(scale: object) -> None:
+    """Raise `TypeError` unless `scale` is None or a real number (a 0-d array or tensor too)."""
+    if scale is None or isinstance(scale, numbers.Real):
+        return
+    if not isinstance(scale, (str, bytes, numbers.Complex)) and hasattr(type(scale), "__float__"):
+        return
+    raise TypeError(
+        f"scale={scale!r} must be a real number (an int or a float), got {type(scale).__name__}."
+    )
+
+
 def reduction_error(dtype: str, op: str, scale: float | None) -> str | None:
     """Return why a reduction cannot be done on `dtype`, or None when it can."""
     if dtype in INTEGER_DTYPES or dtype == "bool":
         if op == "avg":
             return (
-                f"op='avg' on a {dtype} array would truncate; convert the leaf to a floating "
+                f"op='avg' on {dtype} values would truncate; convert the leaf to a floating "
                 "dtype, or use op='sum' and divide yourself."
             )
         if scale is not None and (dtype == "bool" or not float(scale).is_integer()):
             return (
-                f"scale={scale} cannot be applied to a {dtype} array; use a floating dtype, "
+                f"scale={scale} cannot be applied to {dtype} values; use a floating dtype, "
                 "or an integral scale."
             )
     if dtype.startswith("complex") and op in ("min", "max"):

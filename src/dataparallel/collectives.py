@@ -32,7 +32,7 @@ from dataparallel.calls import (
     run,
     verify,
 )
-from dataparallel.checks import parse_op, reduction_error, verify_same_call
+from dataparallel.checks import check_scale, parse_op, reduction_error, verify_same_call
 from dataparallel.fusion import Broadcast, Fusion, Reduction
 
 __all__ = [
@@ -63,6 +63,7 @@ def _start_reduction(
 ) -> tuple[Fusion, Callable[[], Any], CallContext]:
     ctx = context(backend)
     engine_op, average = parse_op(op)
+    check_scale(scale)
     flat = tree.flatten(x, name)
     leaves = leaves_of(flat)
     for leaf in leaves:

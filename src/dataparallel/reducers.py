@@ -15,7 +15,7 @@ import numpy as np
 from dataparallel import world
 from dataparallel.arrays import Family, family_of
 from dataparallel.backends.base import Backend
-from dataparallel.checks import parse_op, validate_reduction
+from dataparallel.checks import check_scale, parse_op, validate_reduction
 from dataparallel.fusion import Fusion, Reduction
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
@@ -63,6 +63,7 @@ class _FusionReducer(Reducer):
         active = world.current()
         self.backend = backend if backend is not None else active.backend
         engine_op, average = parse_op(op)
+        check_scale(scale)
         self.op, self.scale = op, float(scale)
         total = self.scale / self.backend.size if average else self.scale
         self._fusion = Fusion(

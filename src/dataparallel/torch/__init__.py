@@ -11,6 +11,15 @@ Loaded on first access to `dp.torch`, so that `import dataparallel` does not imp
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # noqa: F401 - fail here, with what to install, not deep in a submodule
+except ImportError as exc:
+    raise ModuleNotFoundError(
+        "dp.torch needs PyTorch, which is not installed here: pip install 'dataparallel[torch]' "
+        "(or pip install torch).",
+        name="torch",
+    ) from exc
+
 from dataparallel.torch._buckets import NamedParams as NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._model import DataParallelModel
