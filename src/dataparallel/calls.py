@@ -126,9 +126,11 @@ def check_root(root: int, backend: Backend) -> None:
 
 
 def log(ctx: CallContext, message: str) -> None:
+    """Write `message` to stderr with the rank, when `DATAPARALLEL_DEBUG=1`."""
     if ctx.settings.debug:
         b = ctx.backend
-        print(f"[dataparallel {b.rank}/{b.size}] {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[dataparallel {b.rank}/{b.size}] {message}\n")  # one write per line
+        sys.stderr.flush()
 
 
 def run(

@@ -41,12 +41,20 @@ class Reduction:
     scale: float | None = None
     root: int | None = None
 
+    def __str__(self) -> str:
+        text = f"op={self.op.value}"
+        text += "" if self.scale is None else f" scale={self.scale:g}"
+        return text + ("" if self.root is None else f" root={self.root}")
+
 
 @dataclass(frozen=True)
 class Broadcast:
     """Copy `root`'s values to every rank."""
 
     root: int
+
+    def __str__(self) -> str:
+        return f"root={self.root}"
 
 
 @dataclass
