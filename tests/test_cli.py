@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _jobs import outer_world_size
 
 from dataparallel.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
 from dataparallel.errors import BackendUnavailableError
@@ -35,21 +36,10 @@ LIMIT = 120
 FAST = 60
 
 
-def _outer_world_size() -> int:
-    """Return the size of the job (MPI, or torchrun-style) running this file (1 outside any)."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return int(mpi.COMM_WORLD.Get_size())
-    return 1
-
-
 pytestmark = [
     pytest.mark.spawns,
     pytest.mark.skipif(
-        _outer_world_size() > 1,
+        outer_world_size() > 1,
         reason="launches its own multi-process jobs: run this file in a world of one",
     ),
 ]

@@ -17,14 +17,12 @@ import numpy as np
 import pytest
 from _families import (
     FAMILY,
-    INTEGER,
     OPS,
     Family,
-    as_float,
+    assert_values,
     expected,
     invalid,
     rank_values,
-    tolerance,
     usable,
 )
 
@@ -187,13 +185,7 @@ def _check_allreduce(family: Family, backend: NCCLBackend, rank: int, size: int)
             x = family.make(rank_values(rank, dtype, (2, 3)), dtype)
             out = dp.allreduce({"x": x}, op=op, backend=backend)["x"]
             assert out is x
-            got, want = np.asarray(family.read(out)), expected(op, dtype, size)
-            if dtype == "bool":
-                np.testing.assert_array_equal(got.astype(bool), want)
-            elif dtype in INTEGER:
-                np.testing.assert_array_equal(got, want)
-            else:
-                np.testing.assert_allclose(as_float(got), want, rtol=tolerance(dtype))
+            assert_values(family, out, expected(op, dtype, size), dtype)
 
 
 @needs_nccl

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _jobs import outer_world_size
 
 import dataparallel.world as world
 from dataparallel.progress import progress
@@ -20,19 +21,8 @@ LIMIT = 120
 LAUNCHER_RANKS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
-def _outer_world_size() -> int:
-    """Return the size of the job (MPI, or torchrun-style) running this file (1 outside any)."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return int(mpi.COMM_WORLD.Get_size())
-    return 1
-
-
 in_world_of_one = pytest.mark.skipif(
-    _outer_world_size() > 1,
+    outer_world_size() > 1,
     reason="launches its own multi-process jobs: run it in a world of one",
 )
 
