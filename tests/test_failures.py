@@ -1,8 +1,9 @@
-"""A rank that fails ends the whole job quickly, even under a plain `mpiexec` or `torchrun`.
+"""A rank that fails or dies ends the whole job quickly, never leaving the others hanging.
 
 `dp.initialize()` in a world of several makes an uncaught exception abort the job after printing
-its traceback once, so the other ranks never wait forever in their next collective. Each case
-launches its own job (`spawns`), with a timeout far above the time it must take.
+its traceback once, even under a plain `mpiexec` or `torchrun`; a rank killed outright (SIGKILL,
+the OOM killer) is noticed by the launcher, which ends the rest. Each case launches its own job
+(`spawns`), with a timeout far above the time it must take.
 """
 
 from __future__ import annotations
@@ -49,4 +50,31 @@ def test_an_uncaught_exception_ends_a_torchrun_job() -> None:
     output = job.stdout + job.stderr
     assert job.returncode != 0, output
     assert "RuntimeError: rank 1 fails on purpose" in output
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+KILLED = Path(__file__).parent / "scripts" / "killed_rank.py"
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_killed_rank_ends_the_job(backend: str) -> None:
+    job, elapsed = finished(
+        [
+            sys.executable,
+            "-m",
+            "dataparallel",
+            "run",
+            "-n",
+            "3",
+            "--backend",
+            backend,
+            "--timeout",
+            "100",
+            str(KILLED),
+        ]
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode not in (0, 124), output  # failed, and not by the launcher's timeout
+    assert "UNREACHABLE" not in output
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
