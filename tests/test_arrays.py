@@ -1,4 +1,4 @@
-"""Array families (`dataparallel.arrays`): recognizing leaves, seeing and staging their memory."""
+"""Array families (`dataparallel.engine.arrays`): recognizing leaves, seeing and staging memory."""
 
 from __future__ import annotations
 
@@ -10,14 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dataparallel.arrays import (
-    SUPPORTED_DTYPES,
-    BufferPool,
-    bf16_to_f32,
-    f32_to_bf16,
-    family_of,
-    storage_dtype,
-)
+from dataparallel.engine.arrays import family_of
+from dataparallel.engine.dtypes import SUPPORTED_DTYPES, bf16_to_f32, f32_to_bf16, storage_dtype
+from dataparallel.engine.pool import BufferPool
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

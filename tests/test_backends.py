@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp
+from dataparallel.backends.base import Backend, DoneHandle, ReduceOp
 from dataparallel.backends.single import SingleBackend
 from dataparallel.errors import BackendUnavailableError
 
@@ -104,7 +104,7 @@ def test_single_backend_is_the_identity() -> None:
         assert single.iallreduce(buf, op).test()
     single.broadcast(buf, 0)
     request = single.ibroadcast(buf, 0)
-    assert isinstance(request, CompletedRequest) and request.test()
+    assert isinstance(request, DoneHandle) and request.test()
     request.wait()
     np.testing.assert_array_equal(buf, np.arange(3.0))
     recv = np.zeros(3)

@@ -16,7 +16,7 @@ import pytest
 
 import dataparallel as dp
 import dataparallel.world as world_module
-from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
 from dataparallel.checks import parse_op, reduction_error, validate_reduction, verify_same_call
 
 
@@ -86,7 +86,7 @@ class Simulated(Backend):
         self.log.append("allgather_object")
         return [obj, *self.peers[1:]]
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         raise NotImplementedError
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
@@ -95,8 +95,8 @@ class Simulated(Backend):
     def broadcast(self, buf: Any, root: int) -> None:
         raise NotImplementedError
 
-    def ibroadcast(self, buf: Any, root: int) -> Request:
-        return CompletedRequest()
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
+        return DoneHandle()
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         raise NotImplementedError

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from _jobs import outer_world_size
 
-from dataparallel.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
 from dataparallel.errors import BackendUnavailableError
 from dataparallel.launch._output import PARTIAL_LINE_SECONDS, Output, pump
+from dataparallel.launch.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
 from dataparallel.launch.mpi import find_mpiexec, mpi_command, require_mpi4py
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -33,7 +33,7 @@ from _families import (
 
 import dataparallel as dp
 import dataparallel.world as world_module
-from dataparallel.arrays import family_of
+from dataparallel.engine.arrays import family_of
 
 jnp = pytest.importorskip("jax.numpy")
 

@@ -39,13 +39,14 @@ from _families import (
 )
 
 import dataparallel as dp
-from dataparallel import arrays, world
-from dataparallel.backends.base import Backend, ReduceOp, Request
+from dataparallel import world
+from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
-from dataparallel.devices import DeviceWork
+from dataparallel.engine import arrays
+from dataparallel.engine.device import DeviceWork
 
-N_GPUS = world._cuda_device_count()
+N_GPUS = world.cuda_device_count()
 GPU_FAMILIES = [pytest.param(FAMILY[name], id=name) for name in ("torch-cuda", "cupy")]
 
 
@@ -75,25 +76,28 @@ class Handing(Backend):
         """Return the device buffers (torch or CuPy, not NumPy) this backend was handed."""
         return [b for b in self.handed if not isinstance(b, np.ndarray)]
 
-    def allreduce(self, buf: Any, op: ReduceOp) -> None:
-        self.handed.append(buf)
-        self.inner.allreduce(buf, op)
+    def _take(self, buf: Any) -> Any:
+        """Record what was handed over; a device buffer must come framework-free."""
+        assert isinstance(buf, (np.ndarray, DeviceBuffer)), type(buf)
+        # CPU memory stands in for a GPU's here: the inner engine gets the owning tensor.
+        array = buf.owner if isinstance(buf, DeviceBuffer) else buf
+        self.handed.append(array)
+        return array
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
-        self.handed.append(buf)
-        return self.inner.iallreduce(buf, op)
+    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+        self.inner.allreduce(self._take(buf), op)
+
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+        return self.inner.iallreduce(self._take(buf), op)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
-        self.handed.append(buf)
-        self.inner.reduce(buf, op, root)
+        self.inner.reduce(self._take(buf), op, root)
 
     def broadcast(self, buf: Any, root: int) -> None:
-        self.handed.append(buf)
-        self.inner.broadcast(buf, root)
+        self.inner.broadcast(self._take(buf), root)
 
-    def ibroadcast(self, buf: Any, root: int) -> Request:
-        self.handed.append(buf)
-        return self.inner.ibroadcast(buf, root)
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
+        return self.inner.ibroadcast(self._take(buf), root)
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         self.inner.allgatherv(send, recv, counts)

@@ -3,8 +3,8 @@
 Two kinds of test live here. Those on the real world compare what every rank got, gathered with
 `dp.allgather_object` on plain Python values (gathered before asserting, so a failure on one rank
 cannot leave the others waiting). Those on simulated worlds build one object per simulated rank,
-with `dataparallel.data._rank_and_size` patched, and check properties over all ranks at once; they
-need no peer, so hypothesis can drive them.
+with `dataparallel.data.loader.rank_and_size` patched, and check properties over all ranks at
+once; they need no peer, so hypothesis can drive them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dataparallel.world
-from dataparallel import data
 from dataparallel.data import DistributedDataContainer, DistributedDataLoader, shard_indices
+from dataparallel.data import loader as data_loader
 from dataparallel.errors import NotInitializedError
 
 SETTINGS = settings(max_examples=150, deadline=None, database=None)
@@ -47,7 +47,7 @@ def allgather(value: Any) -> list[Any]:
 def as_rank(rank: int, size: int, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Return `make(*args, **kwargs)` built as rank `rank` of a simulated world of `size` ranks."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(data, "_rank_and_size", lambda: (rank, size))
+        mp.setattr(data_loader, "rank_and_size", lambda: (rank, size))
         return make(*args, **kwargs)
 
 
@@ -609,8 +609,8 @@ def test_loader_rejects_what_it_cannot_batch() -> None:
 def test_importing_and_using_the_module_loads_no_framework() -> None:
     script = (
         "import sys, numpy as np\n"
-        "import dataparallel.data as d\n"
-        "d._rank_and_size = lambda: (0, 1)\n"
+        "import dataparallel.data as d, dataparallel.data.loader as dl\n"
+        "dl.rank_and_size = lambda: (0, 1)\n"
         "list(d.DistributedDataLoader(np.arange(10), 3, shuffle=True))\n"
         "list(d.DistributedDataLoader([(1, 2.0)] * 5, 2))\n"
         "list(d.DistributedDataContainer({'x': np.ones(3)}))\n"

@@ -31,10 +31,10 @@ from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.nccl import (
     INSTALL_HINT,
     NCCLBackend,
-    fallback_name,
     nccl_reduction,
     unavailable_reason,
 )
+from dataparallel.backends.registry import choose
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
@@ -107,7 +107,7 @@ def test_nccl_reduction_table(dtype: str, op: ReduceOp, want: Any) -> None:
 
 
 def test_every_supported_dtype_is_reduced_in_device_memory() -> None:
-    from dataparallel.arrays import SUPPORTED_DTYPES
+    from dataparallel.engine.dtypes import SUPPORTED_DTYPES
 
     assert {"bool"} | set(NCCLBackend.device_native_dtypes) == set(SUPPORTED_DTYPES)
     assert NCCLBackend.stream_aware is True
@@ -115,19 +115,19 @@ def test_every_supported_dtype_is_reduced_in_device_memory() -> None:
 
 def test_the_fallback_is_picked_as_auto_picks_an_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)  # as if MPI were not started
-    assert fallback_name(None, Settings()) == "single"
-    assert fallback_name("mpi", Settings()) == "mpi"
-    assert fallback_name(None, Settings(mpi_launched=True)) == "mpi"
-    assert fallback_name("tcp://127.0.0.1:29500", Settings()) == "gloo"
-    assert fallback_name("env://", Settings(mpi_launched=True)) == "gloo"
+    assert choose("auto", None, Settings()) == "single"
+    assert choose("auto", "mpi", Settings()) == "mpi"
+    assert choose("auto", None, Settings(mpi_launched=True)) == "mpi"
+    assert choose("auto", "tcp://127.0.0.1:29500", Settings()) == "gloo"
+    assert choose("auto", "env://", Settings(mpi_launched=True)) == "gloo"
     torchrun = Settings(rank=0, world_size=2, master_addr="127.0.0.1")
-    assert fallback_name(None, torchrun) == "gloo"
+    assert choose("auto", None, torchrun) == "gloo"
 
 
 def test_the_fallback_is_mpi_once_mpi_is_running(world: Backend) -> None:
     if world.name != "mpi":
         pytest.skip("MPI is not running in this pass")
-    assert fallback_name(None, Settings()) == "mpi"
+    assert choose("auto", None, Settings()) == "mpi"
 
 
 # -- with a GPU --------------------------------------------------------------------------------

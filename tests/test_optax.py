@@ -1,4 +1,4 @@
-"""Tests of `dataparallel.optim.optax_transform`, passing at any world size.
+"""Tests of `dataparallel.jax` (optax), passing at any world size.
 
 `pytest tests/test_optax.py` runs them in a world of one; under
 `mpiexec -n 3 python -m pytest tests/test_optax.py` every rank runs them in lockstep. Results are
@@ -24,8 +24,8 @@ import dataparallel as dp  # noqa: E402
 from dataparallel import collectives  # noqa: E402
 from dataparallel.backends.base import Backend  # noqa: E402
 from dataparallel.errors import CollectiveMismatchError  # noqa: E402
-from dataparallel.optim import optax_transform  # noqa: E402
-from dataparallel.optim.optax_transform import DistributedState, distributed_optax  # noqa: E402
+from dataparallel.jax import DistributedState, distributed_optax  # noqa: E402
+from dataparallel.jax._optax import callback_backend  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks: every share has the same size
 STEPS = 6
@@ -346,7 +346,7 @@ def test_callbacks_use_a_private_communicator(world: Backend, rank: int) -> None
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         pytest.skip("MPI is not initialized with MPI_THREAD_MULTIPLE")
     opt = distributed_optax(optax.identity(), op="sum")
-    private = optax_transform._callback_backend(None)
+    private = callback_backend(None)
     assert private is not world and private.comm != world.comm  # type: ignore[attr-defined]
     step = jax.jit(opt.update)
     grads = {"w": jnp.full(4, rank + 1.0)}

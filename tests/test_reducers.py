@@ -14,7 +14,7 @@ import torch
 
 import dataparallel as dp
 import dataparallel.world as world_module
-from dataparallel.backends.base import ReduceOp, Request
+from dataparallel.backends.base import Handle, ReduceOp
 
 jnp = pytest.importorskip("jax.numpy")
 
@@ -41,7 +41,7 @@ def sent(world: Any, monkeypatch: pytest.MonkeyPatch) -> Sent:
         record.buffers.append(buf)
         blocking(buf, op)
 
-    def iallreduce(buf: Any, op: ReduceOp) -> Request:
+    def iallreduce(buf: Any, op: ReduceOp) -> Handle:
         record.buffers.append(buf)
         return nonblocking(buf, op)
 

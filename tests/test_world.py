@@ -21,6 +21,7 @@ import pytest
 
 import dataparallel as dp
 import dataparallel.world as world_module
+from dataparallel.backends import registry
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
 from dataparallel.world import choose_device
@@ -44,10 +45,10 @@ def test_choose_device_from_gpu_devices() -> None:
 
 
 def test_device_is_none_without_gpus(world: Any) -> None:
-    if world_module._cuda_device_count() == 0:
+    if world_module.cuda_device_count() == 0:
         assert dp.device() is None
     else:
-        assert dp.device() == dp.local_rank() % world_module._cuda_device_count()
+        assert dp.device() == dp.local_rank() % world_module.cuda_device_count()
 
 
 # --- the active world -------------------------------------------------------------------------
@@ -125,7 +126,9 @@ def test_a_fresh_world_of_one(no_world: None, capsys: pytest.CaptureFixture[str]
     backend = dp.initialize("single", verbose=True)
     assert isinstance(backend, SingleBackend)
     assert "[0/1] initialized single backend, local rank 0" in capsys.readouterr().out
-    assert dp.initialize() is backend and dp.initialize("mpi") is backend
+    assert dp.initialize() is backend and dp.initialize("single") is backend
+    with pytest.raises(ValueError, match=r"dp.initialize\('mpi'\) was called, but the 'single'"):
+        dp.initialize("mpi")  # another engine than the active one: refused, never silently ignored
     assert (dp.rank(), dp.size(), dp.local_rank(), dp.local_size()) == (0, 1, 0, 1)
     x = np.ones(3)
     request = dp.iallreduce(x, op="avg")
@@ -174,9 +177,9 @@ def test_timeout_argument_reaches_the_settings(no_world: None) -> None:
 def test_auto_backend_resolution(
     backend: str, init_method: str | None, env: dict[str, str], name: str, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(world_module, "_mpi_already_initialized", lambda: False)
+    monkeypatch.setattr(registry, "_mpi_already_initialized", lambda: False)
     settings = Settings.from_env(env)
-    assert world_module._resolve_backend_name(backend, init_method, settings) == name
+    assert registry.choose(backend, init_method, settings) == name
 
 
 # --- the suite's guard (conftest.py), on real MPI jobs ---------------------------------------

@@ -26,7 +26,6 @@ from dataparallel.collectives import (
     iallreduce,
     ibroadcast,
     reduce,
-    synchronize,
     wait_all,
 )
 from dataparallel.errors import (
@@ -39,7 +38,7 @@ from dataparallel.errors import (
 )
 from dataparallel.progress import progress
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
-from dataparallel.timeline import timeline
+from dataparallel.training import DistributedOptimizer, synchronize
 from dataparallel.world import (
     device,
     finalize,
@@ -49,9 +48,12 @@ from dataparallel.world import (
     is_main,
     local_rank,
     local_size,
-    print,
     rank,
     size,
+    timeline,
+)
+from dataparallel.world import (
+    print as print,  # dp.print; not in __all__, so `import *` keeps the builtin
 )
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DataParallelError",
+    "DistributedOptimizer",
     "InlineReducer",
     "NotInitializedError",
     "RankFailedError",
@@ -85,7 +88,6 @@ __all__ = [
     "is_main",
     "local_rank",
     "local_size",
-    "print",
     "progress",
     "rank",
     "reduce",
@@ -98,7 +100,6 @@ __all__ = [
 # Names whose modules load on first access, so `import dataparallel` needs NumPy alone.
 _LAZY = {
     "torch": ("dataparallel.torch", None),
-    "DistributedOptimizer": ("dataparallel.optim", "DistributedOptimizer"),
     "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
     "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
 }

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dataparallel.arrays import INTEGER_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.engine.dtypes import INTEGER_DTYPES
 from dataparallel.errors import CollectiveMismatchError
 
 __all__ = [

@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Settings"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "MPI_LAUNCHER_VARIABLES", "MPI_RANK_VARIABLES", "Settings"]
 
 # Chosen by measurement (benchmarks/bucket_size.py, docs/performance.md): on 2 ranks over shared
 # memory, packing costs as much as sending, so buckets pay off for small arrays only. 256 KiB was
@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "Settings"]
 DEFAULT_BUCKET_BYTES = 256 * 1024
 
 # Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.
-_MPI_LAUNCHER_VARIABLES = (
+MPI_LAUNCHER_VARIABLES = (
     "PMI_RANK",
     "PMI_SIZE",
     "PMIX_RANK",
@@ -43,7 +43,7 @@ _MPI_LAUNCHER_VARIABLES = (
     "HYDI_CONTROL_FD",
 )
 # The rank an MPI launcher gives each process (MPICH/Hydra, Open MPI, PMIx), first found wins.
-_MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -135,9 +135,9 @@ class Settings:
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=_int(env, "MASTER_PORT"),
             gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
-            mpi_launched=any(name in env for name in _MPI_LAUNCHER_VARIABLES),
+            mpi_launched=any(name in env for name in MPI_LAUNCHER_VARIABLES),
             mpi_rank=next(
-                (_int(env, name) for name in _MPI_RANK_VARIABLES if env.get(name, "").strip()),
+                (_int(env, name) for name in MPI_RANK_VARIABLES if env.get(name, "").strip()),
                 None,
             ),
         )

@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dataparallel import world
-from dataparallel.arrays import Family, family_of
 from dataparallel.backends.base import Backend
 from dataparallel.checks import check_scale, parse_op, validate_reduction
-from dataparallel.fusion import Fusion, Reduction
+from dataparallel.engine.arrays import Family, family_of
+from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.types import Op
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
 
@@ -54,7 +55,7 @@ class _FusionReducer(Reducer):
         self,
         scale: float,
         *,
-        op: str,
+        op: Op,
         async_op: bool,
         contiguous: bool,
         bucket_bytes: int | None,
@@ -112,7 +113,7 @@ class _FusionReducer(Reducer):
         self._fusion.add(work, dtype, (family.name, family.device(x)))
 
     def finalize(self) -> None:
-        self._fusion.finalize()
+        self._fusion.wait()
         staged, self._staged = self._staged, []
         for family, x, work in staged:
             family.from_host(x, work)
@@ -175,7 +176,7 @@ class CoalescingReducer(_FusionReducer):
         async_op: bool = True,
         contiguous: bool = True,
         bucket_bytes: int | None = None,
-        op: str = "sum",
+        op: Op = "sum",
         backend: Backend | None = None,
     ) -> None:
         super().__init__(

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import dataclasses
 import datetime
-import importlib
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataparallel.arrays import BufferPool
+from dataparallel.backends import registry
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
-from dataparallel.errors import BackendUnavailableError, NotInitializedError
+from dataparallel.engine.pool import BufferPool
+from dataparallel.engine.trace import Timeline
+from dataparallel.errors import NotInitializedError
 
 __all__ = [
+    "World",
     "choose_device",
+    "cuda_device_count",
+    "current",
     "device",
     "finalize",
     "get_backend",
@@ -28,14 +34,8 @@ __all__ = [
     "print",
     "rank",
     "size",
+    "timeline",
 ]
-
-_BACKENDS = {
-    "mpi": "dataparallel.backends.mpi:MPIBackend",
-    "gloo": "dataparallel.backends.gloo:GlooBackend",
-    "nccl": "dataparallel.backends.nccl:NCCLBackend",
-    "single": "dataparallel.backends.single:SingleBackend",
-}
 
 
 @dataclass
@@ -48,7 +48,13 @@ class World:
     verbose: bool = False
     pending: list[Any] = field(default_factory=list)  # dp.Request objects not yet waited on
     buffers: BufferPool = field(default_factory=BufferPool)
-    timeline: Any = None  # a dataparallel.timeline.Timeline while one records
+    recording: Timeline | None = None
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline that records this process's collectives, while one is open."""
+        recording = self.recording
+        return recording if recording is not None and not recording.closed else None
 
 
 _world: World | None = None
@@ -66,7 +72,8 @@ def initialize(
 ) -> Backend:
     """Set up the process group and return its backend.
 
-    Idempotent: a second call returns the active backend.
+    Idempotent: a second call returns the active backend; one that names another backend than the
+    active one raises `ValueError`.
 
     Args:
         backend: `"auto"` (default), `"mpi"`, `"gloo"`, `"nccl"` or `"single"`. `"auto"` picks MPI
@@ -84,74 +91,33 @@ def initialize(
     """
     global _world
     if _world is not None:
+        active = _world.backend.name
+        if backend not in ("auto", active):
+            raise ValueError(
+                f"dp.initialize({backend!r}) was called, but the {active!r} backend is active: "
+                "a process has one world. Call dp.finalize() first to switch, or drop the "
+                "second call."
+            )
         return _world.backend
     settings = Settings.from_env()
     if timeout is not None:
-        settings = _replace(settings, timeout=timeout)
-    name = _resolve_backend_name(backend, init_method, settings)
-    cls = _load_backend(name)
-    engine = cls.create(
+        settings = dataclasses.replace(settings, timeout=timeout)
+    name = registry.choose(backend, init_method, settings)
+    engine = registry.load(name).create(
         init_method=init_method, rank=rank, world_size=world_size, settings=settings
     )
-    gpu = choose_device(engine.local_rank, _cuda_device_count(), gpu_devices)
+    gpu = choose_device(engine.local_rank, cuda_device_count(), gpu_devices)
     if gpu is not None:
         _point_frameworks_at(gpu)
-        bind_device = getattr(engine, "bind_device", None)  # NCCL: make its communicator there
-        if bind_device is not None:
-            bind_device(gpu)
+        engine.bind_device(gpu)  # NCCL makes its communicator there
     _world = World(backend=engine, settings=settings, device=gpu, verbose=verbose)
     if settings.timeline:
-        from dataparallel.timeline import Timeline
-
-        _world.timeline = Timeline(settings.timeline, engine.rank, engine.size)
+        _world.recording = Timeline(settings.timeline, engine.rank, engine.size)
     if engine.size > 1:
         _abort_on_uncaught_exceptions(engine)
     if verbose:
         print(f"initialized {engine.name} backend, local rank {engine.local_rank}, GPU {gpu}")
     return engine
-
-
-def _replace(settings: Settings, **changes: Any) -> Settings:
-    import dataclasses
-
-    return dataclasses.replace(settings, **changes)
-
-
-def _resolve_backend_name(backend: str, init_method: str | None, settings: Settings) -> str:
-    if backend not in ("auto", *_BACKENDS):
-        raise ValueError(
-            f"backend={backend!r} is not known: use 'auto', "
-            + ", ".join(repr(n) for n in _BACKENDS)
-            + "."
-        )
-    if backend != "auto":
-        return backend
-    if init_method == "mpi":
-        return "mpi"
-    if init_method is not None:
-        return "gloo"
-    if settings.mpi_launched or _mpi_already_initialized():
-        return "mpi"
-    if settings.torchrun_launched:
-        return "gloo"
-    return "single"
-
-
-def _mpi_already_initialized() -> bool:
-    mpi = sys.modules.get("mpi4py.MPI")
-    return bool(mpi is not None and mpi.Is_initialized())
-
-
-def _load_backend(name: str) -> type[Backend]:
-    module_name, _, attr = _BACKENDS[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if not exc.name or not exc.name.startswith("dataparallel"):
-            raise
-        raise BackendUnavailableError(f"The {name!r} backend is not available yet.") from exc
-    cls: type[Backend] = getattr(module, attr)
-    return cls
 
 
 def choose_device(local_rank: int, n_gpus: int, gpu_devices: list[int] | None = None) -> int | None:
@@ -181,7 +147,7 @@ def choose_device(local_rank: int, n_gpus: int, gpu_devices: list[int] | None = 
     return gpu
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     """Count CUDA devices through the driver, without importing a framework."""
     for lib in ("libcuda.so.1", "libcuda.so"):
         try:
@@ -244,8 +210,8 @@ def finalize() -> None:
     world, _world = _world, None
     for request in list(world.pending):
         request.wait()
-    if world.timeline is not None:
-        world.timeline.close()
+    if world.recording is not None:
+        world.recording.close()
     world.backend.close()
 
 
@@ -309,3 +275,25 @@ def print(*args: Any, **kwargs: Any) -> None:
     kwargs.setdefault("flush", True)
     # One write per line, so lines from ranks sharing a terminal never interleave mid-line.
     builtins.print(f"[{stamp}] [{where}] {text}{end}", end="", **kwargs)
+
+
+def timeline(path: str | os.PathLike[str]) -> Timeline:
+    """Record every collective of this process into the Chrome-trace file `path`.
+
+    Setting `DATAPARALLEL_TIMELINE=path` does the same from `dp.initialize()` on. Returns the
+    `Timeline`; close it (or leave its `with` block, or call `dp.finalize()`) to finish the file.
+
+    >>> import dataparallel as dp, numpy as np, tempfile, os, json, pathlib
+    >>> _ = dp.initialize("single")
+    >>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    >>> with dp.timeline(path):
+    ...     _ = dp.allreduce(np.ones(4))
+    >>> events = json.loads(pathlib.Path(path).read_text())
+    >>> sorted({e["name"] for e in events if e.get("ph") == "X"})
+    ['allreduce', 'pack', 'queue', 'unpack']
+    """
+    active = current()
+    if active.recording is not None:
+        active.recording.close()
+    active.recording = Timeline(path, active.backend.rank, active.backend.size)
+    return active.recording

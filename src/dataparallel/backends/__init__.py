@@ -1,5 +1,9 @@
-"""Engines behind one protocol over flat buffers (see `base.py`); each loads its package lazily."""
+"""Engines behind one protocol over flat buffers (`base.py`); each loads its package lazily.
 
-from dataparallel.backends.base import Backend, ReduceOp, Request
+`registry.py` names them and holds the one auto-selection rule; `rendezvous.py` is how Gloo (and
+NCCL under torchrun) find their peers.
+"""
 
-__all__ = ["Backend", "ReduceOp", "Request"]
+from dataparallel.backends.base import Backend, DeviceBuffer, DoneHandle, Handle, ReduceOp
+
+__all__ = ["Backend", "DeviceBuffer", "DoneHandle", "Handle", "ReduceOp"]

@@ -1,19 +1,22 @@
 """The one small protocol every engine implements: collectives over flat, contiguous buffers.
 
 A backend knows nothing of trees, array families or optimizers. It receives 1-D contiguous buffers
-(NumPy arrays in host memory; device buffers only where `accepts_device` says so), reduces or moves
-them in place, and exchanges picklable objects for metadata.
+(NumPy arrays in host memory; `DeviceBuffer`s only where `accepts_device` says so), reduces or moves
+them in place, and exchanges picklable objects for metadata. Every capability the layers above may
+use is declared here, with a default: nothing is looked up with `getattr`.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from dataparallel.config import Settings
 
-__all__ = ["Backend", "CompletedRequest", "ReduceOp", "Request"]
+__all__ = ["Backend", "DeviceBuffer", "DoneHandle", "Handle", "ReduceOp"]
 
 
 class ReduceOp(enum.Enum):
@@ -25,8 +28,8 @@ class ReduceOp(enum.Enum):
     MAX = "max"
 
 
-class Request(Protocol):
-    """A non-blocking operation in flight."""
+class Handle(Protocol):
+    """A non-blocking engine operation in flight (the public `dp.Request` is built over these)."""
 
     def wait(self) -> None:
         """Block until the operation has completed."""
@@ -35,14 +38,63 @@ class Request(Protocol):
         """Return whether the operation has completed, without blocking."""
 
 
-class CompletedRequest:
-    """A request that was finished when it was made (blocking engines, worlds of one)."""
+class DoneHandle:
+    """A handle that was finished when it was made (blocking engines, worlds of one)."""
 
     def wait(self) -> None:
         return None
 
     def test(self) -> bool:
         return True
+
+
+_TYPESTR = {"bool": "|b1", "bfloat16": "<V2"}
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A contiguous 1-D buffer in GPU memory, described without its framework.
+
+    The engine layer makes these from torch tensors and CuPy arrays; a backend that accepts device
+    buffers sees only this. It exposes `__cuda_array_interface__`, so mpi4py takes it as it is.
+
+    Attributes:
+        ptr: the device address of the first item.
+        items, itemsize: the number of items and the bytes of each.
+        dtype: the items' dtype name (`"float32"`, `"bfloat16"`, `"uint8"` for raw bytes).
+        device: the CUDA device index.
+        stream: the producer's current CUDA stream (a `cudaStream_t` as int; 0: the default).
+        owner: the framework array that owns the memory, kept alive while the call runs.
+        record_stream: tells the framework's caching allocator that the memory is in use on
+            another stream (given as `cudaStream_t`), or None where nothing needs telling.
+    """
+
+    ptr: int
+    items: int
+    itemsize: int
+    dtype: str
+    device: int
+    stream: int
+    owner: Any
+    record_stream: Callable[[int], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.items * self.itemsize
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        import numpy as np
+
+        typestr = _TYPESTR.get(self.dtype) or np.dtype(self.dtype).str
+        return {
+            "shape": (self.items,),
+            "typestr": typestr,
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # ordering is the caller's: it synchronized the producer first
+        }
 
 
 class Backend(ABC):
@@ -52,7 +104,11 @@ class Backend(ABC):
         name: `"mpi"`, `"gloo"`, `"nccl"` or `"single"`.
         rank, size: this process's place in the world and the world's size.
         local_rank, local_size: the same among the processes on this node.
-        native_dtypes: dtype names the engine reduces natively; others are widened before reducing.
+        native_dtypes: dtype names the engine reduces natively in host memory; others are widened
+            to float32 before reducing.
+        device_native_dtypes: the same for device buffers (NCCL adds bfloat16).
+        stream_aware: whether the engine orders its device work on CUDA streams itself (NCCL);
+            otherwise the producer's stream is synchronized before a device buffer is handed over.
     """
 
     name: ClassVar[str]
@@ -61,10 +117,17 @@ class Backend(ABC):
         | {"float16", "float32", "float64", "complex64", "complex128"}
     )
 
+    stream_aware: ClassVar[bool] = False
+
     rank: int
     size: int
     local_rank: int
     local_size: int
+
+    @property
+    def device_native_dtypes(self) -> frozenset[str]:
+        """Dtypes reduced natively in device memory (default: the host set)."""
+        return self.native_dtypes
 
     @classmethod
     @abstractmethod
@@ -82,12 +145,25 @@ class Backend(ABC):
         """Whether buffers on `device` (`"cuda:0"`, ...) may be passed directly, without staging."""
         return device == "cpu"
 
+    def bind_device(self, device: int) -> None:
+        """Take note of the GPU this process was given (NCCL makes its communicator there)."""
+        return None
+
+    def duplicate(self) -> Backend:
+        """Return an engine over the same processes whose traffic never meets this one's.
+
+        Collective: every rank must call it. Used where calls are made from another thread
+        (host callbacks under `jax.jit`). Engines that cannot separate their traffic return
+        themselves (the world of one has none to separate).
+        """
+        return self
+
     @abstractmethod
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
         """Reduce `buf` across all ranks, in place on every rank."""
 
     @abstractmethod
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""
 
     @abstractmethod
@@ -99,7 +175,7 @@ class Backend(ABC):
         """Copy `root`'s `buf` into every rank's `buf`."""
 
     @abstractmethod
-    def ibroadcast(self, buf: Any, root: int) -> Request:
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
         """Start `broadcast` without blocking."""
 
     @abstractmethod

@@ -3,11 +3,8 @@
 NumPy buffers are wrapped zero-copy with `torch.from_numpy`, so Gloo reads and writes the caller's
 memory. Gloo lacks a few things MPI has; this module fills them in exactly:
 
-- dtypes: Gloo reduces int8/32/64, uint8, float16/32/64, bool and complex (sum only). int16 and
-  uint16 are reduced as int32 copies (wrapping like native integers); uint32 and uint64 as int32 /
-  int64 views (two's complement sums and products are bit-identical; min/max flip the sign bit in
-  place first, which maps unsigned order onto signed order). Complex products gather every rank's
-  buffer and multiply locally in rank order. Broadcast and gathers move raw bytes.
+- dtypes: those Gloo lacks are carried exactly (`gloo_wire.py`). Complex products gather every
+  rank's buffer and multiply locally in rank order. Broadcast and gathers move raw bytes.
 - `reduce`: Gloo uses the non-root buffers as scratch, so non-root ranks reduce a copy.
 - `allgatherv`: Gloo gathers equal sizes only. Equal counts gather straight into `recv`; uneven
   ones are padded to the largest count (traffic `size * max(counts)` bytes instead of
@@ -36,12 +33,13 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.gloo_wire import flat, wire_for, writable
 from dataparallel.backends.rendezvous import (
-    Rendezvous,
     gloo_interface,
     interface_toward,
     parse_init_method,
+    rendezvous_error,
 )
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError, RankFailedError
@@ -55,17 +53,6 @@ _PEER_GONE = (
     "Connection refused",
     "Socket closed",
 )
-# Unsigned integers travel as the signed type of the same width (wrapping sums and products are
-# bit-identical); for min/max their sign bit is flipped first, which keeps their order.
-_SIGNED_VIEW: dict[str, np.dtype[Any]] = {
-    "uint32": np.dtype(np.int32),
-    "uint64": np.dtype(np.int64),
-}
-_SIGN_BIT: dict[str, np.unsignedinteger[Any]] = {
-    "uint32": np.uint32(1 << 31),
-    "uint64": np.uint64(1 << 63),
-}
-_WIDENED: dict[str, np.dtype[Any]] = {"int16": np.dtype(np.int32), "uint16": np.dtype(np.int32)}
 
 
 def import_torch_distributed() -> Any:
@@ -103,31 +90,7 @@ def _translate(exc: BaseException, what: str, rank: int) -> BaseException:
     return exc
 
 
-def _rendezvous_failed(exc: BaseException, rendezvous: Rendezvous) -> BaseException:
-    """Return the error to raise when `init_process_group` failed, with what to check."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = (
-        f"Gloo rendezvous at {rendezvous.url} (rank {rendezvous.rank} of {rendezvous.world_size})"
-    )
-    hint = (
-        f"Check that all {rendezvous.world_size} ranks were started with the same init_method "
-        "and distinct ranks, and that rank 0's address can be reached from every host."
-    )
-    if rendezvous.file is not None:
-        hint += (
-            f" If {rendezvous.file} was left by an earlier job that did not finish cleanly, "
-            "delete it, or give each job its own directory or 'file:///dir?job=ID'."
-        )
-    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-        return CollectiveTimeoutError(f"{where} timed out ({first}). {hint}")
-    if isinstance(exc, RuntimeError) and "address already in use" in str(exc).lower():
-        return RuntimeError(
-            f"{where} failed: the port is taken ({first}). Choose a free port for rank 0."
-        )
-    return exc
-
-
-class _GlooRequest:
+class _GlooHandle:
     """A Gloo work object in flight, with the buffers it needs kept alive until it completes."""
 
     __slots__ = ("_backend", "_done", "_finish", "_keep", "_work")
@@ -157,22 +120,6 @@ class _GlooRequest:
             return False
         self.wait()  # completes the unpacking, or raises the error it completed with
         return True
-
-
-def _flat(buf: Any, where: str) -> np.ndarray:
-    array = np.asarray(buf)
-    if not array.flags.c_contiguous:
-        raise ValueError(f"GlooBackend.{where}: the buffer must be contiguous (got strides).")
-    return array.reshape(-1)
-
-
-def _writable(array: np.ndarray, where: str) -> np.ndarray:
-    if not array.flags.writeable:
-        raise ValueError(
-            f"GlooBackend.{where}: the buffer is read-only, but the result is written into it; "
-            "pass a writable array (e.g. a copy)."
-        )
-    return array
 
 
 class GlooBackend(Backend):
@@ -258,7 +205,7 @@ class GlooBackend(Backend):
                     timeout=timeout,
                 )
         except (RuntimeError, TimeoutError) as exc:
-            raise _rendezvous_failed(exc, rendezvous) from exc
+            raise rendezvous_error(exc, rendezvous) from exc
         local = None
         if rendezvous.url == "env://" or (
             settings.rank == rendezvous.rank and settings.world_size == rendezvous.world_size
@@ -286,55 +233,37 @@ class GlooBackend(Backend):
 
     # -- reductions --------------------------------------------------------------------------
 
-    def _prepare(
-        self, buf: np.ndarray, op: ReduceOp
-    ) -> tuple[np.ndarray, Callable[[], None] | None]:
-        """Return what Gloo reduces for `buf`, and what to do once it has (None: nothing)."""
-        name = buf.dtype.name
-        if name in _SIGNED_VIEW:
-            if op in (ReduceOp.MIN, ReduceOp.MAX):
-                sign = _SIGN_BIT[name]
-                np.bitwise_xor(buf, sign, out=buf)
-                return buf.view(_SIGNED_VIEW[name]), lambda: np.bitwise_xor(buf, sign, out=buf)
-            return buf.view(_SIGNED_VIEW[name]), None
-        if name in _WIDENED:
-            wide = buf.astype(_WIDENED[name])
-            return wide, lambda: np.copyto(buf, wide, casting="unsafe")
-        if buf.dtype.kind == "c" and op is not ReduceOp.SUM:
-            raise TypeError(f"op={op.value!r} is not defined here for complex values ({name}).")
-        return buf, None
-
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
-        buf = _writable(_flat(buf, "allreduce"), "allreduce")
+        buf = writable(flat(buf, "allreduce"), "allreduce")
         if buf.dtype.kind == "c" and op is ReduceOp.PROD:
             buf[...] = self._gathered_product(buf)
             return
-        wire, finish = self._prepare(buf, op)
+        wire, finish = wire_for(buf, op)
         self._call("allreduce", self._dist.all_reduce, wire, op=self._ops[op])
         if finish is not None:
             finish()
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
-        buf = _writable(_flat(buf, "iallreduce"), "iallreduce")
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+        buf = writable(flat(buf, "iallreduce"), "iallreduce")
         if buf.dtype.kind == "c" and op is ReduceOp.PROD:
             self.allreduce(buf, op)
-            return CompletedRequest()
-        wire, finish = self._prepare(buf, op)
+            return DoneHandle()
+        wire, finish = wire_for(buf, op)
         tensor = self._torch.from_numpy(wire)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return _GlooRequest(self, work, (wire, tensor), finish)
+        return _GlooHandle(self, work, (wire, tensor), finish)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
-        buf = _flat(buf, "reduce")
+        buf = flat(buf, "reduce")
         if self.rank != root:
             buf = buf.copy()  # Gloo uses non-root buffers as scratch
-        _writable(buf, "reduce")
+        writable(buf, "reduce")
         if buf.dtype.kind == "c" and op is ReduceOp.PROD:
             product = self._gathered_product(buf)
             if self.rank == root:
                 buf[...] = product
             return
-        wire, finish = self._prepare(buf, op)
+        wire, finish = wire_for(buf, op)
         self._call("reduce", self._dist.reduce, wire, dst=root, op=self._ops[op])
         if finish is not None:
             finish()
@@ -349,17 +278,17 @@ class GlooBackend(Backend):
     # -- data movement -----------------------------------------------------------------------
 
     def broadcast(self, buf: Any, root: int) -> None:
-        raw = _writable(_flat(buf, "broadcast"), "broadcast").view(np.uint8)
+        raw = writable(flat(buf, "broadcast"), "broadcast").view(np.uint8)
         self._call("broadcast", self._dist.broadcast, raw, src=root)
 
-    def ibroadcast(self, buf: Any, root: int) -> Request:
-        raw = _writable(_flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
+        raw = writable(flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
         tensor = self._torch.from_numpy(raw)
         work = self._start("ibroadcast", self._dist.broadcast, tensor, src=root)
-        return _GlooRequest(self, work, (raw, tensor), None)
+        return _GlooHandle(self, work, (raw, tensor), None)
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
-        send, recv = _flat(send, "allgatherv"), _writable(_flat(recv, "allgatherv"), "allgatherv")
+        send, recv = flat(send, "allgatherv"), writable(flat(recv, "allgatherv"), "allgatherv")
         item = send.dtype.itemsize
         sizes = [count * item for count in counts]
         raw_send, raw_recv = send.view(np.uint8), recv.view(np.uint8)
@@ -392,25 +321,16 @@ class GlooBackend(Backend):
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         box = [obj]
-        try:
-            self._dist.broadcast_object_list(box, src=root, group=self.group)
-        except RuntimeError as exc:
-            raise self._translated(exc, "broadcast_object") from exc
+        self._call_tensors("broadcast_object", self._dist.broadcast_object_list, box, src=root)
         return box[0]
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        try:
-            self._dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as exc:
-            raise self._translated(exc, "allgather_object") from exc
+        self._call_tensors("allgather_object", self._dist.all_gather_object, out, obj)
         return out
 
     def barrier(self) -> None:
-        try:
-            self._dist.barrier(group=self.group)
-        except RuntimeError as exc:
-            raise self._translated(exc, "barrier") from exc
+        self._call_tensors("barrier", self._dist.barrier)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -424,6 +344,13 @@ class GlooBackend(Backend):
         )
         sys.stdout.flush()
         os._exit(code)
+
+    def duplicate(self) -> GlooBackend:
+        """Return an engine on a private Gloo group over the same processes (collective)."""
+        group = self._dist.new_group(backend="gloo")
+        return GlooBackend(
+            self._dist, group, owns_default_group=False, local=(self.local_rank, self.local_size)
+        )
 
     def close(self) -> None:
         """Destroy the Gloo group (safe to call twice; also run at interpreter exit)."""
@@ -442,26 +369,17 @@ class GlooBackend(Backend):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _translated(self, exc: RuntimeError, what: str) -> BaseException:
-        return _translate(exc, what, self.rank)
-
     def _call(self, what: str, fn: Callable[..., Any], array: np.ndarray, **kwargs: Any) -> None:
-        try:
-            fn(self._torch.from_numpy(array), group=self.group, **kwargs)
-        except RuntimeError as exc:
-            raise self._translated(exc, what) from exc
+        self._call_tensors(what, fn, self._torch.from_numpy(array), **kwargs)
 
-    def _call_tensors(self, what: str, fn: Callable[..., Any], *tensors: Any) -> None:
+    def _call_tensors(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            fn(*tensors, group=self.group)
+            return fn(*args, group=self.group, **kwargs)
         except RuntimeError as exc:
-            raise self._translated(exc, what) from exc
+            raise _translate(exc, what, self.rank) from exc
 
     def _start(self, what: str, fn: Callable[..., Any], tensor: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(tensor, group=self.group, async_op=True, **kwargs)
-        except RuntimeError as exc:
-            raise self._translated(exc, what) from exc
+        return self._call_tensors(what, fn, tensor, async_op=True, **kwargs)
 
 
 def _launcher_local(settings: Settings) -> tuple[int, int] | None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, ReduceOp, Request
+from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 
@@ -81,7 +82,7 @@ def _wait(request: Any, timeout: float | None, what: str, rank: int) -> None:
         time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
 
-class _MPIRequest:
+class _MPIHandle:
     __slots__ = ("_rank", "_request", "_timeout", "_what")
 
     def __init__(self, request: Any, timeout: float | None, what: str, rank: int) -> None:
@@ -161,54 +162,59 @@ class MPIBackend(Backend):
         """
         return device == "cpu" or (self.cuda_aware and device.startswith("cuda"))
 
-    def _done(self, request: Any, what: str) -> None:
-        _wait(request, self.timeout, what, self.rank)
+    def _complete(self, what: str, blocking: Callable[[], Any], start: Callable[[], Any]) -> None:
+        """Run `blocking()`, or with a timeout `start()` and poll it against the deadline."""
+        if self.timeout is None:
+            blocking()
+        else:
+            _wait(start(), self.timeout, what, self.rank)
 
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
-        if self.timeout is None:
-            self.comm.Allreduce(self._mpi.IN_PLACE, buf, self._ops[op])
-        else:
-            self._done(self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op]), "allreduce")
+        mpi_op, comm, in_place = self._ops[op], self.comm, self._mpi.IN_PLACE
+        self._complete(
+            "allreduce",
+            lambda: comm.Allreduce(in_place, buf, mpi_op),
+            lambda: comm.Iallreduce(in_place, buf, mpi_op),
+        )
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
-        return _MPIRequest(request, self.timeout, "iallreduce", self.rank)
+        return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         send, recv = (self._mpi.IN_PLACE, buf) if self.rank == root else (buf, None)
-        if self.timeout is None:
-            self.comm.Reduce(send, recv, self._ops[op], root)
-        else:
-            self._done(self.comm.Ireduce(send, recv, self._ops[op], root), "reduce")
+        mpi_op, comm = self._ops[op], self.comm
+        self._complete(
+            "reduce",
+            lambda: comm.Reduce(send, recv, mpi_op, root),
+            lambda: comm.Ireduce(send, recv, mpi_op, root),
+        )
 
     def broadcast(self, buf: Any, root: int) -> None:
-        if self.timeout is None:
-            self.comm.Bcast(buf, root)
-        else:
-            self._done(self.comm.Ibcast(buf, root), "broadcast")
+        comm = self.comm
+        self._complete("broadcast", lambda: comm.Bcast(buf, root), lambda: comm.Ibcast(buf, root))
 
-    def ibroadcast(self, buf: Any, root: int) -> Request:
-        return _MPIRequest(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
+        return _MPIHandle(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
-        displacements = [0] * len(counts)
-        for r in range(1, len(counts)):
-            displacements[r] = displacements[r - 1] + counts[r - 1]
-        if self.timeout is None:
-            self.comm.Allgatherv(send, [recv, (counts, displacements)])
-        else:
-            request = self.comm.Iallgatherv(send, [recv, (counts, displacements)])
-            self._done(request, "allgather")
+        displacements = [0, *itertools.accumulate(counts)][:-1]
+        target, comm = [recv, (counts, displacements)], self.comm
+        self._complete(
+            "allgather",
+            lambda: comm.Allgatherv(send, target),
+            lambda: comm.Iallgatherv(send, target),
+        )
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if self.timeout is None:
             return self.comm.bcast(obj, root)
         payload = pickle.dumps(obj) if self.rank == root else b""
         length = np.array([len(payload)], np.int64)
-        self._done(self.comm.Ibcast(length, root), "broadcast_object")
+        self.broadcast(length, root)
         data = np.frombuffer(payload, np.uint8).copy() if self.rank == root else None
         data = data if data is not None else np.empty(int(length[0]), np.uint8)
-        self._done(self.comm.Ibcast(data, root), "broadcast_object")
+        self.broadcast(data, root)
         return pickle.loads(data.tobytes())
 
     def allgather_object(self, obj: Any) -> list[Any]:
@@ -216,17 +222,18 @@ class MPIBackend(Backend):
             return list(self.comm.allgather(obj))
         payload = np.frombuffer(pickle.dumps(obj), np.uint8)
         lengths = np.empty(self.size, np.int64)
-        self._done(self.comm.Iallgather(np.array([payload.size], np.int64), lengths), "allgather")
+        self.allgatherv(np.array([payload.size], np.int64), lengths, [1] * self.size)
         received = np.empty(int(lengths.sum()), np.uint8)
         self.allgatherv(payload, received, [int(n) for n in lengths])
         edges = np.concatenate([[0], np.cumsum(lengths)])
         return [pickle.loads(received[a:b].tobytes()) for a, b in itertools.pairwise(edges)]
 
     def barrier(self) -> None:
-        if self.timeout is None:
-            self.comm.Barrier()
-        else:
-            self._done(self.comm.Ibarrier(), "barrier")
+        self._complete("barrier", self.comm.Barrier, self.comm.Ibarrier)
+
+    def duplicate(self) -> MPIBackend:
+        """Return an engine on a private duplicate of this one's communicator (collective)."""
+        return MPIBackend(self.comm, cuda_aware=self.cuda_aware, timeout=self.timeout)
 
     def abort(self, code: int = 1) -> None:
         self._mpi.COMM_WORLD.Abort(code)

@@ -14,19 +14,20 @@ Why `cupy.cuda.nccl` rather than `torch.distributed`'s NCCL process group:
 - stream control: every NCCL call takes the CUDA stream to enqueue on, so the ordering below is
   ours to state exactly; torch's process group picks its own internal streams.
 - one code path for both families: NCCL takes raw device pointers, so torch tensors and CuPy
-  arrays go through the same calls, zero-copy; torch.distributed takes torch tensors only.
+  arrays reach it alike, as framework-free `DeviceBuffer`s (pointer, size, dtype, the producer's
+  stream), zero-copy; torch.distributed takes torch tensors only.
 - install footprint: CuPy (`cupy-cuda12x`, about 100 MB) plus NCCL, against a CUDA build of torch
   (several GB) for CuPy users. The price: torch users install CuPy as well.
 - avg: both offer NCCL's native `ncclAvg` (NCCL 2.10+); the fusion engine reduces `avg` as a sum
   and a scale, which it fuses into the one unpacking pass per bucket, so it is not used here.
 
 Stream order (Flashlight's `syncDistributed`): each call first makes the backend's communication
-stream wait for an event recorded on the producer's current stream (torch's for tensors, CuPy's for
-CuPy arrays), so NCCL reads the values the compute stream produced; it records a completion event on
-the communication stream. `Request.wait()` (and so `dp.wait_all`, and the fusion engine's landing)
-makes the consumer's current stream wait for that event, without blocking the host;
-`Request.test()` queries it. NCCL calls never block the host: a blocking `allreduce` is the
-non-blocking one plus `wait()` (only the host round trips below are synchronous).
+stream wait for an event recorded on the producer's current stream (`DeviceBuffer.stream`, which the
+engine layer reads from torch or CuPy), so NCCL reads the values the compute stream produced; it
+records a completion event on the communication stream. `Handle.wait()` (and so `dp.wait_all`, and
+the fusion engine's landing) makes the consumer's current stream wait for that event, without
+blocking the host; `Handle.test()` queries it. NCCL calls never block the host: a blocking
+`allreduce` is the non-blocking one plus `wait()` (only the host round trips below are synchronous).
 
 Dtypes. NCCL reduces int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32 and
 float64 natively; complex sums are sums of the real and imaginary parts; the rest (int16, uint16,
@@ -40,12 +41,12 @@ with it.
 from __future__ import annotations
 
 import importlib
-import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.backends import registry
+from dataparallel.backends.base import Backend, DeviceBuffer, DoneHandle, Handle, ReduceOp
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 
@@ -113,72 +114,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def fallback_name(init_method: str | None, settings: Settings) -> str:
-    """Return the engine that carries host buffers and bootstraps NCCL: mpi, gloo or single.
-
-    As `dp.initialize("auto")` picks: MPI under an MPI launcher (or when MPI is initialized, or
-    with `init_method="mpi"`), Gloo with another `init_method` or under torchrun, else a world of
-    one.
-    """
-    if init_method == "mpi":
-        return "mpi"
-    if init_method is not None:
-        return "gloo"
-    mpi = sys.modules.get("mpi4py.MPI")
-    if settings.mpi_launched or (mpi is not None and mpi.Is_initialized()):
-        return "mpi"
-    if settings.torchrun_launched:
-        return "gloo"
-    return "single"
-
-
-_FALLBACKS = {
-    "mpi": "dataparallel.backends.mpi:MPIBackend",
-    "gloo": "dataparallel.backends.gloo:GlooBackend",
-    "single": "dataparallel.backends.single:SingleBackend",
-}
-
-
-class _Buffer(NamedTuple):
-    """What NCCL needs to know of a device buffer."""
-
-    array: Any
-    ptr: int
-    items: int
-    itemsize: int
-    dtype: str
-    device: int
-    torch: bool
-
-
-def _describe(buf: Any) -> _Buffer:
-    if type(buf).__module__.partition(".")[0] == "torch":
-        return _Buffer(
-            buf,
-            int(buf.data_ptr()),
-            int(buf.numel()),
-            int(buf.element_size()),
-            str(buf.dtype).removeprefix("torch."),
-            int(buf.device.index),
-            True,
-        )
-    return _Buffer(
-        buf,
-        int(buf.data.ptr),
-        int(buf.size),
-        int(buf.itemsize),
-        buf.dtype.name,
-        buf.device.id,
-        False,
-    )
-
-
-class _NCCLRequest:
+class _NCCLHandle:
     """An NCCL call enqueued on the communication stream."""
 
     __slots__ = ("_backend", "_buffer", "_done")
 
-    def __init__(self, backend: NCCLBackend, buffer: _Buffer, done: Any) -> None:
+    def __init__(self, backend: NCCLBackend, buffer: DeviceBuffer, done: Any) -> None:
         self._backend, self._buffer, self._done = backend, buffer, done
 
     def test(self) -> bool:
@@ -237,9 +178,8 @@ class NCCLBackend(Backend):
         if reason is not None:
             raise BackendUnavailableError(reason)
         settings = settings if settings is not None else Settings.from_env()
-        module_name, _, attr = _FALLBACKS[fallback_name(init_method, settings)].partition(":")
-        fallback_cls = getattr(importlib.import_module(module_name), attr)
-        fallback = fallback_cls.create(
+        # The host engine of the same processes, picked as dp.initialize("auto") would pick.
+        fallback = registry.load(registry.choose("auto", init_method, settings)).create(
             init_method=init_method, rank=rank, world_size=world_size, settings=settings
         )
         return cls(fallback)
@@ -270,17 +210,11 @@ class NCCLBackend(Backend):
 
     # -- streams -----------------------------------------------------------------------------
 
-    def _current_stream(self, buffer: _Buffer) -> Any:
-        """Return the current stream of the buffer's framework, as a CuPy stream."""
-        cupy = self._cupy
-        if buffer.torch:
-            torch = importlib.import_module("torch")
-            pointer = torch.cuda.current_stream(buffer.device).cuda_stream
-            return cupy.cuda.ExternalStream(pointer, buffer.device)
-        with cupy.cuda.Device(buffer.device):
-            return cupy.cuda.get_current_stream()
+    def _current_stream(self, buffer: DeviceBuffer) -> Any:
+        """Return the producer's (and consumer's) stream of `buffer`, as a CuPy stream."""
+        return self._cupy.cuda.ExternalStream(buffer.stream, buffer.device)
 
-    def _enqueue(self, buffer: _Buffer, call: Any) -> _NCCLRequest:
+    def _enqueue(self, buffer: DeviceBuffer, call: Any) -> _NCCLHandle:
         """Run `call(comm, stream_pointer)` on the communication stream, after the producer."""
         self.bind_device(buffer.device)
         cupy = self._cupy
@@ -291,30 +225,29 @@ class NCCLBackend(Backend):
             call(self._comm, self._stream.ptr)
             done = cupy.cuda.Event(disable_timing=True)
             done.record(self._stream)
-        if buffer.torch:  # tell torch's caching allocator the memory is in use on our stream
-            torch = importlib.import_module("torch")
-            buffer.array.record_stream(torch.cuda.ExternalStream(self._stream.ptr))
-        return _NCCLRequest(self, buffer, done)
+        if buffer.record_stream is not None:  # the framework's allocator: in use on our stream
+            buffer.record_stream(self._stream.ptr)
+        return _NCCLHandle(self, buffer, done)
 
-    def _via_host(self, buffer: _Buffer, run: Any) -> Request:
+    def _via_host(self, buffer: DeviceBuffer, run: Any) -> Handle:
         """Do what NCCL cannot on a host copy, with the fallback engine, and copy it back."""
-        array = buffer.array
-        if buffer.torch:
-            host = array.detach().cpu().numpy()  # waits for the producer's stream
-            run(host)
-            array.copy_(importlib.import_module("torch").from_numpy(host))
-        else:
+        cupy = self._cupy
+        memory = cupy.cuda.UnownedMemory(buffer.ptr, buffer.nbytes, buffer.owner, buffer.device)
+        with cupy.cuda.Device(buffer.device):
+            array = cupy.ndarray((buffer.items,), buffer.dtype, cupy.cuda.MemoryPointer(memory, 0))
+            self._current_stream(buffer).synchronize()  # the producer's values are written
             host = array.get()
             run(host)
             array.set(host)
-        return CompletedRequest()
+            cupy.cuda.get_current_stream().synchronize()
+        return DoneHandle()
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         if isinstance(buf, np.ndarray):
             return self.fallback.iallreduce(buf, op)
-        buffer = _describe(buf)
+        buffer: DeviceBuffer = buf
         how = nccl_reduction(buffer.dtype, op)
         if how is None:
             return self._via_host(buffer, lambda host: self.fallback.allreduce(host, op))
@@ -336,7 +269,7 @@ class NCCLBackend(Backend):
         if isinstance(buf, np.ndarray):
             self.fallback.reduce(buf, op, root)
             return
-        buffer = _describe(buf)
+        buffer: DeviceBuffer = buf
         how = nccl_reduction(buffer.dtype, op)
         if how is None:
             self._via_host(buffer, lambda host: self.fallback.reduce(host, op, root))
@@ -349,10 +282,10 @@ class NCCLBackend(Backend):
 
         self._enqueue(buffer, call).wait()
 
-    def ibroadcast(self, buf: Any, root: int) -> Request:
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
         if isinstance(buf, np.ndarray):
             return self.fallback.ibroadcast(buf, root)
-        buffer = _describe(buf)
+        buffer: DeviceBuffer = buf
 
         def call(comm: Any, stream: int) -> None:
             nbytes = buffer.items * buffer.itemsize
@@ -375,7 +308,7 @@ class NCCLBackend(Backend):
                 "allgatherv: send and recv must both be host arrays or both CUDA buffers, got "
                 f"{type(send).__name__} and {type(recv).__name__}."
             )
-        source, target = _describe(send), _describe(recv)
+        source, target = send, recv
         nccl, rank = self._nccl, self.rank
 
         def call(comm: Any, stream: int) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dataparallel.config import Settings
+from dataparallel.errors import CollectiveTimeoutError
 
 __all__ = [
     "RENDEZVOUS_FILE",
@@ -35,6 +36,7 @@ __all__ = [
     "gloo_interface",
     "interface_toward",
     "parse_init_method",
+    "rendezvous_error",
 ]
 
 RENDEZVOUS_FILE = "dataparallel-rendezvous"
@@ -205,3 +207,27 @@ def gloo_interface(interface: str | None) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def rendezvous_error(exc: BaseException, rendezvous: Rendezvous) -> BaseException:
+    """Return the error to raise when `init_process_group` failed, with what to check."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = (
+        f"Gloo rendezvous at {rendezvous.url} (rank {rendezvous.rank} of {rendezvous.world_size})"
+    )
+    hint = (
+        f"Check that all {rendezvous.world_size} ranks were started with the same init_method "
+        "and distinct ranks, and that rank 0's address can be reached from every host."
+    )
+    if rendezvous.file is not None:
+        hint += (
+            f" If {rendezvous.file} was left by an earlier job that did not finish cleanly, "
+            "delete it, or give each job its own directory or 'file:///dir?job=ID'."
+        )
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        return CollectiveTimeoutError(f"{where} timed out ({first}). {hint}")
+    if isinstance(exc, RuntimeError) and "address already in use" in str(exc).lower():
+        return RuntimeError(
+            f"{where} failed: the port is taken ({first}). Choose a free port for rank 0."
+        )
+    return exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from dataparallel.backends.base import Backend, CompletedRequest, ReduceOp, Request
+from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
 from dataparallel.config import Settings
 
 __all__ = ["SingleBackend"]
@@ -41,8 +41,8 @@ class SingleBackend(Backend):
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
         return None
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Request:
-        return CompletedRequest()
+    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+        return DoneHandle()
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         return None
@@ -50,8 +50,8 @@ class SingleBackend(Backend):
     def broadcast(self, buf: Any, root: int) -> None:
         return None
 
-    def ibroadcast(self, buf: Any, root: int) -> Request:
-        return CompletedRequest()
+    def ibroadcast(self, buf: Any, root: int) -> Handle:
+        return DoneHandle()
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         recv[: counts[0]] = send

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dataparallel.config import _MPI_LAUNCHER_VARIABLES, _MPI_RANK_VARIABLES
+from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES
 from dataparallel.launch._output import Output, pump
 from dataparallel.launch._process import (
     EXIT_TIMEOUT,
@@ -64,7 +64,7 @@ def child_env(
     env = {
         k: v
         for k, v in base.items()
-        if k not in _MPI_LAUNCHER_VARIABLES and k not in _MPI_RANK_VARIABLES
+        if k not in MPI_LAUNCHER_VARIABLES and k not in MPI_RANK_VARIABLES
     }
     env.update(
         RANK=str(topology.rank(local_rank)),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataparallel.config import _MPI_LAUNCHER_VARIABLES, _MPI_RANK_VARIABLES, Settings
+from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES, Settings
 
 __all__ = ["Report", "collect", "main"]
 
@@ -134,7 +134,7 @@ def _probe_mpi(report: Report) -> None:
 
 def _run_mpi_probe() -> dict[str, Any]:
     # A probe started inside an MPI job must not take itself for one of its ranks.
-    hidden = set(_MPI_LAUNCHER_VARIABLES) | set(_MPI_RANK_VARIABLES)
+    hidden = set(MPI_LAUNCHER_VARIABLES) | set(MPI_RANK_VARIABLES)
     env = {k: v for k, v in os.environ.items() if k not in hidden}
     try:
         done = subprocess.run(
@@ -225,9 +225,9 @@ def _probe_engines(report: Report) -> None:
         return ", ".join(found) if found else "not available"
 
     def gpus() -> str:
-        from dataparallel.world import _cuda_device_count
+        from dataparallel.world import cuda_device_count
 
-        count = _cuda_device_count()
+        count = cuda_device_count()
         facts["gpus"] = count
         return f"{count} (CUDA driver)" if count else "none (no CUDA driver or no device)"
 

@@ -1,7 +1,7 @@
 """Gradient reduction during `backward()`: `GradientSync`, overlapped with backward.
 
 `GradientSync` is the one implementation of overlapped gradient reduction; `DataParallelModel`
-(`dataparallel.torch._model`) and `DistributedOptimizer` (`dataparallel.optim.torch_optimizer`)
+(`dataparallel.torch._model`) and `DistributedOptimizer` (`dataparallel.torch.optimizer`)
 are two faces of it. It registers a post-accumulate-grad hook on every parameter; each gradient
 that is final for the step marks its bucket ready, and ready buckets go out through the fusion
 engine (`fusion.Fusion`, non-blocking) while backward keeps running.
@@ -55,12 +55,15 @@ import numpy as np
 import torch
 
 from dataparallel import world
-from dataparallel.arrays import family_of
 from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, verify_same_call
-from dataparallel.fusion import Fusion, Reduction
-from dataparallel.torch._buckets import NamedParams, _Bucket, _dtype_name, _plan, _signature
-from dataparallel.torch._hooks import _claim, _make_hook, _owner, _remove_hooks
+from dataparallel.engine.arrays import family_of
+from dataparallel.engine.dtypes import dtype_name
+from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.torch._buckets import Bucket, NamedParams, plan, signature
+from dataparallel.torch._hooks import claim, make_hook, remove_hooks
+from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.types import Op
 
 __all__ = ["GradientSync"]
 
@@ -71,7 +74,7 @@ class GradientSync:
     """Reduce the gradients of a set of parameters across ranks while `backward()` runs.
 
     The engine under `DataParallelModel` and `DistributedOptimizer`; use those. A step's
-    reduction is started by the hooks of its last backward pass, completed by `finish()`, and a
+    reduction is started by the hooks of its last backward pass, completed by `wait()`, and a
     new step begins with `reset()`.
 
     Args:
@@ -82,8 +85,8 @@ class GradientSync:
         op: `"avg"` (default) or `"sum"`.
         bucket_bytes: flush threshold (default `DATAPARALLEL_BUCKET_BYTES`).
         passes: backward passes per step; gradients are accumulated locally in between.
-        finish_after_backward: finish the reduction at the end of every step's last backward
-            pass (`DataParallelModel`), instead of at `finish()` (`DistributedOptimizer.step`).
+        wait_after_backward: complete the reduction at the end of every step's last backward
+            pass (`DataParallelModel`), instead of at `wait()` (`DistributedOptimizer.step`).
         owner: the name used in error messages.
         backend: the engine to use (default: the active one).
     """
@@ -92,10 +95,10 @@ class GradientSync:
         self,
         params: Callable[[], NamedParams],
         *,
-        op: str = "avg",
+        op: Op = "avg",
         bucket_bytes: int | None = None,
         passes: int = 1,
-        finish_after_backward: bool = False,
+        wait_after_backward: bool = False,
         owner: str = "GradientSync",
         backend: Backend | None = None,
     ) -> None:
@@ -115,7 +118,7 @@ class GradientSync:
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
         self.bucket_bytes = int(bucket_bytes or active.settings.bucket_bytes)
-        self.finish_after_backward = finish_after_backward
+        self.wait_after_backward = wait_after_backward
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
@@ -131,8 +134,8 @@ class GradientSync:
         self._source = params
         self._params: NamedParams = []
         self._handles: list[Any] = []
-        self._cleanup = weakref.finalize(self, _remove_hooks, self._handles)
-        self._buckets: list[_Bucket] = []
+        self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
+        self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         self._verified = False
         self._rebuilt = False
@@ -161,7 +164,7 @@ class GradientSync:
         out = []
         for name, p in self._source():
             if p.requires_grad:
-                owner = _owner(p)
+                owner = owner_of(p)
                 if owner is None or owner is self:
                     out.append((name, p))
         return out
@@ -169,15 +172,15 @@ class GradientSync:
     def _replan(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
         if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
-            _remove_hooks(self._handles)
+            remove_hooks(self._handles)
             self._params = list(params)
             ref = weakref.ref(self)
             displaced = set()
             for index, (_, p) in enumerate(self._params):
-                old = _claim(p, self)
+                old = claim(p, self)
                 if old is not None:
                     displaced.add(old)
-                self._handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, index)))
             self._verified = self._rebuilt = False
             for old in displaced:
                 old.refresh()
@@ -186,12 +189,12 @@ class GradientSync:
         # Leave room for the flag vector that travels with the last bucket (one float each).
         flags = 4 * len(self._params)
         budget = self.bucket_bytes - flags if 2 * flags <= self.bucket_bytes else self.bucket_bytes
-        self._buckets = _plan(self._params, order, budget)
+        self._buckets = plan(self._params, order, budget)
         self._bucket_of = [0] * len(self._params)
         for b, bucket in enumerate(self._buckets):
             for i in bucket.members:
                 self._bucket_of[i] = b
-        self._signature = _signature(self._params)
+        self._signature = signature(self._params)
 
     def refresh(self) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
@@ -200,7 +203,7 @@ class GradientSync:
         the plan changed (the current step then starts over).
         """
         current = self._current()
-        if _signature(current) == self._signature:
+        if signature(current) == self._signature:
             return False
         self._replan(current, None)
         self._clear()
@@ -233,8 +236,8 @@ class GradientSync:
         return self._state == _LAUNCHED
 
     @property
-    def finished(self) -> bool:
-        """Whether this step's reduction has finished (`finish()` ran, `reset()` did not yet)."""
+    def done(self) -> bool:
+        """Whether this step's reduction has completed (`wait()` ran, `reset()` did not yet)."""
         return self._state == _DONE
 
     @property
@@ -242,7 +245,8 @@ class GradientSync:
         """Whether a backward pass of this step has run (or its reduction has started)."""
         return self._state != _OPEN or self._passes > 0 or self._queued
 
-    def _on_grad(self, index: int) -> None:
+    def on_grad(self, index: int) -> None:
+        """Take note that parameter `index`'s gradient is final for this pass (its hook fired)."""
         if not self.enabled:
             return
         if self._state != _OPEN:
@@ -273,8 +277,8 @@ class GradientSync:
         self._passes += 1
         if self._passes >= self.passes:
             self._launch_rest()
-            if self.finish_after_backward:
-                self.finish()
+            if self.wait_after_backward:
+                self.wait()
                 self.reset()
 
     def _launch_ready(self) -> None:
@@ -311,7 +315,7 @@ class GradientSync:
             "parameters": len(self._params),
         }
         for i, (name, p) in enumerate(self._params):
-            call[f"{name} ({i})"] = f"{_dtype_name(p)}{list(p.shape)}"
+            call[f"{name} ({i})"] = f"{dtype_name(p.dtype)}{list(p.shape)}"
         verify_same_call(self.backend, call)
         self._verified = True
 
@@ -344,7 +348,7 @@ class GradientSync:
             self._fusion.add(self._flags, "float32", ("torch", "cpu"))
         self._fusion.flush()
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         """Complete this step's reduction: launch what is left, wait, and write the results.
 
         Afterwards every parameter's `.grad` holds the reduction over ranks; a parameter that
@@ -354,7 +358,7 @@ class GradientSync:
         if self._state == _DONE:
             return
         self._launch_rest()
-        self._fusion.finalize()
+        self._fusion.wait()
         for grad, work in self._staged:
             family_of(grad).from_host(grad, work)
         if self._flags is not None:

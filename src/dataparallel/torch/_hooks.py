@@ -1,21 +1,29 @@
-"""Which `GradientSync` reduces a parameter, and the gradient hooks that call it."""
+"""Which `GradientSync` reduces a parameter, and the gradient hooks that tell it."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from dataparallel.torch._gradsync import GradientSync
-
-# Which GradientSync reduces a parameter: id(param) -> (weakref to param, weakref to sync).
-_owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientSync]]] = {}
+__all__ = ["GradientReceiver", "claim", "make_hook", "owner", "remove_hooks"]
 
 
-def _claim(param: torch.Tensor, sync: GradientSync) -> GradientSync | None:
+class GradientReceiver(Protocol):
+    """What a hook calls when a parameter's gradient is final (`GradientSync` is one)."""
+
+    def on_grad(self, index: int) -> None: ...
+
+    def refresh(self) -> bool: ...
+
+
+# Which receiver reduces a parameter: id(param) -> (weakref to param, weakref to receiver).
+_owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientReceiver]]] = {}
+
+
+def claim(param: torch.Tensor, sync: GradientReceiver) -> GradientReceiver | None:
     """Make `sync` the one that reduces `param`; return the previous owner, if another."""
     key = id(param)
     previous = _owners.get(key)
@@ -33,23 +41,27 @@ def _claim(param: torch.Tensor, sync: GradientSync) -> GradientSync | None:
     return None
 
 
-def _owner(param: torch.Tensor) -> GradientSync | None:
+def owner(param: torch.Tensor) -> GradientReceiver | None:
     entry = _owners.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
 
 
-def _make_hook(sync: weakref.ref[GradientSync], index: int) -> Callable[[torch.Tensor], None]:
+def make_hook(
+    sync: Callable[[], GradientReceiver | None], index: int
+) -> Callable[[torch.Tensor], None]:
+    """Return a post-accumulate-grad hook that tells `sync` (held weakly) of parameter `index`."""
+
     def hook(_: torch.Tensor) -> None:
         target = sync()
         if target is not None:
-            target._on_grad(index)
+            target.on_grad(index)
 
     return hook
 
 
-def _remove_hooks(handles: list[Any]) -> None:
+def remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()

@@ -13,6 +13,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._synchronize import synchronize_torch
+from dataparallel.types import Op
 
 __all__ = ["DataParallelModel"]
 
@@ -58,7 +59,7 @@ class DataParallelModel(nn.Module):
         self,
         module: nn.Module,
         *,
-        op: str = "avg",
+        op: Op = "avg",
         bucket_bytes: int | None = None,
         root: int = 0,
         backend: Backend | None = None,
@@ -76,7 +77,7 @@ class DataParallelModel(nn.Module):
             _named_trainable(module),
             op=op,
             bucket_bytes=bucket_bytes,
-            finish_after_backward=True,
+            wait_after_backward=True,
             owner="DataParallelModel",
             backend=backend,
         )

@@ -4,8 +4,8 @@ Arrays handed to `Fusion` are cached in buckets per (array family, device, dtype
 cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
 packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
-all). Buffers come from a pool and are reused once their call completes. `finalize()` flushes,
-waits and unpacks. Buckets of GPU leaves are packed on their device (`devices.DeviceBucket`) and
+all). Buffers come from a pool and are reused once their call completes. `wait()` flushes,
+waits and unpacks. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
 handed to the backend there, or staged through pinned host memory once per bucket.
 
 The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, ...), the reducers and the
@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from dataparallel.arrays import BufferPool, bf16_to_f32, f32_to_bf16, storage_dtype
-from dataparallel.backends.base import Backend, ReduceOp, Request
-from dataparallel.devices import DeviceBucket, DeviceWork
-from dataparallel.timeline import Timeline
+from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.engine.device import DeviceBucket, DeviceWork
+from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
+from dataparallel.engine.pool import BufferPool
+from dataparallel.engine.trace import Timeline
 
 __all__ = ["Broadcast", "Fusion", "Reduction"]
 
@@ -61,14 +62,14 @@ class Broadcast:
 class _Flight:
     """One communication call in flight and what to do when it lands."""
 
-    request: Request | None
+    request: Handle | None
     dtype: str
     buf: np.ndarray  # storage-dtype values, 1-D
-    wire: np.ndarray  # what the engine reduces (buf, or a widened copy)
+    wire: Any  # what the engine gets: buf, a widened copy, or a DeviceBuffer
     slots: list[tuple[np.ndarray, int]] = field(default_factory=list)  # (work, offset) to unpack
     pooled: list[np.ndarray] = field(default_factory=list)
     span: int = 0  # the timeline's id of the communicate phase
-    device: DeviceBucket | None = None  # the GPU bucket this flight carries (devices.py)
+    device: DeviceBucket | None = None  # the GPU bucket this flight carries (device.py)
 
 
 class Fusion:
@@ -78,7 +79,7 @@ class Fusion:
         backend: the engine.
         action: a `Reduction` or a `Broadcast`.
         bucket_bytes: flush threshold.
-        async_op: start calls without blocking (`finalize` waits).
+        async_op: start calls without blocking (`wait` completes them).
         contiguous: pack a flush into one buffer per bucket (else one call per array).
         pool: where buffers come from.
         timeline: records queue/pack/communicate/unpack phases when given.
@@ -146,7 +147,7 @@ class Fusion:
         """Return whether every call started so far has completed."""
         return all(f.request is None or f.request.test() for f in self._flights)
 
-    def finalize(self) -> None:
+    def wait(self) -> None:
         """Flush, wait for every call, and write the results into the queued arrays."""
         self.flush()
         flights, self._flights = self._flights, []

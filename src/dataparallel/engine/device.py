@@ -6,8 +6,9 @@ each bucket (one per array family, device and dtype) into one contiguous device 
 leaves' own family. Then either
 
 - the backend takes device memory (`backend.accepts_device(device)`: NCCL, CUDA-aware MPI, a
-  world of one): `send_direct` gives it the buffer (as bytes for broadcasts and bool, widened to
-  float32 for a dtype the engine lacks), and `land` scales, narrows and unpacks on the GPU; or
+  world of one): `send_direct` gives it the buffer as a framework-free `DeviceBuffer` (as bytes
+  for broadcasts and bool, widened to float32 for a dtype the engine lacks), and `land` scales,
+  narrows and unpacks on the GPU; or
 - it does not: `stage` copies the bucket once into a pinned host buffer, which the host path
   communicates like any other host buffer, and `unstage` copies it back once and unpacks.
 
@@ -25,15 +26,24 @@ allocators, CuPy's memory pools), so repeated flushes reuse memory without a poo
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from dataparallel.arrays import Family
-    from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, DeviceBuffer
+from dataparallel.engine.dtypes import dtype_name
 
 __all__ = ["DeviceBucket", "DeviceWork", "device_ops"]
+
+
+class LeafFamily(Protocol):
+    """What a device leaf needs of its array family (`arrays.Family` provides it)."""
+
+    name: str
+
+    def device(self, x: Any) -> str: ...
+
+    def to_host(self, x: Any) -> np.ndarray: ...
 
 
 class _TorchOps:
@@ -89,6 +99,23 @@ class _TorchOps:
     def synchronize(self, buf: Any) -> None:
         if buf.is_cuda:
             self.torch.cuda.current_stream(buf.device).synchronize()
+
+    def describe(self, buf: Any) -> DeviceBuffer:
+        def record_stream(stream: int) -> None:
+            buf.record_stream(self.torch.cuda.ExternalStream(stream))
+
+        device = int(buf.device.index or 0)
+        cuda = bool(buf.is_cuda)  # tests send CPU tensors down this path, as stand-ins
+        return DeviceBuffer(
+            ptr=int(buf.data_ptr()),
+            items=int(buf.numel()),
+            itemsize=int(buf.element_size()),
+            dtype=dtype_name(buf.dtype),
+            device=device,
+            stream=int(self.torch.cuda.current_stream(device).cuda_stream) if cuda else 0,
+            owner=buf,
+            record_stream=record_stream if cuda else None,
+        )
 
     def to_host(self, buf: Any) -> tuple[Any, np.ndarray]:
         host = self.torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=bool(buf.is_cuda))
@@ -147,6 +174,19 @@ class _CupyOps:
         with self.cupy.cuda.Device(buf.device.id):
             self.cupy.cuda.get_current_stream().synchronize()
 
+    def describe(self, buf: Any) -> DeviceBuffer:
+        with self.cupy.cuda.Device(buf.device.id):
+            stream = int(self.cupy.cuda.get_current_stream().ptr)
+        return DeviceBuffer(
+            ptr=int(buf.data.ptr),
+            items=int(buf.size),
+            itemsize=int(buf.itemsize),
+            dtype=buf.dtype.name,
+            device=int(buf.device.id),
+            stream=stream,
+            owner=buf,
+        )
+
     def to_host(self, buf: Any) -> tuple[Any, np.ndarray]:
         host = self.cupyx.empty_pinned(buf.shape, buf.dtype)
         buf.get(out=host)  # blocking
@@ -183,7 +223,7 @@ class DeviceWork:
 
     __slots__ = ("array", "device", "family", "nbytes", "ops", "size")
 
-    def __init__(self, family: Family, array: Any) -> None:
+    def __init__(self, family: LeafFamily, array: Any) -> None:
         self.family, self.array = family, array
         self.ops = device_ops(family.name)
         self.device = family.device(array)
@@ -196,12 +236,6 @@ class DeviceWork:
 
     def __repr__(self) -> str:
         return f"DeviceWork({self.family.name}, {self.device}, {self.size} items)"
-
-
-def _device_native(backend: Backend) -> frozenset[str]:
-    """Dtypes `backend` reduces natively in device memory (NCCL adds bfloat16 to its host set)."""
-    native: frozenset[str] = getattr(backend, "device_native_dtypes", backend.native_dtypes)
-    return native
 
 
 class DeviceBucket:
@@ -230,16 +264,16 @@ class DeviceBucket:
         self._widened = False
         self._host: Any = None
 
-    def send_direct(self, backend: Backend, broadcast: bool) -> Any:
+    def send_direct(self, backend: Backend, broadcast: bool) -> DeviceBuffer:
         """Return the device buffer to hand to `backend`, which accepts this bucket's device."""
         self.direct = True
         if broadcast or self.dtype == "bool":
             self.wire = self.ops.as_bytes(self.buf)
-        elif self.dtype not in _device_native(backend):
+        elif self.dtype not in backend.device_native_dtypes:
             self.wire, self._widened = self.ops.widen(self.buf), True
-        if not getattr(backend, "stream_aware", False):
-            self.ops.synchronize(self.buf)
-        return self.wire
+        if not backend.stream_aware:
+            self.ops.synchronize(self.wire)
+        return self.ops.describe(self.wire)
 
     def land(self, receives: bool, scale: float | None) -> None:
         """Finish a direct bucket on its device: scale, narrow and unpack into the leaves."""

@@ -2,7 +2,8 @@
 
 Find the engine and settings (`context`), identify each leaf's family and dtype (`leaves_of`),
 check that every rank makes the same call (`verify`), run the leaves through the fusion engine
-(`run`), and rebuild the tree from the results. `Request` is what the non-blocking calls return.
+(`run`), and rebuild the tree from the results. Every public collective in this package is these
+steps in this order; `requests.Request` wraps the ones started without blocking.
 """
 
 from __future__ import annotations
@@ -14,23 +15,27 @@ from typing import Any
 
 import numpy as np
 
-from dataparallel import tree, world
-from dataparallel.arrays import BufferPool, Family, family_of
+from dataparallel import world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import verify_same_call
 from dataparallel.config import Settings
-from dataparallel.fusion import Broadcast, Fusion, Reduction
-from dataparallel.timeline import Timeline
+from dataparallel.engine import tree
+from dataparallel.engine.arrays import Family, family_of
+from dataparallel.engine.fusion import Broadcast, Fusion, Reduction
+from dataparallel.engine.pool import BufferPool
+from dataparallel.engine.trace import Timeline
 
 __all__ = [
     "CallContext",
     "Context",
     "Leaf",
-    "Request",
     "check_root",
     "context",
+    "fuse",
     "leaf_of",
     "leaves_of",
+    "log",
+    "results",
     "run",
     "verify",
 ]
@@ -187,30 +192,3 @@ def results(leaves: list[Leaf], receives: bool) -> list[Any]:
         else leaf.family.from_host(leaf.value, leaf.work)
         for leaf in leaves
     ]
-
-
-class Request:
-    """A non-blocking collective in flight.
-
-    `wait()` returns what the blocking call would have; `test()` says whether it has completed.
-    The input must not be touched until `wait()` has returned.
-    """
-
-    def __init__(self, fusion: Fusion, finish: Callable[[], Any], pending: list[Any] | None):
-        self._fusion, self._finish, self._pending = fusion, finish, pending
-        self._done, self._result = False, None
-        if pending is not None:
-            pending.append(self)
-
-    def test(self) -> bool:
-        """Return whether the communication has completed (`wait()` then returns at once)."""
-        return self._done or self._fusion.test()
-
-    def wait(self) -> Any:
-        """Block until the collective completes and return its result."""
-        if not self._done:
-            self._fusion.finalize()
-            self._result, self._done = self._finish(), True
-            if self._pending is not None and self in self._pending:
-                self._pending.remove(self)
-        return self._result

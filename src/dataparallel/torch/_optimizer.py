@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from dataparallel.backends.base import Backend
-from dataparallel.torch import GradientSync, NamedParams
+from dataparallel.torch._buckets import NamedParams
+from dataparallel.torch._gradsync import GradientSync
+from dataparallel.types import Op
 
 __all__ = ["distributed_torch_optimizer"]
 
@@ -35,18 +37,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         sync = self._dp_sync
         if closure is None:
-            sync.finish()
+            sync.wait()
             try:
                 return super().step()
             finally:
                 sync.reset()
         if sync.started:
-            sync.finish()
+            sync.wait()
         sync.reset()
 
         def reduced() -> Any:
             loss = closure()
-            sync.finish()
+            sync.wait()
             sync.reset()
             return loss
 
@@ -66,7 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         >>> _ = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         >>> opt.step()
         """
-        self._dp_sync.finish()
+        self._dp_sync.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients and start a new step.
@@ -76,7 +78,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         sync = self._dp_sync
         if sync.in_flight:
-            sync.finish()
+            sync.wait()
         super().zero_grad(set_to_none)
         sync.reset()
 
@@ -141,7 +143,7 @@ def _named_params(state: dict[str, Any]) -> Callable[[], NamedParams]:
 def distributed_torch_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
-    op: str = "avg",
+    op: Op = "avg",
     bucket_bytes: int | None = None,
     backward_passes_per_step: int = 1,
     backend: Backend | None = None,

@@ -6,15 +6,7 @@ Each rank writes its own file, streamed as events happen (so a crashed job still
 phases of Horovod's timeline: `queue` (from the bucket's first array to its flush), `pack`,
 `communicate` (from the start of the engine's call to its completion) and `unpack`.
 
->>> import dataparallel as dp, numpy as np, tempfile, os
->>> _ = dp.initialize("single")
->>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
->>> with dp.timeline(path):
-...     _ = dp.allreduce(np.ones(4))
->>> import json, pathlib
->>> events = json.loads(pathlib.Path(path).read_text())
->>> sorted({e["name"] for e in events if e.get("ph") == "X"})
-['allreduce', 'pack', 'queue', 'unpack']
+`dataparallel.world.timeline` (public as `dp.timeline`) starts one; the world owns it.
 """
 
 from __future__ import annotations
@@ -28,9 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-from dataparallel import world
-
-__all__ = ["Timeline", "timeline"]
+__all__ = ["Timeline"]
 
 
 class Timeline:
@@ -99,9 +89,11 @@ class Timeline:
         )
         file.close()
         atexit.unregister(self.close)
-        active = world._world
-        if active is not None and active.timeline is self:
-            active.timeline = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the file is finished (nothing more is recorded)."""
+        return self._file is None
 
     def __enter__(self) -> Timeline:
         return self
@@ -121,16 +113,3 @@ def _rank_path(path: Path, rank: int, size: int) -> Path:
     if size == 1:
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-
-
-def timeline(path: str | os.PathLike[str]) -> Timeline:
-    """Record every collective of this process into the Chrome-trace file `path`.
-
-    Setting `DATAPARALLEL_TIMELINE=path` does the same from `dp.initialize()` on. Returns the
-    `Timeline`; close it (or leave its `with` block, or call `dp.finalize()`) to finish the file.
-    """
-    active = world.current()
-    if active.timeline is not None:
-        active.timeline.close()
-    active.timeline = Timeline(path, active.backend.rank, active.backend.size)
-    return active.timeline

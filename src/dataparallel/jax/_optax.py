@@ -25,11 +25,11 @@ Sharp bits:
 - Under `jit` the gradients travel device -> host -> device for the reduction; on CPU, JAX runs a
   step that holds a host callback synchronously. On GPUs, `mpi4jax` (`mpi4jax.allreduce` inside
   `jit`, not a dependency here) reduces without leaving the XLA program and can use CUDA-aware MPI.
-- With MPI and more than one rank, the callbacks run on a private duplicate of the backend's
-  communicator, created collectively when the first transformation is built (or, when the world
-  is not initialized yet, when the first update is traced). A GPU step still in flight thus never
-  interleaves its reduction with collectives that the main thread makes meanwhile (logging a loss
-  with `dp.allreduce`, say). Other backends share their one process group.
+- With more than one rank, the callbacks run on a private duplicate of the backend
+  (`Backend.duplicate`: a duplicated MPI communicator, a second Gloo group), created collectively
+  when the first transformation is built (or, when the world is not initialized yet, when the
+  first update is traced). A GPU step still in flight thus never interleaves its reduction with
+  collectives that the main thread makes meanwhile (logging a loss with `dp.allreduce`, say).
 - Errors raised inside the callback (`CollectiveMismatchError` when ranks send different trees)
   reach the caller wrapped in JAX's runtime error, with the dataparallel message inside; dtype
   errors (`op="avg"` on integer gradients) are raised at trace time, as a plain `TypeError`.
@@ -69,8 +69,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, validate_reduction
+from dataparallel.types import Op
 
-__all__ = ["DistributedState", "distributed_optax"]
+__all__ = ["DistributedState", "callback_backend", "distributed_optax"]
 
 
 class DistributedState(NamedTuple):
@@ -80,7 +81,7 @@ class DistributedState(NamedTuple):
 
 
 def distributed_optax(
-    inner: optax.GradientTransformation, *, op: str = "avg", backend: Backend | None = None
+    inner: optax.GradientTransformation, *, op: Op = "avg", backend: Backend | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -122,7 +123,7 @@ def distributed_optax(
     parse_op(op)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
-        _callback_backend(backend)  # collective: create the private communicator now, everywhere
+        callback_backend(backend)  # collective: create the private communicator now, everywhere
 
     def init_fn(params: Any) -> DistributedState:
         return DistributedState(inner_state=inner.init(params))
@@ -143,7 +144,7 @@ def distributed_optax(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _allreduce_tree(grads: Any, op: str, backend: Backend | None) -> Any:
+def _allreduce_tree(grads: Any, op: Op, backend: Backend | None) -> Any:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     if not with_paths:
@@ -152,7 +153,7 @@ def _allreduce_tree(grads: Any, op: str, backend: Backend | None) -> Any:
         validate_reduction(_dtype(leaf), op, None, "grads" + jax.tree_util.keystr(key))
     leaves = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        reduced = _allreduce_traced(leaves, op, _callback_backend(backend))
+        reduced = _allreduce_traced(leaves, op, callback_backend(backend))
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
@@ -164,7 +165,7 @@ def _dtype(leaf: Any) -> str:
     return str(np.dtype(jax.numpy.result_type(leaf)))
 
 
-def _allreduce_traced(leaves: list[Any], op: str, backend: Backend) -> list[Any]:
+def _allreduce_traced(leaves: list[Any], op: Op, backend: Backend) -> list[Any]:
     """Stage `leaves` out to one ordered host callback that allreduces them as NumPy arrays."""
     shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in leaves]
 
@@ -180,15 +181,13 @@ def _allreduce_traced(leaves: list[Any], op: str, backend: Backend) -> list[Any]
 _PRIVATE: weakref.WeakKeyDictionary[Backend, Backend] = weakref.WeakKeyDictionary()
 
 
-def _callback_backend(backend: Backend | None) -> Backend:
-    """Return the backend the host callbacks reduce on, duplicating `backend` the first time."""
+def callback_backend(backend: Backend | None) -> Backend:
+    """Return the backend the host callbacks reduce on, duplicating `backend` the first time.
+
+    Collective the first time for a backend of several ranks (`Backend.duplicate`).
+    """
     base = backend if backend is not None else world.get_backend()
     private = _PRIVATE.get(base)
     if private is None:
-        private = base
-        if base.name == "mpi" and base.size > 1:
-            from dataparallel.backends.mpi import MPIBackend
-
-            private = MPIBackend(base.comm)  # type: ignore[attr-defined]
-        _PRIVATE[base] = private
+        private = _PRIVATE[base] = base.duplicate() if base.size > 1 else base
     return private

@@ -1,8 +1,9 @@
 """Read a dataset of any form, one sample or one batch at a time, in the data's own family.
 
-Array families (NumPy, PyTorch, JAX, CuPy) are detected without importing any framework; a batch
-of an array is gathered with one fancy index on its device, and items of other datasets are
-collated field by field. `dataparallel.data` builds its container and loader on these sources.
+Array families (NumPy, PyTorch, JAX, CuPy) are detected without importing any framework
+(`engine.arrays.array_family`); a batch of an array is gathered with one fancy index on its
+device, and items of other datasets are collated field by field. `dataparallel.data` builds
+its container and loader on these sources.
 """
 
 from __future__ import annotations
@@ -13,28 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.engine.arrays import array_family
+
+__all__ = ["Index", "Source", "source"]
+
 Index = np.ndarray[Any, np.dtype[np.int64]]
-
-
-# --- Array families, detected without importing any framework. ------------------------------------
-
-
-def _family(x: Any) -> str | None:
-    """Return `"numpy"`, `"torch"`, `"jax"` or `"cupy"` for an array of that family, else None."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    root = type(x).__module__.partition(".")[0]
-    # An object of a framework's type means the framework is already imported: check against it.
-    if root == "torch":
-        torch = sys.modules.get("torch")
-        return "torch" if torch is not None and isinstance(x, torch.Tensor) else None
-    if root in ("jax", "jaxlib"):
-        jax = sys.modules.get("jax")
-        return "jax" if jax is not None and isinstance(x, jax.Array) else None
-    if root == "cupy":
-        cupy = sys.modules.get("cupy")
-        return "cupy" if cupy is not None and isinstance(x, cupy.ndarray) else None
-    return None
 
 
 def _take(x: Any, family: str, idx: Index) -> Any:
@@ -62,7 +46,7 @@ def _stack(items: list[Any], family: str | None) -> Any:
 def _collate(items: list[Any], path: str) -> Any:
     """Stack a list of samples into a batch: arrays and numbers stacked, tuples/dicts per field."""
     first = items[0]
-    family = _family(first)
+    family = array_family(first)
     if family is not None or isinstance(first, (bool, int, float, complex, np.generic)):
         try:
             return _stack(items, family)
@@ -107,7 +91,7 @@ def _collate(items: list[Any], path: str) -> Any:
 # --- Sources: what the data is, how to read one item and one batch of it. ------------------------
 
 
-class _Source:
+class Source:
     n: int
 
     def item(self, i: int) -> Any:
@@ -122,7 +106,7 @@ class _Source:
         return self.batch(idx)
 
 
-class _ArraySource(_Source):
+class _ArraySource(Source):
     def __init__(self, x: Any, family: str, owner: str, where: str = "") -> None:
         if len(x.shape) == 0:
             raise ValueError(
@@ -138,7 +122,7 @@ class _ArraySource(_Source):
         return _take(self.x, self.family, idx)
 
 
-class _FieldsSource(_Source):
+class _FieldsSource(Source):
     def __init__(self, data: Any, owner: str) -> None:
         # What `build` makes of one value per field: a dict with these keys, a namedtuple, a tuple.
         self.keys: list[Any] | None = list(data) if isinstance(data, Mapping) else None
@@ -148,7 +132,7 @@ class _FieldsSource(_Source):
         else:
             values, names = list(data), [f"[{i}]" for i in range(len(data))]
         self.fields = [
-            _ArraySource(v, str(_family(v)), owner, f" at {name}")
+            _ArraySource(v, str(array_family(v)), owner, f" at {name}")
             for v, name in zip(values, names, strict=True)
         ]
         lengths = {name: f.n for name, f in zip(names, self.fields, strict=True)}
@@ -174,7 +158,7 @@ class _FieldsSource(_Source):
         return self.build([f.batch(idx) for f in self.fields])
 
 
-class _SequenceSource(_Source):
+class _SequenceSource(Source):
     def __init__(self, data: Any) -> None:
         self.data, self.n = data, len(data)
 
@@ -188,17 +172,17 @@ class _SequenceSource(_Source):
         return [self.data[int(i)] for i in idx]
 
 
-def _source(data: Any, owner: str) -> _Source:
+def source(data: Any, owner: str) -> Source:
     """Classify `data` as an array, a tuple/dict of arrays, or an indexable dataset."""
-    family = _family(data)
+    family = array_family(data)
     if family is not None:
         return _ArraySource(data, family, owner)
-    is_fields = isinstance(data, tuple) and any(_family(v) is not None for v in data)
+    is_fields = isinstance(data, tuple) and any(array_family(v) is not None for v in data)
     if isinstance(data, Mapping) or is_fields:
         values = list(data.values() if isinstance(data, Mapping) else data)
         keys = list(data) if isinstance(data, Mapping) else list(range(len(values)))
         for key, value in zip(keys, values, strict=True):
-            if _family(value) is None:
+            if array_family(value) is None:
                 where = f"[{key!r}]" if isinstance(data, Mapping) else f"[{key}]"
                 raise TypeError(
                     f"{owner} got a {type(data).__name__} whose entry {where} is a "

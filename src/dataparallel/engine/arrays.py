@@ -14,68 +14,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "SUPPORTED_DTYPES",
-    "BufferPool",
-    "Family",
-    "bf16_to_f32",
-    "dtype_name",
-    "f32_to_bf16",
-    "family_of",
-    "storage_dtype",
-]
+from dataparallel.engine.device import DeviceWork
+from dataparallel.engine.dtypes import BF16_BITS, check_dtype, dtype_name, storage_dtype
 
-SUPPORTED_DTYPES = frozenset(
-    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
-    | {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
-)
-INTEGER_DTYPES = frozenset(
-    {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
-)
-_BF16_BITS = np.dtype(np.uint16)
-
-
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
-def dtype_name(dtype: Any) -> str:
-    """Return the name of a NumPy dtype (`"float32"`, `"bfloat16"`), cached: `.name` is slow."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(np.dtype(dtype).name)
-    return name
-
-
-def storage_dtype(dtype: str) -> np.dtype:
-    """Return the NumPy dtype that holds values of `dtype` on the host (bfloat16 as raw bits)."""
-    return _BF16_BITS if dtype == "bfloat16" else np.dtype(dtype)
-
-
-def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Widen bfloat16 bits to float32 exactly."""
-    wide = np.left_shift(bits.astype(np.uint32), 16)
-    if out is None:
-        return wide.view(np.float32)
-    out.view(np.uint32)[...] = wide
-    return out
-
-
-def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Narrow float32 to bfloat16 bits, rounding to nearest even (NaN stays NaN)."""
-    bits = values.view(np.uint32)
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    out[...] = ((bits + rounding) >> 16).astype(np.uint16)
-    out[np.isnan(values)] = 0x7FC0
-    return out
-
-
-def _check_dtype(dtype: str, path: str) -> str:
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{path}: dtype {dtype} is not supported by collectives; use one of "
-            f"{', '.join(sorted(SUPPORTED_DTYPES))} (convert the leaf, or keep it out of the tree)."
-        )
-    return dtype
+__all__ = ["Family", "array_family", "family_of"]
 
 
 class Family(ABC):
@@ -116,7 +58,7 @@ class Family(ABC):
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
 
         GPU leaves of mutable families (torch CUDA tensors, CuPy arrays) come back as a
-        `devices.DeviceWork` instead (with True): the fusion engine packs them on their device.
+        `device.DeviceWork` instead (with True): the fusion engine packs them on their device.
         """
         view = self.host_view(x)
         if view is not None:
@@ -136,7 +78,7 @@ class NumpyFamily(Family):
     def host_view(self, x: np.ndarray) -> np.ndarray | None:
         if not x.flags.writeable or not x.dtype.isnative:  # byte-swapped: staged, converted
             return None
-        return x.view(_BF16_BITS) if x.dtype.kind == "V" else x  # "V": ml_dtypes' bfloat16
+        return x.view(BF16_BITS) if x.dtype.kind == "V" else x  # "V": ml_dtypes' bfloat16
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         native = np.array(x, dtype=x.dtype.newbyteorder("="))
@@ -188,10 +130,7 @@ class TorchFamily(Family):
     name = "torch"
 
     def dtype(self, x: Any) -> str:
-        name = _DTYPE_NAMES.get(x.dtype)
-        if name is None:
-            name = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-        return name
+        return dtype_name(x.dtype)
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(x.shape)
@@ -271,7 +210,7 @@ class JaxFamily(Family):
 
 
 class CupyFamily(Family):
-    """CuPy arrays live on a GPU: packed and communicated there (`devices.py`), written in place."""
+    """CuPy arrays live on a GPU: packed and communicated there (`device.py`), written in place."""
 
     name = "cupy"
 
@@ -303,19 +242,37 @@ class CupyFamily(Family):
             return cupy.asarray(host)
 
 
-def _device_work(family: Family, x: Any) -> Any:
-    from dataparallel.devices import DeviceWork  # GPU leaves only: the host path never loads it
-
+def _device_work(family: Family, x: Any) -> DeviceWork:
     return DeviceWork(family, x)
 
 
 _NUMPY, _SCALAR = NumpyFamily(), ScalarFamily()
 _TORCH, _JAX, _CUPY = TorchFamily(), JaxFamily(), CupyFamily()
+_ARRAY_FAMILIES: dict[str, Family] = {"numpy": _NUMPY, "torch": _TORCH, "jax": _JAX, "cupy": _CUPY}
 
 
-def _is_jax_array(x: Any) -> bool:
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(x, jax.Array)
+def array_family(x: Any) -> str | None:
+    """Return `"numpy"`, `"torch"`, `"jax"` or `"cupy"` for an array of that family, else None.
+
+    No framework is imported: an object of a framework's type means it is imported already.
+    torch.Tensor subclasses (`nn.Parameter`, ...) count as torch.
+
+    >>> array_family(np.zeros(2)), array_family(1.0)
+    ('numpy', None)
+    """
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    root = type(x).__module__.partition(".")[0]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if root in ("jax", "jaxlib"):
+        jax = sys.modules.get("jax")
+        return "jax" if jax is not None and isinstance(x, jax.Array) else None
+    if root == "cupy":
+        cupy = sys.modules.get("cupy")
+        return "cupy" if cupy is not None and isinstance(x, cupy.ndarray) else None
+    return None
 
 
 def family_of(x: Any, path: str = "x") -> Family:
@@ -325,58 +282,23 @@ def family_of(x: Any, path: str = "x") -> Family:
         TypeError: `x` is not an array of a supported family and dtype, nor a number; the message
             starts with the leaf's `path`.
     """
-    family: Family | None = None
-    if isinstance(x, np.ndarray):
-        family = _NUMPY
-    elif isinstance(x, (bool, int, float, complex, np.generic)):
-        family = _SCALAR
+    if isinstance(x, (bool, int, float, complex, np.generic)):
+        if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
+            raise TypeError(f"{path}: the integer {x} does not fit in int64.")
+        family: Family = _SCALAR
     else:
-        module = type(x).__module__.partition(".")[0]
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(x, torch.Tensor):  # subclasses too (Parameter, ...)
-            family = _TORCH
-        elif module in ("jax", "jaxlib") and _is_jax_array(x):
-            if type(x).__name__.endswith("Tracer") or "Tracer" in type(x).__name__:
-                raise TypeError(
-                    f"{path}: got a traced JAX value; dataparallel collectives run eagerly. "
-                    "Call them outside jax.jit, or use dp.DistributedOptimizer for optax, "
-                    "which works inside jit."
-                )
-            family = _JAX
-        elif module == "cupy":
-            family = _CUPY
-    if family is None:
-        raise TypeError(
-            f"{path}: expected an array (NumPy, PyTorch, JAX, CuPy) or a number, "
-            f"got {type(x).__module__}.{type(x).__qualname__}."
-        )
-    is_int = family is _SCALAR and isinstance(x, int) and not isinstance(x, bool)
-    if is_int and not -(2**63) <= x < 2**63:
-        raise TypeError(f"{path}: the integer {x} does not fit in int64.")
-    _check_dtype(family.dtype(x), path)
+        name = array_family(x)
+        if name is None:
+            raise TypeError(
+                f"{path}: expected an array (NumPy, PyTorch, JAX, CuPy) or a number, "
+                f"got {type(x).__module__}.{type(x).__qualname__}."
+            )
+        if name == "jax" and "Tracer" in type(x).__name__:
+            raise TypeError(
+                f"{path}: got a traced JAX value; dataparallel collectives run eagerly. "
+                "Call them outside jax.jit, or use dp.DistributedOptimizer for optax, "
+                "which works inside jit."
+            )
+        family = _ARRAY_FAMILIES[name]
+    check_dtype(family.dtype(x), path)
     return family
-
-
-_MIN_CAPACITY = 1024
-
-
-class BufferPool:
-    """Host buffers reused across flushes and calls, in power-of-two size classes per dtype."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[np.dtype, int], list[np.ndarray]] = {}
-
-    def take(self, dtype: np.dtype, n: int) -> np.ndarray:
-        """Return a 1-D buffer of `n` items (a view of a pooled buffer)."""
-        capacity = max(_MIN_CAPACITY, 1 << max(n - 1, 0).bit_length())
-        try:  # pop and append are atomic: a callback thread may share the pool with the main one
-            base = self._free[(dtype, capacity)].pop()
-        except (KeyError, IndexError):
-            base = np.empty(capacity, dtype)
-        return base[:n]
-
-    def give(self, buf: np.ndarray) -> None:
-        """Return a buffer obtained from `take` to the pool."""
-        base = buf.base if buf.base is not None else buf
-        assert isinstance(base, np.ndarray)
-        self._free.setdefault((base.dtype, base.size), []).append(base)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dataparallel import world
-from dataparallel._datasets import Index, _source
+from dataparallel.data.sources import Index, source
 
 __all__ = ["DistributedDataContainer", "DistributedDataLoader", "shard_indices"]
 
@@ -84,7 +84,7 @@ def _count(value: Any, name: str) -> int:
     return int(value)
 
 
-def _rank_and_size() -> tuple[int, int]:
+def rank_and_size() -> tuple[int, int]:
     """Return this process's rank and the world size (raises NotInitializedError before init)."""
     return world.rank(), world.size()
 
@@ -102,8 +102,8 @@ class _Sharded:
                 f"{owner} got a {type(data).__name__}, which is already one rank's share: "
                 f"splitting it again would drop samples. Fix: pass the whole dataset to {owner}."
             )
-        self._source = _source(data, owner)
-        self._rank, self._size = _rank_and_size()
+        self._source = source(data, owner)
+        self._rank, self._size = rank_and_size()
         self._epoch = 0
 
     @property

@@ -1,0 +1,33 @@
+"""The public collectives over arrays, numbers and pytrees of them.
+
+Each file holds one kind of collective, written in the same order: find the engine (`context`),
+identify the leaves (`leaves_of`), check that every rank makes the same call (`verify`), run the
+leaves through the fusion engine (`run`), rebuild the tree. `_call.py` is that skeleton. Mutable
+arrays are written in place and returned; immutable values (JAX arrays, numbers) come back new:
+always use the return value.
+"""
+
+from __future__ import annotations
+
+from dataparallel.collectives.broadcasts import broadcast, ibroadcast
+from dataparallel.collectives.gathers import allgather
+from dataparallel.collectives.objects import allgather_object, barrier, broadcast_object
+from dataparallel.collectives.reductions import allreduce, allreduce_gradients, iallreduce, reduce
+from dataparallel.collectives.requests import Request, wait_all
+from dataparallel.collectives.state import synchronize_tree
+
+__all__ = [
+    "Request",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_gradients",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "iallreduce",
+    "ibroadcast",
+    "reduce",
+    "synchronize_tree",
+    "wait_all",
+]

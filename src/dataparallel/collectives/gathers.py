@@ -1,0 +1,44 @@
+"""Gathers: `allgather`, arrays concatenated along the first axis in rank order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataparallel.backends.base import Backend
+from dataparallel.collectives._call import context, leaves_of, log, verify
+from dataparallel.engine import tree
+from dataparallel.engine.dtypes import storage_dtype
+from dataparallel.types import Tree
+
+__all__ = ["allgather"]
+
+
+def allgather(x: Tree, *, backend: Backend | None = None) -> Tree:
+    """Concatenate every rank's arrays along the first axis, in rank order.
+
+    The first axis may differ between ranks; the other axes and the dtype must match. Numbers and
+    0-d arrays count as one row each, so they gather into a 1-D array of `size()` items.
+    Results are new arrays of each leaf's family (NumPy arrays for numbers).
+    """
+    ctx = context(backend)
+    b = ctx.backend
+    flat = tree.flatten(x, "x")
+    leaves = leaves_of(flat)
+    rows = [leaf.shape[0] if leaf.shape else 1 for leaf in leaves]
+    verify(ctx, "allgather", flat, leaves, {}, first_axis=False)
+    log(ctx, f"allgather leaves={len(leaves)}")
+    gathered_rows = np.empty(b.size * len(leaves), np.int64)
+    if leaves:
+        b.allgatherv(np.array(rows, np.int64), gathered_rows, [len(leaves)] * b.size)
+    every_rows = gathered_rows.reshape(b.size, len(leaves))
+    out = []
+    for i, leaf in enumerate(leaves):
+        rest = leaf.shape[1:]
+        host = np.ascontiguousarray(leaf.family.work(leaf.value)[0]).reshape(-1)
+        row_bytes = storage_dtype(leaf.dtype).itemsize * int(np.prod(rest, dtype=np.int64))
+        counts = [int(every_rows[r, i]) * row_bytes for r in range(b.size)]
+        received = np.empty(sum(counts), np.uint8)
+        b.allgatherv(host.view(np.uint8), received, counts)
+        gathered = received.view(storage_dtype(leaf.dtype)).reshape(-1, *rest)
+        out.append(leaf.family.new(leaf.value, gathered))
+    return tree.unflatten(flat.spec, out)

@@ -1,0 +1,48 @@
+"""`Request`, what the non-blocking collectives return, and `wait_all`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dataparallel import world
+from dataparallel.engine.fusion import Fusion
+
+__all__ = ["Request", "wait_all"]
+
+
+class Request:
+    """A non-blocking collective in flight.
+
+    `wait()` returns what the blocking call would have; `test()` says whether it has completed.
+    The input must not be touched until `wait()` has returned.
+    """
+
+    def __init__(self, fusion: Fusion, finish: Callable[[], Any], pending: list[Any] | None):
+        self._fusion, self._finish, self._pending = fusion, finish, pending
+        self._done, self._result = False, None
+        if pending is not None:
+            pending.append(self)
+
+    def test(self) -> bool:
+        """Return whether the communication has completed (`wait()` then returns at once)."""
+        return self._done or self._fusion.test()
+
+    def wait(self) -> Any:
+        """Block until the collective completes and return its result."""
+        if not self._done:
+            self._fusion.wait()
+            self._result, self._done = self._finish(), True
+            if self._pending is not None and self in self._pending:
+                self._pending.remove(self)
+        return self._result
+
+
+def wait_all(requests: list[Request] | None = None) -> list[Any]:
+    """Wait for `requests`, or for every request this process has in flight; return the results.
+
+    Flashlight's `syncDistributed`: afterwards every non-blocking collective has completed.
+    """
+    if requests is None:
+        requests = list(world.current().pending)
+    return [request.wait() for request in requests]

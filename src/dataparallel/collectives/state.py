@@ -1,0 +1,82 @@
+"""`synchronize_tree`: every rank gets root's values of a pytree (the core of `dp.synchronize`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dataparallel.backends.base import Backend
+from dataparallel.collectives._call import (
+    Leaf,
+    check_root,
+    context,
+    fuse,
+    leaf_of,
+    log,
+    results,
+    verify,
+)
+from dataparallel.engine import tree
+from dataparallel.engine.fusion import Broadcast
+from dataparallel.types import Tree
+
+__all__ = ["synchronize_tree"]
+
+
+_OBJECTS = ("keep", "broadcast")
+
+# How a layer above syncs a leaf it owns (a torch module, an optimizer): None for other leaves.
+LeafSync = Callable[[Any], Callable[[Any, int, Backend], Any] | None]
+
+
+def synchronize_tree(
+    x: Tree,
+    *,
+    root: int = 0,
+    objects: str = "keep",
+    backend: Backend | None = None,
+    special: LeafSync | None = None,
+) -> Tree:
+    """Make every rank hold `root`'s values of the pytree `x`; see `dp.synchronize`.
+
+    Array and number leaves are broadcast in fused buckets; `None` stays `None`; other leaves are
+    kept, or broadcast by pickling with `objects="broadcast"`. Leaves for which `special` returns a
+    function are synchronized by it, after the rest (`dp.synchronize` passes the torch layer's).
+    """
+    if objects not in _OBJECTS:
+        raise ValueError(f"objects={objects!r} is not one of {_OBJECTS}.")
+    ctx = context(backend)
+    check_root(root, ctx.backend)
+    flat = tree.flatten(x, "x")
+    values: list[Any] = list(flat.leaves)
+    arrays: list[Leaf] = []
+    others: list[int] = []
+    handled: list[tuple[int, Callable[[Any, int, Backend], Any]]] = []
+    for i, value in enumerate(flat.leaves):
+        sync = special(value) if special is not None else None
+        if sync is not None:
+            handled.append((i, sync))
+            continue
+        try:
+            arrays.append(leaf_of(flat, i))
+        except TypeError:
+            others.append(i)
+    verify(
+        ctx,
+        "synchronize",
+        flat,
+        arrays,
+        {"root": root, "objects": objects, "object leaves": others},
+    )
+    log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
+    fusion = fuse(ctx, arrays, Broadcast(root), async_op=False)
+    fusion.wait()
+    for leaf, value in zip(arrays, results(arrays, ctx.backend.rank != root), strict=True):
+        values[leaf.index] = value
+    if objects == "broadcast" and others:
+        received = ctx.backend.broadcast_object([values[i] for i in others], root)
+        for i, value in zip(others, received, strict=True):
+            values[i] = value
+    for i, sync in handled:
+        values[i] = sync(values[i], root, ctx.backend)
+    return tree.unflatten(flat.spec, values)

@@ -1,0 +1,80 @@
+"""Dtype names and host storage: what collectives support, and how bfloat16 lives on the host.
+
+NumPy has no bfloat16: on the host its values are carried as their raw 16 bits (`uint16`), widened
+exactly to float32 for a reduction and rounded back to nearest even.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BF16_BITS",
+    "INTEGER_DTYPES",
+    "SUPPORTED_DTYPES",
+    "bf16_to_f32",
+    "check_dtype",
+    "dtype_name",
+    "f32_to_bf16",
+    "storage_dtype",
+]
+
+SUPPORTED_DTYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+    | {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+)
+INTEGER_DTYPES = frozenset(
+    {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+)
+BF16_BITS = np.dtype(np.uint16)  # how bfloat16 values are held on the host
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Return the name of a NumPy or torch dtype (`"float32"`, `"bfloat16"`), cached.
+
+    >>> dtype_name(np.dtype(np.float32))
+    'float32'
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        text = str(dtype)
+        name = text.removeprefix("torch.") if text.startswith("torch.") else np.dtype(dtype).name
+        _DTYPE_NAMES[dtype] = name = str(name)
+    return name
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """Return the NumPy dtype that holds values of `dtype` on the host (bfloat16 as raw bits)."""
+    return BF16_BITS if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Widen bfloat16 bits to float32 exactly."""
+    wide = np.left_shift(bits.astype(np.uint32), 16)
+    if out is None:
+        return wide.view(np.float32)
+    out.view(np.uint32)[...] = wide
+    return out
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Narrow float32 to bfloat16 bits, rounding to nearest even (NaN stays NaN)."""
+    bits = values.view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    out[...] = ((bits + rounding) >> 16).astype(np.uint16)
+    out[np.isnan(values)] = 0x7FC0
+    return out
+
+
+def check_dtype(dtype: str, path: str) -> str:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{path}: dtype {dtype} is not supported by collectives; use one of "
+            f"{', '.join(sorted(SUPPORTED_DTYPES))} (convert the leaf, or keep it out of the tree)."
+        )
+    return dtype

@@ -1,0 +1,15 @@
+"""Typed names for what the public calls take: trees of arrays, and reduction ops."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+__all__ = ["Op", "Tree"]
+
+# A pytree: an array (NumPy, PyTorch, JAX, CuPy), a number, None, or a dict, list, tuple,
+# namedtuple or dataclass of them (the tree library is optree). Its structure is not checked
+# statically: the calls check it at run time and name the leaf's path in their errors.
+Tree: TypeAlias = Any
+
+# An element-wise reduction: "avg" is a sum divided by the world's size.
+Op: TypeAlias = Literal["sum", "prod", "min", "max", "avg"]

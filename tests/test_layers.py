@@ -1,0 +1,176 @@
+"""The shape of the house, checked from the source: layers, no import cycle, small rooms.
+
+Every module of `src/dataparallel` is parsed with `ast` and every import it makes is an edge of the
+graph, wherever it stands (top level, inside a function, under `TYPE_CHECKING`): a lazy import is
+still an arrow. The rules of `docs/design.md`:
+
+- each module belongs to a layer, and imports only from its own layer or the ones below;
+- no cycle among modules, within a layer either;
+- no module imports another module's private names, and a private module (`_name.py`) is imported
+  only from its own package;
+- inside `backends/`, a framework appears only where the engine is that framework's own (Gloo is
+  torch's, NCCL is reached through CuPy, MPI through mpi4py);
+- no source file is over 400 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "dataparallel"
+
+# Bottom to top. A module's layer is that of the longest prefix listed here.
+LAYERS: list[tuple[str, ...]] = [
+    ("dataparallel.config", "dataparallel.errors", "dataparallel.types"),
+    ("dataparallel.backends",),
+    ("dataparallel.engine",),
+    ("dataparallel.world",),
+    ("dataparallel.checks", "dataparallel.collectives", "dataparallel.reducers"),
+    ("dataparallel.torch", "dataparallel.jax", "dataparallel.data", "dataparallel.progress"),
+    ("dataparallel.training",),
+    ("dataparallel.launch", "dataparallel.__main__"),
+    ("dataparallel",),  # the public face, __init__.py
+]
+FRAMEWORKS = {"torch", "jax", "jaxlib", "optax", "cupy", "cupyx", "mpi4py"}
+BACKEND_FRAMEWORKS = {
+    "dataparallel.backends.gloo": {"torch"},
+    "dataparallel.backends.mpi": {"mpi4py"},
+    "dataparallel.backends.nccl": {"cupy"},
+}
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str) -> list[tuple[str, str | None]]:
+    """Return (module, imported name or None) for every import in module `name`."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.append((submodule, None) if submodule in MODULES else (base, alias.name))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.args[0].value, None))
+    return found
+
+
+def layer_of(name: str) -> int:
+    best, layer = -1, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, layer = len(prefix), index
+    assert layer >= 0, f"{name} is in no layer: add it to LAYERS and to docs/design.md"
+    return layer
+
+
+def internal_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        for target, _ in imports_of(name):
+            if target in MODULES and target != name:
+                edges[name].add(target)
+    return edges
+
+
+def test_every_module_imports_in_layer_order() -> None:
+    for name in sorted(MODULES, key=layer_of):
+        if name.startswith("dataparallel.jax"):
+            pytest.importorskip("jax")
+        if name.startswith("dataparallel.torch"):
+            pytest.importorskip("torch")
+        importlib.import_module(name)
+        assert name in sys.modules
+
+
+def test_arrows_point_down() -> None:
+    upward = [
+        f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
+        for source, targets in internal_edges().items()
+        for target in targets
+        if layer_of(target) > layer_of(source)
+    ]
+    assert upward == []
+
+
+def test_no_import_cycle() -> None:
+    edges = internal_edges()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges[node]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_no_module_reaches_into_another_s_privates() -> None:
+    offences = []
+    for name in MODULES:
+        package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+        for target, imported in imports_of(name):
+            if not target.startswith("dataparallel"):
+                continue
+            if imported is not None and imported.startswith("_"):
+                offences.append(f"{name} imports the private name {target}.{imported}")
+            private = [p for p in target.split(".") if p.startswith("_") and p != "__main__"]
+            if private and not target.startswith(package + "."):
+                offences.append(f"{name} imports the private module {target}")
+    assert offences == []
+
+
+def test_backends_name_no_framework_but_their_own() -> None:
+    offences = []
+    for name in MODULES:
+        if not name.startswith("dataparallel.backends"):
+            continue
+        allowed = BACKEND_FRAMEWORKS.get(name, set())
+        for target, _ in imports_of(name):
+            root = target.partition(".")[0]
+            if root in FRAMEWORKS and root not in allowed:
+                offences.append(f"{name} imports {target}")
+    assert offences == []
+
+
+def test_no_room_is_over_400_lines() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
