@@ -1,8 +1,9 @@
 """The `dataparallel` command, run as real jobs: `run` under MPI and Gloo, failures, exits, `info`.
 
 These tests start their own jobs of several processes, so they run in the world of one and skip
-under an outer `mpiexec -n N` (N > 1). Every subprocess call has a time limit, and every mpiexec
-gets `MPIEXEC_TIMEOUT`, so a regression shows up as a failure, never as a hang.
+under an outer `mpiexec -n N` (N > 1). They launch through `_jobs.run_job`, which gives every job
+a time limit (and every mpiexec `MPIEXEC_TIMEOUT`), so a regression shows up as a failure, never as
+a hang.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _jobs import outer_world_size
+from _jobs import LIMIT, outer_world_size, run_job, spawn
 
 from dataparallel.errors import BackendUnavailableError
 from dataparallel.launch._output import PARTIAL_LINE_SECONDS, Output, pump
@@ -30,8 +31,7 @@ from dataparallel.launch.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
 from dataparallel.launch.mpi import find_mpiexec, mpi_command, require_mpi4py
 
 SCRIPTS = Path(__file__).parent / "scripts"
-# Generous: a job of 3 Python processes on 2 cores takes a few seconds; the waits are far longer.
-LIMIT = 120
+CLI = ["-m", "dataparallel"]  # `python -m dataparallel ...`, with any arguments
 # A failing job must end well before its other ranks' 600-second sleep.
 FAST = 60
 
@@ -54,30 +54,6 @@ needs_torch = pytest.mark.skipif(
 BACKENDS = [pytest.param("mpi", marks=needs_mpi), pytest.param("gloo", marks=needs_torch)]
 
 
-def _env() -> dict[str, str]:
-    """Return this environment without an outer MPI job's variables, and with a hang guard."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "HYDI_", "OMPI_COMM_WORLD", "MPI_LOCAL"))
-    }
-    env["MPIEXEC_TIMEOUT"] = str(LIMIT)
-    return env
-
-
-def dataparallel(*args: str | Path, timeout: float = LIMIT) -> subprocess.CompletedProcess[str]:
-    """Run `python -m dataparallel ARGS` and return what it did."""
-    return subprocess.run(
-        [sys.executable, "-m", "dataparallel", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        cwd=SCRIPTS,
-        check=False,
-    )
-
-
 def _json_lines(text: str, prefixed: bool = False) -> dict[int, dict[str, object]]:
     """Parse the JSON line of each rank, keyed by the rank (from the prefix when `prefixed`)."""
     found: dict[int, dict[str, object]] = {}
@@ -98,7 +74,7 @@ def _json_lines(text: str, prefixed: bool = False) -> dict[int, dict[str, object
 @needs_mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_run_mpi_starts_every_rank_in_one_world(n: int) -> None:
-    done = dataparallel("run", "-n", n, "cli_hello.py", "x", "-n", "5", "--", "y")
+    done = run_job(["cli_hello.py", "x", "-n", "5", "--", "y"], ranks=n, cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     ranks = _json_lines(done.stdout)
     assert sorted(ranks) == list(range(n)), done.stdout
@@ -114,14 +90,8 @@ def test_run_console_script_and_module_target() -> None:
     console = Path(sys.executable).parent / "dataparallel"
     if not console.exists():
         pytest.skip("the `dataparallel` console script is not installed next to this Python")
-    done = subprocess.run(
-        [str(console), "run", "-n", "2", "-m", "cli_hello", "--flag"],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env=_env(),
-        cwd=SCRIPTS,
-        check=False,
+    done = run_job(
+        [console, "run", "-n", "2", "-m", "cli_hello", "--flag"], launcher=None, cwd=SCRIPTS
     )
     assert done.returncode == 0, done.stderr
     ranks = _json_lines(done.stdout)
@@ -131,20 +101,8 @@ def test_run_console_script_and_module_target() -> None:
 
 @needs_mpi
 def test_run_m_pytest_runs_the_tests_on_every_rank() -> None:
-    done = dataparallel(
-        "run",
-        "-n",
-        "2",
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--noconftest",
-        "-o",
-        "addopts=",
-        "cli_pytest_target.py",
-    )
+    options = ["-q", "-p", "no:cacheprovider", "--noconftest", "-o", "addopts="]
+    done = run_job(["-m", "pytest", *options, "cli_pytest_target.py"], ranks=2, cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("1 passed") == 2, done.stdout
 
@@ -152,7 +110,7 @@ def test_run_m_pytest_runs_the_tests_on_every_rank() -> None:
 @needs_torch
 @pytest.mark.parametrize("n", [2, 3])
 def test_run_gloo_gives_torchrun_variables_and_prefixes_output(n: int) -> None:
-    done = dataparallel("run", "-n", n, "--backend", "gloo", "cli_env.py")
+    done = run_job(["cli_env.py"], ranks=n, backend="gloo", cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     ranks = _json_lines(done.stdout, prefixed=True)
     assert sorted(ranks) == list(range(n)), done.stdout
@@ -169,21 +127,15 @@ def test_run_gloo_gives_torchrun_variables_and_prefixes_output(n: int) -> None:
 
 @needs_torch
 def test_run_gloo_numbers_ranks_across_nodes_as_torchrun() -> None:
-    done = dataparallel(
-        "run",
-        "-n",
-        "2",
-        "--backend",
-        "gloo",
-        "--nnodes",
-        "3",
-        "--node-rank",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        "29999",
-        "cli_env.py",
+    done = run_job(
+        ["cli_env.py"],
+        ranks=2,
+        backend="gloo",
+        options=[
+            *("--nnodes", "3", "--node-rank", "2"),
+            *("--master-addr", "127.0.0.1", "--master-port", "29999"),
+        ],
+        cwd=SCRIPTS,
     )
     assert done.returncode == 0, done.stderr
     ranks = _json_lines(done.stdout, prefixed=True)
@@ -198,7 +150,7 @@ def test_run_gloo_numbers_ranks_across_nodes_as_torchrun() -> None:
 
 @needs_torch
 def test_run_gloo_rendezvous_works_for_torch_distributed() -> None:
-    done = dataparallel("run", "-n", "2", "--backend", "gloo", "cli_gloo_allreduce.py")
+    done = run_job(["cli_gloo_allreduce.py"], ranks=2, backend="gloo", cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     for r in range(2):
         assert f"[rank {r}] sum=1 size=2" in done.stdout, done.stdout
@@ -218,7 +170,7 @@ def test_run_gloo_rendezvous_works_for_torch_distributed() -> None:
 )
 def test_a_raising_rank_ends_the_job_with_its_traceback_once(backend: str, wait: str) -> None:
     start = time.monotonic()
-    done = dataparallel("run", "-n", "3", "--backend", backend, "cli_fail.py", wait, timeout=FAST)
+    done = run_job(["cli_fail.py", wait], ranks=3, backend=backend, cwd=SCRIPTS, timeout=FAST)
     assert time.monotonic() - start < FAST
     assert done.returncode == 1, done.stderr
     err = done.stderr
@@ -233,7 +185,7 @@ def test_a_raising_rank_ends_the_job_with_its_traceback_once(backend: str, wait:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sys_exit_zero_on_every_rank_is_success(backend: str) -> None:
-    done = dataparallel("run", "-n", "2", "--backend", backend, "cli_exit.py", "0", "all")
+    done = run_job(["cli_exit.py", "0", "all"], ranks=2, backend=backend, cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
 
@@ -241,9 +193,7 @@ def test_sys_exit_zero_on_every_rank_is_success(backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sys_exit_nonzero_on_one_rank_fails_the_job_with_its_code(backend: str) -> None:
     start = time.monotonic()
-    done = dataparallel(
-        "run", "-n", "3", "--backend", backend, "cli_exit.py", "3", "1", timeout=FAST
-    )
+    done = run_job(["cli_exit.py", "3", "1"], ranks=3, backend=backend, cwd=SCRIPTS, timeout=FAST)
     assert time.monotonic() - start < FAST
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr
@@ -251,8 +201,8 @@ def test_sys_exit_nonzero_on_one_rank_fails_the_job_with_its_code(backend: str) 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sys_exit_with_a_message_prints_it_with_the_rank(backend: str) -> None:
-    done = dataparallel(
-        "run", "-n", "2", "--backend", backend, "cli_exit.py", "bad config", "1", timeout=FAST
+    done = run_job(
+        ["cli_exit.py", "bad config", "1"], ranks=2, backend=backend, cwd=SCRIPTS, timeout=FAST
     )
     assert done.returncode == 1, done.stderr
     assert "[rank 1] bad config\n" in done.stderr
@@ -261,9 +211,7 @@ def test_sys_exit_with_a_message_prints_it_with_the_rank(backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_timeout_stops_the_job_with_status_124(backend: str, tmp_path: Path) -> None:
     start = time.monotonic()
-    done = dataparallel(
-        "run", "-n", "2", "--backend", backend, "--timeout", "3", "cli_sleep.py", tmp_path
-    )
+    done = run_job(["cli_sleep.py", tmp_path], ranks=2, backend=backend, job_timeout=3, cwd=SCRIPTS)
     assert time.monotonic() - start < FAST
     assert done.returncode == 124, done.stderr
     assert "ran past --timeout 3s" in done.stderr
@@ -272,15 +220,8 @@ def test_timeout_stops_the_job_with_status_124(backend: str, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigterm_on_the_launcher_ends_every_rank(backend: str, tmp_path: Path) -> None:
-    sleeper = ["cli_sleep.py", str(tmp_path)]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dataparallel", "run", "-n", "2", "--backend", backend, *sleeper],
-        env=_env(),
-        cwd=SCRIPTS,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    # Leaving the block kills the launcher (and its process group) only if it is still running.
+    with spawn(["cli_sleep.py", tmp_path], ranks=2, backend=backend, cwd=SCRIPTS) as launcher:
         deadline = time.monotonic() + LIMIT
         while len(list(tmp_path.glob("*.pid"))) < 2:
             assert launcher.poll() is None, "the job ended before its ranks started"
@@ -288,10 +229,6 @@ def test_sigterm_on_the_launcher_ends_every_rank(backend: str, tmp_path: Path) -
             time.sleep(0.1)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=FAST) == 128 + signal.SIGTERM
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(timeout=FAST)
     _assert_gone(tmp_path)
 
 
@@ -334,24 +271,24 @@ def _assert_gone(piddir: Path) -> None:
     ],
 )
 def test_bad_input_is_a_usage_error(args: str, message: str) -> None:
-    done = dataparallel(*args.split(), timeout=FAST)
+    done = run_job([*CLI, *args.split()], launcher="python", cwd=SCRIPTS, timeout=FAST)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert "usage: dataparallel" in done.stderr
 
 
 def test_help_explains_the_commands() -> None:
-    top = dataparallel("--help", timeout=FAST)
+    top = run_job([*CLI, "--help"], launcher="python", cwd=SCRIPTS, timeout=FAST)
     assert top.returncode == 0
     assert "run" in top.stdout and "info" in top.stdout
-    run = dataparallel("run", "--help", timeout=FAST)
+    run = run_job([*CLI, "run", "--help"], launcher="python", cwd=SCRIPTS, timeout=FAST)
     assert run.returncode == 0
     for needle in ("--backend", "--timeout", "--hostfile", "--nnodes", "-m", "examples:", "124"):
         assert needle in run.stdout, needle
 
 
 def test_version() -> None:
-    done = dataparallel("--version", timeout=FAST)
+    done = run_job([*CLI, "--version"], launcher="python", cwd=SCRIPTS, timeout=FAST)
     assert done.returncode == 0
     assert re.fullmatch(r"dataparallel \S+\n", done.stdout), done.stdout
 
@@ -360,7 +297,7 @@ def test_version() -> None:
 
 
 def test_info_reports_mpi_frameworks_and_backends() -> None:
-    done = dataparallel("info")
+    done = run_job([*CLI, "info"], launcher="python", cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for section in ("dataparallel", "MPI", "frameworks", "engines", "backends"):
@@ -517,7 +454,7 @@ def test_mpi_command_runs_this_python_through_the_runner(tmp_path: Path) -> None
 def test_run_mpi_with_a_hostfile(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:3\n")
-    done = dataparallel("run", "-n", "3", "--hostfile", hosts, "cli_hello.py")
+    done = run_job(["cli_hello.py"], ranks=3, options=["--hostfile", hosts], cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     assert sorted(_json_lines(done.stdout)) == [0, 1, 2]
 
@@ -526,15 +463,8 @@ def test_run_mpi_with_a_hostfile(tmp_path: Path) -> None:
 
 
 def _runner(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dataparallel.launch.runner", *args],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env={k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")},
-        cwd=SCRIPTS,
-        check=False,
-    )
+    """Run `python -m dataparallel.launch.runner ARGS` alone (no launcher: a world of one)."""
+    return run_job(["-m", "dataparallel.launch.runner", *args], launcher="python", cwd=SCRIPTS)
 
 
 def test_runner_alone_is_a_world_of_one(tmp_path: Path) -> None:

@@ -17,8 +17,6 @@ Three kinds of test live here.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import types
 from typing import Any
@@ -37,6 +35,7 @@ from _families import (
     rank_values,
     usable,
 )
+from _jobs import run_job
 
 import dataparallel as dp
 from dataparallel import world
@@ -437,10 +436,7 @@ def test_initialize_with_gpu_devices_in_a_fresh_process() -> None:
         "dp.initialize('single', gpu_devices=[0])\n"
         "print('device', dp.device())\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI", "PMIX"))}
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
+    done = run_job(["-c", code], launcher="python")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"device {0 if N_GPUS else None}"
 

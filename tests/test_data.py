@@ -9,16 +9,14 @@ once; they need no peer, so hypothesis can drive them.
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 from collections import namedtuple
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from _jobs import run_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -616,9 +614,6 @@ def test_importing_and_using_the_module_loads_no_framework() -> None:
         "list(d.DistributedDataContainer({'x': np.ones(3)}))\n"
         "print(sorted(m for m in ('torch', 'jax', 'jaxlib', 'cupy') if m in sys.modules))\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI", "HYD"))}
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
-    )
+    result = run_job(["-c", script], launcher="python")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

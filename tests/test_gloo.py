@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _jobs import run_ranks
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
@@ -30,24 +28,6 @@ from dataparallel.backends.rendezvous import RENDEZVOUS_FILE, parse_init_method
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKER = SCRIPTS / "gloo_worker.py"
-TIMEOUT = 120  # seconds for a whole spawned job; each normally takes a few
-# Variables of launchers that would mislead the children's dp.initialize().
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "PMIX_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_RANK",
-    "MPI_LOCALNRANKS",
-    "HYDI_CONTROL_FD",
-    "DATAPARALLEL_TIMEOUT",
-)
 
 
 def _engine_checks() -> Any:
@@ -63,44 +43,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """Return this environment without any launcher's variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def spawn(
-    commands: list[list[str]],
-    envs: list[dict[str, str]],
-    timeout: float = TIMEOUT,
-    *,
-    wait_for: int | None = None,
-) -> list[tuple[int, str, str]]:
-    """Run one process per rank at once; return (status, stdout, stderr) per rank, in rank order.
-
-    With `wait_for=k`, only the first k ranks are waited for; the others are then killed.
-    """
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for cmd, env in zip(commands, envs, strict=True)
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for i, proc in enumerate(procs):
-            if wait_for is not None and i >= wait_for:
-                proc.kill()
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((proc.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        outputs = [proc.communicate() for proc in procs]
-        pytest.fail(f"the job did not finish within {timeout}s: {outputs}")
-    return results
 
 
 def worker(scenario: str, *args: str) -> list[str]:
@@ -140,18 +82,18 @@ def check_basic(
 def test_env_rendezvous_from_launcher_variables() -> None:
     port = str(free_port())
     envs = [
-        clean_env(
-            RANK=str(r),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         for r in range(2)
     ]
     # no init_method: dp.initialize() picks Gloo and env:// from the variables alone
-    check_basic(results_of(spawn([worker("basic")] * 2, envs)), local_size=2)
+    check_basic(results_of(run_ranks([worker("basic")] * 2, envs)), local_size=2)
 
 
 @pytest.mark.spawns
@@ -165,7 +107,7 @@ def test_tcp_rendezvous_and_exit_without_finalize() -> None:
     ]
     # No LOCAL_RANK in the environment: local ranks come from gathering the hostnames. No
     # dp.finalize(): the group is destroyed at exit (status 0, no C++ "terminate called").
-    check_basic(results_of(spawn(commands, [clean_env()] * 2)), local_size=2)
+    check_basic(results_of(run_ranks(commands)), local_size=2)
 
 
 @pytest.mark.spawns
@@ -175,13 +117,13 @@ def test_file_rendezvous_in_a_shared_directory(tmp_path: Path) -> None:
         worker("basic", "--init-method", f"file://{shared}", "--rank", str(r), "--world-size", "2")
         for r in range(2)
     ]
-    check_basic(results_of(spawn(commands, [clean_env()] * 2)))
+    check_basic(results_of(run_ranks(commands)))
     assert not (shared / RENDEZVOUS_FILE).exists(), "a clean finish removes the rendezvous file"
     # the directory serves the next job too, here with its own job id and no dp.finalize()
     commands = [
         [*cmd[:4], f"file://{shared}?job=second", *cmd[5:], "--no-finalize"] for cmd in commands
     ]
-    check_basic(results_of(spawn(commands, [clean_env()] * 2)))
+    check_basic(results_of(run_ranks(commands)))
     assert list(shared.iterdir()) == []
 
 
@@ -192,7 +134,7 @@ def test_an_existing_torch_group_is_left_to_its_owner() -> None:
         worker("existing", "--init-method", url, "--rank", str(r), "--world-size", "2")
         for r in range(2)
     ]
-    results = results_of(spawn(commands, [clean_env()] * 2))
+    results = results_of(run_ranks(commands))
     check_basic(results, local_size=2)
     for result in results:
         assert result["private group"] is True
@@ -206,7 +148,7 @@ def test_engine_in_a_spawned_job_of_three() -> None:
         worker("engine", "--init-method", url, "--rank", str(r), "--world-size", "3")
         for r in range(3)
     ]
-    for rank, (status, stdout, stderr) in enumerate(spawn(commands, [clean_env()] * 3)):
+    for rank, (status, stdout, stderr) in enumerate(run_ranks(commands)):
         assert status == 0, f"rank {rank}:\n{stdout}\n{stderr}"
         assert f"ENGINE OK rank={rank}" in stdout
 
@@ -218,7 +160,7 @@ def test_abort_ends_the_rank_and_its_peers_raise_rank_failed() -> None:
         worker("abort", "--init-method", url, "--rank", str(r), "--world-size", "2")
         for r in range(2)
     ]
-    (status0, out0, err0), (status1, _, err1) = spawn(commands, [clean_env()] * 2)
+    (status0, out0, err0), (status1, _, err1) = run_ranks(commands)
     assert status1 == 3
     assert "rank 1 of 2 is ending the job (exit code 3)" in err1
     assert status0 == 0, f"{out0}\n{err0}"
@@ -233,8 +175,8 @@ def test_timeout_raises_collective_timeout_error() -> None:
         worker("timeout", "--init-method", url, "--rank", str(r), "--world-size", "2")
         for r in range(2)
     ]
-    envs = [clean_env(DATAPARALLEL_TIMEOUT="3")] * 2  # the rendezvous must fit in it too
-    (status0, out0, err0), _ = spawn(commands, envs, wait_for=1)
+    envs = [{"DATAPARALLEL_TIMEOUT": "3"}] * 2  # the rendezvous must fit in it too
+    (status0, out0, err0), _ = run_ranks(commands, envs, wait_for=1)
     assert status0 == 0, f"{out0}\n{err0}"
     assert "RAISED CollectiveTimeoutError" in out0
     assert "timed out" in out0

@@ -11,13 +11,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_gloo import check_basic, clean_env, results_of, spawn, worker
+from _jobs import require_mpiexec, run_job, run_ranks
+from test_gloo import check_basic, results_of, worker
 
 pytestmark = pytest.mark.spawns
 
@@ -93,7 +93,7 @@ def test_gloo_across_two_hosts(hosts: tuple[Host, Host]) -> None:
         host.command(worker("basic", "--init-method", url, "--rank", str(r), "--world-size", "2"))
         for r, host in enumerate(hosts)
     ]
-    results = results_of(spawn(commands, [clean_env()] * 2))
+    results = results_of(run_ranks(commands))
     check_basic(results)
     if shutil.which("unshare"):  # distinct hostnames: each rank is alone on its node
         assert [result["local"] for result in results] == [[0, 1], [0, 1]]
@@ -102,9 +102,7 @@ def test_gloo_across_two_hosts(hosts: tuple[Host, Host]) -> None:
 def test_mpi_across_two_hosts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     """MPI too: mpiexec runs on host a; Hydra starts host b's proxy through a launcher script."""
     pytest.importorskip("mpi4py")
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    if not mpiexec.exists():
-        pytest.skip(f"no mpiexec beside {sys.executable} (pip install 'dataparallel[mpi]')")
+    mpiexec = require_mpiexec()
     if shutil.which("unshare") is None:
         pytest.skip("`unshare` is missing: without distinct hostnames MPI would use shared memory")
     # Hydra calls `LAUNCHER [-x] HOST COMMAND` where it would call ssh; run COMMAND in HOST.
@@ -133,9 +131,10 @@ def test_mpi_across_two_hosts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
         "1",
         *worker("basic"),
     ]
-    env = clean_env(MPIEXEC_TIMEOUT="60")
-    [(status, stdout, stderr)] = spawn([a.command(job)], [env])
-    assert status == 0, f"{stdout}\n{stderr}"
+    env = {"MPIEXEC_TIMEOUT": "60", "PYTHONUNBUFFERED": "1"}
+    done = run_job(a.command(job), launcher=None, env=env)
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 0, f"{stdout}\n{stderr}"
     decoder = json.JSONDecoder()  # the ranks' lines come through one pipe: parse each RESULT
     results = [decoder.raw_decode(part)[0] for part in stdout.split("RESULT ")[1:]]
     results.sort(key=lambda result: result["rank"])

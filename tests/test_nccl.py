@@ -8,8 +8,6 @@ collectives themselves need a GPU: those tests skip with the reason. See docs/gp
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from typing import Any
 
@@ -25,6 +23,7 @@ from _families import (
     rank_values,
     usable,
 )
+from _jobs import run_job
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend, ReduceOp
@@ -71,10 +70,7 @@ def test_create_raises_backend_unavailable_with_the_install_hint() -> None:
 @pytest.mark.spawns
 def test_initialize_nccl_without_a_gpu_fails_with_the_install_hint() -> None:
     code = "import dataparallel as dp\ndp.initialize('nccl')\n"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI", "PMIX"))}
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
+    done = run_job(["-c", code], launcher="python")
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("dataparallel.errors.BackendUnavailableError: "), done.stderr

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _jobs import outer_world_size
+from _jobs import outer_world_size, run_job
 
 import dataparallel.world as world
 from dataparallel.progress import progress
 
 SCRIPTS = Path(__file__).parent / "scripts"
-LIMIT = 120
 LAUNCHER_RANKS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
@@ -99,16 +95,7 @@ def test_tqdm_is_imported_only_where_a_bar_is_drawn() -> None:
         "assert progress(items) is items\n"
         "assert 'tqdm' not in sys.modules, 'imported on a rank that draws no bar'\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_RANKS}
-    env["RANK"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env=env,
-        check=False,
-    )
+    done = run_job(["-c", code], launcher="python", env={"RANK": "1"})  # no other launcher's rank
     assert done.returncode == 0, done.stderr
 
 
@@ -132,31 +119,7 @@ def test_tqdm_is_imported_only_where_a_bar_is_drawn() -> None:
 @pytest.mark.spawns
 @in_world_of_one
 def test_a_job_draws_one_bar(backend: str) -> None:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "HYDI_", "OMPI_COMM_WORLD", "MPI_LOCAL"))
-    }
-    env["MPIEXEC_TIMEOUT"] = str(LIMIT)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dataparallel",
-            "run",
-            "-n",
-            "3",
-            "--backend",
-            backend,
-            "cli_progress.py",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env=env,
-        cwd=SCRIPTS,
-        check=False,
-    )
+    done = run_job(["cli_progress.py"], ranks=3, backend=backend, cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     assert "bar-from-rank-0" in done.stderr
     assert "bar-from-rank-1" not in done.stderr and "bar-from-rank-2" not in done.stderr

@@ -6,16 +6,13 @@ Each case launches its own 2-rank MPI job in which rank 1 never joins; rank 0's 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from _jobs import run_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "timeout_job.py"
-LAUNCHER = [sys.executable, "-m", "dataparallel", "run", "-n", "2", "--timeout", "60"]
 
 
 @pytest.mark.spawns
@@ -23,11 +20,8 @@ LAUNCHER = [sys.executable, "-m", "dataparallel", "run", "-n", "2", "--timeout",
     "call", ["allreduce", "iallreduce", "broadcast", "barrier", "allgather_object"]
 )
 def test_a_collective_whose_peer_never_comes_times_out(call: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DATAPARALLEL_CHECK": "0"}
     started = time.monotonic()
-    job = subprocess.run(
-        [*LAUNCHER, str(SCRIPT), call], capture_output=True, text=True, timeout=120, env=env
-    )
+    job = run_job([SCRIPT, call], ranks=2, job_timeout=60, env={"DATAPARALLEL_CHECK": "0"})
     elapsed = time.monotonic() - started
     assert job.returncode != 0, job.stdout + job.stderr
     assert "TIMEOUT rank 0:" in job.stdout, job.stdout + job.stderr

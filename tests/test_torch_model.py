@@ -9,15 +9,13 @@ waiting.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _jobs import run_job
 from _torch_common import (
     OPTIMIZERS,
     Branchy,
@@ -197,27 +195,11 @@ def test_a_backward_pass_that_reaches_no_parameter_is_not_a_step(world: Backend)
 @pytest.mark.spawns
 def test_the_digits_example_trains_to_95_percent_on_two_ranks(tmp_path: Path) -> None:
     checkpoint = tmp_path / "digits.pt"
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
-    for name in [k for k in env if k.startswith(("PMI_", "HYDI_", "MPI_LOCAL"))]:
-        del env[name]  # a clean launch, whatever started this process
-    done = subprocess.run(
-        [
-            str(mpiexec),
-            "-n",
-            "2",
-            sys.executable,
-            str(EXAMPLES / "torch_digits.py"),
-            "--mode",
-            "model",
-            "--checkpoint",
-            str(checkpoint),
-        ],
-        capture_output=True,
-        text=True,
+    done = run_job(
+        [EXAMPLES / "torch_digits.py", "--mode", "model", "--checkpoint", checkpoint],
+        launcher="mpiexec",
+        ranks=2,
         timeout=300,
-        env=env,
-        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("final test accuracy")]
@@ -240,9 +222,6 @@ def test_dp_torch_without_pytorch_says_what_to_install() -> None:
         "except ImportError as e:\n"
         "    print(type(e).__name__, e)\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDI_", "MPI_LOCAL"))}
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
+    done = run_job(["-c", code], launcher="python")
     assert done.returncode == 0, done.stderr
     assert "pip install 'dataparallel[torch]'" in done.stdout, done.stdout

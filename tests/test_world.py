@@ -6,7 +6,6 @@ so the session's world is untouched. The guard tests launch their own MPI jobs (
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _jobs import require_mpiexec, run_job
 
 import dataparallel as dp
 import dataparallel.world as world_module
@@ -184,27 +184,26 @@ def test_auto_backend_resolution(
 
 # --- the suite's guard (conftest.py), on real MPI jobs ---------------------------------------
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
-
-def run_job(tmp_path: Path, test_source: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+def run_test_job(
+    tmp_path: Path, test_source: str, ranks: int = 2
+) -> subprocess.CompletedProcess[str]:
     """Run pytest on `test_source` under `mpiexec -n ranks`, with this suite's conftest."""
-    if not MPIEXEC.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable} (pip install 'dataparallel[mpi]')")
+    require_mpiexec()
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_job.py").write_text(textwrap.dedent(test_source))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYD", "MPI"))}
-    env |= {"MPIEXEC_TIMEOUT": "90", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "pytest", "-q"]
-    command += ["-p", "no:cacheprovider", "test_job.py"]
-    return subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    return run_job(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_job.py"],
+        launcher="mpiexec",
+        ranks=ranks,
+        env={"PYTHONDONTWRITEBYTECODE": "1"},
+        cwd=tmp_path,
     )
 
 
 @pytest.mark.spawns
 def test_guard_only_rank_0_reports_and_spawns_tests_are_skipped(tmp_path: Path) -> None:
-    job = run_job(
+    job = run_test_job(
         tmp_path,
         """
         import hypothesis
@@ -230,7 +229,7 @@ def test_guard_only_rank_0_reports_and_spawns_tests_are_skipped(tmp_path: Path) 
 @pytest.mark.spawns
 def test_guard_aborts_the_job_when_one_rank_fails(tmp_path: Path) -> None:
     start = time.monotonic()
-    job = run_job(
+    job = run_test_job(
         tmp_path,
         """
         import dataparallel as dp
@@ -253,7 +252,7 @@ def test_guard_aborts_the_job_when_one_rank_fails(tmp_path: Path) -> None:
 
 @pytest.mark.spawns
 def test_guard_aborts_on_a_failing_fixture_and_on_collection_errors(tmp_path: Path) -> None:
-    job = run_job(
+    job = run_test_job(
         tmp_path,
         """
         import pytest
@@ -272,7 +271,7 @@ def test_guard_aborts_on_a_failing_fixture_and_on_collection_errors(tmp_path: Pa
     )
     assert job.returncode != 0
     assert "[rank 1] FAILED test_job.py::test_teardown (in teardown)" in job.stderr, job.stderr
-    job = run_job(
+    job = run_test_job(
         tmp_path,
         """
         import dataparallel as dp
