@@ -33,8 +33,10 @@ test-gloo: $(STAMP)
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
 	$(RUN_ENV) $(BIN)/dataparallel run -n 3 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
 
-# The world of one runs last, so the job ends on a plain pytest summary.
+# The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
+# job ends on a plain pytest summary.
 test-1: $(STAMP)
+	$(RUN_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
 	$(RUN_ENV) $(BIN)/python -m pytest -q
 
 test: lint test-mpi test-gloo test-1
