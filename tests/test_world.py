@@ -80,8 +80,11 @@ def test_is_main(rank: int) -> None:
 
 
 def test_initialize_is_idempotent(world: Any) -> None:
+    assert dp.initialize() is world and dp.initialize(world.name) is world
+    other = "gloo" if world.name == "mpi" else "mpi"
+    with pytest.raises(ValueError, match=rf"dp.initialize\('{other}'\) was called, but the "):
+        dp.initialize(other)  # another engine than the active one: refused, never ignored
     assert dp.initialize() is world
-    assert dp.initialize("single") is world  # the active backend, whatever is asked
 
 
 def test_print_prefixes_time_rank_and_size(

@@ -18,11 +18,13 @@ import numpy as np
 
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.engine.dtypes import INTEGER_DTYPES
+from dataparallel.engine.fusion import Reduction
 from dataparallel.errors import CollectiveMismatchError
 
 __all__ = [
     "check_scale",
     "parse_op",
+    "reduction",
     "reduction_error",
     "validate_reduction",
     "verify_same_call",
@@ -40,6 +42,22 @@ def parse_op(op: str) -> tuple[ReduceOp, bool]:
         return ReduceOp(op), False
     except ValueError:
         raise ValueError(f"op={op!r} is not a reduction: use one of {_OPS}.") from None
+
+
+def reduction(op: str, scale: object, size: int, root: int | None = None) -> Reduction:
+    """Return what the engine does for a public `op` and `scale` on a world of `size` ranks.
+
+    The one place where `"avg"` becomes a sum scaled by `1 / size`, and `scale` multiplies it.
+
+    >>> reduction("avg", 2.0, 4)
+    Reduction(op=<ReduceOp.SUM: 'sum'>, scale=0.5, root=None)
+    """
+    engine_op, average = parse_op(op)
+    check_scale(scale)
+    total = 1.0 if scale is None else float(scale)  # type: ignore[arg-type]
+    if average:
+        total /= size
+    return Reduction(engine_op, None if total == 1 else total, root)
 
 
 def check_scale(scale: object) -> None:

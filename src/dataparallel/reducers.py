@@ -14,9 +14,9 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import check_scale, parse_op, validate_reduction
-from dataparallel.engine.arrays import Family, family_of
-from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.checks import reduction, validate_reduction
+from dataparallel.engine.arrays import family_of
+from dataparallel.engine.fusion import Fusion
 from dataparallel.types import Op
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
@@ -63,20 +63,17 @@ class _FusionReducer(Reducer):
     ) -> None:
         active = world.current()
         self.backend = backend if backend is not None else active.backend
-        engine_op, average = parse_op(op)
-        check_scale(scale)
+        action = reduction(op, scale, self.backend.size)
         self.op, self.scale = op, float(scale)
-        total = self.scale / self.backend.size if average else self.scale
         self._fusion = Fusion(
             self.backend,
-            Reduction(engine_op, total if total != 1 else None),
+            action,
             bucket_bytes=active.settings.bucket_bytes if bucket_bytes is None else bucket_bytes,
             async_op=async_op,
             contiguous=contiguous,
             pool=active.buffers,
             timeline=active.timeline,
         )
-        self._staged: list[tuple[Family, Any, np.ndarray]] = []
         self._valid_dtypes: set[str] = set()  # dtypes already checked against op and scale
 
     @property
@@ -107,16 +104,10 @@ class _FusionReducer(Reducer):
         if dtype not in self._valid_dtypes:
             validate_reduction(dtype, self.op, self.scale if self.scale != 1 else None, "x")
             self._valid_dtypes.add(dtype)
-        work, is_view = family.work(x)
-        if not is_view:
-            self._staged.append((family, x, work))
-        self._fusion.add(work, dtype, (family.name, family.device(x)))
+        self._fusion.add_leaf(family, x, dtype, family.device(x))
 
     def finalize(self) -> None:
         self._fusion.wait()
-        staged, self._staged = self._staged, []
-        for family, x, work in staged:
-            family.from_host(x, work)
 
 
 class InlineReducer(_FusionReducer):

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from dataparallel import world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import verify_same_call
@@ -35,7 +33,6 @@ __all__ = [
     "leaf_of",
     "leaves_of",
     "log",
-    "results",
     "run",
     "verify",
 ]
@@ -75,8 +72,6 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]
     device: str  # "cpu", "cuda:0", ...
-    work: np.ndarray | None = None
-    is_view: bool = False
 
 
 def leaf_of(flat: tree.Flat, i: int) -> Leaf:
@@ -145,20 +140,18 @@ def run(
     leaves: list[Leaf],
     action: Reduction | Broadcast,
     async_op: bool,
-) -> tuple[Fusion, Callable[[], Any]]:
-    """Start the fused collective; return it and the function that builds its result."""
+) -> tuple[Fusion, Callable[[list[Any]], Any]]:
+    """Start the fused collective; return it and the function that builds its result.
+
+    The result is `finish(fusion.wait())`: the leaves' results put back into the tree.
+    """
     if ctx.settings.debug:  # formatting costs more than a small call: only when asked
         log(ctx, f"{collective} {action} leaves={len(leaves)}")
     started = ctx.timeline.now() if ctx.timeline is not None else 0.0
     fusion = fuse(ctx, leaves, action, async_op)
-    rank = ctx.backend.rank
-    if isinstance(action, Broadcast):
-        receives = rank != action.root
-    else:
-        receives = action.root is None or action.root == rank
 
-    def finish() -> Any:
-        result = tree.unflatten(flat.spec, results(leaves, receives))
+    def finish(values: list[Any]) -> Any:
+        result = tree.unflatten(flat.spec, values)
         if ctx.timeline is not None:
             ctx.timeline.complete(collective, started, leaves=len(leaves), calls=fusion.calls)
         return result
@@ -178,17 +171,5 @@ def fuse(
         timeline=ctx.timeline,
     )
     for leaf in leaves:
-        leaf.work, leaf.is_view = leaf.family.work(leaf.value)
-        fusion.add(leaf.work, leaf.dtype, (leaf.family.name, leaf.device))
+        fusion.add_leaf(leaf.family, leaf.value, leaf.dtype, leaf.device)
     return fusion
-
-
-def results(leaves: list[Leaf], receives: bool) -> list[Any]:
-    if not receives:
-        return [leaf.value for leaf in leaves]
-    return [
-        leaf.value
-        if leaf.is_view or leaf.work is None
-        else leaf.family.from_host(leaf.value, leaf.work)
-        for leaf in leaves
-    ]

@@ -17,7 +17,7 @@ __all__ = ["broadcast", "ibroadcast"]
 
 def _start_broadcast(
     x: Tree, root: int, backend: Backend | None, async_op: bool
-) -> tuple[Fusion, Callable[[], Any], CallContext]:
+) -> tuple[Fusion, Callable[[list[Any]], Any], CallContext]:
     ctx = context(backend)
     check_root(root, ctx.backend)
     flat = tree.flatten(x, "x")
@@ -30,8 +30,7 @@ def _start_broadcast(
 def broadcast(x: Tree, *, root: int = 0, backend: Backend | None = None) -> Tree:
     """Give every rank `root`'s values of `x` (an array, a number, or a pytree of them)."""
     fusion, finish, _ = _start_broadcast(x, root, backend, async_op=False)
-    fusion.wait()
-    return finish()
+    return finish(fusion.wait())
 
 
 def ibroadcast(x: Tree, *, root: int = 0, backend: Backend | None = None) -> Request:

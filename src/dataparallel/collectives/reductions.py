@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from dataparallel.backends.base import Backend
-from dataparallel.checks import check_scale, parse_op, reduction_error
+from dataparallel.checks import reduction, reduction_error
 from dataparallel.collectives._call import CallContext, check_root, context, leaves_of, run, verify
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.engine.fusion import Fusion
 from dataparallel.types import Op, Tree
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
@@ -24,10 +24,9 @@ def _start_reduction(
     name: str,
     async_op: bool,
     root: int | None = None,
-) -> tuple[Fusion, Callable[[], Any], CallContext]:
+) -> tuple[Fusion, Callable[[list[Any]], Any], CallContext]:
     ctx = context(backend)
-    engine_op, average = parse_op(op)
-    check_scale(scale)
+    action = reduction(op, scale, ctx.backend.size, root)
     flat = tree.flatten(x, name)
     leaves = leaves_of(flat)
     for leaf in leaves:
@@ -41,10 +40,6 @@ def _start_reduction(
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
         args = {"op": op, "scale": scale_arg} | ({"root": root} if root is not None else {})
         verify(ctx, collective, flat, leaves, args)
-    total = 1.0 if scale is None else scale
-    if average:
-        total /= ctx.backend.size
-    action = Reduction(engine_op, None if total == 1 else total, root)
     return (*run(ctx, collective, flat, leaves, action, async_op), ctx)
 
 
@@ -72,8 +67,7 @@ def allreduce(
     {'w': array([1., 1.]), 'n': 3.0}
     """
     fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False)
-    fusion.wait()
-    return finish()
+    return finish(fusion.wait())
 
 
 def iallreduce(
@@ -98,8 +92,7 @@ def reduce(
 ) -> Tree:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
     fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False, root=root)
-    fusion.wait()
-    return finish()
+    return finish(fusion.wait())
 
 
 def allreduce_gradients(grads: Tree, op: Op = "avg", *, backend: Backend | None = None) -> Tree:
@@ -109,5 +102,4 @@ def allreduce_gradients(grads: Tree, op: Op = "avg", *, backend: Backend | None 
     the loss by `1 / size()` themselves.
     """
     fusion, finish, _ = _start_reduction(grads, op, None, backend, "grads", async_op=False)
-    fusion.wait()
-    return finish()
+    return finish(fusion.wait())

@@ -13,7 +13,6 @@ from dataparallel.collectives._call import (
     fuse,
     leaf_of,
     log,
-    results,
     verify,
 )
 from dataparallel.engine import tree
@@ -70,8 +69,7 @@ def synchronize_tree(
     )
     log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
     fusion = fuse(ctx, arrays, Broadcast(root), async_op=False)
-    fusion.wait()
-    for leaf, value in zip(arrays, results(arrays, ctx.backend.rank != root), strict=True):
+    for leaf, value in zip(arrays, fusion.wait(), strict=True):
         values[leaf.index] = value
     if objects == "broadcast" and others:
         received = ctx.backend.broadcast_object([values[i] for i in others], root)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.engine.arrays import Family
 from dataparallel.engine.device import DeviceBucket, DeviceWork
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
@@ -106,7 +107,17 @@ class Fusion:
         self._flights: list[_Flight] = []
         self.timeline = timeline
         self._opened_at: dict[tuple[Any, ...], float] = {}
+        self._leaves: list[tuple[Family, Any, Any, bool]] = []  # (family, leaf, work, is_view)
         self.calls = 0  # communication calls made (observable for tests and the timeline)
+
+    def add_leaf(self, family: Family, x: Any, dtype: str, device: str) -> None:
+        """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back.
+
+        `wait()` returns the leaves' results in the order they were added.
+        """
+        work, is_view = family.work(x)
+        self._leaves.append((family, x, work, is_view))
+        self.add(work, dtype, (family.name, device))
 
     def add(self, work: np.ndarray, dtype: str, key: tuple[Any, ...] = ()) -> None:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective."""
@@ -147,12 +158,23 @@ class Fusion:
         """Return whether every call started so far has completed."""
         return all(f.request is None or f.request.test() for f in self._flights)
 
-    def wait(self) -> None:
-        """Flush, wait for every call, and write the results into the queued arrays."""
+    def wait(self) -> list[Any]:
+        """Flush, wait for every call, write the results into the queued arrays.
+
+        Returns:
+            The result of each leaf given to `add_leaf` since the last `wait`, in order: mutable
+            leaves written in place (staged ones copied back), new values for immutable ones,
+            and the leaves unchanged on a rank that receives nothing (a reduce's non-roots, a
+            broadcast's root).
+        """
         self.flush()
         flights, self._flights = self._flights, []
         for flight in flights:
             self._land(flight)
+        leaves, self._leaves = self._leaves, []
+        if not self._receives():
+            return [x for _, x, _, _ in leaves]
+        return [x if is_view else family.from_host(x, work) for family, x, work, is_view in leaves]
 
     def _trace_queue(self, bucket_key: tuple[Any, ...], arrays: int) -> None:
         assert self.timeline is not None

@@ -56,10 +56,10 @@ import torch
 
 from dataparallel import world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import parse_op, verify_same_call
+from dataparallel.checks import reduction, verify_same_call
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.dtypes import dtype_name
-from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.engine.fusion import Fusion
 from dataparallel.torch._buckets import Bucket, NamedParams, plan, signature
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
@@ -122,11 +122,9 @@ class GradientSync:
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
-        engine_op, average = parse_op(op)
-        scale = 1.0 / self.backend.size if average else 1.0
         self._fusion = Fusion(
             self.backend,
-            Reduction(engine_op, None if scale == 1 else scale),
+            reduction(op, None, self.backend.size),
             bucket_bytes=self.bucket_bytes,
             async_op=True,
             pool=active.buffers,
@@ -225,7 +223,6 @@ class GradientSync:
         self._next = 0
         self._filled: list[int] = []
         self._arrival: list[int] = []
-        self._staged: list[tuple[torch.Tensor, np.ndarray]] = []
         self._flags: np.ndarray | None = None
         self._fusion.timeline = world.current().timeline if world.initialized() else None
         self._started_at = 0.0
@@ -326,10 +323,7 @@ class GradientSync:
                 "reduced. Use dense gradients (nn.Embedding(..., sparse=False))."
             )
         family = family_of(grad, f"{name}.grad")
-        work, is_view = family.work(grad)
-        if not is_view:
-            self._staged.append((grad, work))
-        self._fusion.add(work, family.dtype(grad), ("torch", family.device(grad)))
+        self._fusion.add_leaf(family, grad, family.dtype(grad), family.device(grad))
 
     def _launch(self, b: int) -> None:
         if not self._verified:
@@ -359,8 +353,6 @@ class GradientSync:
             return
         self._launch_rest()
         self._fusion.wait()
-        for grad, work in self._staged:
-            family_of(grad).from_host(grad, work)
         if self._flags is not None:
             for i in self._filled:
                 if self._flags[i] == 0:  # no rank had a gradient: keep None, as one process would
