@@ -40,6 +40,7 @@ from dataparallel.progress import progress
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
 from dataparallel.training import DistributedOptimizer, synchronize
 from dataparallel.world import (
+    Group,
     device,
     finalize,
     get_backend,
@@ -48,6 +49,7 @@ from dataparallel.world import (
     is_main,
     local_rank,
     local_size,
+    new_group,
     rank,
     size,
     timeline,
@@ -66,6 +68,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DataParallelError",
     "DistributedOptimizer",
+    "Group",
     "InlineReducer",
     "NotInitializedError",
     "RankFailedError",
@@ -88,6 +91,7 @@ __all__ = [
     "is_main",
     "local_rank",
     "local_size",
+    "new_group",
     "progress",
     "rank",
     "reduce",

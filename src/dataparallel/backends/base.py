@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -157,6 +157,14 @@ class Backend(ABC):
         themselves (the world of one has none to separate).
         """
         return self
+
+    def split(self, ranks: Sequence[int]) -> Backend | None:
+        """Return an engine over `ranks` of this one, or None on a rank outside them.
+
+        `ranks` are sorted and distinct; their order is their rank in the new engine. Collective:
+        every rank of this engine calls it with the same `ranks` (`dp.new_group` checks that).
+        """
+        raise NotImplementedError(f"the {self.name!r} backend cannot form groups of ranks.")
 
     @abstractmethod
     def allreduce(self, buf: Any, op: ReduceOp) -> None:

@@ -28,7 +28,7 @@ import datetime
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -264,7 +264,7 @@ class GlooBackend(Backend):
                 buf[...] = product
             return
         wire, finish = wire_for(buf, op)
-        self._call("reduce", self._dist.reduce, wire, dst=root, op=self._ops[op])
+        self._call("reduce", self._dist.reduce, wire, dst=self._global(root), op=self._ops[op])
         if finish is not None:
             finish()
 
@@ -279,12 +279,12 @@ class GlooBackend(Backend):
 
     def broadcast(self, buf: Any, root: int) -> None:
         raw = writable(flat(buf, "broadcast"), "broadcast").view(np.uint8)
-        self._call("broadcast", self._dist.broadcast, raw, src=root)
+        self._call("broadcast", self._dist.broadcast, raw, src=self._global(root))
 
     def ibroadcast(self, buf: Any, root: int) -> Handle:
         raw = writable(flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
         tensor = self._torch.from_numpy(raw)
-        work = self._start("ibroadcast", self._dist.broadcast, tensor, src=root)
+        work = self._start("ibroadcast", self._dist.broadcast, tensor, src=self._global(root))
         return _GlooHandle(self, work, (raw, tensor), None)
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
@@ -321,7 +321,9 @@ class GlooBackend(Backend):
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         box = [obj]
-        self._call_tensors("broadcast_object", self._dist.broadcast_object_list, box, src=root)
+        self._call_tensors(
+            "broadcast_object", self._dist.broadcast_object_list, box, src=self._global(root)
+        )
         return box[0]
 
     def allgather_object(self, obj: Any) -> list[Any]:
@@ -344,6 +346,19 @@ class GlooBackend(Backend):
         )
         sys.stdout.flush()
         os._exit(code)
+
+    def split(self, ranks: Sequence[int]) -> GlooBackend | None:
+        """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
+        group = self._dist.new_group(ranks=[self._global(r) for r in ranks], backend="gloo")
+        return (
+            GlooBackend(self._dist, group, owns_default_group=False, local=None)
+            if (self.rank in ranks)
+            else None
+        )
+
+    def _global(self, rank: int) -> int:
+        """torch.distributed names roots by their rank in the default group."""
+        return rank if self.group is None else int(self._dist.get_global_rank(self.group, rank))
 
     def duplicate(self) -> GlooBackend:
         """Return an engine on a private Gloo group over the same processes (collective)."""

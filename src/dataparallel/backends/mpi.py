@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -230,6 +230,17 @@ class MPIBackend(Backend):
 
     def barrier(self) -> None:
         self._complete("barrier", self.comm.Barrier, self.comm.Ibarrier)
+
+    def split(self, ranks: Sequence[int]) -> MPIBackend | None:
+        """Return an engine on a communicator of `ranks` (MPI_Comm_split; collective)."""
+        member = self.rank in ranks
+        sub = self.comm.Split(0 if member else self._mpi.UNDEFINED, self.rank)
+        if not member:
+            return None
+        try:
+            return MPIBackend(sub, cuda_aware=self.cuda_aware, timeout=self.timeout)
+        finally:
+            sub.Free()  # the engine works on its own duplicate
 
     def duplicate(self) -> MPIBackend:
         """Return an engine on a private duplicate of this one's communicator (collective)."""

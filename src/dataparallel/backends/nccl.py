@@ -41,6 +41,7 @@ with it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -204,6 +205,11 @@ class NCCLBackend(Backend):
             self._comm = self._nccl.NcclCommunicator(self.size, unique_id, self.rank)
             self._stream = self._cupy.cuda.Stream(non_blocking=True)
         self._device = device
+
+    def split(self, ranks: Sequence[int]) -> NCCLBackend | None:
+        """Return an NCCL engine over `ranks`, on this one's GPU (collective)."""
+        fallback = self.fallback.split(ranks)
+        return None if fallback is None else NCCLBackend(fallback, self._device)
 
     def accepts_device(self, device: str) -> bool:
         return device == "cpu" or device.startswith("cuda")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
@@ -37,6 +38,9 @@ class SingleBackend(Backend):
 
     def accepts_device(self, device: str) -> bool:
         return True
+
+    def split(self, ranks: Sequence[int]) -> SingleBackend | None:
+        return SingleBackend() if 0 in ranks else None
 
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
         return None
