@@ -182,6 +182,10 @@ class Backend(ABC):
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         """Gather every rank's `send` into `recv`, in rank order; rank r sends `counts[r]` items."""
 
+    def allgather(self, send: Any, recv: Any) -> None:
+        """Gather every rank's `send` (the same size on every rank) into `recv`, in rank order."""
+        self.allgatherv(send, recv, [len(send)] * self.size)
+
     @abstractmethod
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """Return `root`'s picklable `obj` on every rank."""

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dataparallel import world
-from dataparallel.engine.fusion import Fusion
+from dataparallel.backends.base import Handle
 
 __all__ = ["Request", "wait_all"]
 
@@ -18,7 +18,7 @@ class Request:
     The input must not be touched until `wait()` has returned.
     """
 
-    def __init__(self, fusion: Fusion, finish: Callable[[], Any], pending: list[Any] | None):
+    def __init__(self, fusion: Handle, finish: Callable[[], Any], pending: list[Any] | None):
         self._fusion, self._finish, self._pending = fusion, finish, pending
         self._done, self._result = False, None
         if pending is not None:

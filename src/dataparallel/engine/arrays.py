@@ -25,6 +25,7 @@ class Family(ABC):
 
     name: str
     mutable: bool = True
+    tracks_writes: bool = False  # whether `mark_written` must hear of writes through views
 
     @abstractmethod
     def dtype(self, x: Any) -> str:
@@ -53,6 +54,10 @@ class Family(ABC):
     @abstractmethod
     def new(self, like: Any, host: np.ndarray) -> Any:
         """Return a new array of `like`'s family, device and dtype holding `host` (any shape)."""
+
+    def mark_written(self, xs: list[Any]) -> None:
+        """Tell the framework that `xs` were written in place behind its back (through views)."""
+        return None
 
     def work(self, x: Any) -> tuple[np.ndarray, bool]:
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
@@ -128,6 +133,7 @@ class ScalarFamily(Family):
 
 class TorchFamily(Family):
     name = "torch"
+    tracks_writes = True
 
     def dtype(self, x: Any) -> str:
         return dtype_name(x.dtype)
@@ -179,6 +185,17 @@ class TorchFamily(Family):
 
     def new(self, like: Any, host: np.ndarray) -> Any:
         return self._tensor(like, np.array(host)).to(like.device)
+
+    def mark_written(self, xs: list[Any]) -> None:
+        """Bump the tensors' version counters, as torch's own in-place operations do.
+
+        A tensor saved for backward and then written through a NumPy view would otherwise give
+        a silently wrong gradient; with the bump, backward raises torch's usual "modified by an
+        inplace operation" error. (Tensors made under `torch.inference_mode()` have no counter.)
+        """
+        import torch
+
+        torch.autograd.graph.increment_version(xs)
 
 
 class JaxFamily(Family):

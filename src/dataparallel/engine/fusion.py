@@ -25,7 +25,7 @@ from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.trace import Timeline
 
-__all__ = ["Broadcast", "Fusion", "Reduction"]
+__all__ = ["Broadcast", "Fusion", "Reduction", "scale_in_place"]
 
 # Calls in flight at once before the oldest is waited for. MPI progresses non-blocking collectives
 # only inside MPI calls, so a second call in flight adds no overlap, and many at once slow MPICH
@@ -254,7 +254,7 @@ class Fusion:
         elif receives:
             scale = None if isinstance(self.action, Broadcast) else self.action.scale
             if scale is not None and scale != 1:
-                _scale_in_place(flight.wire, scale)
+                scale_in_place(flight.wire, scale)
             if flight.wire is not flight.buf and flight.wire.dtype != np.uint8:
                 if flight.dtype == "bfloat16":
                     f32_to_bf16(flight.wire, out=flight.buf)
@@ -270,7 +270,8 @@ class Fusion:
             timeline.complete("unpack", unpacking, arrays=len(flight.slots))
 
 
-def _scale_in_place(values: np.ndarray, scale: float) -> None:
+def scale_in_place(values: np.ndarray, scale: float) -> None:
+    """Multiply `values` by `scale` in place (integers by `int(scale)`, as integers)."""
     if values.dtype.kind in "iu":
         np.multiply(values, int(scale), out=values, casting="unsafe")
     else:
