@@ -342,3 +342,26 @@ def test_a_collective_into_a_tensor_saved_for_backward_makes_backward_raise(
     dp.allreduce(z, op="avg")
     z.sum().backward()
     torch.testing.assert_close(w.grad, torch.full((2,), 2.0))
+
+
+# -- the fast path of small calls meets the general path ---------------------------------------
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checks-on", "checks-off"])
+def test_the_fast_path_and_the_general_path_make_the_same_call(
+    rank: int, size: int, faulty: int, check: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NumPy array (fast path) on most ranks, a torch tensor (general path) on one."""
+    active = world_module.current()
+    monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, check=check))
+    mine = np.array([1.0, rank], np.float32)
+    x = torch.from_numpy(mine.copy()) if rank == faulty else mine.copy()
+    out = dp.allreduce(x, op="avg")
+    expected = np.array([1.0, sum(range(size)) / size], np.float32)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    value = np.float64(rank) if rank == faulty else float(rank)  # a NumPy scalar: general path
+    assert dp.allreduce(value, op="max") == size - 1
+    # And a mismatch between them is found, whichever path each rank took.
+    y = torch.ones(3) if rank == faulty else np.ones(2, np.float32)
+    assert outcome(lambda: dp.allreduce(y)) == "CollectiveMismatchError"
+    assert_usable(size)

@@ -42,6 +42,8 @@ __all__ = [
     "INLINE_BYTES",
     "RECORD_BYTES",
     "check_scale",
+    "digest",
+    "exchange",
     "fail_together",
     "handshake",
     "inline_capacity",
@@ -107,7 +109,8 @@ def validate_reduction(dtype: str, op: str, scale: float | None, path: str) -> N
         raise TypeError(f"{path}: {error}")
 
 
-def _digest(description: str) -> int:
+def digest(description: str) -> int:
+    """Return the 62-bit hash of a call's summary that the handshake compares."""
     raw = hashlib.blake2b(description.encode(), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 2  # so that -h fits in int64 too
 
@@ -143,9 +146,8 @@ def handshake(
         Every rank's record, one row per rank (None in worlds over `GATHER_LIMIT` ranks), and
         whether any rank raised `flag`.
     """
-    h = _digest(summary)
-    size = backend.size
-    if size > GATHER_LIMIT:
+    h = digest(summary)
+    if backend.size > GATHER_LIMIT:
         bounds = np.array([h, -h, bool(flag)], np.int64)
         backend.allreduce(bounds, ReduceOp.MAX)
         if bounds[0] != -bounds[1]:
@@ -157,11 +159,24 @@ def handshake(
     head[0] = h
     if flag:
         head[1] = 1
+    rows = exchange(backend, record, call)
+    return rows, (flag is not None and bool(rows[:, 8].any()))
+
+
+def exchange(
+    backend: Backend, record: np.ndarray, call: dict[str, Any] | Callable[[], dict[str, Any]]
+) -> np.ndarray:
+    """Gather every rank's `record` (its header filled in); raise unless every hash is the same.
+
+    The core of `handshake`, for callers that build their record themselves (a world of at most
+    `GATHER_LIMIT` ranks). Returns the records, one row per rank.
+    """
+    size = backend.size
     rows = np.empty((size, RECORD_BYTES), np.uint8)
     backend.allgather(record, rows.reshape(-1))
     if rows[:, :8].tobytes() != record[:8].tobytes() * size:
         _mismatch(backend, call)
-    return rows, (flag is not None and bool(rows[:, 8].any()))
+    return rows
 
 
 def _mismatch(backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]) -> NoReturn:

@@ -43,6 +43,7 @@ __all__ = [
     "agree",
     "check_root",
     "context",
+    "describe",
     "fuse",
     "inline_fits",
     "leaf_of",
@@ -159,8 +160,6 @@ def agree(
     """Make the handshake (`checks.handshake`); return the records (when `inline`), the flag.
 
     With `inline`, the leaves' values travel in the records (`run` then reduces them there).
-    With checks on, the handshake compares the whole call; with `DATAPARALLEL_CHECK=0`, only
-    what decides the messages that follow (each leaf's dtype, size and device).
     """
     if ctx.backend.size == 1:
         return None, False
@@ -168,6 +167,26 @@ def agree(
     if inline:
         record = new_record()
         pack_inline(record, HEADER_BYTES, [leaf.work for leaf in leaves])
+    summary, details = describe(ctx, collective, flat, leaves, args, first_axis, inline)
+    rows, flagged = handshake(ctx.backend, summary, details, record=record, flag=flag)
+    return (rows if inline else None), flagged
+
+
+def describe(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    args: dict[str, Any],
+    first_axis: bool = True,
+    inline: bool = False,
+) -> tuple[str, Callable[[], dict[str, Any]]]:
+    """Return the call's summary (equal on two ranks exactly when their calls are the same) and
+    the function that describes it field by field.
+
+    With checks on, the summary covers the whole call; with `DATAPARALLEL_CHECK=0`, only what
+    decides the messages that follow (each leaf's dtype, size and device).
+    """
     wire = "inline" if inline else f"buckets of {ctx.settings.bucket_bytes} B"
 
     def signature(leaf: Leaf) -> str:
@@ -195,8 +214,7 @@ def agree(
             call[flat.path(leaf.index)] = sig
         return call
 
-    rows, flagged = handshake(ctx.backend, f"{summary}|{wire}", details, record=record, flag=flag)
-    return (rows if inline else None), flagged
+    return f"{summary}|{wire}", details
 
 
 def check_root(root: int, backend: Backend) -> None:

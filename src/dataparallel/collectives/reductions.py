@@ -21,6 +21,7 @@ from dataparallel.collectives._call import (
     run,
     stage,
 )
+from dataparallel.collectives._fast import NOT_FAST, small_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
 from dataparallel.engine.fusion import Fusion, Reduction
@@ -174,6 +175,10 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
+    if backend is None:
+        result = small_allreduce(x, op, scale)
+        if result is not NOT_FAST:
+            return result
     fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False)
     fusion.wait()
     return finish()
