@@ -365,3 +365,53 @@ def test_the_fast_path_and_the_general_path_make_the_same_call(
     y = torch.ones(3) if rank == faulty else np.ones(2, np.float32)
     assert outcome(lambda: dp.allreduce(y)) == "CollectiveMismatchError"
     assert_usable(size)
+
+
+# -- large worlds: the handshake is an allreduce ------------------------------------------------
+
+
+def test_large_worlds_check_with_an_allreduce(
+    rank: int, size: int, faulty: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over `GATHER_LIMIT` ranks the handshake carries no payload: made so here on every rank."""
+    from dataparallel import checks
+
+    monkeypatch.setattr(checks, "GATHER_LIMIT", 1)
+    assert dp.allreduce(1.0) == size and dp.allreduce(np.ones(2))[0] == size
+    assert outcome(lambda: dp.allreduce(np.ones(2 + (rank == faulty)))) == (
+        "CollectiveMismatchError"
+    )
+    got = outcome(lambda: dp.allreduce("bad" if rank == faulty else 1.0))
+    assert got == ("TypeError" if rank == faulty else "CollectiveMismatchError")
+    x = np.zeros(3)
+    x[1] = np.nan if rank == faulty else 1.0
+    assert np.isnan(dp.allreduce(x, op="min")).tolist() == [False, True, False]
+    assert_usable(size)
+
+
+# -- reducers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["inline", "coalescing", "coalescing-small-buckets"])
+def test_reducers_that_differ_raise_on_every_rank(
+    rank: int, size: int, faulty: int, kind: str
+) -> None:
+    def make() -> dp.Reducer:
+        if kind == "inline":
+            return dp.InlineReducer()
+        return dp.CoalescingReducer(bucket_bytes=64 if "small" in kind else None)
+
+    arrays = [np.ones(5), np.ones(40 + (rank == faulty))]
+
+    def reduce_all() -> None:
+        with make() as reducer:
+            for a in arrays:
+                reducer.add(a)
+
+    assert outcome(reduce_all) == "CollectiveMismatchError"
+    assert_usable(size)
+    arrays = [np.ones(5), torch.ones(40, dtype=torch.float64)]  # families may differ: same call
+    if rank == faulty:
+        arrays[1] = np.ones(40)
+    reduce_all()
+    assert float(arrays[0][0]) == size and float(arrays[1][0]) == size

@@ -2,6 +2,8 @@
 
 A reducer ingests mutable arrays with `add` and completes their reduction with `finalize`; the
 coalescing one caches them in fused buckets with Flashlight's flush rules (see `fusion.py`).
+Every flush begins with a handshake (`checks.handshake`): ranks whose reducers are about to send
+different arrays raise `CollectiveMismatchError` instead of hanging or mixing buffers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import check_scale, parse_op, validate_reduction
+from dataparallel.checks import check_scale, handshake, parse_op, validate_reduction
 from dataparallel.engine.arrays import Family, family_of
 from dataparallel.engine.fusion import Fusion, Reduction
 from dataparallel.types import Op
@@ -76,7 +78,10 @@ class _FusionReducer(Reducer):
             pool=active.buffers,
             timeline=active.timeline,
         )
+        if self.backend.size > 1:
+            self._fusion.before_launch = self._agree
         self._staged: list[tuple[Family, Any, np.ndarray]] = []
+        self._written: dict[Family, list[Any]] = {}  # written through views: tell the framework
         self._valid_dtypes: set[str] = set()  # dtypes already checked against op and scale
 
     @property
@@ -88,6 +93,13 @@ class _FusionReducer(Reducer):
     def calls(self) -> int:
         """Communication calls made so far."""
         return self._fusion.calls
+
+    def _agree(self, buckets: list[tuple[str, int]]) -> None:
+        """Check that every rank is about to reduce the same buckets (`checks.handshake`)."""
+        name = type(self).__name__
+        sizes = ", ".join(f"{dtype}[{items}]" for dtype, items in buckets)
+        call = {"collective": f"{name} flush", "op": self.op, "scale": self.scale, "arrays": sizes}
+        handshake(self.backend, repr(sorted(call.items())), call)
 
     def add(self, x: Any) -> None:
         family = family_of(x)
@@ -110,13 +122,20 @@ class _FusionReducer(Reducer):
         work, is_view = family.work(x)
         if not is_view:
             self._staged.append((family, x, work))
-        self._fusion.add(work, dtype, (family.name, family.device(x)))
+        elif family.tracks_writes:
+            self._written.setdefault(family, []).append(x)
+        device = family.device(x)
+        host = type(work) is np.ndarray  # host buffers are packed alike whatever their family
+        self._fusion.add(work, dtype, ("host", "cpu") if host else (family.name, device))
 
     def finalize(self) -> None:
-        self._fusion.wait()
         staged, self._staged = self._staged, []
+        written, self._written = self._written, {}
+        self._fusion.wait()
         for family, x, work in staged:
             family.from_host(x, work)
+        for family, xs in written.items():
+            family.mark_written(xs)
 
 
 class InlineReducer(_FusionReducer):
@@ -147,9 +166,9 @@ class CoalescingReducer(_FusionReducer):
     """Cache added arrays and allreduce (sum) them in fused buckets, then multiply by `scale`.
 
     Flashlight's flush rules: when the cached bytes plus the new array would exceed `bucket_bytes`,
-    the cache is flushed first (one call per (family, device, dtype) bucket); an array larger than
-    `bucket_bytes` is reduced on its own. After `finalize()` (or leaving the `with` block) every
-    added array holds its scaled sum.
+    the cache is flushed first (one call per (device, dtype) bucket, GPU ones per family too); an
+    array larger than `bucket_bytes` is reduced on its own. After `finalize()` (or leaving the
+    `with` block) every added array holds its scaled sum.
 
     Args:
         scale: factor applied after the sum (default 1.0).

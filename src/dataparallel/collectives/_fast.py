@@ -1,12 +1,12 @@
 """The fast path of the commonest small call: `dp.allreduce` of one number or one small array.
 
 A loss, a count, a flag: one Python float, or one contiguous NumPy array of a few items, reduced
-in a world of two to `GATHER_LIMIT` ranks. Such a call costs one message (its values travel in
-the handshake, see `checks.py`), so what is left to save is Python: this path skips flattening,
-leaf records and the description of the call, whose hash it keeps per (dtype, shape, op, scale).
-The hash is made by the general path on first sight (`_call.describe`), so both paths send the
-same hash for the same call, and a rank on either path meets a rank on the other. The result is
-computed as `engine.inline` computes it: NumPy, in rank order, the same on every rank.
+in a world of two to `checks.GATHER_LIMIT` ranks. Such a call costs one message (its values
+travel in the handshake, see `checks.py`), so what is left to save is Python: this path skips
+flattening, leaf records and the description of the call, whose hash it keeps per (dtype, shape,
+op, scale). The hash is made by the general path on first sight (`_call.describe`), so both paths
+send the same hash for the same call, and a rank on either path meets a rank on the other. The
+result is computed as `engine.inline` computes it: NumPy, in rank order, the same on every rank.
 
 Anything else (trees, other dtypes, GPU arrays, a timeline, debug logs, a world of one or of
 many) takes the general path, which also raises the errors.
@@ -21,12 +21,12 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.checks import (
-    GATHER_LIMIT,
     HEADER_BYTES,
     INLINE_BYTES,
     RECORD_BYTES,
     digest,
     exchange,
+    inline_capacity,
 )
 from dataparallel.collectives._call import describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
@@ -68,7 +68,7 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
     backend = active.backend
     size = backend.size
     ufunc = _UFUNCS.get(op)
-    if not 1 < size <= GATHER_LIMIT or ufunc is None or type(scale) not in _SCALES:
+    if not inline_capacity(size) or ufunc is None or type(scale) not in _SCALES:
         return NOT_FAST
     if dtype not in _FLOATS and (op == "avg" or scale is not None):
         return NOT_FAST  # integer rules (and their errors) are the general path's

@@ -1,6 +1,7 @@
 """The one fusion engine (Horovod's tensor fusion, DDP's buckets, Flashlight's coalescing).
 
-Arrays handed to `Fusion` are cached in buckets per (array family, device, dtype); when the
+Arrays handed to `Fusion` are cached in buckets per the key the caller gives (host arrays: per
+(device, dtype) whatever their family; GPU ones per (array family, device, dtype)); when the
 cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
 packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
@@ -14,6 +15,7 @@ optimizers all run on `Fusion`; there is no second engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,12 +109,17 @@ class Fusion:
         self.timeline = timeline
         self._opened_at: dict[tuple[Any, ...], float] = {}
         self.calls = 0  # communication calls made (observable for tests and the timeline)
+        # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
+        # array), so that a caller can check that every rank is about to make the same calls.
+        self.before_launch: Callable[[list[tuple[str, int]]], None] | None = None
 
     def add(self, work: np.ndarray, dtype: str, key: tuple[Any, ...] = ()) -> None:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective."""
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
             self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
+            if self.before_launch is not None:
+                self.before_launch([(dtype, work.size)])
             self._launch([work], dtype)
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
@@ -131,6 +138,14 @@ class Fusion:
 
     def flush(self) -> None:
         """Start communicating everything cached."""
+        if self.before_launch is not None and self._open:
+            groups = [(key[-1], sum(w.size for w in works)) for key, works in self._open.items()]
+            try:
+                self.before_launch(groups)
+            except BaseException:
+                self._open.clear()  # nothing was sent: drop it, so the next call starts afresh
+                self._open_bytes = 0
+                raise
         for bucket_key, works in self._open.items():
             dtype = bucket_key[-1]
             if self.timeline is not None:
