@@ -2,6 +2,8 @@
 
 A reducer ingests mutable arrays with `add` and completes their reduction with `finalize`; the
 coalescing one caches them in fused buckets with Flashlight's flush rules (see `fusion.py`).
+Every flush begins with a handshake (`checks.handshake`): ranks whose reducers are about to send
+different arrays raise `CollectiveMismatchError` instead of hanging or mixing buffers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import reduction, validate_reduction
+from dataparallel.checks import handshake, reduction, validate_reduction
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.fusion import Fusion
 from dataparallel.types import Op
@@ -74,6 +76,8 @@ class _FusionReducer(Reducer):
             pool=active.buffers,
             timeline=active.timeline,
         )
+        if self.backend.size > 1:
+            self._fusion.before_launch = self._agree
         self._valid_dtypes: set[str] = set()  # dtypes already checked against op and scale
 
     @property
@@ -85,6 +89,13 @@ class _FusionReducer(Reducer):
     def calls(self) -> int:
         """Communication calls made so far."""
         return self._fusion.calls
+
+    def _agree(self, buckets: list[tuple[str, int]]) -> None:
+        """Check that every rank is about to reduce the same buckets (`checks.handshake`)."""
+        name = type(self).__name__
+        sizes = ", ".join(f"{dtype}[{items}]" for dtype, items in buckets)
+        call = {"collective": f"{name} flush", "op": self.op, "scale": self.scale, "arrays": sizes}
+        handshake(self.backend, repr(sorted(call.items())), call)
 
     def add(self, x: Any) -> None:
         family = family_of(x)
@@ -138,9 +149,9 @@ class CoalescingReducer(_FusionReducer):
     """Cache added arrays and allreduce (sum) them in fused buckets, then multiply by `scale`.
 
     Flashlight's flush rules: when the cached bytes plus the new array would exceed `bucket_bytes`,
-    the cache is flushed first (one call per (family, device, dtype) bucket); an array larger than
-    `bucket_bytes` is reduced on its own. After `finalize()` (or leaving the `with` block) every
-    added array holds its scaled sum.
+    the cache is flushed first (one call per (device, dtype) bucket, GPU ones per family too); an
+    array larger than `bucket_bytes` is reduced on its own. After `finalize()` (or leaving the
+    `with` block) every added array holds its scaled sum.
 
     Args:
         scale: factor applied after the sum (default 1.0).

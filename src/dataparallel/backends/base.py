@@ -31,8 +31,8 @@ class ReduceOp(enum.Enum):
 class Handle(Protocol):
     """A non-blocking engine operation in flight (the public `dp.Request` is built over these)."""
 
-    def wait(self) -> None:
-        """Block until the operation has completed."""
+    def wait(self) -> object:
+        """Block until the operation has completed (what it returns, if anything, is not used)."""
 
     def test(self) -> bool:
         """Return whether the operation has completed, without blocking."""
@@ -189,6 +189,10 @@ class Backend(ABC):
     @abstractmethod
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         """Gather every rank's `send` into `recv`, in rank order; rank r sends `counts[r]` items."""
+
+    def allgather(self, send: Any, recv: Any) -> None:
+        """Gather every rank's `send` (the same size on every rank) into `recv`, in rank order."""
+        self.allgatherv(send, recv, [len(send)] * self.size)
 
     @abstractmethod
     def broadcast_object(self, obj: Any, root: int) -> Any:

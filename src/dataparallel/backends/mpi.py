@@ -206,6 +206,12 @@ class MPIBackend(Backend):
             lambda: comm.Iallgatherv(send, target),
         )
 
+    def allgather(self, send: Any, recv: Any) -> None:
+        comm = self.comm
+        self._complete(
+            "allgather", lambda: comm.Allgather(send, recv), lambda: comm.Iallgather(send, recv)
+        )
+
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if self.timeout is None:
             return self.comm.bcast(obj, root)

@@ -6,7 +6,7 @@ from typing import Any
 
 from dataparallel.backends.base import Backend
 from dataparallel.checks import verify_same_call
-from dataparallel.collectives._call import check_root, context
+from dataparallel.collectives._call import check_root, context, prepared
 
 __all__ = ["allgather_object", "barrier", "broadcast_object"]
 
@@ -14,23 +14,20 @@ __all__ = ["allgather_object", "barrier", "broadcast_object"]
 def broadcast_object(obj: Any, *, root: int = 0, backend: Backend | None = None) -> Any:
     """Return `root`'s `obj` (anything picklable) on every rank."""
     ctx = context(backend)
-    check_root(root, ctx.backend)
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": root})
+    prepared(ctx, "broadcast_object", lambda: check_root(root, ctx.backend))
+    verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": root})
     return ctx.backend.broadcast_object(obj, root)
 
 
 def allgather_object(obj: Any, *, backend: Backend | None = None) -> list[Any]:
     """Return the list of every rank's `obj` (anything picklable), in rank order."""
     ctx = context(backend)
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, {"collective": "allgather_object"})
+    verify_same_call(ctx.backend, {"collective": "allgather_object"})
     return ctx.backend.allgather_object(obj)
 
 
 def barrier(*, backend: Backend | None = None) -> None:
     """Block until every rank has reached the barrier."""
     ctx = context(backend)
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, {"collective": "barrier"})
+    verify_same_call(ctx.backend, {"collective": "barrier"})
     ctx.backend.barrier()

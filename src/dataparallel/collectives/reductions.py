@@ -5,12 +5,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dataparallel.backends.base import Backend
+import numpy as np
+
+from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.checks import reduction, reduction_error
-from dataparallel.collectives._call import CallContext, check_root, context, leaves_of, run, verify
+from dataparallel.collectives._call import (
+    CallContext,
+    Leaf,
+    agree,
+    check_root,
+    context,
+    inline_fits,
+    leaves_of,
+    prepared,
+    run,
+    stage,
+)
+from dataparallel.collectives._fast import NOT_FAST, small_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Fusion
+from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.types import Op, Tree
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
@@ -24,23 +39,113 @@ def _start_reduction(
     name: str,
     async_op: bool,
     root: int | None = None,
-) -> tuple[Fusion, Callable[[list[Any]], Any], CallContext]:
+) -> tuple[Handle, Callable[[], Any], CallContext]:
     ctx = context(backend)
-    action = reduction(op, scale, ctx.backend.size, root)
-    flat = tree.flatten(x, name)
-    leaves = leaves_of(flat)
-    for leaf in leaves:
-        error = reduction_error(leaf.dtype, op, scale)
-        if error is not None:
-            raise TypeError(f"{flat.path(leaf.index)}: {error}")
     collective = ("i" if async_op else "") + ("allreduce" if root is None else "reduce")
-    if root is not None:
-        check_root(root, ctx.backend)
-    if ctx.settings.check and ctx.backend.size > 1:
+
+    def prepare() -> tuple[tree.Flat, list[Leaf], Reduction, dict[str, Any]]:
+        action = reduction(op, scale, ctx.backend.size, root)
+        if root is not None:
+            check_root(root, ctx.backend)
+        flat = tree.flatten(x, name)
+        leaves = leaves_of(flat)
+        for leaf in leaves:
+            error = reduction_error(leaf.dtype, op, scale)
+            if error is not None:
+                raise TypeError(f"{flat.path(leaf.index)}: {error}")
+        stage(leaves)
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
         args = {"op": op, "scale": scale_arg} | ({"root": root} if root is not None else {})
-        verify(ctx, collective, flat, leaves, args)
-    return (*run(ctx, collective, flat, leaves, action, async_op), ctx)
+        return flat, leaves, action, args
+
+    flat, leaves, action, args = prepared(ctx, collective, prepare)
+    inline = inline_fits(ctx, leaves)
+    nans = None
+    if not inline and action.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
+        nans = prepared(ctx, collective, lambda: _local_nans(leaves))
+    rows, any_nan = agree(
+        ctx,
+        collective,
+        flat,
+        leaves,
+        args,
+        inline=inline,
+        flag=None if nans is None else bool(nans),
+    )
+    if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
+        return (*_nan_preserving(ctx, collective, flat, leaves, action, async_op), ctx)
+    return (*run(ctx, collective, flat, leaves, action, async_op, rows), ctx)
+
+
+def _host_values(leaf: Leaf) -> np.ndarray:
+    work = leaf.work
+    return work if type(work) is np.ndarray else leaf.family.to_host(leaf.value)
+
+
+def _local_nans(leaves: list[Leaf]) -> list[Leaf]:
+    """Return the floating leaves that hold a NaN on this rank."""
+    return [
+        leaf
+        for leaf in leaves
+        if leaf.dtype in FLOATING and has_nan(_host_values(leaf), leaf.dtype)
+    ]
+
+
+def _nan_preserving(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    action: Reduction,
+    async_op: bool,
+) -> tuple[Handle, Callable[[], Any]]:
+    """Run a min/max reduction, then write NaN wherever any rank had one (see `engine.nan`)."""
+    floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
+    masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]
+    fusion, finish = run(ctx, collective, flat, leaves, action, async_op)
+    mask_fusion = _fuse_masks(ctx, masks, async_op)
+
+    def finish_with_nan() -> Any:
+        mask_fusion.wait()
+        if action.root is None or action.root == ctx.backend.rank:
+            for leaf, mask in zip(floating, masks, strict=True):
+                if type(leaf.work) is np.ndarray:
+                    set_nan(leaf.work, leaf.dtype, mask)
+                else:  # a device leaf: its reduction has landed already
+                    host = leaf.family.to_host(leaf.value)
+                    set_nan(host, leaf.dtype, mask)
+                    leaf.family.from_host(leaf.value, host)
+        return finish()
+
+    return _Both(fusion, mask_fusion), finish_with_nan
+
+
+def _fuse_masks(ctx: CallContext, masks: list[np.ndarray], async_op: bool) -> Fusion:
+    fusion = Fusion(
+        ctx.backend,
+        Reduction(ReduceOp.MAX),
+        bucket_bytes=ctx.settings.bucket_bytes,
+        async_op=async_op,
+        pool=ctx.buffers,
+    )
+    for mask in masks:
+        fusion.add(mask, "uint8")
+    fusion.flush()
+    return fusion
+
+
+class _Both:
+    """Two collectives in flight, waited for together."""
+
+    def __init__(self, first: Handle, second: Handle) -> None:
+        self.first, self.second = first, second
+
+    def wait(self) -> None:
+        self.first.wait()
+        self.second.wait()
+
+    def test(self) -> bool:
+        return self.first.test() and self.second.test()
 
 
 def allreduce(
@@ -66,8 +171,13 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
+    if backend is None:
+        result = small_allreduce(x, op, scale)
+        if result is not NOT_FAST:
+            return result
     fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False)
-    return finish(fusion.wait())
+    fusion.wait()
+    return finish()
 
 
 def iallreduce(
@@ -92,7 +202,8 @@ def reduce(
 ) -> Tree:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
     fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False, root=root)
-    return finish(fusion.wait())
+    fusion.wait()
+    return finish()
 
 
 def allreduce_gradients(grads: Tree, op: Op = "avg", *, backend: Backend | None = None) -> Tree:
@@ -102,4 +213,5 @@ def allreduce_gradients(grads: Tree, op: Op = "avg", *, backend: Backend | None 
     the loss by `1 / size()` themselves.
     """
     fusion, finish, _ = _start_reduction(grads, op, None, backend, "grads", async_op=False)
-    return finish(fusion.wait())
+    fusion.wait()
+    return finish()

@@ -1,6 +1,7 @@
 """The one fusion engine (Horovod's tensor fusion, DDP's buckets, Flashlight's coalescing).
 
-Arrays handed to `Fusion` are cached in buckets per (array family, device, dtype); when the
+Arrays handed to `Fusion` are cached in buckets per the key the caller gives (host arrays: per
+(device, dtype) whatever their family; GPU ones per (array family, device, dtype)); when the
 cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
 packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
@@ -14,19 +15,22 @@ optimizers all run on `Fusion`; there is no second engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
-from dataparallel.engine.arrays import Family
+from dataparallel.engine.arrays import Family, Staged, stage, write_back
 from dataparallel.engine.device import DeviceBucket, DeviceWork
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.trace import Timeline
 
-__all__ = ["Broadcast", "Fusion", "Reduction"]
+__all__ = ["HOST_KEY", "Broadcast", "Fusion", "Reduction", "scale_in_place"]
+
+HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
 # Calls in flight at once before the oldest is waited for. MPI progresses non-blocking collectives
 # only inside MPI calls, so a second call in flight adds no overlap, and many at once slow MPICH
@@ -107,23 +111,30 @@ class Fusion:
         self._flights: list[_Flight] = []
         self.timeline = timeline
         self._opened_at: dict[tuple[Any, ...], float] = {}
-        self._leaves: list[tuple[Family, Any, Any, bool]] = []  # (family, leaf, work, is_view)
+        self._leaves: list[Staged] = []
         self.calls = 0  # communication calls made (observable for tests and the timeline)
+        # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
+        # array), so that a caller can check that every rank is about to make the same calls.
+        self.before_launch: Callable[[list[tuple[str, int]]], None] | None = None
 
     def add_leaf(self, family: Family, x: Any, dtype: str, device: str) -> None:
         """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back.
 
         `wait()` returns the leaves' results in the order they were added.
         """
-        work, is_view = family.work(x)
-        self._leaves.append((family, x, work, is_view))
-        self.add(work, dtype, (family.name, device))
+        staged = stage(family, x)
+        self._leaves.append(staged)
+        work = staged[2]
+        # Host buffers are packed alike whatever their family, so ranks may mix families.
+        self.add(work, dtype, HOST_KEY if type(work) is np.ndarray else (family.name, device))
 
     def add(self, work: np.ndarray, dtype: str, key: tuple[Any, ...] = ()) -> None:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective."""
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
             self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
+            if self.before_launch is not None:
+                self.before_launch([(dtype, work.size)])
             self._launch([work], dtype)
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
@@ -142,6 +153,14 @@ class Fusion:
 
     def flush(self) -> None:
         """Start communicating everything cached."""
+        if self.before_launch is not None and self._open:
+            groups = [(key[-1], sum(w.size for w in works)) for key, works in self._open.items()]
+            try:
+                self.before_launch(groups)
+            except BaseException:
+                self._open.clear()  # nothing was sent: drop it, so the next call starts afresh
+                self._open_bytes = 0
+                raise
         for bucket_key, works in self._open.items():
             dtype = bucket_key[-1]
             if self.timeline is not None:
@@ -174,7 +193,7 @@ class Fusion:
         leaves, self._leaves = self._leaves, []
         if not self._receives():
             return [x for _, x, _, _ in leaves]
-        return [x if is_view else family.from_host(x, work) for family, x, work, is_view in leaves]
+        return write_back(leaves)
 
     def _trace_queue(self, bucket_key: tuple[Any, ...], arrays: int) -> None:
         assert self.timeline is not None
@@ -276,7 +295,7 @@ class Fusion:
         elif receives:
             scale = None if isinstance(self.action, Broadcast) else self.action.scale
             if scale is not None and scale != 1:
-                _scale_in_place(flight.wire, scale)
+                scale_in_place(flight.wire, scale)
             if flight.wire is not flight.buf and flight.wire.dtype != np.uint8:
                 if flight.dtype == "bfloat16":
                     f32_to_bf16(flight.wire, out=flight.buf)
@@ -292,7 +311,8 @@ class Fusion:
             timeline.complete("unpack", unpacking, arrays=len(flight.slots))
 
 
-def _scale_in_place(values: np.ndarray, scale: float) -> None:
+def scale_in_place(values: np.ndarray, scale: float) -> None:
+    """Multiply `values` by `scale` in place (integers by `int(scale)`, as integers)."""
     if values.dtype.kind in "iu":
         np.multiply(values, int(scale), out=values, casting="unsafe")
     else:
