@@ -27,6 +27,7 @@ from dataparallel.engine import tree
 from dataparallel.engine.fusion import Fusion, Reduction
 from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.types import Op, Tree
+from dataparallel.world import Group, engine_of
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
 
@@ -149,7 +150,12 @@ class _Both:
 
 
 def allreduce(
-    x: Tree, op: Op = "sum", *, scale: float | None = None, backend: Backend | None = None
+    x: Tree,
+    op: Op = "sum",
+    *,
+    scale: float | None = None,
+    backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Tree:
     """Reduce `x` element-wise across all ranks; every rank gets the result.
 
@@ -158,6 +164,7 @@ def allreduce(
         op: `"sum"` (default), `"prod"`, `"min"`, `"max"` or `"avg"` (sum divided by `size()`).
         scale: multiply the result by this afterwards (Flashlight's `allReduce(x, scale)`).
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     Returns:
         `x`'s structure with reduced leaves: mutable arrays written in place, others new.
@@ -171,24 +178,33 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
-    if backend is None:
+    if backend is None and group is None:
         result = small_allreduce(x, op, scale)
         if result is not NOT_FAST:
             return result
-    fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False)
+    fusion, finish, _ = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=False
+    )
     fusion.wait()
     return finish()
 
 
 def iallreduce(
-    x: Tree, op: Op = "sum", *, scale: float | None = None, backend: Backend | None = None
+    x: Tree,
+    op: Op = "sum",
+    *,
+    scale: float | None = None,
+    backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Request:
     """Start `allreduce` without blocking; `Request.wait()` returns its result.
 
     Leaves are still packed into buckets and the buckets sent at once, so the communication
     overlaps with whatever the caller does until `wait()`.
     """
-    fusion, finish, ctx = _start_reduction(x, op, scale, backend, "x", async_op=True)
+    fusion, finish, ctx = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=True
+    )
     return Request(fusion, finish, ctx.pending)
 
 
@@ -199,19 +215,26 @@ def reduce(
     root: int = 0,
     scale: float | None = None,
     backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Tree:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
-    fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False, root=root)
+    fusion, finish, _ = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=False, root=root
+    )
     fusion.wait()
     return finish()
 
 
-def allreduce_gradients(grads: Tree, op: Op = "avg", *, backend: Backend | None = None) -> Tree:
+def allreduce_gradients(
+    grads: Tree, op: Op = "avg", *, backend: Backend | None = None, group: Group | None = None
+) -> Tree:
     """Allreduce a gradient tree with fusion, averaging by default.
 
     Averaging follows Lux, Flashlight and Horovod; `op="sum"` reproduces FluxMPI, whose users scale
     the loss by `1 / size()` themselves.
     """
-    fusion, finish, _ = _start_reduction(grads, op, None, backend, "grads", async_op=False)
+    fusion, finish, _ = _start_reduction(
+        grads, op, None, engine_of(backend, group), "grads", async_op=False
+    )
     fusion.wait()
     return finish()
