@@ -1,7 +1,8 @@
 """Gloo through `torch.distributed`: collectives over host buffers, with env/tcp/file rendezvous.
 
 NumPy buffers are wrapped zero-copy with `torch.from_numpy`, so Gloo reads and writes the caller's
-memory. Gloo lacks a few things MPI has; this module fills them in exactly:
+memory. Gloo lacks a few things MPI has; this module (and `gloo_exchange.py`, for reduce-scatter and
+all-to-all) fills them in exactly:
 
 - dtypes: those Gloo lacks are carried exactly (`gloo_wire.py`). Complex products gather every
   rank's buffer and multiply locally in rank order. Broadcast and gathers move raw bytes.
@@ -34,6 +35,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.gloo_exchange import GlooExchange
 from dataparallel.backends.gloo_wire import flat, wire_for, writable
 from dataparallel.backends.rendezvous import (
     gloo_interface,
@@ -122,7 +124,7 @@ class _GlooHandle:
         return True
 
 
-class GlooBackend(Backend):
+class GlooBackend(GlooExchange, Backend):
     """Collectives on a Gloo process group of `torch.distributed`.
 
     When this module initializes torch's default group, the user may use `torch.distributed` on

@@ -54,6 +54,13 @@ class Family(ABC):
     def new(self, like: Any, host: np.ndarray) -> Any:
         """Return a new array of `like`'s family, device and dtype holding `host` (any shape)."""
 
+    def adopt(self, like: Any, host: np.ndarray) -> Any:
+        """Return `new(like, host)`, taking over `host`'s memory where the family can (no copy).
+
+        The caller gives `host` up: it must not be used or reused afterwards.
+        """
+        return self.new(like, host)
+
     def work(self, x: Any) -> tuple[np.ndarray, bool]:
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
 
@@ -95,6 +102,9 @@ class NumpyFamily(Family):
 
     def new(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
         return np.array(host).view(like.dtype.newbyteorder("="))
+
+    def adopt(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
+        return host.view(like.dtype.newbyteorder("="))
 
 
 _PYTHON_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
@@ -179,6 +189,9 @@ class TorchFamily(Family):
 
     def new(self, like: Any, host: np.ndarray) -> Any:
         return self._tensor(like, np.array(host)).to(like.device)
+
+    def adopt(self, like: Any, host: np.ndarray) -> Any:
+        return self._tensor(like, host).to(like.device)  # on the CPU: host's memory itself
 
 
 class JaxFamily(Family):
