@@ -20,7 +20,7 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Broadcast
+from dataparallel.engine.actions import Broadcast
 from dataparallel.types import Tree
 from dataparallel.world import Group, engine_of
 

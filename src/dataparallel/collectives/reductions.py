@@ -24,7 +24,8 @@ from dataparallel.collectives._call import (
 from dataparallel.collectives._fast import NOT_FAST, small_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.engine.actions import Reduction
+from dataparallel.engine.fusion import Fusion
 from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.types import Op, Tree
 from dataparallel.world import Group, engine_of
