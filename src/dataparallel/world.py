@@ -6,6 +6,8 @@ import builtins
 import ctypes
 import dataclasses
 import datetime
+import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.trace import Timeline
-from dataparallel.errors import NotInitializedError
+from dataparallel.errors import BackendUnavailableError, NotInitializedError
 
 __all__ = [
     "World",
@@ -83,11 +85,18 @@ def initialize(
             (Flashlight's methods); `"mpi"` selects the MPI backend.
         rank, world_size: this process's rank and the world size, for `tcp://` and `file://`.
         gpu_devices: GPU index per local rank; default: round robin over the visible GPUs.
-        timeout: seconds before a blocked collective or rendezvous fails (default: none).
+        timeout: seconds before a blocked collective or rendezvous fails: a positive, finite
+            number (default: none).
         verbose: print the world's shape from every rank once initialized.
 
     Returns:
         The active `Backend`.
+
+    Raises:
+        ValueError: `timeout` is not positive and finite, or `backend` is not the active one.
+        TypeError: `timeout` is not a number.
+        BackendUnavailableError: the engine cannot be used here, e.g. it finds itself alone
+            while the launcher started several processes.
     """
     global _world
     if _world is not None:
@@ -101,11 +110,12 @@ def initialize(
         return _world.backend
     settings = Settings.from_env()
     if timeout is not None:
-        settings = dataclasses.replace(settings, timeout=timeout)
+        settings = dataclasses.replace(settings, timeout=_seconds(timeout))
     name = registry.choose(backend, init_method, settings)
     engine = registry.load(name).create(
         init_method=init_method, rank=rank, world_size=world_size, settings=settings
     )
+    _check_not_alone(engine, name, settings)
     gpu = choose_device(engine.local_rank, cuda_device_count(), gpu_devices)
     if gpu is not None:
         _point_frameworks_at(gpu)
@@ -118,6 +128,54 @@ def initialize(
     if verbose:
         print(f"initialized {engine.name} backend, local rank {engine.local_rank}, GPU {gpu}")
     return engine
+
+
+def _seconds(timeout: object) -> float:
+    """Return `timeout` as seconds, refusing what is not a positive, finite number."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout={timeout!r} is not a number: give the seconds a blocked collective may "
+            "wait (e.g. timeout=60), or None for no limit."
+        )
+    seconds = float(timeout)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"timeout={timeout!r} is not valid: give a positive, finite number of seconds "
+            "(e.g. timeout=60), or None for no limit."
+        )
+    return seconds
+
+
+def _check_not_alone(engine: Backend, name: str, settings: Settings) -> None:
+    """Refuse an engine that formed a world of one while the launcher started several processes.
+
+    Each process would be rank 0 of its own world and every collective would return its own
+    values: a job that looks fine and trains N unrelated models.
+    """
+    announced = settings.launched_size
+    if name == "single" or engine.size != 1 or announced is None or announced <= 1:
+        return
+    engine.close()
+    if settings.mpi_launched:
+        source = f"the MPI launcher started {announced} processes (PMI_SIZE or its kin)"
+        hint = (
+            "mpiexec belongs to another MPI library than mpi4py's: start the job with the "
+            "matching one (`dataparallel run` finds it; `dataparallel info` shows both)."
+            if name == "mpi"
+            else "under an MPI launcher, call dp.initialize() (it picks MPI)."
+        )
+    else:
+        source = f"the launcher started {announced} processes (WORLD_SIZE={announced})"
+        hint = (
+            "this process was not started by an MPI launcher: call dp.initialize() to use the "
+            "launcher's engine (Gloo), or start the job with `dataparallel run --backend mpi`."
+            if name == "mpi"
+            else "give the launcher's rank and world size, or call dp.initialize()."
+        )
+    raise BackendUnavailableError(
+        f"The {name!r} engine formed a world of one, but {source}: each process would be rank 0 "
+        f"of its own world, training alone. {hint[0].upper()}{hint[1:]}"
+    )
 
 
 def choose_device(local_rank: int, n_gpus: int, gpu_devices: list[int] | None = None) -> int | None:
@@ -203,7 +261,12 @@ def initialized() -> bool:
 
 
 def finalize() -> None:
-    """Wait for requests in flight, then tear the process group down. Safe to call twice."""
+    """Wait for requests in flight, then tear the process group down. Safe to call twice.
+
+    Under MPI, leaving is collective: it waits until every rank leaves (at `dp.finalize()` or at
+    its end), and ends the job when another rank waits in a collective that this one will never
+    join (see `backends/mpi_board.py`), so that a rank that finishes early cannot hang the job.
+    """
     global _world
     if _world is None:
         return

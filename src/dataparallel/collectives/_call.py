@@ -8,6 +8,7 @@ steps in this order; `requests.Request` wraps the ones started without blocking.
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,6 +127,12 @@ def verify(
 
 
 def check_root(root: int, backend: Backend) -> None:
+    """Refuse a `root` that is not an integer (`0.0`, `True`, `"0"`) or not a rank of the world."""
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+        raise TypeError(
+            f"root={root!r} is not a rank: give an int from 0 to {backend.size - 1} "
+            f"(got {type(root).__name__})."
+        )
     if not 0 <= root < backend.size:
         raise ValueError(f"root={root} is not a rank of this world of {backend.size}.")
 
