@@ -232,6 +232,31 @@ def test_sigterm_on_the_launcher_ends_every_rank(backend: str, tmp_path: Path) -
     _assert_gone(tmp_path)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_ends_the_job_with_status_130_and_no_mpiexec_noise(
+    backend: str, tmp_path: Path
+) -> None:
+    # As a terminal does: SIGINT to the launcher's whole process group (its own session here).
+    # Rank 0 waits in a collective (in MPI's C code), rank 1 sleeps.
+    with spawn(
+        ["ctrl_c.py", tmp_path], ranks=2, backend=backend, cwd=SCRIPTS, capture=True
+    ) as launcher:
+        deadline = time.monotonic() + LIMIT
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert launcher.poll() is None, "the job ended before its ranks started"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)  # rank 0 is in its collective by now
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=FAST)
+    output = stdout + stderr
+    assert launcher.returncode == 128 + signal.SIGINT, output
+    assert "[rank 1] KeyboardInterrupt" in stderr, output
+    for noise in ("mpiexec@", "proxy:", "BAD TERMINATION", "MPI_Abort", "Ctrl-C", "Traceback"):
+        assert noise not in output, output
+    _assert_gone(tmp_path)
+
+
 def _assert_gone(piddir: Path) -> None:
     """Assert that the ranks that wrote their pid to `piddir` have all exited."""
     pids = [int(p.read_text()) for p in piddir.glob("*.pid") if p.read_text()]

@@ -8,6 +8,7 @@ in `test_collectives_trees.py`; mismatch detection is in `test_checks.py`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -354,6 +355,49 @@ def test_bad_root_raises_value_error(size: int) -> None:
             dp.broadcast_object(1, root=root)
         with pytest.raises(ValueError, match=message):
             dp.synchronize({"a": 1.0}, root=root)
+
+
+@pytest.mark.parametrize("root", [0.0, 1.0, True, "0"], ids=repr)
+def test_a_root_that_is_not_an_int_raises_type_error(root: Any) -> None:
+    message = rf"root={re.escape(repr(root))} is not a rank: give an int from 0 to"
+    for call in (
+        lambda: dp.broadcast(np.ones(2), root=root),
+        lambda: dp.reduce(np.ones(2), root=root),
+        lambda: dp.ibroadcast(np.ones(2), root=root),
+        lambda: dp.broadcast_object(1, root=root),
+        lambda: dp.synchronize({"a": 1.0}, root=root),
+    ):
+        with pytest.raises(TypeError, match=message):
+            call()
+
+
+def test_numpy_integer_roots_are_ranks(rank: int, size: int) -> None:
+    root = np.int64(size - 1)
+    assert dp.broadcast(np.full(2, float(rank)), root=root).tolist() == [size - 1.0] * 2
+
+
+@pytest.mark.filterwarnings("ignore:.*(nested|Sparse CSR) tensor:UserWarning")
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested torch"),
+        (lambda: torch.ones(3).to_sparse(), r"a torch tensor of layout torch\.sparse_coo cannot"),
+        (
+            lambda: torch.eye(3).to_sparse_csr(),
+            r"a torch tensor of layout torch\.sparse_csr cannot",
+        ),
+        (lambda: torch.ones(3, device="meta"), "a torch tensor on the 'meta' device has no data"),
+    ],
+    ids=["nested", "sparse_coo", "sparse_csr", "meta"],
+)
+def test_torch_tensors_without_dense_data_are_refused_by_path(
+    make: Callable[[], Any], message: str
+) -> None:
+    tree = {"a": [make()]}
+    with pytest.raises(TypeError, match=rf"^x\['a'\]\[0\]: {message}"):
+        dp.allreduce(tree)
+    with pytest.raises(TypeError, match=rf"^x\['a'\]\[0\]: {message}"):
+        dp.broadcast(tree)
 
 
 def test_calls_before_initialize_raise_not_initialized(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,13 +2,18 @@
 
 `dp.initialize()` in a world of several makes an uncaught exception abort the job after printing
 its traceback once, even under a plain `mpiexec` or `torchrun`; a rank killed outright (SIGKILL,
-the OOM killer) is noticed by the launcher, which ends the rest. Each case launches its own job
-(`spawns`), with a timeout far above the time it must take.
+the OOM killer) is noticed by the launcher, which ends the rest, with status 128 + the signal; a
+rank that ends early without an error (`os._exit(0)`, `sys.exit(0)`, a skipped call) fails the
+job instead of hanging it or passing for a success. Each case launches its own job (`spawns`),
+with a timeout far above the time it must take.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +62,84 @@ def test_a_killed_rank_ends_the_job(backend: str) -> None:
     job = run_job([KILLED], ranks=3, backend=backend, job_timeout=100, timeout=LIMIT)
     elapsed = time.monotonic() - started
     output = job.stdout + job.stderr
-    assert job.returncode not in (0, 124), output  # failed, and not by the launcher's timeout
+    assert job.returncode == 128 + signal.SIGKILL, output  # as shells report it, both launchers
     assert "UNREACHABLE" not in output
+    named = "rank 1 was killed by signal 9 (SIGKILL)" if backend == "mpi" else "status 137"
+    assert named in output, output
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+# --- a rank that ends early, without an error, while the others wait for it -----------------
+
+EARLY = Path(__file__).parent / "scripts" / "leaves_early.py"
+# How each job is started: `dataparallel run` under MPI or Gloo, or a plain mpiexec.
+LAUNCHES = {
+    "run-mpi": {"backend": "mpi"},
+    "run-gloo": {"backend": "gloo"},
+    "mpiexec": {"launcher": "mpiexec"},
+}
+
+
+def _launch(how: str, launch: str, ranks: int) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    kind = dict(LAUNCHES[launch])
+    if launch.startswith("run"):
+        kind["job_timeout"] = 100
+    job = run_job([EARLY, how], ranks=ranks, timeout=LIMIT, **kind)  # type: ignore[arg-type]
+    return job, time.monotonic() - started
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize(
+    ("how", "launch"),
+    [
+        ("os._exit", "run-mpi"),
+        ("os._exit", "run-gloo"),
+        # A plain mpiexec reports 0 for a rank's os._exit(0): only `dataparallel run` can tell.
+        ("sys.exit", "run-mpi"),
+        ("sys.exit", "run-gloo"),
+        ("sys.exit", "mpiexec"),
+        ("skip", "run-mpi"),
+        ("skip", "run-gloo"),
+        ("skip", "mpiexec"),
+    ],
+)
+def test_a_rank_that_ends_early_fails_the_job(how: str, launch: str, ranks: int) -> None:
+    job, elapsed = _launch(how, launch, ranks)
+    output = job.stdout + job.stderr
+    assert job.returncode == 1, output  # not 0, and not the launcher's 124
+    assert "UNREACHABLE" not in output
+    if how == "os._exit":
+        assert "rank 1 left through os._exit(0) before its script finished" in output, output
+    elif launch == "run-gloo":
+        assert "RankFailedError" in output, output  # the waiting ranks see rank 1 go
+    else:  # MPI: rank 1, on its way out, sees the others wait for it and ends the job
+        pattern = r"rank 1 has finished .* but rank \d has started call number \d+, which rank 1"
+        assert re.search(pattern, output), output
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_a_rank_that_finishes_later_is_waited_for(launch: str) -> None:
+    job, _ = _launch("late", launch, 3)
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, output
+    for rank in range(3):
+        assert f"rank {rank} finished" in job.stdout, output
+
+
+ALONE = Path(__file__).parent / "scripts" / "alone.py"
+
+
+@pytest.mark.spawns
+def test_an_engine_alone_under_a_launcher_of_several_fails() -> None:
+    # --backend gloo starts 2 processes with torchrun's variables; MPI there is a world of one.
+    job = run_job([ALONE, "mpi"], ranks=2, backend="gloo", job_timeout=100, timeout=LIMIT)
+    output = job.stdout + job.stderr
+    assert job.returncode == 1, output
+    assert "UNREACHABLE" not in output
+    message = "BackendUnavailableError: The 'mpi' engine formed a world of one, but the launcher"
+    assert message in output, output
+    assert "started 2 processes (WORLD_SIZE=2)" in output

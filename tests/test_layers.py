@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dataparallel.config", "dataparallel.errors", "dataparallel.types"),
     ("dataparallel.backends",),
     ("dataparallel.engine",),
-    ("dataparallel.world",),
+    ("dataparallel.world", "dataparallel.groups"),
     ("dataparallel.checks", "dataparallel.collectives", "dataparallel.reducers"),
     ("dataparallel.torch", "dataparallel.jax", "dataparallel.data", "dataparallel.progress"),
     ("dataparallel.training",),

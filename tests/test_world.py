@@ -156,6 +156,33 @@ def test_a_world_of_one_refuses_peers(no_world: None) -> None:
     assert not dp.initialized()
 
 
+@pytest.mark.parametrize("timeout", [-3, 0, 0.0, float("nan"), float("inf"), -float("inf")])
+def test_a_timeout_that_is_not_positive_and_finite_is_refused(
+    no_world: None, timeout: float
+) -> None:
+    with pytest.raises(ValueError, match=rf"timeout={re.escape(repr(timeout))} is not valid: give"):
+        dp.initialize(timeout=timeout)
+    assert not dp.initialized()
+
+
+@pytest.mark.parametrize("timeout", ["5", True, [5]], ids=repr)
+def test_a_timeout_that_is_not_a_number_is_refused(no_world: None, timeout: Any) -> None:
+    with pytest.raises(TypeError, match=rf"timeout={re.escape(repr(timeout))} is not a number"):
+        dp.initialize(timeout=timeout)
+    assert not dp.initialized()
+
+
+def test_import_star_leaves_the_builtin_print_alone() -> None:
+    import builtins
+
+    namespace: dict[str, Any] = {}
+    exec("from dataparallel import *", namespace)
+    assert "print" not in namespace and "allreduce" in namespace
+    exec("print_is = print", namespace)  # what a module doing `import *` calls print
+    assert namespace["print_is"] is builtins.print
+    assert dp.print is world_module.print  # dp.print is still there, by name
+
+
 def test_timeout_argument_reaches_the_settings(no_world: None) -> None:
     dp.initialize("single", timeout=12.5)
     try:

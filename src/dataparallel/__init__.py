@@ -38,11 +38,11 @@ from dataparallel.errors import (
     NotInitializedError,
     RankFailedError,
 )
+from dataparallel.groups import Group, new_group
 from dataparallel.progress import progress
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
 from dataparallel.training import DistributedOptimizer, synchronize
 from dataparallel.world import (
-    Group,
     device,
     finalize,
     get_backend,
@@ -51,7 +51,6 @@ from dataparallel.world import (
     is_main,
     local_rank,
     local_size,
-    new_group,
     rank,
     size,
     timeline,

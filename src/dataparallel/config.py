@@ -11,10 +11,13 @@ instead of being silently ignored.
 | `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
 | `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
+| `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
 
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
-and the rank it gives (`PMI_RANK`, `OMPI_COMM_WORLD_RANK`, `PMIX_RANK`: `Settings.mpi_rank`).
+the rank it gives (`PMI_RANK`, `OMPI_COMM_WORLD_RANK`, `PMIX_RANK`: `Settings.mpi_rank`) and the
+number of processes it started (`PMI_SIZE`, `OMPI_COMM_WORLD_SIZE`, `PMIX_SIZE`:
+`Settings.mpi_size`).
 `GLOO_SOCKET_IFNAME` (torch's) is read to know whether the user chose Gloo's network interface.
 """
 
@@ -24,7 +27,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "MPI_LAUNCHER_VARIABLES", "MPI_RANK_VARIABLES", "Settings"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "MPI_LAUNCHER_VARIABLES",
+    "MPI_RANK_VARIABLES",
+    "MPI_SIZE_VARIABLES",
+    "RUN_DIR_VARIABLE",
+    "Settings",
+]
 
 # Chosen by measurement (benchmarks/bucket_size.py, docs/performance.md): on 2 ranks over shared
 # memory, packing costs as much as sending, so buckets pay off for small arrays only. 256 KiB was
@@ -44,6 +54,10 @@ MPI_LAUNCHER_VARIABLES = (
 )
 # The rank an MPI launcher gives each process (MPICH/Hydra, Open MPI, PMIx), first found wins.
 MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# The number of processes it started, first found wins.
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+# Set by `dataparallel run` for its ranks (`Settings.run_dir`).
+RUN_DIR_VARIABLE = "DATAPARALLEL_RUN_DIR"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -84,6 +98,10 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer.") from None
 
 
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    return next((_int(env, name) for name in names if env.get(name, "").strip()), None)
+
+
 @dataclass(frozen=True)
 class Settings:
     """The process's configuration, as read from its environment once."""
@@ -105,8 +123,12 @@ class Settings:
     gloo_socket_ifname: str | None = None
     # True when an MPI launcher (mpiexec, srun) started this process.
     mpi_launched: bool = False
-    # The rank that MPI launcher gave this process, known before MPI is initialized.
+    # The rank that MPI launcher gave this process, and the number of processes it started,
+    # known before MPI is initialized.
     mpi_rank: int | None = None
+    mpi_size: int | None = None
+    # Where `dataparallel run` asks its ranks to note how they ended (launch/_rundir.py).
+    run_dir: str | None = None
 
     @property
     def torchrun_launched(self) -> bool:
@@ -114,6 +136,13 @@ class Settings:
         return (
             self.rank is not None and self.world_size is not None and self.master_addr is not None
         )
+
+    @property
+    def launched_size(self) -> int | None:
+        """The number of processes a launcher says the job has (MPI's, else `WORLD_SIZE`)."""
+        if self.mpi_launched and self.mpi_size is not None:
+            return self.mpi_size
+        return self.world_size
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -136,8 +165,7 @@ class Settings:
             master_port=_int(env, "MASTER_PORT"),
             gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
             mpi_launched=any(name in env for name in MPI_LAUNCHER_VARIABLES),
-            mpi_rank=next(
-                (_int(env, name) for name in MPI_RANK_VARIABLES if env.get(name, "").strip()),
-                None,
-            ),
+            mpi_rank=_first_int(env, MPI_RANK_VARIABLES),
+            mpi_size=_first_int(env, MPI_SIZE_VARIABLES),
+            run_dir=env.get(RUN_DIR_VARIABLE) or None,
         )

@@ -19,8 +19,8 @@ from dataparallel.backends.base import Backend
 from dataparallel.checks import handshake, reduction, validate_reduction
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.fusion import Fusion
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op
-from dataparallel.world import Group, engine_of
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import synchronize_tree
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op, Tree
-from dataparallel.world import Group, engine_of
 
 __all__ = ["DistributedOptimizer", "synchronize"]
 

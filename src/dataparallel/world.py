@@ -6,27 +6,29 @@ import builtins
 import ctypes
 import dataclasses
 import datetime
+import math
 import numbers
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.trace import Timeline
-from dataparallel.errors import CollectiveMismatchError, NotInitializedError
+from dataparallel.errors import (
+    BackendUnavailableError,
+    NotInitializedError,
+)
 
 __all__ = [
-    "Group",
     "World",
     "choose_device",
     "cuda_device_count",
     "current",
     "device",
-    "engine_of",
     "finalize",
     "get_backend",
     "initialize",
@@ -34,7 +36,6 @@ __all__ = [
     "is_main",
     "local_rank",
     "local_size",
-    "new_group",
     "print",
     "rank",
     "size",
@@ -64,102 +65,6 @@ class World:
 _world: World | None = None
 
 
-@dataclass(eq=False)
-class Group:
-    """Some of the world's ranks, for collectives among them alone (`dp.new_group`).
-
-    A group's rank of a process is its position in `ranks` (sorted). On a rank outside the group
-    the object exists too (every rank made it), but collectives with it raise `ValueError`.
-
-    Attributes:
-        ranks: the world ranks in the group, sorted.
-    """
-
-    ranks: tuple[int, ...]
-    _engine: Backend | None
-    _world_rank: int
-
-    @property
-    def member(self) -> bool:
-        """Whether this process is in the group."""
-        return self._world_rank in self.ranks
-
-    @property
-    def backend(self) -> Backend:
-        """The engine of the group's collectives; raises `ValueError` outside the group."""
-        if self._engine is None:
-            why = "it was freed" if self.member else f"rank {self._world_rank} is not in it"
-            raise ValueError(
-                f"This process cannot use the group of ranks {list(self.ranks)}: {why}. Only the "
-                "group's ranks call collectives with group=; others skip those calls (test "
-                "`group.member`)."
-            )
-        return self._engine
-
-    def free(self) -> None:
-        """Release the group's engine (communicators, Gloo groups); it can no longer be used."""
-        if self._engine is not None:
-            engine, self._engine = self._engine, None
-            engine.close()
-
-    def __repr__(self) -> str:
-        return f"Group(ranks={list(self.ranks)}, member={self.member})"
-
-
-def engine_of(backend: Backend | None, group: Group | None) -> Backend | None:
-    """Return the engine that a call's `backend=` or `group=` names (None: the world's).
-
-    Raises:
-        ValueError: both were given, or this process is not in `group`.
-    """
-    if group is None:
-        return backend
-    if backend is not None:
-        raise ValueError("Give group= or backend=, not both: a group has its own engine.")
-    return group.backend
-
-
-def new_group(ranks: Any) -> Group:
-    """Return a group of the world ranks `ranks`, for collectives among them alone.
-
-    Collective: every rank of the world calls it, with the same ranks (checked), including the
-    ranks that are not in it. Pass the group as `group=` to the collectives, the reducers,
-    `DistributedOptimizer`, `DataParallelModel`, `synchronize` and the data containers;
-    `dp.rank(group)` and `dp.size(group)` give this process's place in it. `group.free()`
-    releases it (Horovod's `remove_process_set`).
-
-    >>> import dataparallel as dp
-    >>> _ = dp.initialize("single")
-    >>> group = dp.new_group([0])
-    >>> dp.rank(group), dp.size(group), group.member
-    (0, 1, True)
-    """
-    world = current()
-    size = world.backend.size
-    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-        raise TypeError(f"new_group takes a list of ranks, got {type(ranks).__name__}.")
-    ranks = list(ranks)
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
-            raise TypeError(f"new_group: rank {r!r} is a {type(r).__name__}, not an int.")
-    members = tuple(sorted(int(r) for r in ranks))
-    if not members:
-        raise ValueError("new_group: a group needs at least one rank, got none.")
-    if len(set(members)) != len(members):
-        raise ValueError(f"new_group: ranks {ranks} name a rank twice.")
-    if members[0] < 0 or members[-1] >= size:
-        raise ValueError(f"new_group: ranks {ranks} are not all ranks of this world of {size}.")
-    if size > 1:
-        every = world.backend.allgather_object(members)
-        if any(other != members for other in every):
-            named = "; ".join(f"rank {r}: {list(g)}" for r, g in enumerate(every))
-            raise CollectiveMismatchError(
-                f"Ranks called new_group with different ranks ({named}). Every rank must call it "
-                "with the same list."
-            )
-    return Group(members, world.backend.split(members), world.backend.rank)
-
-
 def initialize(
     backend: str = "auto",
     *,
@@ -183,11 +88,18 @@ def initialize(
             (Flashlight's methods); `"mpi"` selects the MPI backend.
         rank, world_size: this process's rank and the world size, for `tcp://` and `file://`.
         gpu_devices: GPU index per local rank; default: round robin over the visible GPUs.
-        timeout: seconds before a blocked collective or rendezvous fails (default: none).
+        timeout: seconds before a blocked collective or rendezvous fails: a positive, finite
+            number (default: none).
         verbose: print the world's shape from every rank once initialized.
 
     Returns:
         The active `Backend`.
+
+    Raises:
+        ValueError: `timeout` is not positive and finite, or `backend` is not the active one.
+        TypeError: `timeout` is not a number.
+        BackendUnavailableError: the engine cannot be used here, e.g. it finds itself alone
+            while the launcher started several processes.
     """
     global _world
     if _world is not None:
@@ -201,11 +113,12 @@ def initialize(
         return _world.backend
     settings = Settings.from_env()
     if timeout is not None:
-        settings = dataclasses.replace(settings, timeout=timeout)
+        settings = dataclasses.replace(settings, timeout=_seconds(timeout))
     name = registry.choose(backend, init_method, settings)
     engine = registry.load(name).create(
         init_method=init_method, rank=rank, world_size=world_size, settings=settings
     )
+    _check_not_alone(engine, name, settings)
     gpu = choose_device(engine.local_rank, cuda_device_count(), gpu_devices)
     if gpu is not None:
         _point_frameworks_at(gpu)
@@ -218,6 +131,54 @@ def initialize(
     if verbose:
         print(f"initialized {engine.name} backend, local rank {engine.local_rank}, GPU {gpu}")
     return engine
+
+
+def _seconds(timeout: object) -> float:
+    """Return `timeout` as seconds, refusing what is not a positive, finite number."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout={timeout!r} is not a number: give the seconds a blocked collective may "
+            "wait (e.g. timeout=60), or None for no limit."
+        )
+    seconds = float(timeout)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"timeout={timeout!r} is not valid: give a positive, finite number of seconds "
+            "(e.g. timeout=60), or None for no limit."
+        )
+    return seconds
+
+
+def _check_not_alone(engine: Backend, name: str, settings: Settings) -> None:
+    """Refuse an engine that formed a world of one while the launcher started several processes.
+
+    Each process would be rank 0 of its own world and every collective would return its own
+    values: a job that looks fine and trains N unrelated models.
+    """
+    announced = settings.launched_size
+    if name == "single" or engine.size != 1 or announced is None or announced <= 1:
+        return
+    engine.close()
+    if settings.mpi_launched:
+        source = f"the MPI launcher started {announced} processes (PMI_SIZE or its kin)"
+        hint = (
+            "mpiexec belongs to another MPI library than mpi4py's: start the job with the "
+            "matching one (`dataparallel run` finds it; `dataparallel info` shows both)."
+            if name == "mpi"
+            else "under an MPI launcher, call dp.initialize() (it picks MPI)."
+        )
+    else:
+        source = f"the launcher started {announced} processes (WORLD_SIZE={announced})"
+        hint = (
+            "this process was not started by an MPI launcher: call dp.initialize() to use the "
+            "launcher's engine (Gloo), or start the job with `dataparallel run --backend mpi`."
+            if name == "mpi"
+            else "give the launcher's rank and world size, or call dp.initialize()."
+        )
+    raise BackendUnavailableError(
+        f"The {name!r} engine formed a world of one, but {source}: each process would be rank 0 "
+        f"of its own world, training alone. {hint[0].upper()}{hint[1:]}"
+    )
 
 
 def choose_device(local_rank: int, n_gpus: int, gpu_devices: list[int] | None = None) -> int | None:
@@ -303,7 +264,12 @@ def initialized() -> bool:
 
 
 def finalize() -> None:
-    """Wait for requests in flight, then tear the process group down. Safe to call twice."""
+    """Wait for requests in flight, then tear the process group down. Safe to call twice.
+
+    Under MPI, leaving is collective: it waits until every rank leaves (at `dp.finalize()` or at
+    its end), and ends the job when another rank waits in a collective that this one will never
+    join (see `backends/mpi_board.py`), so that a rank that finishes early cannot hang the job.
+    """
     global _world
     if _world is None:
         return
@@ -330,12 +296,19 @@ def get_backend() -> Backend:
     return current().backend
 
 
-def rank(group: Group | None = None) -> int:
+class _Grouped(Protocol):
+    """What `rank` and `size` need of a group (`dataparallel.groups.Group`)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+
+def rank(group: _Grouped | None = None) -> int:
     """Return this process's rank in the world, or in `group` (0-based)."""
     return current().backend.rank if group is None else group.backend.rank
 
 
-def size(group: Group | None = None) -> int:
+def size(group: _Grouped | None = None) -> int:
     """Return the number of processes in the world, or in `group`."""
     return current().backend.size if group is None else group.backend.size
 

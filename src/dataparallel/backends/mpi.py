@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import pickle
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.backends.mpi_board import CallBoard
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 
@@ -87,6 +90,10 @@ def _by_rank(buf: Any, counts: list[int]) -> list[Any]:
     return [buf, (counts, [0, *itertools.accumulate(counts)][:-1])]
 
 
+# Seconds a rank about to abort gives mpiexec to forward its last words (they can be lost else).
+_ABORT_GRACE_S = 0.3
+
+
 class _MPIHandle:
     __slots__ = ("_rank", "_request", "_timeout", "_what")
 
@@ -106,12 +113,21 @@ class MPIBackend(Backend):
     The duplicate keeps the library's traffic apart from the user's own MPI calls. With a
     `timeout`, every call is made non-blocking and polled, so that a peer that never joins ends
     the call with `CollectiveTimeoutError` instead of a hang.
+
+    Every collective is counted on a `CallBoard`, and `close()` (`dp.finalize()`, or the
+    interpreter's exit) is collective: it waits for every rank, and ends the job when another
+    rank waits in a collective that this one will never join (`mpi_board.py`).
     """
 
     name = "mpi"
 
     def __init__(
-        self, comm: Any = None, *, cuda_aware: bool | None = None, timeout: float | None = None
+        self,
+        comm: Any = None,
+        *,
+        cuda_aware: bool | None = None,
+        timeout: float | None = None,
+        board: CallBoard | None = None,
     ) -> None:
         mpi = import_mpi()
         self._mpi = mpi
@@ -124,6 +140,12 @@ class MPIBackend(Backend):
         self.local_comm = self.comm.Split_type(mpi.COMM_TYPE_SHARED)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.local_rank, self.local_size = self.local_comm.Get_rank(), self.local_comm.Get_size()
+        # A duplicate shares its parent's board: the ranks' counts cover all of their engines.
+        self._owns_board = board is None
+        self._board = CallBoard(mpi, self.comm) if board is None else board
+        self._closed = False
+        if self._owns_board:
+            atexit.register(self.close)  # a rank that ends without dp.finalize() leaves too
         self._ops = {
             ReduceOp.SUM: mpi.SUM,
             ReduceOp.PROD: mpi.PROD,
@@ -175,6 +197,7 @@ class MPIBackend(Backend):
             _wait(start(), self.timeout, what, self.rank)
 
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
+        self._board.tick()
         mpi_op, comm, in_place = self._ops[op], self.comm, self._mpi.IN_PLACE
         self._complete(
             "allreduce",
@@ -183,10 +206,12 @@ class MPIBackend(Backend):
         )
 
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+        self._board.tick()
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
         return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+        self._board.tick()
         send, recv = (self._mpi.IN_PLACE, buf) if self.rank == root else (buf, None)
         mpi_op, comm = self._ops[op], self.comm
         self._complete(
@@ -196,13 +221,22 @@ class MPIBackend(Backend):
         )
 
     def broadcast(self, buf: Any, root: int) -> None:
+        self._board.tick()
+        self._broadcast(buf, root)
+
+    def _broadcast(self, buf: Any, root: int) -> None:
         comm = self.comm
         self._complete("broadcast", lambda: comm.Bcast(buf, root), lambda: comm.Ibcast(buf, root))
 
     def ibroadcast(self, buf: Any, root: int) -> Handle:
+        self._board.tick()
         return _MPIHandle(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
 
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+        self._board.tick()
+        self._allgatherv(send, recv, counts)
+
+    def _allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         displacements = [0, *itertools.accumulate(counts)][:-1]
         target, comm = [recv, (counts, displacements)], self.comm
         self._complete(
@@ -212,12 +246,14 @@ class MPIBackend(Backend):
         )
 
     def allgather(self, send: Any, recv: Any) -> None:
+        self._board.tick()
         comm = self.comm
         self._complete(
             "allgather", lambda: comm.Allgather(send, recv), lambda: comm.Iallgather(send, recv)
         )
 
     def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        self._board.tick()
         mpi_op, comm = self._ops[op], self.comm
         self._complete(
             "reduce_scatter",
@@ -226,12 +262,14 @@ class MPIBackend(Backend):
         )
 
     def ireduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> Handle:
+        self._board.tick()
         request = self.comm.Ireduce_scatter(send, recv, counts, self._ops[op])
         return _MPIHandle(request, self.timeout, "ireduce_scatter", self.rank)
 
     def alltoallv(
         self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
     ) -> None:
+        self._board.tick()
         source, target, comm = _by_rank(send, send_counts), _by_rank(recv, recv_counts), self.comm
         self._complete(
             "alltoall",
@@ -242,32 +280,36 @@ class MPIBackend(Backend):
     def ialltoallv(
         self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
     ) -> Handle:
+        self._board.tick()
         request = self.comm.Ialltoallv(_by_rank(send, send_counts), _by_rank(recv, recv_counts))
         return _MPIHandle(request, self.timeout, "ialltoall", self.rank)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
+        self._board.tick()
         if self.timeout is None:
             return self.comm.bcast(obj, root)
         payload = pickle.dumps(obj) if self.rank == root else b""
         length = np.array([len(payload)], np.int64)
-        self.broadcast(length, root)
+        self._broadcast(length, root)
         data = np.frombuffer(payload, np.uint8).copy() if self.rank == root else None
         data = data if data is not None else np.empty(int(length[0]), np.uint8)
-        self.broadcast(data, root)
+        self._broadcast(data, root)
         return pickle.loads(data.tobytes())
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        self._board.tick()
         if self.timeout is None:
             return list(self.comm.allgather(obj))
         payload = np.frombuffer(pickle.dumps(obj), np.uint8)
         lengths = np.empty(self.size, np.int64)
-        self.allgatherv(np.array([payload.size], np.int64), lengths, [1] * self.size)
+        self._allgatherv(np.array([payload.size], np.int64), lengths, [1] * self.size)
         received = np.empty(int(lengths.sum()), np.uint8)
-        self.allgatherv(payload, received, [int(n) for n in lengths])
+        self._allgatherv(payload, received, [int(n) for n in lengths])
         edges = np.concatenate([[0], np.cumsum(lengths)])
         return [pickle.loads(received[a:b].tobytes()) for a, b in itertools.pairwise(edges)]
 
     def barrier(self) -> None:
+        self._board.tick()
         self._complete("barrier", self.comm.Barrier, self.comm.Ibarrier)
 
     def split(self, ranks: Sequence[int]) -> MPIBackend | None:
@@ -283,12 +325,34 @@ class MPIBackend(Backend):
 
     def duplicate(self) -> MPIBackend:
         """Return an engine on a private duplicate of this one's communicator (collective)."""
-        return MPIBackend(self.comm, cuda_aware=self.cuda_aware, timeout=self.timeout)
+        return MPIBackend(
+            self.comm, cuda_aware=self.cuda_aware, timeout=self.timeout, board=self._board
+        )
 
     def abort(self, code: int = 1) -> None:
         self._mpi.COMM_WORLD.Abort(code)
 
     def close(self) -> None:
+        """Leave the world (collective, see the class), then free the communicators.
+
+        Safe to call twice; also run at the interpreter's exit. Ends the job with `MPI_Abort`
+        when another rank waits in a collective that this one will never join.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._mpi.Is_finalized():  # the user finalized MPI: nothing left to free
+            return
+        if self._owns_board:
+            atexit.unregister(self.close)
+            reason = self._board.leave(self.timeout)
+            if reason is not None:
+                sys.stdout.flush()
+                sys.stderr.write(f"dataparallel: {reason}\n")
+                sys.stderr.flush()
+                time.sleep(_ABORT_GRACE_S)
+                self.abort(1)
+            self._board.free()
         for comm in (self.local_comm, self.comm):
             if comm != self._mpi.COMM_NULL:
                 comm.Free()

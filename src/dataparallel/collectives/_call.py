@@ -12,6 +12,7 @@ started without blocking.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -224,6 +225,12 @@ def describe(
 
 
 def check_root(root: int, backend: Backend) -> None:
+    """Refuse a `root` that is not an integer (`0.0`, `True`, `"0"`) or not a rank of the world."""
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+        raise TypeError(
+            f"root={root!r} is not a rank: give an int from 0 to {backend.size - 1} "
+            f"(got {type(root).__name__})."
+        )
     if not 0 <= root < backend.size:
         raise ValueError(f"root={root} is not a rank of this world of {backend.size}.")
 

@@ -21,8 +21,8 @@ from dataparallel.collectives._call import (
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Broadcast
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Tree
-from dataparallel.world import Group, engine_of
 
 __all__ = ["broadcast", "ibroadcast"]
 

@@ -19,8 +19,8 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Exchange
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Tree
-from dataparallel.world import Group, engine_of
 
 __all__ = ["alltoall"]
 

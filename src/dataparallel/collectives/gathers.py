@@ -8,8 +8,8 @@ from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import Leaf, agree, context, leaves_of, log, prepared
 from dataparallel.engine import tree
 from dataparallel.engine.dtypes import storage_dtype
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Tree
-from dataparallel.world import Group, engine_of
 
 __all__ = ["allgather"]
 

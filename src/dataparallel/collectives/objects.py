@@ -7,7 +7,7 @@ from typing import Any
 from dataparallel.backends.base import Backend
 from dataparallel.checks import verify_same_call
 from dataparallel.collectives._call import check_root, context, prepared
-from dataparallel.world import Group, engine_of
+from dataparallel.groups import Group, engine_of
 
 __all__ = ["allgather_object", "barrier", "broadcast_object"]
 

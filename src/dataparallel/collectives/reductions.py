@@ -27,8 +27,8 @@ from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
 from dataparallel.engine.fusion import Fusion
 from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op, Tree
-from dataparallel.world import Group, engine_of
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
 

@@ -15,8 +15,8 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Scatter
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op, Tree
-from dataparallel.world import Group, engine_of
 
 __all__ = ["reducescatter"]
 

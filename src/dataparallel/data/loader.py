@@ -20,6 +20,7 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.data.sources import Index, source
+from dataparallel.groups import Group
 
 __all__ = ["DistributedDataContainer", "DistributedDataLoader", "shard_indices"]
 
@@ -84,7 +85,7 @@ def _count(value: Any, name: str) -> int:
     return int(value)
 
 
-def rank_and_size(group: world.Group | None = None) -> tuple[int, int]:
+def rank_and_size(group: Group | None = None) -> tuple[int, int]:
     """Return this process's rank and size in the world, or in `group`.
 
     Raises `NotInitializedError` before `dp.initialize()`.
@@ -96,7 +97,7 @@ class _Sharded:
     """What the container and the loader share: the data, the world's shape, the shuffle state."""
 
     def __init__(
-        self, data: Any, shuffle: bool, seed: int, owner: str, group: world.Group | None
+        self, data: Any, shuffle: bool, seed: int, owner: str, group: Group | None
     ) -> None:
         if not isinstance(shuffle, (bool, np.bool_)):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__} {shuffle!r}.")
@@ -173,7 +174,7 @@ class DistributedDataContainer(_Sharded):
     """
 
     def __init__(
-        self, data: Any, *, shuffle: bool = False, seed: int = 0, group: world.Group | None = None
+        self, data: Any, *, shuffle: bool = False, seed: int = 0, group: Group | None = None
     ) -> None:
         super().__init__(data, shuffle, seed, "DistributedDataContainer", group)
         self._indices = self._compute_indices()
@@ -312,7 +313,7 @@ class DistributedDataLoader(_Sharded):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
-        group: world.Group | None = None,
+        group: Group | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise TypeError(

@@ -329,6 +329,10 @@ def family_of(x: Any, path: str = "x") -> Family:
                 "Call them outside jax.jit, or use dp.DistributedOptimizer for optax, "
                 "which works inside jit."
             )
+        if name == "torch":
+            problem = _torch_problem(x)
+            if problem is not None:
+                raise TypeError(f"{path}: {problem}")
         family = _ARRAY_FAMILIES[name]
     check_dtype(family.dtype(x), path)
     return family
@@ -362,3 +366,29 @@ def write_back(staged: list[Staged]) -> list[Any]:
     for family, xs in written.items():
         family.mark_written(xs)
     return out
+
+
+def _torch_problem(t: Any) -> str | None:
+    """Return why torch tensor `t` cannot be communicated (nested, sparse, meta), or None."""
+    if t.is_nested:
+        return (
+            "a nested torch tensor cannot be communicated, only dense (strided) ones: pass its "
+            "components (t.unbind()) or a padded tensor (t.to_padded_tensor(0.0))."
+        )
+    if t.layout != _torch_strided():
+        return (
+            f"a torch tensor of layout {t.layout} cannot be communicated, only dense (strided) "
+            "ones: pass t.to_dense(), or its indices and values as dense tensors."
+        )
+    if t.device.type == "meta":
+        return (
+            "a torch tensor on the 'meta' device has no data to communicate: give it storage "
+            "first (e.g. module.to_empty(device='cpu'), then initialize it)."
+        )
+    return None
+
+
+def _torch_strided() -> Any:
+    import torch
+
+    return torch.strided

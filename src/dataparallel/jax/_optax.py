@@ -69,8 +69,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, validate_reduction
+from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op
-from dataparallel.world import Group
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
 
@@ -127,7 +127,7 @@ def distributed_optax(
     ('DistributedState', [0.001, 0.001, 0.001])
     """
     parse_op(op)
-    backend = world.engine_of(backend, group)
+    backend = engine_of(backend, group)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
         callback_backend(backend)  # collective: create the private communicator now, everywhere

@@ -6,6 +6,7 @@ import os
 import re
 import select
 import threading
+from collections.abc import Callable
 from typing import BinaryIO, TextIO
 
 __all__ = ["Output", "pump"]
@@ -55,11 +56,17 @@ class Output:
             self._stream.flush()
 
 
-def pump(source: BinaryIO, output: Output, prefix: bytes) -> None:
+def pump(
+    source: BinaryIO,
+    output: Output,
+    prefix: bytes,
+    tap: Callable[[bytes], None] | None = None,
+) -> None:
     """Copy `source` to `output` until end of file, line by line, each line prefixed.
 
     A partial line that stays partial for `PARTIAL_LINE_SECONDS` (an `input()` prompt, a progress
-    bar) is shown anyway.
+    bar) is shown anyway. `tap`, if given, sees every complete line too (the MPI launcher reads
+    mpiexec's report of a rank's death there).
     """
     fd = source.fileno()
     pending = b""
@@ -76,7 +83,10 @@ def pump(source: BinaryIO, output: Output, prefix: bytes) -> None:
         pending += chunk
         start = 0
         for match in _LINE_END.finditer(pending):
-            output.write(prefix, pending[start : match.end()], complete=True)
+            line = pending[start : match.end()]
+            output.write(prefix, line, complete=True)
+            if tap is not None:
+                tap(line)
             start = match.end()
         pending = pending[start:]
     output.end(prefix, pending)

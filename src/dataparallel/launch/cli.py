@@ -33,8 +33,10 @@ the N processes itself with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, 
 MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `.
 
 When a rank raises, its traceback is printed once, prefixed with its rank, and the whole job ends
-at once instead of hanging. The exit status is 0 only if every rank succeeded; otherwise the failing
-rank's status, 124 after --timeout, or 128+N when the launcher is stopped by signal N.
+at once instead of hanging. The exit status is 0 only if every rank finished its script; otherwise
+the failing rank's status, 128+N for a rank killed by signal N, 1 for a rank that ended without
+finishing (os._exit), 124 after --timeout, or 128+N when the launcher is stopped by signal N
+(130 on Ctrl-C, which reaches every rank as KeyboardInterrupt).
 """
 
 _RUN_EPILOG = """\

@@ -3,7 +3,9 @@
 Each child gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
 `MASTER_PORT`, from which `dp.initialize()` picks Gloo. Their output is streamed line by line with
 a `[rank N] ` prefix (`_output.py`). When a child fails, the others are stopped (SIGTERM, then
-SIGKILL after a grace period) and the launcher exits with the failed child's status.
+SIGKILL after a grace period) and the launcher exits with the failed child's status. A child that
+exits with status 0 without having finished its script (it left through `os._exit(0)`; each rank
+notes how it ended in the run folder, `_rundir.py`) is a failure too (status 1).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES
+from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES, RUN_DIR_VARIABLE
 from dataparallel.launch._output import Output, pump
 from dataparallel.launch._process import (
     EXIT_TIMEOUT,
@@ -27,6 +29,7 @@ from dataparallel.launch._process import (
     stop,
     warn,
 )
+from dataparallel.launch._rundir import RunDir
 
 __all__ = ["Topology", "child_env", "run_gloo"]
 
@@ -94,13 +97,15 @@ def run_gloo(target: list[str], topology: Topology, *, timeout: float | None = N
 
     Returns:
         0 when every rank succeeded; else the first failed rank's status (128 + N for a death by
-        signal N), 124 on timeout, or 128 + N when the launcher was stopped by signal N.
+        signal N, 1 for a rank that exited with 0 before its script finished), 124 on timeout, or
+        128 + N when the launcher was stopped by signal N.
     """
     port = topology.master_port
     if port is None:
         port = free_port(topology.master_addr)
     command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid()), *target]
-    base = dict(os.environ)
+    run_dir = RunDir()
+    base = {**os.environ, RUN_DIR_VARIABLE: run_dir.path}
     deadline = None if timeout is None else time.monotonic() + timeout
     exited: queue.Queue[int] = queue.Queue()
     procs: list[subprocess.Popen[bytes]] = []
@@ -127,17 +132,19 @@ def run_gloo(target: list[str], topology: Topology, *, timeout: float | None = N
                     thread.start()
                     pumps.append(thread)
                 threading.Thread(target=_wait, args=(proc, local, exited), daemon=True).start()
-            status = _supervise(procs, topology, exited, signals, deadline, timeout)
+            status = _supervise(procs, topology, run_dir, exited, signals, deadline, timeout)
         finally:
             stop(procs)
             for thread in pumps:
                 thread.join(timeout=5.0)
+            run_dir.remove()
     return status
 
 
 def _supervise(
     procs: list[subprocess.Popen[bytes]],
     topology: Topology,
+    run_dir: RunDir,
     exited: queue.Queue[int],
     signals: Signals,
     deadline: float | None,
@@ -157,9 +164,14 @@ def _supervise(
             if signals.received is not None:  # the ranks died of the launcher's own Ctrl-C
                 continue
             status = exit_status(procs[local].returncode)
-            if status != 0:
+            rank = topology.rank(local)
+            problem = None if status != 0 else run_dir.unfinished_rank(rank)
+            if status != 0 or problem is not None:
                 others = sum(p.poll() is None for p in procs)
                 stopping = f"; stopping the other {others} rank(s)" if others else ""
-                warn(f"rank {topology.rank(local)} exited with status {status}{stopping}.")
-                return status
+                if problem is None:
+                    warn(f"rank {rank} exited with status {status}{stopping}.")
+                    return status
+                warn(f"{problem}{stopping}. Status 0 means that every rank finished its script.")
+                return 1
     return 0

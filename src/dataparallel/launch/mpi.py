@@ -5,6 +5,12 @@ where `python` is this interpreter (`sys.executable`) and `mpiexec` is the one i
 the `mpich` wheel (`pip install 'dataparallel[mpi]'`) puts it in the environment's `bin`, next to
 the interpreter. An `mpiexec` from another MPI would start N unrelated worlds of one, so one found
 only on `PATH` is used with a warning.
+
+The launcher streams mpiexec's output through itself, to read Hydra's report of a rank killed by
+signal N (whose status is then 128 + N, as under Gloo and in shells), and gives the ranks a run
+folder (`_rundir.py`) where each notes how it ended: a job that mpiexec reports as a success while
+a rank did not finish its script (it left through `os._exit(0)`, and mpiexec quietly killed the
+others) fails with status 1, naming that rank. Ctrl-C goes to the ranks, not through mpiexec.
 """
 
 from __future__ import annotations
@@ -13,17 +19,22 @@ import ctypes
 import importlib.util
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dataparallel.config import RUN_DIR_VARIABLE
 from dataparallel.errors import BackendUnavailableError
+from dataparallel.launch._output import Output, pump
 from dataparallel.launch._process import EXIT_TIMEOUT, GRACE_SECONDS, Signals, exit_status, warn
+from dataparallel.launch._rundir import RunDir, signal_name
 
 __all__ = ["find_mpiexec", "mpi_command", "require_mpi4py", "run_mpi"]
 
@@ -101,7 +112,8 @@ def run_mpi(
         hostfile: an MPI host file, passed as `-f` (Hydra) or `--hostfile` (Open MPI).
 
     Returns:
-        mpiexec's exit status (the failing rank's code when one aborts), 124 on timeout, or
+        0 when every rank succeeded; else the failing rank's code, 128 + N for a rank killed by
+        signal N, 1 for a rank that ended without finishing (`os._exit(0)`), 124 on timeout, or
         128 + N when the launcher was stopped by signal N.
     """
     require_mpi4py()
@@ -111,60 +123,159 @@ def run_mpi(
     env = dict(os.environ)
     if timeout is not None:
         env["MPIEXEC_TIMEOUT"] = str(max(1, math.ceil(timeout)))
-    command = mpi_command(mpiexec, n, target, hostfile)
-    start = time.monotonic()
-    deadline = None if timeout is None else start + timeout + _BACKSTOP_SECONDS
-    with Signals() as signals:
-        proc = subprocess.Popen(command, env=env, preexec_fn=_end_with_launcher())
+    run_dir = RunDir()
+    env[RUN_DIR_VARIABLE] = run_dir.path
+    try:
+        job = _Job(mpi_command(mpiexec, n, target, hostfile), env, n, run_dir)
+        status = job.run(timeout)
+        if job.stopped:
+            return status
+        # Every rank's note can be read only when every rank ran on this machine.
+        if status == 0 and hostfile is not None and len(run_dir.local_pids()) < n:
+            return 0
+        signalled = status == job.killed_by
+        # mpiexec may report the ranks it killed itself after one left through os._exit(0).
+        if status == 0 or (signalled and run_dir.left_early()):
+            problem = run_dir.unfinished(n)
+            if problem is not None:
+                warn(problem)
+                return 1
+            return status
+        return job.killed(status) if signalled else status
+    finally:
+        run_dir.remove()
+
+
+class _Job:
+    """mpiexec and the threads that stream its output, watching for its report of a death."""
+
+    def __init__(self, command: list[str], env: dict[str, str], n: int, run_dir: RunDir) -> None:
+        self.command, self.env, self.n, self.run_dir = command, env, n, run_dir
+        self.killed_by: int | None = None  # the signal mpiexec says ended a rank
+        self.killed_pids: list[int] = []
+        self.stopped = False  # by the launcher (a signal, --timeout): its status is final
+
+    def _see(self, line: bytes) -> None:
+        """Read mpiexec's (Hydra's) report of a rank that died: its pid, and the signal."""
+        found = _HYDRA_SIGNAL.search(line)
+        if found is not None:
+            self.killed_by = int(found.group(1))
+        found = _HYDRA_PID.search(line)
+        if found is not None:
+            self.killed_pids.append(int(found.group(1)))
+
+    def run(self, timeout: float | None) -> int:
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout + _BACKSTOP_SECONDS
+        pumps: list[threading.Thread] = []
+        with Signals() as signals:
+            proc = subprocess.Popen(
+                self.command,
+                env=self.env,
+                preexec_fn=_child_setup(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert proc.stdout is not None and proc.stderr is not None
+            for source, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                thread = threading.Thread(
+                    target=pump, args=(source, Output(stream), b"", self._see), daemon=True
+                )
+                thread.start()
+                pumps.append(thread)
+            try:
+                returncode = self._wait(proc, signals, deadline, timeout)
+            finally:
+                for thread in pumps:
+                    thread.join(timeout=5.0)
+        self.stopped = True
+        if returncode is None:  # stopped by the launcher: the status is decided already
+            return 128 + signals.received if signals.received is not None else EXIT_TIMEOUT
+        status = exit_status(returncode)
+        if status != 0 and timeout is not None and time.monotonic() - start >= timeout:
+            warn(f"the job ran past --timeout {timeout:g}s and was stopped.")
+            return EXIT_TIMEOUT
+        self.stopped = False
+        return status
+
+    def _wait(
+        self,
+        proc: subprocess.Popen[bytes],
+        signals: Signals,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> int | None:
+        """Return mpiexec's return code, or None when the launcher had to stop the job."""
         while True:
             try:
-                returncode = proc.wait(timeout=0.1)
-                break
+                return proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
             if signals.received is not None:
-                _end(proc, signals.received)
-                return 128 + signals.received
+                self._stop(proc, signals.received)
+                return None
             if deadline is not None and time.monotonic() >= deadline:
                 warn(f"the job ran past --timeout {timeout:g}s; stopping it.")
-                _end(proc, None)
-                return EXIT_TIMEOUT
-    status = exit_status(returncode)
-    if status != 0 and timeout is not None and time.monotonic() - start >= timeout:
-        warn(f"the job ran past --timeout {timeout:g}s and was stopped.")
-        return EXIT_TIMEOUT
-    return status
+                self._stop(proc, None)
+                return None
+
+    def killed(self, signum: int) -> int:
+        """Name the rank that a signal killed (by its pid) and return 128 + the signal."""
+        ranks = {pid: rank for rank, pid in self.run_dir.local_pids().items()}
+        named = sorted({ranks[pid] for pid in self.killed_pids if pid in ranks})
+        who = "rank " + ", ".join(map(str, named)) if named else "a rank"
+        warn(f"{who} was killed by signal {signum} ({signal_name(signum)}).")
+        return 128 + signum
+
+    def _stop(self, proc: subprocess.Popen[bytes], signum: int | None) -> None:
+        """End the job: Ctrl-C goes to the ranks themselves, other signals through mpiexec.
+
+        mpiexec never sees SIGINT (`_child_setup`), so it prints nothing of its own on Ctrl-C:
+        each rank raises `KeyboardInterrupt` and leaves with status 130, and mpiexec ends the
+        rest. Past a grace period, mpiexec and the ranks of this machine are killed.
+        """
+        try:
+            if signum == signal.SIGINT and self.run_dir.signal_ranks(self.n, signum):
+                pass
+            elif signum is None or signum == signal.SIGINT:  # ranks elsewhere: via mpiexec
+                proc.terminate()
+            else:
+                proc.send_signal(signum)
+            proc.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            self.run_dir.signal_ranks(self.n, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
-def _end_with_launcher() -> Callable[[], None] | None:
-    """Return a hook that has the kernel send mpiexec SIGTERM if the launcher dies (Linux only).
+# Hydra's report of a rank that died: "=   PID 1234 RUNNING AT host" and, once every rank has
+# ended, "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)".
+_HYDRA_PID = re.compile(rb"^=\s+PID (\d+) RUNNING AT ")
+_HYDRA_SIGNAL = re.compile(rb"TERMINATED WITH THE EXIT STRING: .*\(signal (\d+)\)")
 
-    mpiexec then ends its ranks, so killing the launcher (`kill -9`) leaves nothing behind.
+
+def _child_setup() -> Callable[[], None]:
+    """Return what mpiexec runs before `exec`: SIGINT blocked, and death with the launcher.
+
+    SIGINT stays blocked in mpiexec (a blocked signal stays blocked across `exec`), so a Ctrl-C
+    at the terminal reaches the launcher but not mpiexec, which would print its own messages and
+    take a second Ctrl-C as "abort"; the launcher passes it on to the ranks (`_Job._stop`), and
+    the runner unblocks it there. On Linux, the kernel also sends mpiexec SIGTERM if the launcher
+    dies, and mpiexec then ends its ranks, so killing the launcher (`kill -9`) leaves nothing.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            prctl = None
     pr_set_pdeathsig = 1
 
     def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, int(signal.SIGTERM))
 
     return hook
-
-
-def _end(proc: subprocess.Popen[bytes], signum: int | None) -> None:
-    """Ask mpiexec to end the job (it forwards to the ranks), then kill it after a grace period."""
-    try:
-        if signum is None:
-            proc.terminate()
-        else:
-            proc.send_signal(signum)
-        proc.wait(timeout=GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    except ProcessLookupError:
-        pass

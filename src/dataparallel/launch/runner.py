@@ -8,7 +8,14 @@ one rank into the end of the whole job instead of a hang:
   (`[rank 1] Traceback ...`), then aborts the job (`MPI.COMM_WORLD.Abort` under MPI; under Gloo a
   plain non-zero exit, on which the launcher stops the other ranks);
 - `sys.exit(0)` (or `None`) is success; any other `SystemExit` code is a failure with that code;
+- Ctrl-C (`KeyboardInterrupt`) prints `[rank R] KeyboardInterrupt` and leaves with status 130,
+  without `MPI_Abort` (its launcher has signalled every rank, so the job ends quietly);
 - at a normal exit, `dataparallel.world.finalize()` runs if the script initialized the world.
+
+Under `dataparallel run` (`DATAPARALLEL_RUN_DIR` set), the rank notes its process id at start and
+how it ended in the launcher's run folder (`_rundir.py`); `os._exit` is watched for that purpose,
+so a rank that leaves through it before its script finished is named. SIGINT, which the MPI
+launcher keeps from mpiexec so that mpiexec stays quiet on Ctrl-C, is unblocked again here.
 
 Under an MPI launcher MPI is initialized *before* the script runs (mpi4py's defaults, so
 `MPI_THREAD_MULTIPLE` is requested): a rank that fails before its own `dp.initialize()` could not
@@ -36,7 +43,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn
 
+from dataparallel.launch._rundir import DONE, note_end, note_start
+
 __all__ = ["main"]
+
+# `os._exit` itself, before `_watch_os_exit` wraps it.
+_exit = os._exit
 
 _USAGE = (
     "usage: python -m dataparallel.launch.runner [--prefixed] [--parent PID]"
@@ -53,6 +65,9 @@ class _Options:
 
 
 _ABORT_GRACE_S = 0.3
+
+# The status of a rank stopped by Ctrl-C, as shells give it (128 + SIGINT).
+_INTERRUPTED = 128 + int(signal.SIGINT)
 
 
 def _parse(argv: list[str]) -> _Options:
@@ -89,13 +104,13 @@ def _die_with_parent(parent: int) -> None:
             pr_set_pdeathsig = 1
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
     if os.getppid() != parent:  # it died before we could ask
-        os._exit(1)
+        _exit(1)
     if not sys.platform.startswith("linux"):
 
         def watch() -> None:
             while os.getppid() == parent:
                 time.sleep(1.0)
-            os._exit(1)
+            _exit(1)
 
         threading.Thread(target=watch, name="dataparallel-parent-watch", daemon=True).start()
 
@@ -168,19 +183,19 @@ def _report(text: str, prefixed: bool) -> None:
     sys.stderr.write(text)
 
 
-def _fail(code: int) -> NoReturn:
-    """End this rank with `code` and, under MPI, the whole job with it."""
+def _fail(code: int, *, abort: bool = True) -> NoReturn:
+    """End this rank with `code` and, under MPI with `abort`, the whole job with it."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     mpi = _live_mpi()
-    if mpi is not None:
+    if mpi is not None and abort:
         # Hydra forwards a rank's output through its proxy, which stops reading once the abort
         # lands: give it a moment to forward the traceback (seen lost about 1 run in 30 at 3 ranks).
         time.sleep(_ABORT_GRACE_S)
         mpi.COMM_WORLD.Abort(code)
     # Not `sys.exit`: threads or atexit hooks of a failed program must not keep the rank alive.
-    os._exit(code)
+    _exit(code)
 
 
 def _exit_code(code: object, prefixed: bool) -> int:
@@ -201,7 +216,7 @@ def _guarded(call: Callable[[], object], prefixed: bool) -> int:
         return _exit_code(exc.code, prefixed)
     except KeyboardInterrupt:
         _report("KeyboardInterrupt", prefixed)
-        return 128 + int(signal.SIGINT)
+        return _INTERRUPTED
     except BaseException as exc:  # whatever the failure, it must end the job
         tb = _user_traceback(exc.__traceback__)
         _report("".join(traceback.format_exception(type(exc), exc, tb)), prefixed)
@@ -213,6 +228,19 @@ def _finalize_world() -> None:
     world = sys.modules.get("dataparallel.world")
     if world is not None and world.initialized():
         world.finalize()
+
+
+def _watch_os_exit(run_dir: str, rank: int) -> None:
+    """Make `os._exit` in this process note that the rank left before its script finished."""
+    pid = os.getpid()
+
+    def leave(status: int) -> NoReturn:
+        if os.getpid() == pid:  # not in a forked child (a data loader's worker, ...)
+            with contextlib.suppress(Exception):
+                note_end(run_dir, rank, f"os._exit {status}")
+        _exit(status)
+
+    os._exit = leave
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,12 +256,25 @@ def main(argv: list[str] | None = None) -> int:
     options = _parse(sys.argv[1:] if argv is None else argv)
     if options.parent is not None:
         _die_with_parent(options.parent)
+    from dataparallel.config import Settings
+
+    run_dir = Settings.from_env().run_dir
+    if run_dir is not None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _init_mpi()
+    rank = int(_rank())
+    if run_dir is not None:
+        note_start(run_dir, rank)
+        _watch_os_exit(run_dir, rank)
     code = _guarded(lambda: _run(options), options.prefixed)
+    interrupted = code == _INTERRUPTED
     if code == 0:
         code = _guarded(_finalize_world, options.prefixed)
+    if run_dir is not None:
+        note_end(run_dir, rank, DONE if code == 0 else f"failed {code}")
     if code != 0:
-        _fail(code)
+        _fail(code, abort=not interrupted)
     return 0
 
 

@@ -10,11 +10,11 @@ from typing import Any
 from torch import nn
 
 from dataparallel.backends.base import Backend
+from dataparallel.groups import Group, engine_of
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._synchronize import synchronize_torch
 from dataparallel.types import Op
-from dataparallel.world import Group, engine_of
 
 __all__ = ["DataParallelModel"]
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from dataparallel.backends.base import Backend
+from dataparallel.groups import Group, engine_of
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.types import Op
-from dataparallel.world import Group, engine_of
 
 __all__ = ["distributed_torch_optimizer"]
 
