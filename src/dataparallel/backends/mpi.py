@@ -207,10 +207,10 @@ class MPIBackend(Backend):
         )
 
     def allgather(self, send: Any, recv: Any) -> None:
-        comm = self.comm
-        self._complete(
-            "allgather", lambda: comm.Allgather(send, recv), lambda: comm.Iallgather(send, recv)
-        )
+        if self.timeout is None:  # the handshake of every call: no closures on its way
+            self.comm.Allgather(send, recv)
+        else:
+            _wait(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if self.timeout is None:
