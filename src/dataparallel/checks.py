@@ -45,6 +45,7 @@ __all__ = [
     "check_scale",
     "digest",
     "exchange",
+    "exchange_failed",
     "fail_together",
     "handshake",
     "inline_capacity",
@@ -145,7 +146,7 @@ def new_record() -> np.ndarray:
 
 def handshake(
     backend: Backend,
-    summary: str,
+    summary: str | int,
     call: dict[str, Any] | Callable[[], dict[str, Any]],
     *,
     record: np.ndarray | None = None,
@@ -155,7 +156,8 @@ def handshake(
 
     Args:
         backend: the engine the collective runs on (a world of two or more).
-        summary: a string equal on two ranks exactly when their calls are the same.
+        summary: a string equal on two ranks exactly when their calls are the same, or its
+            `digest`.
         call: the call field by field (or a function that makes it), to explain a mismatch.
         record: this rank's record (`new_record()`) with a payload after the header, if any.
         flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
@@ -164,12 +166,12 @@ def handshake(
         Every rank's record, one row per rank (None in worlds over `GATHER_LIMIT` ranks), and
         whether any rank raised `flag`.
     """
-    h = digest(summary)
+    h = summary if isinstance(summary, int) else digest(summary)
     if backend.size > GATHER_LIMIT:
         bounds = np.array([h, -h, bool(flag)], np.int64)
         backend.allreduce(bounds, ReduceOp.MAX)
         if bounds[0] != -bounds[1]:
-            _mismatch(backend, call)
+            exchange_failed(backend, call)
         return None, bool(bounds[2])
     if record is None:
         record = np.zeros(RECORD_BYTES, np.uint8)
@@ -193,11 +195,13 @@ def exchange(
     rows = np.empty((size, RECORD_BYTES), np.uint8)
     backend.allgather(record, rows.reshape(-1))
     if rows[:, :8].tobytes() != record[:8].tobytes() * size:
-        _mismatch(backend, call)
+        exchange_failed(backend, call)
     return rows
 
 
-def _mismatch(backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]) -> NoReturn:
+def exchange_failed(
+    backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]
+) -> NoReturn:
     """Exchange the calls' descriptions (every rank saw the mismatch) and raise on every rank."""
     calls = backend.allgather_object(call if isinstance(call, dict) else call())
     raise CollectiveMismatchError(_explain(calls))

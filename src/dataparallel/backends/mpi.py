@@ -247,10 +247,10 @@ class MPIBackend(Backend):
 
     def allgather(self, send: Any, recv: Any) -> None:
         self._board.tick()
-        comm = self.comm
-        self._complete(
-            "allgather", lambda: comm.Allgather(send, recv), lambda: comm.Iallgather(send, recv)
-        )
+        if self.timeout is None:  # the handshake of every call: no closures on its way
+            self.comm.Allgather(send, recv)
+        else:
+            _wait(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
 
     def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
         self._board.tick()

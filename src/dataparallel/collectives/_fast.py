@@ -25,12 +25,13 @@ from dataparallel.checks import (
     INLINE_BYTES,
     RECORD_BYTES,
     digest,
-    exchange,
+    exchange_failed,
     inline_capacity,
 )
 from dataparallel.collectives._call import describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
 from dataparallel.engine.fusion import scale_in_place
+from dataparallel.engine.inline import combine_rows
 
 __all__ = ["NOT_FAST", "small_allreduce"]
 
@@ -78,16 +79,33 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
         summary, _ = _describe(x, op, scale)
         header = _HEADERS[key] = digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8)
     record = np.frombuffer(header + payload + _PAD[: INLINE_BYTES - len(payload)], np.uint8)
-    rows = exchange(backend, record, lambda: _describe(x, op, scale)[1]())
-    values = rows[:, HEADER_BYTES : HEADER_BYTES + len(payload)].view(dtype)
-    out = ufunc.reduce(values, axis=0, dtype=dtype)
+    rows = np.empty(size * RECORD_BYTES, np.uint8)
+    backend.allgather(record, rows)
+    raw, h = rows.tobytes(), header[:8]
+    for start in range(0, len(raw), RECORD_BYTES):  # as `checks.exchange`
+        if raw[start : start + 8] != h:
+            exchange_failed(backend, lambda: _describe(x, op, scale)[1]())
     total = 1.0 if scale is None else scale
     if op == "avg":
         total /= size
+    if kind is float:  # Python's float arithmetic is NumPy's float64's, bit for bit
+        values = [
+            _F64.unpack_from(raw, start + HEADER_BYTES)[0]
+            for start in range(0, len(raw), RECORD_BYTES)
+        ]
+        acc = values[0]
+        for value in values[1:]:
+            if op in ("sum", "avg"):
+                acc += value
+            elif op == "prod":
+                acc *= value
+            else:
+                acc = float(ufunc(acc, value))  # NaN wins, as in NumPy
+        return acc * total if total != 1 else acc
+    rows2 = rows.reshape(size, RECORD_BYTES)
+    out = combine_rows(ufunc, rows2[:, HEADER_BYTES : HEADER_BYTES + len(payload)].view(dtype))
     if total != 1:
         scale_in_place(out, total)
-    if kind is float:
-        return float(out[0])
     x.reshape(-1)[...] = out
     return x
 

@@ -18,7 +18,7 @@ from dataparallel.engine.actions import Broadcast, Reduction
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16
 from dataparallel.engine.fusion import scale_in_place
 
-__all__ = ["ALIGN", "land_inline", "pack_inline", "padded"]
+__all__ = ["ALIGN", "combine_rows", "land_inline", "pack_inline", "padded"]
 
 ALIGN = 8  # each leaf's bytes start at a multiple of this in the record
 
@@ -40,8 +40,11 @@ def pack_inline(record: np.ndarray, start: int, works: list[np.ndarray]) -> None
     offset = start
     for work in works:
         nbytes = work.nbytes
-        record[offset : offset + nbytes].view(work.dtype).reshape(work.shape)[...] = work
-        offset += padded(nbytes)
+        if work.flags.c_contiguous:
+            record[offset : offset + nbytes] = work.reshape(-1).view(np.uint8)
+        else:
+            record[offset : offset + nbytes].view(work.dtype).reshape(work.shape)[...] = work
+        offset += (nbytes + ALIGN - 1) & -ALIGN
 
 
 def land_inline(
@@ -66,7 +69,18 @@ def land_inline(
                     work[...] = values[action.root].reshape(work.shape)
             elif action.root is None or action.root == rank:
                 work[...] = _combine(values, dtype, action).reshape(work.shape)
-        offset += padded(nbytes)
+        offset += (nbytes + ALIGN - 1) & -ALIGN
+
+
+def combine_rows(ufunc: np.ufunc, values: np.ndarray) -> np.ndarray:
+    """Combine the rows of `values` (one per rank, two or more) with `ufunc`, in rank order.
+
+    One row after the other, so that any caller, for any number of ranks, gets the same bits.
+    """
+    out: np.ndarray = ufunc(values[0], values[1])
+    for row in values[2:]:
+        ufunc(out, row, out=out)
+    return out
 
 
 def _combine(values: np.ndarray, dtype: str, action: Reduction) -> np.ndarray:
@@ -74,17 +88,16 @@ def _combine(values: np.ndarray, dtype: str, action: Reduction) -> np.ndarray:
     op, scale = action.op, action.scale
     if dtype == "bool":
         logical = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
-        result: np.ndarray = logical.reduce(values, axis=0)
-        return result
+        return combine_rows(logical, values)
     if dtype in ("bfloat16", "float16"):
         wide = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
-        out = _UFUNCS[op].reduce(wide, axis=0)
+        out = combine_rows(_UFUNCS[op], wide)
         if scale is not None:
             out *= np.float32(scale)
         if dtype == "float16":
             return out.astype(np.float16)
         return f32_to_bf16(out, np.empty(out.shape, np.uint16))
-    out = _UFUNCS[op].reduce(values, axis=0, dtype=values.dtype)
+    out = combine_rows(_UFUNCS[op], values)
     if scale is not None:
         scale_in_place(out, scale)
     return out
