@@ -32,7 +32,9 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
+from _timing import compare
 from mpi4py import MPI
 from torch import nn
 from train_step import VOCAB, Horovod, init_gloo, measure, report, trainer, transformer
@@ -149,14 +151,48 @@ class ThreadedOptimizer:
         return self.opt.step()
 
 
+def handoff_cost() -> dict[str, float]:
+    """A 4-byte Allreduce made directly, and handed to a thread and waited for (the round trip)."""
+    comm = MPI.COMM_WORLD.Dup()
+    tiny = np.ones(1, np.float32)
+    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def worker() -> None:
+        while (job := jobs.get()) is not None:
+            comm.Allreduce(MPI.IN_PLACE, tiny, MPI.SUM)
+            job.set()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+
+    def through_thread() -> None:
+        done = threading.Event()
+        jobs.put(done)
+        done.wait()
+
+    best = compare(
+        {
+            "direct": lambda: comm.Allreduce(MPI.IN_PLACE, tiny, MPI.SUM),
+            "via thread": through_thread,
+        },
+        comm,
+    )
+    jobs.put(None)
+    thread.join()
+    comm.Free()
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d", default="128,256,512")
+    parser.add_argument("--d", default="128,256,512", help="widths; none: skip")
     parser.add_argument("--buckets", default="256K,4M,25M", help="prototype bucket sizes")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--budget", type=float, default=0.4)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--tolerance", type=float, default=0.1)
+    parser.add_argument("--handoff", action="store_true", help="time a thread hand-off")
     parser.add_argument("--ddp", action="store_true", help="also time DDP over Gloo")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -176,7 +212,15 @@ def main() -> None:
         print(f"{dp.size()} ranks, MPI thread level {MPI.Query_thread()} (3 = MULTIPLE)")
         if horovod.hvd is None:
             print(f"Horovod case skipped: {horovod.reason}")
-    for d in (int(v) for v in args.d.split(",")):
+    if args.handoff:
+        best = handoff_cost()
+        if dp.is_main():
+            direct, thread = best["direct"] * 1e6, best["via thread"] * 1e6
+            print(
+                f"4-byte Allreduce: direct {direct:.1f} us, handed to a thread and waited for "
+                f"{thread:.1f} us (+{thread - direct:.1f} us per hand-off)"
+            )
+    for d in (int(v) for v in args.d.split(",") if v):
         base = transformer(d)
         models = [copy.deepcopy(base) for _ in range(3 + len(sizes))]
         cases: dict[str, Any] = {
@@ -200,7 +244,7 @@ def main() -> None:
         if args.ddp:
             ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
             cases["torch DDP (gloo)"] = (trainer(ddp, adam(ddp), batch), None)
-        samples = measure(cases, args.rounds, args.budget)
+        samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
             n = sum(p.numel() for p in base.parameters())
             report(f"Transformer d={d}, {n / 1e6:.2f} M parameters, Adam", samples)

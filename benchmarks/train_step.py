@@ -20,12 +20,15 @@ processes, one torch thread per rank:
 - `Horovod DistributedOptimizer` (MPI), when `horovod.torch` imports and dp runs on MPI. Horovod
   is initialized only while its case runs (`hvd.init()` ... `hvd.shutdown()`): an idle, initialized
   Horovod keeps one core busy (a rank waits in a busy-polling MPI call for the coordinator's next
-  cycle), which would slow every other case on a 2-core machine;
+  cycle), which would slow every other case on a 2-core machine (`--hvd-throughout` keeps it
+  initialized all along instead, to see that effect);
 - `torch DDP (gloo)`: DistributedDataParallel on a Gloo group made in the same processes.
 
-Timing: `--rounds` rounds; each round times every case in turn (the order rotates every round),
-one untimed step then as many steps as fit in `--budget` seconds (the slowest rank's time). A
-case's overhead in a round is its step time minus the one-process step time of that round. The
+Timing: `--rounds` rounds; each round times the one process first and last and every other case
+in between (the order rotates every round), each with one untimed step then as many steps as fit
+in `--budget` seconds (the slowest rank's time). A round whose two one-process times differ by
+more than `--tolerance` is dropped (the load of the machine changed during it). A case's overhead
+in a round is its step time minus the round's one-process step time (the mean of the two). The
 table gives the median and quartiles of that paired overhead over rounds, and `min - min` (the
 case's fastest round minus the one process's fastest: the estimate least hit by neighbours'
 bursts on a shared machine). Ratios compare overheads: below 1, dataparallel spends less time
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
 import socket
 import statistics
 import time
@@ -59,6 +63,7 @@ class Horovod:
     def __init__(self) -> None:
         self.hvd: Any = None
         self.reason = self.version = ""
+        self.throughout = False
         try:
             import horovod
             import horovod.torch as hvd
@@ -72,10 +77,17 @@ class Horovod:
         self.version = horovod.__version__
 
     def __enter__(self) -> None:
-        self.hvd.init()  # MPI is already up (mpi4py): shutdown() leaves it up, so this repeats
+        if not self.throughout:
+            self.hvd.init()  # MPI is already up (mpi4py): shutdown() leaves it up, so it repeats
 
     def __exit__(self, *exc: object) -> None:
-        self.hvd.shutdown()
+        if not self.throughout:
+            self.hvd.shutdown()
+
+    def keep_initialized(self) -> None:
+        """Initialize Horovod for the rest of the run, every case included (`--hvd-throughout`)."""
+        self.hvd.init()
+        self.throughout = True
 
 
 def mlp(width: int = 1024, depth: int = 3) -> nn.Module:
@@ -137,7 +149,7 @@ def cases_for(
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {
-        "one process (no communication)": (trainer(single, make_opt(single), batch), None),
+        ALONE: (trainer(single, make_opt(single), batch), None),
         "dp.DistributedOptimizer": (
             trainer(ours, dp.DistributedOptimizer(make_opt(ours)), batch),
             None,
@@ -175,23 +187,51 @@ def run_steps(step: Step, steps: int) -> float:
     return float(dp.allreduce(elapsed, op="max"))
 
 
+ALONE = "one process (no communication)"
+
+
 def measure(
-    cases: dict[str, tuple[Step, Horovod | None]], rounds: int, budget: float
+    cases: dict[str, tuple[Step, Horovod | None]],
+    rounds: int,
+    budget: float,
+    tolerance: float = 0.1,
 ) -> dict[str, list[float]]:
-    """Time every case in interleaved rounds; return each case's seconds per step, per round."""
+    """Time every case in interleaved rounds; return each case's seconds per step, per round.
+
+    A round times the one-process case first and last, the others in between (their order
+    rotates from round to round). A round whose two one-process times differ by more than
+    `tolerance` (the machine's load changed during it) is dropped; rounds are run until `rounds`
+    are kept, or three times as many were tried. The one-process time of a kept round is the
+    mean of its two.
+    """
     counts: dict[str, int] = {}
     for name, (step, context) in cases.items():  # warm up; size each case's timing to `budget`
         with context or _null():
             for _ in range(2):
                 step()
             counts[name] = max(1, min(50, round(budget / run_steps(step, 2))))
-    names = list(cases)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    others = [name for name in cases if name != ALONE]
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    tried = 0
+    while len(samples[ALONE]) < rounds and tried < 3 * rounds:
+        shift = tried % len(others)
+        tried += 1
+        first = run_steps(cases[ALONE][0], counts[ALONE])
+        times = {}
+        for name in others[shift:] + others[:shift]:
             step, context = cases[name]
             with context or _null():
-                samples[name].append(run_steps(step, counts[name]))
+                times[name] = run_steps(step, counts[name])
+        last = run_steps(cases[ALONE][0], counts[ALONE])
+        if abs(first - last) > tolerance * min(first, last):
+            continue
+        times[ALONE] = (first + last) / 2
+        for name, seconds in times.items():
+            samples[name].append(seconds)
+    if dp.is_main():
+        print(f"kept {len(samples[ALONE])} of {tried} rounds (load steady within {tolerance:.0%})")
+    if not samples[ALONE]:
+        raise SystemExit("no round was steady enough: the machine is too busy to measure now")
     return samples
 
 
@@ -211,13 +251,15 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def report(title: str, samples: dict[str, list[float]]) -> None:
-    alone = samples["one process (no communication)"]
+    alone = samples[ALONE]
     over = {n: [s - a for s, a in zip(v, alone, strict=True)] for n, v in samples.items()}
     med = {n: statistics.median(v) for n, v in over.items()}
     low = {n: min(v) - min(alone) for n, v in samples.items()}
     ddp = statistics.median(samples.get("torch DDP (gloo)", alone))
     q1, q2, q3 = quartiles(alone)
-    print(f"\n{title}")
+    print(
+        f"\n{title} (1-minute load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
     print(
         f"one-process step: median {q2 * 1e3:.1f} ms, quartiles {q1 * 1e3:.1f} to "
         f"{q3 * 1e3:.1f} ms, min {min(alone) * 1e3:.1f} ms over {len(alone)} rounds"
@@ -254,8 +296,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--mlp-batch", type=int, default=64, help="MLP samples per rank per step")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--budget", type=float, default=0.4, help="seconds per case per round")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--budget", type=float, default=0.25, help="seconds per case per round")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="see the docstring")
+    parser.add_argument(
+        "--hvd-throughout",
+        action="store_true",
+        help="keep Horovod initialized during every case (its idle thread then loads a core)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -270,7 +318,10 @@ def main() -> None:
         if horovod.hvd is None:
             print(f"Horovod case skipped: {horovod.reason}")
         else:
-            print(f"Horovod {horovod.version} (MPI built: {horovod.hvd.mpi_built()})")
+            when = "throughout" if args.hvd_throughout else "only during its own case"
+            print(f"Horovod {horovod.version} (MPI built: {horovod.hvd.mpi_built()}), on {when}")
+    if args.hvd_throughout and horovod.hvd is not None:
+        horovod.keep_initialized()
 
     g = torch.Generator().manual_seed(dp.rank())
     models = args.models.split(",")
@@ -283,7 +334,9 @@ def main() -> None:
             return torch.optim.SGD(m.parameters(), lr=0.01)
 
         n = sum(p.numel() for p in base.parameters())
-        samples = measure(cases_for(base, sgd, (x, y), horovod), args.rounds, args.budget)
+        samples = measure(
+            cases_for(base, sgd, (x, y), horovod), args.rounds, args.budget, args.tolerance
+        )
         if dp.is_main():
             report(f"MLP, {n / 1e6:.2f} M parameters, SGD, batch {args.mlp_batch}", samples)
     if "transformer" in models:
@@ -297,7 +350,9 @@ def main() -> None:
             base = transformer(d)
             n = sum(p.numel() for p in base.parameters())
             tensors = len(list(base.parameters()))
-            samples = measure(cases_for(base, adam, batch, horovod), args.rounds, args.budget)
+            samples = measure(
+                cases_for(base, adam, batch, horovod), args.rounds, args.budget, args.tolerance
+            )
             if dp.is_main():
                 report(
                     f"Transformer d={d}, {n / 1e6:.2f} M parameters in {tensors} tensors, Adam, "
@@ -305,6 +360,8 @@ def main() -> None:
                     samples,
                 )
             gc.collect()
+    if horovod.throughout:
+        horovod.hvd.shutdown()
     dist.destroy_process_group()
     dp.finalize()
 
