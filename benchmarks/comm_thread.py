@@ -17,6 +17,9 @@ Nothing here is in `src/`: `ThreadedSync` is a standalone sketch of the design, 
   MPI_THREAD_MULTIPLE), scales by 1/size, unpacks (`torch._foreach_copy_`), and counts it done.
   A bucket of one contiguous gradient is reduced in place, with no copy.
 - `step()` waits (a `threading.Condition`) until every bucket is done, then runs the inner step.
+- `--poll-us N`: a variant whose thread does not block in MPI (where MPICH busy-polls) but calls
+  `Iallreduce`, then `Test` and `time.sleep(N us)` in turn.
+Also timed: one process, dp.DistributedOptimizer, dp.allreduce_gradients after backward, Horovod.
 
 Left out of the sketch, needed in the real thing: unused parameters (zeros at the end of the pass),
 timeouts (poll `Iallreduce`+`Test` against a deadline in the thread), errors raised in the thread
@@ -30,6 +33,7 @@ import copy
 import gc
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -48,8 +52,10 @@ MiB = 1 << 20
 class ThreadedSync:
     """Average the gradients of `params` across ranks on a communication thread."""
 
-    def __init__(self, params: list[torch.Tensor], bucket_bytes: int) -> None:
-        self.params, self.bucket_bytes = params, bucket_bytes
+    def __init__(
+        self, params: list[torch.Tensor], bucket_bytes: int, poll: float | None = None
+    ) -> None:
+        self.params, self.bucket_bytes, self.poll = params, bucket_bytes, poll
         self.comm = MPI.COMM_WORLD.Dup()
         self.scale = 1.0 / self.comm.size
         self.queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -111,7 +117,12 @@ class ThreadedSync:
             assert buf is not None and buf.is_contiguous()
         else:
             buf = torch.cat([g.view(-1) for g in grads], out=flat)  # type: ignore[union-attr]
-        self.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), MPI.SUM)
+        if self.poll is None:
+            self.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), MPI.SUM)
+        else:  # no busy-polling in MPI: test, then sleep (MPICH progresses only inside Test)
+            request = self.comm.Iallreduce(MPI.IN_PLACE, buf.numpy(), MPI.SUM)
+            while not request.Test():
+                time.sleep(self.poll)
         buf.mul_(self.scale)
         if flat is not None:
             parts = flat.split([g.numel() for g in grads])  # type: ignore[union-attr]
@@ -138,10 +149,12 @@ class ThreadedSync:
 class ThreadedOptimizer:
     """A minimal `DistributedOptimizer` on `ThreadedSync`: `step()` waits, then steps."""
 
-    def __init__(self, opt: torch.optim.Optimizer, bucket_bytes: int) -> None:
+    def __init__(
+        self, opt: torch.optim.Optimizer, bucket_bytes: int, poll: float | None = None
+    ) -> None:
         self.opt = opt
         params = [p for group in opt.param_groups for p in group["params"]]
-        self.sync = ThreadedSync(params, bucket_bytes)
+        self.sync = ThreadedSync(params, bucket_bytes, poll)
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -192,6 +205,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--tolerance", type=float, default=0.1)
+    parser.add_argument(
+        "--poll-us",
+        type=float,
+        default=0.0,
+        help="also run --poll-buckets with Iallreduce + Test + sleep(this) instead of Allreduce",
+    )
+    parser.add_argument("--poll-buckets", default="25M")
     parser.add_argument("--handoff", action="store_true", help="time a thread hand-off")
     parser.add_argument("--ddp", action="store_true", help="also time DDP over Gloo")
     args = parser.parse_args()
@@ -222,19 +242,32 @@ def main() -> None:
             )
     for d in (int(v) for v in args.d.split(",") if v):
         base = transformer(d)
-        models = [copy.deepcopy(base) for _ in range(3 + len(sizes))]
+        polled = [label for label in args.poll_buckets.split(",") if label] if args.poll_us else []
+        models = [copy.deepcopy(base) for _ in range(4 + len(sizes) + len(polled))]
         cases: dict[str, Any] = {
             "one process (no communication)": (trainer(models[0], adam(models[0]), batch), None),
             "dp.DistributedOptimizer": (
                 trainer(models[1], dp.DistributedOptimizer(adam(models[1])), batch),
                 None,
             ),
+            "dp.allreduce_gradients after backward": (
+                trainer(
+                    models[3],
+                    adam(models[3]),
+                    batch,
+                    lambda m=models[3]: dp.allreduce_gradients([p.grad for p in m.parameters()]),
+                ),
+                None,
+            ),
         }
         protos = []
-        for (label, nbytes), model in zip(sizes.items(), models[3:], strict=True):
-            opt = ThreadedOptimizer(adam(model), nbytes)
+        variants = [(label, sizes[label], None) for label in sizes]
+        variants += [(label, sizes[label], args.poll_us * 1e-6) for label in polled]
+        for (label, nbytes, poll), model in zip(variants, models[4:], strict=True):
+            opt = ThreadedOptimizer(adam(model), nbytes, poll)
             protos.append(opt)
-            cases[f"prototype thread, {label} buckets"] = (trainer(model, opt, batch), None)  # type: ignore[arg-type]
+            name = f"prototype thread, {label} buckets" + (", polling" if poll else "")
+            cases[name] = (trainer(model, opt, batch), None)  # type: ignore[arg-type]
         if horovod.hvd is not None:
             with horovod:
                 opt = horovod.hvd.DistributedOptimizer(
