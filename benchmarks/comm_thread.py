@@ -164,6 +164,11 @@ class ThreadedOptimizer:
         return self.opt.step()
 
 
+def parse_size(label: str) -> int:
+    """`256K` or `4M` in bytes."""
+    return int(label[:-1]) * (KiB if label.endswith("K") else MiB)
+
+
 def handoff_cost() -> dict[str, float]:
     """A 4-byte Allreduce made directly, and handed to a thread and waited for (the round trip)."""
     comm = MPI.COMM_WORLD.Dup()
@@ -223,7 +228,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(dp.rank())
     tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    sizes = {s: int(s[:-1]) * (KiB if s.endswith("K") else MiB) for s in args.buckets.split(",")}
+    sizes = {s: parse_size(s) for s in args.buckets.split(",")}
 
     def adam(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(m.parameters(), lr=1e-4)
@@ -262,7 +267,7 @@ def main() -> None:
         }
         protos = []
         variants = [(label, sizes[label], None) for label in sizes]
-        variants += [(label, sizes[label], args.poll_us * 1e-6) for label in polled]
+        variants += [(label, parse_size(label), args.poll_us * 1e-6) for label in polled]
         for (label, nbytes, poll), model in zip(variants, models[4:], strict=True):
             opt = ThreadedOptimizer(adam(model), nbytes, poll)
             protos.append(opt)

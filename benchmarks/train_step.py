@@ -255,7 +255,8 @@ def report(title: str, samples: dict[str, list[float]]) -> None:
     over = {n: [s - a for s, a in zip(v, alone, strict=True)] for n, v in samples.items()}
     med = {n: statistics.median(v) for n, v in over.items()}
     low = {n: min(v) - min(alone) for n, v in samples.items()}
-    ddp = statistics.median(samples.get("torch DDP (gloo)", alone))
+    has_ddp = "torch DDP (gloo)" in samples
+    ddp = statistics.median(samples["torch DDP (gloo)"] if has_ddp else alone)
     q1, q2, q3 = quartiles(alone)
     print(
         f"\n{title} (1-minute load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
@@ -266,7 +267,7 @@ def report(title: str, samples: dict[str, list[float]]) -> None:
     )
     print(
         "| case | step (median) | overhead (median) | overhead quartiles | min - min "
-        "| DDP step / this |"
+        f"| {'DDP' if has_ddp else 'one-process'} step / this |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for name, values in samples.items():
@@ -282,7 +283,8 @@ def report(title: str, samples: dict[str, list[float]]) -> None:
             f"{_ratio(med[ours], med[peer])} {peer}'s (min - min: {_ratio(low[ours], low[peer])})"
             for peer in peers
         ]
-        print(f"overhead of {ours}: " + "; ".join(ratios))
+        if ratios:
+            print(f"overhead of {ours}: " + "; ".join(ratios))
 
 
 def _ratio(ours: float, peer: float) -> str:
