@@ -1,32 +1,51 @@
-"""Training step time of one MLP under dataparallel, under PyTorch DDP, and in one process.
+"""Communication overhead of a training step: dataparallel beside Horovod, DDP and one process.
 
 Run: `OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/train_step.py`
+(or `dataparallel run -n 2 benchmarks/train_step.py`). With Horovod 0.28.1 built in a venv of its
+own (`../shared/peers/horovod/README.md`), run that venv's mpiexec and python with
+`PYTHONPATH=src` to add Horovod as a case in the same processes.
 
-The model is an MLP of about 3.2 M parameters (12.6 MiB of float32 gradients), big enough for
-communication to matter. A step is `zero_grad`, forward, loss, backward and an SGD step on a batch
-of `--batch` samples per rank. Every case runs in the same processes, side by side, in rounds
-(each round times every case once, in turn), so that drift in the machine's load hits them alike:
+Models (`--models`, default both):
+- `mlp`: an MLP of about 3.4 M parameters, SGD, batch `--mlp-batch` samples per rank;
+- `transformer`: an encoder of 4 `nn.TransformerEncoderLayer` (4 heads, feed-forward 4d, no
+  dropout) between an embedding and an output layer of a 1000-token vocabulary: 51 parameter
+  tensors, 1.05 M / 3.67 M / 13.6 M / 52.4 M parameters at d = 128 / 256 / 512 / 1024 (`--d`),
+  Adam, `--batch` sequences of `--seq` tokens per rank.
 
-- `one process`: each rank trains its own copy with no communication (the floor);
-- `dp.DistributedOptimizer`: reduction in buckets from gradient hooks, overlapped with backward,
-  over MPI;
-- `dp.torch.DataParallelModel`: the same reduction, finished at the end of backward;
-- `dp.allreduce_gradients`: one fused allreduce after backward (no overlap);
-- `torch DDP (gloo)`: `torch.nn.parallel.DistributedDataParallel` over a Gloo group created in
-  the same processes (port chosen by rank 0, broadcast through dp), with DDP's default buckets.
+A step is `zero_grad`, forward, loss, backward and the optimizer's step. Cases, all in the same
+processes, one torch thread per rank:
+- `one process`: each rank trains its own copy, no communication (the floor);
+- `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` over MPI (hooks, buckets);
+- `dp.allreduce_gradients after backward`: one fused reduction after backward, no overlap;
+- `Horovod DistributedOptimizer` (MPI), when `horovod.torch` imports and dp runs on MPI. Horovod
+  is initialized only while its case runs (`hvd.init()` ... `hvd.shutdown()`): an idle, initialized
+  Horovod keeps one core busy (a rank waits in a busy-polling MPI call for the coordinator's next
+  cycle), which would slow every other case on a 2-core machine (`--hvd-throughout` keeps it
+  initialized all along instead, to see that effect);
+- `torch DDP (gloo)`: DistributedDataParallel on a Gloo group made in the same processes.
 
-Each case's time is the median over rounds of (the slowest rank's time for `--steps` steps) /
-`--steps`. The last column is DDP's time divided by each case's (above 1: faster than DDP).
+Timing: `--rounds` rounds; each round times the one process first and last and every other case
+in between (the order rotates every round), each with one untimed step then as many steps as fit
+in `--budget` seconds (the slowest rank's time). A round whose two one-process times differ by
+more than `--tolerance` is dropped (the load of the machine changed during it). A case's overhead
+in a round is its step time minus the round's one-process step time (the mean of the two). The
+table gives the median and quartiles of that paired overhead over rounds, and `min - min` (the
+case's fastest round minus the one process's fastest: the estimate least hit by neighbours'
+bursts on a shared machine). Ratios compare overheads: below 1, dataparallel spends less time
+communicating than the peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import os
 import socket
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,14 +53,57 @@ from torch import nn
 
 import dataparallel as dp
 
+Step = Callable[[], None]
+VOCAB = 1000
 
-def make_model(width: int, depth: int) -> nn.Sequential:
+
+class Horovod:
+    """Horovod's torch frontend, initialized only while its case runs (or why it cannot run)."""
+
+    def __init__(self) -> None:
+        self.hvd: Any = None
+        self.reason = self.version = ""
+        self.throughout = False
+        try:
+            import horovod
+            import horovod.torch as hvd
+        except ImportError as exc:
+            self.reason = f"horovod.torch is not importable here ({exc})"
+            return
+        if dp.get_backend().name != "mpi":
+            self.reason = "Horovod (MPI) runs beside dataparallel only under mpiexec (backend mpi)"
+            return
+        self.hvd = hvd
+        self.version = horovod.__version__
+
+    def __enter__(self) -> None:
+        if not self.throughout:
+            self.hvd.init()  # MPI is already up (mpi4py): shutdown() leaves it up, so it repeats
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.throughout:
+            self.hvd.shutdown()
+
+    def keep_initialized(self) -> None:
+        """Initialize Horovod for the rest of the run, every case included (`--hvd-throughout`)."""
+        self.hvd.init()
+        self.throughout = True
+
+
+def mlp(width: int = 1024, depth: int = 3) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(256, width), nn.ReLU()]
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, 10))
     return nn.Sequential(*layers)
+
+
+def transformer(d: int, layers: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    return nn.Sequential(nn.Embedding(VOCAB, d), encoder, nn.Linear(d, VOCAB))
 
 
 def init_gloo() -> None:
@@ -56,35 +118,67 @@ def init_gloo() -> None:
     )
 
 
-Step = Callable[[], None]
-
-
-def trainer(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Step:
+def trainer(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    after_backward: Callable[[], None] | None = None,
+) -> Step:
+    x, y = batch
     loss_fn = nn.CrossEntropyLoss()
 
     def step() -> None:
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        out = model(x)
+        loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+        if after_backward is not None:
+            after_backward()
         opt.step()
 
     return step
 
 
-def after_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> Step:
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    loss_fn = nn.CrossEntropyLoss()
+def cases_for(
+    base: nn.Module,
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    horovod: Horovod,
+) -> dict[str, tuple[Step, Horovod | None]]:
+    """Every case's step, on its own copy of `base`; the Horovod context where one is needed."""
+    single, ours, plain = (copy.deepcopy(base) for _ in range(3))
+    wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    cases: dict[str, tuple[Step, Horovod | None]] = {
+        ALONE: (trainer(single, make_opt(single), batch), None),
+        "dp.DistributedOptimizer": (
+            trainer(ours, dp.DistributedOptimizer(make_opt(ours)), batch),
+            None,
+        ),
+        "dp.torch.DataParallelModel": (trainer(wrapped, make_opt(wrapped), batch), None),
+        "dp.allreduce_gradients after backward": (
+            trainer(
+                plain,
+                make_opt(plain),
+                batch,
+                lambda: dp.allreduce_gradients([p.grad for p in plain.parameters()]),
+            ),
+            None,
+        ),
+    }
+    if horovod.hvd is not None:
+        theirs = copy.deepcopy(base)
+        with horovod:  # the constructor asks Horovod for the world size
+            opt = horovod.hvd.DistributedOptimizer(
+                make_opt(theirs), named_parameters=theirs.named_parameters()
+            )
+        cases["Horovod DistributedOptimizer"] = (trainer(theirs, opt, batch), horovod)
+    cases["torch DDP (gloo)"] = (trainer(ddp, make_opt(ddp), batch), None)
+    return cases
 
-    def step() -> None:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        dp.allreduce_gradients([p.grad for p in model.parameters()])
-        opt.step()
 
-    return step
-
-
-def timed(step: Step, steps: int) -> float:
-    """Return the slowest rank's seconds per step over `steps` steps."""
+def run_steps(step: Step, steps: int) -> float:
+    """Return the slowest rank's seconds per step over `steps` steps (after one untimed step)."""
+    step()
     dp.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -93,58 +187,183 @@ def timed(step: Step, steps: int) -> float:
     return float(dp.allreduce(elapsed, op="max"))
 
 
+ALONE = "one process (no communication)"
+
+
+def measure(
+    cases: dict[str, tuple[Step, Horovod | None]],
+    rounds: int,
+    budget: float,
+    tolerance: float = 0.1,
+) -> dict[str, list[float]]:
+    """Time every case in interleaved rounds; return each case's seconds per step, per round.
+
+    A round times the one-process case first and last, the others in between (their order
+    rotates from round to round). A round whose two one-process times differ by more than
+    `tolerance` (the machine's load changed during it) is dropped; rounds are run until `rounds`
+    are kept, or three times as many were tried. The one-process time of a kept round is the
+    mean of its two.
+    """
+    counts: dict[str, int] = {}
+    for name, (step, context) in cases.items():  # warm up; size each case's timing to `budget`
+        with context or _null():
+            for _ in range(2):
+                step()
+            counts[name] = max(1, min(50, round(budget / run_steps(step, 2))))
+    others = [name for name in cases if name != ALONE]
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    tried = 0
+    while len(samples[ALONE]) < rounds and tried < 3 * rounds:
+        shift = tried % len(others)
+        tried += 1
+        first = run_steps(cases[ALONE][0], counts[ALONE])
+        times = {}
+        for name in others[shift:] + others[:shift]:
+            step, context = cases[name]
+            with context or _null():
+                times[name] = run_steps(step, counts[name])
+        last = run_steps(cases[ALONE][0], counts[ALONE])
+        if abs(first - last) > tolerance * min(first, last):
+            continue
+        times[ALONE] = (first + last) / 2
+        for name, seconds in times.items():
+            samples[name].append(seconds)
+    if dp.is_main():
+        print(f"kept {len(samples[ALONE])} of {tried} rounds (load steady within {tolerance:.0%})")
+    if not samples[ALONE]:
+        raise SystemExit("no round was steady enough: the machine is too busy to measure now")
+    return samples
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def report(title: str, samples: dict[str, list[float]]) -> None:
+    alone = samples[ALONE]
+    over = {n: [s - a for s, a in zip(v, alone, strict=True)] for n, v in samples.items()}
+    med = {n: statistics.median(v) for n, v in over.items()}
+    low = {n: min(v) - min(alone) for n, v in samples.items()}
+    has_ddp = "torch DDP (gloo)" in samples
+    ddp = statistics.median(samples["torch DDP (gloo)"] if has_ddp else alone)
+    q1, q2, q3 = quartiles(alone)
+    print(
+        f"\n{title} (1-minute load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
+    print(
+        f"one-process step: median {q2 * 1e3:.1f} ms, quartiles {q1 * 1e3:.1f} to "
+        f"{q3 * 1e3:.1f} ms, min {min(alone) * 1e3:.1f} ms over {len(alone)} rounds"
+    )
+    print(
+        "| case | step (median) | overhead (median) | overhead quartiles | min - min "
+        f"| {'DDP' if has_ddp else 'one-process'} step / this |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, values in samples.items():
+        step = statistics.median(values)
+        o1, _, o3 = quartiles(over[name])
+        print(
+            f"| {name} | {step * 1e3:.1f} ms | {med[name] * 1e3:.1f} ms | {o1 * 1e3:.1f} to "
+            f"{o3 * 1e3:.1f} ms | {low[name] * 1e3:.1f} ms | {ddp / step:.2f}x |"
+        )
+    peers = [p for p in ("Horovod DistributedOptimizer", "torch DDP (gloo)") if p in med]
+    for ours in (n for n in samples if n.startswith(("dp.D", "dp.torch", "prototype"))):
+        ratios = [
+            f"{_ratio(med[ours], med[peer])} {peer}'s (min - min: {_ratio(low[ours], low[peer])})"
+            for peer in peers
+        ]
+        if ratios:
+            print(f"overhead of {ours}: " + "; ".join(ratios))
+
+
+def _ratio(ours: float, peer: float) -> str:
+    return f"{ours / peer:.2f}x" if peer > 0.5e-3 else f"n/a ({peer * 1e3:.1f} ms)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=3, help="hidden width x width layers")
-    parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timing")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--models", default="mlp,transformer", help="mlp, transformer or both")
+    parser.add_argument("--d", default="128,256,512", help="transformer widths (1024: ~52 M)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--mlp-batch", type=int, default=64, help="MLP samples per rank per step")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--budget", type=float, default=0.25, help="seconds per case per round")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="see the docstring")
+    parser.add_argument(
+        "--hvd-throughout",
+        action="store_true",
+        help="keep Horovod initialized during every case (its idle thread then loads a core)",
+    )
     args = parser.parse_args()
 
+    torch.set_num_threads(1)
     dp.initialize()
     init_gloo()
-    lr = 0.01
-    base = make_model(args.width, args.depth)
-    n_params = sum(p.numel() for p in base.parameters())
-    g = torch.Generator().manual_seed(dp.rank())
-    x = torch.randn(args.batch, 256, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-
-    def sgd(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(m.parameters(), lr=lr)
-
-    single = copy.deepcopy(base)
-    ours = copy.deepcopy(base)
-    wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
-    plain = copy.deepcopy(base)
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    cases: dict[str, Step] = {
-        "one process (no communication)": trainer(single, sgd(single), x, y),
-        "dp.DistributedOptimizer (MPI)": trainer(ours, dp.DistributedOptimizer(sgd(ours)), x, y),
-        "dp.torch.DataParallelModel (MPI)": trainer(wrapped, sgd(wrapped), x, y),
-        "dp.allreduce_gradients after backward": after_backward(plain, x, y, lr),
-        "torch DDP (gloo)": trainer(ddp, sgd(ddp), x, y),
-    }
-    for step in cases.values():  # warm up: first-step allocations, bucket rebuilds
-        for _ in range(3):
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, step in cases.items():
-            samples[name].append(timed(step, args.steps))
-    times = {name: statistics.median(values) for name, values in samples.items()}
-
+    horovod = Horovod()
     if dp.is_main():
-        ddp_time = times["torch DDP (gloo)"]
-        mib = n_params * 4 / 2**20
         print(
-            f"MLP of {n_params / 1e6:.2f} M parameters ({mib:.1f} MiB of gradients), batch "
-            f"{args.batch} per rank, {dp.size()} ranks, torch threads {torch.get_num_threads()}"
+            f"{dp.size()} ranks ({dp.get_backend().name}), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch thread per rank, {args.rounds} rounds"
         )
-        print(f"{'case':40} {'step':>10} {'DDP time / this':>16}")
-        for name, seconds in times.items():
-            print(f"{name:40} {seconds * 1e3:7.2f} ms {ddp_time / seconds:15.2f}x")
+        if horovod.hvd is None:
+            print(f"Horovod case skipped: {horovod.reason}")
+        else:
+            when = "throughout" if args.hvd_throughout else "only during its own case"
+            print(f"Horovod {horovod.version} (MPI built: {horovod.hvd.mpi_built()}), on {when}")
+    if args.hvd_throughout and horovod.hvd is not None:
+        horovod.keep_initialized()
+
+    g = torch.Generator().manual_seed(dp.rank())
+    models = args.models.split(",")
+    if "mlp" in models:
+        x = torch.randn(args.mlp_batch, 256, generator=g)
+        y = torch.randint(0, 10, (args.mlp_batch,), generator=g)
+        base = mlp()
+
+        def sgd(m: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.SGD(m.parameters(), lr=0.01)
+
+        n = sum(p.numel() for p in base.parameters())
+        samples = measure(
+            cases_for(base, sgd, (x, y), horovod), args.rounds, args.budget, args.tolerance
+        )
+        if dp.is_main():
+            report(f"MLP, {n / 1e6:.2f} M parameters, SGD, batch {args.mlp_batch}", samples)
+    if "transformer" in models:
+        tokens = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+
+        def adam(m: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.Adam(m.parameters(), lr=1e-4)
+
+        for d in (int(v) for v in args.d.split(",")):
+            base = transformer(d)
+            n = sum(p.numel() for p in base.parameters())
+            tensors = len(list(base.parameters()))
+            samples = measure(
+                cases_for(base, adam, batch, horovod), args.rounds, args.budget, args.tolerance
+            )
+            if dp.is_main():
+                report(
+                    f"Transformer d={d}, {n / 1e6:.2f} M parameters in {tensors} tensors, Adam, "
+                    f"{args.batch}x{args.seq} tokens",
+                    samples,
+                )
+            gc.collect()
+    if horovod.throughout:
+        horovod.hvd.shutdown()
     dist.destroy_process_group()
     dp.finalize()
 
