@@ -28,6 +28,7 @@ from dataparallel.collectives import (
     reduce,
     wait_all,
 )
+from dataparallel.engine.compression import Compression
 from dataparallel.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -66,6 +67,7 @@ __all__ = [
     "CoalescingReducer",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "Compression",
     "DataParallelError",
     "DistributedOptimizer",
     "Group",

@@ -109,6 +109,8 @@ class Backend(ABC):
         device_native_dtypes: the same for device buffers (NCCL adds bfloat16).
         stream_aware: whether the engine orders its device work on CUDA streams itself (NCCL);
             otherwise the producer's stream is synchronized before a device buffer is handed over.
+        bf16_bits: whether `iallreduce_bf16` reduces bfloat16 host values in 16 bits (what a
+            compressed reduction sends: `engine/compression.py`).
     """
 
     name: ClassVar[str]
@@ -118,6 +120,7 @@ class Backend(ABC):
     )
 
     stream_aware: ClassVar[bool] = False
+    bf16_bits: ClassVar[bool] = False
 
     rank: int
     size: int
@@ -173,6 +176,14 @@ class Backend(ABC):
     @abstractmethod
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""
+
+    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
+        """Start reducing bfloat16 values held as their raw bits (a `uint16` host buffer), in place.
+
+        The engine reduces them as bfloat16, rounding at every step as a native half-precision
+        reduction does. Only called where `bf16_bits` is true.
+        """
+        raise NotImplementedError(f"the {self.name!r} backend has no bfloat16 reduction.")
 
     @abstractmethod
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:

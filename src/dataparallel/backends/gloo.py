@@ -134,6 +134,7 @@ class GlooBackend(Backend):
     # Every integer dtype is listed, though Gloo lacks int16/uint16/uint32/uint64: they are
     # reduced here exactly (see the module's notes), which beats widening them to float32.
     native_dtypes = Backend.native_dtypes
+    bf16_bits = True  # torch.bfloat16 (widened for plain bfloat16 leaves, exact to float32)
 
     def __init__(
         self,
@@ -252,6 +253,13 @@ class GlooBackend(Backend):
         tensor = self._torch.from_numpy(wire)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
         return _GlooHandle(self, work, (wire, tensor), finish)
+
+    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
+        """Reduce bfloat16 bits as `torch.bfloat16`, which Gloo reduces natively."""
+        bits = writable(flat(bits, "iallreduce_bf16"), "iallreduce_bf16")
+        tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
+        work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
+        return _GlooHandle(self, work, (bits, tensor), None)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")

@@ -16,6 +16,7 @@ class SingleBackend(Backend):
     """The process group of a single process (Flashlight's STUB backend)."""
 
     name = "single"
+    bf16_bits = True
 
     def __init__(self) -> None:
         self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
@@ -46,6 +47,9 @@ class SingleBackend(Backend):
         return None
 
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+        return DoneHandle()
+
+    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
         return DoneHandle()
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:

@@ -238,11 +238,13 @@ def run(
     action: Reduction | Broadcast,
     async_op: bool,
     rows: np.ndarray | None = None,
+    compression: str | None = None,
 ) -> tuple[Handle, Callable[[], Any]]:
     """Start the collective; return what to wait for and the function that builds its result.
 
     With `rows` (every rank's handshake record, carrying the values), the result is computed
-    here and nothing more is sent; otherwise the leaves go through the fusion engine.
+    here and nothing more is sent; otherwise the leaves go through the fusion engine (with
+    `compression`, a 16-bit wire dtype, floating buckets travel compressed).
     """
     if ctx.settings.debug:  # formatting costs more than a small call: only when asked
         log(
@@ -260,7 +262,7 @@ def run(
         works = [leaf.work for leaf in leaves]
         land_inline(rows, HEADER_BYTES, works, [leaf.dtype for leaf in leaves], action, rank)
     else:
-        fusion = fuse(ctx, leaves, action, async_op)
+        fusion = fuse(ctx, leaves, action, async_op, compression)
 
     def finish() -> Any:
         result = tree.unflatten(flat.spec, results(leaves, receives))
@@ -273,7 +275,11 @@ def run(
 
 
 def fuse(
-    ctx: CallContext, leaves: list[Leaf], action: Reduction | Broadcast, async_op: bool
+    ctx: CallContext,
+    leaves: list[Leaf],
+    action: Reduction | Broadcast,
+    async_op: bool,
+    compression: str | None = None,
 ) -> Fusion:
     """Send the leaves (`stage`d) through the fusion engine; return it, flushed."""
     fusion = Fusion(
@@ -283,6 +289,7 @@ def fuse(
         async_op=async_op,
         pool=ctx.buffers,
         timeline=ctx.timeline,
+        compression=compression,
     )
     for leaf in leaves:
         if leaf.work is None:

@@ -7,7 +7,8 @@ packed into one contiguous buffer and reduced with one call, non-blocking when `
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
 all). Buffers come from a pool and are reused once their call completes. `wait()` flushes,
 waits and unpacks. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
-handed to the backend there, or staged through pinned host memory once per bucket.
+handed to the backend there, or staged through pinned host memory once per bucket. With a
+`compression` wire dtype, buckets of floating leaves travel as 16-bit floats (`compression.py`).
 
 The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, ...), the reducers and the
 optimizers all run on `Fusion`; there is no second engine.
@@ -23,6 +24,7 @@ import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.engine.arrays import Family, Staged, stage, write_back
+from dataparallel.engine.compression import COMPRESSIBLE, from_wire, to_wire
 from dataparallel.engine.device import DeviceBucket, DeviceWork
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
@@ -75,6 +77,7 @@ class _Flight:
     pooled: list[np.ndarray] = field(default_factory=list)
     span: int = 0  # the timeline's id of the communicate phase
     device: DeviceBucket | None = None  # the GPU bucket this flight carries (device.py)
+    compressed: str | None = None  # the 16-bit dtype `wire` holds, when compressed
 
 
 class Fusion:
@@ -88,6 +91,8 @@ class Fusion:
         contiguous: pack a flush into one buffer per bucket (else one call per array).
         pool: where buffers come from.
         timeline: records queue/pack/communicate/unpack phases when given.
+        compression: `"float16"` or `"bfloat16"`: the wire dtype of floating buckets of an
+            allreduce (see `compression.py`), or None.
     """
 
     def __init__(
@@ -100,9 +105,17 @@ class Fusion:
         contiguous: bool = True,
         pool: BufferPool | None = None,
         timeline: Timeline | None = None,
+        compression: str | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
+        if compression is not None and (
+            compression not in ("float16", "bfloat16")
+            or not isinstance(action, Reduction)
+            or action.root is not None
+        ):
+            raise ValueError(f"compression={compression!r} applies to allreduces, in 16 bits.")
+        self.compression = compression
         self.backend, self.action = backend, action
         self.bucket_bytes, self.async_op, self.contiguous = bucket_bytes, async_op, contiguous
         self.pool = pool if pool is not None else BufferPool()
@@ -235,8 +248,15 @@ class Fusion:
                 buf[offset : offset + work.size].reshape(work.shape)[...] = work
                 flight.slots.append((work, offset))
                 offset += work.size
+        wire = self._wire(dtype)
         if isinstance(self.action, Broadcast) or dtype == "bool":
             flight.wire = buf.view(np.uint8)
+        elif wire is not None:
+            flight.compressed = wire
+            if dtype != wire:
+                flight.wire = self.pool.take(storage_dtype(wire), buf.size)
+                to_wire(buf, dtype, wire, out=flight.wire)
+                flight.pooled.append(flight.wire)
         elif dtype not in self.backend.native_dtypes:
             wide = self.pool.take(np.dtype(np.float32), buf.size)
             if dtype == "bfloat16":
@@ -250,8 +270,10 @@ class Fusion:
     def _pack_device(self, works: list[Any], dtype: str) -> _Flight:
         """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
         bucket = DeviceBucket(works, dtype)
-        if self.backend.accepts_device(bucket.device):
-            wire = bucket.send_direct(self.backend, isinstance(self.action, Broadcast))
+        compressed = self._wire(dtype)
+        if self.backend.accepts_device(bucket.device) and bucket.can_send(self.backend, compressed):
+            broadcast = isinstance(self.action, Broadcast)
+            wire = bucket.send_direct(self.backend, broadcast, compressed)
             return _Flight(None, dtype, bucket.buf, wire, device=bucket)
         flight = self._pack([bucket.stage()], dtype)  # one host buffer: communicated in place
         flight.device = bucket
@@ -268,12 +290,25 @@ class Fusion:
         op = action.op
         if flight.dtype == "bool":  # logical or / and, as NumPy adds and multiplies booleans
             op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}.get(op, op)
-        if action.root is not None:
+        if flight.compressed == "bfloat16":
+            flight.request = backend.iallreduce_bf16(wire, op)  # host bits reduced in 16 bits
+            if not self.async_op:
+                flight.request.wait()
+        elif action.root is not None:
             backend.reduce(wire, op, action.root)
         elif self.async_op:
             flight.request = backend.iallreduce(wire, op)
         else:
             backend.allreduce(wire, op)
+
+    def _wire(self, dtype: str) -> str | None:
+        """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
+        wire = self.compression
+        if wire is None or dtype not in COMPRESSIBLE or dtype == wire == "float16":
+            return None  # float16 buckets already travel in 16 bits
+        if wire == "bfloat16" and not self.backend.bf16_bits:
+            return None  # this engine has no bfloat16 reduction: uncompressed, still correct
+        return wire
 
     def _receives(self) -> bool:
         action, rank = self.action, self.backend.rank
@@ -294,13 +329,16 @@ class Fusion:
             flight.device.land(receives, scale)
         elif receives:
             scale = None if isinstance(self.action, Broadcast) else self.action.scale
-            if scale is not None and scale != 1:
-                scale_in_place(flight.wire, scale)
-            if flight.wire is not flight.buf and flight.wire.dtype != np.uint8:
-                if flight.dtype == "bfloat16":
-                    f32_to_bf16(flight.wire, out=flight.buf)
-                else:
-                    flight.buf[...] = flight.wire
+            if flight.compressed is not None:  # widen, then scale in the wide dtype
+                from_wire(flight.wire, flight.compressed, flight.buf, flight.dtype, scale)
+            else:
+                if scale is not None and scale != 1:
+                    scale_in_place(flight.wire, scale)
+                if flight.wire is not flight.buf and flight.wire.dtype != np.uint8:
+                    if flight.dtype == "bfloat16":
+                        f32_to_bf16(flight.wire, out=flight.buf)
+                    else:
+                        flight.buf[...] = flight.wire
             for work, offset in flight.slots:
                 work[...] = flight.buf[offset : offset + work.size].reshape(work.shape)
         if flight.device is not None and not flight.device.direct:

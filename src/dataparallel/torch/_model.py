@@ -46,6 +46,8 @@ class DataParallelModel(nn.Module):
         bucket_bytes: fusion bucket size (default `DATAPARALLEL_BUCKET_BYTES`).
         root: the rank whose initial parameters win (default 0).
         backend: the engine to use (default: the active one).
+        compression: `dp.Compression.fp16` or `.bf16`: gradients travel as 16-bit floats.
+        sparse_as_dense: reduce sparse gradients as dense ones (default: gathered, kept sparse).
 
     >>> import torch, dataparallel as dp
     >>> _ = dp.initialize()
@@ -63,6 +65,8 @@ class DataParallelModel(nn.Module):
         bucket_bytes: int | None = None,
         root: int = 0,
         backend: Backend | None = None,
+        compression: Any = None,
+        sparse_as_dense: bool = False,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -80,6 +84,8 @@ class DataParallelModel(nn.Module):
             wait_after_backward=True,
             owner="DataParallelModel",
             backend=backend,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
         )
         self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)

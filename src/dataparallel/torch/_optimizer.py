@@ -147,6 +147,8 @@ def distributed_torch_optimizer(
     bucket_bytes: int | None = None,
     backward_passes_per_step: int = 1,
     backend: Backend | None = None,
+    compression: Any = None,
+    sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that gradients are reduced across ranks before each step.
 
@@ -172,6 +174,11 @@ def distributed_torch_optimizer(
             locally before one reduction (default 1). Scale the loss by `1 / N` for the mean
             over passes, as with Horovod. `step()` after fewer passes reduces what there is.
         backend: the engine to use (default: the active one).
+        compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel (and are
+            reduced) as 16-bit floats, and come back in their dtype (default: none).
+        sparse_as_dense: make sparse gradients (`nn.Embedding(sparse=True)`) dense and reduce
+            them in the buckets (Horovod's option); by default they are gathered (indices and
+            values from every rank, then coalesced) and stay sparse, averaged as dense ones.
 
     Returns:
         The distributed optimizer.
@@ -219,5 +226,7 @@ def distributed_torch_optimizer(
         passes=backward_passes_per_step,
         owner="DistributedOptimizer",
         backend=backend,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
     )
     return wrapper
