@@ -33,8 +33,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.engine.actions import Reduction
 from dataparallel.engine.dtypes import INTEGER_DTYPES
-from dataparallel.engine.fusion import Reduction
 from dataparallel.errors import CollectiveMismatchError
 
 __all__ = [

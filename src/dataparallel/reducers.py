@@ -20,6 +20,7 @@ from dataparallel.checks import handshake, reduction, validate_reduction
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.fusion import Fusion
 from dataparallel.types import Op
+from dataparallel.world import Group, engine_of
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
 
@@ -127,6 +128,7 @@ class InlineReducer(_FusionReducer):
     Args:
         scale: factor applied after the sum (default 1.0); `1 / dp.size()` averages.
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -135,9 +137,16 @@ class InlineReducer(_FusionReducer):
     array([0.5, 0.5, 0.5], dtype=float32)
     """
 
-    def __init__(self, scale: float = 1.0, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self, scale: float = 1.0, *, backend: Backend | None = None, group: Group | None = None
+    ) -> None:
         super().__init__(
-            scale, op="sum", async_op=False, contiguous=True, bucket_bytes=1, backend=backend
+            scale,
+            op="sum",
+            async_op=False,
+            contiguous=True,
+            bucket_bytes=1,
+            backend=engine_of(backend, group),
         )
 
     def add(self, x: Any) -> None:
@@ -161,6 +170,7 @@ class CoalescingReducer(_FusionReducer):
             `benchmarks/bucket_size.py`).
         op: `"sum"` (default, as Flashlight), or `"avg"`, `"min"`, `"max"`, `"prod"`.
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -180,6 +190,7 @@ class CoalescingReducer(_FusionReducer):
         bucket_bytes: int | None = None,
         op: Op = "sum",
         backend: Backend | None = None,
+        group: Group | None = None,
     ) -> None:
         super().__init__(
             scale,
@@ -187,7 +198,7 @@ class CoalescingReducer(_FusionReducer):
             async_op=async_op,
             contiguous=contiguous,
             bucket_bytes=bucket_bytes,
-            backend=backend,
+            backend=engine_of(backend, group),
         )
 
     def flush(self) -> None:

@@ -20,8 +20,9 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Broadcast
+from dataparallel.engine.actions import Broadcast
 from dataparallel.types import Tree
+from dataparallel.world import Group, engine_of
 
 __all__ = ["broadcast", "ibroadcast"]
 
@@ -45,14 +46,18 @@ def _start_broadcast(
     return (*run(ctx, collective, flat, leaves, Broadcast(root), async_op, rows), ctx)
 
 
-def broadcast(x: Tree, *, root: int = 0, backend: Backend | None = None) -> Tree:
+def broadcast(
+    x: Tree, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
+) -> Tree:
     """Give every rank `root`'s values of `x` (an array, a number, or a pytree of them)."""
-    fusion, finish, _ = _start_broadcast(x, root, backend, async_op=False)
+    fusion, finish, _ = _start_broadcast(x, root, engine_of(backend, group), async_op=False)
     fusion.wait()
     return finish()
 
 
-def ibroadcast(x: Tree, *, root: int = 0, backend: Backend | None = None) -> Request:
+def ibroadcast(
+    x: Tree, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
+) -> Request:
     """Start `broadcast` without blocking; `Request.wait()` returns its result."""
-    fusion, finish, ctx = _start_broadcast(x, root, backend, async_op=True)
+    fusion, finish, ctx = _start_broadcast(x, root, engine_of(backend, group), async_op=True)
     return Request(fusion, finish, ctx.pending)

@@ -9,18 +9,19 @@ from dataparallel.collectives._call import Leaf, agree, context, leaves_of, log,
 from dataparallel.engine import tree
 from dataparallel.engine.dtypes import storage_dtype
 from dataparallel.types import Tree
+from dataparallel.world import Group, engine_of
 
 __all__ = ["allgather"]
 
 
-def allgather(x: Tree, *, backend: Backend | None = None) -> Tree:
+def allgather(x: Tree, *, backend: Backend | None = None, group: Group | None = None) -> Tree:
     """Concatenate every rank's arrays along the first axis, in rank order.
 
     The first axis may differ between ranks; the other axes and the dtype must match. Numbers and
     0-d arrays count as one row each, so they gather into a 1-D array of `size()` items.
     Results are new arrays of each leaf's family (NumPy arrays for numbers).
     """
-    ctx = context(backend)
+    ctx = context(engine_of(backend, group))
     b = ctx.backend
 
     def prepare() -> tuple[tree.Flat, list[Leaf], list[np.ndarray]]:

@@ -24,10 +24,12 @@ from dataparallel.collectives._call import (
 from dataparallel.collectives._fast import NOT_FAST, small_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
+from dataparallel.engine.actions import Reduction
 from dataparallel.engine.compression import wire_dtype
-from dataparallel.engine.fusion import Fusion, Reduction
+from dataparallel.engine.fusion import Fusion
 from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.types import Op, Tree
+from dataparallel.world import Group, engine_of
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
 
@@ -162,6 +164,7 @@ def allreduce(
     *,
     scale: float | None = None,
     backend: Backend | None = None,
+    group: Group | None = None,
     compression: Any = None,
 ) -> Tree:
     """Reduce `x` element-wise across all ranks; every rank gets the result.
@@ -171,6 +174,7 @@ def allreduce(
         op: `"sum"` (default), `"prod"`, `"min"`, `"max"` or `"avg"` (sum divided by `size()`).
         scale: multiply the result by this afterwards (Flashlight's `allReduce(x, scale)`).
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating leaves travel (and are reduced)
             as 16-bit floats and come back in their own dtype; default: none.
 
@@ -186,12 +190,12 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
-    if backend is None and compression is None:
+    if backend is None and group is None and compression is None:
         result = small_allreduce(x, op, scale)
         if result is not NOT_FAST:
             return result
     fusion, finish, _ = _start_reduction(
-        x, op, scale, backend, "x", async_op=False, compression=compression
+        x, op, scale, engine_of(backend, group), "x", async_op=False, compression=compression
     )
     fusion.wait()
     return finish()
@@ -203,6 +207,7 @@ def iallreduce(
     *,
     scale: float | None = None,
     backend: Backend | None = None,
+    group: Group | None = None,
     compression: Any = None,
 ) -> Request:
     """Start `allreduce` without blocking; `Request.wait()` returns its result.
@@ -211,7 +216,7 @@ def iallreduce(
     overlaps with whatever the caller does until `wait()`. `compression` as for `allreduce`.
     """
     fusion, finish, ctx = _start_reduction(
-        x, op, scale, backend, "x", async_op=True, compression=compression
+        x, op, scale, engine_of(backend, group), "x", async_op=True, compression=compression
     )
     return Request(fusion, finish, ctx.pending)
 
@@ -223,15 +228,23 @@ def reduce(
     root: int = 0,
     scale: float | None = None,
     backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Tree:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
-    fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False, root=root)
+    fusion, finish, _ = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=False, root=root
+    )
     fusion.wait()
     return finish()
 
 
 def allreduce_gradients(
-    grads: Tree, op: Op = "avg", *, backend: Backend | None = None, compression: Any = None
+    grads: Tree,
+    op: Op = "avg",
+    *,
+    backend: Backend | None = None,
+    group: Group | None = None,
+    compression: Any = None,
 ) -> Tree:
     """Allreduce a gradient tree with fusion, averaging by default.
 
@@ -239,7 +252,13 @@ def allreduce_gradients(
     the loss by `1 / size()` themselves. `compression` as for `allreduce`.
     """
     fusion, finish, _ = _start_reduction(
-        grads, op, None, backend, "grads", async_op=False, compression=compression
+        grads,
+        op,
+        None,
+        engine_of(backend, group),
+        "grads",
+        async_op=False,
+        compression=compression,
     )
     fusion.wait()
     return finish()

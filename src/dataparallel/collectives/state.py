@@ -20,7 +20,7 @@ from dataparallel.collectives._call import (
     stage,
 )
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Broadcast
+from dataparallel.engine.actions import Broadcast
 from dataparallel.types import Tree
 
 __all__ = ["synchronize_tree"]

@@ -59,6 +59,13 @@ class Family(ABC):
         """Tell the framework that `xs` were written in place behind its back (through views)."""
         return None
 
+    def adopt(self, like: Any, host: np.ndarray) -> Any:
+        """Return `new(like, host)`, taking over `host`'s memory where the family can (no copy).
+
+        The caller gives `host` up: it must not be used or reused afterwards.
+        """
+        return self.new(like, host)
+
     def work(self, x: Any) -> tuple[np.ndarray, bool]:
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
 
@@ -100,6 +107,9 @@ class NumpyFamily(Family):
 
     def new(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
         return np.array(host).view(like.dtype.newbyteorder("="))
+
+    def adopt(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
+        return host.view(like.dtype.newbyteorder("="))
 
 
 _PYTHON_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
@@ -196,6 +206,9 @@ class TorchFamily(Family):
         import torch
 
         torch.autograd.graph.increment_version(xs)
+
+    def adopt(self, like: Any, host: np.ndarray) -> Any:
+        return self._tensor(like, host).to(like.device)  # on the CPU: host's memory itself
 
 
 class JaxFamily(Family):

@@ -10,8 +10,13 @@ waits and unpacks. Buckets of GPU leaves are packed on their device (`device.Dev
 handed to the backend there, or staged through pinned host memory once per bucket. With a
 `compression` wire dtype, buckets of floating leaves travel as 16-bit floats (`compression.py`).
 
-The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, ...), the reducers and the
-optimizers all run on `Fusion`; there is no second engine.
+Reduce-scatter (`Scatter`) and all-to-all (`Exchange`) split every array along its first axis
+by rank: a bucket is laid out rank by rank (`segments.py`) so that one call moves it all, and the
+results, which change shape, are handed to a `deliver` function per array instead of being
+written back. They take host arrays only.
+
+The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducescatter`,
+`dp.alltoall`, ...), the reducers and the optimizers all run on `Fusion`; there is no second engine.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ from typing import Any
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
 from dataparallel.engine.arrays import Family, Staged, stage, write_back
 from dataparallel.engine.compression import COMPRESSIBLE, from_wire, to_wire
 from dataparallel.engine.device import DeviceBucket, DeviceWork
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
+from dataparallel.engine.segments import Segments, layout_of
 from dataparallel.engine.trace import Timeline
 
-__all__ = ["HOST_KEY", "Broadcast", "Fusion", "Reduction", "scale_in_place"]
+__all__ = ["HOST_KEY", "Action", "Fusion", "scale_in_place"]
 
 HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
@@ -39,30 +46,12 @@ HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its 
 # down (measured: 50 arrays of 80 KB sent alone took 3.4 ms with all in flight, 1.7-2.5 ms with
 # one; docs/performance.md). The caller still overlaps its own work with the one in flight.
 MAX_IN_FLIGHT = 1
+# bool reductions are logical or / and on bytes, as NumPy adds and multiplies booleans.
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
 
 
-@dataclass(frozen=True)
-class Reduction:
-    """Reduce with `op`, then multiply by `scale`; to every rank, or to `root` only."""
-
-    op: ReduceOp
-    scale: float | None = None
-    root: int | None = None
-
-    def __str__(self) -> str:
-        text = f"op={self.op.value}"
-        text += "" if self.scale is None else f" scale={self.scale:g}"
-        return text + ("" if self.root is None else f" root={self.root}")
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """Copy `root`'s values to every rank."""
-
-    root: int
-
-    def __str__(self) -> str:
-        return f"root={self.root}"
+Action = Reduction | Broadcast | Scatter | Exchange
+Deliver = Callable[[np.ndarray], Any]
 
 
 @dataclass
@@ -77,6 +66,10 @@ class _Flight:
     pooled: list[np.ndarray] = field(default_factory=list)
     span: int = 0  # the timeline's id of the communicate phase
     device: DeviceBucket | None = None  # the GPU bucket this flight carries (device.py)
+    layout: Segments | None = None  # reduce-scatter and all-to-all: the bucket's rank layout
+    recv: np.ndarray | None = None  # ... their results (storage dtype), and what the engine fills
+    recv_wire: np.ndarray | None = None
+    deliver: list[Deliver] = field(default_factory=list)
     compressed: str | None = None  # the 16-bit dtype `wire` holds, when compressed
 
 
@@ -85,7 +78,7 @@ class Fusion:
 
     Args:
         backend: the engine.
-        action: a `Reduction` or a `Broadcast`.
+        action: a `Reduction`, `Broadcast`, `Scatter` or `Exchange`.
         bucket_bytes: flush threshold.
         async_op: start calls without blocking (`wait` completes them).
         contiguous: pack a flush into one buffer per bucket (else one call per array).
@@ -98,7 +91,7 @@ class Fusion:
     def __init__(
         self,
         backend: Backend,
-        action: Reduction | Broadcast,
+        action: Action,
         *,
         bucket_bytes: int,
         async_op: bool = True,
@@ -109,10 +102,10 @@ class Fusion:
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
-        if compression is not None and (
-            compression not in ("float16", "bfloat16")
-            or not isinstance(action, Reduction)
-            or action.root is not None
+        if compression is not None and not (
+            compression in ("float16", "bfloat16")
+            and isinstance(action, Reduction)
+            and action.root is None
         ):
             raise ValueError(f"compression={compression!r} applies to allreduces, in 16 bits.")
         self.compression = compression
@@ -120,6 +113,7 @@ class Fusion:
         self.bucket_bytes, self.async_op, self.contiguous = bucket_bytes, async_op, contiguous
         self.pool = pool if pool is not None else BufferPool()
         self._open: dict[tuple[Any, ...], list[np.ndarray]] = {}
+        self._deliver: dict[tuple[Any, ...], list[Deliver]] = {}
         self._open_bytes = 0
         self._flights: list[_Flight] = []
         self.timeline = timeline
@@ -141,14 +135,21 @@ class Fusion:
         # Host buffers are packed alike whatever their family, so ranks may mix families.
         self.add(work, dtype, HOST_KEY if type(work) is np.ndarray else (family.name, device))
 
-    def add(self, work: np.ndarray, dtype: str, key: tuple[Any, ...] = ()) -> None:
-        """Queue `work` (a writable host array in `dtype`'s storage) for the collective."""
+    def add(
+        self, work: Any, dtype: str, key: tuple[Any, ...] = (), deliver: Deliver | None = None
+    ) -> None:
+        """Queue `work` (a writable host array in `dtype`'s storage) for the collective.
+
+        `deliver` (`Scatter` and `Exchange` only, and required there) is called with the array's
+        result: a new host array in `dtype`'s storage, the caller's to keep.
+        """
+        delivers = [] if deliver is None else [deliver]
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
             self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
             if self.before_launch is not None:
                 self.before_launch([(dtype, work.size)])
-            self._launch([work], dtype)
+            self._launch([work], dtype, delivers)
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
             self.flush()
@@ -162,6 +163,7 @@ class Fusion:
         if self.timeline is not None and bucket_key not in self._open:
             self._opened_at[bucket_key] = self.timeline.now()
         self._open.setdefault(bucket_key, []).append(work)
+        self._deliver.setdefault(bucket_key, []).extend(delivers)
         self._open_bytes += nbytes
 
     def flush(self) -> None:
@@ -178,12 +180,14 @@ class Fusion:
             dtype = bucket_key[-1]
             if self.timeline is not None:
                 self._trace_queue(bucket_key, len(works))
+            delivers = self._deliver.get(bucket_key, [])
             if self.contiguous:
-                self._launch(works, dtype)
+                self._launch(works, dtype, delivers)
             else:
-                for work in works:
-                    self._launch([work], dtype)
+                for i, work in enumerate(works):
+                    self._launch([work], dtype, delivers[i : i + 1])
         self._open.clear()
+        self._deliver.clear()
         self._open_bytes = 0
 
     def test(self) -> bool:
@@ -214,13 +218,13 @@ class Fusion:
         if opened is not None:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
-    def _launch(self, works: list[np.ndarray], dtype: str) -> None:
+    def _launch(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> None:
         timeline = self.timeline
         if timeline is None:
-            flight = self._pack(works, dtype)
+            flight = self._pack(works, dtype, delivers)
         else:
             packing = timeline.now()
-            flight = self._pack(works, dtype)
+            flight = self._pack(works, dtype, delivers)
             timeline.complete(
                 "pack", packing, dtype=dtype, arrays=len(works), bytes=flight.buf.nbytes
             )
@@ -234,7 +238,9 @@ class Fusion:
         else:
             self._land(flight)
 
-    def _pack(self, works: list[np.ndarray], dtype: str) -> _Flight:
+    def _pack(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> _Flight:
+        if isinstance(self.action, (Scatter, Exchange)):
+            return self._pack_segments(works, dtype, delivers)
         if type(works[0]) is DeviceWork:
             return self._pack_device(works, dtype)
         if len(works) == 1 and works[0].flags.c_contiguous:
@@ -248,50 +254,86 @@ class Fusion:
                 buf[offset : offset + work.size].reshape(work.shape)[...] = work
                 flight.slots.append((work, offset))
                 offset += work.size
-        wire = self._wire(dtype)
-        if isinstance(self.action, Broadcast) or dtype == "bool":
-            flight.wire = buf.view(np.uint8)
-        elif wire is not None:
-            flight.compressed = wire
-            if dtype != wire:
-                flight.wire = self.pool.take(storage_dtype(wire), buf.size)
-                to_wire(buf, dtype, wire, out=flight.wire)
-                flight.pooled.append(flight.wire)
-        elif dtype not in self.backend.native_dtypes:
-            wide = self.pool.take(np.dtype(np.float32), buf.size)
-            if dtype == "bfloat16":
-                bf16_to_f32(buf, out=wide)
-            else:
-                wide[...] = buf
-            flight.wire = wide
-            flight.pooled.append(wide)
+        flight.compressed = wire = self._compressed(dtype)
+        if wire is None:
+            flight.wire = self._wire(buf, dtype, flight.pooled)
+        elif dtype != wire:
+            flight.wire = self.pool.take(storage_dtype(wire), buf.size)
+            to_wire(buf, dtype, wire, out=flight.wire)
+            flight.pooled.append(flight.wire)
+        return flight
+
+    def _compressed(self, dtype: str) -> str | None:
+        """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
+        wire = self.compression
+        if wire is None or dtype not in COMPRESSIBLE or dtype == wire == "float16":
+            return None  # float16 buckets travel in 16 bits already
+        if wire == "bfloat16" and not self.backend.bf16_bits:
+            return None  # this engine has no bfloat16 reduction: uncompressed, still correct
+        return wire
+
+    def _wire(
+        self, buf: np.ndarray, dtype: str, pooled: list[np.ndarray], copy: bool = True
+    ) -> np.ndarray:
+        """Return what the engine gets for `buf`: bytes, `buf` itself, or a float32 copy."""
+        if isinstance(self.action, (Broadcast, Exchange)) or dtype == "bool":
+            return buf.view(np.uint8)
+        if dtype in self.backend.native_dtypes:
+            return buf
+        wide = self.pool.take(np.dtype(np.float32), buf.size)
+        pooled.append(wide)
+        if not copy:  # a receive buffer: nothing to widen yet
+            return wide
+        if dtype == "bfloat16":
+            bf16_to_f32(buf, out=wide)
+        else:
+            wide[...] = buf
+        return wide
+
+    def _pack_segments(self, works: list[Any], dtype: str, delivers: list[Deliver]) -> _Flight:
+        """Lay a bucket out rank by rank (`Segments`) for a reduce-scatter or an all-to-all."""
+        assert isinstance(self.action, (Scatter, Exchange))
+        layout = layout_of(self.action, works, self.backend.rank, self.backend.size)
+        buf, pooled = layout.send_buffer(self.pool)
+        # Not pooled: the results are views of it, which the caller may keep (Family.adopt).
+        recv = np.empty(sum(layout.recv_counts), storage_dtype(dtype))
+        flight = _Flight(None, dtype, buf, buf, [], pooled, layout=layout, recv=recv)
+        flight.deliver, flight.wire = delivers, self._wire(buf, dtype, flight.pooled)
+        flight.recv_wire = self._wire(recv, dtype, flight.pooled, copy=False)
         return flight
 
     def _pack_device(self, works: list[Any], dtype: str) -> _Flight:
         """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
         bucket = DeviceBucket(works, dtype)
-        compressed = self._wire(dtype)
+        compressed = self._compressed(dtype)
         if self.backend.accepts_device(bucket.device) and bucket.can_send(self.backend, compressed):
             broadcast = isinstance(self.action, Broadcast)
             wire = bucket.send_direct(self.backend, broadcast, compressed)
             return _Flight(None, dtype, bucket.buf, wire, device=bucket)
-        flight = self._pack([bucket.stage()], dtype)  # one host buffer: communicated in place
+        flight = self._pack([bucket.stage()], dtype, [])  # one host buffer: communicated in place
         flight.device = bucket
         return flight
 
     def _start(self, flight: _Flight) -> None:
         action, backend, wire = self.action, self.backend, flight.wire
+        if flight.layout is not None:  # a reduce-scatter or an all-to-all
+            assert isinstance(action, (Scatter, Exchange)) and flight.recv_wire is not None
+            op = action.op if isinstance(action, Scatter) else ReduceOp.SUM
+            op = _BOOL_OPS.get(op, op) if flight.dtype == "bool" else op
+            item = flight.buf.itemsize if wire.dtype == np.uint8 else 1  # counts in wire items
+            call = (wire, flight.recv_wire, item, op, self.async_op)
+            flight.request = flight.layout.start(backend, action, *call)
+            return
         if isinstance(action, Broadcast):
             if self.async_op:
                 flight.request = backend.ibroadcast(wire, action.root)
             else:
                 backend.broadcast(wire, action.root)
             return
-        op = action.op
-        if flight.dtype == "bool":  # logical or / and, as NumPy adds and multiplies booleans
-            op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}.get(op, op)
-        if flight.compressed == "bfloat16":
-            flight.request = backend.iallreduce_bf16(wire, op)  # host bits reduced in 16 bits
+        assert isinstance(action, Reduction)
+        op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
+        if flight.compressed == "bfloat16":  # host bits, reduced as bfloat16
+            flight.request = backend.iallreduce_bf16(wire, op)
             if not self.async_op:
                 flight.request.wait()
         elif action.root is not None:
@@ -301,20 +343,11 @@ class Fusion:
         else:
             backend.allreduce(wire, op)
 
-    def _wire(self, dtype: str) -> str | None:
-        """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
-        wire = self.compression
-        if wire is None or dtype not in COMPRESSIBLE or dtype == wire == "float16":
-            return None  # float16 buckets already travel in 16 bits
-        if wire == "bfloat16" and not self.backend.bf16_bits:
-            return None  # this engine has no bfloat16 reduction: uncompressed, still correct
-        return wire
-
     def _receives(self) -> bool:
         action, rank = self.action, self.backend.rank
         if isinstance(action, Broadcast):
             return rank != action.root
-        return action.root is None or action.root == rank
+        return isinstance(action, (Scatter, Exchange)) or action.root is None or action.root == rank
 
     def _land(self, flight: _Flight) -> None:
         if flight.request is not None:
@@ -324,29 +357,33 @@ class Fusion:
             timeline.end("communicate", flight.span)
             unpacking = timeline.now()
         receives = self._receives()
+        action = self.action
+        scale = action.scale if isinstance(action, (Reduction, Scatter)) else None
         if flight.device is not None and flight.device.direct:
-            scale = None if isinstance(self.action, Broadcast) else self.action.scale
             flight.device.land(receives, scale)
         elif receives:
-            scale = None if isinstance(self.action, Broadcast) else self.action.scale
+            wire, buf = flight.wire, flight.buf
+            if flight.recv is not None and flight.recv_wire is not None:
+                wire, buf = flight.recv_wire, flight.recv  # a reduce-scatter's or all-to-all's
             if flight.compressed is not None:  # widen, then scale in the wide dtype
-                from_wire(flight.wire, flight.compressed, flight.buf, flight.dtype, scale)
-            else:
-                if scale is not None and scale != 1:
-                    scale_in_place(flight.wire, scale)
-                if flight.wire is not flight.buf and flight.wire.dtype != np.uint8:
-                    if flight.dtype == "bfloat16":
-                        f32_to_bf16(flight.wire, out=flight.buf)
-                    else:
-                        flight.buf[...] = flight.wire
+                from_wire(wire, flight.compressed, buf, flight.dtype, scale)
+            elif scale is not None and scale != 1:
+                scale_in_place(wire, scale)
+            if flight.compressed is None and wire is not buf and wire.dtype != np.uint8:
+                if flight.dtype == "bfloat16":
+                    f32_to_bf16(wire, out=buf)
+                else:
+                    buf[...] = wire
             for work, offset in flight.slots:
-                work[...] = flight.buf[offset : offset + work.size].reshape(work.shape)
+                work[...] = buf[offset : offset + work.size].reshape(work.shape)
+            if flight.layout is not None:
+                flight.layout.unpack(buf, flight.deliver)
         if flight.device is not None and not flight.device.direct:
             flight.device.unstage(receives)
         for buf in flight.pooled:
             self.pool.give(buf)
         if timeline is not None:
-            timeline.complete("unpack", unpacking, arrays=len(flight.slots))
+            timeline.complete("unpack", unpacking, arrays=len(flight.slots) or len(flight.deliver))
 
 
 def scale_in_place(values: np.ndarray, scale: float) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from dataparallel.backends.base import ReduceOp
+from dataparallel.engine.actions import Broadcast, Reduction
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16
-from dataparallel.engine.fusion import Broadcast, Reduction, scale_in_place
+from dataparallel.engine.fusion import scale_in_place
 
 __all__ = ["ALIGN", "land_inline", "pack_inline", "padded"]
 

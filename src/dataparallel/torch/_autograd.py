@@ -30,15 +30,10 @@ from typing import Any
 import torch
 
 from dataparallel import collectives, world
-from dataparallel.backends.base import Backend
 from dataparallel.types import Op
 from dataparallel.world import Group
 
 __all__ = ["allgather", "allreduce", "alltoall", "broadcast", "reducescatter"]
-
-
-def _engine(group: Group | None) -> Backend | None:
-    return None if group is None else group.backend
 
 
 def _tensor(name: str, x: Any) -> torch.Tensor:
@@ -55,7 +50,7 @@ def _allreduce(
 ) -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
     result: torch.Tensor = collectives.allreduce(
-        out, op, scale=scale, backend=_engine(group), compression=compression
+        out, op, scale=scale, group=group, compression=compression
     )
     return result
 
@@ -118,7 +113,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group | None) -> torch.Tensor:
         ctx.group, ctx.shape = group, x.shape
-        result: torch.Tensor = collectives.allgather(x.detach(), backend=_engine(group))
+        result: torch.Tensor = collectives.allgather(x.detach(), group=group)
         return result
 
     @staticmethod
@@ -126,7 +121,7 @@ class _Allgather(torch.autograd.Function):
         group, shape = ctx.group, ctx.shape
         reduced = _allreduce(grad, "avg", None, group, None)
         rows = shape[0] if len(shape) else 1
-        every = collectives.allgather(torch.tensor([rows]), backend=_engine(group))
+        every = collectives.allgather(torch.tensor([rows]), group=group)
         offset = int(every[: world.rank(group)].sum())
         return reduced.narrow(0, offset, rows).reshape(shape), None
 
@@ -145,7 +140,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, root: int, group: Group | None) -> torch.Tensor:
         ctx.root, ctx.group = root, group
         out = x.detach().clone(memory_format=torch.contiguous_format)
-        result: torch.Tensor = collectives.broadcast(out, root=root, backend=_engine(group))
+        result: torch.Tensor = collectives.broadcast(out, root=root, group=group)
         return result
 
     @staticmethod
@@ -168,7 +163,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, *, group: Group | None = None
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, splits: Any, group: Group | None) -> tuple[Any, Any]:
-        result, received = collectives.alltoall(x.detach(), splits=splits, backend=_engine(group))
+        result, received = collectives.alltoall(x.detach(), splits=splits, group=group)
         ctx.received, ctx.group = received, group
         if isinstance(received, torch.Tensor):
             ctx.mark_non_differentiable(received)
@@ -177,7 +172,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         back, _received = collectives.alltoall(
-            grad.contiguous(), splits=ctx.received, backend=_engine(ctx.group)
+            grad.contiguous(), splits=ctx.received, group=ctx.group
         )
         return back, None, None
 
@@ -201,7 +196,7 @@ class _Reducescatter(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.args = (op, scale, group)
         result: torch.Tensor = collectives.reducescatter(
-            x.detach(), op=op, scale=scale, backend=_engine(group)
+            x.detach(), op=op, scale=scale, group=group
         )
         return result
 
@@ -217,7 +212,7 @@ class _Reducescatter(torch.autograd.Function):
             world.size(group) if op == "sum" else 1
         )
         scaled = grad * factor if factor != 1 else grad
-        return collectives.allgather(scaled, backend=_engine(group)), None, None, None
+        return collectives.allgather(scaled, group=group), None, None, None
 
 
 def reducescatter(

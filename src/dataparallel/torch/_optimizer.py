@@ -19,6 +19,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.types import Op
+from dataparallel.world import Group, engine_of
 
 __all__ = ["distributed_torch_optimizer"]
 
@@ -147,6 +148,7 @@ def distributed_torch_optimizer(
     bucket_bytes: int | None = None,
     backward_passes_per_step: int = 1,
     backend: Backend | None = None,
+    group: Group | None = None,
     compression: Any = None,
     sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
@@ -174,6 +176,7 @@ def distributed_torch_optimizer(
             locally before one reduction (default 1). Scale the loss by `1 / N` for the mean
             over passes, as with Horovod. `step()` after fewer passes reduces what there is.
         backend: the engine to use (default: the active one).
+        group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel (and are
             reduced) as 16-bit floats, and come back in their dtype (default: none).
         sparse_as_dense: make sparse gradients (`nn.Embedding(sparse=True)`) dense and reduce
@@ -225,7 +228,7 @@ def distributed_torch_optimizer(
         bucket_bytes=bucket_bytes,
         passes=backward_passes_per_step,
         owner="DistributedOptimizer",
-        backend=backend,
+        backend=engine_of(backend, group),
         compression=compression,
         sparse_as_dense=sparse_as_dense,
     )

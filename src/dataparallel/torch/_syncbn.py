@@ -168,7 +168,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         else:
             var = mean = torch.zeros(channels, dtype=acc, device=x.device)
         local = torch.cat([mean.new_tensor([count]), mean, var * count]).double()
-        every = collectives.allgather(local[None], backend=None if group is None else group.backend)
+        every = collectives.allgather(local[None], group=group)
         counts, means, squares = every[:, :1], every[:, 1 : 1 + channels], every[:, 1 + channels :]
         total = float(counts.sum())
         if total <= 1:
@@ -210,8 +210,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if need_bias:
             grad_bias = sum_dy.to(grad.dtype if weight is None else weight.dtype)
         if need_input:
-            engine = None if ctx.group is None else ctx.group.backend
-            both = collectives.allreduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", backend=engine)
+            both = collectives.allreduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", group=ctx.group)
             channels = x.shape[1]
             mean_dy = (both[:channels] / ctx.total).view(shape)
             mean_dy_xmu = (both[channels:] / ctx.total).view(shape)
