@@ -135,7 +135,7 @@ def test_allreduce_of_a_tensor_without_grad_returns_a_plain_new_tensor(rank: int
 
 
 def test_allreduce_refuses_what_is_not_a_tensor() -> None:
-    with pytest.raises(TypeError, match="takes a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"takes a torch\.Tensor"):
         dp.torch.allreduce([1.0, 2.0])  # type: ignore[arg-type]
 
 

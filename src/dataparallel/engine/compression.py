@@ -124,17 +124,15 @@ def wire_dtype(compression: Any) -> str | None:
 
 def to_wire(values: np.ndarray, dtype: str, wire: str, out: np.ndarray) -> None:
     """Write host `values` (storage of `dtype`) into `out` (storage of `wire`), rounding."""
-    if dtype == wire:
-        out[...] = values
-        return
-    if wire == "float16" and dtype != "bfloat16":
-        out[...] = values  # NumPy rounds to nearest even; out of range becomes inf, as a cast
-        return
-    wide = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
-    if wire == "float16":
-        out[...] = wide
-    else:
-        f32_to_bf16(wide, out=out)
+    with np.errstate(over="ignore"):  # out of float16's range becomes inf, as a cast does
+        if dtype == wire or (wire == "float16" and dtype != "bfloat16"):
+            out[...] = values  # NumPy rounds to nearest even
+            return
+        wide = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
+        if wire == "float16":
+            out[...] = wide
+        else:
+            f32_to_bf16(wide, out=out)
 
 
 def from_wire(
@@ -156,7 +154,8 @@ def from_wire(
     if dtype == "bfloat16":
         f32_to_bf16(wide, out=out)
     else:
-        out[...] = wide
+        with np.errstate(over="ignore"):
+            out[...] = wide
 
 
 def _is_floating(tensor: Any) -> bool:
