@@ -231,3 +231,18 @@ def test_data_parallel_model_with_compression_averages_in_16_bits(
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=2e-3, atol=2e-3)
     assert wires and all(dtype == "float16" for dtype, _ in wires)
+
+
+def test_optax_distributed_optimizer_compresses_eagerly_and_under_jit(rank: int, size: int) -> None:
+    optax = pytest.importorskip("optax")
+    jax = pytest.importorskip("jax")
+    opt = dp.DistributedOptimizer(optax.sgd(1.0), compression=dp.Compression.bf16)
+    params = {"w": jax.numpy.zeros(N, jax.numpy.float32)}
+    state = opt.init(params)
+    grads = {"w": jax.numpy.asarray(draw(rank, 3).astype(np.float32))}
+    mean = sum(draw(r, 3) for r in range(size)) / size
+    limit = bound(size, "float32", "bfloat16", 3) / size
+    for update in (opt.update, jax.jit(opt.update)):
+        updates, _ = update(grads, state, params)
+        assert updates["w"].dtype == jax.numpy.float32
+        assert np.all(np.abs(-np.asarray(updates["w"], np.float64) - mean) <= limit)
