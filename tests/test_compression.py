@@ -164,6 +164,21 @@ def test_ranks_that_disagree_on_compression_raise_a_mismatch(rank: int, size: in
     assert dp.allreduce(1.0) == size  # the world is still usable
 
 
+def test_optimizers_that_disagree_on_compression_raise_a_mismatch(rank: int, size: int) -> None:
+    if size == 1:
+        pytest.skip("a mismatch needs two ranks")
+    model = make_model()
+    compression = dp.Compression.bf16 if rank == size - 1 else None
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), compression=compression
+    )
+    x, y = global_batch(0)
+    with pytest.raises(CollectiveMismatchError, match="compression"):
+        loss_of(model, share(x), share(y)).backward()
+    del opt
+    assert dp.allreduce(1.0) == size
+
+
 def test_a_compression_that_is_not_one_raises_type_error() -> None:
     with pytest.raises(TypeError, match="not a compressor"):
         dp.allreduce(np.ones(3), compression="fp16")
