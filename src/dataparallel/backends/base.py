@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from dataparallel.backends.half import TwoPhase
 from dataparallel.config import Settings
 
 __all__ = ["Backend", "DeviceBuffer", "DoneHandle", "Handle", "ReduceOp"]
@@ -109,8 +110,6 @@ class Backend(ABC):
         device_native_dtypes: the same for device buffers (NCCL adds bfloat16).
         stream_aware: whether the engine orders its device work on CUDA streams itself (NCCL);
             otherwise the producer's stream is synchronized before a device buffer is handed over.
-        bf16_bits: whether `iallreduce_bf16` reduces bfloat16 host values in 16 bits (what a
-            compressed reduction sends: `engine/compression.py`).
     """
 
     name: ClassVar[str]
@@ -120,7 +119,6 @@ class Backend(ABC):
     )
 
     stream_aware: ClassVar[bool] = False
-    bf16_bits: ClassVar[bool] = False
 
     rank: int
     size: int
@@ -177,13 +175,17 @@ class Backend(ABC):
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""
 
-    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
-        """Start reducing bfloat16 values held as their raw bits (a `uint16` host buffer), in place.
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        """Start reducing 16-bit floats in place, moving 16 bits (a compressed allreduce).
 
-        The engine reduces them as bfloat16, rounding at every step as a native half-precision
-        reduction does. Only called where `bf16_bits` is true.
+        `buf` is a 1-D host buffer of `dtype` `"float16"`, or `"bfloat16"` held as raw bits
+        (`uint16`). The default: float16 through the engine's `iallreduce`; bfloat16 through an
+        all-to-all, a float32 reduction of this rank's part and an allgather (`half.TwoPhase`).
+        Engines that reduce either type natively and fast say so by overriding this.
         """
-        raise NotImplementedError(f"the {self.name!r} backend has no bfloat16 reduction.")
+        if dtype == "float16":
+            return self.iallreduce(buf, op)
+        return TwoPhase(self, buf, op, dtype)
 
     @abstractmethod
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:

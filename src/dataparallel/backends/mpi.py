@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.backends.half import TwoPhase
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 
@@ -82,35 +83,6 @@ def _wait(request: Any, timeout: float | None, what: str, rank: int) -> None:
         time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
 
-_UFUNCS: dict[ReduceOp, Any] = {ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply}
-_UFUNCS |= {ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
-_BF16_OPS: dict[ReduceOp, Any] = {}  # MPI has no bfloat16: user-defined reductions, made once
-
-
-def _bf16_op(mpi: Any, op: ReduceOp) -> Any:
-    """Return the MPI reduction `op` on bfloat16 values held as raw bits (`uint16`).
-
-    Each step widens both operands to float32 exactly, applies `op`, and rounds the result to
-    bfloat16 (nearest even), as a native half-precision reduction would.
-    """
-    made = _BF16_OPS.get(op)
-    if made is None:
-        ufunc = _UFUNCS[op]
-
-        def wide(bits: np.ndarray) -> np.ndarray:
-            return np.left_shift(bits.astype(np.uint32), 16).view(np.float32)
-
-        def reduce_bits(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            into = np.frombuffer(inoutbuf, np.uint16)
-            result = ufunc(wide(np.frombuffer(inbuf, np.uint16)), wide(into)).view(np.uint32)
-            rounded = ((result + ((result >> 16) & 1) + np.uint32(0x7FFF)) >> 16).astype(np.uint16)
-            rounded[np.isnan(result.view(np.float32))] = 0x7FC0
-            into[...] = rounded
-
-        made = _BF16_OPS[op] = mpi.Op.Create(reduce_bits, commute=True)
-    return made
-
-
 def _by_rank(buf: Any, counts: list[int]) -> list[Any]:
     """Return mpi4py's `[buffer, (counts, displacements)]` for segments laid out in rank order."""
     return [buf, (counts, [0, *itertools.accumulate(counts)][:-1])]
@@ -138,7 +110,6 @@ class MPIBackend(Backend):
     """
 
     name = "mpi"
-    bf16_bits = True  # through user-defined reductions (`_bf16_op`)
 
     def __init__(
         self, comm: Any = None, *, cuda_aware: bool | None = None, timeout: float | None = None
@@ -216,9 +187,9 @@ class MPIBackend(Backend):
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
         return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
-    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
-        request = self.comm.Iallreduce(self._mpi.IN_PLACE, bits, _bf16_op(self._mpi, op))
-        return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        """MPI has no bfloat16, and MPICH's float16 sum is slow: both go `half.TwoPhase`."""
+        return TwoPhase(self, buf, op, dtype)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         send, recv = (self._mpi.IN_PLACE, buf) if self.rank == root else (buf, None)

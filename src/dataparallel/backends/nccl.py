@@ -169,13 +169,8 @@ class NCCLBackend(Backend):
         """The fallback's: host buffers are reduced by it."""
         return self.fallback.native_dtypes
 
-    @property
-    def bf16_bits(self) -> bool:  # type: ignore[override]
-        """The fallback's: host buffers are reduced by it."""
-        return self.fallback.bf16_bits
-
-    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
-        return self.fallback.iallreduce_bf16(bits, op)
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        return self.fallback.iallreduce_half(buf, op, dtype)  # host buffers: the fallback's
 
     @classmethod
     def create(

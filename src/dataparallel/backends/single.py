@@ -16,7 +16,6 @@ class SingleBackend(Backend):
     """The process group of a single process (Flashlight's STUB backend)."""
 
     name = "single"
-    bf16_bits = True
 
     def __init__(self) -> None:
         self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
@@ -49,7 +48,7 @@ class SingleBackend(Backend):
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         return DoneHandle()
 
-    def iallreduce_bf16(self, bits: Any, op: ReduceOp) -> Handle:
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
         return DoneHandle()
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:

@@ -266,11 +266,7 @@ class Fusion:
     def _compressed(self, dtype: str) -> str | None:
         """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
         wire = self.compression
-        if wire is None or dtype not in COMPRESSIBLE or dtype == wire == "float16":
-            return None  # float16 buckets travel in 16 bits already
-        if wire == "bfloat16" and not self.backend.bf16_bits:
-            return None  # this engine has no bfloat16 reduction: uncompressed, still correct
-        return wire
+        return wire if dtype in COMPRESSIBLE else None
 
     def _wire(
         self, buf: np.ndarray, dtype: str, pooled: list[np.ndarray], copy: bool = True
@@ -332,8 +328,8 @@ class Fusion:
             return
         assert isinstance(action, Reduction)
         op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
-        if flight.compressed == "bfloat16":  # host bits, reduced as bfloat16
-            flight.request = backend.iallreduce_bf16(wire, op)
+        if flight.compressed is not None:  # 16-bit host values (bfloat16 as bits)
+            flight.request = backend.iallreduce_half(wire, op, flight.compressed)
             if not self.async_op:
                 flight.request.wait()
         elif action.root is not None:
