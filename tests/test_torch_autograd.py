@@ -270,3 +270,17 @@ def test_reducescatter_gradient_is_the_allgather_of_the_gradients(
     assert x.grad is not None
     want = reference_grads(xs, outputs, 13)[rank] * size
     torch.testing.assert_close(x.grad, want)
+
+
+def test_bad_arguments_raise_on_every_rank_and_the_world_goes_on(rank: int, size: int) -> None:
+    x = torch.ones(size, 2, requires_grad=True)
+    with pytest.raises(ValueError, match="root"):
+        dp.torch.broadcast(x, root=size)
+    with pytest.raises(ValueError, match="splits"):
+        dp.torch.alltoall(x, splits=[1] * (size + 1))
+    with pytest.raises(ValueError, match="reduction"):
+        dp.torch.allreduce(x, "mean")  # type: ignore[arg-type]
+    y = dp.torch.allreduce(x, "sum")
+    y.sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.full((size, 2), float(size)))
