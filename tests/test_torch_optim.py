@@ -471,14 +471,6 @@ def test_parameters_added_or_unfrozen_later_are_reduced(world: Backend) -> None:
     assert_same_on_every_rank(list(model.parameters()))
 
 
-def test_sparse_gradients_are_refused(world: Backend) -> None:
-    model = nn.Embedding(5, 2, sparse=True)
-    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert opt.gradient_sync.parameters == [model.weight]
-    with pytest.raises(TypeError, match=r"sparse_coo gradient; only dense gradients are reduced"):
-        model(torch.tensor([1, 2])).sum().backward()
-
-
 def test_the_timeline_records_each_steps_gradient_buckets(world: Backend, tmp_path: Any) -> None:
     model = make_model()
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=256)

@@ -30,6 +30,7 @@ from dataparallel.collectives import (
     reducescatter,
     wait_all,
 )
+from dataparallel.engine.compression import Compression
 from dataparallel.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -67,6 +68,7 @@ __all__ = [
     "CoalescingReducer",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "Compression",
     "DataParallelError",
     "DistributedOptimizer",
     "Group",

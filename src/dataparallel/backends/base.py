@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from dataparallel.backends.half import TwoPhase
 from dataparallel.config import Settings
 
 __all__ = ["Backend", "DeviceBuffer", "DoneHandle", "Handle", "ReduceOp"]
@@ -173,6 +174,18 @@ class Backend(ABC):
     @abstractmethod
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""
+
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        """Start reducing 16-bit floats in place, moving 16 bits (a compressed allreduce).
+
+        `buf` is a 1-D host buffer of `dtype` `"float16"`, or `"bfloat16"` held as raw bits
+        (`uint16`). The default: float16 through the engine's `iallreduce`; bfloat16 through an
+        all-to-all, a float32 reduction of this rank's part and an allgather (`half.TwoPhase`).
+        Engines that reduce either type natively and fast say so by overriding this.
+        """
+        if dtype == "float16":
+            return self.iallreduce(buf, op)
+        return TwoPhase(self, buf, op, dtype)
 
     @abstractmethod
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:

@@ -230,6 +230,15 @@ class GlooBackend(GlooExchange, Backend):
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
         return _GlooHandle(self, work, (wire, tensor), finish)
 
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        """Gloo reduces float16 and bfloat16 natively, about as fast as float32."""
+        if dtype == "float16":
+            return self.iallreduce(buf, op)
+        bits = writable(flat(buf, "iallreduce"), "iallreduce")
+        tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
+        work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
+        return _GlooHandle(self, work, (bits, tensor), None)
+
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
         if self.rank != root:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.backends.half import TwoPhase
 from dataparallel.backends.mpi_board import CallBoard
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
@@ -209,6 +210,10 @@ class MPIBackend(Backend):
         self._board.tick()
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
         return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
+
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        """MPI has no bfloat16, and MPICH's float16 sum is slow: both go `half.TwoPhase`."""
+        return TwoPhase(self, buf, op, dtype)
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         self._board.tick()

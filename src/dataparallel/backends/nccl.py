@@ -169,6 +169,9 @@ class NCCLBackend(Backend):
         """The fallback's: host buffers are reduced by it."""
         return self.fallback.native_dtypes
 
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        return self.fallback.iallreduce_half(buf, op, dtype)  # host buffers: the fallback's
+
     @classmethod
     def create(
         cls,

@@ -48,6 +48,9 @@ class SingleBackend(Backend):
     def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
         return DoneHandle()
 
+    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+        return DoneHandle()
+
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
         return None
 

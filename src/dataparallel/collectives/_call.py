@@ -11,7 +11,6 @@ started without blocking.
 
 from __future__ import annotations
 
-import math
 import numbers
 import sys
 from collections.abc import Callable
@@ -33,9 +32,8 @@ from dataparallel.checks import (
 )
 from dataparallel.config import Settings
 from dataparallel.engine import tree
-from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
+from dataparallel.engine.actions import Broadcast, Reduction
 from dataparallel.engine.arrays import Family, family_of, write_back
-from dataparallel.engine.dtypes import storage_dtype
 from dataparallel.engine.fusion import HOST_KEY, Fusion
 from dataparallel.engine.inline import land_inline, pack_inline, padded
 from dataparallel.engine.pool import BufferPool
@@ -47,11 +45,9 @@ __all__ = [
     "Leaf",
     "agree",
     "check_root",
-    "check_rows",
     "context",
     "describe",
     "fuse",
-    "host_work",
     "inline_fits",
     "leaf_of",
     "leaves_of",
@@ -59,7 +55,6 @@ __all__ = [
     "prepared",
     "results",
     "run",
-    "run_split",
     "stage",
 ]
 
@@ -278,11 +273,13 @@ def run(
     action: Reduction | Broadcast,
     async_op: bool,
     rows: np.ndarray | None = None,
+    compression: str | None = None,
 ) -> tuple[Handle, Callable[[], Any]]:
     """Start the collective; return what to wait for and the function that builds its result.
 
     With `rows` (every rank's handshake record, carrying the values), the result is computed
-    here and nothing more is sent; otherwise the leaves go through the fusion engine.
+    here and nothing more is sent; otherwise the leaves go through the fusion engine (with
+    `compression`, a 16-bit wire dtype, floating buckets travel compressed).
     """
     if ctx.settings.debug:  # formatting costs more than a small call: only when asked
         log(
@@ -300,7 +297,7 @@ def run(
         works = [leaf.work for leaf in leaves]
         land_inline(rows, HEADER_BYTES, works, [leaf.dtype for leaf in leaves], action, rank)
     else:
-        fusion = fuse(ctx, leaves, action, async_op)
+        fusion = fuse(ctx, leaves, action, async_op, compression)
 
     def finish() -> Any:
         result = tree.unflatten(flat.spec, results(leaves, receives))
@@ -313,7 +310,11 @@ def run(
 
 
 def fuse(
-    ctx: CallContext, leaves: list[Leaf], action: Reduction | Broadcast, async_op: bool
+    ctx: CallContext,
+    leaves: list[Leaf],
+    action: Reduction | Broadcast,
+    async_op: bool,
+    compression: str | None = None,
 ) -> Fusion:
     """Send the leaves (`stage`d) through the fusion engine; return it, flushed."""
     fusion = Fusion(
@@ -323,6 +324,7 @@ def fuse(
         async_op=async_op,
         pool=ctx.buffers,
         timeline=ctx.timeline,
+        compression=compression,
     )
     for leaf in leaves:
         if leaf.work is None:
@@ -342,66 +344,3 @@ def results(leaves: list[Leaf], receives: bool) -> list[Any]:
     if not receives:
         return [leaf.value for leaf in leaves]
     return write_back([(leaf.family, leaf.value, leaf.work, leaf.is_view) for leaf in leaves])
-
-
-def check_rows(collective: str, flat: tree.Flat, leaves: list[Leaf]) -> None:
-    """Raise `ValueError` for a leaf without a first axis (a number, a 0-d array)."""
-    for leaf in leaves:
-        if not leaf.shape:
-            raise ValueError(
-                f"{flat.path(leaf.index)}: {collective} splits arrays along their first axis, "
-                "but this leaf is a number or a 0-d array; give it one (np.reshape(x, (1,)), "
-                "x[None]) or leave it out of the tree."
-            )
-
-
-def host_work(leaf: Leaf) -> np.ndarray:
-    """Return a host array of the leaf's values (a zero-copy view where its family allows)."""
-    view = leaf.family.host_view(leaf.value)
-    return view if view is not None else leaf.family.to_host(leaf.value)
-
-
-def run_split(
-    ctx: CallContext,
-    collective: str,
-    flat: tree.Flat,
-    leaves: list[Leaf],
-    action: Scatter | Exchange,
-) -> Any:
-    """Run a reduce-scatter or an all-to-all of the leaves; return the rebuilt tree.
-
-    Results change shape, so each comes back as a new array of its leaf's family; GPU leaves are
-    staged through host memory. Every leaf is on the host here, so buckets are per dtype whatever
-    the family. An all-to-all moves bytes, all leaves in one call: its bucketing must not depend
-    on sizes, which differ between ranks.
-    """
-    if ctx.settings.debug:
-        log(ctx, f"{collective} {action} leaves={len(leaves)}")
-    started = ctx.timeline.now() if ctx.timeline is not None else 0.0
-    moves = isinstance(action, Exchange)
-    fusion = Fusion(
-        ctx.backend,
-        action,
-        bucket_bytes=sys.maxsize if moves else ctx.settings.bucket_bytes,
-        async_op=False,
-        pool=ctx.buffers,
-        timeline=ctx.timeline,
-    )
-    out: list[Any] = [None] * len(leaves)
-    for i, leaf in enumerate(leaves):
-        work, storage = host_work(leaf), storage_dtype(leaf.dtype)
-
-        def deliver(host: np.ndarray, i: int = i, leaf: Leaf = leaf, kind: Any = storage) -> None:
-            if moves:  # bytes, one row per row: back to the leaf's dtype and shape
-                host = host.reshape(-1).view(kind).reshape(host.shape[0], *leaf.shape[1:])
-            out[i] = leaf.family.adopt(leaf.value, host)  # host is the result's own memory
-
-        if moves:
-            row_bytes = storage.itemsize * math.prod(leaf.shape[1:])
-            work = np.ascontiguousarray(work).reshape(-1).view(np.uint8)
-            work = work.reshape(leaf.shape[0], row_bytes)
-        fusion.add(work, "uint8" if moves else leaf.dtype, (), deliver)
-    fusion.wait()
-    if ctx.timeline is not None:
-        ctx.timeline.complete(collective, started, leaves=len(leaves), calls=fusion.calls)
-    return tree.unflatten(flat.spec, out)

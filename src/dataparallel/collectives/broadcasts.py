@@ -42,7 +42,7 @@ def _start_broadcast(
 
     flat, leaves = prepared(ctx, collective, prepare)
     inline = inline_fits(ctx, leaves)
-    rows, _ = agree(ctx, collective, flat, leaves, {"root": root}, inline=inline)
+    rows, _ = agree(ctx, collective, flat, leaves, {"root": int(root)}, inline=inline)
     return (*run(ctx, collective, flat, leaves, Broadcast(root), async_op, rows), ctx)
 
 

@@ -11,12 +11,11 @@ from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import (
     Leaf,
     agree,
-    check_rows,
     context,
     leaves_of,
     prepared,
-    run_split,
 )
+from dataparallel.collectives._split import check_rows, run_split
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Exchange
 from dataparallel.groups import Group, engine_of

@@ -25,6 +25,7 @@ from dataparallel.collectives._fast import NOT_FAST, small_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
+from dataparallel.engine.compression import wire_dtype
 from dataparallel.engine.fusion import Fusion
 from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.groups import Group, engine_of
@@ -41,11 +42,15 @@ def _start_reduction(
     name: str,
     async_op: bool,
     root: int | None = None,
+    compression: Any = None,
 ) -> tuple[Handle, Callable[[], Any], CallContext]:
     ctx = context(backend)
     collective = ("i" if async_op else "") + ("allreduce" if root is None else "reduce")
+    wire: str | None = None
 
     def prepare() -> tuple[tree.Flat, list[Leaf], Reduction, dict[str, Any]]:
+        nonlocal wire
+        wire = wire_dtype(compression)
         action = reduction(op, scale, ctx.backend.size, root)
         if root is not None:
             check_root(root, ctx.backend)
@@ -57,11 +62,13 @@ def _start_reduction(
                 raise TypeError(f"{flat.path(leaf.index)}: {error}")
         stage(leaves)
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
-        args = {"op": op, "scale": scale_arg} | ({"root": root} if root is not None else {})
+        args = {"op": op, "scale": scale_arg} | ({"root": int(root)} if root is not None else {})
+        if wire is not None:
+            args["compression"] = wire
         return flat, leaves, action, args
 
     flat, leaves, action, args = prepared(ctx, collective, prepare)
-    inline = inline_fits(ctx, leaves)
+    inline = wire is None and inline_fits(ctx, leaves)  # compressed values never go inline
     nans = None
     if not inline and action.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
         nans = prepared(ctx, collective, lambda: _local_nans(leaves))
@@ -75,8 +82,8 @@ def _start_reduction(
         flag=None if nans is None else bool(nans),
     )
     if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
-        return (*_nan_preserving(ctx, collective, flat, leaves, action, async_op), ctx)
-    return (*run(ctx, collective, flat, leaves, action, async_op, rows), ctx)
+        return (*_nan_preserving(ctx, collective, flat, leaves, action, async_op, wire), ctx)
+    return (*run(ctx, collective, flat, leaves, action, async_op, rows, wire), ctx)
 
 
 def _host_values(leaf: Leaf) -> np.ndarray:
@@ -100,11 +107,12 @@ def _nan_preserving(
     leaves: list[Leaf],
     action: Reduction,
     async_op: bool,
+    wire: str | None,
 ) -> tuple[Handle, Callable[[], Any]]:
     """Run a min/max reduction, then write NaN wherever any rank had one (see `engine.nan`)."""
     floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
     masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]
-    fusion, finish = run(ctx, collective, flat, leaves, action, async_op)
+    fusion, finish = run(ctx, collective, flat, leaves, action, async_op, compression=wire)
     mask_fusion = _fuse_masks(ctx, masks, async_op)
 
     def finish_with_nan() -> Any:
@@ -157,6 +165,7 @@ def allreduce(
     scale: float | None = None,
     backend: Backend | None = None,
     group: Group | None = None,
+    compression: Any = None,
 ) -> Tree:
     """Reduce `x` element-wise across all ranks; every rank gets the result.
 
@@ -166,6 +175,8 @@ def allreduce(
         scale: multiply the result by this afterwards (Flashlight's `allReduce(x, scale)`).
         backend: the engine to use (default: the active one).
         group: run among the ranks of this `dp.new_group` group (default: the world).
+        compression: `dp.Compression.fp16` or `.bf16`: floating leaves travel (and are reduced)
+            as 16-bit floats and come back in their own dtype; default: none.
 
     Returns:
         `x`'s structure with reduced leaves: mutable arrays written in place, others new.
@@ -179,12 +190,12 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
-    if backend is None and group is None:
+    if backend is None and group is None and compression is None:
         result = small_allreduce(x, op, scale)
         if result is not NOT_FAST:
             return result
     fusion, finish, _ = _start_reduction(
-        x, op, scale, engine_of(backend, group), "x", async_op=False
+        x, op, scale, engine_of(backend, group), "x", async_op=False, compression=compression
     )
     fusion.wait()
     return finish()
@@ -197,14 +208,15 @@ def iallreduce(
     scale: float | None = None,
     backend: Backend | None = None,
     group: Group | None = None,
+    compression: Any = None,
 ) -> Request:
     """Start `allreduce` without blocking; `Request.wait()` returns its result.
 
     Leaves are still packed into buckets and the buckets sent at once, so the communication
-    overlaps with whatever the caller does until `wait()`.
+    overlaps with whatever the caller does until `wait()`. `compression` as for `allreduce`.
     """
     fusion, finish, ctx = _start_reduction(
-        x, op, scale, engine_of(backend, group), "x", async_op=True
+        x, op, scale, engine_of(backend, group), "x", async_op=True, compression=compression
     )
     return Request(fusion, finish, ctx.pending)
 
@@ -227,15 +239,26 @@ def reduce(
 
 
 def allreduce_gradients(
-    grads: Tree, op: Op = "avg", *, backend: Backend | None = None, group: Group | None = None
+    grads: Tree,
+    op: Op = "avg",
+    *,
+    backend: Backend | None = None,
+    group: Group | None = None,
+    compression: Any = None,
 ) -> Tree:
     """Allreduce a gradient tree with fusion, averaging by default.
 
     Averaging follows Lux, Flashlight and Horovod; `op="sum"` reproduces FluxMPI, whose users scale
-    the loss by `1 / size()` themselves.
+    the loss by `1 / size()` themselves. `compression` as for `allreduce`.
     """
     fusion, finish, _ = _start_reduction(
-        grads, op, None, engine_of(backend, group), "grads", async_op=False
+        grads,
+        op,
+        None,
+        engine_of(backend, group),
+        "grads",
+        async_op=False,
+        compression=compression,
     )
     fusion.wait()
     return finish()

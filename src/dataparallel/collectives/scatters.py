@@ -7,12 +7,11 @@ from dataparallel.checks import reduction, reduction_error
 from dataparallel.collectives._call import (
     Leaf,
     agree,
-    check_rows,
     context,
     leaves_of,
     prepared,
-    run_split,
 )
+from dataparallel.collectives._split import check_rows, run_split
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Scatter
 from dataparallel.groups import Group, engine_of

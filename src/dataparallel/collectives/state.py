@@ -71,7 +71,7 @@ def synchronize_tree(
 
     flat, arrays, others, handled = prepared(ctx, "synchronize", prepare)
     values: list[Any] = list(flat.leaves)
-    args = {"root": root, "objects": objects, "object leaves": tuple(others)}
+    args = {"root": int(root), "objects": objects, "object leaves": tuple(others)}
     inline = inline_fits(ctx, arrays)
     rows, _ = agree(ctx, "synchronize", flat, arrays, args, inline=inline)
     log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")

@@ -85,6 +85,12 @@ class _TorchOps:
     def widen(self, buf: Any) -> Any:
         return buf.to(self.torch.float32)
 
+    def casts_to(self, dtype: str) -> bool:
+        return True
+
+    def cast(self, buf: Any, dtype: str) -> Any:
+        return buf.to(getattr(self.torch, dtype))
+
     def narrow(self, wide: Any, buf: Any) -> None:
         buf.copy_(wide)  # float32 -> bfloat16 rounds to nearest even, as the host path does
 
@@ -162,6 +168,12 @@ class _CupyOps:
 
     def widen(self, buf: Any) -> Any:
         return buf.astype(self.cupy.float32)
+
+    def casts_to(self, dtype: str) -> bool:
+        return dtype != "bfloat16"  # CuPy has no bfloat16: such buckets are staged
+
+    def cast(self, buf: Any, dtype: str) -> Any:
+        return buf.astype(dtype)
 
     def narrow(self, wide: Any, buf: Any) -> None:
         buf[...] = wide
@@ -261,13 +273,26 @@ class DeviceBucket:
                 offset += work.size
         self.wire = self.buf
         self.direct = False
-        self._widened = False
+        self._widened = self._compressed = False
         self._host: Any = None
 
-    def send_direct(self, backend: Backend, broadcast: bool) -> DeviceBuffer:
-        """Return the device buffer to hand to `backend`, which accepts this bucket's device."""
+    def can_send(self, backend: Backend, compressed: str | None) -> bool:
+        """Whether `backend` reduces this bucket on the device (compressed to `compressed`)."""
+        return compressed is None or (
+            compressed in backend.device_native_dtypes and self.ops.casts_to(compressed)
+        )
+
+    def send_direct(
+        self, backend: Backend, broadcast: bool, compressed: str | None = None
+    ) -> DeviceBuffer:
+        """Return the device buffer to hand to `backend`, which accepts this bucket's device.
+
+        With `compressed` (a 16-bit dtype), the values travel cast to it (`compression.py`).
+        """
         self.direct = True
-        if broadcast or self.dtype == "bool":
+        if compressed is not None:
+            self.wire, self._compressed = self.ops.cast(self.buf, compressed), True
+        elif broadcast or self.dtype == "bool":
             self.wire = self.ops.as_bytes(self.buf)
         elif self.dtype not in backend.device_native_dtypes:
             self.wire, self._widened = self.ops.widen(self.buf), True
@@ -278,10 +303,15 @@ class DeviceBucket:
     def land(self, receives: bool, scale: float | None) -> None:
         """Finish a direct bucket on its device: scale, narrow and unpack into the leaves."""
         if receives:
-            if scale is not None and scale != 1:
-                self.ops.scale(self.wire, scale)
-            if self._widened:
+            if self._compressed:  # widen back first, then scale in the leaves' dtype
                 self.ops.narrow(self.wire, self.buf)
+                if scale is not None and scale != 1:
+                    self.ops.scale(self.buf, scale)
+            else:
+                if scale is not None and scale != 1:
+                    self.ops.scale(self.wire, scale)
+                if self._widened:
+                    self.ops.narrow(self.wire, self.buf)
             self._unpack()
         self.wire = self.buf = None
 

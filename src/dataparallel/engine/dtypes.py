@@ -54,20 +54,27 @@ def storage_dtype(dtype: str) -> np.dtype:
 
 
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Widen bfloat16 bits to float32 exactly."""
-    wide = np.left_shift(bits.astype(np.uint32), 16)
+    """Widen bfloat16 bits to float32 exactly (in place in `out`: no temporaries)."""
     if out is None:
-        return wide.view(np.float32)
-    out.view(np.uint32)[...] = wide
+        out = np.empty(bits.shape, np.float32)
+    wide = out.view(np.uint32)
+    wide[...] = bits
+    wide <<= 16
     return out
 
 
 def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Narrow float32 to bfloat16 bits, rounding to nearest even (NaN stays NaN)."""
     bits = values.view(np.uint32)
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    out[...] = ((bits + rounding) >> 16).astype(np.uint16)
-    out[np.isnan(values)] = 0x7FC0
+    rounded = bits >> 16  # the one temporary: (bits + 0x7FFF + lowest kept bit) >> 16
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    out[...] = rounded
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
     return out
 
 

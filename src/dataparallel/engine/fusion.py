@@ -7,7 +7,8 @@ packed into one contiguous buffer and reduced with one call, non-blocking when `
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
 all). Buffers come from a pool and are reused once their call completes. `wait()` flushes,
 waits and unpacks. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
-handed to the backend there, or staged through pinned host memory once per bucket.
+handed to the backend there, or staged through pinned host memory once per bucket. With a
+`compression` wire dtype, buckets of floating leaves travel as 16-bit floats (`compression.py`).
 
 Reduce-scatter (`Scatter`) and all-to-all (`Exchange`) split every array along its first axis
 by rank: a bucket is laid out rank by rank (`segments.py`) so that one call moves it all, and the
@@ -29,6 +30,7 @@ import numpy as np
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
 from dataparallel.engine.arrays import Family, Staged, stage, write_back
+from dataparallel.engine.compression import COMPRESSIBLE, from_wire, to_wire
 from dataparallel.engine.device import DeviceBucket, DeviceWork
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
@@ -68,6 +70,7 @@ class _Flight:
     recv: np.ndarray | None = None  # ... their results (storage dtype), and what the engine fills
     recv_wire: np.ndarray | None = None
     deliver: list[Deliver] = field(default_factory=list)
+    compressed: str | None = None  # the 16-bit dtype `wire` holds, when compressed
 
 
 class Fusion:
@@ -81,6 +84,8 @@ class Fusion:
         contiguous: pack a flush into one buffer per bucket (else one call per array).
         pool: where buffers come from.
         timeline: records queue/pack/communicate/unpack phases when given.
+        compression: `"float16"` or `"bfloat16"`: the wire dtype of floating buckets of an
+            allreduce (see `compression.py`), or None.
     """
 
     def __init__(
@@ -93,9 +98,17 @@ class Fusion:
         contiguous: bool = True,
         pool: BufferPool | None = None,
         timeline: Timeline | None = None,
+        compression: str | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
+        if compression is not None and not (
+            compression in ("float16", "bfloat16")
+            and isinstance(action, Reduction)
+            and action.root is None
+        ):
+            raise ValueError(f"compression={compression!r} applies to allreduces, in 16 bits.")
+        self.compression = compression
         self.backend, self.action = backend, action
         self.bucket_bytes, self.async_op, self.contiguous = bucket_bytes, async_op, contiguous
         self.pool = pool if pool is not None else BufferPool()
@@ -241,8 +254,19 @@ class Fusion:
                 buf[offset : offset + work.size].reshape(work.shape)[...] = work
                 flight.slots.append((work, offset))
                 offset += work.size
-        flight.wire = self._wire(buf, dtype, flight.pooled)
+        flight.compressed = wire = self._compressed(dtype)
+        if wire is None:
+            flight.wire = self._wire(buf, dtype, flight.pooled)
+        elif dtype != wire:
+            flight.wire = self.pool.take(storage_dtype(wire), buf.size)
+            to_wire(buf, dtype, wire, out=flight.wire)
+            flight.pooled.append(flight.wire)
         return flight
+
+    def _compressed(self, dtype: str) -> str | None:
+        """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
+        wire = self.compression
+        return wire if dtype in COMPRESSIBLE else None
 
     def _wire(
         self, buf: np.ndarray, dtype: str, pooled: list[np.ndarray], copy: bool = True
@@ -277,8 +301,10 @@ class Fusion:
     def _pack_device(self, works: list[Any], dtype: str) -> _Flight:
         """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
         bucket = DeviceBucket(works, dtype)
-        if self.backend.accepts_device(bucket.device):
-            wire = bucket.send_direct(self.backend, isinstance(self.action, Broadcast))
+        compressed = self._compressed(dtype)
+        if self.backend.accepts_device(bucket.device) and bucket.can_send(self.backend, compressed):
+            broadcast = isinstance(self.action, Broadcast)
+            wire = bucket.send_direct(self.backend, broadcast, compressed)
             return _Flight(None, dtype, bucket.buf, wire, device=bucket)
         flight = self._pack([bucket.stage()], dtype, [])  # one host buffer: communicated in place
         flight.device = bucket
@@ -302,7 +328,11 @@ class Fusion:
             return
         assert isinstance(action, Reduction)
         op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
-        if action.root is not None:
+        if flight.compressed is not None:  # 16-bit host values (bfloat16 as bits)
+            flight.request = backend.iallreduce_half(wire, op, flight.compressed)
+            if not self.async_op:
+                flight.request.wait()
+        elif action.root is not None:
             backend.reduce(wire, op, action.root)
         elif self.async_op:
             flight.request = backend.iallreduce(wire, op)
@@ -331,9 +361,11 @@ class Fusion:
             wire, buf = flight.wire, flight.buf
             if flight.recv is not None and flight.recv_wire is not None:
                 wire, buf = flight.recv_wire, flight.recv  # a reduce-scatter's or all-to-all's
-            if scale is not None and scale != 1:
+            if flight.compressed is not None:  # widen, then scale in the wide dtype
+                from_wire(wire, flight.compressed, buf, flight.dtype, scale)
+            elif scale is not None and scale != 1:
                 scale_in_place(wire, scale)
-            if wire is not buf and wire.dtype != np.uint8:
+            if flight.compressed is None and wire is not buf and wire.dtype != np.uint8:
                 if flight.dtype == "bfloat16":
                     f32_to_bf16(wire, out=buf)
                 else:

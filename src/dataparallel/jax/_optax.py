@@ -69,6 +69,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, validate_reduction
+from dataparallel.engine.compression import wire_dtype
 from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op
 
@@ -87,6 +88,7 @@ def distributed_optax(
     op: Op = "avg",
     backend: Backend | None = None,
     group: Group | None = None,
+    compression: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -100,6 +102,8 @@ def distributed_optax(
             loss by `1 / size()` themselves), or `"prod"`, `"min"`, `"max"`.
         backend: the engine to reduce on (default: the active one, looked up at each update).
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
+        compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
+            floats and come back in their dtype (default: none).
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
@@ -127,6 +131,7 @@ def distributed_optax(
     ('DistributedState', [0.001, 0.001, 0.001])
     """
     parse_op(op)
+    wire_dtype(compression)  # a bad one raises here, not at the first update
     backend = engine_of(backend, group)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
@@ -144,14 +149,14 @@ def distributed_optax(
                 f"{type(state).__module__}.{type(state).__qualname__}: pass the state returned by "
                 "the distributed transformation's init (or update), not the inner one's."
             )
-        reduced = _allreduce_tree(updates, op, backend)
+        reduced = _allreduce_tree(updates, op, backend, compression)
         new_updates, inner_state = inner.update(reduced, state.inner_state, params, **extra_args)
         return new_updates, DistributedState(inner_state=inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _allreduce_tree(grads: Any, op: Op, backend: Backend | None) -> Any:
+def _allreduce_tree(grads: Any, op: Op, backend: Backend | None, compression: Any) -> Any:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     if not with_paths:
@@ -160,11 +165,11 @@ def _allreduce_tree(grads: Any, op: Op, backend: Backend | None) -> Any:
         validate_reduction(_dtype(leaf), op, None, "grads" + jax.tree_util.keystr(key))
     leaves = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        reduced = _allreduce_traced(leaves, op, callback_backend(backend))
+        reduced = _allreduce_traced(leaves, op, callback_backend(backend), compression)
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
-        reduced = collectives.allreduce(leaves, op=op, backend=backend)
+        reduced = collectives.allreduce(leaves, op=op, backend=backend, compression=compression)
     return jax.tree_util.tree_unflatten(treedef, reduced)
 
 
@@ -172,14 +177,15 @@ def _dtype(leaf: Any) -> str:
     return str(np.dtype(jax.numpy.result_type(leaf)))
 
 
-def _allreduce_traced(leaves: list[Any], op: Op, backend: Backend) -> list[Any]:
+def _allreduce_traced(leaves: list[Any], op: Op, backend: Backend, compression: Any) -> list[Any]:
     """Stage `leaves` out to one ordered host callback that allreduces them as NumPy arrays."""
     shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in leaves]
 
     def reduce_on_host(*arrays: Any) -> list[np.ndarray]:
         # JAX hands over CPU jax.Arrays; writable NumPy copies are reduced in place by the engine.
         work = [np.array(a, copy=True) for a in arrays]
-        return [np.asarray(a) for a in collectives.allreduce(work, op=op, backend=backend)]
+        reduced = collectives.allreduce(work, op=op, backend=backend, compression=compression)
+        return [np.asarray(a) for a in reduced]
 
     return list(io_callback(reduce_on_host, shapes, *leaves, ordered=True))
 

@@ -6,6 +6,10 @@
 - `DataParallelModel` (`_model`): a module wrapper that averages gradients during `backward()`.
 - `synchronize_torch` (`_synchronize`): broadcast a module's or an optimizer's state from a root.
 - `distributed_torch_optimizer` (`_optimizer`): the PyTorch face of `dp.DistributedOptimizer`.
+- `allreduce`, `allgather`, `broadcast`, `alltoall`, `reducescatter` (`_autograd`): collectives
+  that autograd differentiates, with Horovod's gradients.
+- `SyncBatchNorm` (`_syncbn`): batch normalization over every rank's batch.
+- Sparse gradients in `GradientSync` (`_sparse`): gathered and coalesced, or made dense.
 
 Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
 """
@@ -21,10 +25,23 @@ except ImportError as exc:
         name="torch",
     ) from exc
 
+from dataparallel.torch._autograd import allgather, allreduce, alltoall, broadcast, reducescatter
 from dataparallel.torch._buckets import NamedParams as NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._model import DataParallelModel
 from dataparallel.torch._optimizer import distributed_torch_optimizer
+from dataparallel.torch._syncbn import SyncBatchNorm
 from dataparallel.torch._synchronize import synchronize_torch
 
-__all__ = ["DataParallelModel", "GradientSync", "distributed_torch_optimizer", "synchronize_torch"]
+__all__ = [
+    "DataParallelModel",
+    "GradientSync",
+    "SyncBatchNorm",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "broadcast",
+    "distributed_torch_optimizer",
+    "reducescatter",
+    "synchronize_torch",
+]

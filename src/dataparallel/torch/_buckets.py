@@ -59,12 +59,12 @@ def layout(
     full: bool,
 ) -> tuple[list[Bucket], list[int], str]:
     """Return the buckets, each parameter's bucket, and the reduction's summary (`summarize`)."""
-    # Leave room for the flag vector that travels with the last bucket (one float per parameter,
-    # and one for "a rank abandoned this step").
-    flags = 4 * (len(params) + 1)
+    # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
+    # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket (-1).
+    flags = 4 * (2 * len(params) + 1)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
     buckets = plan(params, order, budget)
-    bucket_of = [0] * len(params)
+    bucket_of = [-1] * len(params)
     for b, bucket in enumerate(buckets):
         for i in bucket.members:
             bucket_of[i] = b

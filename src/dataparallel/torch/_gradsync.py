@@ -35,20 +35,8 @@ same parameters again (a new `DistributedOptimizer` in a re-run notebook cell, o
 wrapper; the old one stops reducing them. Gradients are never reduced twice. The hooks hold
 their `GradientSync` weakly: a wrapper that is dropped stops reducing.
 
-Sharp bits:
-
-- MPI moves a non-blocking collective forward only while some MPI call runs (MPICH has no
-  progress thread unless `MPIR_CVAR_ASYNC_PROGRESS=1`). Each gradient hook tests the buckets in
-  flight, which lets them progress between layers; what is left is completed by the wait in
-  `step()` (or at the end of backward for `DataParallelModel`).
-- A rank whose backward reaches none of the parameters (its loss does not depend on them) starts
-  its buckets only at `step()`; a collective of yours between `backward()` and `step()` then
-  meets the other ranks' reduction (`CollectiveMismatchError`). Every rank's loss must use the
-  model. A rank that skips a whole step without calling the library cannot be told from one a
-  step ahead, until the ranks' calls differ: keep every rank's steps in lock step.
-- Reentrant activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`) runs
-  nested backward passes; when one holds the first gradient of a pass, its end is taken for the
-  end of the pass and the next gradient raises `RuntimeError`. Use `use_reentrant=False`.
+Sparse gradients: see `_sparse.py`. Sharp bits (MPI progress, a rank whose loss skips the model,
+reentrant checkpointing): docs/sharp-bits.md, "Gradient reduction during backward".
 """
 
 from __future__ import annotations
@@ -64,6 +52,7 @@ import torch
 from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import handshake, reduction
+from dataparallel.engine.compression import wire_dtype
 from dataparallel.engine.fusion import HOST_KEY, Fusion
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
 from dataparallel.torch._buckets import (
@@ -78,6 +67,7 @@ from dataparallel.torch._buckets import (
 )
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op
 
 __all__ = ["GradientSync"]
@@ -104,6 +94,8 @@ class GradientSync:
             pass (`DataParallelModel`), instead of at `wait()` (`DistributedOptimizer.step`).
         owner: the name used in error messages.
         backend: the engine to use (default: the active one).
+        compression: `dp.Compression.fp16`/`.bf16`: floating gradients travel in 16 bits.
+        sparse_as_dense: make sparse gradients dense (else gathered: `_sparse.py`).
     """
 
     def __init__(
@@ -116,17 +108,22 @@ class GradientSync:
         wait_after_backward: bool = False,
         owner: str = "GradientSync",
         backend: Backend | None = None,
+        compression: Any = None,
+        sparse_as_dense: bool = False,
     ) -> None:
         check_options(owner, op, passes, bucket_bytes)
+        wire, self._sparse = wire_dtype(compression), SparseGrads(sparse_as_dense)
         active = world.current()
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
         self.bucket_bytes = int(bucket_bytes or active.settings.bucket_bytes)
-        self._options = {
+        self._options: dict[str, Any] = {
             "op": op,
             "bucket_bytes": self.bucket_bytes,
             "backward_passes_per_step": passes,
         }
+        if wire is not None or sparse_as_dense:  # described only when set, as they change calls
+            self._options |= {"compression": wire, "sparse_as_dense": sparse_as_dense}
         self.wait_after_backward = wait_after_backward
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
@@ -137,6 +134,7 @@ class GradientSync:
             bucket_bytes=self.bucket_bytes,
             async_op=True,
             pool=active.buffers,
+            compression=wire,
         )
         self._source = params
         self._params: NamedParams = []
@@ -192,6 +190,7 @@ class GradientSync:
                 old.refresh()
         if order is None:
             order = list(range(len(self._params)))[::-1]
+        order = self._sparse.dense_order(order)
         full = world.current().settings.check if world.initialized() else True
         self._buckets, self._bucket_of, self._summary = layout(
             self.owner, self._options, self._params, order, self.bucket_bytes, full
@@ -232,6 +231,7 @@ class GradientSync:
         self._filled: list[int] = []
         self._arrival: list[int] = []
         self._flags: np.ndarray | None = None
+        self._sparse.seen.clear()
         self._agreed = False
         self._abandoned = False
         self._fusion.timeline = world.current().timeline if world.initialized() else None
@@ -270,6 +270,8 @@ class GradientSync:
         self._ready[index] = True
         self._arrival.append(index)
         b = self._bucket_of[index]
+        if b < 0:  # a gathered sparse gradient: reduced in wait()
+            return
         self._pending[b] -= 1
         if b == self._next and self._pending[b] == 0:
             self._launch_ready()
@@ -297,7 +299,8 @@ class GradientSync:
         for index, ready in enumerate(self._ready):
             if not ready:
                 self._ready[index] = True
-                self._pending[self._bucket_of[index]] -= 1
+                if self._bucket_of[index] >= 0:
+                    self._pending[self._bucket_of[index]] -= 1
         self._launch_ready()
         self._state = _LAUNCHED
         # Parameters that became trainable after this step's plan (identical on every rank).
@@ -342,11 +345,12 @@ class GradientSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
                 self._filled.append(i)
+            self._sparse.densify(i, p)
             self._add(name, p.grad)
         if b == len(self._buckets) - 1:
-            self._flags = np.ones(len(self._params) + 1, np.float32)
-            self._flags[self._filled] = 0
-            self._flags[-1] = self._abandoned
+            n = len(self._params)  # flags: had a gradient (n), abandoned (1), was sparse (n)
+            self._flags = np.concatenate([np.ones(n + 1, np.float32), self._sparse.flags(n)])
+            self._flags[self._filled], self._flags[n] = 0, self._abandoned
             self._fusion.add(self._flags, "float32", HOST_KEY)
         self._fusion.flush()
 
@@ -363,10 +367,16 @@ class GradientSync:
             raise RuntimeError(message("failed", self.owner, self.passes))
         self._launch_rest()
         self._fusion.wait()
+        if self._sparse.members:
+            self._agree()  # made already, unless every parameter is gathered
+            self._sparse.reduce(self._params, self.backend, self.op == "avg")
         if self._flags is not None:
             for i in self._filled:
                 if self._flags[i] == 0:  # no rank had a gradient: keep None, as one process would
                     self._params[i][1].grad = None
+            if self._sparse.learn(self._params, self._flags[len(self._params) + 1 :]):
+                self._options["sparse"] = sorted(self._sparse.members)
+                self._replan(self._params, [i for b in self._buckets for i in b.members])
         self._state = _DONE
         self.steps += 1
         timeline = self._fusion.timeline
@@ -376,7 +386,7 @@ class GradientSync:
             )
         if not self._rebuilt:
             self._rebuild()
-        if self._flags is not None and self._flags[-1] > 0 and not self._abandoned:
+        if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
 
     def _rebuild(self) -> None:

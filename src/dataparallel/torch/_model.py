@@ -48,6 +48,8 @@ class DataParallelModel(nn.Module):
         root: the rank whose initial parameters win (default 0).
         backend: the engine to use (default: the active one).
         group: average among the ranks of this `dp.new_group` group (default: the world).
+        compression: `dp.Compression.fp16` or `.bf16`: gradients travel as 16-bit floats.
+        sparse_as_dense: reduce sparse gradients as dense ones (default: gathered, kept sparse).
 
     >>> import torch, dataparallel as dp
     >>> _ = dp.initialize()
@@ -66,6 +68,8 @@ class DataParallelModel(nn.Module):
         root: int = 0,
         backend: Backend | None = None,
         group: Group | None = None,
+        compression: Any = None,
+        sparse_as_dense: bool = False,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -84,6 +88,8 @@ class DataParallelModel(nn.Module):
             wait_after_backward=True,
             owner="DataParallelModel",
             backend=backend,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
         )
         self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)

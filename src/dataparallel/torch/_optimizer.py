@@ -149,6 +149,8 @@ def distributed_torch_optimizer(
     backward_passes_per_step: int = 1,
     backend: Backend | None = None,
     group: Group | None = None,
+    compression: Any = None,
+    sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that gradients are reduced across ranks before each step.
 
@@ -175,6 +177,11 @@ def distributed_torch_optimizer(
             over passes, as with Horovod. `step()` after fewer passes reduces what there is.
         backend: the engine to use (default: the active one).
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
+        compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel (and are
+            reduced) as 16-bit floats, and come back in their dtype (default: none).
+        sparse_as_dense: make sparse gradients (`nn.Embedding(sparse=True)`) dense and reduce
+            them in the buckets (Horovod's option); by default they are gathered (indices and
+            values from every rank, then coalesced) and stay sparse, averaged as dense ones.
 
     Returns:
         The distributed optimizer.
@@ -222,5 +229,7 @@ def distributed_torch_optimizer(
         passes=backward_passes_per_step,
         owner="DistributedOptimizer",
         backend=engine_of(backend, group),
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
     )
     return wrapper
