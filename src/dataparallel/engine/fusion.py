@@ -295,5 +295,7 @@ class Fusion:
 def _scale_in_place(values: np.ndarray, scale: float) -> None:
     if values.dtype.kind in "iu":
         np.multiply(values, int(scale), out=values, casting="unsafe")
+    elif values.dtype == np.float16:  # in float32, as the engines' own half-precision math is
+        np.multiply(values, np.float32(scale), out=values, dtype=np.float32, casting="unsafe")
     else:
         np.multiply(values, scale, out=values, casting="unsafe")

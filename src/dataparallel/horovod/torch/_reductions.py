@@ -1,0 +1,437 @@
+"""Horovod's reductions: allreduce (plain, in place, grouped, async) and reducescatter.
+
+Each hands over to `dp.allreduce` / `dp.iallreduce` / `dp.reducescatter` on the process set's
+group. What Horovod defines that dataparallel's own API does not is done here, and only that:
+
+- `op=Average` on integer tensors: Horovod sums, then scales in float64 and truncates; so is it
+  here (dataparallel refuses `"avg"` on integers, which would truncate silently).
+- `prescale_factor` is applied to a copy before the reduction (integers in float64, half
+  precision in float32, as Horovod); `postscale_factor` is dataparallel's `scale=` (integers:
+  in float64 after the sum, as Horovod).
+- `Adasum` raises `NotImplementedError` (dataparallel has no Adasum).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import dataparallel as dp
+from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
+from dataparallel.horovod.torch._process_sets import ProcessSet, backend_of, global_process_set
+
+__all__ = [
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "average_or_op",
+    "check_tensor",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "reducescatter",
+    "reducescatter_async",
+]
+
+_OPS = {Sum: "sum", Average: "avg", Min: "min", Max: "max", Product: "prod"}
+
+
+def average_or_op(op: int | None, average: bool | None) -> int:
+    """Horovod's `op`/`average` rule: `op` wins, `average` is deprecated, default `Average`."""
+    if op is not None:
+        if average is not None:
+            raise ValueError(
+                "The op parameter supersedes average. Please provide only one of them."
+            )
+        return op
+    if average is not None:
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return Average if average else Sum
+    return Average
+
+
+def check_tensor(tensor: Any) -> None:
+    """Raise Horovod's `ValueError` for what it cannot communicate: non-tensors, strided views."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"Horovod operations take torch tensors, got {type(tensor).__name__}.")
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one Horovod reduction runs on dataparallel: the op, the scale, and local scalings."""
+
+    op: str
+    scale: float | None
+    pre: float | None  # applied to the input copy before communicating
+    post: float | None  # applied locally afterwards (integers: float64, truncated)
+
+
+def _plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: int) -> _Plan:
+    if op == Adasum:
+        raise NotImplementedError(
+            "Adasum is not supported by dataparallel: use op=hvd.Average (or hvd.Sum)."
+        )
+    if op not in _OPS:
+        raise ValueError(f"op={op!r} is not one of hvd.Sum, Average, Min, Max, Product, Adasum.")
+    integral = any(not (t.is_floating_point() or t.is_complex()) for t in tensors)
+    pre_factor = None if pre == 1.0 else float(pre)
+    if integral:  # Horovod: the sum, then the scaling in float64, truncated
+        total = float(post) / n if op == Average else float(post)
+        engine_op = "sum" if op == Average else _OPS[op]
+        return _Plan(engine_op, None, pre_factor, None if total == 1.0 else total)
+    return _Plan(_OPS[op], None if post == 1.0 else float(post), pre_factor, None)
+
+
+def _scaled(t: torch.Tensor, factor: float | None) -> torch.Tensor:
+    """Multiply `t` by `factor` in place as Horovod does: integers through float64."""
+    if factor is None or factor == 1.0:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        return t.mul_(factor)  # half precision: computed in float32 by torch on the CPU
+    return t.copy_(t.double().mul_(factor))
+
+
+def _start_allreduce(
+    outputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet, wait: bool
+) -> _handles.Started:
+    backend = backend_of(ps)
+    plan = _plan(outputs, op, pre, post, ps.size() or 1)
+    for t in outputs:
+        _scaled(t, plan.pre)
+
+    def after(_: Any) -> list[torch.Tensor]:
+        for t in outputs:
+            _scaled(t, plan.post)
+        return outputs
+
+    if wait:
+        dp.allreduce(outputs, op=plan.op, scale=plan.scale, backend=backend)
+        return _handles.Done(after(None))
+    request = dp.iallreduce(outputs, op=plan.op, scale=plan.scale, backend=backend)
+    return _handles.Then(request, after)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _allreduce_async(
+    kind: str,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    name: str | None,
+    op: int,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    single: bool,
+) -> int:
+    for t in inputs:
+        check_tensor(t)
+
+    def start() -> _handles.Started:
+        started = _start_allreduce(outputs, op, pre, post, ps, wait=False)
+        return _handles.Then(started, lambda out: out[0] if single else out)
+
+    return _handles.submit(kind, name, start)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing `tensor` across the process set; `synchronize(handle)` returns the result.
+
+    The input is not modified. `op` is `Average` (default), `Sum`, `Min`, `Max` or `Product`.
+    """
+    op = average_or_op(op, average)
+    check_tensor(tensor)
+    return _allreduce_async(
+        "allreduce",
+        [tensor],
+        [_copy(tensor)],
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=True,
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing `tensor` in place; `synchronize(handle)` returns it."""
+    op = average_or_op(op, average)
+    return _allreduce_async(
+        "allreduce",
+        [tensor],
+        [tensor],
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=True,
+    )
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce `tensor` across the process set and return the result (the input is not modified).
+
+    Differentiable: the gradient is the same reduction of the output's gradient (Horovod's).
+    `compression` (`hvd.Compression.fp16`) sends floating-point values in 16 bits.
+    """
+    op = average_or_op(op, average)
+    check_tensor(tensor)
+    compressed, ctx = _compress(compression, tensor)
+    outputs = [_copy(compressed)]
+
+    def start() -> _handles.Started:
+        return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
+
+    result = _handles.blocking("allreduce", name, start)[0]
+    return _decompress(compression, result, ctx)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce `tensor` in place across the process set and return it."""
+    handle = allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _handles.synchronize(handle)
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing a list of tensors in one fused call; the inputs are not modified."""
+    op = average_or_op(op, average)
+    for t in tensors:
+        check_tensor(t)
+    return _allreduce_async(
+        "allreduce",
+        list(tensors),
+        [_copy(t) for t in tensors],
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=False,
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing a list of tensors in place, in one fused call."""
+    op = average_or_op(op, average)
+    return _allreduce_async(
+        "allreduce",
+        list(tensors),
+        list(tensors),
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=False,
+    )
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in one fused call and return the results."""
+    op = average_or_op(op, average)
+    for t in tensors:
+        check_tensor(t)
+    packed = [_compress(compression, t) for t in tensors]
+    outputs = [_copy(c) for c, _ in packed]
+
+    def start() -> _handles.Started:
+        return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
+
+    results = _handles.blocking("allreduce", name, start)
+    return [_decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place, in one fused call, and return them."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _handles.synchronize(handle)
+
+
+def _compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    return (tensor, None) if compression is None else compression.compress(tensor)
+
+
+def _decompress(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    return tensor if compression is None else compression.decompress(tensor, ctx)
+
+
+def _start_reducescatter(
+    inputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet
+) -> _handles.Started:
+    backend = backend_of(ps)
+    plan = _plan(inputs, op, pre, post, ps.size() or 1)
+    copies = [_scaled(_copy(t), plan.pre) if plan.pre else t.detach() for t in inputs]
+    results = dp.reducescatter(copies, op=plan.op, scale=plan.scale, backend=backend)
+    return _handles.Done([_scaled(r, plan.post) for r in results])
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start a reduction of which each process keeps its part of the first axis."""
+    check_tensor(tensor)
+
+    def start() -> _handles.Started:
+        started = _start_reducescatter([tensor], op, prescale_factor, postscale_factor, process_set)
+        return _handles.Then(started, lambda out: out[0])
+
+    return _handles.submit("reducescatter", name, start)
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduce `tensor` across the set; return this process's part of the first axis.
+
+    Rank r of the set keeps `n // size` rows, one more when `r < n % size` (Horovod's split).
+    """
+    check_tensor(tensor)
+    compressed, ctx = _compress(compression, tensor)
+
+    def start() -> _handles.Started:
+        return _start_reducescatter(
+            [compressed], op, prescale_factor, postscale_factor, process_set
+        )
+
+    return _decompress(compression, _handles.blocking("reducescatter", name, start)[0], ctx)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start a fused reducescatter of a list of tensors."""
+    for t in tensors:
+        check_tensor(t)
+    listed = list(tensors)
+
+    def start() -> _handles.Started:
+        return _start_reducescatter(listed, op, prescale_factor, postscale_factor, process_set)
+
+    return _handles.submit("reducescatter", name, start)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatter a list of tensors in one fused call; return this process's parts."""
+    for t in tensors:
+        check_tensor(t)
+    packed = [_compress(compression, t) for t in tensors]
+    listed = [c for c, _ in packed]
+
+    def start() -> _handles.Started:
+        return _start_reducescatter(listed, op, prescale_factor, postscale_factor, process_set)
+
+    results = _handles.blocking("reducescatter", name, start)
+    return [_decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
