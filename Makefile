@@ -43,6 +43,7 @@ test: lint test-mpi test-gloo test-1
 
 bench: $(STAMP)
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/collectives.py
+	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/scatter_exchange.py
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/bucket_size.py
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/train_step.py
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/optax_step.py

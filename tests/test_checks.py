@@ -82,6 +82,14 @@ class Simulated(Backend):
         if any(peer != self.peers[0] for peer in self.peers):
             buf[0] += 1  # the largest hash differs from the smallest
 
+    def allgather(self, send: Any, recv: Any) -> None:
+        self.log.append(f"allgather {send.dtype}[{send.size}]")
+        rows = recv.reshape(self.size, -1)
+        rows[...] = send
+        for rank, peer in enumerate(self.peers):
+            if peer != self.peers[0]:
+                rows[rank, 0] ^= 1  # another call: another hash
+
     def allgather_object(self, obj: Any) -> list[Any]:
         self.log.append("allgather_object")
         return [obj, *self.peers[1:]]
@@ -114,10 +122,10 @@ class Simulated(Backend):
 CALL = {"collective": "allreduce", "op": "sum", "x['w']": "float32[3]"}
 
 
-def test_matching_calls_cost_one_small_allreduce() -> None:
+def test_matching_calls_cost_one_small_allgather() -> None:
     backend = Simulated([CALL, CALL, CALL])
     verify_same_call(backend, CALL)
-    assert backend.log == ["allreduce max int64[2]"]
+    assert backend.log == ["allgather uint8[64]"]
 
 
 def test_a_lazy_description_is_only_built_on_a_mismatch() -> None:
@@ -258,23 +266,42 @@ def test_allgather_allows_a_different_first_axis_only(rank: int, size: int, othe
     )
 
 
-def test_check_off_skips_the_verification(
-    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    active = world_module.current()
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every allgather and allreduce the active backend makes from now on."""
+    backend = world_module.current().backend
     calls: list[str] = []
-    backend = active.backend
-    real = backend.allreduce
+    for name in ("allgather", "allreduce"):
+        real = getattr(backend, name)
 
-    def counting(buf: Any, op: ReduceOp) -> None:
-        calls.append(op.value)
-        real(buf, op)
+        def counting(*args: Any, real: Callable[..., None] = real, name: str = name) -> None:
+            calls.append(name)
+            real(*args)
 
-    monkeypatch.setattr(backend, "allreduce", counting)
-    dp.allreduce(np.ones(3))
-    assert len(calls) == (2 if size > 1 else 1)  # the 16-byte check, then the reduction
+        monkeypatch.setattr(backend, name, counting)
+    return calls
+
+
+def test_small_payloads_travel_with_the_check(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counted(monkeypatch)
+    out = dp.allreduce({"loss": np.float32(1.5), "n": np.ones(3, np.int64)})
+    assert out["loss"] == 1.5 * size and out["n"].tolist() == [size] * 3
+    assert calls == (["allgather"] if size > 1 else ["allreduce"] * 2)
     calls.clear()
+    dp.allreduce(np.ones(100))  # 800 bytes: the handshake, then the payload
+    assert calls == (["allgather", "allreduce"] if size > 1 else ["allreduce"])
+
+
+def test_check_off_keeps_the_guard(rank: int, others: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    active = world_module.current()
     monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, check=False))
+    calls = counted(monkeypatch)
     out = dp.allreduce(np.ones(3))
-    assert calls == ["sum"]
-    np.testing.assert_array_equal(out, np.full(3, float(size)))
+    assert calls == ["allgather"]
+    np.testing.assert_array_equal(out, np.full(3, float(dp.size())))
+    # What decides the messages is still compared: dtypes, sizes (the explanation is complete).
+    x = np.ones(200, np.float32 if rank == 0 else np.float64)
+    expect_mismatch(lambda: dp.allreduce(x), f"x: float32[200] on rank 0; float64[200] on {others}")
+    expect_mismatch(lambda: dp.allreduce(np.ones(200 + (rank > 0))), "x: float64[200] on rank 0")
+    # Shapes of equal size are not compared with the checks off.
+    out = dp.allreduce(np.ones((2, 3) if rank == 0 else (3, 2)))
+    assert out.sum() == 6 * dp.size()

@@ -132,7 +132,7 @@ def test_contiguous_false_makes_one_call_per_array(rank: int, size: int, sent: S
         assert np.all(np.asarray(a) == want)
 
 
-def test_one_call_per_dtype_and_family_bucket(rank: int, size: int, sent: Sent) -> None:
+def test_one_call_per_dtype_bucket_whatever_the_family(rank: int, size: int, sent: Sent) -> None:
     arrays: list[Any] = [
         full(2, rank, np.float32),
         full(3, rank, np.float64),
@@ -143,7 +143,7 @@ def test_one_call_per_dtype_and_family_bucket(rank: int, size: int, sent: Sent) 
     with dp.CoalescingReducer() as reducer:
         for a in arrays:
             reducer.add(a)
-    assert sorted(sent.sizes) == [2, 3, 5, 6] and reducer.calls == 4
+    assert sorted(sent.sizes) == [2, 3, 11] and reducer.calls == 3  # torch and NumPy alike
     total = size * (size + 1) / 2
     for a in arrays[:4]:
         assert np.all(np.asarray(a) == total)

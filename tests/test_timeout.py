@@ -17,7 +17,16 @@ SCRIPT = Path(__file__).parent / "scripts" / "timeout_job.py"
 
 @pytest.mark.spawns
 @pytest.mark.parametrize(
-    "call", ["allreduce", "iallreduce", "broadcast", "barrier", "allgather_object"]
+    "call",
+    [
+        "allreduce",
+        "iallreduce",
+        "broadcast",
+        "barrier",
+        "allgather_object",
+        "reducescatter",
+        "alltoall",
+    ],
 )
 def test_a_collective_whose_peer_never_comes_times_out(call: str) -> None:
     started = time.monotonic()

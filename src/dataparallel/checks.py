@@ -1,10 +1,26 @@
 """Input validation and collective mismatch detection.
 
-Mismatch detection costs one 16-byte allreduce per collective: every rank hashes a description of
-its call (collective, op, root, tree structure, shapes, dtypes) and the world reduces `[h, -h]` with
-MAX, which yields both the largest and the smallest hash. Only when they differ is a second,
-pickled exchange made, to name the ranks and what differs; every rank then raises
-`CollectiveMismatchError`, and the world stays usable. `DATAPARALLEL_CHECK=0` turns it off.
+Every collective begins with one small message, the *handshake*, and no rank sends anything
+else for the call until every rank has agreed on it. Each rank contributes a 64-byte record: an
+8-byte hash of its call (collective, op, root, tree structure, shapes, dtypes), 8 bytes of flags,
+and up to 48 bytes of payload; one allgather gives every rank every record. Since every rank sees
+the same records, every rank reaches the same verdict:
+
+- all hashes equal: the call goes on. A payload that fits in the record (a loss, a few metrics)
+  has then already travelled: the ranks reduce it locally, and the call costs one message.
+- hashes differ: the ranks exchange pickled descriptions of their calls (only now), and every
+  rank raises `CollectiveMismatchError` naming the ranks and what differs; the world stays usable.
+
+A rank whose call fails before communicating (a `TypeError` for a bad leaf) still takes part in
+the handshake, with its failure as its call (`fail_together`), so its next call can never be
+paired with the other ranks' current one. In worlds over `GATHER_LIMIT` ranks the handshake is a
+16-byte allreduce of `[h, -h]` with MAX instead (the largest and the smallest hash), without
+payload.
+
+`DATAPARALLEL_CHECK=0` cannot turn the handshake off (without it a mismatch hangs or corrupts):
+it makes the hash cover only what decides the messages that follow (collective, op, root, and
+each leaf's dtype, size and device), so a mismatch of shapes of equal size or of tree
+structure goes unnoticed, at a lower cost of describing the call.
 """
 
 from __future__ import annotations
@@ -12,23 +28,38 @@ from __future__ import annotations
 import hashlib
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.engine.actions import Reduction
 from dataparallel.engine.dtypes import INTEGER_DTYPES
-from dataparallel.engine.fusion import Reduction
 from dataparallel.errors import CollectiveMismatchError
 
 __all__ = [
+    "GATHER_LIMIT",
+    "HEADER_BYTES",
+    "INLINE_BYTES",
+    "RECORD_BYTES",
     "check_scale",
+    "digest",
+    "exchange",
+    "fail_together",
+    "handshake",
+    "inline_capacity",
+    "new_record",
     "parse_op",
     "reduction",
     "reduction_error",
     "validate_reduction",
     "verify_same_call",
 ]
+
+RECORD_BYTES = 64  # what each rank contributes to a handshake
+HEADER_BYTES = 16  # the call's hash, then the flags
+INLINE_BYTES = RECORD_BYTES - HEADER_BYTES  # payload carried by the handshake itself
+GATHER_LIMIT = 64  # larger worlds check with an allreduce, whose cost grows slower with size
 
 _OPS = ("sum", "prod", "min", "max", "avg")
 _MAX_DIFFERENCES = 8
@@ -96,9 +127,80 @@ def validate_reduction(dtype: str, op: str, scale: float | None, path: str) -> N
         raise TypeError(f"{path}: {error}")
 
 
-def _digest(description: str) -> int:
+def digest(description: str) -> int:
+    """Return the 62-bit hash of a call's summary that the handshake compares."""
     raw = hashlib.blake2b(description.encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") >> 2
+    return int.from_bytes(raw, "little") >> 2  # so that -h fits in int64 too
+
+
+def inline_capacity(size: int) -> int:
+    """Return how many payload bytes a handshake carries in a world of `size` ranks (0: none)."""
+    return INLINE_BYTES if 1 < size <= GATHER_LIMIT else 0
+
+
+def new_record() -> np.ndarray:
+    """Return an empty handshake record; a payload goes at `HEADER_BYTES` onwards."""
+    return np.zeros(RECORD_BYTES, np.uint8)
+
+
+def handshake(
+    backend: Backend,
+    summary: str,
+    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    *,
+    record: np.ndarray | None = None,
+    flag: bool | None = None,
+) -> tuple[np.ndarray | None, bool]:
+    """Exchange this rank's call with every rank; raise `CollectiveMismatchError` unless all agree.
+
+    Args:
+        backend: the engine the collective runs on (a world of two or more).
+        summary: a string equal on two ranks exactly when their calls are the same.
+        call: the call field by field (or a function that makes it), to explain a mismatch.
+        record: this rank's record (`new_record()`) with a payload after the header, if any.
+        flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
+
+    Returns:
+        Every rank's record, one row per rank (None in worlds over `GATHER_LIMIT` ranks), and
+        whether any rank raised `flag`.
+    """
+    h = digest(summary)
+    if backend.size > GATHER_LIMIT:
+        bounds = np.array([h, -h, bool(flag)], np.int64)
+        backend.allreduce(bounds, ReduceOp.MAX)
+        if bounds[0] != -bounds[1]:
+            _mismatch(backend, call)
+        return None, bool(bounds[2])
+    if record is None:
+        record = np.zeros(RECORD_BYTES, np.uint8)
+    head = record[:HEADER_BYTES].view(np.int64)
+    head[0] = h
+    if flag:
+        head[1] = 1
+    rows = exchange(backend, record, call)
+    return rows, (flag is not None and bool(rows[:, 8].any()))
+
+
+def exchange(
+    backend: Backend, record: np.ndarray, call: dict[str, Any] | Callable[[], dict[str, Any]]
+) -> np.ndarray:
+    """Gather every rank's `record` (its header filled in); raise unless every hash is the same.
+
+    The core of `handshake`, for callers that build their record themselves (a world of at most
+    `GATHER_LIMIT` ranks). Returns the records, one row per rank.
+    """
+    size = backend.size
+    rows = np.empty((size, RECORD_BYTES), np.uint8)
+    backend.allgather(record, rows.reshape(-1))
+    if rows[:, :8].tobytes() != record[:8].tobytes() * size:
+        _mismatch(backend, call)
+    return rows
+
+
+def _mismatch(backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]) -> NoReturn:
+    """Exchange the calls' descriptions (every rank saw the mismatch) and raise on every rank."""
+    calls = backend.allgather_object(call if isinstance(call, dict) else call())
+    raise CollectiveMismatchError(_explain(calls))
 
 
 def verify_same_call(
@@ -107,6 +209,9 @@ def verify_same_call(
     summary: str | None = None,
 ) -> None:
     """Raise `CollectiveMismatchError` on every rank unless all ranks make the same call.
+
+    One handshake without payload (see the module's notes); for calls whose own communication
+    follows, so that it never meets another rank's different call.
 
     Args:
         backend: the engine the collective will run on.
@@ -120,13 +225,27 @@ def verify_same_call(
         return
     if summary is None:
         summary = repr(sorted((call if isinstance(call, dict) else call()).items()))
-    h = _digest(summary)
-    bounds = np.array([h, -h], dtype=np.int64)
-    backend.allreduce(bounds, ReduceOp.MAX)
-    if bounds[0] == -bounds[1]:
+    handshake(backend, summary, call)
+
+
+def fail_together(backend: Backend, collective: str, error: BaseException) -> None:
+    """Make `collective` fail on every rank: this rank's call failed before communicating.
+
+    This rank still takes part in the handshake, with its failure as its call, so the other
+    ranks raise `CollectiveMismatchError` (naming this rank and `error`) instead of pairing their
+    call with this rank's next one. The caller re-raises `error` afterwards.
+    """
+    if backend.size == 1:
         return
-    calls = backend.allgather_object(call if isinstance(call, dict) else call())
-    raise CollectiveMismatchError(_explain(calls))
+    reason = f"{type(error).__name__}: {error}"
+    described = {"collective": collective, "failed": reason}
+    try:
+        handshake(backend, f"{collective}|failed|{reason}", described)
+    except CollectiveMismatchError:
+        error.add_note(
+            f"dataparallel: {collective} raised CollectiveMismatchError on the other ranks, "
+            "which did not fail alike: every rank's call failed, and the ranks stay in step."
+        )
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -135,6 +254,19 @@ def _ranks(ranks: list[int]) -> str:
 
 def _explain(calls: list[dict[str, Any]]) -> str:
     """Describe, field by field, how the ranks' calls differ."""
+    failed: dict[str, list[int]] = {}
+    for rank, call in enumerate(calls):
+        if "failed" in call:
+            failed.setdefault(str(call["failed"]), []).append(rank)
+    if failed:
+        collective = calls[min(min(ranks) for ranks in failed.values())].get("collective")
+        return (
+            f"{collective} failed on some ranks before the ranks communicated, so it fails on "
+            "every rank:\n"
+            + "\n".join(f"  {_ranks(ranks)}: {reason}" for reason, ranks in failed.items())
+            + "\nFix the call on the ranks named (their own traceback shows where); the next "
+            "collective works as usual."
+        )
     keys = sorted({k for call in calls for k in call}, key=lambda k: (k != "collective", k))
     lines = []
     for key in keys:

@@ -2,6 +2,8 @@
 
 A reducer ingests mutable arrays with `add` and completes their reduction with `finalize`; the
 coalescing one caches them in fused buckets with Flashlight's flush rules (see `fusion.py`).
+Every flush begins with a handshake (`checks.handshake`): ranks whose reducers are about to send
+different arrays raise `CollectiveMismatchError` instead of hanging or mixing buffers.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import reduction, validate_reduction
+from dataparallel.checks import handshake, reduction, validate_reduction
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.fusion import Fusion
 from dataparallel.types import Op
+from dataparallel.world import Group, engine_of
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
 
@@ -74,6 +77,8 @@ class _FusionReducer(Reducer):
             pool=active.buffers,
             timeline=active.timeline,
         )
+        if self.backend.size > 1:
+            self._fusion.before_launch = self._agree
         self._valid_dtypes: set[str] = set()  # dtypes already checked against op and scale
 
     @property
@@ -85,6 +90,13 @@ class _FusionReducer(Reducer):
     def calls(self) -> int:
         """Communication calls made so far."""
         return self._fusion.calls
+
+    def _agree(self, buckets: list[tuple[str, int]]) -> None:
+        """Check that every rank is about to reduce the same buckets (`checks.handshake`)."""
+        name = type(self).__name__
+        sizes = ", ".join(f"{dtype}[{items}]" for dtype, items in buckets)
+        call = {"collective": f"{name} flush", "op": self.op, "scale": self.scale, "arrays": sizes}
+        handshake(self.backend, repr(sorted(call.items())), call)
 
     def add(self, x: Any) -> None:
         family = family_of(x)
@@ -116,6 +128,7 @@ class InlineReducer(_FusionReducer):
     Args:
         scale: factor applied after the sum (default 1.0); `1 / dp.size()` averages.
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -124,9 +137,16 @@ class InlineReducer(_FusionReducer):
     array([0.5, 0.5, 0.5], dtype=float32)
     """
 
-    def __init__(self, scale: float = 1.0, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self, scale: float = 1.0, *, backend: Backend | None = None, group: Group | None = None
+    ) -> None:
         super().__init__(
-            scale, op="sum", async_op=False, contiguous=True, bucket_bytes=1, backend=backend
+            scale,
+            op="sum",
+            async_op=False,
+            contiguous=True,
+            bucket_bytes=1,
+            backend=engine_of(backend, group),
         )
 
     def add(self, x: Any) -> None:
@@ -138,9 +158,9 @@ class CoalescingReducer(_FusionReducer):
     """Cache added arrays and allreduce (sum) them in fused buckets, then multiply by `scale`.
 
     Flashlight's flush rules: when the cached bytes plus the new array would exceed `bucket_bytes`,
-    the cache is flushed first (one call per (family, device, dtype) bucket); an array larger than
-    `bucket_bytes` is reduced on its own. After `finalize()` (or leaving the `with` block) every
-    added array holds its scaled sum.
+    the cache is flushed first (one call per (device, dtype) bucket, GPU ones per family too); an
+    array larger than `bucket_bytes` is reduced on its own. After `finalize()` (or leaving the
+    `with` block) every added array holds its scaled sum.
 
     Args:
         scale: factor applied after the sum (default 1.0).
@@ -150,6 +170,7 @@ class CoalescingReducer(_FusionReducer):
             `benchmarks/bucket_size.py`).
         op: `"sum"` (default, as Flashlight), or `"avg"`, `"min"`, `"max"`, `"prod"`.
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -169,6 +190,7 @@ class CoalescingReducer(_FusionReducer):
         bucket_bytes: int | None = None,
         op: Op = "sum",
         backend: Backend | None = None,
+        group: Group | None = None,
     ) -> None:
         super().__init__(
             scale,
@@ -176,7 +198,7 @@ class CoalescingReducer(_FusionReducer):
             async_op=async_op,
             contiguous=contiguous,
             bucket_bytes=bucket_bytes,
-            backend=backend,
+            backend=engine_of(backend, group),
         )
 
     def flush(self) -> None:

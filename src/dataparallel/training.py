@@ -14,6 +14,7 @@ from typing import Any
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import synchronize_tree
 from dataparallel.types import Op, Tree
+from dataparallel.world import Group, engine_of
 
 __all__ = ["DistributedOptimizer", "synchronize"]
 
@@ -51,7 +52,12 @@ def _is_optax_transformation(optimizer: Any) -> bool:
 
 
 def synchronize(
-    x: Tree, *, root: int = 0, objects: str = "keep", backend: Backend | None = None
+    x: Tree,
+    *,
+    root: int = 0,
+    objects: str = "keep",
+    backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Tree:
     """Make every rank hold `root`'s state: parameters, model state, optimizer state.
 
@@ -66,6 +72,7 @@ def synchronize(
         root: the rank whose state wins (default 0).
         objects: `"keep"` (default) or `"broadcast"`, for leaves that are not numbers or arrays.
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     Returns:
         `x` with root's values (use the return value: JAX arrays and numbers come back new).
@@ -75,7 +82,9 @@ def synchronize(
     >>> dp.synchronize({"w": np.ones(2), "name": "net"})
     {'w': array([1., 1.]), 'name': 'net'}
     """
-    return synchronize_tree(x, root=root, objects=objects, backend=backend, special=_torch_sync)
+    return synchronize_tree(
+        x, root=root, objects=objects, backend=engine_of(backend, group), special=_torch_sync
+    )
 
 
 def _torch_sync(leaf: Any) -> Callable[[Any, int, Backend], Any] | None:

@@ -26,6 +26,7 @@ __all__ = [
     "cuda_device_count",
     "current",
     "device",
+    "engine_of",
     "finalize",
     "get_backend",
     "initialize",
@@ -103,6 +104,19 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group(ranks={list(self.ranks)}, member={self.member})"
+
+
+def engine_of(backend: Backend | None, group: Group | None) -> Backend | None:
+    """Return the engine that a call's `backend=` or `group=` names (None: the world's).
+
+    Raises:
+        ValueError: both were given, or this process is not in `group`.
+    """
+    if group is None:
+        return backend
+    if backend is not None:
+        raise ValueError("Give group= or backend=, not both: a group has its own engine.")
+    return group.backend
 
 
 def new_group(ranks: Any) -> Group:

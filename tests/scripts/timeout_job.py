@@ -18,6 +18,8 @@ calls = {
     "broadcast": lambda: dp.broadcast(np.ones(4), root=1),  # the root alone may finish early
     "barrier": dp.barrier,
     "allgather_object": lambda: dp.allgather_object("x"),
+    "reducescatter": lambda: dp.reducescatter(np.ones(4)),
+    "alltoall": lambda: dp.alltoall(np.ones(4)),
 }
 if dp.rank() == 0:
     try:

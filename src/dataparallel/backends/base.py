@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
+
 from dataparallel.config import Settings
 
 __all__ = ["Backend", "DeviceBuffer", "DoneHandle", "Handle", "ReduceOp"]
@@ -31,8 +33,8 @@ class ReduceOp(enum.Enum):
 class Handle(Protocol):
     """A non-blocking engine operation in flight (the public `dp.Request` is built over these)."""
 
-    def wait(self) -> None:
-        """Block until the operation has completed."""
+    def wait(self) -> object:
+        """Block until the operation has completed (what it returns, if anything, is not used)."""
 
     def test(self) -> bool:
         """Return whether the operation has completed, without blocking."""
@@ -84,8 +86,6 @@ class DeviceBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        import numpy as np
-
         typestr = _TYPESTR.get(self.dtype) or np.dtype(self.dtype).str
         return {
             "shape": (self.items,),
@@ -189,6 +189,63 @@ class Backend(ABC):
     @abstractmethod
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         """Gather every rank's `send` into `recv`, in rank order; rank r sends `counts[r]` items."""
+
+    def allgather(self, send: Any, recv: Any) -> None:
+        """Gather every rank's `send` (the same size on every rank) into `recv`, in rank order."""
+        self.allgatherv(send, recv, [len(send)] * self.size)
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        """Reduce `send` across all ranks; this rank keeps its segment of the result in `recv`.
+
+        `send` holds `sum(counts)` items laid out by rank: rank r's segment is the `counts[r]`
+        items after the first `sum(counts[:r])`. `recv` gets the reduction of this rank's segment
+        (`counts[rank]` items). Counts may differ between ranks (MPI's `Reduce_scatter`).
+
+        The default is exact on host buffers and works on any engine, at an allreduce's cost:
+        reduce a copy of the whole of `send`, keep this rank's segment. Engines override it.
+        """
+        start = sum(counts[: self.rank])
+        whole = np.array(send, copy=True)
+        self.allreduce(whole, op)
+        recv[: counts[self.rank]] = whole[start : start + counts[self.rank]]
+
+    def ireduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> Handle:
+        """Start `reduce_scatter` without blocking (default: it runs to completion at once)."""
+        self.reduce_scatter(send, recv, counts, op)
+        return DoneHandle()
+
+    def alltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> None:
+        """Send segment i of `send` to rank i; receive rank i's segment for this rank into `recv`.
+
+        `send` holds `sum(send_counts)` items laid out by destination (segment i: `send_counts[i]`
+        items after the first `sum(send_counts[:i])`); `recv` receives `recv_counts[i]` items from
+        rank i, laid out by source the same way. Every rank's `send_counts[j]` must equal rank j's
+        `recv_counts[rank]` (MPI's `Alltoallv`).
+
+        The default is exact on host buffers and works on any engine, at an allgather's cost:
+        every rank's whole `send` is gathered and each rank keeps what was meant for it.
+        """
+        send, size = np.ascontiguousarray(send).reshape(-1), self.size
+        counts = np.empty(size * size, np.int64)
+        self.allgatherv(np.asarray(send_counts, np.int64), counts, [size] * size)
+        matrix = counts.reshape(size, size)  # matrix[i, j]: the items rank i sends rank j
+        totals = matrix.sum(axis=1)
+        every = np.empty(int(totals.sum()), send.dtype)
+        self.allgatherv(send, every, [int(t) for t in totals])
+        offset = 0
+        for i, start in enumerate(np.concatenate([[0], np.cumsum(totals)[:-1]])):
+            begin, count = int(start + matrix[i, : self.rank].sum()), int(matrix[i, self.rank])
+            recv[offset : offset + count] = every[begin : begin + count]
+            offset += count
+
+    def ialltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> Handle:
+        """Start `alltoallv` without blocking (default: it runs to completion at once)."""
+        self.alltoallv(send, send_counts, recv, recv_counts)
+        return DoneHandle()
 
     @abstractmethod
     def broadcast_object(self, obj: Any, root: int) -> Any:

@@ -1,7 +1,8 @@
 """Gloo through `torch.distributed`: collectives over host buffers, with env/tcp/file rendezvous.
 
 NumPy buffers are wrapped zero-copy with `torch.from_numpy`, so Gloo reads and writes the caller's
-memory. Gloo lacks a few things MPI has; this module fills them in exactly:
+memory. Gloo lacks a few things MPI has; this module (and `gloo_exchange.py`, for reduce-scatter and
+all-to-all) fills them in exactly:
 
 - dtypes: those Gloo lacks are carried exactly (`gloo_wire.py`). Complex products gather every
   rank's buffer and multiply locally in rank order. Broadcast and gathers move raw bytes.
@@ -34,6 +35,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.gloo_errors import translate_error
+from dataparallel.backends.gloo_exchange import GlooExchange
 from dataparallel.backends.gloo_wire import flat, wire_for, writable
 from dataparallel.backends.rendezvous import (
     gloo_interface,
@@ -42,17 +45,9 @@ from dataparallel.backends.rendezvous import (
     rendezvous_error,
 )
 from dataparallel.config import Settings
-from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError, RankFailedError
+from dataparallel.errors import BackendUnavailableError
 
 __all__ = ["GlooBackend", "import_torch_distributed"]
-
-_PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Connection refused",
-    "Socket closed",
-)
 
 
 def import_torch_distributed() -> Any:
@@ -72,24 +67,6 @@ def import_torch_distributed() -> Any:
     return dist
 
 
-def _translate(exc: BaseException, what: str, rank: int) -> BaseException:
-    """Return the dataparallel error for a Gloo failure (timeouts, vanished peers), or `exc`."""
-    message = str(exc)
-    first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
-    if "timed out" in message.lower() or "timeout" in message.lower():
-        return CollectiveTimeoutError(
-            f"Gloo {what} on rank {rank} timed out ({first}). A rank may be stuck or calling "
-            "other collectives; raise dp.initialize(timeout=...) / DATAPARALLEL_TIMEOUT if it is "
-            "just slow."
-        )
-    if any(sign in message for sign in _PEER_GONE):
-        return RankFailedError(
-            f"Gloo {what} on rank {rank} failed: another rank failed or exited ({first}). "
-            "Look for the first traceback of the job: it names the rank that failed."
-        )
-    return exc
-
-
 class _GlooHandle:
     """A Gloo work object in flight, with the buffers it needs kept alive until it completes."""
 
@@ -107,7 +84,7 @@ class _GlooHandle:
         try:
             self._work.wait()
         except RuntimeError as exc:
-            raise _translate(exc, "non-blocking collective", self._backend.rank) from exc
+            raise translate_error(exc, "non-blocking collective", self._backend.rank) from exc
         self._done = True
         if self._finish is not None:
             self._finish()
@@ -122,7 +99,7 @@ class _GlooHandle:
         return True
 
 
-class GlooBackend(Backend):
+class GlooBackend(GlooExchange, Backend):
     """Collectives on a Gloo process group of `torch.distributed`.
 
     When this module initializes torch's default group, the user may use `torch.distributed` on
@@ -391,7 +368,7 @@ class GlooBackend(Backend):
         try:
             return fn(*args, group=self.group, **kwargs)
         except RuntimeError as exc:
-            raise _translate(exc, what, self.rank) from exc
+            raise translate_error(exc, what, self.rank) from exc
 
     def _start(self, what: str, fn: Callable[..., Any], tensor: Any, **kwargs: Any) -> Any:
         return self._call_tensors(what, fn, tensor, async_op=True, **kwargs)

@@ -82,6 +82,11 @@ def _wait(request: Any, timeout: float | None, what: str, rank: int) -> None:
         time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
 
+def _by_rank(buf: Any, counts: list[int]) -> list[Any]:
+    """Return mpi4py's `[buffer, (counts, displacements)]` for segments laid out in rank order."""
+    return [buf, (counts, [0, *itertools.accumulate(counts)][:-1])]
+
+
 class _MPIHandle:
     __slots__ = ("_rank", "_request", "_timeout", "_what")
 
@@ -205,6 +210,40 @@ class MPIBackend(Backend):
             lambda: comm.Allgatherv(send, target),
             lambda: comm.Iallgatherv(send, target),
         )
+
+    def allgather(self, send: Any, recv: Any) -> None:
+        comm = self.comm
+        self._complete(
+            "allgather", lambda: comm.Allgather(send, recv), lambda: comm.Iallgather(send, recv)
+        )
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        mpi_op, comm = self._ops[op], self.comm
+        self._complete(
+            "reduce_scatter",
+            lambda: comm.Reduce_scatter(send, recv, counts, mpi_op),
+            lambda: comm.Ireduce_scatter(send, recv, counts, mpi_op),
+        )
+
+    def ireduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> Handle:
+        request = self.comm.Ireduce_scatter(send, recv, counts, self._ops[op])
+        return _MPIHandle(request, self.timeout, "ireduce_scatter", self.rank)
+
+    def alltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> None:
+        source, target, comm = _by_rank(send, send_counts), _by_rank(recv, recv_counts), self.comm
+        self._complete(
+            "alltoall",
+            lambda: comm.Alltoallv(source, target),
+            lambda: comm.Ialltoallv(source, target),
+        )
+
+    def ialltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> Handle:
+        request = self.comm.Ialltoallv(_by_rank(send, send_counts), _by_rank(recv, recv_counts))
+        return _MPIHandle(request, self.timeout, "ialltoall", self.rank)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         if self.timeout is None:

@@ -33,6 +33,8 @@ Dtypes. NCCL reduces int8, uint8, int32, uint32, int64, uint64, float16, bfloat1
 float64 natively; complex sums are sums of the real and imaginary parts; the rest (int16, uint16,
 complex products) take a host round trip through the fallback engine, exactly.
 
+Reduce-scatter and all-to-all: `nccl_exchange.py` (untested here without a GPU; see there).
+
 Requirements: an NVIDIA GPU, CuPy for its CUDA (`pip install cupy-cuda12x`), and NCCL where CuPy
 loads it. `unavailable_reason()` says what is missing; `create` raises `BackendUnavailableError`
 with it.
@@ -48,6 +50,7 @@ import numpy as np
 
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend, DeviceBuffer, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.nccl_exchange import alltoall_call, device_pair, scatter_call
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 
@@ -333,6 +336,30 @@ class NCCLBackend(Backend):
                 nccl.groupEnd()
 
         self._enqueue(target, call).wait()
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        pair = device_pair(send, recv, "reduce_scatter")
+        if pair is None:
+            self.fallback.reduce_scatter(send, recv, counts, op)
+            return
+        how = nccl_reduction(pair[0].dtype, op)
+        if how is None:
+            raise TypeError(
+                f"reduce_scatter: NCCL cannot reduce {pair[0].dtype} with op={op.value!r} on the "
+                "GPU; pass host buffers, which the fallback engine reduces."
+            )
+        call = scatter_call(*pair, counts, how, _NCCL_OPS[op], self.rank, self._nccl)
+        self._enqueue(pair[1], call).wait()
+
+    def alltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> None:
+        pair = device_pair(send, recv, "alltoallv")
+        if pair is None:
+            self.fallback.alltoallv(send, send_counts, recv, recv_counts)
+            return
+        call = alltoall_call(*pair, send_counts, recv_counts, self._nccl, _NCCL_BYTES)
+        self._enqueue(pair[1], call).wait()
 
     # -- the rest goes to the fallback -----------------------------------------------------------
 

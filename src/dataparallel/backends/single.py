@@ -60,6 +60,14 @@ class SingleBackend(Backend):
     def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
         recv[: counts[0]] = send
 
+    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        recv[: counts[0]] = send[: counts[0]]
+
+    def alltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> None:
+        recv[: recv_counts[0]] = send[: send_counts[0]]
+
     def broadcast_object(self, obj: Any, root: int) -> Any:
         return obj
 

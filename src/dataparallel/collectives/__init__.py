@@ -10,10 +10,12 @@ always use the return value.
 from __future__ import annotations
 
 from dataparallel.collectives.broadcasts import broadcast, ibroadcast
+from dataparallel.collectives.exchanges import alltoall
 from dataparallel.collectives.gathers import allgather
 from dataparallel.collectives.objects import allgather_object, barrier, broadcast_object
 from dataparallel.collectives.reductions import allreduce, allreduce_gradients, iallreduce, reduce
 from dataparallel.collectives.requests import Request, wait_all
+from dataparallel.collectives.scatters import reducescatter
 from dataparallel.collectives.state import synchronize_tree
 
 __all__ = [
@@ -22,12 +24,14 @@ __all__ = [
     "allgather_object",
     "allreduce",
     "allreduce_gradients",
+    "alltoall",
     "barrier",
     "broadcast",
     "broadcast_object",
     "iallreduce",
     "ibroadcast",
     "reduce",
+    "reducescatter",
     "synchronize_tree",
     "wait_all",
 ]

@@ -6,31 +6,33 @@ from typing import Any
 
 from dataparallel.backends.base import Backend
 from dataparallel.checks import verify_same_call
-from dataparallel.collectives._call import check_root, context
+from dataparallel.collectives._call import check_root, context, prepared
+from dataparallel.world import Group, engine_of
 
 __all__ = ["allgather_object", "barrier", "broadcast_object"]
 
 
-def broadcast_object(obj: Any, *, root: int = 0, backend: Backend | None = None) -> Any:
+def broadcast_object(
+    obj: Any, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
+) -> Any:
     """Return `root`'s `obj` (anything picklable) on every rank."""
-    ctx = context(backend)
-    check_root(root, ctx.backend)
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": root})
+    ctx = context(engine_of(backend, group))
+    prepared(ctx, "broadcast_object", lambda: check_root(root, ctx.backend))
+    verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": root})
     return ctx.backend.broadcast_object(obj, root)
 
 
-def allgather_object(obj: Any, *, backend: Backend | None = None) -> list[Any]:
+def allgather_object(
+    obj: Any, *, backend: Backend | None = None, group: Group | None = None
+) -> list[Any]:
     """Return the list of every rank's `obj` (anything picklable), in rank order."""
-    ctx = context(backend)
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, {"collective": "allgather_object"})
+    ctx = context(engine_of(backend, group))
+    verify_same_call(ctx.backend, {"collective": "allgather_object"})
     return ctx.backend.allgather_object(obj)
 
 
-def barrier(*, backend: Backend | None = None) -> None:
+def barrier(*, backend: Backend | None = None, group: Group | None = None) -> None:
     """Block until every rank has reached the barrier."""
-    ctx = context(backend)
-    if ctx.settings.check:
-        verify_same_call(ctx.backend, {"collective": "barrier"})
+    ctx = context(engine_of(backend, group))
+    verify_same_call(ctx.backend, {"collective": "barrier"})
     ctx.backend.barrier()

@@ -5,13 +5,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dataparallel.backends.base import Backend
+import numpy as np
+
+from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.checks import reduction, reduction_error
-from dataparallel.collectives._call import CallContext, check_root, context, leaves_of, run, verify
+from dataparallel.collectives._call import (
+    CallContext,
+    Leaf,
+    agree,
+    check_root,
+    context,
+    inline_fits,
+    leaves_of,
+    prepared,
+    run,
+    stage,
+)
+from dataparallel.collectives._fast import NOT_FAST, small_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
+from dataparallel.engine.actions import Reduction
 from dataparallel.engine.fusion import Fusion
+from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.types import Op, Tree
+from dataparallel.world import Group, engine_of
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
 
@@ -24,27 +41,122 @@ def _start_reduction(
     name: str,
     async_op: bool,
     root: int | None = None,
-) -> tuple[Fusion, Callable[[list[Any]], Any], CallContext]:
+) -> tuple[Handle, Callable[[], Any], CallContext]:
     ctx = context(backend)
-    action = reduction(op, scale, ctx.backend.size, root)
-    flat = tree.flatten(x, name)
-    leaves = leaves_of(flat)
-    for leaf in leaves:
-        error = reduction_error(leaf.dtype, op, scale)
-        if error is not None:
-            raise TypeError(f"{flat.path(leaf.index)}: {error}")
     collective = ("i" if async_op else "") + ("allreduce" if root is None else "reduce")
-    if root is not None:
-        check_root(root, ctx.backend)
-    if ctx.settings.check and ctx.backend.size > 1:
+
+    def prepare() -> tuple[tree.Flat, list[Leaf], Reduction, dict[str, Any]]:
+        action = reduction(op, scale, ctx.backend.size, root)
+        if root is not None:
+            check_root(root, ctx.backend)
+        flat = tree.flatten(x, name)
+        leaves = leaves_of(flat)
+        for leaf in leaves:
+            error = reduction_error(leaf.dtype, op, scale)
+            if error is not None:
+                raise TypeError(f"{flat.path(leaf.index)}: {error}")
+        stage(leaves)
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
         args = {"op": op, "scale": scale_arg} | ({"root": root} if root is not None else {})
-        verify(ctx, collective, flat, leaves, args)
-    return (*run(ctx, collective, flat, leaves, action, async_op), ctx)
+        return flat, leaves, action, args
+
+    flat, leaves, action, args = prepared(ctx, collective, prepare)
+    inline = inline_fits(ctx, leaves)
+    nans = None
+    if not inline and action.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
+        nans = prepared(ctx, collective, lambda: _local_nans(leaves))
+    rows, any_nan = agree(
+        ctx,
+        collective,
+        flat,
+        leaves,
+        args,
+        inline=inline,
+        flag=None if nans is None else bool(nans),
+    )
+    if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
+        return (*_nan_preserving(ctx, collective, flat, leaves, action, async_op), ctx)
+    return (*run(ctx, collective, flat, leaves, action, async_op, rows), ctx)
+
+
+def _host_values(leaf: Leaf) -> np.ndarray:
+    work = leaf.work
+    return work if type(work) is np.ndarray else leaf.family.to_host(leaf.value)
+
+
+def _local_nans(leaves: list[Leaf]) -> list[Leaf]:
+    """Return the floating leaves that hold a NaN on this rank."""
+    return [
+        leaf
+        for leaf in leaves
+        if leaf.dtype in FLOATING and has_nan(_host_values(leaf), leaf.dtype)
+    ]
+
+
+def _nan_preserving(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    action: Reduction,
+    async_op: bool,
+) -> tuple[Handle, Callable[[], Any]]:
+    """Run a min/max reduction, then write NaN wherever any rank had one (see `engine.nan`)."""
+    floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
+    masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]
+    fusion, finish = run(ctx, collective, flat, leaves, action, async_op)
+    mask_fusion = _fuse_masks(ctx, masks, async_op)
+
+    def finish_with_nan() -> Any:
+        mask_fusion.wait()
+        if action.root is None or action.root == ctx.backend.rank:
+            for leaf, mask in zip(floating, masks, strict=True):
+                if type(leaf.work) is np.ndarray:
+                    set_nan(leaf.work, leaf.dtype, mask)
+                else:  # a device leaf: its reduction has landed already
+                    host = leaf.family.to_host(leaf.value)
+                    set_nan(host, leaf.dtype, mask)
+                    leaf.family.from_host(leaf.value, host)
+        return finish()
+
+    return _Both(fusion, mask_fusion), finish_with_nan
+
+
+def _fuse_masks(ctx: CallContext, masks: list[np.ndarray], async_op: bool) -> Fusion:
+    fusion = Fusion(
+        ctx.backend,
+        Reduction(ReduceOp.MAX),
+        bucket_bytes=ctx.settings.bucket_bytes,
+        async_op=async_op,
+        pool=ctx.buffers,
+    )
+    for mask in masks:
+        fusion.add(mask, "uint8")
+    fusion.flush()
+    return fusion
+
+
+class _Both:
+    """Two collectives in flight, waited for together."""
+
+    def __init__(self, first: Handle, second: Handle) -> None:
+        self.first, self.second = first, second
+
+    def wait(self) -> None:
+        self.first.wait()
+        self.second.wait()
+
+    def test(self) -> bool:
+        return self.first.test() and self.second.test()
 
 
 def allreduce(
-    x: Tree, op: Op = "sum", *, scale: float | None = None, backend: Backend | None = None
+    x: Tree,
+    op: Op = "sum",
+    *,
+    scale: float | None = None,
+    backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Tree:
     """Reduce `x` element-wise across all ranks; every rank gets the result.
 
@@ -53,6 +165,7 @@ def allreduce(
         op: `"sum"` (default), `"prod"`, `"min"`, `"max"` or `"avg"` (sum divided by `size()`).
         scale: multiply the result by this afterwards (Flashlight's `allReduce(x, scale)`).
         backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
 
     Returns:
         `x`'s structure with reduced leaves: mutable arrays written in place, others new.
@@ -66,19 +179,33 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
-    fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False)
-    return finish(fusion.wait())
+    if backend is None and group is None:
+        result = small_allreduce(x, op, scale)
+        if result is not NOT_FAST:
+            return result
+    fusion, finish, _ = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=False
+    )
+    fusion.wait()
+    return finish()
 
 
 def iallreduce(
-    x: Tree, op: Op = "sum", *, scale: float | None = None, backend: Backend | None = None
+    x: Tree,
+    op: Op = "sum",
+    *,
+    scale: float | None = None,
+    backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Request:
     """Start `allreduce` without blocking; `Request.wait()` returns its result.
 
     Leaves are still packed into buckets and the buckets sent at once, so the communication
     overlaps with whatever the caller does until `wait()`.
     """
-    fusion, finish, ctx = _start_reduction(x, op, scale, backend, "x", async_op=True)
+    fusion, finish, ctx = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=True
+    )
     return Request(fusion, finish, ctx.pending)
 
 
@@ -89,17 +216,26 @@ def reduce(
     root: int = 0,
     scale: float | None = None,
     backend: Backend | None = None,
+    group: Group | None = None,
 ) -> Tree:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
-    fusion, finish, _ = _start_reduction(x, op, scale, backend, "x", async_op=False, root=root)
-    return finish(fusion.wait())
+    fusion, finish, _ = _start_reduction(
+        x, op, scale, engine_of(backend, group), "x", async_op=False, root=root
+    )
+    fusion.wait()
+    return finish()
 
 
-def allreduce_gradients(grads: Tree, op: Op = "avg", *, backend: Backend | None = None) -> Tree:
+def allreduce_gradients(
+    grads: Tree, op: Op = "avg", *, backend: Backend | None = None, group: Group | None = None
+) -> Tree:
     """Allreduce a gradient tree with fusion, averaging by default.
 
     Averaging follows Lux, Flashlight and Horovod; `op="sum"` reproduces FluxMPI, whose users scale
     the loss by `1 / size()` themselves.
     """
-    fusion, finish, _ = _start_reduction(grads, op, None, backend, "grads", async_op=False)
-    return finish(fusion.wait())
+    fusion, finish, _ = _start_reduction(
+        grads, op, None, engine_of(backend, group), "grads", async_op=False
+    )
+    fusion.wait()
+    return finish()

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dataparallel import world
-from dataparallel.engine.fusion import Fusion
+from dataparallel.backends.base import Handle
 
 __all__ = ["Request", "wait_all"]
 
@@ -18,9 +18,7 @@ class Request:
     The input must not be touched until `wait()` has returned.
     """
 
-    def __init__(
-        self, fusion: Fusion, finish: Callable[[list[Any]], Any], pending: list[Any] | None
-    ):
+    def __init__(self, fusion: Handle, finish: Callable[[], Any], pending: list[Any] | None):
         self._fusion, self._finish, self._pending = fusion, finish, pending
         self._done, self._result = False, None
         if pending is not None:
@@ -33,7 +31,8 @@ class Request:
     def wait(self) -> Any:
         """Block until the collective completes and return its result."""
         if not self._done:
-            self._result, self._done = self._finish(self._fusion.wait()), True
+            self._fusion.wait()
+            self._result, self._done = self._finish(), True
             if self._pending is not None and self in self._pending:
                 self._pending.remove(self)
         return self._result

@@ -8,15 +8,19 @@ from typing import Any
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import (
     Leaf,
+    agree,
     check_root,
     context,
-    fuse,
+    inline_fits,
     leaf_of,
     log,
-    verify,
+    prepared,
+    results,
+    run,
+    stage,
 )
 from dataparallel.engine import tree
-from dataparallel.engine.fusion import Broadcast
+from dataparallel.engine.actions import Broadcast
 from dataparallel.types import Tree
 
 __all__ = ["synchronize_tree"]
@@ -25,7 +29,8 @@ __all__ = ["synchronize_tree"]
 _OBJECTS = ("keep", "broadcast")
 
 # How a layer above syncs a leaf it owns (a torch module, an optimizer): None for other leaves.
-LeafSync = Callable[[Any], Callable[[Any, int, Backend], Any] | None]
+Sync = Callable[[Any, int, Backend], Any]
+LeafSync = Callable[[Any], Sync | None]
 
 
 def synchronize_tree(
@@ -42,34 +47,37 @@ def synchronize_tree(
     kept, or broadcast by pickling with `objects="broadcast"`. Leaves for which `special` returns a
     function are synchronized by it, after the rest (`dp.synchronize` passes the torch layer's).
     """
-    if objects not in _OBJECTS:
-        raise ValueError(f"objects={objects!r} is not one of {_OBJECTS}.")
     ctx = context(backend)
-    check_root(root, ctx.backend)
-    flat = tree.flatten(x, "x")
+
+    def prepare() -> tuple[tree.Flat, list[Leaf], list[int], list[tuple[int, Sync]]]:
+        if objects not in _OBJECTS:
+            raise ValueError(f"objects={objects!r} is not one of {_OBJECTS}.")
+        check_root(root, ctx.backend)
+        flat = tree.flatten(x, "x")
+        arrays: list[Leaf] = []
+        others: list[int] = []
+        handled: list[tuple[int, Sync]] = []
+        for i, value in enumerate(flat.leaves):
+            sync = special(value) if special is not None else None
+            if sync is not None:
+                handled.append((i, sync))
+                continue
+            try:
+                arrays.append(leaf_of(flat, i))
+            except TypeError:
+                others.append(i)
+        stage(arrays)
+        return flat, arrays, others, handled
+
+    flat, arrays, others, handled = prepared(ctx, "synchronize", prepare)
     values: list[Any] = list(flat.leaves)
-    arrays: list[Leaf] = []
-    others: list[int] = []
-    handled: list[tuple[int, Callable[[Any, int, Backend], Any]]] = []
-    for i, value in enumerate(flat.leaves):
-        sync = special(value) if special is not None else None
-        if sync is not None:
-            handled.append((i, sync))
-            continue
-        try:
-            arrays.append(leaf_of(flat, i))
-        except TypeError:
-            others.append(i)
-    verify(
-        ctx,
-        "synchronize",
-        flat,
-        arrays,
-        {"root": root, "objects": objects, "object leaves": others},
-    )
+    args = {"root": root, "objects": objects, "object leaves": others}
+    inline = inline_fits(ctx, arrays)
+    rows, _ = agree(ctx, "synchronize", flat, arrays, args, inline=inline)
     log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
-    fusion = fuse(ctx, arrays, Broadcast(root), async_op=False)
-    for leaf, value in zip(arrays, fusion.wait(), strict=True):
+    waitable, _ = run(ctx, "synchronize", flat, arrays, Broadcast(root), False, rows)
+    waitable.wait()
+    for leaf, value in zip(arrays, results(arrays, ctx.backend.rank != root), strict=True):
         values[leaf.index] = value
     if objects == "broadcast" and others:
         received = ctx.backend.broadcast_object([values[i] for i in others], root)

@@ -84,15 +84,20 @@ def _count(value: Any, name: str) -> int:
     return int(value)
 
 
-def rank_and_size() -> tuple[int, int]:
-    """Return this process's rank and the world size (raises NotInitializedError before init)."""
-    return world.rank(), world.size()
+def rank_and_size(group: world.Group | None = None) -> tuple[int, int]:
+    """Return this process's rank and size in the world, or in `group`.
+
+    Raises `NotInitializedError` before `dp.initialize()`.
+    """
+    return world.rank(group), world.size(group)
 
 
 class _Sharded:
     """What the container and the loader share: the data, the world's shape, the shuffle state."""
 
-    def __init__(self, data: Any, shuffle: bool, seed: int, owner: str) -> None:
+    def __init__(
+        self, data: Any, shuffle: bool, seed: int, owner: str, group: world.Group | None
+    ) -> None:
         if not isinstance(shuffle, (bool, np.bool_)):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__} {shuffle!r}.")
         self._seed = _count(seed, "seed")
@@ -103,7 +108,7 @@ class _Sharded:
                 f"splitting it again would drop samples. Fix: pass the whole dataset to {owner}."
             )
         self._source = source(data, owner)
-        self._rank, self._size = rank_and_size()
+        self._rank, self._size = rank_and_size() if group is None else rank_and_size(group)
         self._epoch = 0
 
     @property
@@ -153,6 +158,7 @@ class DistributedDataContainer(_Sharded):
             epoch (`set_epoch`) only, so every rank draws the same one without communicating
             (default False).
         seed: non-negative int, the same on every rank (default 0).
+        group: split among the ranks of this `dp.new_group` group (default: the world).
 
     Raises:
         NotInitializedError: before `dp.initialize()`.
@@ -166,8 +172,10 @@ class DistributedDataContainer(_Sharded):
     (4, np.int64(3))
     """
 
-    def __init__(self, data: Any, *, shuffle: bool = False, seed: int = 0) -> None:
-        super().__init__(data, shuffle, seed, "DistributedDataContainer")
+    def __init__(
+        self, data: Any, *, shuffle: bool = False, seed: int = 0, group: world.Group | None = None
+    ) -> None:
+        super().__init__(data, shuffle, seed, "DistributedDataContainer", group)
         self._indices = self._compute_indices()
 
     def _compute_indices(self) -> Index:
@@ -304,6 +312,7 @@ class DistributedDataLoader(_Sharded):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
+        group: world.Group | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise TypeError(
@@ -318,7 +327,7 @@ class DistributedDataLoader(_Sharded):
             raise TypeError(
                 f"drop_last must be a bool, got {type(drop_last).__name__} {drop_last!r}."
             )
-        super().__init__(data, shuffle, seed, "DistributedDataLoader")
+        super().__init__(data, shuffle, seed, "DistributedDataLoader", group)
         self._batch_size, self._drop_last = int(batch_size), bool(drop_last)
         self._batches, self._samples = _plan(
             self._source.n, self._size, self._batch_size, self._drop_last

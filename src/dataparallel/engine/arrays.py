@@ -17,7 +17,7 @@ import numpy as np
 from dataparallel.engine.device import DeviceWork
 from dataparallel.engine.dtypes import BF16_BITS, check_dtype, dtype_name, storage_dtype
 
-__all__ = ["Family", "array_family", "family_of"]
+__all__ = ["Family", "Staged", "array_family", "family_of", "stage", "write_back"]
 
 
 class Family(ABC):
@@ -25,6 +25,7 @@ class Family(ABC):
 
     name: str
     mutable: bool = True
+    tracks_writes: bool = False  # whether `mark_written` must hear of writes through views
 
     @abstractmethod
     def dtype(self, x: Any) -> str:
@@ -53,6 +54,17 @@ class Family(ABC):
     @abstractmethod
     def new(self, like: Any, host: np.ndarray) -> Any:
         """Return a new array of `like`'s family, device and dtype holding `host` (any shape)."""
+
+    def mark_written(self, xs: list[Any]) -> None:
+        """Tell the framework that `xs` were written in place behind its back (through views)."""
+        return None
+
+    def adopt(self, like: Any, host: np.ndarray) -> Any:
+        """Return `new(like, host)`, taking over `host`'s memory where the family can (no copy).
+
+        The caller gives `host` up: it must not be used or reused afterwards.
+        """
+        return self.new(like, host)
 
     def work(self, x: Any) -> tuple[np.ndarray, bool]:
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
@@ -96,6 +108,9 @@ class NumpyFamily(Family):
     def new(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
         return np.array(host).view(like.dtype.newbyteorder("="))
 
+    def adopt(self, like: np.ndarray, host: np.ndarray) -> np.ndarray:
+        return host.view(like.dtype.newbyteorder("="))
+
 
 _PYTHON_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
 
@@ -128,6 +143,7 @@ class ScalarFamily(Family):
 
 class TorchFamily(Family):
     name = "torch"
+    tracks_writes = True
 
     def dtype(self, x: Any) -> str:
         return dtype_name(x.dtype)
@@ -179,6 +195,20 @@ class TorchFamily(Family):
 
     def new(self, like: Any, host: np.ndarray) -> Any:
         return self._tensor(like, np.array(host)).to(like.device)
+
+    def mark_written(self, xs: list[Any]) -> None:
+        """Bump the tensors' version counters, as torch's own in-place operations do.
+
+        A tensor saved for backward and then written through a NumPy view would otherwise give
+        a silently wrong gradient; with the bump, backward raises torch's usual "modified by an
+        inplace operation" error. (Tensors made under `torch.inference_mode()` have no counter.)
+        """
+        import torch
+
+        torch.autograd.graph.increment_version(xs)
+
+    def adopt(self, like: Any, host: np.ndarray) -> Any:
+        return self._tensor(like, host).to(like.device)  # on the CPU: host's memory itself
 
 
 class JaxFamily(Family):
@@ -302,3 +332,33 @@ def family_of(x: Any, path: str = "x") -> Family:
         family = _ARRAY_FAMILIES[name]
     check_dtype(family.dtype(x), path)
     return family
+
+
+# A leaf on its way through a collective: (family, leaf, work array, whether work is a view).
+Staged = tuple[Family, Any, Any, bool]
+
+
+def stage(family: Family, x: Any) -> Staged:
+    """Give leaf `x` its work array: a zero-copy view, a host copy, or a device bucket's member."""
+    work, is_view = family.work(x)
+    return family, x, work, is_view
+
+
+def write_back(staged: list[Staged]) -> list[Any]:
+    """Return each leaf's value once its work array holds the result.
+
+    Staged copies are written back (in place for mutable families, new values for immutable
+    ones); the framework is told of writes through views (torch's version counters).
+    """
+    out: list[Any] = []
+    written: dict[Family, list[Any]] = {}
+    for family, x, work, is_view in staged:
+        if is_view or work is None:
+            out.append(x)
+            if family.tracks_writes:
+                written.setdefault(family, []).append(x)
+        else:
+            out.append(family.from_host(x, work))
+    for family, xs in written.items():
+        family.mark_written(xs)
+    return out

@@ -1,6 +1,7 @@
 """The one fusion engine (Horovod's tensor fusion, DDP's buckets, Flashlight's coalescing).
 
-Arrays handed to `Fusion` are cached in buckets per (array family, device, dtype); when the
+Arrays handed to `Fusion` are cached in buckets per the key the caller gives (host arrays: per
+(device, dtype) whatever their family; GPU ones per (array family, device, dtype)); when the
 cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
 packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
 array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
@@ -8,55 +9,47 @@ all). Buffers come from a pool and are reused once their call completes. `wait()
 waits and unpacks. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
 handed to the backend there, or staged through pinned host memory once per bucket.
 
-The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, ...), the reducers and the
-optimizers all run on `Fusion`; there is no second engine.
+Reduce-scatter (`Scatter`) and all-to-all (`Exchange`) split every array along its first axis
+by rank: a bucket is laid out rank by rank (`segments.py`) so that one call moves it all, and the
+results, which change shape, are handed to a `deliver` function per array instead of being
+written back. They take host arrays only.
+
+The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducescatter`,
+`dp.alltoall`, ...), the reducers and the optimizers all run on `Fusion`; there is no second engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
-from dataparallel.engine.arrays import Family
+from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
+from dataparallel.engine.arrays import Family, Staged, stage, write_back
 from dataparallel.engine.device import DeviceBucket, DeviceWork
 from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
 from dataparallel.engine.pool import BufferPool
+from dataparallel.engine.segments import Segments, layout_of
 from dataparallel.engine.trace import Timeline
 
-__all__ = ["Broadcast", "Fusion", "Reduction"]
+__all__ = ["HOST_KEY", "Action", "Fusion", "scale_in_place"]
+
+HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
 # Calls in flight at once before the oldest is waited for. MPI progresses non-blocking collectives
 # only inside MPI calls, so a second call in flight adds no overlap, and many at once slow MPICH
 # down (measured: 50 arrays of 80 KB sent alone took 3.4 ms with all in flight, 1.7-2.5 ms with
 # one; docs/performance.md). The caller still overlaps its own work with the one in flight.
 MAX_IN_FLIGHT = 1
+# bool reductions are logical or / and on bytes, as NumPy adds and multiplies booleans.
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
 
 
-@dataclass(frozen=True)
-class Reduction:
-    """Reduce with `op`, then multiply by `scale`; to every rank, or to `root` only."""
-
-    op: ReduceOp
-    scale: float | None = None
-    root: int | None = None
-
-    def __str__(self) -> str:
-        text = f"op={self.op.value}"
-        text += "" if self.scale is None else f" scale={self.scale:g}"
-        return text + ("" if self.root is None else f" root={self.root}")
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    """Copy `root`'s values to every rank."""
-
-    root: int
-
-    def __str__(self) -> str:
-        return f"root={self.root}"
+Action = Reduction | Broadcast | Scatter | Exchange
+Deliver = Callable[[np.ndarray], Any]
 
 
 @dataclass
@@ -71,6 +64,10 @@ class _Flight:
     pooled: list[np.ndarray] = field(default_factory=list)
     span: int = 0  # the timeline's id of the communicate phase
     device: DeviceBucket | None = None  # the GPU bucket this flight carries (device.py)
+    layout: Segments | None = None  # reduce-scatter and all-to-all: the bucket's rank layout
+    recv: np.ndarray | None = None  # ... their results (storage dtype), and what the engine fills
+    recv_wire: np.ndarray | None = None
+    deliver: list[Deliver] = field(default_factory=list)
 
 
 class Fusion:
@@ -78,7 +75,7 @@ class Fusion:
 
     Args:
         backend: the engine.
-        action: a `Reduction` or a `Broadcast`.
+        action: a `Reduction`, `Broadcast`, `Scatter` or `Exchange`.
         bucket_bytes: flush threshold.
         async_op: start calls without blocking (`wait` completes them).
         contiguous: pack a flush into one buffer per bucket (else one call per array).
@@ -89,7 +86,7 @@ class Fusion:
     def __init__(
         self,
         backend: Backend,
-        action: Reduction | Broadcast,
+        action: Action,
         *,
         bucket_bytes: int,
         async_op: bool = True,
@@ -103,28 +100,43 @@ class Fusion:
         self.bucket_bytes, self.async_op, self.contiguous = bucket_bytes, async_op, contiguous
         self.pool = pool if pool is not None else BufferPool()
         self._open: dict[tuple[Any, ...], list[np.ndarray]] = {}
+        self._deliver: dict[tuple[Any, ...], list[Deliver]] = {}
         self._open_bytes = 0
         self._flights: list[_Flight] = []
         self.timeline = timeline
         self._opened_at: dict[tuple[Any, ...], float] = {}
-        self._leaves: list[tuple[Family, Any, Any, bool]] = []  # (family, leaf, work, is_view)
+        self._leaves: list[Staged] = []
         self.calls = 0  # communication calls made (observable for tests and the timeline)
+        # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
+        # array), so that a caller can check that every rank is about to make the same calls.
+        self.before_launch: Callable[[list[tuple[str, int]]], None] | None = None
 
     def add_leaf(self, family: Family, x: Any, dtype: str, device: str) -> None:
         """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back.
 
         `wait()` returns the leaves' results in the order they were added.
         """
-        work, is_view = family.work(x)
-        self._leaves.append((family, x, work, is_view))
-        self.add(work, dtype, (family.name, device))
+        staged = stage(family, x)
+        self._leaves.append(staged)
+        work = staged[2]
+        # Host buffers are packed alike whatever their family, so ranks may mix families.
+        self.add(work, dtype, HOST_KEY if type(work) is np.ndarray else (family.name, device))
 
-    def add(self, work: np.ndarray, dtype: str, key: tuple[Any, ...] = ()) -> None:
-        """Queue `work` (a writable host array in `dtype`'s storage) for the collective."""
+    def add(
+        self, work: Any, dtype: str, key: tuple[Any, ...] = (), deliver: Deliver | None = None
+    ) -> None:
+        """Queue `work` (a writable host array in `dtype`'s storage) for the collective.
+
+        `deliver` (`Scatter` and `Exchange` only, and required there) is called with the array's
+        result: a new host array in `dtype`'s storage, the caller's to keep.
+        """
+        delivers = [] if deliver is None else [deliver]
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
             self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
-            self._launch([work], dtype)
+            if self.before_launch is not None:
+                self.before_launch([(dtype, work.size)])
+            self._launch([work], dtype, delivers)
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
             self.flush()
@@ -138,20 +150,31 @@ class Fusion:
         if self.timeline is not None and bucket_key not in self._open:
             self._opened_at[bucket_key] = self.timeline.now()
         self._open.setdefault(bucket_key, []).append(work)
+        self._deliver.setdefault(bucket_key, []).extend(delivers)
         self._open_bytes += nbytes
 
     def flush(self) -> None:
         """Start communicating everything cached."""
+        if self.before_launch is not None and self._open:
+            groups = [(key[-1], sum(w.size for w in works)) for key, works in self._open.items()]
+            try:
+                self.before_launch(groups)
+            except BaseException:
+                self._open.clear()  # nothing was sent: drop it, so the next call starts afresh
+                self._open_bytes = 0
+                raise
         for bucket_key, works in self._open.items():
             dtype = bucket_key[-1]
             if self.timeline is not None:
                 self._trace_queue(bucket_key, len(works))
+            delivers = self._deliver.get(bucket_key, [])
             if self.contiguous:
-                self._launch(works, dtype)
+                self._launch(works, dtype, delivers)
             else:
-                for work in works:
-                    self._launch([work], dtype)
+                for i, work in enumerate(works):
+                    self._launch([work], dtype, delivers[i : i + 1])
         self._open.clear()
+        self._deliver.clear()
         self._open_bytes = 0
 
     def test(self) -> bool:
@@ -174,7 +197,7 @@ class Fusion:
         leaves, self._leaves = self._leaves, []
         if not self._receives():
             return [x for _, x, _, _ in leaves]
-        return [x if is_view else family.from_host(x, work) for family, x, work, is_view in leaves]
+        return write_back(leaves)
 
     def _trace_queue(self, bucket_key: tuple[Any, ...], arrays: int) -> None:
         assert self.timeline is not None
@@ -182,13 +205,13 @@ class Fusion:
         if opened is not None:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
-    def _launch(self, works: list[np.ndarray], dtype: str) -> None:
+    def _launch(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> None:
         timeline = self.timeline
         if timeline is None:
-            flight = self._pack(works, dtype)
+            flight = self._pack(works, dtype, delivers)
         else:
             packing = timeline.now()
-            flight = self._pack(works, dtype)
+            flight = self._pack(works, dtype, delivers)
             timeline.complete(
                 "pack", packing, dtype=dtype, arrays=len(works), bytes=flight.buf.nbytes
             )
@@ -202,7 +225,9 @@ class Fusion:
         else:
             self._land(flight)
 
-    def _pack(self, works: list[np.ndarray], dtype: str) -> _Flight:
+    def _pack(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> _Flight:
+        if isinstance(self.action, (Scatter, Exchange)):
+            return self._pack_segments(works, dtype, delivers)
         if type(works[0]) is DeviceWork:
             return self._pack_device(works, dtype)
         if len(works) == 1 and works[0].flags.c_contiguous:
@@ -216,16 +241,43 @@ class Fusion:
                 buf[offset : offset + work.size].reshape(work.shape)[...] = work
                 flight.slots.append((work, offset))
                 offset += work.size
-        if isinstance(self.action, Broadcast) or dtype == "bool":
-            flight.wire = buf.view(np.uint8)
-        elif dtype not in self.backend.native_dtypes:
-            wide = self.pool.take(np.dtype(np.float32), buf.size)
-            if dtype == "bfloat16":
-                bf16_to_f32(buf, out=wide)
-            else:
-                wide[...] = buf
-            flight.wire = wide
-            flight.pooled.append(wide)
+        flight.wire = self._wire(buf, dtype, flight.pooled)
+        return flight
+
+    def _wire(
+        self, buf: np.ndarray, dtype: str, pooled: list[np.ndarray], copy: bool = True
+    ) -> np.ndarray:
+        """Return what the engine gets for `buf`: bytes, `buf` itself, or a float32 copy."""
+        if isinstance(self.action, (Broadcast, Exchange)) or dtype == "bool":
+            return buf.view(np.uint8)
+        if dtype in self.backend.native_dtypes:
+            return buf
+        wide = self.pool.take(np.dtype(np.float32), buf.size)
+        pooled.append(wide)
+        if not copy:  # a receive buffer: nothing to widen yet
+            return wide
+        if dtype == "bfloat16":
+            bf16_to_f32(buf, out=wide)
+        else:
+            wide[...] = buf
+        return wide
+
+    def _pack_segments(self, works: list[Any], dtype: str, delivers: list[Deliver]) -> _Flight:
+        """Lay a bucket out rank by rank (`Segments`) for a reduce-scatter or an all-to-all."""
+        assert isinstance(self.action, (Scatter, Exchange))
+        layout = layout_of(self.action, works, self.backend.rank, self.backend.size)
+        storage, pooled = storage_dtype(dtype), []
+        if len(works) == 1 and works[0].flags.c_contiguous:  # already in rank order
+            buf = works[0].reshape(-1)
+        else:
+            buf = self.pool.take(storage, sum(layout.send_counts))
+            layout.pack(buf)
+            pooled.append(buf)
+        # Not pooled: the results are views of it, which the caller may keep (Family.adopt).
+        recv = np.empty(sum(layout.recv_counts), storage)
+        flight = _Flight(None, dtype, buf, buf, [], pooled, layout=layout, recv=recv)
+        flight.deliver, flight.wire = delivers, self._wire(buf, dtype, flight.pooled)
+        flight.recv_wire = self._wire(recv, dtype, flight.pooled, copy=False)
         return flight
 
     def _pack_device(self, works: list[Any], dtype: str) -> _Flight:
@@ -234,21 +286,23 @@ class Fusion:
         if self.backend.accepts_device(bucket.device):
             wire = bucket.send_direct(self.backend, isinstance(self.action, Broadcast))
             return _Flight(None, dtype, bucket.buf, wire, device=bucket)
-        flight = self._pack([bucket.stage()], dtype)  # one host buffer: communicated in place
+        flight = self._pack([bucket.stage()], dtype, [])  # one host buffer: communicated in place
         flight.device = bucket
         return flight
 
     def _start(self, flight: _Flight) -> None:
         action, backend, wire = self.action, self.backend, flight.wire
+        if flight.layout is not None:
+            self._start_segments(flight)
+            return
         if isinstance(action, Broadcast):
             if self.async_op:
                 flight.request = backend.ibroadcast(wire, action.root)
             else:
                 backend.broadcast(wire, action.root)
             return
-        op = action.op
-        if flight.dtype == "bool":  # logical or / and, as NumPy adds and multiplies booleans
-            op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}.get(op, op)
+        assert isinstance(action, Reduction)
+        op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
         if action.root is not None:
             backend.reduce(wire, op, action.root)
         elif self.async_op:
@@ -256,11 +310,32 @@ class Fusion:
         else:
             backend.allreduce(wire, op)
 
+    def _start_segments(self, flight: _Flight) -> None:
+        """Start a reduce-scatter or an all-to-all; counts are in items of the wire."""
+        action, backend, wire = self.action, self.backend, flight.wire
+        recv, layout = flight.recv_wire, flight.layout
+        assert layout is not None and recv is not None
+        ratio = flight.buf.itemsize if wire.dtype == np.uint8 else 1  # bytes: count bytes
+        sends = [count * ratio for count in layout.send_counts]
+        if isinstance(action, Exchange):
+            receives = [count * ratio for count in layout.recv_counts]
+            if self.async_op:
+                flight.request = backend.ialltoallv(wire, sends, recv, receives)
+            else:
+                backend.alltoallv(wire, sends, recv, receives)
+            return
+        assert isinstance(action, Scatter)
+        op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
+        if self.async_op:
+            flight.request = backend.ireduce_scatter(wire, recv, sends, op)
+        else:
+            backend.reduce_scatter(wire, recv, sends, op)
+
     def _receives(self) -> bool:
         action, rank = self.action, self.backend.rank
         if isinstance(action, Broadcast):
             return rank != action.root
-        return action.root is None or action.root == rank
+        return isinstance(action, (Scatter, Exchange)) or action.root is None or action.root == rank
 
     def _land(self, flight: _Flight) -> None:
         if flight.request is not None:
@@ -270,29 +345,35 @@ class Fusion:
             timeline.end("communicate", flight.span)
             unpacking = timeline.now()
         receives = self._receives()
+        action = self.action
+        scale = action.scale if isinstance(action, (Reduction, Scatter)) else None
         if flight.device is not None and flight.device.direct:
-            scale = None if isinstance(self.action, Broadcast) else self.action.scale
             flight.device.land(receives, scale)
         elif receives:
-            scale = None if isinstance(self.action, Broadcast) else self.action.scale
+            wire, buf = flight.wire, flight.buf
+            if flight.recv is not None and flight.recv_wire is not None:
+                wire, buf = flight.recv_wire, flight.recv  # a reduce-scatter's or all-to-all's
             if scale is not None and scale != 1:
-                _scale_in_place(flight.wire, scale)
-            if flight.wire is not flight.buf and flight.wire.dtype != np.uint8:
+                scale_in_place(wire, scale)
+            if wire is not buf and wire.dtype != np.uint8:
                 if flight.dtype == "bfloat16":
-                    f32_to_bf16(flight.wire, out=flight.buf)
+                    f32_to_bf16(wire, out=buf)
                 else:
-                    flight.buf[...] = flight.wire
+                    buf[...] = wire
             for work, offset in flight.slots:
-                work[...] = flight.buf[offset : offset + work.size].reshape(work.shape)
+                work[...] = buf[offset : offset + work.size].reshape(work.shape)
+            if flight.layout is not None:
+                flight.layout.unpack(buf, flight.deliver)
         if flight.device is not None and not flight.device.direct:
             flight.device.unstage(receives)
         for buf in flight.pooled:
             self.pool.give(buf)
         if timeline is not None:
-            timeline.complete("unpack", unpacking, arrays=len(flight.slots))
+            timeline.complete("unpack", unpacking, arrays=len(flight.slots) or len(flight.deliver))
 
 
-def _scale_in_place(values: np.ndarray, scale: float) -> None:
+def scale_in_place(values: np.ndarray, scale: float) -> None:
+    """Multiply `values` by `scale` in place (integers by `int(scale)`, as integers)."""
     if values.dtype.kind in "iu":
         np.multiply(values, int(scale), out=values, casting="unsafe")
     elif values.dtype == np.float16:  # in float32, as the engines' own half-precision math is

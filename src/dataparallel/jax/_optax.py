@@ -70,6 +70,7 @@ from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import parse_op, validate_reduction
 from dataparallel.types import Op
+from dataparallel.world import Group
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
 
@@ -81,7 +82,11 @@ class DistributedState(NamedTuple):
 
 
 def distributed_optax(
-    inner: optax.GradientTransformation, *, op: Op = "avg", backend: Backend | None = None
+    inner: optax.GradientTransformation,
+    *,
+    op: Op = "avg",
+    backend: Backend | None = None,
+    group: Group | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -94,6 +99,7 @@ def distributed_optax(
         op: `"avg"` (default: Lux, Flashlight, Horovod), `"sum"` (FluxMPI, whose users scale the
             loss by `1 / size()` themselves), or `"prod"`, `"min"`, `"max"`.
         backend: the engine to reduce on (default: the active one, looked up at each update).
+        group: reduce among the ranks of this `dp.new_group` group (default: the world).
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
@@ -121,6 +127,7 @@ def distributed_optax(
     ('DistributedState', [0.001, 0.001, 0.001])
     """
     parse_op(op)
+    backend = world.engine_of(backend, group)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
         callback_backend(backend)  # collective: create the private communicator now, everywhere

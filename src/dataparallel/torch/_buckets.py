@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "NamedParams", "plan", "signature"]
+from dataparallel.engine.arrays import Family, family_of
+
+__all__ = [
+    "Bucket",
+    "NamedParams",
+    "check_options",
+    "describe",
+    "grad_family",
+    "layout",
+    "message",
+    "plan",
+    "signature",
+    "summarize",
+]
 
 NamedParams = list[tuple[str, torch.Tensor]]
 
@@ -36,5 +50,100 @@ def plan(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Bucke
     return buckets
 
 
+def layout(
+    owner: str,
+    options: dict[str, Any],
+    params: NamedParams,
+    order: list[int],
+    bucket_bytes: int,
+    full: bool,
+) -> tuple[list[Bucket], list[int], str]:
+    """Return the buckets, each parameter's bucket, and the reduction's summary (`summarize`)."""
+    # Leave room for the flag vector that travels with the last bucket (one float per parameter,
+    # and one for "a rank abandoned this step").
+    flags = 4 * (len(params) + 1)
+    budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
+    buckets = plan(params, order, budget)
+    bucket_of = [0] * len(params)
+    for b, bucket in enumerate(buckets):
+        for i in bucket.members:
+            bucket_of[i] = b
+    return buckets, bucket_of, summarize(owner, options, params, buckets, full)
+
+
 def signature(params: NamedParams) -> list[tuple[int, torch.dtype, torch.device]]:
     return [(id(p), p.dtype, p.device) for _, p in params]
+
+
+def describe(owner: str, options: dict[str, Any], params: NamedParams) -> dict[str, Any]:
+    """Describe a gradient reduction field by field, for mismatch reports."""
+    call: dict[str, Any] = {"collective": f"{owner} gradient reduction", **options}
+    call["parameters"] = len(params)
+    for i, (name, p) in enumerate(params):
+        call[f"{name} ({i})"] = f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
+    return call
+
+
+def summarize(
+    owner: str, options: dict[str, Any], params: NamedParams, buckets: list[Bucket], full: bool
+) -> str:
+    """Return a string equal on two ranks exactly when their reductions are the same.
+
+    `full`: every parameter's dtype and shape (mismatch checks on); else only what decides the
+    messages: each bucket's dtype and size (`DATAPARALLEL_CHECK=0`).
+    """
+    head = f"{owner} gradient reduction|{sorted(options.items())}|{len(params)}"
+    if full:
+        return head + "|" + repr(sorted(describe(owner, options, params).items()))
+    sizes = [(b.key[1], sum(params[i][1].numel() for i in b.members)) for b in buckets]
+    return f"{head}|{sizes}"
+
+
+def check_options(owner: str, op: str, passes: object, bucket_bytes: object) -> None:
+    """Raise `ValueError` for options a gradient reduction cannot take."""
+    if op not in ("avg", "sum"):
+        raise ValueError(
+            f"{owner}: op={op!r} cannot combine gradients; use 'avg' (the default) or 'sum'."
+        )
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(
+            f"{owner}: backward_passes_per_step={passes!r} must be an int of at least 1."
+        )
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+    ):
+        raise ValueError(f"{owner}: bucket_bytes={bucket_bytes!r} must be a positive int.")
+
+
+def grad_family(owner: str, name: str, grad: torch.Tensor) -> Family:
+    """Return the array family of a gradient to reduce, refusing layouts that are not dense."""
+    if grad.layout != torch.strided:
+        raise TypeError(
+            f"{owner}: {name} has a {grad.layout} gradient; only dense gradients are "
+            "reduced. Use dense gradients (nn.Embedding(..., sparse=False))."
+        )
+    return family_of(grad, f"{name}.grad")
+
+
+def message(what: str, owner: str, passes: int) -> str:
+    """Return the text of the error `what` (see `GradientSync`)."""
+    if what == "late gradient":
+        return (
+            f"{owner}: a gradient was computed after this step's reduction had started "
+            f"(more than backward_passes_per_step={passes} backward passes before "
+            "step(), or a backward pass between synchronize() and step()). Call step() or "
+            "zero_grad() before the next backward pass, or raise backward_passes_per_step "
+            "to accumulate gradients locally. (Reentrant activation checkpointing also "
+            "causes this: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).)"
+        )
+    if what == "abandoned":
+        return (
+            f"{owner}: another rank's backward pass failed during this step (it raised "
+            "after its gradients began to go out), so these gradients are an incomplete "
+            "average; the step is skipped. Look for that rank's traceback; call zero_grad() "
+            "to go on."
+        )
+    return (
+        f"{owner}: this step's gradient reduction failed (CollectiveMismatchError, raised by "
+        "backward()); call zero_grad() to begin a new step."
+    )

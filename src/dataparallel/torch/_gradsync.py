@@ -22,8 +22,12 @@ How buckets are made, and why every rank makes the same calls:
   `backward()` and `step()` stay in the same order on every rank. A parameter that no rank used
   keeps `grad=None` (a small flag vector travels with the last bucket), so optimizers skip it
   exactly as they would in one process.
-- The parameter shapes and dtypes are checked across ranks once (`checks.verify_same_call`),
-  before the first bucket goes out, not per bucket.
+- Every step's reduction begins with a handshake (`checks.handshake`) before its first bucket,
+  so a step that does not line up with the other ranks' (a rank skipped one) raises
+  `CollectiveMismatchError` on every rank instead of hanging or mixing buffers. A rank whose
+  backward failed after its gradients began to go out completes the step's messages at its next
+  `zero_grad()`/`step()`, flagging it abandoned: the other ranks' `step()` raises
+  `RankFailedError` instead of applying an incomplete average.
 
 A parameter is reduced by one `GradientSync` only: the one created last over it. Wrapping the
 same parameters again (a new `DistributedOptimizer` in a re-run notebook cell, or a
@@ -38,8 +42,10 @@ Sharp bits:
   flight, which lets them progress between layers; what is left is completed by the wait in
   `step()` (or at the end of backward for `DataParallelModel`).
 - A rank whose backward reaches none of the parameters (its loss does not depend on them) starts
-  its buckets only at `step()`; a collective of yours between `backward()` and `step()` would
-  then be matched against a bucket on the other ranks. Every rank's loss must use the model.
+  its buckets only at `step()`; a collective of yours between `backward()` and `step()` then
+  meets the other ranks' reduction (`CollectiveMismatchError`). Every rank's loss must use the
+  model. A rank that skips a whole step without calling the library cannot be told from one a
+  step ahead, until the ranks' calls differ: keep every rank's steps in lock step.
 - Reentrant activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`) runs
   nested backward passes; when one holds the first gradient of a pass, its end is taken for the
   end of the pass and the next gradient raises `RuntimeError`. Use `use_reentrant=False`.
@@ -49,25 +55,34 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from dataparallel import world
+from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import reduction, verify_same_call
-from dataparallel.engine.arrays import family_of
-from dataparallel.engine.dtypes import dtype_name
-from dataparallel.engine.fusion import Fusion
-from dataparallel.torch._buckets import Bucket, NamedParams, plan, signature
+from dataparallel.checks import handshake, reduction
+from dataparallel.engine.fusion import HOST_KEY, Fusion
+from dataparallel.errors import CollectiveMismatchError, RankFailedError
+from dataparallel.torch._buckets import (
+    Bucket,
+    NamedParams,
+    check_options,
+    describe,
+    grad_family,
+    layout,
+    message,
+    signature,
+)
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.types import Op
 
 __all__ = ["GradientSync"]
 
-_OPEN, _LAUNCHED, _DONE = "open", "launched", "done"
+_OPEN, _LAUNCHED, _DONE, _FAILED = "open", "launched", "done", "failed"
 
 
 class GradientSync:
@@ -102,22 +117,16 @@ class GradientSync:
         owner: str = "GradientSync",
         backend: Backend | None = None,
     ) -> None:
-        if op not in ("avg", "sum"):
-            raise ValueError(
-                f"{owner}: op={op!r} cannot combine gradients; use 'avg' (the default) or 'sum'."
-            )
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(
-                f"{owner}: backward_passes_per_step={passes!r} must be an int of at least 1."
-            )
-        if bucket_bytes is not None and (
-            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
-        ):
-            raise ValueError(f"{owner}: bucket_bytes={bucket_bytes!r} must be a positive int.")
+        check_options(owner, op, passes, bucket_bytes)
         active = world.current()
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
         self.bucket_bytes = int(bucket_bytes or active.settings.bucket_bytes)
+        self._options = {
+            "op": op,
+            "bucket_bytes": self.bucket_bytes,
+            "backward_passes_per_step": passes,
+        }
         self.wait_after_backward = wait_after_backward
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
@@ -135,10 +144,9 @@ class GradientSync:
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
-        self._verified = False
         self._rebuilt = False
         self._replan([(n, p) for n, p in params() if p.requires_grad], None)
-        self.reset()
+        self._clear()
 
     @property
     def calls(self) -> int:
@@ -179,19 +187,15 @@ class GradientSync:
                 if old is not None:
                     displaced.add(old)
                 self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, index)))
-            self._verified = self._rebuilt = False
+            self._rebuilt = False
             for old in displaced:
                 old.refresh()
         if order is None:
             order = list(range(len(self._params)))[::-1]
-        # Leave room for the flag vector that travels with the last bucket (one float each).
-        flags = 4 * len(self._params)
-        budget = self.bucket_bytes - flags if 2 * flags <= self.bucket_bytes else self.bucket_bytes
-        self._buckets = plan(self._params, order, budget)
-        self._bucket_of = [0] * len(self._params)
-        for b, bucket in enumerate(self._buckets):
-            for i in bucket.members:
-                self._bucket_of[i] = b
+        full = world.current().settings.check if world.initialized() else True
+        self._buckets, self._bucket_of, self._summary = layout(
+            self.owner, self._options, self._params, order, self.bucket_bytes, full
+        )
         self._signature = signature(self._params)
 
     def refresh(self) -> bool:
@@ -210,7 +214,11 @@ class GradientSync:
     # -- one step ----------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Begin a new step: forget readiness, passes and pending results."""
+        """Begin a new step (a step whose last backward pass raised midway is completed first,
+        flagged abandoned, so every rank's messages still line up)."""
+        if self._state == _OPEN and self._arrival:
+            self._abandoned = True
+            self.wait()
         if not self.refresh():
             self._clear()
 
@@ -224,6 +232,8 @@ class GradientSync:
         self._filled: list[int] = []
         self._arrival: list[int] = []
         self._flags: np.ndarray | None = None
+        self._agreed = False
+        self._abandoned = False
         self._fusion.timeline = world.current().timeline if world.initialized() else None
         self._started_at = 0.0
 
@@ -246,15 +256,10 @@ class GradientSync:
         """Take note that parameter `index`'s gradient is final for this pass (its hook fired)."""
         if not self.enabled:
             return
+        if self._state == _FAILED:  # the last step's handshake failed: this is a new step
+            self._clear()
         if self._state != _OPEN:
-            raise RuntimeError(
-                f"{self.owner}: a gradient was computed after this step's reduction had started "
-                f"(more than backward_passes_per_step={self.passes} backward passes before "
-                "step(), or a backward pass between synchronize() and step()). Call step() or "
-                "zero_grad() before the next backward pass, or raise backward_passes_per_step "
-                "to accumulate gradients locally. (Reentrant activation checkpointing also "
-                "causes this: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).)"
-            )
+            raise RuntimeError(message("late gradient", self.owner, self.passes))
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._queued = True
@@ -275,8 +280,10 @@ class GradientSync:
         if self._passes >= self.passes:
             self._launch_rest()
             if self.wait_after_backward:
-                self.wait()
-                self.reset()
+                try:
+                    self.wait()
+                finally:
+                    self.reset()
 
     def _launch_ready(self) -> None:
         while self._next < len(self._buckets) and self._pending[self._next] == 0:
@@ -296,6 +303,8 @@ class GradientSync:
         # Parameters that became trainable after this step's plan (identical on every rank).
         planned = {id(p) for _, p in self._params}
         late = [(n, p) for n, p in self._current() if id(p) not in planned]
+        if late:
+            self._agree()
         for name, p in late:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -303,31 +312,29 @@ class GradientSync:
         if late:
             self._fusion.flush()
 
-    def _verify(self) -> None:
-        call: dict[str, Any] = {
-            "collective": f"{self.owner} gradient reduction",
-            "op": self.op,
-            "bucket_bytes": self.bucket_bytes,
-            "backward_passes_per_step": self.passes,
-            "parameters": len(self._params),
-        }
-        for i, (name, p) in enumerate(self._params):
-            call[f"{name} ({i})"] = f"{dtype_name(p.dtype)}{list(p.shape)}"
-        verify_same_call(self.backend, call)
-        self._verified = True
+    def _agree(self) -> None:
+        """Make this step's handshake: every rank reduces the same parameters, now."""
+        if self._agreed:
+            return
+        self._agreed = True
+        if self.backend.size == 1:
+            return
+        try:
+            handshake(
+                self.backend,
+                self._summary,
+                partial(describe, self.owner, self._options, self._params),
+            )
+        except CollectiveMismatchError:
+            self._state = _FAILED
+            raise
 
     def _add(self, name: str, grad: torch.Tensor) -> None:
-        if grad.layout != torch.strided:
-            raise TypeError(
-                f"{self.owner}: {name} has a {grad.layout} gradient; only dense gradients are "
-                "reduced. Use dense gradients (nn.Embedding(..., sparse=False))."
-            )
-        family = family_of(grad, f"{name}.grad")
+        family = grad_family(self.owner, name, grad)
         self._fusion.add_leaf(family, grad, family.dtype(grad), family.device(grad))
 
     def _launch(self, b: int) -> None:
-        if not self._verified:
-            self._verify()
+        self._agree()
         if b == 0 and self._fusion.timeline is not None:
             self._started_at = self._fusion.timeline.now()
         for i in self._buckets[b].members:
@@ -337,9 +344,10 @@ class GradientSync:
                 self._filled.append(i)
             self._add(name, p.grad)
         if b == len(self._buckets) - 1:
-            self._flags = np.ones(len(self._params), np.float32)
+            self._flags = np.ones(len(self._params) + 1, np.float32)
             self._flags[self._filled] = 0
-            self._fusion.add(self._flags, "float32", ("torch", "cpu"))
+            self._flags[-1] = self._abandoned
+            self._fusion.add(self._flags, "float32", HOST_KEY)
         self._fusion.flush()
 
     def wait(self) -> None:
@@ -351,6 +359,8 @@ class GradientSync:
         """
         if self._state == _DONE:
             return
+        if self._state == _FAILED:
+            raise RuntimeError(message("failed", self.owner, self.passes))
         self._launch_rest()
         self._fusion.wait()
         if self._flags is not None:
@@ -366,6 +376,8 @@ class GradientSync:
             )
         if not self._rebuilt:
             self._rebuild()
+        if self._flags is not None and self._flags[-1] > 0 and not self._abandoned:
+            raise RankFailedError(message("abandoned", self.owner, self.passes))
 
     def _rebuild(self) -> None:
         """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
@@ -373,6 +385,6 @@ class GradientSync:
         seen = set(self._arrival)
         order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
         if self.backend.size > 1:
-            order = self.backend.broadcast_object(order, 0)
+            order = collectives.broadcast_object(order, root=0, backend=self.backend)
         if sorted(order) == list(range(len(self._params))):
             self._replan(self._params, order)

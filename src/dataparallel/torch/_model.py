@@ -14,6 +14,7 @@ from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._synchronize import synchronize_torch
 from dataparallel.types import Op
+from dataparallel.world import Group, engine_of
 
 __all__ = ["DataParallelModel"]
 
@@ -46,6 +47,7 @@ class DataParallelModel(nn.Module):
         bucket_bytes: fusion bucket size (default `DATAPARALLEL_BUCKET_BYTES`).
         root: the rank whose initial parameters win (default 0).
         backend: the engine to use (default: the active one).
+        group: average among the ranks of this `dp.new_group` group (default: the world).
 
     >>> import torch, dataparallel as dp
     >>> _ = dp.initialize()
@@ -63,6 +65,7 @@ class DataParallelModel(nn.Module):
         bucket_bytes: int | None = None,
         root: int = 0,
         backend: Backend | None = None,
+        group: Group | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -71,6 +74,7 @@ class DataParallelModel(nn.Module):
             )
         super().__init__()
         self.module = module
+        backend = engine_of(backend, group)
         synchronize_torch(module, root=root, backend=backend)
         self._require_sync = True
         self._sync = GradientSync(

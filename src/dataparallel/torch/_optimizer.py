@@ -19,6 +19,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.types import Op
+from dataparallel.world import Group, engine_of
 
 __all__ = ["distributed_torch_optimizer"]
 
@@ -147,6 +148,7 @@ def distributed_torch_optimizer(
     bucket_bytes: int | None = None,
     backward_passes_per_step: int = 1,
     backend: Backend | None = None,
+    group: Group | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that gradients are reduced across ranks before each step.
 
@@ -172,6 +174,7 @@ def distributed_torch_optimizer(
             locally before one reduction (default 1). Scale the loss by `1 / N` for the mean
             over passes, as with Horovod. `step()` after fewer passes reduces what there is.
         backend: the engine to use (default: the active one).
+        group: reduce among the ranks of this `dp.new_group` group (default: the world).
 
     Returns:
         The distributed optimizer.
@@ -218,6 +221,6 @@ def distributed_torch_optimizer(
         bucket_bytes=bucket_bytes,
         passes=backward_passes_per_step,
         owner="DistributedOptimizer",
-        backend=backend,
+        backend=engine_of(backend, group),
     )
     return wrapper

@@ -1,0 +1,92 @@
+"""Gloo's reduce-scatter and all-to-all over host buffers (a part of `GlooBackend`).
+
+`torch.distributed` offers both on Gloo in the torch versions this library supports:
+`reduce_scatter` with a list of per-rank inputs (uneven counts allowed) and `all_to_all_single`
+with split sizes. What Gloo lacks is filled in exactly, as for `allreduce`:
+
+- reduce-scatter on a dtype or op Gloo cannot reduce (int16, uint16, uint32, uint64, complex
+  products): the whole buffer is reduced by `GlooBackend.allreduce`, which carries those exactly
+  (`gloo_wire.py`), and this rank's segment is kept. Traffic is an allreduce's instead of a
+  reduce-scatter's; these dtypes are rare in training.
+- all-to-all moves raw bytes, so every dtype (bfloat16 and bool included) goes as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from dataparallel.backends.base import ReduceOp
+from dataparallel.backends.gloo_wire import flat, writable
+
+__all__ = ["GlooExchange"]
+
+# What Gloo reduce-scatters natively (bool arrives as uint8, bfloat16 widened to float32).
+_SCATTERED = frozenset({"int8", "uint8", "int32", "int64", "float16", "float32", "float64"})
+
+
+def _edges(counts: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(counts)]
+
+
+class GlooExchange:
+    """`reduce_scatter` and `alltoallv` for `GlooBackend` (which this class is mixed into)."""
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+        gloo: Any = self  # the GlooBackend this is part of
+        send, recv = (
+            flat(send, "reduce_scatter"),
+            writable(flat(recv, "reduce_scatter"), "reduce_scatter"),
+        )
+        rank, edges = gloo.rank, _edges(counts)
+        if send.size != edges[-1] or recv.size < counts[rank]:
+            raise ValueError(
+                f"GlooBackend.reduce_scatter on rank {rank}: counts={counts} do not fit the "
+                f"buffers (send holds {send.size} items, recv {recv.size})."
+            )
+        if edges[-1] == 0:
+            return
+        mine = recv[: counts[rank]]
+        direct = send.dtype.name in _SCATTERED or (send.dtype.kind == "c" and op is ReduceOp.SUM)
+        if not direct:
+            whole = send.copy()
+            gloo.allreduce(whole, op)
+            mine[...] = whole[edges[rank] : edges[rank + 1]]
+            return
+        torch = gloo._torch
+        source = send if send.flags.writeable else send.copy()
+        inputs = [torch.from_numpy(source[a:b]) for a, b in itertools.pairwise(edges)]
+        gloo._call_tensors(
+            "reduce_scatter",
+            gloo._dist.reduce_scatter,
+            torch.from_numpy(mine),
+            inputs,
+            op=gloo._ops[op],
+        )
+
+    def alltoallv(
+        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+    ) -> None:
+        gloo: Any = self
+        send, recv = flat(send, "alltoallv"), writable(flat(recv, "alltoallv"), "alltoallv")
+        if send.size < sum(send_counts) or recv.size < sum(recv_counts):
+            raise ValueError(
+                f"GlooBackend.alltoallv on rank {gloo.rank}: send_counts={send_counts} and "
+                f"recv_counts={recv_counts} do not fit the buffers (send holds {send.size} "
+                f"items, recv {recv.size})."
+            )
+        item = send.dtype.itemsize
+        raw_send = send[: sum(send_counts)].view(np.uint8)
+        raw_send = raw_send if raw_send.flags.writeable else raw_send.copy()
+        raw_recv = recv[: sum(recv_counts)].view(np.uint8)
+        torch = gloo._torch
+        gloo._call_tensors(
+            "alltoall",
+            gloo._dist.all_to_all_single,
+            torch.from_numpy(raw_recv),
+            torch.from_numpy(raw_send),
+            [count * item for count in recv_counts],
+            [count * item for count in send_counts],
+        )

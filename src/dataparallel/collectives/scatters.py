@@ -1,0 +1,76 @@
+"""Reduce-scatter: `reducescatter`, a reduction each rank keeps a part of (its first axis)."""
+
+from __future__ import annotations
+
+from dataparallel.backends.base import Backend
+from dataparallel.checks import reduction, reduction_error
+from dataparallel.collectives._call import (
+    Leaf,
+    agree,
+    check_rows,
+    context,
+    leaves_of,
+    prepared,
+    run_split,
+)
+from dataparallel.engine import tree
+from dataparallel.engine.actions import Scatter
+from dataparallel.types import Op, Tree
+from dataparallel.world import Group, engine_of
+
+__all__ = ["reducescatter"]
+
+
+def reducescatter(
+    x: Tree,
+    op: Op = "sum",
+    *,
+    scale: float | None = None,
+    backend: Backend | None = None,
+    group: Group | None = None,
+) -> Tree:
+    """Reduce `x` element-wise across all ranks; each rank keeps its part of the first axis.
+
+    Every leaf of `n` rows is split as Horovod splits it: rank r keeps `n // size()` rows, one
+    more when `r < n % size()`, in rank order (rank 0 gets the first rows). Leaves are packed into
+    buckets per dtype, laid out rank by rank, so that one `Reduce_scatter` per bucket does all of
+    them (docs/design.md).
+
+    Args:
+        x: an array (NumPy, PyTorch, JAX, CuPy) with at least one axis, or a pytree of them.
+        op: `"sum"` (default), `"prod"`, `"min"`, `"max"` or `"avg"` (sum divided by `size()`).
+        scale: multiply the result by this afterwards.
+        backend: the engine to use (default: the active one).
+        group: run among the ranks of this `dp.new_group` group (default: the world).
+
+    Returns:
+        `x`'s structure with new arrays of each leaf's family, dtype and device, of shape
+        `(rows of this rank, *leaf.shape[1:])`.
+
+    Raises:
+        ValueError: a leaf is a number or a 0-d array (it has no first axis to split).
+        TypeError: a leaf is not numeric, or `"avg"`/a non-integral `scale` meets an integer leaf.
+        CollectiveMismatchError: ranks passed different structures, shapes, dtypes, ops or scales.
+
+    >>> import numpy as np, dataparallel as dp
+    >>> _ = dp.initialize("single")
+    >>> dp.reducescatter({"w": np.arange(3.0)}, op="avg")
+    {'w': array([0., 1., 2.])}
+    """
+    ctx = context(engine_of(backend, group))
+
+    def prepare() -> tuple[tree.Flat, list[Leaf], Scatter]:
+        action = reduction(op, scale, ctx.backend.size)
+        flat = tree.flatten(x, "x")
+        leaves = leaves_of(flat)
+        for leaf in leaves:
+            error = reduction_error(leaf.dtype, op, scale)
+            if error is not None:  # the path is spelled out only for the message: not cheap
+                raise TypeError(f"{flat.path(leaf.index)}: {error}")
+        check_rows("reducescatter", flat, leaves)
+        return flat, leaves, Scatter(action.op, action.scale)
+
+    flat, leaves, scatter = prepared(ctx, "reducescatter", prepare)
+    scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
+    agree(ctx, "reducescatter", flat, leaves, {"op": op, "scale": scale_arg})
+    return run_split(ctx, "reducescatter", flat, leaves, scatter)

@@ -1,0 +1,90 @@
+"""Small payloads reduced where they land: every rank's values, reduced locally in rank order.
+
+When a collective's payload fits in the handshake that precedes it (`checks.handshake`), every
+rank receives every rank's values with the handshake itself, and computes the result here with
+NumPy, in rank order. Every rank computes from the same bytes in the same order, so every rank
+gets the same result, bit for bit. The semantics are those of the engines' path
+(`fusion.Fusion`): bool sums and products are logical or / and; bfloat16 and float16 are reduced
+in float32 and rounded once; integer scales multiply as integers. NaN propagates under min and
+max as NumPy's `minimum`/`maximum` propagate it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataparallel.backends.base import ReduceOp
+from dataparallel.engine.actions import Broadcast, Reduction
+from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16
+from dataparallel.engine.fusion import scale_in_place
+
+__all__ = ["ALIGN", "land_inline", "pack_inline", "padded"]
+
+ALIGN = 8  # each leaf's bytes start at a multiple of this in the record
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+def padded(nbytes: int) -> int:
+    """Return the bytes a leaf of `nbytes` takes in a record."""
+    return (nbytes + ALIGN - 1) & -ALIGN
+
+
+def pack_inline(record: np.ndarray, start: int, works: list[np.ndarray]) -> None:
+    """Copy `works` (host arrays in storage dtypes) into `record` from byte `start` on."""
+    offset = start
+    for work in works:
+        nbytes = work.nbytes
+        record[offset : offset + nbytes].view(work.dtype).reshape(work.shape)[...] = work
+        offset += padded(nbytes)
+
+
+def land_inline(
+    rows: np.ndarray,
+    start: int,
+    works: list[np.ndarray],
+    dtypes: list[str],
+    action: Reduction | Broadcast,
+    rank: int,
+) -> None:
+    """Write the collective's result into `works` from every rank's record (`rows`, one per rank).
+
+    Ranks that receive nothing (not the root of a reduce; the root of a broadcast) keep theirs.
+    """
+    offset = start
+    for work, dtype in zip(works, dtypes, strict=True):
+        nbytes = work.nbytes
+        if nbytes:
+            values = rows[:, offset : offset + nbytes].view(work.dtype)
+            if isinstance(action, Broadcast):
+                if rank != action.root:
+                    work[...] = values[action.root].reshape(work.shape)
+            elif action.root is None or action.root == rank:
+                work[...] = _combine(values, dtype, action).reshape(work.shape)
+        offset += padded(nbytes)
+
+
+def _combine(values: np.ndarray, dtype: str, action: Reduction) -> np.ndarray:
+    """Reduce `values` (one row per rank, storage dtype) along the ranks, then scale."""
+    op, scale = action.op, action.scale
+    if dtype == "bool":
+        logical = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
+        result: np.ndarray = logical.reduce(values, axis=0)
+        return result
+    if dtype in ("bfloat16", "float16"):
+        wide = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
+        out = _UFUNCS[op].reduce(wide, axis=0)
+        if scale is not None:
+            out *= np.float32(scale)
+        if dtype == "float16":
+            return out.astype(np.float16)
+        return f32_to_bf16(out, np.empty(out.shape, np.uint16))
+    out = _UFUNCS[op].reduce(values, axis=0, dtype=values.dtype)
+    if scale is not None:
+        scale_in_place(out, scale)
+    return out
