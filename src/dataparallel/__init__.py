@@ -26,6 +26,7 @@ from dataparallel.collectives import (
     broadcast_object,
     iallreduce,
     ibroadcast,
+    join,
     reduce,
     reducescatter,
     wait_all,
@@ -37,6 +38,7 @@ from dataparallel.errors import (
     DataParallelError,
     NotInitializedError,
     RankFailedError,
+    RankJoinedError,
 )
 from dataparallel.progress import progress
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
@@ -74,6 +76,7 @@ __all__ = [
     "InlineReducer",
     "NotInitializedError",
     "RankFailedError",
+    "RankJoinedError",
     "Reducer",
     "Request",
     "allgather",
@@ -92,6 +95,7 @@ __all__ = [
     "initialize",
     "initialized",
     "is_main",
+    "join",
     "local_rank",
     "local_size",
     "new_group",

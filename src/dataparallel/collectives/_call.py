@@ -24,6 +24,7 @@ from dataparallel import world
 from dataparallel.backends.base import Backend, DoneHandle, Handle
 from dataparallel.checks import (
     HEADER_BYTES,
+    ShadowOf,
     fail_together,
     handshake,
     inline_capacity,
@@ -162,10 +163,13 @@ def agree(
     first_axis: bool = True,
     inline: bool = False,
     flag: bool | None = None,
+    shadow: ShadowOf = None,
 ) -> tuple[np.ndarray | None, bool]:
     """Make the handshake (`checks.handshake`); return the records (when `inline`), the flag.
 
     With `inline`, the leaves' values travel in the records (`run` then reduces them there).
+    `shadow` describes the calls that follow, for ranks that have joined (`dp.join`) to make
+    them too; without one, the call raises `RankJoinedError` while some rank has joined.
     """
     if ctx.backend.size == 1:
         return None, False
@@ -174,7 +178,9 @@ def agree(
         record = new_record()
         pack_inline(record, HEADER_BYTES, [leaf.work for leaf in leaves])
     summary, details = describe(ctx, collective, flat, leaves, args, first_axis, inline)
-    rows, flagged = handshake(ctx.backend, summary, details, record=record, flag=flag)
+    rows, flagged = handshake(
+        ctx.backend, summary, details, record=record, flag=flag, shadow=shadow
+    )
     return (rows if inline else None), flagged
 
 

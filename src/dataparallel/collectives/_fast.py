@@ -31,6 +31,7 @@ from dataparallel.checks import (
 from dataparallel.collectives._call import describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
 from dataparallel.engine.fusion import scale_in_place
+from dataparallel.engine.shadow import Shadow
 
 __all__ = ["NOT_FAST", "small_allreduce"]
 
@@ -78,7 +79,7 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
         summary, _ = _describe(x, op, scale)
         header = _HEADERS[key] = digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8)
     record = np.frombuffer(header + payload + _PAD[: INLINE_BYTES - len(payload)], np.uint8)
-    rows = exchange(backend, record, lambda: _describe(x, op, scale)[1]())
+    rows = exchange(backend, record, lambda: _describe(x, op, scale)[1](), shadow=_nothing)
     values = rows[:, HEADER_BYTES : HEADER_BYTES + len(payload)].view(dtype)
     out = ufunc.reduce(values, axis=0, dtype=dtype)
     total = 1.0 if scale is None else scale
@@ -93,6 +94,13 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
 
 
 _F64_DTYPE = np.dtype(np.float64)
+
+
+def _nothing(_: bool) -> Shadow:
+    """A fast call's values travel in the handshake: a rank that has joined sends nothing more."""
+    return Shadow.nothing()
+
+
 _SCALES = (type(None), int, float)
 
 

@@ -6,6 +6,7 @@
 - `DataParallelModel` (`_model`): a module wrapper that averages gradients during `backward()`.
 - `synchronize_torch` (`_synchronize`): broadcast a module's or an optimizer's state from a root.
 - `distributed_torch_optimizer` (`_optimizer`): the PyTorch face of `dp.DistributedOptimizer`.
+- `join` (`_join`): uneven data; a rank that leaves its loop first answers the others' steps.
 
 Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
 """
@@ -23,8 +24,16 @@ except ImportError as exc:
 
 from dataparallel.torch._buckets import NamedParams as NamedParams
 from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._join import Join, join
 from dataparallel.torch._model import DataParallelModel
 from dataparallel.torch._optimizer import distributed_torch_optimizer
 from dataparallel.torch._synchronize import synchronize_torch
 
-__all__ = ["DataParallelModel", "GradientSync", "distributed_torch_optimizer", "synchronize_torch"]
+__all__ = [
+    "DataParallelModel",
+    "GradientSync",
+    "Join",
+    "distributed_torch_optimizer",
+    "join",
+    "synchronize_torch",
+]

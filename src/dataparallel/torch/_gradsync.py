@@ -65,6 +65,7 @@ from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import handshake, reduction
 from dataparallel.engine.fusion import HOST_KEY, Fusion
+from dataparallel.engine.shadow import Shadow
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
 from dataparallel.torch._buckets import (
     Bucket,
@@ -74,6 +75,7 @@ from dataparallel.torch._buckets import (
     grad_family,
     layout,
     message,
+    shadow_of,
     signature,
 )
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
@@ -234,6 +236,7 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._agreed = False
         self._abandoned = False
+        self._joined = False
         self._fusion.timeline = world.current().timeline if world.initialized() else None
         self._started_at = 0.0
 
@@ -324,10 +327,17 @@ class GradientSync:
                 self.backend,
                 self._summary,
                 partial(describe, self.owner, self._options, self._params),
+                shadow=self._shadow,
+                on_joined=partial(setattr, self, "_joined", True),  # no rebuild this step
             )
         except CollectiveMismatchError:
             self._state = _FAILED
             raise
+
+    def _shadow(self, _: bool) -> Shadow:
+        """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
+        params, action = self._params, self._fusion.action
+        return shadow_of(params, self._buckets, self._current(), action, self.bucket_bytes)
 
     def _add(self, name: str, grad: torch.Tensor) -> None:
         family = grad_family(self.owner, name, grad)
@@ -374,7 +384,7 @@ class GradientSync:
             timeline.complete(
                 f"{self.owner} gradients", self._started_at, buckets=len(self._buckets)
             )
-        if not self._rebuilt:
+        if not self._rebuilt and not self._joined:
             self._rebuild()
         if self._flags is not None and self._flags[-1] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import dataparallel as dp
+from dataparallel import world
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._basics import (
     Adasum,
@@ -84,6 +84,8 @@ from dataparallel.horovod.torch._reductions import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+)
+from dataparallel.horovod.torch._scatters import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     reducescatter,
@@ -105,8 +107,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     if comm is not None and not isinstance(comm, (list, tuple)):
         raise ValueError("hvd.init(comm=...) takes a list of ranks here (not an MPI communicator).")
-    dp.initialize()
-    if comm is not None and sorted(comm) != list(range(dp.size())):
+    world.initialize()
+    if comm is not None and sorted(comm) != list(range(world.size())):
         raise NotImplementedError(
             "hvd.init(comm=ranks) with a subset of the world is not supported: init every "
             "process and use hvd.add_process_set(ranks) for collectives among some of them."
@@ -121,11 +123,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def shutdown() -> None:
     """Stop dataparallel (`dp.finalize()`); operations still queued are dropped."""
-    if not dp.initialized():
+    if not world.initialized():
         return
     _handles.reset()
     reset_process_sets()
-    dp.finalize()
+    world.finalize()
 
 
 _LATER = {"Compression", "SyncBatchNorm", "sparse_allreduce_async"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-import dataparallel as dp
+from dataparallel import collectives, world
 from dataparallel.engine.trace import Timeline
 
 __all__ = [
@@ -68,50 +68,50 @@ _timeline: list[Timeline] = []
 
 def require_init() -> None:
     """Raise Horovod's `ValueError` when `init()` has not run."""
-    if not dp.initialized():
+    if not world.initialized():
         raise ValueError("Horovod has not been initialized; use hvd.init().")
 
 
 def learn_nodes() -> None:
     """Find this process's node index and the node count (collective: called by `init()`)."""
-    if dp.size() == 1:
+    if world.size() == 1:
         _nodes.cross_rank, _nodes.cross_size, _nodes.homogeneous = 0, 1, True
         return
-    places = dp.allgather_object((dp.local_rank(), dp.local_size()))
+    places = collectives.allgather_object((world.local_rank(), world.local_size()))
     # Node k holds the ranks whose local rank is 0 at or after the k-th such rank, in rank order.
     starts = [r for r, (local, _) in enumerate(places) if local == 0]
-    node = max(i for i, start in enumerate(starts) if start <= dp.rank())
+    node = max(i for i, start in enumerate(starts) if start <= world.rank())
     _nodes.cross_rank, _nodes.cross_size = node, len(starts)
     _nodes.homogeneous = len({n for _, n in places}) == 1
 
 
 def is_initialized() -> bool:
     """Return whether `init()` has run (and `shutdown()` has not)."""
-    return dp.initialized()
+    return world.initialized()
 
 
 def size() -> int:
     """Return the number of processes (`dp.size()`)."""
     require_init()
-    return dp.size()
+    return world.size()
 
 
 def rank() -> int:
     """Return this process's rank (`dp.rank()`)."""
     require_init()
-    return dp.rank()
+    return world.rank()
 
 
 def local_size() -> int:
     """Return the number of processes on this node (`dp.local_size()`)."""
     require_init()
-    return dp.local_size()
+    return world.local_size()
 
 
 def local_rank() -> int:
     """Return this process's rank on its node (`dp.local_rank()`)."""
     require_init()
-    return dp.local_rank()
+    return world.local_rank()
 
 
 def cross_size() -> int:
@@ -135,7 +135,7 @@ def is_homogeneous() -> bool:
 def mpi_threads_supported() -> bool:
     """Return whether the MPI library was initialized with `MPI_THREAD_MULTIPLE`."""
     require_init()
-    if dp.get_backend().name != "mpi":
+    if world.get_backend().name != "mpi":
         return False
     from mpi4py import MPI
 
@@ -144,7 +144,7 @@ def mpi_threads_supported() -> bool:
 
 def mpi_enabled() -> bool:
     """Return whether the collectives run over MPI."""
-    return dp.initialized() and dp.get_backend().name == "mpi"
+    return world.initialized() and world.get_backend().name == "mpi"
 
 
 def mpi_built() -> bool:
@@ -154,7 +154,7 @@ def mpi_built() -> bool:
 
 def gloo_enabled() -> bool:
     """Return whether the collectives run over Gloo."""
-    return dp.initialized() and dp.get_backend().name == "gloo"
+    return world.initialized() and world.get_backend().name == "gloo"
 
 
 def gloo_built() -> bool:
@@ -205,7 +205,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """
     require_init()
     stop_timeline()
-    _timeline.append(dp.timeline(file_path))
+    _timeline.append(world.timeline(file_path))
 
 
 def stop_timeline() -> None:

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-import dataparallel as dp
+from dataparallel import collectives, training
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._process_sets import (
     ProcessSet,
-    backend_of,
     global_process_set,
+    group_of,
     root_in,
 )
 from dataparallel.horovod.torch._reductions import check_tensor
@@ -51,7 +51,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     for t in tensors:
         check_tensor(t)
     _handles.blocking(
-        "broadcast", None, lambda: _handles.Done(dp.broadcast(tensors, root=root_rank))
+        "broadcast", None, lambda: _handles.Done(collectives.broadcast(tensors, root=root_rank))
     )
 
 
@@ -76,7 +76,7 @@ def broadcast_optimizer_state(
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not optimizer.state_dict()["state"]:
-        sparse = set()
+        sparse: set[int] = set()
         if model is not None:
             for m in model.modules():
                 if isinstance(m, torch.nn.Embedding) and m.sparse:
@@ -91,7 +91,7 @@ def broadcast_optimizer_state(
                         p.grad = p.grad.to_sparse()
         _inner_step(optimizer)
     _handles.blocking(
-        "broadcast", None, lambda: _handles.Done(dp.synchronize(optimizer, root=root_rank))
+        "broadcast", None, lambda: _handles.Done(training.synchronize(optimizer, root=root_rank))
     )
 
 
@@ -104,9 +104,9 @@ def broadcast_object(
     """Return `root_rank`'s `obj` (anything picklable) on every process of the set."""
 
     def start() -> _handles.Started:
-        backend = backend_of(process_set)
+        group = group_of(process_set)
         return _handles.Done(
-            dp.broadcast_object(obj, root=root_in(process_set, root_rank), backend=backend)
+            collectives.broadcast_object(obj, root=root_in(process_set, root_rank), group=group)
         )
 
     return _handles.blocking("broadcast_object", None, start)
@@ -119,7 +119,7 @@ def allgather_object(
     return _handles.blocking(
         "allgather_object",
         None,
-        lambda: _handles.Done(dp.allgather_object(obj, backend=backend_of(process_set))),
+        lambda: _handles.Done(collectives.allgather_object(obj, group=group_of(process_set))),
     )
 
 
@@ -132,7 +132,7 @@ def join(device: int = -1) -> int:
     are completed first. `device` is accepted for Horovod's signature.
     """
     _handles.wait_started()
-    return dp.join()
+    return collectives.join()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -141,4 +141,4 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     Operations queued with `*_async` are not started by it (as in Horovod, a barrier does not
     wait for them).
     """
-    dp.barrier(backend=backend_of(process_set))
+    collectives.barrier(group=group_of(process_set))

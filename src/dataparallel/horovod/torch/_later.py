@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataparallel as dp
+import importlib
 
 
 def __getattr__(name: str) -> object:
-    if name == "Compression":
-        return dp.Compression  # type: ignore[attr-defined]
     if name == "SyncBatchNorm":
-        return dp.torch.SyncBatchNorm
-    raise AttributeError(name)
+        return getattr(importlib.import_module("dataparallel.torch"), name)
+    raise AttributeError(f"dataparallel.horovod.torch.{name} is not available yet.")

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-import dataparallel as dp
+from dataparallel import collectives
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._process_sets import (
     ProcessSet,
-    backend_of,
     global_process_set,
+    group_of,
     root_in,
 )
 from dataparallel.horovod.torch._reductions import check_tensor
@@ -36,8 +36,8 @@ __all__ = [
 
 
 def _gather(tensors: list[torch.Tensor], ps: ProcessSet) -> _handles.Started:
-    backend = backend_of(ps)
-    return _handles.Done(dp.allgather([t.detach() for t in tensors], backend=backend))
+    group = group_of(ps)
+    return _handles.Done(collectives.allgather([t.detach() for t in tensors], group=group))
 
 
 def allgather_async(
@@ -87,11 +87,11 @@ def grouped_allgather(
 def _start_broadcast(
     output: torch.Tensor, root_rank: int, ps: ProcessSet, wait: bool
 ) -> _handles.Started:
-    backend = backend_of(ps)
+    group = group_of(ps)
     root = root_in(ps, root_rank)
     if wait:
-        return _handles.Done(dp.broadcast(output, root=root, backend=backend))
-    return dp.ibroadcast(output, root=root, backend=backend)
+        return _handles.Done(collectives.broadcast(output, root=root, group=group))
+    return collectives.ibroadcast(output, root=root, group=group)
 
 
 def broadcast_async(
@@ -184,7 +184,7 @@ def _checked_splits(tensor: torch.Tensor, splits: Any, ps: ProcessSet) -> Any:
 def _start_alltoall(
     sent: torch.Tensor, listed: list[int] | None, ps: ProcessSet
 ) -> _handles.Started:
-    output, received = dp.alltoall(sent.detach(), splits=listed, backend=backend_of(ps))
+    output, received = collectives.alltoall(sent.detach(), splits=listed, group=group_of(ps))
     if listed is None:
         return _handles.Done(output)
     return _handles.Done((output, torch.tensor(received, dtype=torch.int32)))

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-import dataparallel as dp
+from dataparallel import training
 from dataparallel.backends.single import SingleBackend
 from dataparallel.horovod.torch._basics import Adasum, Average, Sum
-from dataparallel.horovod.torch._process_sets import ProcessSet, backend_of, global_process_set
+from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = ["DistributedOptimizer"]
 
@@ -152,14 +152,16 @@ def DistributedOptimizer(
     names = _names(optimizer, named_parameters)
     if process_set.included() is False:  # outside the set: a world of one, as Horovod skips it
         backend: Any = SingleBackend.create()
+        group = None
     else:
-        backend = backend_of(process_set)
+        backend, group = None, group_of(process_set)
     inner = type(optimizer)
-    wrapped = dp.DistributedOptimizer(
+    wrapped = training.DistributedOptimizer(
         optimizer,
         op="avg" if op == Average else "sum",
         backward_passes_per_step=backward_passes_per_step,
         backend=backend,
+        group=group,
     )
     wrapped.__class__ = _horovod_class(type(wrapped), inner)
     wrapped._parameter_names = names

@@ -11,14 +11,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import dataparallel as dp
+from dataparallel import world
 from dataparallel.horovod.torch._basics import require_init
 
 __all__ = [
     "ProcessSet",
     "add_process_set",
-    "backend_of",
     "global_process_set",
+    "group_of",
     "remove_process_set",
     "reset_process_sets",
     "root_in",
@@ -47,7 +47,7 @@ class ProcessSet:
         if any(not isinstance(r, int) for r in ranks):
             raise ValueError("ProcessSet should be initialized with a list of process ranks.")
         self.ranks = ranks
-        self._group: dp.Group | None = None
+        self._group: world.Group | None = None
 
     def _invalidate(self) -> None:
         self.process_set_id = None
@@ -57,7 +57,7 @@ class ProcessSet:
         """Return the number of processes in the set, or None when it is not registered."""
         if self.process_set_id is None:
             return None
-        return len(self.ranks or ()) if self.process_set_id else dp.size()
+        return len(self.ranks or ()) if self.process_set_id else world.size()
 
     def rank(self) -> int | None:
         """Return this process's rank in the set (None when not registered or not included).
@@ -66,13 +66,13 @@ class ProcessSet:
         """
         if self.process_set_id is None or not self.included():
             return None
-        return (self.ranks or []).index(dp.rank()) if self.process_set_id else dp.rank()
+        return (self.ranks or []).index(world.rank()) if self.process_set_id else world.rank()
 
     def included(self) -> bool | None:
         """Return whether this process is in the set (None when the set has no ranks yet)."""
         if self.ranks is None:
             return None
-        return dp.rank() in self.ranks
+        return world.rank() in self.ranks
 
     def __str__(self) -> str:
         return (
@@ -97,7 +97,7 @@ def reset_process_sets() -> None:
         ps._invalidate()
     _registered.clear()
     global_process_set.process_set_id = 0
-    global_process_set.ranks = list(range(dp.size())) if dp.initialized() else []
+    global_process_set.ranks = list(range(world.size())) if world.initialized() else []
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -113,7 +113,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     existing = [global_process_set.ranks, *(ps.ranks for ps in _registered.values())]
     if ranks in existing:
         raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
-    process_set._group = dp.new_group(ranks)
+    process_set._group = world.new_group(ranks)
     process_set.process_set_id = next(_ids)
     _registered[process_set.process_set_id] = process_set
     return process_set
@@ -131,18 +131,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def backend_of(process_set: ProcessSet) -> Any:
-    """Return the engine of the set's collectives (None: the world's), or raise `ValueError`.
+def group_of(process_set: ProcessSet) -> world.Group | None:
+    """Return the set's group for `group=` (None: the global set, the world).
 
     Raises:
-        ValueError: the set is not registered, or this process is not in it.
+        ValueError: the set is not registered.
     """
     if process_set.process_set_id == 0:
         return None
     group = process_set._group
     if process_set.process_set_id is None or group is None:
         raise ValueError(f"{process_set} is not registered: call hvd.add_process_set first.")
-    return group.backend  # raises ValueError, naming the ranks, outside the set
+    return group
 
 
 def root_in(process_set: ProcessSet, root_rank: int) -> int:

@@ -1,4 +1,5 @@
-"""Horovod's reductions: allreduce (plain, in place, grouped, async) and reducescatter.
+"""Horovod's allreduce (plain, in place, grouped, async), and the rules it shares with
+reducescatter (`_scatters.py`).
 
 Each hands over to `dp.allreduce` / `dp.iallreduce` / `dp.reducescatter` on the process set's
 group. What Horovod defines that dataparallel's own API does not is done here, and only that:
@@ -20,10 +21,11 @@ from typing import Any
 
 import torch
 
-import dataparallel as dp
+from dataparallel import collectives
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
-from dataparallel.horovod.torch._process_sets import ProcessSet, backend_of, global_process_set
+from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
+from dataparallel.types import Op
 
 __all__ = [
     "allreduce",
@@ -32,17 +34,18 @@ __all__ = [
     "allreduce_async_",
     "average_or_op",
     "check_tensor",
+    "compress",
+    "copy_of",
+    "decompress",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
-    "grouped_reducescatter",
-    "grouped_reducescatter_async",
-    "reducescatter",
-    "reducescatter_async",
+    "plan",
+    "scaled",
 ]
 
-_OPS = {Sum: "sum", Average: "avg", Min: "min", Max: "max", Product: "prod"}
+_OPS: dict[int, Op] = {Sum: "sum", Average: "avg", Min: "min", Max: "max", Product: "prod"}
 
 
 def average_or_op(op: int | None, average: bool | None) -> int:
@@ -75,13 +78,13 @@ def check_tensor(tensor: Any) -> None:
 class _Plan:
     """How one Horovod reduction runs on dataparallel: the op, the scale, and local scalings."""
 
-    op: str
+    op: Op
     scale: float | None
     pre: float | None  # applied to the input copy before communicating
     post: float | None  # applied locally afterwards (integers: float64, truncated)
 
 
-def _plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: int) -> _Plan:
+def plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: int) -> _Plan:
     if op == Adasum:
         raise NotImplementedError(
             "Adasum is not supported by dataparallel: use op=hvd.Average (or hvd.Sum)."
@@ -97,7 +100,7 @@ def _plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: 
     return _Plan(_OPS[op], None if post == 1.0 else float(post), pre_factor, None)
 
 
-def _scaled(t: torch.Tensor, factor: float | None) -> torch.Tensor:
+def scaled(t: torch.Tensor, factor: float | None) -> torch.Tensor:
     """Multiply `t` by `factor` in place as Horovod does: integers through float64."""
     if factor is None or factor == 1.0:
         return t
@@ -109,24 +112,24 @@ def _scaled(t: torch.Tensor, factor: float | None) -> torch.Tensor:
 def _start_allreduce(
     outputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet, wait: bool
 ) -> _handles.Started:
-    backend = backend_of(ps)
-    plan = _plan(outputs, op, pre, post, ps.size() or 1)
+    group = group_of(ps)
+    how = plan(outputs, op, pre, post, ps.size() or 1)
     for t in outputs:
-        _scaled(t, plan.pre)
+        scaled(t, how.pre)
 
     def after(_: Any) -> list[torch.Tensor]:
         for t in outputs:
-            _scaled(t, plan.post)
+            scaled(t, how.post)
         return outputs
 
     if wait:
-        dp.allreduce(outputs, op=plan.op, scale=plan.scale, backend=backend)
+        collectives.allreduce(outputs, op=how.op, scale=how.scale, group=group)
         return _handles.Done(after(None))
-    request = dp.iallreduce(outputs, op=plan.op, scale=plan.scale, backend=backend)
+    request = collectives.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
     return _handles.Then(request, after)
 
 
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
+def copy_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
@@ -169,7 +172,7 @@ def allreduce_async(
     return _allreduce_async(
         "allreduce",
         [tensor],
-        [_copy(tensor)],
+        [copy_of(tensor)],
         name,
         op,
         prescale_factor,
@@ -220,14 +223,14 @@ def allreduce(
     """
     op = average_or_op(op, average)
     check_tensor(tensor)
-    compressed, ctx = _compress(compression, tensor)
-    outputs = [_copy(compressed)]
+    compressed, ctx = compress(compression, tensor)
+    outputs = [copy_of(compressed)]
 
     def start() -> _handles.Started:
         return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
 
     result = _handles.blocking("allreduce", name, start)[0]
-    return _decompress(compression, result, ctx)
+    return decompress(compression, result, ctx)
 
 
 def allreduce_(
@@ -262,7 +265,7 @@ def grouped_allreduce_async(
     return _allreduce_async(
         "allreduce",
         list(tensors),
-        [_copy(t) for t in tensors],
+        [copy_of(t) for t in tensors],
         name,
         op,
         prescale_factor,
@@ -310,14 +313,14 @@ def grouped_allreduce(
     op = average_or_op(op, average)
     for t in tensors:
         check_tensor(t)
-    packed = [_compress(compression, t) for t in tensors]
-    outputs = [_copy(c) for c, _ in packed]
+    packed = [compress(compression, t) for t in tensors]
+    outputs = [copy_of(c) for c, _ in packed]
 
     def start() -> _handles.Started:
         return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
 
     results = _handles.blocking("allreduce", name, start)
-    return [_decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
+    return [decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
 
 
 def grouped_allreduce_(
@@ -336,102 +339,9 @@ def grouped_allreduce_(
     return _handles.synchronize(handle)
 
 
-def _compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return (tensor, None) if compression is None else compression.compress(tensor)
 
 
-def _decompress(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+def decompress(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
     return tensor if compression is None else compression.decompress(tensor, ctx)
-
-
-def _start_reducescatter(
-    inputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet
-) -> _handles.Started:
-    backend = backend_of(ps)
-    plan = _plan(inputs, op, pre, post, ps.size() or 1)
-    copies = [_scaled(_copy(t), plan.pre) if plan.pre else t.detach() for t in inputs]
-    results = dp.reducescatter(copies, op=plan.op, scale=plan.scale, backend=backend)
-    return _handles.Done([_scaled(r, plan.post) for r in results])
-
-
-def reducescatter_async(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    op: int = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> int:
-    """Start a reduction of which each process keeps its part of the first axis."""
-    check_tensor(tensor)
-
-    def start() -> _handles.Started:
-        started = _start_reducescatter([tensor], op, prescale_factor, postscale_factor, process_set)
-        return _handles.Then(started, lambda out: out[0])
-
-    return _handles.submit("reducescatter", name, start)
-
-
-def reducescatter(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    compression: Any = None,
-    op: int = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> torch.Tensor:
-    """Reduce `tensor` across the set; return this process's part of the first axis.
-
-    Rank r of the set keeps `n // size` rows, one more when `r < n % size` (Horovod's split).
-    """
-    check_tensor(tensor)
-    compressed, ctx = _compress(compression, tensor)
-
-    def start() -> _handles.Started:
-        return _start_reducescatter(
-            [compressed], op, prescale_factor, postscale_factor, process_set
-        )
-
-    return _decompress(compression, _handles.blocking("reducescatter", name, start)[0], ctx)
-
-
-def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    op: int = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> int:
-    """Start a fused reducescatter of a list of tensors."""
-    for t in tensors:
-        check_tensor(t)
-    listed = list(tensors)
-
-    def start() -> _handles.Started:
-        return _start_reducescatter(listed, op, prescale_factor, postscale_factor, process_set)
-
-    return _handles.submit("reducescatter", name, start)
-
-
-def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor],
-    name: str | None = None,
-    compression: Any = None,
-    op: int = Average,
-    process_set: ProcessSet = global_process_set,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> list[torch.Tensor]:
-    """Reducescatter a list of tensors in one fused call; return this process's parts."""
-    for t in tensors:
-        check_tensor(t)
-    packed = [_compress(compression, t) for t in tensors]
-    listed = [c for c, _ in packed]
-
-    def start() -> _handles.Started:
-        return _start_reducescatter(listed, op, prescale_factor, postscale_factor, process_set)
-
-    results = _handles.blocking("reducescatter", name, start)
-    return [_decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
