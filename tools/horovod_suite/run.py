@@ -26,9 +26,10 @@ BIN = Path(sys.executable).parent
 
 
 def launcher(kind: str, n: int, timeout: int) -> list[str]:
+    """The command that starts a Python script on `n` ranks."""
     if kind == "mpi":
-        return [str(BIN / "mpiexec"), "-n", str(n)]
-    if kind == "gloo":
+        return [str(BIN / "mpiexec"), "-n", str(n), sys.executable]
+    if kind == "gloo":  # `dataparallel run` starts the script with this Python itself
         return [
             sys.executable,
             "-m",
@@ -80,7 +81,6 @@ def run_one(kind: str, n: int, args: argparse.Namespace) -> tuple[dict[str, int]
         outdir = Path(tmp)
         command = [
             *launcher(kind, n, args.timeout),
-            sys.executable,
             str(HERE / "_rank.py"),
             str(test_file),
             str(outdir),
