@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from dataparallel import world
+from dataparallel import collectives, world
 from dataparallel.horovod.torch._basics import require_init
 
 __all__ = [
@@ -110,6 +110,11 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     ranks = list(process_set.ranks or [])
+    # A checked collective first (`new_group` exchanges the ranks unchecked): a process that is
+    # not making this call with the others fails it with them instead of mixing messages.
+    every = collectives.allgather_object(("add_process_set", ranks))
+    if any(other != every[0] for other in every):
+        raise ValueError(f"Processes added different process sets: {[r for _, r in every]}.")
     existing = [global_process_set.ranks, *(ps.ranks for ps in _registered.values())]
     if ranks in existing:
         raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
