@@ -77,7 +77,7 @@ def test_mismatches_within_a_group_raise_on_every_member(rank: int, size: int) -
         pytest.skip("a mismatch needs two ranks")
     group = dp.new_group([0, 1])
     if group.member:
-        with pytest.raises(CollectiveMismatchError, match="ranks? 1"):
+        with pytest.raises(CollectiveMismatchError, match=r"ranks? 1"):
             dp.allreduce(np.ones(2 + dp.rank(group)), group=group)
         assert dp.allreduce(np.ones(1), group=group)[0] == 2.0  # the group stays usable
     group.free()

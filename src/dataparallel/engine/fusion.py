@@ -266,15 +266,9 @@ class Fusion:
         """Lay a bucket out rank by rank (`Segments`) for a reduce-scatter or an all-to-all."""
         assert isinstance(self.action, (Scatter, Exchange))
         layout = layout_of(self.action, works, self.backend.rank, self.backend.size)
-        storage, pooled = storage_dtype(dtype), []
-        if len(works) == 1 and works[0].flags.c_contiguous:  # already in rank order
-            buf = works[0].reshape(-1)
-        else:
-            buf = self.pool.take(storage, sum(layout.send_counts))
-            layout.pack(buf)
-            pooled.append(buf)
+        buf, pooled = layout.send_buffer(self.pool)
         # Not pooled: the results are views of it, which the caller may keep (Family.adopt).
-        recv = np.empty(sum(layout.recv_counts), storage)
+        recv = np.empty(sum(layout.recv_counts), storage_dtype(dtype))
         flight = _Flight(None, dtype, buf, buf, [], pooled, layout=layout, recv=recv)
         flight.deliver, flight.wire = delivers, self._wire(buf, dtype, flight.pooled)
         flight.recv_wire = self._wire(recv, dtype, flight.pooled, copy=False)
@@ -292,8 +286,13 @@ class Fusion:
 
     def _start(self, flight: _Flight) -> None:
         action, backend, wire = self.action, self.backend, flight.wire
-        if flight.layout is not None:
-            self._start_segments(flight)
+        if flight.layout is not None:  # a reduce-scatter or an all-to-all
+            assert isinstance(action, (Scatter, Exchange)) and flight.recv_wire is not None
+            op = action.op if isinstance(action, Scatter) else ReduceOp.SUM
+            op = _BOOL_OPS.get(op, op) if flight.dtype == "bool" else op
+            item = flight.buf.itemsize if wire.dtype == np.uint8 else 1  # counts in wire items
+            call = (wire, flight.recv_wire, item, op, self.async_op)
+            flight.request = flight.layout.start(backend, action, *call)
             return
         if isinstance(action, Broadcast):
             if self.async_op:
@@ -309,27 +308,6 @@ class Fusion:
             flight.request = backend.iallreduce(wire, op)
         else:
             backend.allreduce(wire, op)
-
-    def _start_segments(self, flight: _Flight) -> None:
-        """Start a reduce-scatter or an all-to-all; counts are in items of the wire."""
-        action, backend, wire = self.action, self.backend, flight.wire
-        recv, layout = flight.recv_wire, flight.layout
-        assert layout is not None and recv is not None
-        ratio = flight.buf.itemsize if wire.dtype == np.uint8 else 1  # bytes: count bytes
-        sends = [count * ratio for count in layout.send_counts]
-        if isinstance(action, Exchange):
-            receives = [count * ratio for count in layout.recv_counts]
-            if self.async_op:
-                flight.request = backend.ialltoallv(wire, sends, recv, receives)
-            else:
-                backend.alltoallv(wire, sends, recv, receives)
-            return
-        assert isinstance(action, Scatter)
-        op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
-        if self.async_op:
-            flight.request = backend.ireduce_scatter(wire, recv, sends, op)
-        else:
-            backend.reduce_scatter(wire, recv, sends, op)
 
     def _receives(self) -> bool:
         action, rank = self.action, self.backend.rank

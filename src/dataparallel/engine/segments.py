@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.engine.actions import Exchange, Scatter
+from dataparallel.engine.pool import BufferPool
 
 __all__ = ["Segments", "layout_of", "row_parts"]
 
@@ -56,6 +58,40 @@ class Segments:
             sum(parts[i] * row for parts, row in zip(receives, self.rows, strict=True))
             for i in range(len(receives[0]))
         ]
+
+    def send_buffer(self, pool: BufferPool) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Return the send buffer and the pooled buffers to give back once the call is done.
+
+        A bucket of one contiguous array is its own send buffer (no copy); others are packed.
+        """
+        if len(self.works) == 1 and self.works[0].flags.c_contiguous:
+            return self.works[0].reshape(-1), []
+        buf = pool.take(self.works[0].dtype, sum(self.send_counts))
+        self.pack(buf)
+        return buf, [buf]
+
+    def start(
+        self,
+        backend: Backend,
+        action: Scatter | Exchange,
+        send: np.ndarray,
+        recv: np.ndarray,
+        item: int,
+        op: ReduceOp,
+        async_op: bool,
+    ) -> Handle | None:
+        """Start the engine call for this bucket (`item`: wire items per storage item)."""
+        sends = [count * item for count in self.send_counts]
+        if isinstance(action, Exchange):
+            receives = [count * item for count in self.recv_counts]
+            if async_op:
+                return backend.ialltoallv(send, sends, recv, receives)
+            backend.alltoallv(send, sends, recv, receives)
+        elif async_op:
+            return backend.ireduce_scatter(send, recv, sends, op)
+        else:
+            backend.reduce_scatter(send, recv, sends, op)
+        return None
 
     def pack(self, buf: np.ndarray) -> None:
         """Write the arrays' rows into `buf`, destination by destination."""
