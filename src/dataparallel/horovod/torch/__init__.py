@@ -66,6 +66,7 @@ from dataparallel.horovod.torch._movement import (
     broadcast_async_,
     grouped_allgather,
     grouped_allgather_async,
+    sparse_allreduce_async,
 )
 from dataparallel.horovod.torch._optimizer import DistributedOptimizer
 from dataparallel.horovod.torch._process_sets import (
@@ -130,7 +131,7 @@ def shutdown() -> None:
     world.finalize()
 
 
-_LATER = {"Compression", "SyncBatchNorm", "sparse_allreduce_async"}
+_LATER = {"Compression", "SyncBatchNorm"}
 
 
 def __getattr__(name: str) -> Any:
@@ -203,6 +204,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

@@ -13,6 +13,7 @@ import torch
 
 from dataparallel import collectives
 from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch._basics import Average
 from dataparallel.horovod.torch._process_sets import (
     ProcessSet,
     global_process_set,
@@ -32,6 +33,7 @@ __all__ = [
     "broadcast_async_",
     "grouped_allgather",
     "grouped_allgather_async",
+    "sparse_allreduce_async",
 ]
 
 
@@ -82,6 +84,33 @@ def grouped_allgather(
     for t in listed:
         check_tensor(t)
     return list(_handles.blocking("allgather", name, lambda: _gather(listed, process_set)))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Start reducing a sparse tensor as Horovod does: gather every process's indices and values.
+
+    Returns a function that waits and returns the sparse result (values averaged over the
+    process set for `op=Average`; repeated indices are left for the consumer to coalesce).
+    """
+    indices = allgather_async(
+        tensor._indices().transpose(0, 1).contiguous(),
+        name=f"{name}.indices",
+        process_set=process_set,
+    )
+    values = allgather_async(tensor._values(), name=f"{name}.values", process_set=process_set)
+
+    def handle() -> torch.Tensor:
+        gathered_values = _handles.synchronize(values)
+        gathered_indices = _handles.synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / (process_set.size() or 1)
+        return torch.sparse_coo_tensor(
+            gathered_indices.transpose(0, 1), gathered_values, tensor.size()
+        )
+
+    return handle
 
 
 def _start_broadcast(
