@@ -31,12 +31,15 @@ def main() -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
     sys.path.insert(0, str(SHIM))  # `import horovod.torch` is dataparallel.horovod.torch
+    sys.path.insert(0, str(SHIM.parent))  # the runner's plugin, _align (ranks meet per test)
     args = [
         test_file,
         "-v",
         "-rfEs",
         "-p",
         "no:cacheprovider",
+        "-p",
+        "_align",
         "-c",
         os.devnull,  # no ini file of the project or of Horovod applies
         "--rootdir",
