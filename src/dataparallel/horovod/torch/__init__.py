@@ -108,14 +108,16 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     if comm is not None and not isinstance(comm, (list, tuple)):
         raise ValueError("hvd.init(comm=...) takes a list of ranks here (not an MPI communicator).")
+    first = not world.initialized()
     world.initialize()
     if comm is not None and sorted(comm) != list(range(world.size())):
         raise NotImplementedError(
             "hvd.init(comm=ranks) with a subset of the world is not supported: init every "
             "process and use hvd.add_process_set(ranks) for collectives among some of them."
         )
-    _handles.reset()
-    reset_process_sets()
+    _handles.reset()  # as Horovod's init: handles from before are forgotten
+    if first:  # a second init keeps the process sets added since the first, as Horovod's
+        reset_process_sets()
     learn_nodes()
     if process_sets is not None and process_sets != "dynamic":
         for ps in process_sets:
