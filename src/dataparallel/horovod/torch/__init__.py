@@ -93,6 +93,8 @@ from dataparallel.horovod.torch._scatters import (
     reducescatter_async,
 )
 
+_started: list[bool] = []  # [True] between this module's init() and shutdown()
+
 poll = _handles.poll
 synchronize = _handles.synchronize
 
@@ -108,7 +110,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     if comm is not None and not isinstance(comm, (list, tuple)):
         raise ValueError("hvd.init(comm=...) takes a list of ranks here (not an MPI communicator).")
-    first = not world.initialized()
+    first = not _started or not world.initialized()
     world.initialize()
     if comm is not None and sorted(comm) != list(range(world.size())):
         raise NotImplementedError(
@@ -118,6 +120,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _handles.reset()  # as Horovod's init: handles from before are forgotten
     if first:  # a second init keeps the process sets added since the first, as Horovod's
         reset_process_sets()
+        _started.append(True)
     learn_nodes()
     if process_sets is not None and process_sets != "dynamic":
         for ps in process_sets:
@@ -130,6 +133,7 @@ def shutdown() -> None:
         return
     _handles.reset()
     reset_process_sets()
+    _started.clear()
     world.finalize()
 
 
