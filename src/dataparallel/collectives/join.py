@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataparallel import checks
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.checks import GATHER_LIMIT, JOINED, NEWCOMER, new_record
+from dataparallel.checks import JOINED, NEWCOMER, new_record
 from dataparallel.collectives._call import context
 from dataparallel.engine.shadow import Shadow
 from dataparallel.world import Group, engine_of
@@ -68,7 +69,7 @@ def _round(b: Backend, newcomer: bool) -> tuple[bool, int, Shadow | None]:
 
     Returns whether every rank has joined, the last to join (then), and what to run (or None).
     """
-    if b.size > GATHER_LIMIT:  # the allreduce handshake (`checks.handshake`)
+    if b.size > checks.GATHER_LIMIT:  # the allreduce handshake (`checks.handshake`)
         bounds = np.array(
             [_NO_HASH, _NO_HASH, 0, 1, 0, b.rank if newcomer else -1, _NO_HASH], np.int64
         )
