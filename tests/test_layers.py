@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dataparallel.checks", "dataparallel.collectives", "dataparallel.reducers"),
     ("dataparallel.torch", "dataparallel.jax", "dataparallel.data", "dataparallel.progress"),
     ("dataparallel.training",),
+    ("dataparallel.horovod",),  # Horovod's API over the public face's calls
     ("dataparallel.launch", "dataparallel.__main__"),
     ("dataparallel",),  # the public face, __init__.py
 ]

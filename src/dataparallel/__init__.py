@@ -26,6 +26,7 @@ from dataparallel.collectives import (
     broadcast_object,
     iallreduce,
     ibroadcast,
+    join,
     reduce,
     reducescatter,
     wait_all,
@@ -38,6 +39,7 @@ from dataparallel.errors import (
     DataParallelError,
     NotInitializedError,
     RankFailedError,
+    RankJoinedError,
 )
 from dataparallel.groups import Group, new_group
 from dataparallel.progress import progress
@@ -75,6 +77,7 @@ __all__ = [
     "InlineReducer",
     "NotInitializedError",
     "RankFailedError",
+    "RankJoinedError",
     "Reducer",
     "Request",
     "allgather",
@@ -93,6 +96,7 @@ __all__ = [
     "initialize",
     "initialized",
     "is_main",
+    "join",
     "local_rank",
     "local_size",
     "new_group",

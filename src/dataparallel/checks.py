@@ -17,6 +17,13 @@ paired with the other ranks' current one. In worlds over `GATHER_LIMIT` ranks th
 16-byte allreduce of `[h, -h]` with MAX instead (the largest and the smallest hash), without
 payload.
 
+A rank that has joined (`dp.join`: it ran out of data) takes part in every handshake with a
+`joined` mark instead of a call. The others' calls must then agree among themselves; the lowest
+of them sends what it is about to send (a `Shadow`, `engine/shadow.py`), and the joined ranks
+make the same engine calls on zeros. Calls that cannot be answered so (gathers, broadcasts, ...)
+raise `RankJoinedError` on the ranks that made them. Without joined ranks, nothing of this costs
+anything.
+
 `DATAPARALLEL_CHECK=0` cannot turn the handshake off (without it a mismatch hangs or corrupts):
 it makes the hash cover only what decides the messages that follow (collective, op, root, and
 each leaf's dtype, size and device), so a mismatch of shapes of equal size or of tree
@@ -35,17 +42,21 @@ import numpy as np
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.engine.actions import Reduction
 from dataparallel.engine.dtypes import INTEGER_DTYPES
-from dataparallel.errors import CollectiveMismatchError
+from dataparallel.engine.shadow import Shadow
+from dataparallel.errors import CollectiveMismatchError, RankJoinedError
 
 __all__ = [
     "GATHER_LIMIT",
     "HEADER_BYTES",
     "INLINE_BYTES",
+    "JOINED",
+    "NEWCOMER",
     "RECORD_BYTES",
+    "ShadowOf",
     "check_scale",
     "digest",
+    "disagree",
     "exchange",
-    "exchange_failed",
     "fail_together",
     "handshake",
     "inline_capacity",
@@ -61,6 +72,13 @@ RECORD_BYTES = 64  # what each rank contributes to a handshake
 HEADER_BYTES = 16  # the call's hash, then the flags
 INLINE_BYTES = RECORD_BYTES - HEADER_BYTES  # payload carried by the handshake itself
 GATHER_LIMIT = 64  # larger worlds check with an allreduce, whose cost grows slower with size
+# Flag bytes of a record (byte 8 is "this rank has a NaN"): the rank has joined (`dp.join`), and
+# this is its first handshake since it joined.
+JOINED, NEWCOMER = 9, 10
+
+# What a call will send after its handshake, for ranks that joined to answer (None: it cannot);
+# given whether some rank raised the handshake's flag.
+ShadowOf = Callable[[bool], Shadow | None] | None
 
 _OPS = ("sum", "prod", "min", "max", "avg")
 _MAX_DIFFERENCES = 8
@@ -151,6 +169,8 @@ def handshake(
     *,
     record: np.ndarray | None = None,
     flag: bool | None = None,
+    shadow: ShadowOf = None,
+    on_joined: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray | None, bool]:
     """Exchange this rank's call with every rank; raise `CollectiveMismatchError` unless all agree.
 
@@ -161,6 +181,10 @@ def handshake(
         call: the call field by field (or a function that makes it), to explain a mismatch.
         record: this rank's record (`new_record()`) with a payload after the header, if any.
         flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
+        shadow: makes what the call sends next (given whether some rank raised `flag`), for
+            ranks that have joined to answer with zeros (None: the call cannot be answered so,
+            and raises `RankJoinedError` if some rank has joined).
+        on_joined: called when some rank has joined (before the call goes on).
 
     Returns:
         Every rank's record, one row per rank (None in worlds over `GATHER_LIMIT` ranks), and
@@ -168,10 +192,12 @@ def handshake(
     """
     h = summary if isinstance(summary, int) else digest(summary)
     if backend.size > GATHER_LIMIT:
-        bounds = np.array([h, -h, bool(flag)], np.int64)
+        bounds = np.array([h, -h, bool(flag), 0, 1, -1, -backend.rank], np.int64)
         backend.allreduce(bounds, ReduceOp.MAX)
         if bounds[0] != -bounds[1]:
-            exchange_failed(backend, call)
+            _mismatch(backend, call)
+        if bounds[3]:
+            _answer(backend, int(-bounds[6]), call, shadow, on_joined, bool(bounds[2]))
         return None, bool(bounds[2])
     if record is None:
         record = np.zeros(RECORD_BYTES, np.uint8)
@@ -179,12 +205,17 @@ def handshake(
     head[0] = h
     if flag:
         head[1] = 1
-    rows = exchange(backend, record, call)
+    rows = exchange(backend, record, call, shadow=shadow, on_joined=on_joined)
     return rows, (flag is not None and bool(rows[:, 8].any()))
 
 
 def exchange(
-    backend: Backend, record: np.ndarray, call: dict[str, Any] | Callable[[], dict[str, Any]]
+    backend: Backend,
+    record: np.ndarray,
+    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    *,
+    shadow: ShadowOf = None,
+    on_joined: Callable[[], None] | None = None,
 ) -> np.ndarray:
     """Gather every rank's `record` (its header filled in); raise unless every hash is the same.
 
@@ -195,14 +226,60 @@ def exchange(
     rows = np.empty((size, RECORD_BYTES), np.uint8)
     backend.allgather(record, rows.reshape(-1))
     if rows[:, :8].tobytes() != record[:8].tobytes() * size:
-        exchange_failed(backend, call)
+        disagree(backend, rows, call, shadow=shadow, on_joined=on_joined)
     return rows
 
 
-def exchange_failed(
-    backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]
-) -> NoReturn:
-    """Exchange the calls' descriptions (every rank saw the mismatch) and raise on every rank."""
+def disagree(
+    backend: Backend,
+    rows: np.ndarray,
+    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    *,
+    shadow: ShadowOf = None,
+    on_joined: Callable[[], None] | None = None,
+) -> None:
+    """The records' hashes differ: answer the ranks that have joined, or raise on every rank.
+
+    Raises `CollectiveMismatchError` unless the ranks that have not joined agree among themselves.
+    """
+    joined = rows[:, JOINED] != 0
+    hashes = rows[~joined, :8]
+    if not joined.any() or (hashes != hashes[0]).any():
+        _mismatch(backend, call)
+    root = int(np.flatnonzero(~joined)[0])
+    _answer(backend, root, call, shadow, on_joined, bool(rows[:, 8].any()))
+
+
+def _answer(
+    backend: Backend,
+    root: int,
+    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    shadow: ShadowOf,
+    on_joined: Callable[[], None] | None,
+    flagged: bool,
+) -> None:
+    """Some rank has joined: send it what this call sends next, or raise `RankJoinedError`.
+
+    `root`, the lowest rank that has not joined, sends the shadow; every rank receives it.
+    """
+    mine = shadow(flagged) if shadow is not None and backend.rank == root else None
+    if backend.broadcast_object(mine, root) is None:
+        collective = (call if isinstance(call, dict) else call()).get("collective")
+        raise RankJoinedError(
+            f"{collective} cannot run while some ranks have joined (dp.join: they ran out of "
+            "data): a rank that has joined answers reductions (allreduce, reducescatter, "
+            "gradient steps) and barriers with zeros, nothing else. Make this call before "
+            "any rank joins, or after every rank has (when dp.join returns)."
+        )
+    if on_joined is not None:
+        on_joined()
+
+
+def _mismatch(backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]) -> NoReturn:
+    """Exchange the calls' descriptions (every rank saw the mismatch) and raise on every rank.
+
+    Ranks that have joined take part with None (`dp.join`), and are left out of the report.
+    """
     calls = backend.allgather_object(call if isinstance(call, dict) else call())
     raise CollectiveMismatchError(_explain(calls))
 
@@ -211,6 +288,7 @@ def verify_same_call(
     backend: Backend,
     call: dict[str, Any] | Callable[[], dict[str, Any]],
     summary: str | None = None,
+    shadow: ShadowOf = None,
 ) -> None:
     """Raise `CollectiveMismatchError` on every rank unless all ranks make the same call.
 
@@ -224,12 +302,13 @@ def verify_same_call(
             explain a mismatch, so a caller with a cheap `summary` can defer it.
         summary: a string equal on two ranks exactly when their calls are the same (default:
             derived from `call`).
+        shadow: what follows, for ranks that have joined (see `handshake`).
     """
     if backend.size == 1:
         return
     if summary is None:
         summary = repr(sorted((call if isinstance(call, dict) else call()).items()))
-    handshake(backend, summary, call)
+    handshake(backend, summary, call, shadow=shadow)
 
 
 def fail_together(backend: Backend, collective: str, error: BaseException) -> None:
@@ -256,10 +335,11 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _explain(calls: list[dict[str, Any]]) -> str:
-    """Describe, field by field, how the ranks' calls differ."""
+def _explain(every: list[dict[str, Any] | None]) -> str:
+    """Describe, field by field, how the ranks' calls differ (None: a rank that has joined)."""
+    calls = {rank: call for rank, call in enumerate(every) if call is not None}
     failed: dict[str, list[int]] = {}
-    for rank, call in enumerate(calls):
+    for rank, call in calls.items():
         if "failed" in call:
             failed.setdefault(str(call["failed"]), []).append(rank)
     if failed:
@@ -271,11 +351,11 @@ def _explain(calls: list[dict[str, Any]]) -> str:
             + "\nFix the call on the ranks named (their own traceback shows where); the next "
             "collective works as usual."
         )
-    keys = sorted({k for call in calls for k in call}, key=lambda k: (k != "collective", k))
+    keys = sorted({k for c in calls.values() for k in c}, key=lambda k: (k != "collective", k))
     lines = []
     for key in keys:
         groups: dict[str, list[int]] = {}
-        for rank, call in enumerate(calls):
+        for rank, call in calls.items():
             value = call.get(key, "<absent>")
             groups.setdefault(value if isinstance(value, str) else repr(value), []).append(rank)
         if len(groups) > 1:
@@ -284,7 +364,7 @@ def _explain(calls: list[dict[str, Any]]) -> str:
     shown = lines[:_MAX_DIFFERENCES]
     if len(lines) > len(shown):
         shown.append(f"  ... and {len(lines) - len(shown)} more differences")
-    collectives = sorted({str(c.get("collective")) for c in calls})
+    collectives = sorted({str(c.get("collective")) for c in calls.values()})
     head = (
         f"Ranks called different collectives ({', '.join(collectives)})"
         if len(collectives) > 1

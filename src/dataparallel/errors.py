@@ -9,6 +9,7 @@ __all__ = [
     "DataParallelError",
     "NotInitializedError",
     "RankFailedError",
+    "RankJoinedError",
 ]
 
 
@@ -37,3 +38,10 @@ class CollectiveTimeoutError(DataParallelError, TimeoutError):
 
 class RankFailedError(DataParallelError, RuntimeError):
     """Another rank of the job failed or exited while this one was waiting on it."""
+
+
+class RankJoinedError(DataParallelError, RuntimeError):
+    """A collective that ranks which have joined (`dp.join`) cannot answer: a gather, a broadcast.
+
+    Raised on every rank that made the call; the world stays usable.
+    """

@@ -16,9 +16,11 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import handshake, reduction, validate_reduction
+from dataparallel.checks import ShadowOf, handshake, reduction, validate_reduction
+from dataparallel.engine.actions import Reduction
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.fusion import Fusion
+from dataparallel.engine.shadow import Shadow
 from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op
 
@@ -96,7 +98,19 @@ class _FusionReducer(Reducer):
         name = type(self).__name__
         sizes = ", ".join(f"{dtype}[{items}]" for dtype, items in buckets)
         call = {"collective": f"{name} flush", "op": self.op, "scale": self.scale, "arrays": sizes}
-        handshake(self.backend, repr(sorted(call.items())), call)
+        handshake(self.backend, repr(sorted(call.items())), call, shadow=self._shadow(buckets))
+
+    def _shadow(self, buckets: list[tuple[str, int]]) -> ShadowOf:
+        """What a flush sends, one call per bucket, for ranks that have joined (`dp.join`)."""
+        fusion = self._fusion
+        if not fusion.contiguous or not isinstance(fusion.action, Reduction):
+            return None  # one call per array: not described by the buckets alone
+        action = fusion.action
+        # Distinct keys: each bucket is its own call, as in the flush described.
+        adds = [((i,), dtype, (items,)) for i, (dtype, items) in enumerate(buckets)]
+        return lambda _: Shadow.of(
+            action, [adds], bucket_bytes=fusion.bucket_bytes, async_op=fusion.async_op
+        )
 
     def add(self, x: Any) -> None:
         family = family_of(x)

@@ -43,6 +43,7 @@ from dataparallel.backends.rendezvous import (
     interface_toward,
     parse_init_method,
     rendezvous_error,
+    rendezvous_store,
 )
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
@@ -174,9 +175,11 @@ class GlooBackend(GlooExchange, Backend):
             interface = interface_toward(*rendezvous.master)
         try:
             with gloo_interface(interface):
+                store = rendezvous_store(dist, rendezvous, timeout)
                 dist.init_process_group(
                     "gloo",
-                    init_method=rendezvous.url,
+                    init_method=None if store is not None else rendezvous.url,
+                    store=store,
                     rank=rendezvous.rank,
                     world_size=rendezvous.world_size,
                     timeout=timeout,

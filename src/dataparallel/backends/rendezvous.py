@@ -20,12 +20,15 @@ Network interface: Gloo binds to the address its hostname resolves to, else to l
 from __future__ import annotations
 
 import contextlib
+import datetime
+import itertools
 import os
 import socket
 import struct
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError
@@ -37,6 +40,7 @@ __all__ = [
     "interface_toward",
     "parse_init_method",
     "rendezvous_error",
+    "rendezvous_store",
 ]
 
 RENDEZVOUS_FILE = "dataparallel-rendezvous"
@@ -231,3 +235,28 @@ def rendezvous_error(exc: BaseException, rendezvous: Rendezvous) -> BaseExceptio
             f"{where} failed: the port is taken ({first}). Choose a free port for rank 0."
         )
     return exc
+
+
+# One TCP store per rendezvous address for the life of the process. A world made again after
+# dp.finalize() meets through it under a fresh key prefix, instead of binding the port anew while
+# the first server may still be listening (a rank could then reach the stale one and its keys).
+_STORES: dict[tuple[str, int, int], Any] = {}
+_GENERATIONS = itertools.count()
+
+
+def rendezvous_store(dist: Any, rendezvous: Rendezvous, timeout: datetime.timedelta | None) -> Any:
+    """Return the store of an env:// or tcp:// rendezvous (None for file://)."""
+    if rendezvous.master is None:
+        return None
+    host, port = rendezvous.master
+    key = (host, port, rendezvous.world_size)
+    base = _STORES.get(key)
+    if base is None:
+        base = _STORES[key] = dist.TCPStore(
+            host,
+            port,
+            rendezvous.world_size,
+            rendezvous.rank == 0,
+            timeout=timeout if timeout is not None else datetime.timedelta(minutes=30),
+        )
+    return dist.PrefixStore(f"dataparallel/{next(_GENERATIONS)}/", base)

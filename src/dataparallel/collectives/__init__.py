@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataparallel.collectives.broadcasts import broadcast, ibroadcast
 from dataparallel.collectives.exchanges import alltoall
 from dataparallel.collectives.gathers import allgather
+from dataparallel.collectives.join import join
 from dataparallel.collectives.objects import allgather_object, barrier, broadcast_object
 from dataparallel.collectives.reductions import allreduce, allreduce_gradients, iallreduce, reduce
 from dataparallel.collectives.requests import Request, wait_all
@@ -30,6 +31,7 @@ __all__ = [
     "broadcast_object",
     "iallreduce",
     "ibroadcast",
+    "join",
     "reduce",
     "reducescatter",
     "synchronize_tree",

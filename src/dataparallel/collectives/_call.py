@@ -24,6 +24,7 @@ from dataparallel import world
 from dataparallel.backends.base import Backend, DoneHandle, Handle
 from dataparallel.checks import (
     HEADER_BYTES,
+    ShadowOf,
     digest,
     fail_together,
     handshake,
@@ -159,10 +160,13 @@ def agree(
     first_axis: bool = True,
     inline: bool = False,
     flag: bool | None = None,
+    shadow: ShadowOf = None,
 ) -> tuple[np.ndarray | None, bool]:
     """Make the handshake (`checks.handshake`); return the records (when `inline`), the flag.
 
     With `inline`, the leaves' values travel in the records (`run` then reduces them there).
+    `shadow` describes the calls that follow, for ranks that have joined (`dp.join`) to make
+    them too; without one, the call raises `RankJoinedError` while some rank has joined.
     """
     if ctx.backend.size == 1:
         return None, False
@@ -192,7 +196,7 @@ def agree(
         h = _DIGESTS[key] = digest(
             describe(ctx, collective, flat, leaves, args, first_axis, inline)[0]
         )
-    rows, flagged = handshake(ctx.backend, h, details, record=record, flag=flag)
+    rows, flagged = handshake(ctx.backend, h, details, record=record, flag=flag, shadow=shadow)
     return (rows if inline else None), flagged
 
 

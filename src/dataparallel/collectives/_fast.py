@@ -25,13 +25,14 @@ from dataparallel.checks import (
     INLINE_BYTES,
     RECORD_BYTES,
     digest,
-    exchange_failed,
+    disagree,
     inline_capacity,
 )
 from dataparallel.collectives._call import describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
 from dataparallel.engine.fusion import scale_in_place
 from dataparallel.engine.inline import combine_rows
+from dataparallel.engine.shadow import Shadow
 
 __all__ = ["NOT_FAST", "small_allreduce"]
 
@@ -84,7 +85,9 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
     raw, h = rows.tobytes(), header[:8]
     for start in range(0, len(raw), RECORD_BYTES):  # as `checks.exchange`
         if raw[start : start + 8] != h:
-            exchange_failed(backend, lambda: _describe(x, op, scale)[1]())
+            described = lambda: _describe(x, op, scale)[1]()  # noqa: E731 (only on a mismatch)
+            disagree(backend, rows.reshape(size, RECORD_BYTES), described, shadow=_nothing)
+            break
     total = 1.0 if scale is None else scale
     if op == "avg":
         total /= size
@@ -111,6 +114,13 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
 
 
 _F64_DTYPE = np.dtype(np.float64)
+
+
+def _nothing(_: bool) -> Shadow:
+    """A fast call's values travel in the handshake: a rank that has joined sends nothing more."""
+    return Shadow.nothing()
+
+
 _SCALES = (type(None), int, float)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from dataparallel.backends.base import Backend
 from dataparallel.checks import verify_same_call
 from dataparallel.collectives._call import check_root, context, prepared
+from dataparallel.engine.shadow import Shadow
 from dataparallel.groups import Group, engine_of
 
 __all__ = ["allgather_object", "barrier", "broadcast_object"]
@@ -32,7 +33,11 @@ def allgather_object(
 
 
 def barrier(*, backend: Backend | None = None, group: Group | None = None) -> None:
-    """Block until every rank has reached the barrier."""
+    """Block until every rank has reached the barrier (ranks that have joined, `dp.join`, too)."""
     ctx = context(engine_of(backend, group))
-    verify_same_call(ctx.backend, {"collective": "barrier"})
+    verify_same_call(ctx.backend, {"collective": "barrier"}, shadow=_barrier)
     ctx.backend.barrier()
+
+
+def _barrier(_: bool) -> Shadow:
+    return Shadow.barrier()

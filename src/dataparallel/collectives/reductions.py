@@ -9,6 +9,7 @@ import numpy as np
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.checks import reduction, reduction_error
+from dataparallel.collectives import _shadows
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
@@ -28,6 +29,7 @@ from dataparallel.engine.actions import Reduction
 from dataparallel.engine.compression import wire_dtype
 from dataparallel.engine.fusion import Fusion
 from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
+from dataparallel.engine.shadow import Shadow
 from dataparallel.groups import Group, engine_of
 from dataparallel.types import Op, Tree
 
@@ -72,6 +74,14 @@ def _start_reduction(
     nans = None
     if not inline and action.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
         nans = prepared(ctx, collective, lambda: _local_nans(leaves))
+
+    def shadow(flagged: bool) -> Shadow:  # what a rank that has joined (dp.join) sends instead
+        masks = None
+        if flagged and nans is not None:
+            floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
+            masks = _shadows.nan_masks(ctx, floating, async_op)
+        return _shadows.fused(ctx, action, leaves, async_op, inline, then=masks)
+
     rows, any_nan = agree(
         ctx,
         collective,
@@ -80,6 +90,7 @@ def _start_reduction(
         args,
         inline=inline,
         flag=None if nans is None else bool(nans),
+        shadow=shadow,
     )
     if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
         return (*_nan_preserving(ctx, collective, flat, leaves, action, async_op, wire), ctx)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataparallel.backends.base import Backend
 from dataparallel.checks import reduction, reduction_error
+from dataparallel.collectives import _shadows
 from dataparallel.collectives._call import (
     Leaf,
     agree,
@@ -71,5 +72,12 @@ def reducescatter(
 
     flat, leaves, scatter = prepared(ctx, "reducescatter", prepare)
     scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
-    agree(ctx, "reducescatter", flat, leaves, {"op": op, "scale": scale_arg})
+    agree(
+        ctx,
+        "reducescatter",
+        flat,
+        leaves,
+        {"op": op, "scale": scale_arg},
+        shadow=lambda _: _shadows.split(ctx, scatter, leaves),  # for ranks that have joined
+    )
     return run_split(ctx, "reducescatter", flat, leaves, scatter)

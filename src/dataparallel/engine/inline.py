@@ -93,7 +93,7 @@ def _combine(values: np.ndarray, dtype: str, action: Reduction) -> np.ndarray:
         wide = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
         out = combine_rows(_UFUNCS[op], wide)
         if scale is not None:
-            out *= np.float32(scale)
+            scale_in_place(out, scale)
         if dtype == "float16":
             return out.astype(np.float16)
         return f32_to_bf16(out, np.empty(out.shape, np.uint16))

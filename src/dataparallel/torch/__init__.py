@@ -10,6 +10,7 @@
   that autograd differentiates, with Horovod's gradients.
 - `SyncBatchNorm` (`_syncbn`): batch normalization over every rank's batch.
 - Sparse gradients in `GradientSync` (`_sparse`): gathered and coalesced, or made dense.
+- `join` (`_join`): uneven data; a rank that leaves its loop first answers the others' steps.
 
 Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
 """
@@ -28,6 +29,7 @@ except ImportError as exc:
 from dataparallel.torch._autograd import allgather, allreduce, alltoall, broadcast, reducescatter
 from dataparallel.torch._buckets import NamedParams as NamedParams
 from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._join import Join, join
 from dataparallel.torch._model import DataParallelModel
 from dataparallel.torch._optimizer import distributed_torch_optimizer
 from dataparallel.torch._syncbn import SyncBatchNorm
@@ -36,12 +38,14 @@ from dataparallel.torch._synchronize import synchronize_torch
 __all__ = [
     "DataParallelModel",
     "GradientSync",
+    "Join",
     "SyncBatchNorm",
     "allgather",
     "allreduce",
     "alltoall",
     "broadcast",
     "distributed_torch_optimizer",
+    "join",
     "reducescatter",
     "synchronize_torch",
 ]

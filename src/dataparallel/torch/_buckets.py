@@ -1,4 +1,11 @@
-"""How `GradientSync` cuts its parameters into buckets: fixed members per (device, dtype)."""
+"""How `GradientSync` cuts its parameters into buckets: fixed members per (device, dtype).
+
+Buckets have fixed members, as DDP's do: parameters in reverse registration order (the order
+backward usually produces them), grouped per (device, dtype), cut at `bucket_bytes`. After the
+first step the order is rebuilt once from the order in which rank 0's gradients actually
+arrived (broadcast from rank 0), again as DDP does, so a model whose layers are registered in
+another order than they run still overlaps.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,9 @@ from typing import Any
 import torch
 
 from dataparallel.engine.arrays import Family, family_of
+from dataparallel.engine.dtypes import dtype_name
+from dataparallel.engine.fusion import HOST_KEY
+from dataparallel.engine.shadow import Add, Shadow
 
 __all__ = [
     "Bucket",
@@ -18,6 +28,7 @@ __all__ = [
     "layout",
     "message",
     "plan",
+    "shadow_of",
     "signature",
     "summarize",
 ]
@@ -147,3 +158,31 @@ def message(what: str, owner: str, passes: int) -> str:
         f"{owner}: this step's gradient reduction failed (CollectiveMismatchError, raised by "
         "backward()); call zero_grad() to begin a new step."
     )
+
+
+def shadow_of(
+    params: NamedParams,
+    buckets: list[Bucket],
+    current: NamedParams,
+    action: Any,
+    bucket_bytes: int,
+) -> Shadow:
+    """Describe a step's reduction for ranks that have joined (`dp.join`) to make it on zeros.
+
+    Mirrors `GradientSync`: one flush per bucket (the flag vector with the last), then one for
+    the parameters of `current` that became trainable after the plan.
+    """
+
+    def add(p: torch.Tensor) -> Add:
+        key = HOST_KEY if p.device.type == "cpu" else ("torch", str(p.device))
+        return (key, dtype_name(p.dtype), tuple(p.shape))
+
+    flushes = [[add(params[i][1]) for i in b.members] for b in buckets]
+    if flushes:
+        # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n).
+        flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1,)))
+    planned = {id(p) for _, p in params}
+    late = [add(p) for _, p in current if id(p) not in planned]
+    if late:
+        flushes.append(late)
+    return Shadow.of(action, flushes, bucket_bytes=bucket_bytes, async_op=True)

@@ -1,18 +1,12 @@
 """Gradient reduction during `backward()`: `GradientSync`, overlapped with backward.
 
-`GradientSync` is the one implementation of overlapped gradient reduction; `DataParallelModel`
-(`dataparallel.torch._model`) and `DistributedOptimizer` (`dataparallel.torch.optimizer`)
-are two faces of it. It registers a post-accumulate-grad hook on every parameter; each gradient
-that is final for the step marks its bucket ready, and ready buckets go out through the fusion
-engine (`fusion.Fusion`, non-blocking) while backward keeps running.
+`DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
+post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
+ready buckets go out through the fusion engine (non-blocking) while backward keeps running.
 
 How buckets are made, and why every rank makes the same calls:
 
-- Buckets have fixed members, as DDP's do: parameters in reverse registration order (the order
-  backward usually produces them), grouped per (device, dtype), cut at `bucket_bytes`. After the
-  first step the order is rebuilt once from the order in which rank 0's gradients actually
-  arrived (broadcast from rank 0), again as DDP does, so a model whose layers are registered in
-  another order than they run still overlaps.
+- Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`).
 - Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it. So
   ranks whose hooks fire in different orders still make the same calls in the same order.
 - At the end of the pass that completes a step (a callback queued on the autograd engine), every
@@ -29,12 +23,7 @@ How buckets are made, and why every rank makes the same calls:
   `zero_grad()`/`step()`, flagging it abandoned: the other ranks' `step()` raises
   `RankFailedError` instead of applying an incomplete average.
 
-A parameter is reduced by one `GradientSync` only: the one created last over it. Wrapping the
-same parameters again (a new `DistributedOptimizer` in a re-run notebook cell, or a
-`DistributedOptimizer` over a `DataParallelModel`'s parameters) moves their reduction to the new
-wrapper; the old one stops reducing them. Gradients are never reduced twice. The hooks hold
-their `GradientSync` weakly: a wrapper that is dropped stops reducing.
-
+A parameter is reduced by one `GradientSync` only, the one created last over it (`_hooks.py`).
 Sparse gradients: see `_sparse.py`. Sharp bits (MPI progress, a rank whose loss skips the model,
 reentrant checkpointing): docs/sharp-bits.md, "Gradient reduction during backward".
 """
@@ -54,6 +43,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.checks import handshake, reduction
 from dataparallel.engine.compression import wire_dtype
 from dataparallel.engine.fusion import HOST_KEY, Fusion
+from dataparallel.engine.shadow import Shadow
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
 from dataparallel.torch._buckets import (
     Bucket,
@@ -63,6 +53,7 @@ from dataparallel.torch._buckets import (
     grad_family,
     layout,
     message,
+    shadow_of,
     signature,
 )
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
@@ -234,6 +225,7 @@ class GradientSync:
         self._sparse.seen.clear()
         self._agreed = False
         self._abandoned = False
+        self._joined = False
         self._fusion.timeline = world.current().timeline if world.initialized() else None
         self._started_at = 0.0
 
@@ -327,10 +319,17 @@ class GradientSync:
                 self.backend,
                 self._summary,
                 partial(describe, self.owner, self._options, self._params),
+                shadow=self._shadow,
+                on_joined=partial(setattr, self, "_joined", True),  # no rebuild this step
             )
         except CollectiveMismatchError:
             self._state = _FAILED
             raise
+
+    def _shadow(self, _: bool) -> Shadow:
+        """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
+        params, action = self._params, self._fusion.action
+        return shadow_of(params, self._buckets, self._current(), action, self.bucket_bytes)
 
     def _add(self, name: str, grad: torch.Tensor) -> None:
         family = grad_family(self.owner, name, grad)
@@ -384,7 +383,7 @@ class GradientSync:
             timeline.complete(
                 f"{self.owner} gradients", self._started_at, buckets=len(self._buckets)
             )
-        if not self._rebuilt:
+        if not self._rebuilt and not self._joined:
             self._rebuild()
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))

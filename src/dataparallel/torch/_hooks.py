@@ -1,4 +1,11 @@
-"""Which `GradientSync` reduces a parameter, and the gradient hooks that tell it."""
+"""Which `GradientSync` reduces a parameter, and the gradient hooks that tell it.
+
+A parameter is reduced by one `GradientSync` only: the one created last over it. Wrapping the
+same parameters again (a new `DistributedOptimizer` in a re-run notebook cell, or a
+`DistributedOptimizer` over a `DataParallelModel`'s parameters) moves their reduction to the new
+wrapper; the old one stops reducing them. Gradients are never reduced twice. The hooks hold
+their `GradientSync` weakly: a wrapper that is dropped stops reducing.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""What a collective sends after its handshake, described for ranks that have joined (`dp.join`).
+
+Each function mirrors how a collective gives its leaves to the fusion engine (`_call.fuse`,
+`_call.run_split`), as a `Shadow` that a joined rank runs on zeros (`engine/shadow.py`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataparallel.backends.base import ReduceOp
+from dataparallel.collectives._call import CallContext, Leaf
+from dataparallel.engine.actions import Reduction, Scatter
+from dataparallel.engine.fusion import HOST_KEY
+from dataparallel.engine.shadow import Add, Shadow
+
+__all__ = ["fused", "nan_masks", "split"]
+
+
+def _add(leaf: Leaf) -> Add:
+    work = leaf.work
+    if type(work) is np.ndarray:
+        return (HOST_KEY, leaf.dtype, work.shape)
+    return ((leaf.family.name, leaf.device), leaf.dtype, leaf.shape)
+
+
+def fused(
+    ctx: CallContext,
+    action: Reduction,
+    leaves: list[Leaf],
+    async_op: bool,
+    inline: bool,
+    then: Shadow | None = None,
+) -> Shadow:
+    """The shadow of `run`: the leaves through `fuse` (nothing more when they went `inline`)."""
+    if inline:
+        return Shadow.nothing()
+    return Shadow.of(
+        action,
+        [[_add(leaf) for leaf in leaves]],
+        bucket_bytes=ctx.settings.bucket_bytes,
+        async_op=async_op,
+        then=then,
+    )
+
+
+def nan_masks(ctx: CallContext, floating: list[Leaf], async_op: bool) -> Shadow:
+    """The shadow of the NaN masks a min/max reduction sends when some rank has a NaN."""
+    masks = [((), "uint8", leaf.shape) for leaf in floating]
+    return Shadow.of(
+        Reduction(ReduceOp.MAX), [masks], bucket_bytes=ctx.settings.bucket_bytes, async_op=async_op
+    )
+
+
+def split(ctx: CallContext, action: Scatter, leaves: list[Leaf]) -> Shadow:
+    """The shadow of `run_split` for a reduce-scatter (host arrays, one flush)."""
+    return Shadow.of(
+        action,
+        [[((), leaf.dtype, leaf.shape) for leaf in leaves]],
+        bucket_bytes=ctx.settings.bucket_bytes,
+    )

@@ -1,0 +1,94 @@
+"""`join`: uneven inputs. A rank that has run out of data keeps answering the others' reductions.
+
+Horovod's `hvd.join()` and the idea of DDP's `Join`: a rank that calls `join()` takes part in
+every handshake of the ranks still working (`checks.handshake`), marked as joined. From their
+handshake it learns what they send next (a `Shadow`) and makes the same engine calls with zeros:
+their allreduces, reduce-scatters, gradient steps (`DistributedOptimizer`, `DataParallelModel`),
+reducers' flushes and barriers complete, and averages divide by the whole world's size, as in
+Horovod (the joined ranks count, with zeros). Collectives that cannot be answered so (gathers,
+broadcasts, objects, all-to-all) raise `RankJoinedError` on the ranks that made them, and the
+joined ranks keep waiting. `join()` returns when every rank has joined, on every rank alike, with
+the rank that joined last.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataparallel import checks
+from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.checks import JOINED, NEWCOMER, new_record
+from dataparallel.collectives._call import context
+from dataparallel.engine.shadow import Shadow
+from dataparallel.groups import Group, engine_of
+
+__all__ = ["join"]
+
+_NO_HASH = -(1 << 62)  # below every hash and every -hash, for MAX
+
+
+def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
+    """Say that this rank has no more data; answer the others' reductions until all have joined.
+
+    Collective, in a loose sense: every rank calls it once, when it runs out of data, and may
+    do so while others still train. Until then this rank contributes zeros to the others'
+    allreduces, reduce-scatters, gradient steps and reducer flushes, and takes part in their
+    barriers; an average still divides by the whole world's size (Horovod's rule), so the ranks
+    still training see `sum of their values / size()`. Other collectives made meanwhile raise
+    `RankJoinedError` on the ranks that made them.
+
+    Args:
+        backend: the engine to use (default: the active one).
+        group: join among the ranks of this `dp.new_group` group (default: the world).
+
+    Returns:
+        The rank that joined last (the same on every rank; the highest of those that joined
+        last together).
+
+    >>> import dataparallel as dp
+    >>> _ = dp.initialize("single")
+    >>> dp.join()
+    0
+    """
+    ctx = context(engine_of(backend, group))
+    b = ctx.backend
+    if b.size == 1:
+        return 0
+    newcomer = True
+    while True:
+        done, last, shadow = _round(b, newcomer)
+        newcomer = False
+        if done:
+            return last
+        if shadow is not None:
+            shadow.run(b, ctx.buffers)
+
+
+def _round(b: Backend, newcomer: bool) -> tuple[bool, int, Shadow | None]:
+    """Take part in the next handshake as a joined rank.
+
+    Returns whether every rank has joined, the last to join (then), and what to run (or None).
+    """
+    if b.size > checks.GATHER_LIMIT:  # the allreduce handshake (`checks.handshake`)
+        bounds = np.array(
+            [_NO_HASH, _NO_HASH, 0, 1, 0, b.rank if newcomer else -1, _NO_HASH], np.int64
+        )
+        b.allreduce(bounds, ReduceOp.MAX)
+        if bounds[4] == 0:
+            return True, int(bounds[5]), None
+        if bounds[0] != -bounds[1]:  # the others disagree: they exchange their calls, then raise
+            b.allgather_object(None)
+            return False, -1, None
+        return False, -1, b.broadcast_object(None, int(-bounds[6]))
+    record = new_record()
+    record[JOINED], record[NEWCOMER] = 1, int(newcomer)
+    rows = np.empty((b.size, record.size), np.uint8)
+    b.allgather(record, rows.reshape(-1))
+    joined = rows[:, JOINED] != 0
+    if joined.all():
+        return True, int(np.flatnonzero(rows[:, NEWCOMER])[-1]), None
+    hashes = rows[~joined, :8]
+    if (hashes != hashes[0]).any():
+        b.allgather_object(None)
+        return False, -1, None
+    return False, -1, b.broadcast_object(None, int(np.flatnonzero(~joined)[0]))

@@ -1,0 +1,245 @@
+"""Horovod's data movement: allgather, broadcast and alltoall (plain, in place, grouped, async).
+
+Each hands over to `dp.allgather`, `dp.broadcast` / `dp.ibroadcast` and `dp.alltoall` on the
+process set's group. Roots are world ranks, as in Horovod, translated to the group's here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dataparallel import collectives
+from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch._basics import Average
+from dataparallel.horovod.torch._process_sets import (
+    ProcessSet,
+    global_process_set,
+    group_of,
+    root_in,
+)
+from dataparallel.horovod.torch._reductions import check_tensor
+
+__all__ = [
+    "allgather",
+    "allgather_async",
+    "alltoall",
+    "alltoall_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "sparse_allreduce_async",
+]
+
+
+def _gather(tensors: list[torch.Tensor], ps: ProcessSet) -> _handles.Started:
+    group = group_of(ps)
+    return _handles.Done(collectives.allgather([t.detach() for t in tensors], group=group))
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
+    """Start concatenating every process's `tensor` along the first axis, in rank order."""
+    check_tensor(tensor)
+    return _handles.submit(
+        "allgather",
+        name,
+        lambda: _handles.Then(_gather([tensor], process_set), lambda out: out[0]),
+    )
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
+    """Concatenate every process's `tensor` along the first axis (which may differ per rank)."""
+    check_tensor(tensor)
+    return _handles.blocking("allgather", name, lambda: _gather([tensor], process_set))[0]
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start allgathering a list of tensors in one call."""
+    listed = list(tensors)
+    for t in listed:
+        check_tensor(t)
+    return _handles.submit("allgather", name, lambda: _gather(listed, process_set))
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allgather a list of tensors in one call; return the gathered tensors."""
+    listed = list(tensors)
+    for t in listed:
+        check_tensor(t)
+    return list(_handles.blocking("allgather", name, lambda: _gather(listed, process_set)))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Start reducing a sparse tensor as Horovod does: gather every process's indices and values.
+
+    Returns a function that waits and returns the sparse result (values averaged over the
+    process set for `op=Average`; repeated indices are left for the consumer to coalesce).
+    """
+    indices = allgather_async(
+        tensor._indices().transpose(0, 1).contiguous(),
+        name=f"{name}.indices",
+        process_set=process_set,
+    )
+    values = allgather_async(tensor._values(), name=f"{name}.values", process_set=process_set)
+
+    def handle() -> torch.Tensor:
+        gathered_values = _handles.synchronize(values)
+        gathered_indices = _handles.synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / (process_set.size() or 1)
+        return torch.sparse_coo_tensor(
+            gathered_indices.transpose(0, 1), gathered_values, tensor.size()
+        )
+
+    return handle
+
+
+def _start_broadcast(
+    output: torch.Tensor, root_rank: int, ps: ProcessSet, wait: bool
+) -> _handles.Started:
+    group = group_of(ps)
+    root = root_in(ps, root_rank)
+    if wait:
+        return _handles.Done(collectives.broadcast(output, root=root, group=group))
+    return collectives.ibroadcast(output, root=root, group=group)
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start copying `root_rank`'s `tensor` to every process; the input is not modified."""
+    check_tensor(tensor)
+    output = tensor.detach().clone()
+    return _handles.submit(
+        "broadcast", name, lambda: _start_broadcast(output, root_rank, process_set, wait=False)
+    )
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start copying `root_rank`'s `tensor` into every process's `tensor`, in place."""
+    check_tensor(tensor)
+    return _handles.submit(
+        "broadcast", name, lambda: _start_broadcast(tensor, root_rank, process_set, wait=False)
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Return `root_rank`'s `tensor` on every process (the input is not modified)."""
+    check_tensor(tensor)
+    output = tensor.detach().clone()
+    return _handles.blocking(
+        "broadcast", name, lambda: _start_broadcast(output, root_rank, process_set, wait=True)
+    )
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Copy `root_rank`'s `tensor` into every process's `tensor`, in place; return it."""
+    check_tensor(tensor)
+    return _handles.blocking(
+        "broadcast", name, lambda: _start_broadcast(tensor, root_rank, process_set, wait=True)
+    )
+
+
+def _splits_of(tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, list[int] | None]:
+    """Check `splits` as Horovod does; return the rows to send (trimmed) and the splits."""
+    if splits is None:
+        return tensor, None
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(f"splits must be a tensor of int32, got {splits.dtype}.")
+        listed = [int(s) for s in splits.cpu().tolist()]
+    else:
+        listed = [int(s) for s in splits]
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if sum(listed) > rows:
+        raise ValueError(
+            f"The splits {listed} send {sum(listed)} rows, more than the tensor's first "
+            f"dimension ({rows})."
+        )
+    return tensor[: sum(listed)], listed
+
+
+def _checked_splits(tensor: torch.Tensor, splits: Any, ps: ProcessSet) -> Any:
+    """Check `tensor` and `splits` where Horovod does, before anything is queued."""
+    check_tensor(tensor)
+    sent, listed = _splits_of(tensor, splits)
+    n = ps.size() or 1
+    if listed is None and (not tensor.dim() or tensor.shape[0] % n):
+        rows = tensor.shape[0] if tensor.dim() else 0
+        raise ValueError(
+            f"alltoall without splits divides the first dimension ({rows}) equally among the "
+            f"{n} processes: it must be a multiple of that number."
+        )
+    return sent, listed
+
+
+def _start_alltoall(
+    sent: torch.Tensor, listed: list[int] | None, ps: ProcessSet
+) -> _handles.Started:
+    output, received = collectives.alltoall(sent.detach(), splits=listed, group=group_of(ps))
+    if listed is None:
+        return _handles.Done(output)
+    return _handles.Done((output, torch.tensor(received, dtype=torch.int32)))
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start sending `splits[i]` rows of `tensor` to process i (default: equal parts)."""
+    sent, listed = _checked_splits(tensor, splits, process_set)
+    return _handles.submit("alltoall", name, lambda: _start_alltoall(sent, listed, process_set))
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Send `splits[i]` rows of `tensor` to process i; return the rows received.
+
+    With `splits` given, returns `(received, received_splits)` (an int32 tensor of how many rows
+    came from each process); without, the received tensor alone, as Horovod.
+    """
+    sent, listed = _checked_splits(tensor, splits, process_set)
+    return _handles.blocking("alltoall", name, lambda: _start_alltoall(sent, listed, process_set))

@@ -1,0 +1,347 @@
+"""Horovod's allreduce (plain, in place, grouped, async), and the rules it shares with
+reducescatter (`_scatters.py`).
+
+Each hands over to `dp.allreduce` / `dp.iallreduce` / `dp.reducescatter` on the process set's
+group. What Horovod defines that dataparallel's own API does not is done here, and only that:
+
+- `op=Average` on integer tensors: Horovod sums, then scales in float64 and truncates; so is it
+  here (dataparallel refuses `"avg"` on integers, which would truncate silently).
+- `prescale_factor` is applied to a copy before the reduction (integers in float64, half
+  precision in float32, as Horovod); `postscale_factor` is dataparallel's `scale=` (integers:
+  in float64 after the sum, as Horovod).
+- `Adasum` raises `NotImplementedError` (dataparallel has no Adasum).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataparallel import collectives
+from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
+from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
+from dataparallel.types import Op
+
+__all__ = [
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "average_or_op",
+    "check_tensor",
+    "compress",
+    "copy_of",
+    "decompress",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "plan",
+    "scaled",
+]
+
+_OPS: dict[int, Op] = {Sum: "sum", Average: "avg", Min: "min", Max: "max", Product: "prod"}
+
+
+def average_or_op(op: int | None, average: bool | None) -> int:
+    """Horovod's `op`/`average` rule: `op` wins, `average` is deprecated, default `Average`."""
+    if op is not None:
+        if average is not None:
+            raise ValueError(
+                "The op parameter supersedes average. Please provide only one of them."
+            )
+        return op
+    if average is not None:
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return Average if average else Sum
+    return Average
+
+
+def check_tensor(tensor: Any) -> None:
+    """Raise Horovod's `ValueError` for what it cannot communicate: non-tensors, strided views."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"Horovod operations take torch tensors, got {type(tensor).__name__}.")
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one Horovod reduction runs on dataparallel: the op, the scale, and local scalings."""
+
+    op: Op
+    scale: float | None
+    pre: float | None  # applied to the input copy before communicating
+    post: float | None  # applied locally afterwards (integers: float64, truncated)
+
+
+def plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: int) -> _Plan:
+    if op == Adasum:
+        raise NotImplementedError(
+            "Adasum is not supported by dataparallel: use op=hvd.Average (or hvd.Sum)."
+        )
+    if op not in _OPS:
+        raise ValueError(f"op={op!r} is not one of hvd.Sum, Average, Min, Max, Product, Adasum.")
+    integral = any(not (t.is_floating_point() or t.is_complex()) for t in tensors)
+    pre_factor = None if pre == 1.0 else float(pre)
+    if integral:  # Horovod: the sum, then the scaling in float64, truncated
+        total = float(post) / n if op == Average else float(post)
+        engine_op = "sum" if op == Average else _OPS[op]
+        return _Plan(engine_op, None, pre_factor, None if total == 1.0 else total)
+    return _Plan(_OPS[op], None if post == 1.0 else float(post), pre_factor, None)
+
+
+def scaled(t: torch.Tensor, factor: float | None) -> torch.Tensor:
+    """Multiply `t` by `factor` in place as Horovod does: integers through float64."""
+    if factor is None or factor == 1.0:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        return t.mul_(factor)  # half precision: computed in float32 by torch on the CPU
+    return t.copy_(t.double().mul_(factor))
+
+
+def _start_allreduce(
+    outputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet, wait: bool
+) -> _handles.Started:
+    group = group_of(ps)
+    how = plan(outputs, op, pre, post, ps.size() or 1)
+    for t in outputs:
+        scaled(t, how.pre)
+
+    def after(_: Any) -> list[torch.Tensor]:
+        for t in outputs:
+            scaled(t, how.post)
+        return outputs
+
+    if wait:
+        collectives.allreduce(outputs, op=how.op, scale=how.scale, group=group)
+        return _handles.Done(after(None))
+    request = collectives.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
+    return _handles.Then(request, after)
+
+
+def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _allreduce_async(
+    kind: str,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    name: str | None,
+    op: int,
+    pre: float,
+    post: float,
+    ps: ProcessSet,
+    single: bool,
+) -> int:
+    for t in inputs:
+        check_tensor(t)
+
+    def start() -> _handles.Started:
+        started = _start_allreduce(outputs, op, pre, post, ps, wait=False)
+        return _handles.Then(started, lambda out: out[0] if single else out)
+
+    return _handles.submit(kind, name, start)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing `tensor` across the process set; `synchronize(handle)` returns the result.
+
+    The input is not modified. `op` is `Average` (default), `Sum`, `Min`, `Max` or `Product`.
+    """
+    op = average_or_op(op, average)
+    check_tensor(tensor)
+    return _allreduce_async(
+        "allreduce",
+        [tensor],
+        [copy_of(tensor)],
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=True,
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing `tensor` in place; `synchronize(handle)` returns it."""
+    op = average_or_op(op, average)
+    return _allreduce_async(
+        "allreduce",
+        [tensor],
+        [tensor],
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=True,
+    )
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce `tensor` across the process set and return the result (the input is not modified).
+
+    Differentiable: the gradient is the same reduction of the output's gradient (Horovod's).
+    `compression` (`hvd.Compression.fp16`) sends floating-point values in 16 bits.
+    """
+    op = average_or_op(op, average)
+    check_tensor(tensor)
+    compressed, ctx = compress(compression, tensor)
+    outputs = [copy_of(compressed)]
+
+    def start() -> _handles.Started:
+        return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
+
+    result = _handles.blocking("allreduce", name, start)[0]
+    return decompress(compression, result, ctx)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce `tensor` in place across the process set and return it."""
+    handle = allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _handles.synchronize(handle)
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing a list of tensors in one fused call; the inputs are not modified."""
+    op = average_or_op(op, average)
+    for t in tensors:
+        check_tensor(t)
+    return _allreduce_async(
+        "allreduce",
+        list(tensors),
+        [copy_of(t) for t in tensors],
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=False,
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Start reducing a list of tensors in place, in one fused call."""
+    op = average_or_op(op, average)
+    return _allreduce_async(
+        "allreduce",
+        list(tensors),
+        list(tensors),
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        single=False,
+    )
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in one fused call and return the results."""
+    op = average_or_op(op, average)
+    for t in tensors:
+        check_tensor(t)
+    packed = [compress(compression, t) for t in tensors]
+    outputs = [copy_of(c) for c, _ in packed]
+
+    def start() -> _handles.Started:
+        return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
+
+    results = _handles.blocking("allreduce", name, start)
+    return [decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place, in one fused call, and return them."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _handles.synchronize(handle)
+
+
+def compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    return (tensor, None) if compression is None else compression.compress(tensor)
+
+
+def decompress(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    return tensor if compression is None else compression.decompress(tensor, ctx)

@@ -1,0 +1,93 @@
+"""`dp.torch.join`: a training loop over uneven data that neither hangs nor skews the average.
+
+DDP's `Join` context manager, over `dp.join`: wrap the loop, and a rank that leaves it first
+(it ran out of batches) keeps answering the other ranks' gradient steps with zeros until every
+rank has left.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from dataparallel import collectives
+from dataparallel.backends.base import Backend
+from dataparallel.torch._gradsync import GradientSync
+
+__all__ = ["Join", "join"]
+
+
+def _gradient_sync(joinable: Any) -> GradientSync:
+    sync = getattr(joinable, "gradient_sync", None)
+    if not isinstance(sync, GradientSync):
+        raise TypeError(
+            "dp.torch.join takes the dp.torch.DataParallelModel or dp.DistributedOptimizer whose "
+            f"gradients the loop reduces, got {type(joinable).__module__}."
+            f"{type(joinable).__qualname__}."
+        )
+    return sync
+
+
+class Join:
+    """The context manager `dp.torch.join` returns; `last` is the rank that left last.
+
+    On a normal exit from the block, the step still in flight (if any) is completed, then this
+    rank joins (`dp.join`): until every rank has left its block, it takes part in the others'
+    gradient steps with zeros (the average still divides by the whole world's size, as with
+    Horovod's `join`), reductions and barriers. An exception leaving the block is not held back.
+    """
+
+    def __init__(self, *joinables: Any, enable: bool = True) -> None:
+        self._syncs = [_gradient_sync(j) for j in joinables]
+        backends = {id(s.backend): s.backend for s in self._syncs}
+        if len(backends) > 1:
+            raise ValueError(
+                "dp.torch.join: the model and optimizers given reduce over different groups; "
+                "join them in separate blocks."
+            )
+        self._backend: Backend | None = next(iter(backends.values()), None)
+        self.enable = enable
+        self.last: int | None = None
+
+    def __enter__(self) -> Join:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if error is not None or not self.enable:
+            return
+        for sync in self._syncs:
+            if sync.in_flight:
+                sync.wait()
+                sync.reset()
+        self.last = collectives.join(backend=self._backend)
+
+
+def join(*joinables: Any, enable: bool = True) -> Join:
+    """Train over uneven data: a rank that finishes its batches first answers the others' steps.
+
+    Args:
+        joinables: the `dp.torch.DataParallelModel` and/or `dp.DistributedOptimizer` whose
+            gradients the loop reduces (their group is the one joined).
+        enable: join at the end of the block (False: a plain block, for even data).
+
+    Returns:
+        A context manager; after the block, its `last` is the rank that left its block last.
+
+    >>> import torch, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> model = dp.torch.DataParallelModel(torch.nn.Linear(2, 1))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with dp.torch.join(model) as joined:
+    ...     for x in torch.ones(3 + dp.rank(), 4, 2):     # more batches on higher ranks
+    ...         opt.zero_grad()
+    ...         model(x).sum().backward()
+    ...         opt.step()
+    >>> joined.last == dp.size() - 1
+    True
+    """
+    return Join(*joinables, enable=enable)

@@ -1,0 +1,1 @@
+"""The parts of `horovod.runner.util` that Horovod's test helpers import."""
