@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,6 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
     hypothesis_settings.load_profile("dataparallel-world" if multi else "dataparallel")
     if multi and backend.rank > 0:
         _quiet(config)
+    if multi:
+        # pytest prunes old temporary folders at exit: ranks sharing a root would race on it.
+        root = Path(tempfile.gettempdir()) / f"pytest-dataparallel-rank-{backend.rank}"
+        root.mkdir(exist_ok=True)
+        os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(root))  # read at the first tmp_path
 
 
 @pytest.hookimpl(trylast=True)
