@@ -172,3 +172,56 @@ def test_join_through_the_drop_in(rank: int, size: int) -> None:
         np.testing.assert_allclose(out.numpy(), (size - (size > 1)) / size)
         last = hvd.join()
     assert hvd.allgather_object(last) == [size - 1] * size
+
+
+def test_gradients_are_horovods(rank: int, size: int) -> None:
+    """Each synchronous operation differentiates as `horovod/torch/mpi_ops.py` defines."""
+    x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    hvd.allreduce(x, op=hvd.Average, postscale_factor=2.0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 3), 2.0))  # averaged ones, scaled
+    x.grad = None
+    gathered = hvd.allgather(x)
+    gathered.backward(torch.arange(float(gathered.numel())).reshape(gathered.shape))
+    rows = torch.arange(float(gathered.numel())).reshape(gathered.shape)[2 * rank : 2 * rank + 2]
+    torch.testing.assert_close(x.grad, rows)  # the same on every rank, so the average is itself
+    x.grad = None
+    hvd.broadcast(x, root_rank=size - 1).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 3), float(rank == size - 1)))
+    x.grad = None
+    hvd.reducescatter(torch.cat([x] * size), op=hvd.Sum).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 3), float(size * size)))
+    # alltoall, equal splits of unequal inputs: rank r sends r + 1 rows to each rank.
+    y = torch.ones((rank + 1) * size, 2, requires_grad=True)
+    out = hvd.alltoall(y)
+    assert out.shape[0] == sum(r + 1 for r in range(size))
+    (out * 3).sum().backward()
+    torch.testing.assert_close(y.grad, torch.full(y.shape, 3.0))
+    x.grad, z = None, torch.ones(4, requires_grad=True)
+    parts = hvd.grouped_allreduce([x, z], op=hvd.Sum)
+    (parts[0].sum() + 2 * parts[1].sum()).backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 3), float(size)))
+    torch.testing.assert_close(z.grad, torch.full((4,), 2.0 * size))
+
+
+def test_compression_and_sparse_as_dense(rank: int, size: int) -> None:
+    half, ctx = hvd.Compression.fp16.compress(torch.ones(3, dtype=torch.float64))
+    assert half.dtype == torch.float16
+    assert hvd.Compression.fp16.decompress(half, ctx).dtype == torch.float64
+    out = hvd.allreduce(torch.full((4,), 0.5 + rank), compression=hvd.Compression.fp16)
+    torch.testing.assert_close(out, torch.full((4,), 0.5 + (size - 1) / 2))
+    embedding = torch.nn.Embedding(6, 2, sparse=True)
+    hvd.broadcast_parameters(embedding.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SparseAdam(list(embedding.parameters()), lr=0.1),
+        compression=hvd.Compression.fp16,
+        sparse_as_dense=True,
+    )
+    embedding(torch.tensor([rank % 6, 5])).sum().backward()
+    opt.step()  # SparseAdam takes the reduced gradient: sparse again, as Horovod makes it
+    grad = embedding.weight.grad
+    assert grad is not None and grad.layout == torch.sparse_coo
+    expected = torch.zeros(6, 2)
+    for r in range(size):
+        expected[r % 6] += 1 / size
+    expected[5] += 1.0
+    torch.testing.assert_close(grad.to_dense(), expected)

@@ -6,7 +6,7 @@ is reduced the way Horovod reduces one: every rank's rows (indices and values) a
 (averaged over every rank, ranks without a gradient counting as zeros). The result is a sparse
 gradient again, equal on every rank, so sparse optimizers (`SparseAdam`) work. With
 `sparse_as_dense=True` (Horovod's name) sparse gradients are made dense and go into the buckets
-like any other, and stay dense.
+like any other, and are made sparse again afterwards, as Horovod does (`SparseAdam` still works).
 
 Which parameters take the gathered path must be the same on every rank, yet a rank learns that a
 gradient is sparse only when it arrives, and a rank that did not use the embedding has none. So:
@@ -73,12 +73,12 @@ class SparseGrads:
         `flags` are the reduced `flags()` of every rank, equal everywhere.
         """
         found = [int(i) for i in np.flatnonzero(flags)]
-        if self.as_dense or not found:
-            return False
         for i in found:
             grad = params[i][1].grad
             if grad is not None:
                 params[i][1].grad = grad.to_sparse(1)
+        if self.as_dense or not found:  # as Horovod's sparse_as_dense: dense on the wire only
+            return False
         self.members.update(found)
         return True
 

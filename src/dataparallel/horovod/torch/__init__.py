@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from dataparallel import world
+from dataparallel.engine.compression import Compression
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._basics import (
     Adasum,
@@ -93,6 +94,15 @@ from dataparallel.horovod.torch._scatters import (
     reducescatter_async,
 )
 
+
+def __getattr__(name: str) -> Any:
+    if name == "SyncBatchNorm":  # imported on first use, as dataparallel.torch is
+        from dataparallel.torch import SyncBatchNorm
+
+        return SyncBatchNorm
+    raise AttributeError(f"module 'dataparallel.horovod.torch' has no attribute {name!r}")
+
+
 _started: list[bool] = []  # [True] between this module's init() and shutdown()
 
 poll = _handles.poll
@@ -137,20 +147,10 @@ def shutdown() -> None:
     world.finalize()
 
 
-_LATER = {"Compression", "SyncBatchNorm"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LATER:
-        from dataparallel.horovod.torch import _later
-
-        return getattr(_later, name)
-    raise AttributeError(f"module 'dataparallel.horovod.torch' has no attribute {name!r}")
-
-
 __all__ = [
     "Adasum",
     "Average",
+    "Compression",
     "DistributedOptimizer",
     "HorovodInternalError",
     "Max",
@@ -158,6 +158,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",

@@ -7,12 +7,14 @@ process set's group. Roots are world ranks, as in Horovod, translated to the gro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from dataparallel import collectives
+from dataparallel import collectives, world
 from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Average
 from dataparallel.horovod.torch._process_sets import (
     ProcessSet,
@@ -20,7 +22,7 @@ from dataparallel.horovod.torch._process_sets import (
     group_of,
     root_in,
 )
-from dataparallel.horovod.torch._reductions import check_tensor
+from dataparallel.horovod.torch._reductions import allreduce, check_tensor, grouped_allreduce
 
 __all__ = [
     "allgather",
@@ -59,7 +61,11 @@ def allgather(
 ) -> torch.Tensor:
     """Concatenate every process's `tensor` along the first axis (which may differ per rank)."""
     check_tensor(tensor)
-    return _handles.blocking("allgather", name, lambda: _gather([tensor], process_set))[0]
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return _handles.blocking("allgather", name, lambda: _gather([t], process_set))[0]
+
+    return through(forward, lambda g: _gather_grads([g], [tensor], process_set)[0], tensor)
 
 
 def grouped_allgather_async(
@@ -83,7 +89,25 @@ def grouped_allgather(
     listed = list(tensors)
     for t in listed:
         check_tensor(t)
-    return list(_handles.blocking("allgather", name, lambda: _gather(listed, process_set)))
+
+    def forward(*ts: torch.Tensor) -> list[torch.Tensor]:
+        return list(_handles.blocking("allgather", name, lambda: _gather(list(ts), process_set)))
+
+    return through(forward, lambda *gs: _gather_grads(list(gs), listed, process_set), *listed)
+
+
+def _gather_grads(
+    grads: list[torch.Tensor], inputs: list[torch.Tensor], ps: ProcessSet
+) -> list[torch.Tensor]:
+    """Horovod's gradient of an allgather: the averaged gradients, at this process's rows."""
+    reduced = grouped_allreduce(grads, op=Average, process_set=ps)
+    rows = [t.shape[0] if t.dim() else 1 for t in inputs]
+    every = allgather(torch.tensor([rows], dtype=torch.int64), process_set=ps)
+    before = every[: ps.rank() or 0].sum(dim=0)
+    return [
+        r.narrow(0, int(offset), n).reshape(t.shape)
+        for r, offset, n, t in zip(reduced, before, rows, inputs, strict=True)
+    ]
 
 
 def sparse_allreduce_async(
@@ -158,10 +182,17 @@ def broadcast(
 ) -> torch.Tensor:
     """Return `root_rank`'s `tensor` on every process (the input is not modified)."""
     check_tensor(tensor)
-    output = tensor.detach().clone()
-    return _handles.blocking(
-        "broadcast", name, lambda: _start_broadcast(output, root_rank, process_set, wait=True)
-    )
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        output = t.detach().clone()
+        start = partial(_start_broadcast, output, root_rank, process_set, wait=True)
+        return _handles.blocking("broadcast", name, start)
+
+    def backward(g: torch.Tensor) -> torch.Tensor:  # Horovod's: averaged, on the root only
+        reduced = allreduce(g, op=Average, process_set=process_set)
+        return reduced if world.rank() == root_rank else reduced.zero_()
+
+    return through(forward, backward, tensor)
 
 
 def broadcast_(
@@ -214,8 +245,6 @@ def _start_alltoall(
     sent: torch.Tensor, listed: list[int] | None, ps: ProcessSet
 ) -> _handles.Started:
     output, received = collectives.alltoall(sent.detach(), splits=listed, group=group_of(ps))
-    if listed is None:
-        return _handles.Done(output)
     return _handles.Done((output, torch.tensor(received, dtype=torch.int32)))
 
 
@@ -227,7 +256,12 @@ def alltoall_async(
 ) -> int:
     """Start sending `splits[i]` rows of `tensor` to process i (default: equal parts)."""
     sent, listed = _checked_splits(tensor, splits, process_set)
-    return _handles.submit("alltoall", name, lambda: _start_alltoall(sent, listed, process_set))
+
+    def start() -> _handles.Started:  # without splits, Horovod returns the rows alone
+        started = _start_alltoall(sent, listed, process_set)
+        return _handles.Then(started, lambda out: out if listed is not None else out[0])
+
+    return _handles.submit("alltoall", name, start)
 
 
 def alltoall(
@@ -242,4 +276,15 @@ def alltoall(
     came from each process); without, the received tensor alone, as Horovod.
     """
     sent, listed = _checked_splits(tensor, splits, process_set)
-    return _handles.blocking("alltoall", name, lambda: _start_alltoall(sent, listed, process_set))
+    received: list[torch.Tensor] = []
+
+    def forward(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = _handles.blocking("alltoall", name, lambda: _start_alltoall(t, listed, process_set))
+        received.append(out[1])
+        return out
+
+    def backward(g: torch.Tensor, *_: Any) -> torch.Tensor:  # the rows go back where they came
+        return alltoall(g.contiguous(), splits=received[0], process_set=process_set)[0]
+
+    output, splits_back = through(forward, backward, sent)
+    return (output, splits_back) if listed is not None else output

@@ -162,6 +162,8 @@ def DistributedOptimizer(
         backward_passes_per_step=backward_passes_per_step,
         backend=backend,
         group=group,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
     )
     wrapped.__class__ = _horovod_class(type(wrapped), inner)
     wrapped._parameter_names = names

@@ -17,12 +17,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from dataparallel import collectives
 from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
 from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 from dataparallel.types import Op
@@ -224,13 +226,17 @@ def allreduce(
     op = average_or_op(op, average)
     check_tensor(tensor)
     compressed, ctx = compress(compression, tensor)
-    outputs = [copy_of(compressed)]
+    pre, post, ps = prescale_factor, postscale_factor, process_set
 
-    def start() -> _handles.Started:
-        return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        outputs = [copy_of(t)]
+        start = partial(_start_allreduce, outputs, op, pre, post, ps, True)
+        return _handles.blocking("allreduce", name, start)[0]
 
-    result = _handles.blocking("allreduce", name, start)[0]
-    return decompress(compression, result, ctx)
+    def backward(g: torch.Tensor) -> torch.Tensor:  # Horovod's: the same reduction
+        return allreduce(g, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
+
+    return decompress(compression, through(forward, backward, compressed), ctx)
 
 
 def allreduce_(
@@ -314,12 +320,19 @@ def grouped_allreduce(
     for t in tensors:
         check_tensor(t)
     packed = [compress(compression, t) for t in tensors]
-    outputs = [copy_of(c) for c, _ in packed]
+    pre, post, ps = prescale_factor, postscale_factor, process_set
 
-    def start() -> _handles.Started:
-        return _start_allreduce(outputs, op, prescale_factor, postscale_factor, process_set, True)
+    def forward(*ts: torch.Tensor) -> list[torch.Tensor]:
+        outputs = [copy_of(t) for t in ts]
+        start = partial(_start_allreduce, outputs, op, pre, post, ps, True)
+        return list(_handles.blocking("allreduce", name, start))
 
-    results = _handles.blocking("allreduce", name, start)
+    def backward(*gs: torch.Tensor) -> list[torch.Tensor]:
+        return grouped_allreduce(
+            list(gs), op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
+        )
+
+    results = through(forward, backward, *[c for c, _ in packed])
     return [decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
 
 

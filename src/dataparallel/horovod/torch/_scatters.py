@@ -8,13 +8,16 @@ split). `op`, `prescale_factor` and `postscale_factor` follow the allreduce's ru
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from dataparallel import collectives
 from dataparallel.horovod.torch import _handles
-from dataparallel.horovod.torch._basics import Average
+from dataparallel.horovod.torch._autograd import through
+from dataparallel.horovod.torch._basics import Average, Sum
+from dataparallel.horovod.torch._movement import allgather
 from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 from dataparallel.horovod.torch._reductions import (
     check_tensor,
@@ -76,13 +79,25 @@ def reducescatter(
     """
     check_tensor(tensor)
     compressed, ctx = compress(compression, tensor)
+    pre, post, ps = prescale_factor, postscale_factor, process_set
 
-    def start() -> _handles.Started:
-        return _start_reducescatter(
-            [compressed], op, prescale_factor, postscale_factor, process_set
-        )
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        start = partial(_start_reducescatter, [t], op, pre, post, ps)
+        return _handles.blocking("reducescatter", name, start)[0]
 
-    return decompress(compression, _handles.blocking("reducescatter", name, start)[0], ctx)
+    def backward(g: torch.Tensor) -> torch.Tensor:
+        return _scatter_grad(g, op, pre, post, ps)
+
+    return decompress(compression, through(forward, backward, compressed), ctx)
+
+
+def _scatter_grad(
+    g: torch.Tensor, op: int, pre: float, post: float, ps: ProcessSet
+) -> torch.Tensor:
+    """Horovod's gradient of a reducescatter: the allgather of the parts' gradients, scaled."""
+    grad = allgather(g, process_set=ps)
+    factor = ((ps.size() or 1) if op == Sum else 1) * pre * post
+    return grad * factor if factor != 1 else grad
 
 
 def grouped_reducescatter_async(
@@ -117,10 +132,14 @@ def grouped_reducescatter(
     for t in tensors:
         check_tensor(t)
     packed = [compress(compression, t) for t in tensors]
-    listed = [c for c, _ in packed]
+    pre, post, ps = prescale_factor, postscale_factor, process_set
 
-    def start() -> _handles.Started:
-        return _start_reducescatter(listed, op, prescale_factor, postscale_factor, process_set)
+    def forward(*ts: torch.Tensor) -> list[torch.Tensor]:
+        start = partial(_start_reducescatter, list(ts), op, pre, post, ps)
+        return list(_handles.blocking("reducescatter", name, start))
 
-    results = _handles.blocking("reducescatter", name, start)
+    def backward(*gs: torch.Tensor) -> list[torch.Tensor]:
+        return [_scatter_grad(g, op, pre, post, ps) for g in gs]
+
+    results = through(forward, backward, *[c for c, _ in packed])
     return [decompress(compression, r, ctx) for r, (_, ctx) in zip(results, packed, strict=True)]
