@@ -15,7 +15,9 @@ Models (`--models`, default both):
 A step is `zero_grad`, forward, loss, backward and the optimizer's step. Cases, all in the same
 processes, one torch thread per rank:
 - `one process`: each rank trains its own copy, no communication (the floor);
-- `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` over MPI (hooks, buckets);
+- `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` over MPI (hooks, buckets), in the
+  mode chosen for this machine (the header says which: buckets during backward when a core is
+  spare, else after it); `dp.DistributedOptimizer, overlap forced` always during backward;
 - `dp.allreduce_gradients after backward`: one fused reduction after backward, no overlap;
 - `Horovod DistributedOptimizer` (MPI), when `horovod.torch` imports and dp runs on MPI. Horovod
   is initialized only while its case runs (`hvd.init()` ... `hvd.shutdown()`): an idle, initialized
@@ -52,6 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.torch._buckets import overlaps
+from dataparallel.world import current
 
 Step = Callable[[], None]
 VOCAB = 1000
@@ -145,7 +149,9 @@ def cases_for(
     horovod: Horovod,
 ) -> dict[str, tuple[Step, Horovod | None]]:
     """Every case's step, on its own copy of `base`; the Horovod context where one is needed."""
-    single, ours, plain = (copy.deepcopy(base) for _ in range(3))
+    single, ours, plain, overlapped = (copy.deepcopy(base) for _ in range(4))
+    forced = dp.DistributedOptimizer(make_opt(overlapped))
+    forced.gradient_sync.overlap = True  # what DATAPARALLEL_OVERLAP=1 gives
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {
@@ -155,6 +161,7 @@ def cases_for(
             None,
         ),
         "dp.torch.DataParallelModel": (trainer(wrapped, make_opt(wrapped), batch), None),
+        "dp.DistributedOptimizer, overlap forced": (trainer(overlapped, forced, batch), None),
         "dp.allreduce_gradients after backward": (
             trainer(
                 plain,
@@ -317,6 +324,8 @@ def main() -> None:
             f"{dp.size()} ranks ({dp.get_backend().name}), torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch thread per rank, {args.rounds} rounds"
         )
+        mode = overlaps(dp.local_size(), current().settings.overlap)
+        print(f"dp's gradient buckets go out {'during' if mode else 'after'} backward here")
         if horovod.hvd is None:
             print(f"Horovod case skipped: {horovod.reason}")
         else:

@@ -12,6 +12,7 @@ FLAGS = {
     "DATAPARALLEL_CHECK": "check",
     "DATAPARALLEL_DEBUG": "debug",
     "DATAPARALLEL_CUDA_AWARE_MPI": "cuda_aware_mpi",
+    "DATAPARALLEL_OVERLAP": "overlap",
 }
 
 
@@ -21,7 +22,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert settings.check is True and settings.debug is False
     assert settings.timeline is None and settings.cuda_aware_mpi is None
     assert settings.bucket_bytes == DEFAULT_BUCKET_BYTES == 256 * 1024
-    assert settings.timeout is None
+    assert settings.timeout is None and settings.overlap is None  # None: chosen per machine
     assert not settings.mpi_launched and not settings.torchrun_launched
     assert settings.mpi_rank is None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from torch import nn
 import dataparallel as dp
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
+from dataparallel.torch._buckets import overlaps
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
@@ -112,11 +114,13 @@ def test_parity_with_distributed_data_parallel(name: str, torch_distributed: Non
 # -- overlap and buckets ------------------------------------------------------------------------
 
 
-def test_buckets_go_out_while_backward_still_runs(
-    world: Backend, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-backward"])
+def test_buckets_go_out_while_backward_still_runs_or_all_at_its_end(
+    overlap: bool, world: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = make_model(hidden=16)
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=256)
+    opt.gradient_sync.overlap = overlap  # DATAPARALLEL_OVERLAP, or chosen per machine
     events: list[str] = []
     start = world.iallreduce
 
@@ -132,7 +136,10 @@ def test_buckets_go_out_while_backward_still_runs(
     loss_of(model, share(x), share(y)).backward()
     assert "backward reached the first layer" in events
     first_layer = events.index("backward reached the first layer")
-    assert events[:first_layer].count("iallreduce") >= 2, events
+    if overlap:
+        assert events[:first_layer].count("iallreduce") >= 2, events
+    else:
+        assert events[:first_layer].count("iallreduce") == 0, events
     # One call per bucket, and one for the used-parameter flags unless they fit in the last.
     assert events.count("iallreduce") in (
         len(opt.gradient_sync.buckets),
@@ -141,6 +148,19 @@ def test_buckets_go_out_while_backward_still_runs(
     assert opt.gradient_sync.in_flight  # every bucket started before backward returned
     opt.step()
     assert not opt.gradient_sync.in_flight
+    reference = make_model(hidden=16)  # the same average either way
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_of(reference, x, y).backward()
+    reference_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_overlap_when_a_core_is_spare_unless_told() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert overlaps(cores - 1, None) is (cores > 1)
+    assert overlaps(cores, None) is False
+    assert overlaps(cores, True) is True and overlaps(1, False) is False
 
 
 def test_buckets_are_the_same_on_every_rank_and_follow_backward_order(world: Backend) -> None:

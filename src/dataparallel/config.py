@@ -11,6 +11,7 @@ instead of being silently ignored.
 | `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
 | `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
+| `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | a core spare? |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
 
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
@@ -112,6 +113,8 @@ class Settings:
     cuda_aware_mpi: bool | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout: float | None = None
+    # Gradients reduced during backward (True), after it (False), or chosen per machine (None).
+    overlap: bool | None = None
     # Launcher-provided topology (torchrun / dataparallel run --backend gloo).
     rank: int | None = None
     world_size: int | None = None
@@ -157,6 +160,7 @@ class Settings:
             cuda_aware_mpi=_flag(env, "DATAPARALLEL_CUDA_AWARE_MPI", None),
             bucket_bytes=int(bucket) if bucket is not None else DEFAULT_BUCKET_BYTES,
             timeout=float(timeout) if timeout is not None else None,
+            overlap=_flag(env, "DATAPARALLEL_OVERLAP", None),
             rank=_int(env, "RANK"),
             world_size=_int(env, "WORLD_SIZE"),
             local_rank=_int(env, "LOCAL_RANK"),

@@ -9,6 +9,7 @@ another order than they run still overlaps.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "grad_family",
     "layout",
     "message",
+    "overlaps",
     "plan",
     "shadow_of",
     "signature",
@@ -108,6 +110,20 @@ def summarize(
         return head + "|" + repr(sorted(describe(owner, options, params).items()))
     sizes = [(b.key[1], sum(params[i][1].numel() for i in b.members)) for b in buckets]
     return f"{head}|{sizes}"
+
+
+def overlaps(local_size: int, overlap: bool | None) -> bool:
+    """Whether buckets go out during backward (True) or all after it (False).
+
+    `overlap` (`DATAPARALLEL_OVERLAP`) decides when set. Otherwise overlap only when this node has
+    a core to spare for it: with no idle core, reducing during backward slows backward by what
+    the reduction costs and makes the ranks meet once per bucket inside it, while reducing after
+    it costs 0.67-0.87x as much (benchmarks/NOTES.md, 2 ranks on 2 cores).
+    """
+    if overlap is not None:
+        return overlap
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return local_size < (cores or 1)
 
 
 def check_options(owner: str, op: str, passes: object, bucket_bytes: object) -> None:

@@ -1,8 +1,9 @@
-"""Gradient reduction during `backward()`: `GradientSync`, overlapped with backward.
+"""Gradient reduction during `backward()`: `GradientSync`.
 
 `DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
 post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
-ready buckets go out through the fusion engine (non-blocking) while backward keeps running.
+ready buckets go out through the fusion engine (non-blocking) while backward keeps running, or
+all at its end when no core is spare for that (`overlap`, `_buckets.overlaps`).
 
 How buckets are made, and why every rank makes the same calls:
 
@@ -13,9 +14,8 @@ How buckets are made, and why every rank makes the same calls:
   parameter whose hook did not fire (unused in this step on this rank) contributes its current
   gradient, or zeros when it has none, and the remaining buckets are launched. Every rank has
   then started every bucket before `backward()` returns, so collectives the user makes between
-  `backward()` and `step()` stay in the same order on every rank. A parameter that no rank used
-  keeps `grad=None` (a small flag vector travels with the last bucket), so optimizers skip it
-  exactly as they would in one process.
+  `backward()` and `step()` stay in the same order on every rank. A parameter no rank used keeps
+  `grad=None` (flags travel with the last bucket): optimizers skip it, as in one process.
 - Every step's reduction begins with a handshake (`checks.handshake`) before its first bucket,
   so a step that does not line up with the other ranks' (a rank skipped one) raises
   `CollectiveMismatchError` on every rank instead of hanging or mixing buffers. A rank whose
@@ -23,9 +23,8 @@ How buckets are made, and why every rank makes the same calls:
   `zero_grad()`/`step()`, flagging it abandoned: the other ranks' `step()` raises
   `RankFailedError` instead of applying an incomplete average.
 
-A parameter is reduced by one `GradientSync` only, the one created last over it (`_hooks.py`).
-Sparse gradients: see `_sparse.py`. Sharp bits (MPI progress, a rank whose loss skips the model,
-reentrant checkpointing): docs/sharp-bits.md, "Gradient reduction during backward".
+One `GradientSync` reduces a parameter: the last made over it (`_hooks.py`). Sparse gradients:
+`_sparse.py`. Sharp bits: docs/sharp-bits.md, "Gradient reduction during backward".
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from dataparallel.torch._buckets import (
     grad_family,
     layout,
     message,
+    overlaps,
     shadow_of,
     signature,
 )
@@ -116,6 +116,7 @@ class GradientSync:
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
             self._options |= {"compression": wire, "sparse_as_dense": sparse_as_dense}
         self.wait_after_backward = wait_after_backward
+        self.overlap = overlaps(self.backend.local_size, active.settings.overlap)  # see there
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
@@ -265,7 +266,7 @@ class GradientSync:
         if b < 0:  # a gathered sparse gradient: reduced in wait()
             return
         self._pending[b] -= 1
-        if b == self._next and self._pending[b] == 0:
+        if b == self._next and self._pending[b] == 0 and self.overlap:
             self._launch_ready()
 
     def _end_of_pass(self) -> None:
