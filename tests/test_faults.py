@@ -367,6 +367,24 @@ def test_the_fast_path_and_the_general_path_make_the_same_call(
     assert_usable(size)
 
 
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+def test_the_in_place_lane_and_the_general_path_make_the_same_call(
+    rank: int, size: int, faulty: int, op: str
+) -> None:
+    """A larger float array: in place on most ranks, a torch tensor (general path) on one."""
+    mine = np.full(1000, 1.0 + rank, np.float64)
+    x = torch.from_numpy(mine.copy()) if rank == faulty else mine.copy()
+    out = dp.allreduce(x, op=op, scale=2)
+    values = [1.0 + r for r in range(size)]
+    want = {"sum": sum(values), "avg": sum(values) / size, "prod": float(np.prod(values))}[op]
+    np.testing.assert_array_equal(np.asarray(out), np.full(1000, 2 * want))
+    if rank != faulty:
+        assert out is x  # reduced in place, as the general path does
+    y = torch.ones(30, dtype=torch.float64) if rank == faulty else np.ones(31)
+    assert outcome(lambda: dp.allreduce(y)) == "CollectiveMismatchError"
+    assert_usable(size)
+
+
 # -- large worlds: the handshake is an allreduce ------------------------------------------------
 
 

@@ -52,6 +52,8 @@ def test_allreduce_averages_over_the_world_with_zeros_from_joined_ranks(
             tree = dp.allreduce({"w": torch.full((300, 40), rank + 1.0), "n": np.int64(rank)})
             assert tree["w"][0, 0].item() == sum(r + 1.0 for r in live)
             assert tree["n"] == sum(live)
+            big = dp.allreduce(np.full(500, rank + 1.0))  # in place, past the handshake
+            np.testing.assert_array_equal(big, np.full(500, sum(r + 1.0 for r in live)))
         last = dp.join()
     assert dp.allgather_object(last) == [last] * size
     assert last == (max(r for r in range(size) if r != first) if size > 1 else 0)
