@@ -100,12 +100,23 @@ class Leaf:
 
 def leaf_of(flat: tree.Flat, i: int) -> Leaf:
     value = flat.leaves[i]
+    if type(value) is np.ndarray:  # the common case: about 1 us less a leaf
+        known = _PLAIN_NUMPY.get(value.dtype)
+        if known is not None:
+            return Leaf(value, i, known[0], known[1], value.shape, "cpu")
     try:
         family = family_of(value)
     except TypeError:
         family_of(value, flat.path(i))  # raise again, naming the leaf's path
         raise
-    return Leaf(value, i, family, family.dtype(value), family.shape(value), family.device(value))
+    leaf = Leaf(value, i, family, family.dtype(value), family.shape(value), family.device(value))
+    if type(value) is np.ndarray:
+        _PLAIN_NUMPY[value.dtype] = (family, leaf.dtype)
+    return leaf
+
+
+# The family and dtype name of plain NumPy arrays, by dtype, once `family_of` has accepted it.
+_PLAIN_NUMPY: dict[np.dtype, tuple[Family, str]] = {}
 
 
 def leaves_of(flat: tree.Flat) -> list[Leaf]:

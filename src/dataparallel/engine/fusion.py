@@ -21,6 +21,7 @@ The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducesca
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,11 +250,9 @@ class Fusion:
         else:
             buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
             flight = _Flight(None, dtype, buf, buf, pooled=[buf])
-            offset = 0
-            for work in works:
-                buf[offset : offset + work.size].reshape(work.shape)[...] = work
-                flight.slots.append((work, offset))
-                offset += work.size
+            np.concatenate([w.reshape(-1) for w in works], out=buf)  # one copy, in C
+            offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
+            flight.slots = list(zip(works, offsets, strict=True))
         flight.compressed = wire = self._compressed(dtype)
         if wire is None:
             flight.wire = self._wire(buf, dtype, flight.pooled)
