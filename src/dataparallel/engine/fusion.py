@@ -3,10 +3,9 @@
 Arrays handed to `Fusion` are cached in buckets per the key the caller gives (host arrays: per
 (device, dtype) whatever their family; GPU ones per (array family, device, dtype)); when the
 cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
-packed into one contiguous buffer and reduced with one call, non-blocking when `async_op`. An
-array larger than `bucket_bytes` is reduced on its own, in place when it is contiguous (no copy at
-all). Buffers come from a pool and are reused once their call completes. `wait()` flushes,
-waits and unpacks. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
+packed into one buffer (from a pool) and reduced with one call, non-blocking when `async_op`. An
+array larger than `bucket_bytes` goes alone, in place when contiguous. `wait()` flushes, waits
+and unpacks. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
 handed to the backend there, or staged through pinned host memory once per bucket. With a
 `compression` wire dtype, buckets of floating leaves travel as 16-bit floats (`compression.py`).
 
@@ -42,10 +41,9 @@ __all__ = ["HOST_KEY", "Action", "Fusion", "scale_in_place"]
 
 HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
-# Calls in flight at once before the oldest is waited for. MPI progresses non-blocking collectives
-# only inside MPI calls, so a second call in flight adds no overlap, and many at once slow MPICH
-# down (measured: 50 arrays of 80 KB sent alone took 3.4 ms with all in flight, 1.7-2.5 ms with
-# one; docs/performance.md). The caller still overlaps its own work with the one in flight.
+# Calls in flight before the oldest is waited for. MPI progresses non-blocking collectives only
+# inside MPI calls: a second in flight adds no overlap, many slow MPICH down (50 arrays of 80 KB:
+# 3.4 ms all in flight, 1.7-2.5 ms one at a time; docs/performance.md).
 MAX_IN_FLIGHT = 1
 # bool reductions are logical or / and on bytes, as NumPy adds and multiplies booleans.
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
@@ -144,13 +142,12 @@ class Fusion:
         `deliver` (`Scatter` and `Exchange` only, and required there) is called with the array's
         result: a new host array in `dtype`'s storage, the caller's to keep.
         """
-        delivers = [] if deliver is None else [deliver]
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
             self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
             if self.before_launch is not None:
                 self.before_launch([(dtype, work.size)])
-            self._launch([work], dtype, delivers)
+            self._launch([work], dtype, [] if deliver is None else [deliver])
             return
         if self._open_bytes + nbytes > self.bucket_bytes:
             self.flush()
@@ -161,10 +158,14 @@ class Fusion:
             if oldest is not None:
                 oldest.test()
         bucket_key = (*key, dtype)
-        if self.timeline is not None and bucket_key not in self._open:
-            self._opened_at[bucket_key] = self.timeline.now()
-        self._open.setdefault(bucket_key, []).append(work)
-        self._deliver.setdefault(bucket_key, []).extend(delivers)
+        works = self._open.get(bucket_key)
+        if works is None:
+            works = self._open[bucket_key] = []
+            if self.timeline is not None:
+                self._opened_at[bucket_key] = self.timeline.now()
+        works.append(work)
+        if deliver is not None:
+            self._deliver.setdefault(bucket_key, []).append(deliver)
         self._open_bytes += nbytes
 
     def flush(self) -> None:

@@ -117,13 +117,32 @@ def _register_jax_node(cls: type) -> None:
 _leaf_types: set[type] = set()  # types JAX sees as leaves (asked once per type)
 
 
+@dataclasses.dataclass
+class _KnownLeaves:
+    """Types found to be leaves (neither kind of node above), and whether JAX was loaded then."""
+
+    jax_loaded: bool = False
+    types: set[type] = dataclasses.field(default_factory=set)
+
+
+_known = _KnownLeaves()
+
+
 def flatten(tree: Any, name: str = "x") -> Flat:
     """Flatten `tree` into leaves, their paths (rooted at `name`) and its structure."""
+    jax_loaded = "jax" in sys.modules
+    if _known.jax_loaded != jax_loaded:  # JAX just came: its containers must be asked again
+        _known.jax_loaded = jax_loaded
+        _known.types.clear()
     while True:  # an unregistered dataclass is a leaf to optree: register it and flatten again
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+        kinds = set(map(type, leaves))
+        if kinds <= _known.types:  # the usual case: every leaf's type was asked before
+            break
         dataclass_types = {type(leaf) for leaf in leaves if _is_unregistered_dataclass(leaf)}
         jax_types = {type(leaf) for leaf in leaves if _is_jax_node(leaf)} - dataclass_types
         if not dataclass_types and not jax_types:
+            _known.types.update(kinds - {type})  # a class's answer is its own, not its type's
             break
         for cls in dataclass_types:
             _register_dataclass(cls)
