@@ -335,6 +335,10 @@ class MPIBackend(Backend):
         )
 
     def abort(self, code: int = 1) -> None:
+        """End the job (`MPI_Abort`), after giving mpiexec a moment to forward what was printed."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(_ABORT_GRACE_S)
         self._mpi.COMM_WORLD.Abort(code)
 
     def close(self) -> None:
@@ -354,8 +358,6 @@ class MPIBackend(Backend):
             if reason is not None:
                 sys.stdout.flush()
                 sys.stderr.write(f"dataparallel: {reason}\n")
-                sys.stderr.flush()
-                time.sleep(_ABORT_GRACE_S)
                 self.abort(1)
             self._board.free()
         for comm in (self.local_comm, self.comm):
