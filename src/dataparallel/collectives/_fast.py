@@ -19,13 +19,14 @@ a world of one or of many) takes the general path, which also raises the errors.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from dataparallel import world
-from dataparallel.backends.base import ReduceOp
+from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.checks import (
     HEADER_BYTES,
     INLINE_BYTES,
@@ -80,15 +81,8 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
     if dtype not in _FLOATS and (op == "avg" or scale is not None):
         return NOT_FAST  # integer rules (and their errors) are the general path's
     header = _header(kind, x, op, scale, active.settings.check)
-    record = np.frombuffer(header + payload + _PAD[: INLINE_BYTES - len(payload)], np.uint8)
-    rows = np.empty(size * RECORD_BYTES, np.uint8)
-    backend.allgather(record, rows)
-    raw, h = rows.tobytes(), header[:8]
-    for start in range(0, len(raw), RECORD_BYTES):  # as `checks.exchange`
-        if raw[start : start + 8] != h:
-            described = lambda: _describe(x, op, scale)[1]()  # noqa: E731 (only on a mismatch)
-            disagree(backend, rows.reshape(size, RECORD_BYTES), described, shadow=_nothing)
-            break
+    record = header + payload + _PAD[: INLINE_BYTES - len(payload)]
+    rows, raw = _handshake(backend, record, x, op, scale, _nothing)
     total = 1.0 if scale is None else scale
     if op == "avg":
         total /= size
@@ -129,16 +123,10 @@ def _in_place(x: np.ndarray, op: str, scale: Any) -> Any:
     ):
         return NOT_FAST
     header = _header(np.ndarray, x, op, scale, active.settings.check)
-    record = np.frombuffer(header + _PAD[:INLINE_BYTES], np.uint8)
-    rows = np.empty(size * RECORD_BYTES, np.uint8)
-    backend.allgather(record, rows)
-    raw, h = rows.tobytes(), header[:8]
-    for start in range(0, len(raw), RECORD_BYTES):  # as `checks.exchange`
-        if raw[start : start + 8] != h:
-            described = lambda: _describe(x, op, scale)[1]()  # noqa: E731 (only on a mismatch)
-            shadow = partial(_in_place_shadow, x, op, scale)  # for ranks that have joined
-            disagree(backend, rows.reshape(size, RECORD_BYTES), described, shadow=shadow)
-            break
+    # A rank that has joined (dp.join) makes the same allreduce on zeros: `_in_place_shadow`.
+    _handshake(
+        backend, header + _PAD[:INLINE_BYTES], x, op, scale, partial(_in_place_shadow, x, op, scale)
+    )
     backend.allreduce(x.reshape(-1), engine_op)
     total = 1.0 if scale is None else scale
     if op == "avg":
@@ -146,6 +134,22 @@ def _in_place(x: np.ndarray, op: str, scale: Any) -> Any:
     if total != 1:
         scale_in_place(x.reshape(-1), total)
     return x
+
+
+def _handshake(
+    backend: Backend, record: bytes, x: Any, op: str, scale: Any, shadow: Callable[[bool], Shadow]
+) -> tuple[np.ndarray, bytes]:
+    """Gather every rank's record (as `checks.exchange`, with less Python); return the rows."""
+    size = backend.size
+    rows = np.empty(size * RECORD_BYTES, np.uint8)
+    backend.allgather(np.frombuffer(record, np.uint8), rows)
+    raw, h = rows.tobytes(), record[:8]
+    for start in range(0, len(raw), RECORD_BYTES):
+        if raw[start : start + 8] != h:
+            described = lambda: _describe(x, op, scale)[1]()  # noqa: E731 (only on a mismatch)
+            disagree(backend, rows.reshape(size, RECORD_BYTES), described, shadow=shadow)
+            break
+    return rows, raw
 
 
 def _in_place_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
