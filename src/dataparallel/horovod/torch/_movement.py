@@ -7,7 +7,6 @@ process set's group. Roots are world ranks, as in Horovod, translated to the gro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -60,12 +59,7 @@ def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Concatenate every process's `tensor` along the first axis (which may differ per rank)."""
-    check_tensor(tensor)
-
-    def forward(t: torch.Tensor) -> torch.Tensor:
-        return _handles.blocking("allgather", name, lambda: _gather([t], process_set))[0]
-
-    return through(forward, lambda g: _gather_grads([g], [tensor], process_set)[0], tensor)
+    return grouped_allgather([tensor], name, process_set)[0]
 
 
 def grouped_allgather_async(
@@ -155,10 +149,7 @@ def broadcast_async(
 ) -> int:
     """Start copying `root_rank`'s `tensor` to every process; the input is not modified."""
     check_tensor(tensor)
-    output = tensor.detach().clone()
-    return _handles.submit(
-        "broadcast", name, lambda: _start_broadcast(output, root_rank, process_set, wait=False)
-    )
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
 
 
 def broadcast_async_(
@@ -184,9 +175,7 @@ def broadcast(
     check_tensor(tensor)
 
     def forward(t: torch.Tensor) -> torch.Tensor:
-        output = t.detach().clone()
-        start = partial(_start_broadcast, output, root_rank, process_set, wait=True)
-        return _handles.blocking("broadcast", name, start)
+        return broadcast_(t.detach().clone(), root_rank, name, process_set)
 
     def backward(g: torch.Tensor) -> torch.Tensor:  # Horovod's: averaged, on the root only
         reduced = allreduce(g, op=Average, process_set=process_set)

@@ -136,9 +136,7 @@ def copy_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _allreduce_async(
-    kind: str,
-    inputs: list[torch.Tensor],
-    outputs: list[torch.Tensor],
+    tensors: list[torch.Tensor],
     name: str | None,
     op: int,
     pre: float,
@@ -146,14 +144,15 @@ def _allreduce_async(
     ps: ProcessSet,
     single: bool,
 ) -> int:
-    for t in inputs:
+    """Queue an allreduce of `tensors`, in place; the handle returns them (or the one)."""
+    for t in tensors:
         check_tensor(t)
 
     def start() -> _handles.Started:
-        started = _start_allreduce(outputs, op, pre, post, ps, wait=False)
+        started = _start_allreduce(tensors, op, pre, post, ps, wait=False)
         return _handles.Then(started, lambda out: out[0] if single else out)
 
-    return _handles.submit(kind, name, start)
+    return _handles.submit("allreduce", name, start)
 
 
 def allreduce_async(
@@ -171,16 +170,13 @@ def allreduce_async(
     """
     op = average_or_op(op, average)
     check_tensor(tensor)
-    return _allreduce_async(
-        "allreduce",
-        [tensor],
-        [copy_of(tensor)],
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        single=True,
+    return allreduce_async_(
+        copy_of(tensor),
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
     )
 
 
@@ -196,15 +192,7 @@ def allreduce_async_(
     """Start reducing `tensor` in place; `synchronize(handle)` returns it."""
     op = average_or_op(op, average)
     return _allreduce_async(
-        "allreduce",
-        [tensor],
-        [tensor],
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        single=True,
+        [tensor], name, op, prescale_factor, postscale_factor, process_set, single=True
     )
 
 
@@ -225,18 +213,15 @@ def allreduce(
     """
     op = average_or_op(op, average)
     check_tensor(tensor)
-    compressed, ctx = compress(compression, tensor)
-    pre, post, ps = prescale_factor, postscale_factor, process_set
-
-    def forward(t: torch.Tensor) -> torch.Tensor:
-        outputs = [copy_of(t)]
-        start = partial(_start_allreduce, outputs, op, pre, post, ps, True)
-        return _handles.blocking("allreduce", name, start)[0]
-
-    def backward(g: torch.Tensor) -> torch.Tensor:  # Horovod's: the same reduction
-        return allreduce(g, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
-
-    return decompress(compression, through(forward, backward, compressed), ctx)
+    return grouped_allreduce(
+        [tensor],
+        name=name,
+        compression=compression,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )[0]
 
 
 def allreduce_(
@@ -268,16 +253,13 @@ def grouped_allreduce_async(
     op = average_or_op(op, average)
     for t in tensors:
         check_tensor(t)
-    return _allreduce_async(
-        "allreduce",
-        list(tensors),
+    return grouped_allreduce_async_(
         [copy_of(t) for t in tensors],
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        single=False,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
     )
 
 
@@ -293,15 +275,7 @@ def grouped_allreduce_async_(
     """Start reducing a list of tensors in place, in one fused call."""
     op = average_or_op(op, average)
     return _allreduce_async(
-        "allreduce",
-        list(tensors),
-        list(tensors),
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        single=False,
+        list(tensors), name, op, prescale_factor, postscale_factor, process_set, single=False
     )
 
 
@@ -327,7 +301,7 @@ def grouped_allreduce(
         start = partial(_start_allreduce, outputs, op, pre, post, ps, True)
         return list(_handles.blocking("allreduce", name, start))
 
-    def backward(*gs: torch.Tensor) -> list[torch.Tensor]:
+    def backward(*gs: torch.Tensor) -> list[torch.Tensor]:  # Horovod's: the same reduction
         return grouped_allreduce(
             list(gs), op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
         )

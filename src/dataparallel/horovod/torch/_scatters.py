@@ -78,17 +78,9 @@ def reducescatter(
     Rank r of the set keeps `n // size` rows, one more when `r < n % size` (Horovod's split).
     """
     check_tensor(tensor)
-    compressed, ctx = compress(compression, tensor)
-    pre, post, ps = prescale_factor, postscale_factor, process_set
-
-    def forward(t: torch.Tensor) -> torch.Tensor:
-        start = partial(_start_reducescatter, [t], op, pre, post, ps)
-        return _handles.blocking("reducescatter", name, start)[0]
-
-    def backward(g: torch.Tensor) -> torch.Tensor:
-        return _scatter_grad(g, op, pre, post, ps)
-
-    return decompress(compression, through(forward, backward, compressed), ctx)
+    return grouped_reducescatter(
+        [tensor], name, compression, op, process_set, prescale_factor, postscale_factor
+    )[0]
 
 
 def _scatter_grad(
