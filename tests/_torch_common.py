@@ -47,6 +47,24 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x) - y) ** 2).mean()
 
 
+def step_pair(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = loss_of,
+) -> None:
+    """One step of `model` on this rank's share of `(x, y)`, and of `reference` on all of it."""
+    opt.zero_grad()
+    loss(model, share(x), share(y)).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    loss(reference, x, y).backward()
+    ref_opt.step()
+
+
 def gathered(tensors: list[torch.Tensor]) -> list[list[np.ndarray]]:
     """Every rank's copy of `tensors`, as NumPy arrays, in rank order."""
     return dp.allgather_object([t.detach().numpy().copy() for t in tensors])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from _families import ARRAY_FAMILIES, FLOATING, Family, as_float, usable
-from _torch_common import OPTIMIZERS, global_batch, loss_of, make_model, share
+from _torch_common import OPTIMIZERS, global_batch, loss_of, make_model, share, step_pair
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend, ReduceOp
@@ -233,12 +233,7 @@ def test_distributed_optimizer_with_compression_trains_as_one_process(
     tol = 2e-3 if name == "fp16" else 2e-2
     for step in range(3):
         x, y = global_batch(step)
-        opt.zero_grad()
-        loss_of(model, share(x), share(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference, x, y).backward()
-        ref_opt.step()
+        step_pair(model, opt, reference, ref_opt, x, y)
         for got, want in zip(model.parameters(), reference.parameters(), strict=True):
             assert got.grad is not None and got.grad.dtype == torch.float32
             torch.testing.assert_close(got.grad, want.grad, rtol=tol, atol=tol)

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from _torch_common import assert_same_on_every_rank, share
+from _torch_common import assert_same_on_every_rank, share, step_pair
 from torch import nn
 
 import dataparallel as dp
@@ -54,12 +54,7 @@ def train_both(
 ) -> None:
     for step in range(steps):
         ids, y = batch(step)
-        opt.zero_grad()
-        loss_of(model, share(ids), share(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference, ids, y).backward()
-        ref_opt.step()
+        step_pair(model, opt, reference, ref_opt, ids, y, loss_of)
         grad, want = model.embed.weight.grad, reference.embed.weight.grad
         assert grad is not None and want is not None
         torch.testing.assert_close(grad.to_dense(), want.to_dense())

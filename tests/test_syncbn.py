@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from _torch_common import assert_same_on_every_rank, global_batch, loss_of, share
+from _torch_common import assert_same_on_every_rank, global_batch, step_pair
 from torch import nn
 
 import dataparallel as dp
@@ -165,12 +165,7 @@ def test_a_model_converted_and_trained_under_data_parallel_model_equals_one_proc
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         x, y = global_batch(step)
-        opt.zero_grad()
-        loss_of(model, share(x), share(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference, x, y).backward()
-        ref_opt.step()
+        step_pair(model, opt, reference, ref_opt, x, y)
         for got, want in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(got.grad, want.grad)
     mine_state, ref_state = model.module.state_dict(), reference.state_dict()

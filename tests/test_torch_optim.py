@@ -27,6 +27,7 @@ from _torch_common import (
     loss_of,
     make_model,
     share,
+    step_pair,
 )
 from torch import nn
 
@@ -55,12 +56,7 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(
     initial = [p.detach().clone() for p in model.parameters()]
     for step in range(4):
         x, y = global_batch(step)
-        opt.zero_grad()
-        loss_of(model, share(x), share(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference, x, y).backward()
-        ref_opt.step()
+        step_pair(model, opt, reference, ref_opt, x, y)
         for got, want in zip(grads(model), grads(reference), strict=True):
             torch.testing.assert_close(got, want)
     for got, want, before in zip(model.parameters(), reference.parameters(), initial, strict=True):
