@@ -32,6 +32,7 @@ from pathlib import Path
 
 from dataparallel.config import RUN_DIR_VARIABLE
 from dataparallel.errors import BackendUnavailableError
+from dataparallel.launch._deaths import FirstDeaths
 from dataparallel.launch._output import Output, pump
 from dataparallel.launch._process import EXIT_TIMEOUT, GRACE_SECONDS, Signals, exit_status, warn
 from dataparallel.launch._rundir import RunDir, signal_name
@@ -127,7 +128,8 @@ def run_mpi(
     env[RUN_DIR_VARIABLE] = run_dir.path
     try:
         job = _Job(mpi_command(mpiexec, n, target, hostfile), env, n, run_dir)
-        status = job.run(timeout)
+        with FirstDeaths(run_dir) as deaths:
+            status = job.run(timeout)
         if job.stopped:
             return status
         # Every rank's note can be read only when every rank ran on this machine.
@@ -141,7 +143,7 @@ def run_mpi(
                 warn(problem)
                 return 1
             return status
-        return job.killed(status) if signalled else status
+        return job.killed(status, deaths.first) if signalled else status
     finally:
         run_dir.remove()
 
@@ -219,12 +221,18 @@ class _Job:
                 self._stop(proc, None)
                 return None
 
-    def killed(self, signum: int) -> int:
-        """Name the rank that a signal killed (by its pid) and return 128 + the signal."""
+    def killed(self, signum: int, first: list[int]) -> int:
+        """Name the rank that a signal killed and return 128 + the signal.
+
+        `first` are the ranks the launcher saw die first (`FirstDeaths`): one, or several when
+        mpiexec killed the others before the launcher looked. Without them, the pid in mpiexec's
+        report names the rank (it may name one it killed itself: it names the lowest).
+        """
         ranks = {pid: rank for rank, pid in self.run_dir.local_pids().items()}
-        named = sorted({ranks[pid] for pid in self.killed_pids if pid in ranks})
-        who = "rank " + ", ".join(map(str, named)) if named else "a rank"
-        warn(f"{who} was killed by signal {signum} ({signal_name(signum)}).")
+        named = first or sorted({ranks[pid] for pid in self.killed_pids if pid in ranks})
+        who = "rank " + " or ".join(map(str, named)) if named else "a rank"
+        also = " (mpiexec ended the others at the same moment)" if len(named) > 1 else ""
+        warn(f"{who} was killed by signal {signum} ({signal_name(signum)}){also}.")
         return 128 + signum
 
     def _stop(self, proc: subprocess.Popen[bytes], signum: int | None) -> None:
