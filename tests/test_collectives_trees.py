@@ -121,6 +121,74 @@ def test_three_hundred_leaves_of_mixed_dtypes_and_families(rank: int, size: int)
             assert leaf is x[key]
 
 
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict"])
+def test_trees_of_numpy_arrays_reduce_as_the_general_path(
+    rank: int, size: int, op: str, dtype: Any, kind: str
+) -> None:
+    """Lists, tuples and dicts of one dtype take a plan (`_fast._tree`): same results, written
+    in place (non-contiguous arrays too), new arrays for read-only ones, called again safely."""
+    if op == "avg" and np.dtype(dtype).kind == "i":
+        return  # an integer average is refused (tested with the errors)
+    from dataparallel import world
+
+    def arrays(step: int) -> list[np.ndarray]:
+        wide = np.full((4, 6), rank + step + 1, dtype)
+        strided = wide[:, ::2]  # every other column: written back through its strides
+        frozen = np.full(5, 2 - rank % 2, dtype)
+        frozen.flags.writeable = False
+        return [np.full(40, rank + 1, dtype), strided, np.full((2, 3), step + 1, dtype), frozen]
+
+    def tree_of(xs: list[np.ndarray]) -> Any:
+        return (
+            {"a": xs[0], "b": {"s": xs[1], "c": xs[2]}, "z": xs[3]}
+            if kind == "dict"
+            else (list(xs) if kind == "list" else tuple(xs))
+        )
+
+    def leaves(tree: Any) -> list[Any]:
+        return [tree["a"], tree["b"]["s"], tree["b"]["c"], tree["z"]] if kind == "dict" else tree
+
+    for step in range(3):  # the first call makes the plan, the next ones use it
+        xs = arrays(step)
+        general = dp.allreduce(tree_of([torch.from_numpy(x.copy()) for x in xs]), op=op)
+        out = dp.allreduce(tree_of(xs), op=op)
+        assert type(out) is type(tree_of(xs)) and (kind != "dict" or list(out) == ["a", "b", "z"])
+        for got, x, want in zip(leaves(out), xs, leaves(general), strict=True):
+            np.testing.assert_array_equal(got, want.numpy(), strict=True)
+            assert (got is x) == x.flags.writeable  # in place, or new when read-only
+    assert (
+        any(
+            key[0] is {"list": list, "tuple": tuple, "dict": dict}[kind]
+            for key in world.current().plans
+        )
+        or size == 1
+    )
+    plan_buffers = [plan.buf for plan in world.current().plans.values() if plan is not None]
+    assert not any(np.shares_memory(leaf, buf) for leaf in leaves(out) for buf in plan_buffers)
+
+
+@pytest.mark.parametrize("bucket", ["bucket-larger", "bucket-smaller"])
+def test_a_tree_past_the_plan_limit_takes_the_general_path(
+    rank: int, size: int, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan is one bucket of at most `PLAN_BYTES`: larger trees go the general path's way."""
+    from dataparallel import world
+    from dataparallel.collectives._fast import PLAN_BYTES
+
+    active = world.current()
+    limit = 4 * PLAN_BYTES if bucket == "bucket-larger" else PLAN_BYTES // 4
+    monkeypatch.setattr(
+        active, "settings", dataclasses.replace(active.settings, bucket_bytes=limit)
+    )
+    big = [np.full(min(limit, PLAN_BYTES) // 8, rank + 1.0), np.ones(3)]
+    out = dp.allreduce(big)
+    assert out[0] is big[0] and out[0][-1] == size * (size + 1) / 2 and out[1][0] == size
+    shapes = (big[0].shape, big[1].shape)
+    assert all(plan is None for key, plan in active.plans.items() if key[3] == shapes)
+
+
 def test_non_contiguous_inputs_are_reduced_and_written_back_in_place(rank: int, size: int) -> None:
     base = np.arange(24, dtype=np.float64).reshape(4, 6) + 100 * rank
     strided = base[:, ::2]  # every other column: not contiguous

@@ -385,6 +385,33 @@ def test_the_in_place_lane_and_the_general_path_make_the_same_call(
     assert_usable(size)
 
 
+@pytest.mark.parametrize("check", [True, False], ids=["checks-on", "checks-off"])
+@pytest.mark.parametrize("kind", [list, dict])
+def test_the_tree_lane_and_the_general_path_make_the_same_call(
+    rank: int, size: int, faulty: int, kind: type, check: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree of NumPy arrays (one plan) on most ranks, one torch leaf (general path) on one."""
+    active = world_module.current()
+    monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, check=check))
+
+    def tree_of(arrays: list[Any]) -> Any:
+        return arrays if kind is list else {f"layer{i}": a for i, a in enumerate(arrays)}
+
+    arrays = [np.full(n, rank + 1.0, np.float32) for n in (20, 1, 33)]
+    if rank == faulty:
+        arrays[1] = torch.from_numpy(arrays[1])
+    out = dp.allreduce(tree_of(arrays), op="avg", scale=2)
+    mean = 2 * sum(r + 1.0 for r in range(size)) / size
+    for got, n in zip(out if kind is list else out.values(), (20, 1, 33), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.full(n, mean, np.float32), rtol=1e-6)
+    # A mismatch is found whichever path each rank took, and whatever differs.
+    y = [np.ones(20, np.float32), np.ones(3 + (rank == faulty), np.float32)]
+    assert outcome(lambda: dp.allreduce(tree_of(y))) == "CollectiveMismatchError"
+    z = [np.ones(20, np.float32), np.ones(3, np.float64 if rank == faulty else np.float32)]
+    assert outcome(lambda: dp.allreduce(tree_of(z))) == "CollectiveMismatchError"
+    assert_usable(size)
+
+
 # -- large worlds: the handshake is an allreduce ------------------------------------------------
 
 

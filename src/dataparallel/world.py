@@ -54,6 +54,7 @@ class World:
     pending: list[Any] = field(default_factory=list)  # dp.Request objects not yet waited on
     buffers: BufferPool = field(default_factory=BufferPool)
     recording: Timeline | None = None
+    plans: dict[Any, Any] = field(default_factory=dict)  # calls made often (collectives/_fast.py)
 
     @property
     def timeline(self) -> Timeline | None:

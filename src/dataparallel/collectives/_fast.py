@@ -12,14 +12,23 @@ One larger contiguous float32/float64 array under `sum`, `avg` or `prod` takes a
 (`_in_place`): the handshake without payload, then the one in-place allreduce the general path
 would make for it, skipping the same Python (about 25 µs a call).
 
-Anything else (trees, other dtypes, min/max of large arrays, GPU arrays, a timeline, debug logs,
-a world of one or of many) takes the general path, which also raises the errors.
+A list, tuple or dict of plain NumPy arrays of one dtype under `sum`, `avg` or `prod`, too large
+to travel in the handshake and at most `PLAN_BYTES` in all, takes a third lane (`_tree`): a plan
+per tree structure, made once by the general path and kept by the world (`World.plans`), holds
+the call's hash, a buffer and each leaf's view of it, so a call is one `np.concatenate` into the
+buffer, the handshake, the one `Allreduce` the general path's single bucket would make, and one
+copy back per leaf (200 arrays of 64 floats: 0.11 us a leaf, against about 2 us a leaf of
+records, fusion and write-back on the general path).
+
+Anything else (nested trees, mixed dtypes, min/max of large arrays, GPU arrays, a timeline,
+debug logs, a world of one or of many) takes the general path, which also raises the errors.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
 
@@ -44,9 +53,11 @@ from dataparallel.engine.fusion import scale_in_place
 from dataparallel.engine.inline import combine_rows
 from dataparallel.engine.shadow import Shadow
 
-__all__ = ["NOT_FAST", "small_allreduce"]
+__all__ = ["NOT_FAST", "PLAN_BYTES", "fast_allreduce"]
 
-NOT_FAST = object()  # what `small_allreduce` returns for a call it leaves to the general path
+NOT_FAST = object()  # what `fast_allreduce` returns for a call it leaves to the general path
+PLAN_BYTES = 1 << 20  # trees up to this size get a plan, and keep its buffer
+_PLANS_KEPT = 32  # plans a world keeps (the oldest goes first)
 
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
 _FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
@@ -57,7 +68,7 @@ _PAD = bytes(RECORD_BYTES)
 _HEADERS: dict[tuple[Any, ...], bytes] = {}
 
 
-def small_allreduce(x: Any, op: str, scale: Any) -> Any:
+def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
     """Return `dp.allreduce(x, op, scale=scale)` on the active world, or `NOT_FAST`."""
     kind = type(x)
     if kind is float:
@@ -66,6 +77,8 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
         dtype = x.dtype
         if dtype not in _DTYPES or not x.flags.c_contiguous or not x.flags.writeable:
             return NOT_FAST
+    elif kind is list or kind is tuple or kind is dict:
+        dtype = None
     else:
         return NOT_FAST
     active = world.current()
@@ -76,6 +89,8 @@ def small_allreduce(x: Any, op: str, scale: Any) -> Any:
     ufunc = _UFUNCS.get(op)
     if not inline_capacity(size) or ufunc is None or type(scale) not in _SCALES:
         return NOT_FAST
+    if dtype is None:
+        return _tree(x, kind, op, scale, active) if op in _IN_PLACE_OPS else NOT_FAST
     if dtype not in _FLOATS and (op == "avg" or scale is not None):
         return NOT_FAST  # integer rules (and their errors) are the general path's
     if kind is np.ndarray and x.nbytes > INLINE_BYTES:
@@ -116,14 +131,100 @@ def _in_place(x: np.ndarray, op: str, scale: Any, active: world.World) -> Any:
     backend = active.backend
     action = _reduction(op, scale, backend.size)
     header = _header(np.ndarray, x, op, scale, active.settings.check)
-    # A rank that has joined (dp.join) makes the same allreduce on zeros: `_in_place_shadow`.
+    # A rank that has joined (dp.join) makes the same allreduce on zeros: `_fused_shadow`.
     _handshake(
-        backend, header + _PAD[:INLINE_BYTES], x, op, scale, partial(_in_place_shadow, x, op, scale)
+        backend, header + _PAD[:INLINE_BYTES], x, op, scale, partial(_fused_shadow, x, op, scale)
     )
     backend.allreduce(x.reshape(-1), action.op)
     if action.scale is not None:
         scale_in_place(x.reshape(-1), action.scale)
     return x
+
+
+@dataclass(slots=True)
+class _Plan:
+    """How a tree of one structure is reduced: made once (`_plan`), used by every call."""
+
+    record: bytes  # the handshake record: the call's hash, no payload
+    action: Reduction
+    buf: np.ndarray  # the tree's values, packed in leaf order (as the general path's bucket)
+    views: list[np.ndarray]  # each leaf's place in `buf`, in its shape
+    spec: Any  # the structure of a dict (None for a list or a tuple)
+
+
+def _tree(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
+    """Reduce a list, tuple or dict of NumPy arrays of one dtype with its plan (`_Plan`)."""
+    if kind is dict:
+        flat = tree.flatten(x, "x")
+        leaves, spec = flat.leaves, flat.spec
+    else:
+        leaves, spec = x, None
+    if len(leaves) < 2 or type(leaves[0]) is not np.ndarray:
+        return NOT_FAST
+    dtype = leaves[0].dtype
+    for leaf in leaves:
+        if type(leaf) is not np.ndarray or leaf.dtype is not dtype:
+            return NOT_FAST
+    settings = active.settings
+    shapes = tuple([leaf.shape for leaf in leaves])
+    key = (kind, spec, dtype, shapes, op, scale, settings.check, settings.bucket_bytes)
+    plans = active.plans
+    plan = plans.get(key, NOT_FAST)
+    if plan is NOT_FAST:
+        plan = _plan(x, leaves, op, scale, active)
+        if len(plans) >= _PLANS_KEPT:
+            del plans[next(iter(plans))]
+        plans[key] = plan
+    if plan is None:
+        return NOT_FAST
+    buf, backend = plan.buf, active.backend
+    np.concatenate(leaves, axis=None, out=buf)
+    _handshake(backend, plan.record, x, op, scale, partial(_fused_shadow, x, op, scale))
+    backend.allreduce(buf, plan.action.op)
+    if plan.action.scale is not None:
+        scale_in_place(buf, plan.action.scale)
+    results = leaves
+    try:
+        for leaf, view in zip(leaves, plan.views, strict=True):
+            leaf[...] = view
+    except ValueError:  # a read-only array: a new one instead, as the general path gives
+        results = [
+            leaf if leaf.flags.writeable else view.copy()
+            for leaf, view in zip(leaves, plan.views, strict=True)
+        ]
+        for leaf, view in zip(results, plan.views, strict=True):
+            if leaf is not view:
+                leaf[...] = view
+    return tree.unflatten(spec, results) if spec is not None else kind(results)
+
+
+def _plan(x: Any, leaves: list[Any], op: str, scale: Any, active: world.World) -> _Plan | None:
+    """Make the plan of `x`'s calls (`leaves`: its arrays), or None for the general path's."""
+    dtype = leaves[0].dtype
+    if dtype not in _DTYPES or (dtype not in _FLOATS and (op == "avg" or scale is not None)):
+        return None
+    total = sum(leaf.nbytes for leaf in leaves)
+    if total > min(PLAN_BYTES, active.settings.bucket_bytes):
+        return None  # the general path would make more than one bucket
+    try:
+        action = _reduction(op, scale, active.backend.size)
+    except Exception:
+        return None  # the general path raises the error, on every rank
+    flat = tree.flatten(x, "x")
+    records = leaves_of(flat)
+    stage(records)
+    if inline_fits(active, records):
+        return None  # the values travel in the handshake, as small calls
+    args = {"op": op, "scale": None if scale is None else float(scale)}
+    summary, _ = describe(active, "allreduce", flat, records, args, True, False)
+    header = digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8)
+    buf = np.empty(total // dtype.itemsize, dtype)
+    views, offset = [], 0
+    for leaf in leaves:
+        views.append(buf[offset : offset + leaf.size].reshape(leaf.shape))
+        offset += leaf.size
+    spec = flat.spec if type(x) is dict else None
+    return _Plan(header + _PAD[:INLINE_BYTES], action, buf, views, spec)
 
 
 @lru_cache(maxsize=64)
@@ -148,8 +249,8 @@ def _handshake(
     return rows, raw
 
 
-def _in_place_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
-    """What `_in_place` sends after the handshake, as the general path describes it."""
+def _fused_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
+    """What `_in_place` and `_tree` send after the handshake, as the general path describes it."""
     ctx = world.current()
     leaves = leaves_of(tree.flatten(x, "x"))
     stage(leaves)

@@ -22,7 +22,7 @@ from dataparallel.collectives._call import (
     run,
     stage,
 )
-from dataparallel.collectives._fast import NOT_FAST, small_allreduce
+from dataparallel.collectives._fast import NOT_FAST, fast_allreduce
 from dataparallel.collectives.requests import Request
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
@@ -202,7 +202,7 @@ def allreduce(
     {'w': array([1., 1.]), 'n': 3.0}
     """
     if backend is None and group is None and compression is None:
-        result = small_allreduce(x, op, scale)
+        result = fast_allreduce(x, op, scale)
         if result is not NOT_FAST:
             return result
     fusion, finish, _ = _start_reduction(
