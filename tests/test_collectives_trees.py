@@ -169,6 +169,28 @@ def test_trees_of_numpy_arrays_reduce_as_the_general_path(
     assert not any(np.shares_memory(leaf, buf) for leaf in leaves(out) for buf in plan_buffers)
 
 
+@pytest.mark.parametrize("op", ["sum", "avg", "prod", "min", "max"])
+@pytest.mark.parametrize("kind", [list, tuple, dict])
+def test_a_few_floats_reduce_in_the_handshake_as_the_general_path(
+    rank: int, size: int, op: str, kind: type
+) -> None:
+    """Metrics: Python floats in a container take `_fast._numbers`; NumPy scalars, the general
+    path. Both give Python floats back, with the same values."""
+    values = [rank + 0.5, -1.0 / (rank + 3), float("nan") if rank == size - 1 else 2.0]
+
+    def tree_of(xs: list[Any]) -> Any:
+        return {"c": xs[0], "a": xs[1], "b": xs[2]} if kind is dict else kind(xs)
+
+    for scale in (None, 0.5):
+        out = dp.allreduce(tree_of(values), op=op, scale=scale)
+        general = dp.allreduce(tree_of([np.float64(v) for v in values]), op=op, scale=scale)
+        assert type(out) is kind and all(type(v) is float for v in optree.tree_leaves(out))
+        got, want = optree.tree_leaves(out), optree.tree_leaves(general)
+        np.testing.assert_array_equal(np.array(got), np.array(want, np.float64), strict=True)
+    if kind is dict:
+        assert list(out) == ["c", "a", "b"]
+
+
 @pytest.mark.parametrize("bucket", ["bucket-larger", "bucket-smaller"])
 def test_a_tree_past_the_plan_limit_takes_the_general_path(
     rank: int, size: int, bucket: str, monkeypatch: pytest.MonkeyPatch

@@ -412,6 +412,22 @@ def test_the_tree_lane_and_the_general_path_make_the_same_call(
     assert_usable(size)
 
 
+@pytest.mark.parametrize("op", ["avg", "min"])
+def test_metrics_in_the_handshake_and_the_general_path_agree_bit_for_bit(
+    rank: int, size: int, faulty: int, op: str
+) -> None:
+    """A dict of Python floats (one plan) on most ranks, NumPy scalars (general path) on one."""
+    mine = {"loss": (rank + 1) / 3, "acc": 0.1 * rank, "n": float("nan") if rank == faulty else 7.0}
+    x = {k: np.float64(v) for k, v in mine.items()} if rank == faulty else mine
+    out = dp.allreduce(x, op=op, scale=3)
+    bits = [np.float64(out[k]).tobytes() for k in sorted(out)]
+    assert dp.allgather_object(bits) == [bits] * size  # every rank, either path: the same bits
+    assert np.isnan(out["n"])  # NaN wins under min, and sums to NaN
+    y = {"loss": 1.0, "acc": 2.0} if rank == faulty else {"loss": 1.0, "accuracy": 2.0}
+    assert outcome(lambda: dp.allreduce(y)) == "CollectiveMismatchError"
+    assert_usable(size)
+
+
 # -- large worlds: the handshake is an allreduce ------------------------------------------------
 
 

@@ -54,6 +54,8 @@ def test_allreduce_averages_over_the_world_with_zeros_from_joined_ranks(
             assert tree["n"] == sum(live)
             big = dp.allreduce(np.full(500, rank + 1.0))  # in place, past the handshake
             np.testing.assert_array_equal(big, np.full(500, sum(r + 1.0 for r in live)))
+            metrics = dp.allreduce({"a": rank + 1.0, "b": 1.0})  # floats in the handshake
+            assert metrics == {"a": sum(r + 1.0 for r in live), "b": float(len(live))}
             arrays = dp.allreduce([np.full(40, rank + 1.0), np.ones((3, 4))])  # a planned tree
             np.testing.assert_array_equal(arrays[0], np.full(40, sum(r + 1.0 for r in live)))
             np.testing.assert_array_equal(arrays[1], np.full((3, 4), len(live)))

@@ -90,7 +90,7 @@ def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
     if not inline_capacity(size) or ufunc is None or type(scale) not in _SCALES:
         return NOT_FAST
     if dtype is None:
-        return _tree(x, kind, op, scale, active) if op in _IN_PLACE_OPS else NOT_FAST
+        return _tree(x, kind, op, scale, active)
     if dtype not in _FLOATS and (op == "avg" or scale is not None):
         return NOT_FAST  # integer rules (and their errors) are the general path's
     if kind is np.ndarray and x.nbytes > INLINE_BYTES:
@@ -159,7 +159,11 @@ def _tree(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
         leaves, spec = flat.leaves, flat.spec
     else:
         leaves, spec = x, None
-    if len(leaves) < 2 or type(leaves[0]) is not np.ndarray:
+    if len(leaves) < 2:
+        return NOT_FAST
+    if type(leaves[0]) is float:
+        return _numbers(x, kind, leaves, spec, op, scale, active)
+    if type(leaves[0]) is not np.ndarray or op not in _IN_PLACE_OPS:
         return NOT_FAST
     dtype = leaves[0].dtype
     for leaf in leaves:
@@ -196,6 +200,57 @@ def _tree(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
             if leaf is not view:
                 leaf[...] = view
     return tree.unflatten(spec, results) if spec is not None else kind(results)
+
+
+def _numbers(
+    x: Any, kind: type, leaves: list[Any], spec: Any, op: str, scale: Any, active: world.World
+) -> Any:
+    """Reduce a few Python floats (metrics) in the handshake: the general path's inline call."""
+    n = len(leaves)
+    if n * 8 > INLINE_BYTES:
+        return NOT_FAST
+    for leaf in leaves:
+        if type(leaf) is not float:
+            return NOT_FAST
+    settings = active.settings
+    key = ("numbers", kind, spec, n, op, scale, settings.check, settings.bucket_bytes)
+    plans = active.plans
+    plan = plans.get(key, NOT_FAST)
+    if plan is NOT_FAST:
+        plan = _numbers_plan(x, op, scale, active)
+        if len(plans) >= _PLANS_KEPT:
+            del plans[next(iter(plans))]
+        plans[key] = plan
+    if plan is None:
+        return NOT_FAST
+    header, action = plan
+    payload = struct.pack(f"<{n}d", *leaves)
+    rows, _ = _handshake(
+        active.backend, header + payload + _PAD[: INLINE_BYTES - 8 * n], x, op, scale, _nothing
+    )
+    size = active.backend.size
+    values = rows.reshape(size, RECORD_BYTES)[:, HEADER_BYTES : HEADER_BYTES + 8 * n]
+    out = combine_rows(_UFUNCS[op], values.view(np.float64))  # as `engine.inline`, leaf by leaf
+    if action.scale is not None:
+        scale_in_place(out, action.scale)
+    results = out.tolist()
+    return tree.unflatten(spec, results) if spec is not None else kind(results)
+
+
+def _numbers_plan(x: Any, op: str, scale: Any, active: world.World) -> tuple[bytes, Any] | None:
+    """Return the header and reduction of `_numbers`' calls, or None for the general path's."""
+    try:
+        action = _reduction(op, scale, active.backend.size)
+    except Exception:
+        return None  # the general path raises the error, on every rank
+    flat = tree.flatten(x, "x")
+    records = leaves_of(flat)
+    stage(records)
+    if not inline_fits(active, records) or any(r.dtype != "float64" for r in records):
+        return None
+    args = {"op": op, "scale": None if scale is None else float(scale)}
+    summary, _ = describe(active, "allreduce", flat, records, args, True, True)
+    return digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8), action
 
 
 def _plan(x: Any, leaves: list[Any], op: str, scale: Any, active: world.World) -> _Plan | None:
