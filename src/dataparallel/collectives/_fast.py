@@ -116,11 +116,15 @@ def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
             else:
                 acc = float(ufunc(acc, value))  # NaN wins, as in NumPy
         return acc * total if total != 1 else acc
-    rows2 = rows.reshape(size, RECORD_BYTES)
-    out = combine_rows(ufunc, rows2[:, HEADER_BYTES : HEADER_BYTES + len(payload)].view(dtype))
+    # Combined into `x` as `combine_rows` combines, rank after rank (views of 1-D slices: about
+    # 1 us less than rows of a 2-D view, a new array and a copy back).
+    columns, out = rows.view(dtype), x.reshape(-1)
+    per, first, n = RECORD_BYTES // dtype.itemsize, HEADER_BYTES // dtype.itemsize, x.size
+    ufunc(columns[first : first + n], columns[per + first : per + first + n], out=out)
+    for start in range(2 * per + first, size * per, per):
+        ufunc(out, columns[start : start + n], out=out)
     if total != 1:
         scale_in_place(out, total)
-    x.reshape(-1)[...] = out
     return x
 
 
