@@ -1,10 +1,13 @@
-"""Which rank of this machine died first: seen by the launcher itself, before mpiexec's cleanup.
+"""Which rank of this machine died first: seen by the launcher itself, beside mpiexec's report.
 
 When a rank is killed, Hydra kills the others too, and its report names one pid: not always the
 first to die (under load it named rank 0 after rank 1 was killed, both having status 9). The
 launcher therefore watches the ranks of its machine (their pids come from the run folder) with a
-pidfd each, and notes the ranks that died without an `end` note while others still lived: those
-died first. When every rank is found dead at once, the watcher cannot tell, and says nothing.
+pidfd each, and at the first death notes every rank that is dying or dead without an `end`
+note. A rank counts as dying from the start of its exit (the kernel's PF_EXITING flag), which
+comes before its pipes close, and so before Hydra can notice it and kill the others: the rank
+that died first is always among those noted. Alone, it is named; with others (Hydra was faster
+than the watcher), the launcher names them all as the candidates.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from dataparallel.launch._rundir import RunDir
 __all__ = ["FirstDeaths"]
 
 _POLL_MS = 20  # how often the run folder is read for ranks that just started
+_IDLE_MS = 500  # how often the watcher looks when every rank is watched
 
 
 _PROC = os.path.isdir("/proc/self")
+_PF_EXITING = 0x4  # the kernel's flag of a task that has begun to exit (include/linux/sched.h)
 
 
 def _alive(pid: int) -> bool:
-    """Whether `pid` runs: a zombie is dead too where /proc tells (Linux)."""
+    """Whether `pid` runs: a zombie, or one that has begun to exit, is dead (Linux: /proc)."""
     if not _PROC:
         try:
             os.kill(pid, 0)
@@ -36,17 +41,19 @@ def _alive(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
-            state = file.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
+            fields = file.read().rpartition(b")")[2].split()
+    except OSError:
         return False
-    return state not in (b"Z", b"X")
+    if len(fields) < 7:
+        return False
+    return fields[0] not in (b"Z", b"X") and not int(fields[6]) & _PF_EXITING
 
 
 class FirstDeaths:
     """A daemon thread watching the ranks of this machine until one dies unexplained."""
 
-    def __init__(self, run_dir: RunDir) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: RunDir, n: int) -> None:
+        self.run_dir, self.n = run_dir, n
         self.first: list[int] = []  # the ranks that died first, when the watcher could tell
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dataparallel-deaths", daemon=True)
@@ -71,7 +78,10 @@ class FirstDeaths:
                         with contextlib.suppress(OSError, AttributeError):
                             fds.append(os.pidfd_open(pid))
                             poller.register(fds[-1], select.POLLIN)
-                poller.poll(_POLL_MS)
+                # Every rank of the job seen here: only deaths can wake the watcher now.
+                wait = _POLL_MS if len(watched) < self.n else _IDLE_MS
+                for fd, _ in poller.poll(wait):
+                    poller.unregister(fd)  # a dead rank's pidfd stays readable: once is enough
                 if self._judge(watched):
                     return
         finally:
@@ -79,14 +89,10 @@ class FirstDeaths:
                 os.close(fd)
 
     def _judge(self, watched: dict[int, int]) -> bool:
-        """Note the ranks dead without an `end` note if others live; True once decided."""
+        """Note the ranks dead or dying without an `end` note; True once some are."""
         dead = [rank for rank, pid in watched.items() if not _alive(pid)]
         if not dead:
             return False
         ended = self.run_dir.ends()
-        unexplained = sorted(rank for rank in dead if rank not in ended)
-        if not unexplained:
-            return False  # ranks that finished, or failed in the runner's hands
-        if len(dead) < len(watched):
-            self.first = unexplained
-        return True
+        self.first = sorted(rank for rank in dead if rank not in ended)
+        return bool(self.first)  # else ranks that finished, or failed in the runner's hands

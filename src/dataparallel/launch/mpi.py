@@ -11,6 +11,8 @@ signal N (whose status is then 128 + N, as under Gloo and in shells), and gives 
 folder (`_rundir.py`) where each notes how it ended: a job that mpiexec reports as a success while
 a rank did not finish its script (it left through `os._exit(0)`, and mpiexec quietly killed the
 others) fails with status 1, naming that rank. Ctrl-C goes to the ranks, not through mpiexec.
+Which rank a signal killed is told by the launcher's own watch of the ranks (`_deaths.py`) when
+every rank runs on its machine, since Hydra's report may name a rank it killed itself.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def run_mpi(
     env[RUN_DIR_VARIABLE] = run_dir.path
     try:
         job = _Job(mpi_command(mpiexec, n, target, hostfile), env, n, run_dir)
-        with FirstDeaths(run_dir) as deaths:
+        with FirstDeaths(run_dir, n) as deaths:
             status = job.run(timeout)
         if job.stopped:
             return status
@@ -224,15 +226,24 @@ class _Job:
     def killed(self, signum: int, first: list[int]) -> int:
         """Name the rank that a signal killed and return 128 + the signal.
 
-        `first` are the ranks the launcher saw die first (`FirstDeaths`): one, or several when
-        mpiexec killed the others before the launcher looked. Without them, the pid in mpiexec's
-        report names the rank (it may name one it killed itself: it names the lowest).
+        `first` are the ranks the launcher saw dead or dying at the first death (`FirstDeaths`):
+        the one killed, and any that mpiexec ended before the launcher looked. Without them, or
+        with ranks on other machines, the pid in mpiexec's report names the rank (it may name one
+        it killed itself).
         """
-        ranks = {pid: rank for rank, pid in self.run_dir.local_pids().items()}
+        pids = self.run_dir.local_pids()
+        if len(pids) < self.n:  # ranks elsewhere: the first death may be one the launcher can't see
+            first = []
+        ranks = {pid: rank for rank, pid in pids.items()}
         named = first or sorted({ranks[pid] for pid in self.killed_pids if pid in ranks})
-        who = "rank " + " or ".join(map(str, named)) if named else "a rank"
-        also = " (mpiexec ended the others at the same moment)" if len(named) > 1 else ""
-        warn(f"{who} was killed by signal {signum} ({signal_name(signum)}){also}.")
+        how = f"was killed by signal {signum} ({signal_name(signum)})"
+        if len(named) > 1 and len(named) < len(pids):
+            listed = ", ".join(map(str, named))
+            warn(f"one of ranks {listed} {how}; mpiexec ended the others at the same moment.")
+        elif len(named) > 1:
+            warn(f"a rank {how}; mpiexec ended the others before the launcher could tell which.")
+        else:
+            warn(f"{f'rank {named[0]}' if named else 'a rank'} {how}.")
         return 128 + signum
 
     def _stop(self, proc: subprocess.Popen[bytes], signum: int | None) -> None:
