@@ -115,7 +115,7 @@ def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
                 acc *= value
             else:
                 acc = float(ufunc(acc, value))  # NaN wins, as in NumPy
-        return acc * total if total != 1 else acc
+        return _scaled(acc, total) if total != 1 else acc
     # Combined into `x` as `combine_rows` combines, rank after rank (views of 1-D slices: about
     # 1 us less than rows of a 2-D view, a new array and a copy back).
     columns, out = rows.view(dtype), x.reshape(-1)
@@ -126,6 +126,15 @@ def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
     if total != 1:
         scale_in_place(out, total)
     return x
+
+
+def _scaled(value: float, scale: float) -> float:
+    """`value` scaled as `scale_in_place` scales an array: by the reciprocal of an integer n (an
+    average's 1 / size), a division by n; else a product. Bit for bit the general path's."""
+    divisor = 1.0 / scale if scale else 0.0
+    if divisor == round(divisor) and divisor * scale == 1.0:
+        return value / int(divisor)
+    return value * scale
 
 
 def _in_place(x: np.ndarray, op: str, scale: Any, active: world.World) -> Any:
