@@ -261,8 +261,9 @@ def describe(
     return f"{summary}|{wire}", details
 
 
-def check_root(root: int, backend: Backend) -> None:
-    """Refuse a `root` that is not an integer (`0.0`, `True`, `"0"`) or not a rank of the world."""
+def check_root(root: int, backend: Backend) -> int:
+    """Return `root` as an `int` (`np.int64(1)` is 1: both make the same call); refuse one that
+    is not an integer (`0.0`, `True`, `"0"`) or not a rank of the world."""
     if isinstance(root, bool) or not isinstance(root, numbers.Integral):
         raise TypeError(
             f"root={root!r} is not a rank: give an int from 0 to {backend.size - 1} "
@@ -270,6 +271,7 @@ def check_root(root: int, backend: Backend) -> None:
         )
     if not 0 <= root < backend.size:
         raise ValueError(f"root={root} is not a rank of this world of {backend.size}.")
+    return int(root)
 
 
 def log(ctx: CallContext, message: str) -> None:

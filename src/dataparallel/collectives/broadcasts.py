@@ -33,17 +33,17 @@ def _start_broadcast(
     ctx = context(backend)
     collective = "ibroadcast" if async_op else "broadcast"
 
-    def prepare() -> tuple[tree.Flat, list[Leaf]]:
-        check_root(root, ctx.backend)
+    def prepare() -> tuple[int, tree.Flat, list[Leaf]]:
+        rank = check_root(root, ctx.backend)
         flat = tree.flatten(x, "x")
         leaves = leaves_of(flat)
         stage(leaves)
-        return flat, leaves
+        return rank, flat, leaves
 
-    flat, leaves = prepared(ctx, collective, prepare)
+    rank, flat, leaves = prepared(ctx, collective, prepare)
     inline = inline_fits(ctx, leaves)
-    rows, _ = agree(ctx, collective, flat, leaves, {"root": int(root)}, inline=inline)
-    return (*run(ctx, collective, flat, leaves, Broadcast(root), async_op, rows), ctx)
+    rows, _ = agree(ctx, collective, flat, leaves, {"root": rank}, inline=inline)
+    return (*run(ctx, collective, flat, leaves, Broadcast(rank), async_op, rows), ctx)
 
 
 def broadcast(

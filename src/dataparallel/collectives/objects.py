@@ -18,9 +18,9 @@ def broadcast_object(
 ) -> Any:
     """Return `root`'s `obj` (anything picklable) on every rank."""
     ctx = context(engine_of(backend, group))
-    prepared(ctx, "broadcast_object", lambda: check_root(root, ctx.backend))
-    verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": int(root)})
-    return ctx.backend.broadcast_object(obj, root)
+    rank = prepared(ctx, "broadcast_object", lambda: check_root(root, ctx.backend))
+    verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": rank})
+    return ctx.backend.broadcast_object(obj, rank)
 
 
 def allgather_object(

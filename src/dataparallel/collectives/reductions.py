@@ -53,9 +53,8 @@ def _start_reduction(
     def prepare() -> tuple[tree.Flat, list[Leaf], Reduction, dict[str, Any]]:
         nonlocal wire
         wire = wire_dtype(compression)
-        action = reduction(op, scale, ctx.backend.size, root)
-        if root is not None:
-            check_root(root, ctx.backend)
+        rank = None if root is None else check_root(root, ctx.backend)
+        action = reduction(op, scale, ctx.backend.size, rank)
         flat = tree.flatten(x, name)
         leaves = leaves_of(flat)
         for leaf in leaves:
@@ -64,7 +63,7 @@ def _start_reduction(
                 raise TypeError(f"{flat.path(leaf.index)}: {error}")
         stage(leaves)
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
-        args = {"op": op, "scale": scale_arg} | ({"root": int(root)} if root is not None else {})
+        args = {"op": op, "scale": scale_arg} | ({"root": rank} if rank is not None else {})
         if wire is not None:
             args["compression"] = wire
         return flat, leaves, action, args

@@ -49,10 +49,10 @@ def synchronize_tree(
     """
     ctx = context(backend)
 
-    def prepare() -> tuple[tree.Flat, list[Leaf], list[int], list[tuple[int, Sync]]]:
+    def prepare() -> tuple[int, tree.Flat, list[Leaf], list[int], list[tuple[int, Sync]]]:
         if objects not in _OBJECTS:
             raise ValueError(f"objects={objects!r} is not one of {_OBJECTS}.")
-        check_root(root, ctx.backend)
+        rank = check_root(root, ctx.backend)
         flat = tree.flatten(x, "x")
         arrays: list[Leaf] = []
         others: list[int] = []
@@ -67,22 +67,22 @@ def synchronize_tree(
             except TypeError:
                 others.append(i)
         stage(arrays)
-        return flat, arrays, others, handled
+        return rank, flat, arrays, others, handled
 
-    flat, arrays, others, handled = prepared(ctx, "synchronize", prepare)
+    rank, flat, arrays, others, handled = prepared(ctx, "synchronize", prepare)
     values: list[Any] = list(flat.leaves)
-    args = {"root": int(root), "objects": objects, "object leaves": tuple(others)}
+    args = {"root": rank, "objects": objects, "object leaves": tuple(others)}
     inline = inline_fits(ctx, arrays)
     rows, _ = agree(ctx, "synchronize", flat, arrays, args, inline=inline)
-    log(ctx, f"synchronize root={root} arrays={len(arrays)} objects={len(others)}")
-    waitable, _ = run(ctx, "synchronize", flat, arrays, Broadcast(root), False, rows)
+    log(ctx, f"synchronize root={rank} arrays={len(arrays)} objects={len(others)}")
+    waitable, _ = run(ctx, "synchronize", flat, arrays, Broadcast(rank), False, rows)
     waitable.wait()
-    for leaf, value in zip(arrays, results(arrays, ctx.backend.rank != root), strict=True):
+    for leaf, value in zip(arrays, results(arrays, ctx.backend.rank != rank), strict=True):
         values[leaf.index] = value
     if objects == "broadcast" and others:
-        received = ctx.backend.broadcast_object([values[i] for i in others], root)
+        received = ctx.backend.broadcast_object([values[i] for i in others], rank)
         for i, value in zip(others, received, strict=True):
             values[i] = value
     for i, sync in handled:
-        values[i] = sync(values[i], root, ctx.backend)
+        values[i] = sync(values[i], rank, ctx.backend)
     return tree.unflatten(flat.spec, values)
