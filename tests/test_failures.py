@@ -109,6 +109,61 @@ def test_the_launcher_sees_which_rank_died_first_and_not_one_that_finished() -> 
         run_dir.remove()
 
 
+NEVER = Path(__file__).parent / "scripts" / "never_initializes.py"
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_rank_that_never_initializes_ends_the_job(backend: str) -> None:
+    """Its peers would wait in dp.initialize() for ever: the launcher ends the job, naming both."""
+    started = time.monotonic()
+    job = run_job([NEVER], ranks=3, backend=backend, job_timeout=100, timeout=LIMIT)
+    elapsed = time.monotonic() - started
+    output = job.stdout + job.stderr
+    assert job.returncode == 1, output
+    assert "UNREACHABLE" not in output
+    assert "waits in dp.initialize() for rank 1, which finished its script without calling it" in (
+        output
+    )
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+def _note(run_dir: RunDir, rank: int, kind: str, text: str) -> None:
+    Path(run_dir.path, f"rank-{rank}.{kind}").write_text(text + "\n")
+
+
+@pytest.mark.parametrize(
+    ("notes", "stranded"),
+    [
+        ({0: "initializing 1"}, None),  # nobody has ended
+        ({0: "initializing 1", 1: None}, 0),  # rank 1 never called initialize
+        ({0: "ready 1", 1: "ready 1"}, None),  # both had the world; rank 1 finished first
+        ({0: "initializing 2", 1: "ready 1"}, 0),  # rank 0 makes a second world alone
+        ({0: "initializing 1", 1: "initializing 1"}, 0),  # rank 1 ended while entering it
+        ({0: "initializing 1", 1: "failed 1"}, 0),  # its initialize raised, it finished anyway
+    ],
+)
+def test_the_launcher_sees_a_rank_wait_in_initialize_for_one_that_ended(
+    notes: dict[int, str | None], stranded: int | None
+) -> None:
+    run_dir = RunDir()
+    try:
+        for rank, world in notes.items():
+            if world is not None:
+                _note(run_dir, rank, "world", world)
+        if 1 in notes:
+            note_end(run_dir.path, 1, "done")
+        problem = run_dir.stranded()
+        if stranded is None:
+            assert problem is None
+        else:
+            assert problem is not None and problem.startswith(f"rank {stranded} waits")
+        note_end(run_dir.path, 1, "failed 3")  # a failure ends the job by its own way
+        assert run_dir.stranded() is None
+    finally:
+        run_dir.remove()
+
+
 # --- a rank that ends early, without an error, while the others wait for it -----------------
 
 EARLY = Path(__file__).parent / "scripts" / "leaves_early.py"

@@ -27,7 +27,7 @@ PACKAGE = SRC / "dataparallel"
 
 # Bottom to top. A module's layer is that of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
-    ("dataparallel.config", "dataparallel.errors", "dataparallel.types"),
+    ("dataparallel.config", "dataparallel.errors", "dataparallel.types", "dataparallel.runnotes"),
     ("dataparallel.backends",),
     ("dataparallel.engine",),
     ("dataparallel.world", "dataparallel.groups"),

@@ -10,9 +10,11 @@ import math
 import numbers
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dataparallel import runnotes
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
@@ -116,9 +118,16 @@ def initialize(
     if timeout is not None:
         settings = dataclasses.replace(settings, timeout=_seconds(timeout))
     name = registry.choose(backend, init_method, settings)
-    engine = registry.load(name).create(
-        init_method=init_method, rank=rank, world_size=world_size, settings=settings
-    )
+    note = _world_note(settings, rank, world_size)
+    note(runnotes.INITIALIZING)
+    try:
+        engine = registry.load(name).create(
+            init_method=init_method, rank=rank, world_size=world_size, settings=settings
+        )
+    except BaseException:
+        note(runnotes.FAILED)
+        raise
+    note(runnotes.READY)
     _check_not_alone(engine, name, settings)
     gpu = choose_device(engine.local_rank, cuda_device_count(), gpu_devices)
     if gpu is not None:
@@ -257,6 +266,20 @@ def _abort_on_uncaught_exceptions(engine: Backend) -> None:
             engine.abort(1)
 
     sys.excepthook = abort_the_job
+
+
+def _world_note(
+    settings: Settings, rank: int | None, world_size: int | None
+) -> Callable[[str], None]:
+    """Return how this rank notes its way through `initialize` for `dataparallel run`, which
+    ends a job whose ranks wait there for one that has ended (`runnotes.py`). A world of a size
+    of its own choosing (`world_size=`) is not the launcher's: nothing is noted."""
+    folder = settings.run_dir
+    if rank is None:
+        rank = settings.mpi_rank if settings.mpi_rank is not None else settings.rank
+    if folder is None or rank is None or world_size is not None:
+        return lambda _: None
+    return lambda state: runnotes.note_world(folder, rank, state)
 
 
 def initialized() -> bool:

@@ -1,13 +1,4 @@
-"""The run folder, where each rank of a `dataparallel run` job notes its process and how it ended.
-
-The launcher makes a fresh folder and names it in `DATAPARALLEL_RUN_DIR`; the runner of each rank
-writes two notes there, when the folder exists on its machine (ranks on other machines of an MPI
-job write none):
-
-- `rank-R.pid`: `HOST PID`, at start, so that the launcher can signal the ranks of its machine;
-- `rank-R.end`: how the rank ended, when the runner saw it end: `done` (the script succeeded and
-  the world was finalized), `failed CODE`, or `os._exit CODE` (the script left through `os._exit`
-  before it finished).
+"""The run folder: the launcher's side of the notes its ranks leave there (`runnotes.py`).
 
 A rank with no `end` note died outside the runner's hands: killed by a signal, or stopped by its
 launcher when another rank ended. `dataparallel run` promises status 0 only when every rank
@@ -24,30 +15,9 @@ import socket
 import tempfile
 from pathlib import Path
 
+from dataparallel.runnotes import DONE, INITIALIZING, READY, note_end, note_start, parse_world
+
 __all__ = ["DONE", "RunDir", "note_end", "note_start", "signal_name"]
-
-DONE = "done"
-
-
-def _write(folder: str, name: str, text: str) -> None:
-    """Write `text` to `folder/name` at once (a temporary file renamed), if `folder` exists."""
-    if not os.path.isdir(folder):
-        return
-    path = os.path.join(folder, name)
-    with contextlib.suppress(OSError):
-        with open(path + ".tmp", "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(path + ".tmp", path)
-
-
-def note_start(folder: str, rank: int) -> None:
-    """Note this process as rank `rank` (runner side)."""
-    _write(folder, f"rank-{rank}.pid", f"{socket.gethostname()} {os.getpid()}\n")
-
-
-def note_end(folder: str, rank: int, how: str) -> None:
-    """Note how rank `rank` ended: `DONE`, `failed CODE` or `os._exit CODE` (runner side)."""
-    _write(folder, f"rank-{rank}.end", how + "\n")
 
 
 class RunDir:
@@ -124,6 +94,36 @@ class RunDir:
                 )
             )
         return "; ".join(parts) + ". Status 0 means that every rank finished its script."
+
+    def stranded(self) -> str | None:
+        """Return why a rank waits for ever in `dp.initialize`, or None.
+
+        A world needs every rank: a rank that entered its G-th `initialize` waits for ever once
+        another rank has ended without having had that world (it never called `initialize` so
+        many times).
+        """
+        ends = self.ends()
+        if not ends:
+            return None
+        worlds: dict[int, tuple[str, int]] = {}
+        for rank, text in self._read("world").items():
+            with contextlib.suppress(ValueError):
+                worlds[rank] = parse_world(text)
+        for rank, (state, generation) in sorted(worlds.items()):
+            if state != INITIALIZING or rank in ends:
+                continue
+            for other, how in sorted(ends.items()):
+                if how != DONE:
+                    continue  # a failure, or os._exit: the launchers end those jobs already
+                other_state, had = worlds.get(other, (READY, 0))
+                if other_state != READY:
+                    had -= 1  # it ended while entering that world: it never had it
+                if had < generation:
+                    return (
+                        f"rank {rank} waits in dp.initialize() for rank {other}, which finished "
+                        "its script without calling it: a world needs every rank"
+                    )
+        return None
 
     def remove(self) -> None:
         """Delete the folder and its notes."""

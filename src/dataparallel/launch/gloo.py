@@ -158,6 +158,10 @@ def _supervise(
         if deadline is not None and time.monotonic() >= deadline:
             warn(f"the job ran past --timeout {timeout:g}s; stopping every rank.")
             return EXIT_TIMEOUT
+        stranded = run_dir.stranded()
+        if stranded is not None:
+            warn(f"{stranded}; stopping the other rank(s).")
+            return 1
         with contextlib.suppress(queue.Empty):
             local = exited.get(timeout=0.1)
             remaining -= 1

@@ -158,6 +158,7 @@ class _Job:
         self.killed_by: int | None = None  # the signal mpiexec says ended a rank
         self.killed_pids: list[int] = []
         self.stopped = False  # by the launcher (a signal, --timeout): its status is final
+        self.failed = False  # stopped by the launcher because ranks waited for one that ended
 
     def _see(self, line: bytes) -> None:
         """Read mpiexec's (Hydra's) report of a rank that died: its pid, and the signal."""
@@ -194,6 +195,8 @@ class _Job:
                     thread.join(timeout=5.0)
         self.stopped = True
         if returncode is None:  # stopped by the launcher: the status is decided already
+            if self.failed:
+                return 1
             return 128 + signals.received if signals.received is not None else EXIT_TIMEOUT
         status = exit_status(returncode)
         if status != 0 and timeout is not None and time.monotonic() - start >= timeout:
@@ -220,6 +223,12 @@ class _Job:
                 return None
             if deadline is not None and time.monotonic() >= deadline:
                 warn(f"the job ran past --timeout {timeout:g}s; stopping it.")
+                self._stop(proc, None)
+                return None
+            stranded = self.run_dir.stranded()
+            if stranded is not None:
+                warn(f"{stranded}; stopping the job.")
+                self.failed = True
                 self._stop(proc, None)
                 return None
 

@@ -1,0 +1,77 @@
+"""The notes each rank of a `dataparallel run` job leaves in its run folder, for the launcher.
+
+The launcher makes a fresh folder and names it in `DATAPARALLEL_RUN_DIR` (`Settings.run_dir`);
+each rank writes small files there, when the folder exists on its machine (ranks on other
+machines of an MPI job write none), and the launcher reads them (`launch/_rundir.py`):
+
+- `rank-R.pid`: `HOST PID`, at start, so that the launcher can signal the ranks of its machine;
+- `rank-R.world`: `initializing G` when the rank enters its G-th `dp.initialize`, `ready G` once
+  that world is up (`failed G` if it raised). A world needs every rank: one waiting there for a
+  rank that has ended would wait for ever, and the launcher ends such a job;
+- `rank-R.end`: how the rank ended, when the runner saw it end: `done` (the script succeeded and
+  the world was finalized), `failed CODE`, or `os._exit CODE` (the script left through `os._exit`
+  before it finished).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+__all__ = [
+    "DONE",
+    "FAILED",
+    "INITIALIZING",
+    "READY",
+    "note_end",
+    "note_start",
+    "note_world",
+    "parse_world",
+]
+
+DONE = "done"
+INITIALIZING, READY, FAILED = "initializing", "ready", "failed"  # `dp.initialize`, by stage
+
+
+def _write(folder: str, name: str, text: str) -> None:
+    """Write `text` to `folder/name` at once (a temporary file renamed), if `folder` exists."""
+    if not os.path.isdir(folder):
+        return
+    path = os.path.join(folder, name)
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(path + ".tmp", path)
+
+
+def note_start(folder: str, rank: int) -> None:
+    """Note this process as rank `rank`."""
+    _write(folder, f"rank-{rank}.pid", f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def note_end(folder: str, rank: int, how: str) -> None:
+    """Note how rank `rank` ended: `DONE`, `failed CODE` or `os._exit CODE`."""
+    _write(folder, f"rank-{rank}.end", how + "\n")
+
+
+def note_world(folder: str, rank: int, state: str) -> None:
+    """Note that rank `rank` enters `dp.initialize` (`INITIALIZING`) or has its world (`READY`).
+
+    The generation counts this process's worlds: entering after `ready G` is `initializing G+1`.
+    """
+    last_state, generation = INITIALIZING, 0
+    path = os.path.join(folder, f"rank-{rank}.world")
+    with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as file:
+        last_state, generation = parse_world(file.read())
+    if state == INITIALIZING and last_state == READY:
+        generation += 1
+    elif state == INITIALIZING:
+        generation = max(generation, 1)
+    _write(folder, f"rank-{rank}.world", f"{state} {generation}\n")
+
+
+def parse_world(text: str) -> tuple[str, int]:
+    """Return the state and generation of a `rank-R.world` note."""
+    state, _, generation = text.strip().partition(" ")
+    return state, int(generation)
