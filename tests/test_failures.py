@@ -81,23 +81,43 @@ def _note_pid(run_dir: RunDir, rank: int, pid: int) -> None:
     Path(run_dir.path, f"rank-{rank}.pid").write_text(f"{socket.gethostname()} {pid}\n")
 
 
-def test_the_launcher_sees_which_rank_died_first_and_not_one_that_finished() -> None:
+# A rank as the watcher sees it: a process that holds its FIFO open (or not), and forks a child
+# that outlives it by 3 s (a data loader's worker, say), which must not keep the FIFO open.
+_RANK = """
+import os, sys, time
+from dataparallel.runnotes import hold_alive
+if sys.argv[3] == "fifo":
+    hold_alive(sys.argv[1], int(sys.argv[2]))
+if os.fork() == 0:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.05)
+    time.sleep(3)
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["fifo", "pidfd"])
+def test_the_launcher_sees_which_rank_died_first_and_not_one_that_finished(how: str) -> None:
     run_dir = RunDir()
-    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    sleepers = [subprocess.Popen(sleep) for _ in range(3)]
+    sleepers: list[subprocess.Popen[bytes]] = []
     try:
-        for rank, proc in enumerate(sleepers):
-            _note_pid(run_dir, rank, proc.pid)
-        with FirstDeaths(run_dir, 3) as deaths:
-            time.sleep(0.1)
+        with FirstDeaths(run_dir, 3) as deaths:  # makes the FIFOs before the ranks start
+            for rank in range(3):
+                command = [sys.executable, "-c", _RANK, run_dir.path, str(rank), how]
+                sleepers.append(subprocess.Popen(command))
+                if how == "pidfd":  # else the FIFOs alone can tell
+                    _note_pid(run_dir, rank, sleepers[-1].pid)
+            time.sleep(1.0)  # each holds its FIFO now
             note_end(run_dir.path, 0, "done")  # rank 0 finished its script: not to blame
             sleepers[0].kill()
             sleepers[0].wait()
-            time.sleep(0.1)
+            time.sleep(0.2)
             assert deaths.first == []
             sleepers[2].kill()
             sleepers[2].wait()
-            for _ in range(100):
+            for _ in range(100):  # 2 s at most: the child still lives, and holds no FIFO
                 if deaths.first:
                     break
                 time.sleep(0.02)

@@ -11,6 +11,10 @@ machines of an MPI job write none), and the launcher reads them (`launch/_rundir
 - `rank-R.end`: how the rank ended, when the runner saw it end: `done` (the script succeeded and
   the world was finalized), `failed CODE`, or `os._exit CODE` (the script left through `os._exit`
   before it finished).
+
+And one file the launcher makes: `rank-R.alive`, a FIFO whose writing end the rank holds open
+for its whole life (`hold_alive`). The kernel closes it when the process's files close as it
+dies, before anything else of its death shows (`launch/_deaths.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "FAILED",
     "INITIALIZING",
     "READY",
+    "hold_alive",
     "note_end",
     "note_start",
     "note_world",
@@ -75,3 +80,22 @@ def parse_world(text: str) -> tuple[str, int]:
     """Return the state and generation of a `rank-R.world` note."""
     state, _, generation = text.strip().partition(" ")
     return state, int(generation)
+
+
+def hold_alive(folder: str, rank: int) -> int | None:
+    """Open this rank's end of its `rank-R.alive` FIFO, if the launcher made one, and return it.
+
+    Keep it open until the process ends (never write to it). Processes forked from this one
+    close their copy, so that the FIFO closes with this process, not with its last child.
+    """
+    try:
+        fd = os.open(os.path.join(folder, f"rank-{rank}.alive"), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no such FIFO (a Gloo job, another machine), or no launcher reading it
+        return None
+
+    def close_in_child() -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    os.register_at_fork(after_in_child=close_in_child)
+    return fd

@@ -1,13 +1,18 @@
 """Which rank of this machine died first: seen by the launcher itself, beside mpiexec's report.
 
 When a rank is killed, Hydra kills the others too, and its report names one pid: not always the
-first to die (under load it named rank 0 after rank 1 was killed, both having status 9). The
-launcher therefore watches the ranks of its machine (their pids come from the run folder) with a
-pidfd each, and at the first death notes every rank that is dying or dead without an `end`
-note. A rank counts as dying from the start of its exit (the kernel's PF_EXITING flag), which
-comes before its pipes close, and so before Hydra can notice it and kill the others: the rank
-that died first is always among those noted. Alone, it is named; with others (Hydra was faster
-than the watcher), the launcher names them all as the candidates.
+first to die (under load it named rank 0 after rank 1 was killed, both having status 9). So the
+launcher watches the ranks of its machine itself, two ways:
+
+- each rank holds the writing end of a FIFO the launcher reads (`runnotes.hold_alive`). The
+  kernel closes it when the rank's files close as it dies, the moment Hydra's pipes close too,
+  and before the others, which Hydra kills only then, have torn their memory down and closed
+  theirs. The FIFOs that hang up first, without an `end` note, are the ranks that died first;
+- for a rank without one (it died before opening it), its pidfd: at its death, the ranks dead
+  or *dying* (the kernel's PF_EXITING flag, set at the start of exit, so before Hydra can know)
+  without an `end` note are noted, which always includes the first.
+
+Several ranks noted are named as the candidates.
 """
 
 from __future__ import annotations
@@ -55,38 +60,57 @@ class FirstDeaths:
     def __init__(self, run_dir: RunDir, n: int) -> None:
         self.run_dir, self.n = run_dir, n
         self.first: list[int] = []  # the ranks that died first, when the watcher could tell
+        self._pipes: dict[int, int] = {}  # the reading end of each rank's FIFO -> its rank
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dataparallel-deaths", daemon=True)
 
     def __enter__(self) -> FirstDeaths:
+        self._pipes = self.run_dir.alive_pipes(self.n)  # before the ranks start
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=1.0)
+        for fd in self._pipes:
+            os.close(fd)
 
     def _watch(self) -> None:
         watched: dict[int, int] = {}  # rank -> pid
         poller = select.poll()
-        fds: list[int] = []
+        for fd in self._pipes:
+            poller.register(fd, select.POLLHUP)
+        pidfds: list[int] = []
         try:
             while not self._stop.is_set():
                 for rank, pid in self.run_dir.local_pids().items():
                     if rank not in watched:
                         watched[rank] = pid
                         with contextlib.suppress(OSError, AttributeError):
-                            fds.append(os.pidfd_open(pid))
-                            poller.register(fds[-1], select.POLLIN)
+                            pidfds.append(os.pidfd_open(pid))
+                            poller.register(pidfds[-1], select.POLLIN)
                 # Every rank of the job seen here: only deaths can wake the watcher now.
                 wait = _POLL_MS if len(watched) < self.n else _IDLE_MS
-                for fd, _ in poller.poll(wait):
-                    poller.unregister(fd)  # a dead rank's pidfd stays readable: once is enough
-                if self._judge(watched):
+                closed = []
+                for fd, events in poller.poll(wait):
+                    if fd in self._pipes and not events & select.POLLHUP:
+                        continue
+                    poller.unregister(fd)  # a dead rank's fds stay ready: once is enough
+                    if fd in self._pipes:
+                        closed.append(self._pipes[fd])
+                if self._judge_pipes(closed) or self._judge(watched):
                     return
         finally:
-            for fd in fds:
+            for fd in pidfds:
                 os.close(fd)
+
+    def _judge_pipes(self, closed: list[int]) -> bool:
+        """Note the ranks whose FIFOs closed together, without an `end` note; True if any."""
+        if not closed:
+            return False
+        ended = self.run_dir.ends()
+        self.first = sorted(rank for rank in closed if rank not in ended)
+        return bool(self.first)
 
     def _judge(self, watched: dict[int, int]) -> bool:
         """Note the ranks dead or dying without an `end` note; True once some are."""

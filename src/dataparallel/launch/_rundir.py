@@ -38,6 +38,20 @@ class RunDir:
         """Return how each rank that noted its end ended, by rank."""
         return self._read("end")
 
+    def alive_pipes(self, n: int) -> dict[int, int]:
+        """Make the `rank-R.alive` FIFO of each of `n` ranks; return their reading ends, by fd.
+
+        A reading end reports a hang-up once its rank has opened the FIFO and closed it (died).
+        Where FIFOs cannot be made, fewer (or none) are returned.
+        """
+        pipes: dict[int, int] = {}
+        for rank in range(n):
+            path = os.path.join(self.path, f"rank-{rank}.alive")
+            with contextlib.suppress(OSError, AttributeError):
+                os.mkfifo(path)
+                pipes[os.open(path, os.O_RDONLY | os.O_NONBLOCK)] = rank
+        return pipes
+
     def local_pids(self) -> dict[int, int]:
         """Return the process id of each rank that runs on this machine, by rank."""
         host, pids = socket.gethostname(), {}

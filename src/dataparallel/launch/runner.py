@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from dataparallel.launch._rundir import DONE, note_end, note_start
+from dataparallel.runnotes import hold_alive
 
 __all__ = ["main"]
 
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(_rank())
     if run_dir is not None:
         note_start(run_dir, rank)
+        hold_alive(run_dir, rank)  # open until this process ends
         _watch_os_exit(run_dir, rank)
     code = _guarded(lambda: _run(options), options.prefixed)
     interrupted = code == _INTERRUPTED
