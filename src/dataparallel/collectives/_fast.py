@@ -168,6 +168,8 @@ class _Plan:
 def _tree(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
     """Reduce a list, tuple or dict of NumPy arrays of one dtype with its plan (`_Plan`)."""
     if kind is dict:
+        if type(_some_leaf(x)) not in _PLANNED_LEAVES:
+            return NOT_FAST  # a dict of tensors, say: not flattened twice
         flat = tree.flatten(x, "x")
         leaves, spec = flat.leaves, flat.spec
     else:
@@ -213,6 +215,19 @@ def _tree(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
             if leaf is not view:
                 leaf[...] = view
     return tree.unflatten(spec, results) if spec is not None else kind(results)
+
+
+_PLANNED_LEAVES = (np.ndarray, float)
+
+
+def _some_leaf(x: Any) -> Any:
+    """Return one leaf of a tree of dicts, lists and tuples (every leaf of a planned tree has
+    the same type, so one that has another rules the tree out)."""
+    while type(x) is dict or type(x) is list or type(x) is tuple:
+        if not x:
+            return None
+        x = next(iter(x.values())) if type(x) is dict else x[0]
+    return x
 
 
 def _numbers(
