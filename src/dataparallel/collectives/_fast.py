@@ -30,7 +30,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -46,7 +46,7 @@ from dataparallel.checks import (
     reduction,
 )
 from dataparallel.collectives import _shadows
-from dataparallel.collectives._call import describe, inline_fits, leaves_of, stage
+from dataparallel.collectives._call import Leaf, describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
 from dataparallel.engine.fusion import scale_in_place
@@ -91,8 +91,8 @@ def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
         return NOT_FAST
     if dtype is None:
         return _tree(x, kind, op, scale, active)
-    if dtype not in _FLOATS and (op == "avg" or scale is not None):
-        return NOT_FAST  # integer rules (and their errors) are the general path's
+    if _integer_rules(dtype, op, scale):
+        return NOT_FAST
     if kind is np.ndarray and x.nbytes > INLINE_BYTES:
         return _in_place(x, op, scale, active)
     payload = _F64.pack(x) if kind is float else x.tobytes()
@@ -187,13 +187,7 @@ def _tree(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
     settings = active.settings
     shapes = tuple([leaf.shape for leaf in leaves])
     key = (kind, spec, dtype, shapes, op, scale, settings.check, settings.bucket_bytes)
-    plans = active.plans
-    plan = plans.get(key, NOT_FAST)
-    if plan is NOT_FAST:
-        plan = _plan(x, leaves, op, scale, active)
-        if len(plans) >= _PLANS_KEPT:
-            del plans[next(iter(plans))]
-        plans[key] = plan
+    plan = _planned(active, key, lambda: _plan(x, leaves, op, scale, active))
     if plan is None:
         return NOT_FAST
     buf, backend = plan.buf, active.backend
@@ -242,13 +236,7 @@ def _numbers(
             return NOT_FAST
     settings = active.settings
     key = ("numbers", kind, spec, n, op, scale, settings.check, settings.bucket_bytes)
-    plans = active.plans
-    plan = plans.get(key, NOT_FAST)
-    if plan is NOT_FAST:
-        plan = _numbers_plan(x, op, scale, active)
-        if len(plans) >= _PLANS_KEPT:
-            del plans[next(iter(plans))]
-        plans[key] = plan
+    plan = _planned(active, key, lambda: _numbers_plan(x, op, scale, active))
     if plan is None:
         return NOT_FAST
     header, action = plan
@@ -271,20 +259,16 @@ def _numbers_plan(x: Any, op: str, scale: Any, active: world.World) -> tuple[byt
         action = _reduction(op, scale, active.backend.size)
     except Exception:
         return None  # the general path raises the error, on every rank
-    flat = tree.flatten(x, "x")
-    records = leaves_of(flat)
-    stage(records)
-    if not inline_fits(active, records) or any(r.dtype != "float64" for r in records):
+    general = _general(x, op, scale)
+    if not general.inline or any(leaf.dtype != "float64" for leaf in general.leaves):
         return None
-    args = {"op": op, "scale": None if scale is None else float(scale)}
-    summary, _ = describe(active, "allreduce", flat, records, args, True, True)
-    return digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8), action
+    return general.header, action
 
 
 def _plan(x: Any, leaves: list[Any], op: str, scale: Any, active: world.World) -> _Plan | None:
     """Make the plan of `x`'s calls (`leaves`: its arrays), or None for the general path's."""
     dtype = leaves[0].dtype
-    if dtype not in _DTYPES or (dtype not in _FLOATS and (op == "avg" or scale is not None)):
+    if dtype not in _DTYPES or _integer_rules(dtype, op, scale):
         return None
     total = sum(leaf.nbytes for leaf in leaves)
     if total > min(PLAN_BYTES, active.settings.bucket_bytes):
@@ -293,21 +277,16 @@ def _plan(x: Any, leaves: list[Any], op: str, scale: Any, active: world.World) -
         action = _reduction(op, scale, active.backend.size)
     except Exception:
         return None  # the general path raises the error, on every rank
-    flat = tree.flatten(x, "x")
-    records = leaves_of(flat)
-    stage(records)
-    if inline_fits(active, records):
+    general = _general(x, op, scale)
+    if general.inline:
         return None  # the values travel in the handshake, as small calls
-    args = {"op": op, "scale": None if scale is None else float(scale)}
-    summary, _ = describe(active, "allreduce", flat, records, args, True, False)
-    header = digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8)
     buf = np.empty(total // dtype.itemsize, dtype)
     views, offset = [], 0
     for leaf in leaves:
         views.append(buf[offset : offset + leaf.size].reshape(leaf.shape))
         offset += leaf.size
-    spec = flat.spec if type(x) is dict else None
-    return _Plan(header + _PAD[:INLINE_BYTES], action, buf, views, spec)
+    spec = general.spec if type(x) is dict else None
+    return _Plan(general.header + _PAD[:INLINE_BYTES], action, buf, views, spec)
 
 
 @lru_cache(maxsize=64)
@@ -326,7 +305,7 @@ def _handshake(
     raw, h = rows.tobytes(), record[:8]
     for start in range(0, len(raw), RECORD_BYTES):
         if raw[start : start + 8] != h:
-            described = lambda: _describe(x, op, scale)[1]()  # noqa: E731 (only on a mismatch)
+            described = lambda: _general(x, op, scale).details()  # noqa: E731 (only on a mismatch)
             disagree(backend, rows.reshape(size, RECORD_BYTES), described, shadow=shadow)
             break
     return rows, raw
@@ -347,8 +326,7 @@ def _header(kind: type, x: Any, op: str, scale: Any, check: bool) -> bytes:
     if header is None:
         if len(_HEADERS) > 4096:
             _HEADERS.clear()
-        summary, _ = _describe(x, op, scale)
-        header = _HEADERS[key] = digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8)
+        header = _HEADERS[key] = _general(x, op, scale).header
     return header
 
 
@@ -364,11 +342,45 @@ def _nothing(_: bool) -> Shadow:
 _SCALES = (type(None), int, float)
 
 
-def _describe(x: Any, op: str, scale: Any) -> tuple[str, Any]:
-    """Describe the call as the general path does (`_call.describe`)."""
+class _General(NamedTuple):
+    """The call as the general path sees it: what every lane's handshake is made from."""
+
+    header: bytes  # the handshake header: the hash of the call's summary, no flags
+    details: Callable[[], dict[str, Any]]  # the call field by field (for a mismatch's report)
+    inline: bool  # whether its values travel in the handshake
+    leaves: list[Leaf]
+    spec: Any  # the tree's structure
+
+
+def _general(x: Any, op: str, scale: Any) -> _General:
+    """Describe `dp.allreduce(x, op, scale=scale)` as the general path does (`_call.describe`)."""
     ctx = world.current()
     flat = tree.flatten(x, "x")
     leaves = leaves_of(flat)
     stage(leaves)
     args = {"op": op, "scale": None if scale is None else float(scale)}
-    return describe(ctx, "allreduce", flat, leaves, args, True, inline_fits(ctx, leaves))
+    inline = inline_fits(ctx, leaves)
+    summary, details = describe(ctx, "allreduce", flat, leaves, args, True, inline)
+    header = digest(summary).to_bytes(8, "little") + bytes(HEADER_BYTES - 8)
+    return _General(header, details, inline, leaves, flat.spec)
+
+
+def _integer_rules(dtype: np.dtype, op: str, scale: Any) -> bool:
+    """Whether integer rules apply (an average or a scale of integers, and their errors): those
+    are the general path's."""
+    return dtype not in _FLOATS and (op == "avg" or scale is not None)
+
+
+_T = TypeVar("_T")
+
+
+def _planned(active: world.World, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+    """Return the world's plan for `key`, made by `make` on first sight (None: no plan)."""
+    plans = active.plans
+    plan = plans.get(key, NOT_FAST)  # one lookup: this is every planned call's path
+    if plan is not NOT_FAST:
+        return plan
+    if len(plans) >= _PLANS_KEPT:
+        del plans[next(iter(plans))]  # the oldest
+    plans[key] = plan = make()
+    return plan
