@@ -23,7 +23,8 @@ import pytest
 from _jobs import run_job
 
 from dataparallel.launch._deaths import FirstDeaths
-from dataparallel.launch._rundir import RunDir, note_end
+from dataparallel.launch._rundir import RunDir
+from dataparallel.runnotes import note_end
 
 SCRIPT = Path(__file__).parent / "scripts" / "uncaught_plain.py"
 BIN = Path(sys.executable).parent
@@ -77,8 +78,9 @@ def test_a_killed_rank_ends_the_job(backend: str) -> None:
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
 
 
-def _note_pid(run_dir: RunDir, rank: int, pid: int) -> None:
-    Path(run_dir.path, f"rank-{rank}.pid").write_text(f"{socket.gethostname()} {pid}\n")
+def _note(run_dir: RunDir, rank: int, kind: str, text: str) -> None:
+    """Write a rank's `kind` note by hand, as the runner would (`runnotes.py`)."""
+    Path(run_dir.path, f"rank-{rank}.{kind}").write_text(text + "\n")
 
 
 # A rank as the watcher sees it: a process that holds its FIFO open (or not), and forks a child
@@ -108,7 +110,7 @@ def test_the_launcher_sees_which_rank_died_first_and_not_one_that_finished(how: 
                 command = [sys.executable, "-c", _RANK, run_dir.path, str(rank), how]
                 sleepers.append(subprocess.Popen(command))
                 if how == "pidfd":  # else the FIFOs alone can tell
-                    _note_pid(run_dir, rank, sleepers[-1].pid)
+                    _note(run_dir, rank, "pid", f"{socket.gethostname()} {sleepers[-1].pid}")
             time.sleep(1.0)  # each holds its FIFO now
             note_end(run_dir.path, 0, "done")  # rank 0 finished its script: not to blame
             sleepers[0].kill()
@@ -146,10 +148,6 @@ def test_a_rank_that_never_initializes_ends_the_job(backend: str) -> None:
         output
     )
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
-
-
-def _note(run_dir: RunDir, rank: int, kind: str, text: str) -> None:
-    Path(run_dir.path, f"rank-{rank}.{kind}").write_text(text + "\n")
 
 
 @pytest.mark.parametrize(

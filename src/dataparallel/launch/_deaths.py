@@ -98,25 +98,21 @@ class FirstDeaths:
                     poller.unregister(fd)  # a dead rank's fds stay ready: once is enough
                     if fd in self._pipes:
                         closed.append(self._pipes[fd])
-                if self._judge_pipes(closed) or self._judge(watched):
+                if self._note_unexplained(closed) or self._judge(watched):
                     return
         finally:
             for fd in pidfds:
                 os.close(fd)
 
-    def _judge_pipes(self, closed: list[int]) -> bool:
-        """Note the ranks whose FIFOs closed together, without an `end` note; True if any."""
-        if not closed:
-            return False
-        ended = self.run_dir.ends()
-        self.first = sorted(rank for rank in closed if rank not in ended)
-        return bool(self.first)
-
     def _judge(self, watched: dict[int, int]) -> bool:
         """Note the ranks dead or dying without an `end` note; True once some are."""
-        dead = [rank for rank, pid in watched.items() if not _alive(pid)]
+        return self._note_unexplained([r for r, pid in watched.items() if not _alive(pid)])
+
+    def _note_unexplained(self, dead: list[int]) -> bool:
+        """Note the ranks of `dead` that left no `end` note; True if any (the others finished,
+        or failed in the runner's hands)."""
         if not dead:
             return False
         ended = self.run_dir.ends()
         self.first = sorted(rank for rank in dead if rank not in ended)
-        return bool(self.first)  # else ranks that finished, or failed in the runner's hands
+        return bool(self.first)

@@ -15,9 +15,9 @@ import socket
 import tempfile
 from pathlib import Path
 
-from dataparallel.runnotes import DONE, INITIALIZING, READY, note_end, note_start, parse_world
+from dataparallel.runnotes import DONE, INITIALIZING, READY, parse_world
 
-__all__ = ["DONE", "RunDir", "note_end", "note_start", "signal_name"]
+__all__ = ["RunDir", "signal_name"]
 
 
 class RunDir:

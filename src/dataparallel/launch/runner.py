@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn
 
-from dataparallel.launch._rundir import DONE, note_end, note_start
-from dataparallel.runnotes import hold_alive
+from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
 __all__ = ["main"]
 
