@@ -17,7 +17,8 @@ processes, one torch thread per rank:
 - `one process`: each rank trains its own copy, no communication (the floor);
 - `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` over MPI (hooks, buckets), in the
   mode chosen for this machine (the header says which: buckets during backward when a core is
-  spare, else after it); `dp.DistributedOptimizer, overlap forced` always during backward;
+  spare, else after it); `dp.DistributedOptimizer, comm thread` always during backward, on the
+  communication thread (`DATAPARALLEL_OVERLAP=1`), with 256 KiB and 4 MiB buckets;
 - `dp.allreduce_gradients after backward`: one fused reduction after backward, no overlap;
 - `Horovod DistributedOptimizer` (MPI), when `horovod.torch` imports and dp runs on MPI. Horovod
   is initialized only while its case runs (`hvd.init()` ... `hvd.shutdown()`): an idle, initialized
@@ -149,9 +150,11 @@ def cases_for(
     horovod: Horovod,
 ) -> dict[str, tuple[Step, Horovod | None]]:
     """Every case's step, on its own copy of `base`; the Horovod context where one is needed."""
-    single, ours, plain, overlapped = (copy.deepcopy(base) for _ in range(4))
+    single, ours, plain, overlapped, big = (copy.deepcopy(base) for _ in range(5))
     forced = dp.DistributedOptimizer(make_opt(overlapped))
-    forced.gradient_sync.overlap = True  # what DATAPARALLEL_OVERLAP=1 gives
+    forced.gradient_sync.overlap = True  # what DATAPARALLEL_OVERLAP=1 gives: the comm thread
+    forced_big = dp.DistributedOptimizer(make_opt(big), bucket_bytes=4 << 20)
+    forced_big.gradient_sync.overlap = True
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {
@@ -161,7 +164,8 @@ def cases_for(
             None,
         ),
         "dp.torch.DataParallelModel": (trainer(wrapped, make_opt(wrapped), batch), None),
-        "dp.DistributedOptimizer, overlap forced": (trainer(overlapped, forced, batch), None),
+        "dp.DistributedOptimizer, comm thread": (trainer(overlapped, forced, batch), None),
+        "dp.DistributedOptimizer, comm thread, 4 MiB": (trainer(big, forced_big, batch), None),
         "dp.allreduce_gradients after backward": (
             trainer(
                 plain,

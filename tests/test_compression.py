@@ -40,29 +40,32 @@ def bound(size: int, dtype: str, wire: str, salt: int = 0, n: int = N) -> np.nda
 
 @pytest.fixture
 def wires(world: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
-    """Record (dtype, items) of every floating buffer the engine is asked to allreduce."""
+    """Record (dtype, items) of every floating buffer the engines are asked to allreduce (the
+    world's, and its private duplicate, where gradient buckets travel: `engine/lanes.py`)."""
     seen: list[tuple[str, int]] = []
     inside = []  # an engine's iallreduce_half may call its own iallreduce: count the call once
-    for name in ("allreduce", "iallreduce"):
-        original = getattr(world, name)
+    for engine in {world, dp.world.current().private(world)}:
+        for name in ("allreduce", "iallreduce"):
+            original = getattr(engine, name)
 
-        def recording(buf: Any, op: Any, _original: Any = original) -> Any:
-            if not inside and str(buf.dtype).startswith("float"):
-                seen.append((str(buf.dtype), buf.size))
-            return _original(buf, op)
+            def recording(buf: Any, op: Any, _original: Any = original) -> Any:
+                if not inside and str(buf.dtype).startswith("float"):
+                    seen.append((str(buf.dtype), buf.size))
+                return _original(buf, op)
 
-        monkeypatch.setattr(world, name, recording)
-    half = world.iallreduce_half
+            monkeypatch.setattr(engine, name, recording)
 
-    def recording_half(buf: Any, op: Any, dtype: str) -> Any:
-        seen.append((dtype, buf.size))
-        inside.append(True)
-        try:
-            return half(buf, op, dtype)
-        finally:
-            inside.pop()
+        def recording_half(
+            buf: Any, op: Any, dtype: str, _half: Any = engine.iallreduce_half
+        ) -> Any:
+            seen.append((dtype, buf.size))
+            inside.append(True)
+            try:
+                return _half(buf, op, dtype)
+            finally:
+                inside.pop()
 
-    monkeypatch.setattr(world, "iallreduce_half", recording_half)
+        monkeypatch.setattr(engine, "iallreduce_half", recording_half)
     yield seen
 
 

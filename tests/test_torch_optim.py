@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,15 +117,22 @@ def test_buckets_go_out_while_backward_still_runs_or_all_at_its_end(
 ) -> None:
     model = make_model(hidden=16)
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=256)
-    opt.gradient_sync.overlap = overlap  # DATAPARALLEL_OVERLAP, or chosen per machine
+    sync = opt.gradient_sync
+    sync.overlap = overlap  # DATAPARALLEL_OVERLAP, or chosen per machine
     events: list[str] = []
-    start = world.iallreduce
+    calls: list[str] = []  # the engine's: on the communication thread when overlapping
+    start, send = sync.engine.iallreduce, sync._lanes.send
 
     def recording(buf: Any, op: Any) -> Any:
-        events.append("iallreduce")
+        calls.append(threading.current_thread().name)
         return start(buf, op)
 
-    monkeypatch.setattr(world, "iallreduce", recording)
+    def sending(*args: Any) -> None:
+        events.append("bucket")
+        send(*args)
+
+    monkeypatch.setattr(sync.engine, "iallreduce", recording)
+    monkeypatch.setattr(sync._lanes, "send", sending)
     # A hook on the first layer's weight runs when backward has reached the first layer, which
     # comes last in backward.
     model[0].weight.register_hook(lambda g: events.append("backward reached the first layer"))
@@ -133,17 +141,18 @@ def test_buckets_go_out_while_backward_still_runs_or_all_at_its_end(
     assert "backward reached the first layer" in events
     first_layer = events.index("backward reached the first layer")
     if overlap:
-        assert events[:first_layer].count("iallreduce") >= 2, events
+        assert events[:first_layer].count("bucket") >= 2, events
     else:
-        assert events[:first_layer].count("iallreduce") == 0, events
-    # One call per bucket, and one for the used-parameter flags unless they fit in the last.
-    assert events.count("iallreduce") in (
-        len(opt.gradient_sync.buckets),
-        len(opt.gradient_sync.buckets) + 1,
-    )
-    assert opt.gradient_sync.in_flight  # every bucket started before backward returned
+        assert events[:first_layer].count("bucket") == 0, events
+    assert events.count("bucket") == len(sync.buckets)
+    assert sync.in_flight  # every bucket started before backward returned
     opt.step()
-    assert not opt.gradient_sync.in_flight
+    assert not sync.in_flight
+    # One call per bucket, and one for the used-parameter flags unless they fit in the last;
+    # made on the communication thread when overlapping (a world of one has none).
+    assert len(calls) in (len(sync.buckets), len(sync.buckets) + 1)
+    threaded = overlap and world.size > 1
+    assert set(calls) == {"dataparallel-comm" if threaded else "MainThread"}
     reference = make_model(hidden=16)  # the same average either way
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     loss_of(reference, x, y).backward()
@@ -265,9 +274,11 @@ def test_backward_passes_per_step_reduces_once_per_n_passes(world: Backend) -> N
             loss_of(reference, share(x), share(y)).backward()  # local sum of the two passes
             if k == 0:
                 assert sync.calls == calls, "the first pass must only accumulate"
-        assert sync.calls > calls
+                assert not sync.in_flight
+        assert sync.in_flight or world.size == 1  # the second pass started the reduction
         want = dp.allreduce([g.clone() for g in grads(reference)], op="avg")
         opt.synchronize()
+        assert sync.calls > calls
         for got, expected in zip(grads(model), want, strict=True):
             torch.testing.assert_close(got, expected)
         opt.step()

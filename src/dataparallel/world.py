@@ -20,6 +20,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.trace import Timeline
+from dataparallel.engine.worker import CommThread
 from dataparallel.errors import (
     BackendUnavailableError,
     NotInitializedError,
@@ -57,12 +58,29 @@ class World:
     buffers: BufferPool = field(default_factory=BufferPool)
     recording: Timeline | None = None
     plans: dict[Any, Any] = field(default_factory=dict)  # calls made often (collectives/_fast.py)
+    # Engines whose traffic never meets their base's (`private`), and the thread that makes
+    # calls off the caller's thread (`engine/worker.py`): both made on first use.
+    privates: dict[int, tuple[Backend, Backend]] = field(default_factory=dict)
+    comm_thread: CommThread = field(default_factory=CommThread)
 
     @property
     def timeline(self) -> Timeline | None:
         """The timeline that records this process's collectives, while one is open."""
         recording = self.recording
         return recording if recording is not None and not recording.closed else None
+
+    def private(self, backend: Backend) -> Backend:
+        """Return `backend`'s private duplicate (`Backend.duplicate`), made the first time.
+
+        Collective the first time for an engine of several ranks: every rank of `backend` asks
+        at the same point of its calls. Calls made from another thread (the communication
+        thread, JAX's host callbacks) go there, so they never meet the caller's.
+        """
+        pair = self.privates.get(id(backend))
+        if pair is None or pair[0] is not backend:
+            pair = (backend, backend.duplicate() if backend.size > 1 else backend)
+            self.privates[id(backend)] = pair
+        return pair[1]
 
 
 _world: World | None = None
@@ -300,6 +318,7 @@ def finalize() -> None:
     world, _world = _world, None
     for request in list(world.pending):
         request.wait()
+    world.comm_thread.close()
     if world.recording is not None:
         world.recording.close()
     world.backend.close()

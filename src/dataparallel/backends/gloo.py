@@ -351,7 +351,10 @@ class GlooBackend(GlooExchange, Backend):
         return rank if self.group is None else int(self._dist.get_global_rank(self.group, rank))
 
     def duplicate(self) -> GlooBackend:
-        """Return an engine on a private Gloo group over the same processes (collective)."""
+        """Return an engine on a private Gloo group over every process (collective); an engine
+        of some processes returns itself (every process, member or not, makes a Gloo group)."""
+        if self.size != self._dist.get_world_size():
+            return self
         group = self._dist.new_group(backend="gloo")
         return GlooBackend(
             self._dist, group, owns_default_group=False, local=(self.local_rank, self.local_size)

@@ -52,7 +52,6 @@ Sharp bits:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -190,17 +189,10 @@ def _allreduce_traced(leaves: list[Any], op: Op, backend: Backend, compression: 
     return list(io_callback(reduce_on_host, shapes, *leaves, ordered=True))
 
 
-# One private backend per backend, for the callbacks: see the module's sharp bits.
-_PRIVATE: weakref.WeakKeyDictionary[Backend, Backend] = weakref.WeakKeyDictionary()
-
-
 def callback_backend(backend: Backend | None) -> Backend:
     """Return the backend the host callbacks reduce on, duplicating `backend` the first time.
 
     Collective the first time for a backend of several ranks (`Backend.duplicate`).
     """
-    base = backend if backend is not None else world.get_backend()
-    private = _PRIVATE.get(base)
-    if private is None:
-        private = _PRIVATE[base] = base.duplicate() if base.size > 1 else base
-    return private
+    active = world.current()
+    return active.private(backend if backend is not None else active.backend)

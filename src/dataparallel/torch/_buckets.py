@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataparallel.engine.arrays import Family, family_of
@@ -32,6 +33,7 @@ __all__ = [
     "plan",
     "shadow_of",
     "signature",
+    "step_flags",
     "summarize",
 ]
 
@@ -82,6 +84,20 @@ def layout(
         for i in bucket.members:
             bucket_of[i] = b
     return buckets, bucket_of, summarize(owner, options, params, buckets, full)
+
+
+def step_flags(n: int, filled: list[int], abandoned: bool, sparse: np.ndarray) -> np.ndarray:
+    """The flags a step sends with its last bucket: had a gradient (n: 0 for `filled`), this
+    rank abandoned the step (1), and each parameter's gradient was sparse (`sparse`, n)."""
+    flags = np.concatenate([np.ones(n + 1, np.float32), sparse])
+    flags[filled], flags[n] = 0, abandoned
+    return flags
+
+
+def arrival_order(arrival: list[int], n: int) -> list[int]:
+    """Bucket order after the first step: as gradients arrived, then the others in reverse."""
+    seen = set(arrival)
+    return arrival + [i for i in reversed(range(n)) if i not in seen]
 
 
 def signature(params: NamedParams) -> list[tuple[int, torch.dtype, torch.device]]:

@@ -2,8 +2,8 @@
 
 `DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
 post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
-ready buckets go out through the fusion engine (non-blocking) while backward keeps running, or
-all at its end when no core is spare for that (`overlap`, `_buckets.overlaps`).
+ready buckets go out while backward keeps running, handed to the communication thread, or all at
+its end when no core is spare for that (`overlap`, `_buckets.overlaps`; `engine/lanes.py`).
 
 How buckets are made, and why every rank makes the same calls:
 
@@ -24,7 +24,7 @@ How buckets are made, and why every rank makes the same calls:
   `RankFailedError` instead of applying an incomplete average.
 
 One `GradientSync` reduces a parameter: the last made over it (`_hooks.py`). Sparse gradients:
-`_sparse.py`. Sharp bits: docs/sharp-bits.md, "Gradient reduction during backward".
+`_sparse.py`. Sharp bits: docs/sharp-bits.md.
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
 from dataparallel.checks import handshake, reduction
 from dataparallel.engine.compression import wire_dtype
-from dataparallel.engine.fusion import HOST_KEY, Fusion
+from dataparallel.engine.fusion import Fusion
+from dataparallel.engine.lanes import Lanes
 from dataparallel.engine.shadow import Shadow
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
+    arrival_order,
     check_options,
     describe,
     grad_family,
@@ -55,6 +57,7 @@ from dataparallel.torch._buckets import (
     overlaps,
     shadow_of,
     signature,
+    step_flags,
 )
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
@@ -108,11 +111,8 @@ class GradientSync:
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
         self.bucket_bytes = int(bucket_bytes or active.settings.bucket_bytes)
-        self._options: dict[str, Any] = {
-            "op": op,
-            "bucket_bytes": self.bucket_bytes,
-            "backward_passes_per_step": passes,
-        }
+        self._options: dict[str, Any] = {"op": op, "bucket_bytes": self.bucket_bytes}
+        self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
             self._options |= {"compression": wire, "sparse_as_dense": sparse_as_dense}
         self.wait_after_backward = wait_after_backward
@@ -120,14 +120,13 @@ class GradientSync:
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
-        self._fusion = Fusion(
-            self.backend,
-            reduction(op, None, self.backend.size),
-            bucket_bytes=self.bucket_bytes,
-            async_op=True,
-            pool=active.buffers,
-            compression=wire,
+        action, pool = reduction(op, None, self.backend.size), active.buffers
+        fusion_on = partial(
+            Fusion, action=action, bucket_bytes=self.bucket_bytes, pool=pool, compression=wire
         )
+        # Collective (World.private): every rank makes its GradientSync at the same point.
+        private = active.private(self.backend)
+        self._lanes = Lanes(fusion_on, self.backend, private, active.comm_thread)
         self._source = params
         self._params: NamedParams = []
         self._handles: list[Any] = []
@@ -141,7 +140,12 @@ class GradientSync:
     @property
     def calls(self) -> int:
         """Communication calls made so far."""
-        return self._fusion.calls
+        return self._lanes.calls
+
+    @property
+    def engine(self) -> Backend:
+        """The engine this step's buckets travel on (`engine/lanes.py`)."""
+        return self._lanes.fusion.backend
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -188,6 +192,8 @@ class GradientSync:
             self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
         self._signature = signature(self._params)
+        # Buckets of host tensors only are handed to the communication thread.
+        self._host = all(p.device.type == "cpu" for _, p in self._params)
 
     def refresh(self) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
@@ -227,7 +233,7 @@ class GradientSync:
         self._agreed = False
         self._abandoned = False
         self._joined = False
-        self._fusion.timeline = world.current().timeline if world.initialized() else None
+        self._lanes.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
 
     @property
@@ -259,7 +265,7 @@ class GradientSync:
         if self._passes + 1 < self.passes or self._ready[index]:
             return
         if self._next > 0:
-            self._fusion.test()  # let the engine progress the buckets in flight
+            self._lanes.progress()
         self._ready[index] = True
         self._arrival.append(index)
         b = self._bucket_of[index]
@@ -301,12 +307,10 @@ class GradientSync:
         late = [(n, p) for n, p in self._current() if id(p) not in planned]
         if late:
             self._agree()
-        for name, p in late:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._add(name, p.grad)
-        if late:
-            self._fusion.flush()
+            grads = [(n, torch.zeros_like(p) if p.grad is None else p.grad) for n, p in late]
+            for (_, p), (_, g) in zip(late, grads, strict=True):
+                p.grad = g
+            self._lanes.send([(grad_family(self.owner, n, g), g) for n, g in grads])
 
     def _agree(self) -> None:
         """Make this step's handshake: every rank reduces the same parameters, now."""
@@ -326,33 +330,30 @@ class GradientSync:
         except CollectiveMismatchError:
             self._state = _FAILED
             raise
+        self._lanes.begin(joined=self._joined, offload=self.overlap and self._host)
 
     def _shadow(self, _: bool) -> Shadow:
         """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
-        params, action = self._params, self._fusion.action
+        params, action = self._params, self._lanes.base.action
         return shadow_of(params, self._buckets, self._current(), action, self.bucket_bytes)
-
-    def _add(self, name: str, grad: torch.Tensor) -> None:
-        family = grad_family(self.owner, name, grad)
-        self._fusion.add_leaf(family, grad, family.dtype(grad), family.device(grad))
 
     def _launch(self, b: int) -> None:
         self._agree()
-        if b == 0 and self._fusion.timeline is not None:
-            self._started_at = self._fusion.timeline.now()
+        timeline = self._lanes.fusion.timeline
+        if b == 0 and timeline is not None:
+            self._started_at = timeline.now()
+        leaves = []
         for i in self._buckets[b].members:
             name, p = self._params[i]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
                 self._filled.append(i)
             self._sparse.densify(i, p)
-            self._add(name, p.grad)
-        if b == len(self._buckets) - 1:
-            n = len(self._params)  # flags: had a gradient (n), abandoned (1), was sparse (n)
-            self._flags = np.concatenate([np.ones(n + 1, np.float32), self._sparse.flags(n)])
-            self._flags[self._filled], self._flags[n] = 0, self._abandoned
-            self._fusion.add(self._flags, "float32", HOST_KEY)
-        self._fusion.flush()
+            leaves.append((grad_family(self.owner, name, p.grad), p.grad))
+        if b == len(self._buckets) - 1:  # the flags travel with the last bucket
+            n = len(self._params)
+            self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
+        self._lanes.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
 
     def wait(self) -> None:
         """Complete this step's reduction: launch what is left, wait, and write the results.
@@ -366,7 +367,7 @@ class GradientSync:
         if self._state == _FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
         self._launch_rest()
-        self._fusion.wait()
+        self._lanes.finish()
         if self._sparse.members:
             self._agree()  # made already, unless every parameter is gathered
             self._sparse.reduce(self._params, self.backend, self.op == "avg")
@@ -379,7 +380,7 @@ class GradientSync:
                 self._replan(self._params, [i for b in self._buckets for i in b.members])
         self._state = _DONE
         self.steps += 1
-        timeline = self._fusion.timeline
+        timeline = self._lanes.fusion.timeline
         if timeline is not None and self._started_at:
             timeline.complete(
                 f"{self.owner} gradients", self._started_at, buckets=len(self._buckets)
@@ -392,8 +393,7 @@ class GradientSync:
     def _rebuild(self) -> None:
         """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
         self._rebuilt = True
-        seen = set(self._arrival)
-        order = self._arrival + [i for i in reversed(range(len(self._params))) if i not in seen]
+        order = arrival_order(self._arrival, len(self._params))
         if self.backend.size > 1:
             order = collectives.broadcast_object(order, root=0, backend=self.backend)
         if sorted(order) == list(range(len(self._params))):

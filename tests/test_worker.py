@@ -1,0 +1,104 @@
+"""The communication thread (`engine/worker.py`), and gradient buckets reduced on it (`lanes.py`).
+
+Run at any world size (`pytest`, `mpiexec -n 3 ... pytest`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from _torch_common import global_batch, loss_of, make_model, share
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+from dataparallel.engine.worker import CommThread
+from dataparallel.errors import CollectiveTimeoutError
+
+
+def test_jobs_run_in_order_on_one_thread_and_errors_reach_the_caller() -> None:
+    comm = CommThread("test-comm")
+    seen: list[tuple[int, str]] = []
+    gate = threading.Event()
+
+    def job(k: int) -> None:
+        gate.wait(5)
+        seen.append((k, threading.current_thread().name))
+        if k == 1:
+            raise ValueError("job 1 failed")
+
+    jobs = [comm.submit(lambda k=k: job(k)) for k in range(4)]
+    assert not any(j.done for j in jobs)  # the caller returned at once
+    gate.set()
+    jobs[0].wait()
+    with pytest.raises(ValueError, match="job 1 failed"):
+        jobs[1].wait()
+    jobs[3].wait()  # the jobs after a failure still run
+    assert seen == [(k, "test-comm") for k in range(4)]
+    late = comm.submit(lambda: seen.append((4, "late")))
+    comm.close()  # runs what was submitted, then stops
+    assert late.done and seen[-1] == (4, "late")
+    comm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.submit(lambda: None)
+
+
+def overlapping_step(world: Backend) -> tuple[dp.DistributedOptimizer, torch.nn.Module]:
+    model = make_model(hidden=16)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=256)
+    opt.gradient_sync.overlap = True  # DATAPARALLEL_OVERLAP=1: buckets go to the thread
+    return opt, model
+
+
+def test_gradients_reduced_on_the_thread_match_one_process(world: Backend) -> None:
+    opt, model = overlapping_step(world)
+    reference = make_model(hidden=16)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        opt.step()
+        reference_opt.zero_grad()
+        loss_of(reference, x, y).backward()
+        reference_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    # The thread's engine is a private duplicate: the world's own engine saw none of it.
+    assert opt.gradient_sync.engine is not world or world.size == 1
+
+
+def test_an_engine_error_on_the_thread_is_raised_by_step_and_the_next_step_works(
+    world: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if world.size == 1:
+        pytest.skip("a world of one makes no call on the thread")
+    opt, model = overlapping_step(world)
+    engine = opt.gradient_sync.engine
+    assert engine is not world
+    start = engine.iallreduce
+    failing = [True]
+
+    def iallreduce(buf: Any, op: Any) -> Any:
+        if failing[0]:  # every rank fails its first bucket alike: no message is left unmatched
+            raise CollectiveTimeoutError("the engine gave up on this bucket")
+        return start(buf, op)
+
+    monkeypatch.setattr(engine, "iallreduce", iallreduce)
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()  # buckets handed over; backward returns
+    with pytest.raises(CollectiveTimeoutError, match="gave up on this bucket"):
+        opt.step()
+    failing[0] = False
+    reference = make_model(hidden=16)
+    reference.load_state_dict(model.state_dict())
+    opt.zero_grad()
+    loss_of(model, share(x), share(y)).backward()
+    opt.step()
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss_of(reference, x, y).backward()
+    reference_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
