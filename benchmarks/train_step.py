@@ -18,7 +18,9 @@ processes, one torch thread per rank:
 - `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` over MPI (hooks, buckets), in the
   mode chosen for this machine (the header says which: buckets during backward when a core is
   spare, else after it); `dp.DistributedOptimizer, comm thread` always during backward, on the
-  communication thread (`DATAPARALLEL_OVERLAP=1`), with 256 KiB and 4 MiB buckets;
+  communication thread (`DATAPARALLEL_OVERLAP=1`, buckets of `THREAD_BUCKET_BYTES`);
+- `one 8-byte allreduce per step`: no gradient reduction, only the ranks meeting once per step:
+  the floor of any synchronous data-parallel step (the slower rank's step sets everyone's);
 - `dp.allreduce_gradients after backward`: one fused reduction after backward, no overlap;
 - `Horovod DistributedOptimizer` (MPI), when `horovod.torch` imports and dp runs on MPI. Horovod
   is initialized only while its case runs (`hvd.init()` ... `hvd.shutdown()`): an idle, initialized
@@ -150,11 +152,12 @@ def cases_for(
     horovod: Horovod,
 ) -> dict[str, tuple[Step, Horovod | None]]:
     """Every case's step, on its own copy of `base`; the Horovod context where one is needed."""
-    single, ours, plain, overlapped, big = (copy.deepcopy(base) for _ in range(5))
-    forced = dp.DistributedOptimizer(make_opt(overlapped))
-    forced.gradient_sync.overlap = True  # what DATAPARALLEL_OVERLAP=1 gives: the comm thread
-    forced_big = dp.DistributedOptimizer(make_opt(big), bucket_bytes=4 << 20)
-    forced_big.gradient_sync.overlap = True
+    single, ours, plain, overlapped, floor = (copy.deepcopy(base) for _ in range(5))
+    # What DATAPARALLEL_OVERLAP=1 gives: buckets of the thread's size, on the comm thread.
+    forced = dp.DistributedOptimizer(
+        make_opt(overlapped), bucket_bytes=current().settings.thread_bucket_bytes
+    )
+    forced.gradient_sync.overlap = True
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {
@@ -165,7 +168,7 @@ def cases_for(
         ),
         "dp.torch.DataParallelModel": (trainer(wrapped, make_opt(wrapped), batch), None),
         "dp.DistributedOptimizer, comm thread": (trainer(overlapped, forced, batch), None),
-        "dp.DistributedOptimizer, comm thread, 4 MiB": (trainer(big, forced_big, batch), None),
+        SYNC_FLOOR: (trainer(floor, make_opt(floor), batch, lambda: dp.allreduce(0.0)), None),
         "dp.allreduce_gradients after backward": (
             trainer(
                 plain,
@@ -199,6 +202,7 @@ def run_steps(step: Step, steps: int) -> float:
 
 
 ALONE = "one process (no communication)"
+SYNC_FLOOR = "one 8-byte allreduce per step (the ranks wait for each other)"
 
 
 def measure(

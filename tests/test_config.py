@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dataparallel.config import DEFAULT_BUCKET_BYTES, Settings
+from dataparallel.config import DEFAULT_BUCKET_BYTES, THREAD_BUCKET_BYTES, Settings
 
 FLAGS = {
     "DATAPARALLEL_CHECK": "check",
@@ -22,6 +22,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert settings.check is True and settings.debug is False
     assert settings.timeline is None and settings.cuda_aware_mpi is None
     assert settings.bucket_bytes == DEFAULT_BUCKET_BYTES == 256 * 1024
+    assert settings.thread_bucket_bytes == THREAD_BUCKET_BYTES == 25 << 20
     assert settings.timeout is None and settings.overlap is None  # None: chosen per machine
     assert not settings.mpi_launched and not settings.torchrun_launched
     assert settings.mpi_rank is None
@@ -70,6 +71,7 @@ def test_bucket_bytes_and_timeout() -> None:
         {"DATAPARALLEL_BUCKET_BYTES": "1048576", "DATAPARALLEL_TIMEOUT": "2.5"}
     )
     assert settings.bucket_bytes == 1048576 and isinstance(settings.bucket_bytes, int)
+    assert settings.thread_bucket_bytes == 1048576  # the variable sets both
     assert settings.timeout == 2.5
 
 

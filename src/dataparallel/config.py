@@ -10,6 +10,7 @@ instead of being silently ignored.
 | `DATAPARALLEL_TIMELINE` | path of a Chrome-trace JSON file to record every collective in | unset |
 | `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
 | `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
+| | ... and of gradient buckets reduced on the communication thread | `THREAD_BUCKET_BYTES` |
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | a core spare? |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
@@ -34,6 +35,7 @@ __all__ = [
     "MPI_RANK_VARIABLES",
     "MPI_SIZE_VARIABLES",
     "RUN_DIR_VARIABLE",
+    "THREAD_BUCKET_BYTES",
     "Settings",
 ]
 
@@ -43,6 +45,10 @@ __all__ = [
 # 1.9x as long; trees of many small arrays favour bigger buckets (1 MiB+). Networks and GPUs, where
 # latency is dearer and copies cheaper, favour bigger ones still (DDP: 25 MiB, Horovod: 64 MiB).
 DEFAULT_BUCKET_BYTES = 256 * 1024
+# Gradient buckets handed to the communication thread are bigger (DDP's size): each is a
+# rendezvous of the ranks' threads, and fewer of them won at 1-14 M parameters, 25 MiB against
+# 4 MiB and 256 KiB (benchmarks/NOTES.md).
+THREAD_BUCKET_BYTES = 25 * 1024 * 1024
 
 # Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.
 MPI_LAUNCHER_VARIABLES = (
@@ -112,6 +118,7 @@ class Settings:
     timeline: str | None = None
     cuda_aware_mpi: bool | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    thread_bucket_bytes: int = THREAD_BUCKET_BYTES
     timeout: float | None = None
     # Gradients reduced during backward (True), after it (False), or chosen per machine (None).
     overlap: bool | None = None
@@ -159,6 +166,7 @@ class Settings:
             timeline=env.get("DATAPARALLEL_TIMELINE") or None,
             cuda_aware_mpi=_flag(env, "DATAPARALLEL_CUDA_AWARE_MPI", None),
             bucket_bytes=int(bucket) if bucket is not None else DEFAULT_BUCKET_BYTES,
+            thread_bucket_bytes=int(bucket) if bucket is not None else THREAD_BUCKET_BYTES,
             timeout=float(timeout) if timeout is not None else None,
             overlap=_flag(env, "DATAPARALLEL_OVERLAP", None),
             rank=_int(env, "RANK"),

@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataparallel import collectives
+from dataparallel.backends.base import Backend
+from dataparallel.config import Settings
 from dataparallel.engine.arrays import Family, family_of
 from dataparallel.engine.dtypes import dtype_name
 from dataparallel.engine.fusion import HOST_KEY
@@ -25,6 +28,7 @@ __all__ = [
     "Bucket",
     "NamedParams",
     "check_options",
+    "default_bucket_bytes",
     "describe",
     "grad_family",
     "layout",
@@ -140,6 +144,23 @@ def overlaps(local_size: int, overlap: bool | None) -> bool:
         return overlap
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return local_size < (cores or 1)
+
+
+def default_bucket_bytes(
+    backend: Backend, overlap: bool, private: Backend, params: NamedParams, settings: Settings
+) -> int:
+    """The bucket size of a `GradientSync` not given one (collective in a world of several).
+
+    `Settings.thread_bucket_bytes` when its buckets go to the communication thread on every
+    rank (overlapping, host parameters, a private engine), else `Settings.bucket_bytes`. Ranks
+    agree (a minimum over ranks), so that a node with a spare core and one without still cut
+    the same buckets.
+    """
+    host = all(p.device.type == "cpu" for _, p in params if p.requires_grad)
+    offload = overlap and host and private is not backend
+    if backend.size > 1:
+        offload = bool(collectives.allreduce(int(offload), op="min", backend=backend))
+    return settings.thread_bucket_bytes if offload else settings.bucket_bytes
 
 
 def check_options(owner: str, op: str, passes: object, bucket_bytes: object) -> None:

@@ -50,6 +50,7 @@ from dataparallel.torch._buckets import (
     NamedParams,
     arrival_order,
     check_options,
+    default_bucket_bytes,
     describe,
     grad_family,
     layout,
@@ -110,13 +111,17 @@ class GradientSync:
         active = world.current()
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
-        self.bucket_bytes = int(bucket_bytes or active.settings.bucket_bytes)
+        self.overlap = overlaps(self.backend.local_size, active.settings.overlap)  # see there
+        # Collective (World.private, default_bucket_bytes): every rank makes it at the same point.
+        private = active.private(self.backend)
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(
+            self.backend, self.overlap, private, params(), active.settings
+        )
         self._options: dict[str, Any] = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
             self._options |= {"compression": wire, "sparse_as_dense": sparse_as_dense}
         self.wait_after_backward = wait_after_backward
-        self.overlap = overlaps(self.backend.local_size, active.settings.overlap)  # see there
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
@@ -124,8 +129,6 @@ class GradientSync:
         fusion_on = partial(
             Fusion, action=action, bucket_bytes=self.bucket_bytes, pool=pool, compression=wire
         )
-        # Collective (World.private): every rank makes its GradientSync at the same point.
-        private = active.private(self.backend)
         self._lanes = Lanes(fusion_on, self.backend, private, active.comm_thread)
         self._source = params
         self._params: NamedParams = []
@@ -161,13 +164,8 @@ class GradientSync:
 
     def _current(self) -> NamedParams:
         """The parameters to reduce now: trainable ones that no newer GradientSync has claimed."""
-        out = []
-        for name, p in self._source():
-            if p.requires_grad:
-                owner = owner_of(p)
-                if owner is None or owner is self:
-                    out.append((name, p))
-        return out
+        mine = (None, self)
+        return [(n, p) for n, p in self._source() if p.requires_grad and owner_of(p) in mine]
 
     def _replan(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
