@@ -20,11 +20,8 @@ from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.trace import Timeline
-from dataparallel.engine.worker import CommThread
-from dataparallel.errors import (
-    BackendUnavailableError,
-    NotInitializedError,
-)
+from dataparallel.engine.worker import CommThread, Privates
+from dataparallel.errors import BackendUnavailableError, NotInitializedError
 
 __all__ = [
     "World",
@@ -58,9 +55,9 @@ class World:
     buffers: BufferPool = field(default_factory=BufferPool)
     recording: Timeline | None = None
     plans: dict[Any, Any] = field(default_factory=dict)  # calls made often (collectives/_fast.py)
-    # Engines whose traffic never meets their base's (`private`), and the thread that makes
-    # calls off the caller's thread (`engine/worker.py`): both made on first use.
-    privates: dict[int, tuple[Backend, Backend]] = field(default_factory=dict)
+    # Engines whose calls never meet the caller's, and the thread that makes calls off the
+    # caller's thread (`engine/worker.py`): both made on first use.
+    private: Privates = field(default_factory=Privates)
     comm_thread: CommThread = field(default_factory=CommThread)
 
     @property
@@ -68,19 +65,6 @@ class World:
         """The timeline that records this process's collectives, while one is open."""
         recording = self.recording
         return recording if recording is not None and not recording.closed else None
-
-    def private(self, backend: Backend) -> Backend:
-        """Return `backend`'s private duplicate (`Backend.duplicate`), made the first time.
-
-        Collective the first time for an engine of several ranks: every rank of `backend` asks
-        at the same point of its calls. Calls made from another thread (the communication
-        thread, JAX's host callbacks) go there, so they never meet the caller's.
-        """
-        pair = self.privates.get(id(backend))
-        if pair is None or pair[0] is not backend:
-            pair = (backend, backend.duplicate() if backend.size > 1 else backend)
-            self.privates[id(backend)] = pair
-        return pair[1]
 
 
 _world: World | None = None

@@ -340,11 +340,9 @@ class GlooBackend(GlooExchange, Backend):
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
         group = self._dist.new_group(ranks=[self._global(r) for r in ranks], backend="gloo")
-        return (
-            GlooBackend(self._dist, group, owns_default_group=False, local=None)
-            if (self.rank in ranks)
-            else None
-        )
+        if self.rank not in ranks:
+            return None
+        return GlooBackend(self._dist, group, owns_default_group=False, local=None)
 
     def _global(self, rank: int) -> int:
         """torch.distributed names roots by their rank in the default group."""

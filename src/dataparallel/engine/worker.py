@@ -1,4 +1,5 @@
-"""The communication thread: jobs run one at a time, in the order they were submitted.
+"""The communication thread: jobs run one at a time, in the order they were submitted; and
+the private engines such calls go on (`Privates`).
 
 Horovod's background thread, reduced to what dataparallel needs: the gradient hooks of
 `GradientSync` hand each ready bucket over (`submit`) and return at once; the thread packs it,
@@ -19,7 +20,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CommThread", "Job"]
+from dataparallel.backends.base import Backend
+
+__all__ = ["CommThread", "Job", "Privates"]
 
 
 class Job:
@@ -86,3 +89,22 @@ class CommThread:
             self._jobs.put(None)
         if thread is not threading.current_thread():
             thread.join()
+
+
+class Privates:
+    """Each engine's private duplicate (`Backend.duplicate`), made the first time it is asked for.
+
+    `privates(backend)` is collective the first time for an engine of several ranks: every rank
+    of `backend` asks at the same point of its calls. Calls made from another thread (the
+    communication thread, JAX's host callbacks) go there, so they never meet the caller's.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: dict[int, tuple[Backend, Backend]] = {}
+
+    def __call__(self, backend: Backend) -> Backend:
+        pair = self._pairs.get(id(backend))
+        if pair is None or pair[0] is not backend:
+            pair = (backend, backend.duplicate() if backend.size > 1 else backend)
+            self._pairs[id(backend)] = pair
+        return pair[1]
