@@ -12,6 +12,7 @@ import torch
 
 from dataparallel.engine.arrays import family_of
 from dataparallel.engine.dtypes import SUPPORTED_DTYPES, bf16_to_f32, f32_to_bf16, storage_dtype
+from dataparallel.engine.fusion import scale_in_place
 from dataparallel.engine.pool import BufferPool
 
 jax = pytest.importorskip("jax")
@@ -252,3 +253,21 @@ def test_buffer_pool_reuses_buffers_by_dtype_and_size_class() -> None:
     pool.give(big)
     assert np.shares_memory(pool.take(np.dtype(np.uint8), 4097), big)
     assert pool.take(np.dtype(np.uint8), 0).size == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
+def test_an_average_is_the_sum_divided_by_n_bit_for_bit(dtype: Any, n: int) -> None:
+    # Powers of two multiply by 1/n (cheaper), the others divide: both give x / n exactly,
+    # subnormals and the extremes included.
+    info = np.finfo(dtype)
+    values = np.concatenate(
+        [
+            np.random.default_rng(n).standard_normal(1000) * 1e3,
+            [info.tiny, info.tiny / 8, info.max, -info.max, info.smallest_subnormal, 0.0, 3.0],
+        ]
+    ).astype(dtype)
+    want = (values.astype(np.float32) / n).astype(dtype) if dtype == np.float16 else values / n
+    got = values.copy()
+    scale_in_place(got, 1 / n)
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
