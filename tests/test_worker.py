@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _torch_common import global_batch, loss_of, make_model, share
+from _torch_common import global_batch, loss_of, make_model, share, step_pair
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
@@ -57,13 +57,7 @@ def test_gradients_reduced_on_the_thread_match_one_process(world: Backend) -> No
     reference = make_model(hidden=16)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
-        x, y = global_batch(step)
-        opt.zero_grad()
-        loss_of(model, share(x), share(y)).backward()
-        opt.step()
-        reference_opt.zero_grad()
-        loss_of(reference, x, y).backward()
-        reference_opt.step()
+        step_pair(model, opt, reference, reference_opt, *global_batch(step))
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)
     # The thread's engine is a private duplicate: the world's own engine saw none of it.
@@ -94,11 +88,6 @@ def test_an_engine_error_on_the_thread_is_raised_by_step_and_the_next_step_works
     failing[0] = False
     reference = make_model(hidden=16)
     reference.load_state_dict(model.state_dict())
-    opt.zero_grad()
-    loss_of(model, share(x), share(y)).backward()
-    opt.step()
-    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    loss_of(reference, x, y).backward()
-    reference_opt.step()
+    step_pair(model, opt, reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)
