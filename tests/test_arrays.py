@@ -11,8 +11,13 @@ import pytest
 import torch
 
 from dataparallel.engine.arrays import family_of
-from dataparallel.engine.dtypes import SUPPORTED_DTYPES, bf16_to_f32, f32_to_bf16, storage_dtype
-from dataparallel.engine.fusion import scale_in_place
+from dataparallel.engine.dtypes import (
+    SUPPORTED_DTYPES,
+    bf16_to_f32,
+    f32_to_bf16,
+    scale_in_place,
+    storage_dtype,
+)
 from dataparallel.engine.pool import BufferPool
 
 jax = pytest.importorskip("jax")

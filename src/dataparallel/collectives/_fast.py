@@ -49,7 +49,7 @@ from dataparallel.collectives import _shadows
 from dataparallel.collectives._call import Leaf, describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
-from dataparallel.engine.fusion import scale_in_place
+from dataparallel.engine.dtypes import scale_in_place
 from dataparallel.engine.inline import combine_rows
 from dataparallel.engine.shadow import Shadow
 

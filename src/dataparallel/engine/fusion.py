@@ -32,12 +32,12 @@ from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
 from dataparallel.engine.arrays import Family, Staged, stage, write_back
 from dataparallel.engine.compression import COMPRESSIBLE, from_wire, to_wire
 from dataparallel.engine.device import DeviceBucket, DeviceWork
-from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, storage_dtype
+from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, scale_in_place, storage_dtype
 from dataparallel.engine.pool import BufferPool
 from dataparallel.engine.segments import Segments, layout_of
 from dataparallel.engine.trace import Timeline
 
-__all__ = ["HOST_KEY", "Action", "Fusion", "scale_in_place"]
+__all__ = ["HOST_KEY", "Action", "Fusion"]
 
 HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
@@ -361,9 +361,12 @@ class Fusion:
             wire, buf = flight.wire, flight.buf
             if flight.recv is not None and flight.recv_wire is not None:
                 wire, buf = flight.recv_wire, flight.recv  # a reduce-scatter's or all-to-all's
+            # A packed bucket is scaled as it is unpacked: one pass over it instead of two.
+            fold = scale is not None and scale != 1 and bool(flight.slots) and wire is buf
             if flight.compressed is not None:  # widen, then scale in the wide dtype
                 from_wire(wire, flight.compressed, buf, flight.dtype, scale)
-            elif scale is not None and scale != 1:
+                fold = False
+            elif scale is not None and scale != 1 and not fold:
                 scale_in_place(wire, scale)
             if flight.compressed is None and wire is not buf and wire.dtype != np.uint8:
                 if flight.dtype == "bfloat16":
@@ -371,7 +374,11 @@ class Fusion:
                 else:
                     buf[...] = wire
             for work, offset in flight.slots:
-                work[...] = buf[offset : offset + work.size].reshape(work.shape)
+                values = buf[offset : offset + work.size].reshape(work.shape)
+                if fold:
+                    scale_in_place(values, scale, out=work)  # type: ignore[arg-type]
+                else:
+                    work[...] = values
             if flight.layout is not None:
                 flight.layout.unpack(buf, flight.deliver)
         if flight.device is not None and not flight.device.direct:
@@ -380,21 +387,3 @@ class Fusion:
             self.pool.give(buf)
         if timeline is not None:
             timeline.complete("unpack", unpacking, arrays=len(flight.slots) or len(flight.deliver))
-
-
-def scale_in_place(values: np.ndarray, scale: float) -> None:
-    """Multiply `values` by `scale` in place (integers by `int(scale)`, as integers).
-
-    The reciprocal of an integer n (an average's `1 / size`) divides by n instead, so an average
-    is the exact mean rounded to the dtype (as `x / n` is); for n a power of two multiplying gives
-    the same result for less (cached float32 1.8x, float64 3.8x). Half precision is in float32.
-    """
-    if values.dtype.kind in "iu":
-        np.multiply(values, int(scale), out=values, casting="unsafe")
-        return
-    wide = np.float32 if values.dtype == np.float16 else None
-    divisor = 1.0 / scale if scale else 0.0
-    if divisor == round(divisor) and divisor * scale == 1.0 and int(divisor) & int(divisor - 1):
-        np.divide(values, int(divisor), out=values, dtype=wide, casting="unsafe")
-    else:
-        np.multiply(values, scale, out=values, dtype=wide, casting="unsafe")

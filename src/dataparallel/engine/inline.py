@@ -15,8 +15,7 @@ import numpy as np
 
 from dataparallel.backends.base import ReduceOp
 from dataparallel.engine.actions import Broadcast, Reduction
-from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16
-from dataparallel.engine.fusion import scale_in_place
+from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, scale_in_place
 
 __all__ = ["ALIGN", "combine_rows", "land_inline", "pack_inline", "padded"]
 
