@@ -363,9 +363,9 @@ class Fusion:
                 wire, buf = flight.recv_wire, flight.recv  # a reduce-scatter's or all-to-all's
             # A packed bucket is scaled as it is unpacked: one pass over it instead of two.
             fold = scale is not None and scale != 1 and bool(flight.slots) and wire is buf
+            fold = fold and flight.compressed is None
             if flight.compressed is not None:  # widen, then scale in the wide dtype
                 from_wire(wire, flight.compressed, buf, flight.dtype, scale)
-                fold = False
             elif scale is not None and scale != 1 and not fold:
                 scale_in_place(wire, scale)
             if flight.compressed is None and wire is not buf and wire.dtype != np.uint8:

@@ -27,12 +27,14 @@ from dataparallel.engine.shadow import Add, Shadow
 __all__ = [
     "Bucket",
     "NamedParams",
+    "arrival_order",
     "check_options",
     "default_bucket_bytes",
     "describe",
     "grad_family",
     "layout",
     "message",
+    "on_host",
     "overlaps",
     "plan",
     "shadow_of",
@@ -146,8 +148,13 @@ def overlaps(local_size: int, overlap: bool | None) -> bool:
     return local_size < (cores or 1)
 
 
+def on_host(params: NamedParams) -> bool:
+    """Whether every parameter is a host tensor (their buckets may go to the comm thread)."""
+    return all(p.device.type == "cpu" for _, p in params)
+
+
 def default_bucket_bytes(
-    backend: Backend, overlap: bool, private: Backend, params: NamedParams, settings: Settings
+    backend: Backend, overlap: bool, private: Backend, host: bool, settings: Settings
 ) -> int:
     """The bucket size of a `GradientSync` not given one (collective in a world of several).
 
@@ -156,7 +163,6 @@ def default_bucket_bytes(
     agree (a minimum over ranks), so that a node with a spare core and one without still cut
     the same buckets.
     """
-    host = all(p.device.type == "cpu" for _, p in params if p.requires_grad)
     offload = overlap and host and private is not backend
     if backend.size > 1:
         offload = bool(collectives.allreduce(int(offload), op="min", backend=backend))

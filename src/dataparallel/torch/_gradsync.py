@@ -55,6 +55,7 @@ from dataparallel.torch._buckets import (
     grad_family,
     layout,
     message,
+    on_host,
     overlaps,
     shadow_of,
     signature,
@@ -114,8 +115,9 @@ class GradientSync:
         self.overlap = overlaps(self.backend.local_size, active.settings.overlap)  # see there
         # Collective (World.private, default_bucket_bytes): every rank makes it at the same point.
         private = active.private(self.backend)
+        trainable = [(n, p) for n, p in params() if p.requires_grad]
         self.bucket_bytes = bucket_bytes or default_bucket_bytes(
-            self.backend, self.overlap, private, params(), active.settings
+            self.backend, self.overlap, private, on_host(trainable), active.settings
         )
         self._options: dict[str, Any] = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
@@ -137,7 +139,7 @@ class GradientSync:
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         self._rebuilt = False
-        self._replan([(n, p) for n, p in params() if p.requires_grad], None)
+        self._replan(trainable, None)
         self._clear()
 
     @property
@@ -190,8 +192,7 @@ class GradientSync:
             self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
         self._signature = signature(self._params)
-        # Buckets of host tensors only are handed to the communication thread.
-        self._host = all(p.device.type == "cpu" for _, p in self._params)
+        self._host = on_host(self._params)  # only host buckets go to the communication thread
 
     def refresh(self) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
@@ -228,9 +229,7 @@ class GradientSync:
         self._arrival: list[int] = []
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
-        self._agreed = False
-        self._abandoned = False
-        self._joined = False
+        self._agreed = self._abandoned = self._joined = False
         self._lanes.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
 
@@ -305,10 +304,12 @@ class GradientSync:
         late = [(n, p) for n, p in self._current() if id(p) not in planned]
         if late:
             self._agree()
-            grads = [(n, torch.zeros_like(p) if p.grad is None else p.grad) for n, p in late]
-            for (_, p), (_, g) in zip(late, grads, strict=True):
-                p.grad = g
-            self._lanes.send([(grad_family(self.owner, n, g), g) for n, g in grads])
+            leaves = []
+            for name, p in late:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                leaves.append((grad_family(self.owner, name, p.grad), p.grad))
+            self._lanes.send(leaves)
 
     def _agree(self) -> None:
         """Make this step's handshake: every rank reduces the same parameters, now."""
