@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _jobs import run_job
@@ -31,12 +32,16 @@ BIN = Path(sys.executable).parent
 LIMIT = 150  # seconds; every case must end in under 60
 
 
+def timed_job(*args: Any, **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float, str]:
+    """`run_job(*args, **kwargs)`; return the job, the seconds it took, and its output."""
+    started = time.monotonic()
+    job = run_job(*args, **kwargs)
+    return job, time.monotonic() - started, job.stdout + job.stderr
+
+
 @pytest.mark.spawns
 def test_an_uncaught_exception_ends_a_plain_mpiexec_job() -> None:
-    started = time.monotonic()
-    job = run_job([SCRIPT], launcher="mpiexec", ranks=3, timeout=LIMIT)
-    elapsed = time.monotonic() - started
-    output = job.stdout + job.stderr
+    job, elapsed, output = timed_job([SCRIPT], launcher="mpiexec", ranks=3, timeout=LIMIT)
     assert job.returncode != 0, output
     assert output.count("RuntimeError: rank 1 fails on purpose") == 1, output
     assert "[rank 1] uncaught RuntimeError: ending the job" in output
@@ -48,10 +53,9 @@ def test_an_uncaught_exception_ends_a_torchrun_job() -> None:
     torchrun = shutil.which("torchrun", path=str(BIN))
     if torchrun is None:
         pytest.skip("torchrun is not installed beside this Python")
-    started = time.monotonic()
-    job = run_job([torchrun, "--nproc-per-node", "3", SCRIPT], launcher=None, timeout=LIMIT)
-    elapsed = time.monotonic() - started
-    output = job.stdout + job.stderr
+    job, elapsed, output = timed_job(
+        [torchrun, "--nproc-per-node", "3", SCRIPT], launcher=None, timeout=LIMIT
+    )
     assert job.returncode != 0, output
     assert "RuntimeError: rank 1 fails on purpose" in output
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
@@ -63,10 +67,9 @@ KILLED = Path(__file__).parent / "scripts" / "killed_rank.py"
 @pytest.mark.spawns
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_killed_rank_ends_the_job(backend: str) -> None:
-    started = time.monotonic()
-    job = run_job([KILLED], ranks=3, backend=backend, job_timeout=100, timeout=LIMIT)
-    elapsed = time.monotonic() - started
-    output = job.stdout + job.stderr
+    job, elapsed, output = timed_job(
+        [KILLED], ranks=3, backend=backend, job_timeout=100, timeout=LIMIT
+    )
     assert job.returncode == 128 + signal.SIGKILL, output  # as shells report it, both launchers
     assert "UNREACHABLE" not in output
     if backend == "gloo":
@@ -138,10 +141,9 @@ NEVER = Path(__file__).parent / "scripts" / "never_initializes.py"
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_rank_that_never_initializes_ends_the_job(backend: str) -> None:
     """Its peers would wait in dp.initialize() for ever: the launcher ends the job, naming both."""
-    started = time.monotonic()
-    job = run_job([NEVER], ranks=3, backend=backend, job_timeout=100, timeout=LIMIT)
-    elapsed = time.monotonic() - started
-    output = job.stdout + job.stderr
+    job, elapsed, output = timed_job(
+        [NEVER], ranks=3, backend=backend, job_timeout=100, timeout=LIMIT
+    )
     assert job.returncode == 1, output
     assert "UNREACHABLE" not in output
     assert "waits in dp.initialize() for rank 1, which finished its script without calling it" in (
