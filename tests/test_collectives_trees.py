@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import dataparallel as dp
-from dataparallel.collectives._fast import _Plan
+from dataparallel.collectives._plans import Plan
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -128,8 +128,9 @@ def test_three_hundred_leaves_of_mixed_dtypes_and_families(rank: int, size: int)
 def test_trees_of_numpy_arrays_reduce_as_the_general_path(
     rank: int, size: int, op: str, dtype: Any, kind: str
 ) -> None:
-    """Lists, tuples and dicts of one dtype take a plan (`_fast._tree`): same results, written
-    in place (non-contiguous arrays too), new arrays for read-only ones, called again safely."""
+    """Lists, tuples and dicts of one dtype take a plan (`_plans.tree_allreduce`): same results,
+    written in place (non-contiguous arrays too), new arrays for read-only ones, called again
+    safely."""
     if op == "avg" and np.dtype(dtype).kind == "i":
         return  # an integer average is refused (tested with the errors)
     from dataparallel import world
@@ -168,7 +169,7 @@ def test_trees_of_numpy_arrays_reduce_as_the_general_path(
     )
     # The world also keeps plans of Python numbers (a header, no buffer): only arrays' count.
     plans = world.current().plans.values()
-    plan_buffers = [plan.buf for plan in plans if isinstance(plan, _Plan)]
+    plan_buffers = [plan.buf for plan in plans if isinstance(plan, Plan)]
     assert not any(np.shares_memory(leaf, buf) for leaf in leaves(out) for buf in plan_buffers)
 
 
@@ -177,7 +178,7 @@ def test_trees_of_numpy_arrays_reduce_as_the_general_path(
 def test_a_few_floats_reduce_in_the_handshake_as_the_general_path(
     rank: int, size: int, op: str, kind: type
 ) -> None:
-    """Metrics: Python floats in a container take `_fast._numbers`; NumPy scalars, the general
+    """Metrics: Python floats in a container take `_plans._numbers`; NumPy scalars, the general
     path. Both give Python floats back, with the same values."""
     values = [rank + 0.5, -1.0 / (rank + 3), float("nan") if rank == size - 1 else 2.0]
 
@@ -200,7 +201,7 @@ def test_a_tree_past_the_plan_limit_takes_the_general_path(
 ) -> None:
     """A plan is one bucket of at most `PLAN_BYTES`: larger trees go the general path's way."""
     from dataparallel import world
-    from dataparallel.collectives._fast import PLAN_BYTES
+    from dataparallel.collectives._plans import PLAN_BYTES
 
     active = world.current()
     limit = 4 * PLAN_BYTES if bucket == "bucket-larger" else PLAN_BYTES // 4

@@ -110,6 +110,8 @@ class Backend(ABC):
         device_native_dtypes: the same for device buffers (NCCL adds bfloat16).
         stream_aware: whether the engine orders its device work on CUDA streams itself (NCCL);
             otherwise the producer's stream is synchronized before a device buffer is handed over.
+        progresses: whether a non-blocking call moves on while the caller does something else
+            (Gloo's threads, NCCL's streams); MPI moves one only inside MPI calls.
     """
 
     name: ClassVar[str]
@@ -119,6 +121,7 @@ class Backend(ABC):
     )
 
     stream_aware: ClassVar[bool] = False
+    progresses: ClassVar[bool] = True
 
     rank: int
     size: int

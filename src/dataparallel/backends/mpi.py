@@ -121,6 +121,9 @@ class MPIBackend(Backend):
     """
 
     name = "mpi"
+    # MPICH moves a non-blocking collective only inside MPI calls: a second one in flight adds no
+    # overlap, and two large ones slow each other down (two 16 MiB sums: 12.8 ms, 5.2 in turn).
+    progresses = False
 
     def __init__(
         self,
@@ -200,6 +203,9 @@ class MPIBackend(Backend):
     def allreduce(self, buf: Any, op: ReduceOp) -> None:
         self._board.tick()
         mpi_op, comm, in_place = self._ops[op], self.comm, self._mpi.IN_PLACE
+        if self.timeout is None:  # every blocking allreduce: no closures on its way
+            comm.Allreduce(in_place, buf, mpi_op)
+            return
         self._complete(
             "allreduce",
             lambda: comm.Allreduce(in_place, buf, mpi_op),

@@ -41,9 +41,9 @@ __all__ = ["HOST_KEY", "Action", "Fusion"]
 
 HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
-# Calls in flight before the oldest is waited for. MPI progresses non-blocking collectives only
-# inside MPI calls: a second in flight adds no overlap, many slow MPICH down (50 arrays of 80 KB:
-# 3.4 ms all in flight, 1.7-2.5 ms one at a time; docs/performance.md).
+# Calls left in flight after a new one starts, on an engine that moves them on by itself (Gloo,
+# NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`). Many in
+# flight slow MPICH down (50 arrays of 80 KB: 3.4 ms all in flight, 1.7-2.5 ms one at a time).
 MAX_IN_FLIGHT = 1
 # bool reductions are logical or / and on bytes, as NumPy adds and multiplies booleans.
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
@@ -221,6 +221,9 @@ class Fusion:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
     def _launch(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> None:
+        if not self.backend.progresses:  # one call in flight at a time (`Backend.progresses`)
+            while self._flights:
+                self._land(self._flights.pop(0))
         timeline = self.timeline
         if timeline is None:
             flight = self._pack(works, dtype, delivers)
