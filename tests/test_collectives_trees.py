@@ -449,3 +449,37 @@ def test_trees_larger_than_a_bucket(
     out = dp.reduce(y, op="max", root=size - 1)
     for key, leaf in out.items():
         assert np.all(host(leaf) == (size if rank == size - 1 else rank + 1)), key
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["all-ranks", "rank-0-joined"])
+def test_an_oversize_leaf_goes_at_once_and_the_open_bucket_keeps_filling(
+    joined: bool, rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small, large, small: two calls (the large one, then both small ones), not three; a rank
+    that has joined (`dp.join`) makes the same calls on zeros."""
+    if joined and size == 1:
+        pytest.skip("a joined rank needs another rank to answer")
+    active = dp.world.current()
+    monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, bucket_bytes=256))
+    backend = active.backend
+    sent: list[int] = []
+    blocking = backend.allreduce
+
+    def allreduce(buf: Any, op: Any) -> None:
+        sent.append(buf.size)
+        blocking(buf, op)
+
+    monkeypatch.setattr(backend, "allreduce", allreduce)
+    if joined and rank == 0:
+        dp.join()
+        assert sent == [2000, 16]  # the shadow's calls: the same as the others'
+        return
+    tree = [np.full(8, rank + 1.0), np.full(2000, rank + 1.0), np.full(8, 1.0)]
+    out = dp.allreduce(tree)
+    live = [r for r in range(size) if not (joined and r == 0)]
+    np.testing.assert_array_equal(out[1], np.full(2000, sum(r + 1.0 for r in live)))
+    np.testing.assert_array_equal(out[0], np.full(8, sum(r + 1.0 for r in live)))
+    np.testing.assert_array_equal(out[2], np.full(8, float(len(live))))
+    assert sent == [2000, 16]
+    if joined:
+        dp.join()

@@ -78,6 +78,7 @@ class _FusionReducer(Reducer):
             contiguous=contiguous,
             pool=active.buffers,
             timeline=active.timeline,
+            keep_open=False,  # the contract: the cache is flushed before an oversize array
         )
         if self.backend.size > 1:
             self._fusion.before_launch = self._agree

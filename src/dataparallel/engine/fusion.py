@@ -85,6 +85,9 @@ class Fusion:
         timeline: records queue/pack/communicate/unpack phases when given.
         compression: `"float16"` or `"bfloat16"`: the wire dtype of floating buckets of an
             allreduce (see `compression.py`), or None.
+        keep_open: an array larger than `bucket_bytes` goes alone at once and the open bucket
+            keeps filling (fewer calls where large and small arrays alternate, as in a ResNet);
+            False: the open bucket goes first (Flashlight's reducers).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Fusion:
         pool: BufferPool | None = None,
         timeline: Timeline | None = None,
         compression: str | None = None,
+        keep_open: bool = True,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
@@ -110,6 +114,7 @@ class Fusion:
         self.compression = compression
         self.backend, self.action = backend, action
         self.bucket_bytes, self.async_op, self.contiguous = bucket_bytes, async_op, contiguous
+        self.keep_open = keep_open
         self.pool = pool if pool is not None else BufferPool()
         self._open: dict[tuple[Any, ...], list[np.ndarray]] = {}
         self._deliver: dict[tuple[Any, ...], list[Deliver]] = {}
@@ -144,7 +149,8 @@ class Fusion:
         """
         nbytes = work.nbytes
         if nbytes > self.bucket_bytes:
-            self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
+            if not self.keep_open:
+                self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
             if self.before_launch is not None:
                 self.before_launch([(dtype, work.size)])
             self._launch([work], dtype, [] if deliver is None else [deliver])
