@@ -44,7 +44,7 @@ from dataparallel.collectives._lane import (
 )
 from dataparallel.collectives._plans import tree_allreduce
 from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import scale_in_place
+from dataparallel.engine.dtypes import prescale, scale_in_place
 
 __all__ = ["NOT_FAST", "fast_allreduce"]
 
@@ -139,8 +139,9 @@ def _in_place(x: np.ndarray, op: str, scale: Any, active: world.World) -> Any:
     # A rank that has joined (dp.join) makes the same allreduce on zeros: `fused_shadow`.
     gather_records(backend, record, x, op, scale, fused_shadow)
     flat = x.reshape(-1)
+    prescaled = prescale(flat, action.scale)  # after the handshake: a mismatch leaves x as it was
     backend.allreduce(flat, action.op)
-    if action.scale is not None:
+    if action.scale is not None and not prescaled:
         scale_in_place(flat, action.scale)
     return x
 

@@ -36,7 +36,7 @@ from dataparallel.collectives._lane import (
 )
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import scale_in_place
+from dataparallel.engine.dtypes import prescale, scale_in_place
 from dataparallel.engine.inline import combine_rows
 
 __all__ = ["PLAN_BYTES", "Plan", "tree_allreduce"]
@@ -84,8 +84,9 @@ def tree_allreduce(x: Any, kind: type, op: str, scale: Any, active: world.World)
     buf, backend = plan.buf, active.backend
     np.concatenate(leaves, axis=None, out=buf)
     gather_records(backend, plan.record, x, op, scale, fused_shadow)
+    prescaled = prescale(buf, plan.action.scale)
     backend.allreduce(buf, plan.action.op)
-    if plan.action.scale is not None:
+    if plan.action.scale is not None and not prescaled:
         scale_in_place(buf, plan.action.scale)
     results = leaves
     try:

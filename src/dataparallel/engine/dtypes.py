@@ -19,6 +19,7 @@ __all__ = [
     "check_dtype",
     "dtype_name",
     "f32_to_bf16",
+    "prescale",
     "scale_in_place",
     "storage_dtype",
 ]
@@ -87,6 +88,29 @@ def check_dtype(dtype: str, path: str) -> str:
             f"{', '.join(sorted(SUPPORTED_DTYPES))} (convert the leaf, or keep it out of the tree)."
         )
     return dtype
+
+
+def prescale(values: np.ndarray, scale: float | None) -> bool:
+    """Multiply `values` (about to be summed) by `scale` when that gives the sum's scaled result:
+    a power of two below one (an average over 2, 4, 8... ranks) on float32 or float64. Return
+    whether it did.
+
+    Scaling then is exact, so every rank's share scaled and summed is the sum scaled, rounded once
+    (down to the smallest normal number: terms below 2^-125 in float32, 2^-1021 in float64, may
+    differ in the last place; an overflow of the sum alone is avoided). Scaling before the call
+    writes lines this process owns, just written by its producer; after the call the engine has
+    shared them with the other ranks, and writing them again costs 8-16x as much (512 KiB: 8 us
+    before, 120 us after, on 2 ranks of one machine).
+    """
+    if scale is None or not 0 < scale < 1 or values.dtype not in _PRESCALED:
+        return False
+    if np.frexp(scale)[0] != 0.5:  # not a power of two
+        return False
+    np.multiply(values, scale, out=values)
+    return True
+
+
+_PRESCALED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def scale_in_place(values: np.ndarray, scale: float, out: np.ndarray | None = None) -> None:

@@ -22,19 +22,25 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
 from dataparallel.engine.arrays import Family, Staged, stage, write_back
 from dataparallel.engine.compression import COMPRESSIBLE, from_wire, to_wire
 from dataparallel.engine.device import DeviceBucket, DeviceWork
-from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, scale_in_place, storage_dtype
+from dataparallel.engine.dtypes import (
+    bf16_to_f32,
+    f32_to_bf16,
+    prescale,
+    scale_in_place,
+    storage_dtype,
+)
+from dataparallel.engine.flight import Deliver, Flight
 from dataparallel.engine.pool import BufferPool
-from dataparallel.engine.segments import Segments, layout_of
+from dataparallel.engine.segments import layout_of
 from dataparallel.engine.trace import Timeline
 
 __all__ = ["HOST_KEY", "Action", "Fusion"]
@@ -50,26 +56,6 @@ _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
 
 
 Action = Reduction | Broadcast | Scatter | Exchange
-Deliver = Callable[[np.ndarray], Any]
-
-
-@dataclass
-class _Flight:
-    """One communication call in flight and what to do when it lands."""
-
-    request: Handle | None
-    dtype: str
-    buf: np.ndarray  # storage-dtype values, 1-D
-    wire: Any  # what the engine gets: buf, a widened copy, or a DeviceBuffer
-    slots: list[tuple[np.ndarray, int]] = field(default_factory=list)  # (work, offset) to unpack
-    pooled: list[np.ndarray] = field(default_factory=list)
-    span: int = 0  # the timeline's id of the communicate phase
-    device: DeviceBucket | None = None  # the GPU bucket this flight carries (device.py)
-    layout: Segments | None = None  # reduce-scatter and all-to-all: the bucket's rank layout
-    recv: np.ndarray | None = None  # ... their results (storage dtype), and what the engine fills
-    recv_wire: np.ndarray | None = None
-    deliver: list[Deliver] = field(default_factory=list)
-    compressed: str | None = None  # the 16-bit dtype `wire` holds, when compressed
 
 
 class Fusion:
@@ -119,7 +105,7 @@ class Fusion:
         self._open: dict[tuple[Any, ...], list[np.ndarray]] = {}
         self._deliver: dict[tuple[Any, ...], list[Deliver]] = {}
         self._open_bytes = 0
-        self._flights: list[_Flight] = []
+        self._flights: list[Flight] = []
         self.timeline = timeline
         self._opened_at: dict[tuple[Any, ...], float] = {}
         self._leaves: list[Staged] = []
@@ -249,23 +235,26 @@ class Fusion:
         else:
             self._land(flight)
 
-    def _pack(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> _Flight:
+    def _pack(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> Flight:
         if isinstance(self.action, (Scatter, Exchange)):
             return self._pack_segments(works, dtype, delivers)
         if type(works[0]) is DeviceWork:
             return self._pack_device(works, dtype)
         if len(works) == 1 and works[0].flags.c_contiguous:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
-            flight = _Flight(None, dtype, buf, buf)
+            flight = Flight(None, dtype, buf, buf)
         else:
             buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
-            flight = _Flight(None, dtype, buf, buf, pooled=[buf])
+            flight = Flight(None, dtype, buf, buf, pooled=[buf])
             np.concatenate([w.reshape(-1) for w in works], out=buf)  # one copy, in C
             offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
             flight.slots = list(zip(works, offsets, strict=True))
         flight.compressed = wire = self._compressed(dtype)
         if wire is None:
             flight.wire = self._wire(buf, dtype, flight.pooled)
+            action = self.action
+            if isinstance(action, Reduction) and action.root is None:
+                flight.prescaled = prescale(flight.wire, action.scale)
         elif dtype != wire:
             flight.wire = self.pool.take(storage_dtype(wire), buf.size)
             to_wire(buf, dtype, wire, out=flight.wire)
@@ -295,31 +284,31 @@ class Fusion:
             wide[...] = buf
         return wide
 
-    def _pack_segments(self, works: list[Any], dtype: str, delivers: list[Deliver]) -> _Flight:
+    def _pack_segments(self, works: list[Any], dtype: str, delivers: list[Deliver]) -> Flight:
         """Lay a bucket out rank by rank (`Segments`) for a reduce-scatter or an all-to-all."""
         assert isinstance(self.action, (Scatter, Exchange))
         layout = layout_of(self.action, works, self.backend.rank, self.backend.size)
         buf, pooled = layout.send_buffer(self.pool)
         # Not pooled: the results are views of it, which the caller may keep (Family.adopt).
         recv = np.empty(sum(layout.recv_counts), storage_dtype(dtype))
-        flight = _Flight(None, dtype, buf, buf, [], pooled, layout=layout, recv=recv)
+        flight = Flight(None, dtype, buf, buf, [], pooled, layout=layout, recv=recv)
         flight.deliver, flight.wire = delivers, self._wire(buf, dtype, flight.pooled)
         flight.recv_wire = self._wire(recv, dtype, flight.pooled, copy=False)
         return flight
 
-    def _pack_device(self, works: list[Any], dtype: str) -> _Flight:
+    def _pack_device(self, works: list[Any], dtype: str) -> Flight:
         """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
         bucket = DeviceBucket(works, dtype)
         compressed = self._compressed(dtype)
         if self.backend.accepts_device(bucket.device) and bucket.can_send(self.backend, compressed):
             broadcast = isinstance(self.action, Broadcast)
             wire = bucket.send_direct(self.backend, broadcast, compressed)
-            return _Flight(None, dtype, bucket.buf, wire, device=bucket)
+            return Flight(None, dtype, bucket.buf, wire, device=bucket)
         flight = self._pack([bucket.stage()], dtype, [])  # one host buffer: communicated in place
         flight.device = bucket
         return flight
 
-    def _start(self, flight: _Flight) -> None:
+    def _start(self, flight: Flight) -> None:
         action, backend, wire = self.action, self.backend, flight.wire
         if flight.layout is not None:  # a reduce-scatter or an all-to-all
             assert isinstance(action, (Scatter, Exchange)) and flight.recv_wire is not None
@@ -354,7 +343,7 @@ class Fusion:
             return rank != action.root
         return isinstance(action, (Scatter, Exchange)) or action.root is None or action.root == rank
 
-    def _land(self, flight: _Flight) -> None:
+    def _land(self, flight: Flight) -> None:
         if flight.request is not None:
             flight.request.wait()
         timeline = self.timeline
@@ -364,6 +353,7 @@ class Fusion:
         receives = self._receives()
         action = self.action
         scale = action.scale if isinstance(action, (Reduction, Scatter)) else None
+        scale = None if flight.prescaled else scale
         if flight.device is not None and flight.device.direct:
             flight.device.land(receives, scale)
         elif receives:
