@@ -33,16 +33,34 @@ def timed(fn: Callable[[], object], comm: MPI.Comm, repeat: int = 7, budget: flo
 
 
 def compare(
-    cases: dict[str, Callable[[], object]], comm: MPI.Comm, rounds: int = 3
+    cases: dict[str, Callable[[], object]],
+    comm: MPI.Comm,
+    batches: int = 45,
+    budget: float = 0.05,
 ) -> dict[str, float]:
-    """Time every case in turn, `rounds` times round-robin; return each case's best median.
+    """Time every case in short batches taken in turn; return each case's median time per call.
 
-    Interleaving the cases spreads the machine's drifts (frequency, neighbours, page cache) over
-    all of them, so their ratios mean something even on a noisy machine.
+    A batch makes as many calls as fit in about `budget` seconds (the same count on every rank,
+    from the slowest rank's first timing); its time is the slowest rank's. Taking the cases' batches
+    in turn, a few hundredths of a second each, spreads the machine's drifts over all of them: this
+    machine flips between a fast and a slow mode for seconds at a time (a raw 64 KiB Allreduce:
+    22 or 48 us), and cases timed one after the other for seconds each landed in different modes.
     """
-    best: dict[str, float] = {}
-    for _ in range(rounds):
+    inner: dict[str, int] = {}
+    for name, fn in cases.items():
+        for _ in range(2):
+            fn()
+        start = time.perf_counter()
+        fn()
+        once = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        inner[name] = max(3, min(1000, int(budget / max(once, 1e-6))))
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(batches):
         for name, fn in cases.items():
-            seconds = timed(fn, comm)
-            best[name] = min(best.get(name, seconds), seconds)
-    return best
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            samples[name].append(elapsed / inner[name])
+    return {name: statistics.median(values) for name, values in samples.items()}

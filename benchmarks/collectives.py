@@ -2,7 +2,7 @@
 
 Run: `OMP_NUM_THREADS=1 dataparallel run -n 2 benchmarks/collectives.py`
 
-Rows (each the best of 3 interleaved rounds of medians, every rank in lock step):
+Rows (each the median of 45 batches taken in turn with the other cases, every rank in lock step):
 - a 4-byte allreduce: raw `comm.Allreduce(IN_PLACE, ...)`, dp with and without mismatch checks;
 - three metrics in a dict: raw Allreduce of the 3 packed doubles vs dp.allreduce(dict) (both one
   message: dp's values travel in the handshake);

@@ -2,7 +2,7 @@
 
 Run: `OMP_NUM_THREADS=1 dataparallel run -n 2 benchmarks/scatter_exchange.py`
 
-Rows (each the best of 3 interleaved rounds of medians, every rank in lock step):
+Rows (each the median of 45 batches taken in turn with the other cases, every rank in lock step):
 - reduce-scatter of a small array (1 KiB) with and without mismatch checks;
 - one float32 array of 1, 16 and 64 MiB: raw `comm.Reduce_scatter` into a preallocated buffer vs
   dp.reducescatter (which returns a new array), and raw `Allreduce` + slice, the design that

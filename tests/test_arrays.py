@@ -15,6 +15,7 @@ from dataparallel.engine.dtypes import (
     SUPPORTED_DTYPES,
     bf16_to_f32,
     f32_to_bf16,
+    prescale,
     scale_in_place,
     storage_dtype,
 )
@@ -276,3 +277,49 @@ def test_an_average_is_the_sum_divided_by_n_bit_for_bit(dtype: Any, n: int) -> N
     got = values.copy()
     scale_in_place(got, 1 / n)
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_shares_scaled_before_the_sum_add_up_to_the_sum_scaled_bit_for_bit(
+    dtype: Any, n: int
+) -> None:
+    """`prescale`: n ranks' shares scaled by 1/n (a power of two) and summed give the sum, summed
+    in the same order, scaled, for every value down to the smallest normal number; a sum that
+    overflows stays finite."""
+    rng = np.random.default_rng(n)
+    info = np.finfo(dtype)
+    shares = []
+    for _ in range(n):
+        share = rng.standard_normal(2000) * 10.0 ** rng.integers(-30, 30, 2000)
+        share[:4] = [info.max, -info.max, 4 * info.tiny, 0.0]
+        shares.append(share.astype(dtype))
+    scaled = [share.copy() for share in shares]
+    assert all(prescale(share, 1 / n) for share in scaled)
+    want, got = shares[0].copy(), scaled[0].copy()
+    with np.errstate(over="ignore"):
+        for share, share_scaled in zip(shares[1:], scaled[1:], strict=True):
+            want += share
+            got += share_scaled
+    scale_in_place(want, 1 / n)
+    bits = f"u{got.itemsize}"
+    np.testing.assert_array_equal(got[2:].view(bits), want[2:].view(bits))
+    assert np.isinf(want[:2]).all()  # the sum overflowed; scaled first, it does not
+    np.testing.assert_array_equal(got[:2], [info.max, -info.max])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        (np.float32, 1 / 3),
+        (np.float32, 1.0),
+        (np.float32, 2.0),
+        (np.float64, None),
+        (np.float16, 0.5),
+        (np.int32, 0.5),
+    ],
+)
+def test_prescale_leaves_what_it_cannot_scale_exactly(dtype: Any, scale: Any) -> None:
+    values = np.arange(10).astype(dtype)
+    assert not prescale(values, scale)
+    np.testing.assert_array_equal(values, np.arange(10).astype(dtype))

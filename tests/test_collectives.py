@@ -7,6 +7,7 @@ in `test_collectives_trees.py`; mismatch detection is in `test_checks.py`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import time
@@ -35,6 +36,7 @@ from _families import (
 import dataparallel as dp
 import dataparallel.world as world_module
 from dataparallel.engine.arrays import family_of
+from dataparallel.engine.dtypes import scale_in_place
 
 jnp = pytest.importorskip("jax.numpy")
 
@@ -456,3 +458,36 @@ def test_debug_logs_every_collective_with_its_rank(
     monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, debug=False))
     dp.allreduce(1.0)
     assert capsys.readouterr().err == ""
+
+
+def test_an_average_is_the_sum_scaled_bit_for_bit_on_every_path(rank: int, size: int) -> None:
+    """Over 2, 4... ranks the shares are scaled before the sum (`dtypes.prescale`), over 3 the
+    sum after: either way `avg` gives `sum` divided by the world's size, bit for bit, for one
+    array (the fast path's in-place lane), a planned list, a tree, and torch gradients."""
+    rng = np.random.default_rng(rank)
+
+    def draw(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 10.0 ** rng.integers(-20, 20, shape)).astype(
+            np.float32
+        )
+
+    def expected(x: Any) -> np.ndarray:
+        total = dp.allreduce(np.array(x, copy=True), op="sum")
+        scale_in_place(total, 1 / size)
+        return total
+
+    one, pair, tree = draw(5000), [draw(100), draw(7, 3)], {"w": draw(70_000), "b": draw(9)}
+    want = [expected(one), *[expected(a) for a in pair], expected(tree["w"]), expected(tree["b"])]
+    got = [dp.allreduce(one, op="avg"), *dp.allreduce(pair, op="avg")]
+    averaged = dp.allreduce(tree, op="avg")
+    got += [averaged["w"], averaged["b"]]
+    model, inputs = torch.nn.Linear(300, 200), torch.from_numpy(draw(4, 300))
+    alone = copy.deepcopy(model)  # this rank's own gradients
+    alone(inputs).square().sum().backward()
+    want += [expected(p.grad.numpy()) for p in alone.parameters()]
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    model(inputs).square().sum().backward()
+    opt.step()
+    got += [p.grad.numpy() for p in model.parameters()]
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
