@@ -462,8 +462,9 @@ def test_debug_logs_every_collective_with_its_rank(
 
 def test_an_average_is_the_sum_scaled_bit_for_bit_on_every_path(rank: int, size: int) -> None:
     """Over 2, 4... ranks the shares are scaled before the sum (`dtypes.prescale`), over 3 the
-    sum after: either way `avg` gives `sum` divided by the world's size, bit for bit, for one
-    array (the fast path's in-place lane), a planned list, a tree, and torch gradients."""
+    sum after: either way `avg` gives the same call's `sum` divided by the world's size, bit for
+    bit, for one array (the fast path's in-place lane), a planned list, a tree, and torch
+    gradients. (The same call: the engine's order of adding depends on the buffers' layout.)"""
     rng = np.random.default_rng(rank)
 
     def draw(*shape: int) -> np.ndarray:
@@ -471,23 +472,25 @@ def test_an_average_is_the_sum_scaled_bit_for_bit_on_every_path(rank: int, size:
             np.float32
         )
 
-    def expected(x: Any) -> np.ndarray:
-        total = dp.allreduce(np.array(x, copy=True), op="sum")
-        scale_in_place(total, 1 / size)
-        return total
+    def scaled(leaves: list[Any]) -> list[np.ndarray]:
+        for leaf in leaves:
+            scale_in_place(leaf, 1 / size)
+        return leaves
 
     one, pair, tree = draw(5000), [draw(100), draw(7, 3)], {"w": draw(70_000), "b": draw(9)}
-    want = [expected(one), *[expected(a) for a in pair], expected(tree["w"]), expected(tree["b"])]
+    want = scaled([dp.allreduce(one.copy(), op="sum"), *dp.allreduce(copy.deepcopy(pair))])
+    summed = dp.allreduce(copy.deepcopy(tree))
+    want += scaled([summed["w"], summed["b"]])
     got = [dp.allreduce(one, op="avg"), *dp.allreduce(pair, op="avg")]
     averaged = dp.allreduce(tree, op="avg")
     got += [averaged["w"], averaged["b"]]
-    model, inputs = torch.nn.Linear(300, 200), torch.from_numpy(draw(4, 300))
-    alone = copy.deepcopy(model)  # this rank's own gradients
-    alone(inputs).square().sum().backward()
-    want += [expected(p.grad.numpy()) for p in alone.parameters()]
-    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
-    model(inputs).square().sum().backward()
-    opt.step()
-    got += [p.grad.numpy() for p in model.parameters()]
+    inputs, base = torch.from_numpy(draw(4, 300)), torch.nn.Linear(300, 200)
+    for op in ("sum", "avg"):
+        model = copy.deepcopy(base)
+        opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), op=op)
+        model(inputs).square().sum().backward()
+        opt.step()
+        grads = [p.grad.numpy() for p in model.parameters()]
+        (got if op == "avg" else want).extend(grads if op == "avg" else scaled(grads))
     for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))

@@ -489,3 +489,38 @@ def test_reducers_that_differ_raise_on_every_rank(
         arrays[1] = np.ones(40)
     reduce_all()
     assert float(arrays[0][0]) == size and float(arrays[1][0]) == size
+
+
+def test_a_call_that_failed_leaves_nothing_for_the_next(
+    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine error in `Fusion.wait()` (every rank alike, so no message is left unmatched):
+    the next wait returns and writes back only its own leaves, not the failed call's."""
+    from dataparallel.backends.base import ReduceOp
+    from dataparallel.engine.actions import Reduction
+    from dataparallel.engine.arrays import family_of
+    from dataparallel.engine.fusion import Fusion
+    from dataparallel.errors import CollectiveTimeoutError
+
+    engine = world_module.current().backend
+    fusion = Fusion(engine, Reduction(ReduceOp.SUM), bucket_bytes=64)
+    start, failing = engine.iallreduce, [True]
+
+    def iallreduce(buf: Any, op: Any) -> Any:
+        if failing[0]:
+            raise CollectiveTimeoutError("the engine gave up")
+        return start(buf, op)
+
+    monkeypatch.setattr(engine, "iallreduce", iallreduce)
+    old = np.ones((4, 4))[:, ::2]  # not contiguous: a staged copy, written back by `wait`
+    fusion.add_leaf(family_of(old), old, "float64", "cpu")
+    with pytest.raises(CollectiveTimeoutError, match="gave up"):
+        fusion.wait()
+    failing[0] = False
+    old[...] = 7.0
+    new = np.full(3, rank + 1.0)
+    fusion.add_leaf(family_of(new), new, "float64", "cpu")
+    results = fusion.wait()
+    assert len(results) == 1 and results[0] is new
+    np.testing.assert_array_equal(new, np.full(3, size * (size + 1) / 2))
+    np.testing.assert_array_equal(old, np.full((4, 2), 7.0))  # not overwritten by the failed call

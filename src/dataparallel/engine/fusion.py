@@ -161,27 +161,28 @@ class Fusion:
         self._open_bytes += nbytes
 
     def flush(self) -> None:
-        """Start communicating everything cached."""
-        if self.before_launch is not None and self._open:
-            groups = [(key[-1], sum(w.size for w in works)) for key, works in self._open.items()]
-            try:
-                self.before_launch(groups)
-            except BaseException:
-                self._open.clear()  # nothing was sent: drop it, so the next call starts afresh
-                self._open_bytes = 0
-                raise
-        for bucket_key, works in self._open.items():
+        """Start communicating everything cached (after an error, none of it is kept)."""
+        opened, delivers = self._open, self._deliver
+        self._open, self._deliver, self._open_bytes = {}, {}, 0
+        if self.before_launch is not None and opened:
+            self.before_launch(
+                [(key[-1], sum(w.size for w in works)) for key, works in opened.items()]
+            )
+        for bucket_key, works in opened.items():
             dtype = bucket_key[-1]
             if self.timeline is not None:
                 self._trace_queue(bucket_key, len(works))
-            delivers = self._deliver.get(bucket_key, [])
+            given = delivers.get(bucket_key, [])
             if self.contiguous:
-                self._launch(works, dtype, delivers)
+                self._launch(works, dtype, given)
             else:
                 for i, work in enumerate(works):
-                    self._launch([work], dtype, delivers[i : i + 1])
-        self._open.clear()
-        self._deliver.clear()
+                    self._launch([work], dtype, given[i : i + 1])
+
+    def discard(self) -> None:
+        """Forget what is queued and in flight after an error: none of it is written back, and
+        the buffers of calls that may still be running are not reused."""
+        self._leaves, self._open, self._deliver, self._flights = [], {}, {}, []
         self._open_bytes = 0
 
     def test(self) -> bool:
@@ -197,11 +198,13 @@ class Fusion:
             and the leaves unchanged on a rank that receives nothing (a reduce's non-roots, a
             broadcast's root).
         """
-        self.flush()
-        flights, self._flights = self._flights, []
+        leaves, self._leaves = self._leaves, []  # an error below leaves nothing for the next call
+        try:
+            self.flush()
+        finally:
+            flights, self._flights = self._flights, []
         for flight in flights:
-            self._land(flight)
-        leaves, self._leaves = self._leaves, []
+            self._land(flight)  # on an error the later flights are dropped, buffers not reused
         if not self._receives():
             return [x for _, x, _, _ in leaves]
         return write_back(leaves)

@@ -106,6 +106,12 @@ class Lanes:
             raise first
         self.fusion.wait()
 
+    def discard(self) -> None:
+        """Drop what a failed step left queued or in flight on either engine (`Fusion.discard`)."""
+        self.base.discard()
+        if self.private is not None:
+            self.private.discard()
+
     @property
     def calls(self) -> int:
         """Communication calls made so far, on either engine."""

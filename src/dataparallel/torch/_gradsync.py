@@ -230,6 +230,7 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
+        self._lanes.discard()  # left by a step that failed; nothing otherwise
         self._lanes.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
 
