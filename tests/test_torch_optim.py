@@ -35,7 +35,7 @@ from torch import nn
 import dataparallel as dp
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
-from dataparallel.torch._buckets import overlaps
+from dataparallel.torch._buckets import overlaps, plan
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
@@ -168,6 +168,16 @@ def test_overlap_when_a_core_is_spare_unless_told() -> None:
     assert overlaps(cores, True) is True and overlaps(1, False) is False
 
 
+def test_small_parameters_share_buckets_across_large_ones() -> None:
+    """A weight, its bias, a norm's two vectors, in turn: the large ones go alone, at once; the
+    small ones fill one bucket (placed when full, or at the end), not one each."""
+    sizes = [4, 100, 4, 4, 100, 4, 30, 4]  # float32: 16 and 400 bytes; 120 for the 30
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    buckets = plan(params, list(range(len(sizes))), bucket_bytes=64)
+    assert [b.members for b in buckets] == [[1], [4], [6], [0, 2, 3, 5], [7]]
+    assert all(b.key == ("cpu", "float32") for b in buckets)
+
+
 def test_buckets_are_the_same_on_every_rank_and_follow_backward_order(world: Backend) -> None:
     class Reversed(nn.Module):
         """Registers its layers in the opposite order from the one they run in."""
@@ -183,7 +193,8 @@ def test_buckets_are_the_same_on_every_rank_and_follow_backward_order(world: Bac
             return self.head(torch.tanh(self.middle(torch.tanh(self.stem(x)))))
 
     model = Reversed()
-    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64)
+    # One bucket (every parameter below the bucket size): its members show the order.
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=4096)
     sync = opt.gradient_sync
     names = {id(p): n for n, p in model.named_parameters()}
 

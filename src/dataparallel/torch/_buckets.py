@@ -55,19 +55,31 @@ class Bucket:
 
 
 def plan(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Bucket]:
-    """Cut `order` into buckets of at most `bucket_bytes` per (device, dtype)."""
+    """Cut `order` into buckets of at most `bucket_bytes` per (device, dtype).
+
+    A parameter of `bucket_bytes` or more is a bucket of its own, placed at once; smaller ones
+    keep filling the open bucket of their key across it, which is placed when it is full (or at
+    the end). So where large and small parameters alternate (a weight, its bias, a norm's two
+    vectors) the small ones share buckets instead of going a few at a time.
+    """
     buckets: list[Bucket] = []
     open_: dict[tuple[str, str], tuple[Bucket, int]] = {}
     for i in order:
         p = params[i][1]
         key = (str(p.device), str(p.dtype).removeprefix("torch."))
         nbytes = p.numel() * p.element_size()
+        if nbytes >= bucket_bytes:
+            buckets.append(Bucket([i], key))
+            continue
         current = open_.get(key)
-        if current is None or (current[1] + nbytes > bucket_bytes and current[0].members):
-            current = (Bucket([], key), 0)
+        if current is not None and current[1] + nbytes > bucket_bytes:
             buckets.append(current[0])
+            current = None
+        if current is None:
+            current = (Bucket([], key), 0)
         current[0].members.append(i)
         open_[key] = (current[0], current[1] + nbytes)
+    buckets.extend(bucket for bucket, _ in open_.values())
     return buckets
 
 
