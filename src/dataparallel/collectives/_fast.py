@@ -35,11 +35,9 @@ from dataparallel.collectives._lane import (
     NOT_FAST,
     PAD,
     UFUNCS,
-    fused_shadow,
     gather_records,
     general,
     integer_rules,
-    nothing,
     reduction_of,
 )
 from dataparallel.collectives._plans import tree_allreduce
@@ -85,7 +83,7 @@ def fast_allreduce(x: Any, op: str, scale: Any) -> Any:
     payload = _F64.pack(x) if kind is float else x.tobytes()
     header = _header(kind, x, op, scale, active.settings.check)
     record = header + payload + PAD[: INLINE_BYTES - len(payload)]
-    rows, raw = gather_records(backend, np.frombuffer(record, np.uint8), x, op, scale, nothing)
+    rows, raw = gather_records(backend, np.frombuffer(record, np.uint8), x, op, scale, fused=False)
     total = 1.0 if scale is None else scale
     if op == "avg":
         total /= size
@@ -136,8 +134,8 @@ def _in_place(x: np.ndarray, op: str, scale: Any, active: world.World) -> Any:
         if lane is None:
             return NOT_FAST
     record, action = lane
-    # A rank that has joined (dp.join) makes the same allreduce on zeros: `fused_shadow`.
-    gather_records(backend, record, x, op, scale, fused_shadow)
+    # A rank that has joined (dp.join) makes the same allreduce on zeros (`fused=True`).
+    gather_records(backend, record, x, op, scale, fused=True)
     flat = x.reshape(-1)
     prescaled = prescale(flat, action.scale)  # after the handshake: a mismatch leaves x as it was
     backend.allreduce(flat, action.op)

@@ -52,16 +52,12 @@ def reduction_of(op: str, scale: Any, size: int) -> Reduction:
 
 
 def gather_records(
-    backend: Backend,
-    record: np.ndarray,
-    x: Any,
-    op: str,
-    scale: Any,
-    shadow: Callable[..., Shadow],
+    backend: Backend, record: np.ndarray, x: Any, op: str, scale: Any, *, fused: bool
 ) -> tuple[np.ndarray, bytes]:
     """Gather every rank's record (as `checks.exchange`, with less Python); return the rows.
 
-    `shadow` is `nothing` or `fused_shadow` (given `x`, `op` and `scale` only on a mismatch)."""
+    `fused`: an allreduce of `x` follows (a rank that has joined makes it on zeros); else the
+    values travel in the records and nothing follows."""
     rows = np.empty(backend.size * RECORD_BYTES, np.uint8)
     backend.allgather(record, rows)
     raw = rows.tobytes()
@@ -69,8 +65,7 @@ def gather_records(
     for start in range(RECORD_BYTES, len(raw), RECORD_BYTES):
         if raw[start : start + 8] != h:
             described = lambda: general(x, op, scale).details()  # noqa: E731 (only on a mismatch)
-            if shadow is not nothing:
-                shadow = partial(shadow, x, op, scale)
+            shadow = partial(fused_shadow, x, op, scale) if fused else nothing
             disagree(backend, rows.reshape(-1, RECORD_BYTES), described, shadow=shadow)
             break
     return rows, raw

@@ -27,11 +27,9 @@ from dataparallel.collectives._lane import (
     NOT_FAST,
     PAD,
     UFUNCS,
-    fused_shadow,
     gather_records,
     general,
     integer_rules,
-    nothing,
     reduction_of,
 )
 from dataparallel.engine import tree
@@ -83,7 +81,7 @@ def tree_allreduce(x: Any, kind: type, op: str, scale: Any, active: world.World)
         return NOT_FAST
     buf, backend = plan.buf, active.backend
     np.concatenate(leaves, axis=None, out=buf)
-    gather_records(backend, plan.record, x, op, scale, fused_shadow)
+    gather_records(backend, plan.record, x, op, scale, fused=True)
     prescaled = prescale(buf, plan.action.scale)
     backend.allreduce(buf, plan.action.op)
     if plan.action.scale is not None and not prescaled:
@@ -134,7 +132,7 @@ def _numbers(
     header, action = plan
     payload = struct.pack(f"<{n}d", *leaves)
     record = np.frombuffer(header + payload + PAD[: INLINE_BYTES - 8 * n], np.uint8)
-    rows, _ = gather_records(active.backend, record, x, op, scale, nothing)
+    rows, _ = gather_records(active.backend, record, x, op, scale, fused=False)
     size = active.backend.size
     values = rows.reshape(size, RECORD_BYTES)[:, HEADER_BYTES : HEADER_BYTES + 8 * n]
     out = combine_rows(UFUNCS[op], values.view(np.float64))  # as `engine.inline`, leaf by leaf
