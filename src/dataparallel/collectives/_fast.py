@@ -35,6 +35,7 @@ from dataparallel.collectives._lane import (
     NOT_FAST,
     PAD,
     UFUNCS,
+    allreduce_scaled,
     gather_records,
     general,
     integer_rules,
@@ -42,7 +43,7 @@ from dataparallel.collectives._lane import (
 )
 from dataparallel.collectives._plans import tree_allreduce
 from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import prescale, scale_in_place
+from dataparallel.engine.dtypes import scale_in_place
 
 __all__ = ["NOT_FAST", "fast_allreduce"]
 
@@ -136,11 +137,7 @@ def _in_place(x: np.ndarray, op: str, scale: Any, active: world.World) -> Any:
     record, action = lane
     # A rank that has joined (dp.join) makes the same allreduce on zeros (`fused=True`).
     gather_records(backend, record, x, op, scale, fused=True)
-    flat = x.reshape(-1)
-    prescaled = prescale(flat, action.scale)  # after the handshake: a mismatch leaves x as it was
-    backend.allreduce(flat, action.op)
-    if action.scale is not None and not prescaled:
-        scale_in_place(flat, action.scale)
+    allreduce_scaled(backend, x.reshape(-1), action)  # after the handshake: a mismatch leaves x
     return x
 
 
@@ -155,7 +152,7 @@ def _in_place_lane(
         return None
     if len(_LANES) > 4096:
         _LANES.clear()
-    record = _header(np.ndarray, x, op, scale, key[4]) + PAD[:INLINE_BYTES]
+    record = general(x, op, scale).header + PAD[:INLINE_BYTES]
     lane = _LANES[key] = (np.frombuffer(record, np.uint8), action)
     return lane
 

@@ -20,6 +20,7 @@ from dataparallel.collectives import _shadows
 from dataparallel.collectives._call import Leaf, describe, inline_fits, leaves_of, stage
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
+from dataparallel.engine.dtypes import prescale, scale_in_place
 from dataparallel.engine.shadow import Shadow
 
 __all__ = [
@@ -30,11 +31,10 @@ __all__ = [
     "PAD",
     "UFUNCS",
     "General",
-    "fused_shadow",
+    "allreduce_scaled",
     "gather_records",
     "general",
     "integer_rules",
-    "nothing",
     "reduction_of",
 ]
 
@@ -65,14 +65,15 @@ def gather_records(
     for start in range(RECORD_BYTES, len(raw), RECORD_BYTES):
         if raw[start : start + 8] != h:
             described = lambda: general(x, op, scale).details()  # noqa: E731 (only on a mismatch)
-            shadow = partial(fused_shadow, x, op, scale) if fused else nothing
+            shadow = partial(_fused_shadow, x, op, scale) if fused else _nothing
             disagree(backend, rows.reshape(-1, RECORD_BYTES), described, shadow=shadow)
             break
     return rows, raw
 
 
-def fused_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
-    """What `_in_place` and `_tree` send after the handshake, as the general path describes it."""
+def _fused_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
+    """What the in-place lane and planned trees send after the handshake, as the general path
+    describes it."""
     ctx = world.current()
     leaves = leaves_of(tree.flatten(x, "x"))
     stage(leaves)
@@ -82,7 +83,16 @@ def fused_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
 IN_PLACE_OPS = frozenset({"sum", "avg", "prod"})
 
 
-def nothing(_: bool) -> Shadow:
+def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
+    """The one allreduce a lane makes after its handshake, in place, scaled as `action` says:
+    before the sum where that is exact (`dtypes.prescale`), else after."""
+    prescaled = prescale(buf, action.scale)
+    backend.allreduce(buf, action.op)
+    if action.scale is not None and not prescaled:
+        scale_in_place(buf, action.scale)
+
+
+def _nothing(_: bool) -> Shadow:
     """A fast call's values travel in the handshake: a rank that has joined sends nothing more."""
     return Shadow.nothing()
 

@@ -27,6 +27,7 @@ from dataparallel.collectives._lane import (
     NOT_FAST,
     PAD,
     UFUNCS,
+    allreduce_scaled,
     gather_records,
     general,
     integer_rules,
@@ -34,7 +35,7 @@ from dataparallel.collectives._lane import (
 )
 from dataparallel.engine import tree
 from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import prescale, scale_in_place
+from dataparallel.engine.dtypes import scale_in_place
 from dataparallel.engine.inline import combine_rows
 
 __all__ = ["PLAN_BYTES", "Plan", "tree_allreduce"]
@@ -82,10 +83,7 @@ def tree_allreduce(x: Any, kind: type, op: str, scale: Any, active: world.World)
     buf, backend = plan.buf, active.backend
     np.concatenate(leaves, axis=None, out=buf)
     gather_records(backend, plan.record, x, op, scale, fused=True)
-    prescaled = prescale(buf, plan.action.scale)
-    backend.allreduce(buf, plan.action.op)
-    if plan.action.scale is not None and not prescaled:
-        scale_in_place(buf, plan.action.scale)
+    allreduce_scaled(backend, buf, plan.action)
     results = leaves
     try:
         for leaf, view in zip(leaves, plan.views, strict=True):
