@@ -62,13 +62,13 @@ class ThreadedSync:
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.arrival: list[int] | None = []
-        self.plan(list(range(len(params)))[::-1])
+        self.assign(list(range(len(params)))[::-1])
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self.ready(i))
         self.thread = threading.Thread(target=self.run, name="dp-comm", daemon=True)
         self.thread.start()
 
-    def plan(self, order: list[int]) -> None:
+    def assign(self, order: list[int]) -> None:
         self.buckets: list[list[int]] = [[]]
         size = 0
         for i in order:
@@ -137,7 +137,7 @@ class ThreadedSync:
         if self.arrival is not None:  # rebucket once, in rank 0's arrival order (as DDP)
             order = self.comm.bcast(self.arrival, 0)
             self.arrival = None
-            self.plan(order)
+            self.assign(order)
         self.reset()
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from collectives import checked
 from mpi4py import MPI
 
 import dataparallel as dp
-from dataparallel.engine.segments import row_parts
+from dataparallel.arrays.segments import row_parts
 
 MiB = 1 << 20
 

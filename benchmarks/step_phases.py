@@ -36,8 +36,8 @@ from torch import nn
 from train_step import VOCAB, Horovod, init_gloo, transformer
 
 import dataparallel as dp
+from dataparallel.arrays import fusion
 from dataparallel.backends import mpi as dp_mpi
-from dataparallel.engine import fusion
 from dataparallel.torch import _gradsync
 
 PHASE = ["idle"]

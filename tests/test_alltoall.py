@@ -17,9 +17,9 @@ from _families import ARRAY_FAMILIES, Family, as_float, np_dtype, usable
 
 import dataparallel as dp
 import dataparallel.world as world_module
+from dataparallel.arrays.families import family_of
 from dataparallel.backends.base import Backend
 from dataparallel.backends.single import SingleBackend
-from dataparallel.engine.arrays import family_of
 
 jnp = pytest.importorskip("jax.numpy")
 

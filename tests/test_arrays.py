@@ -1,4 +1,4 @@
-"""Array families (`dataparallel.engine.arrays`): recognizing leaves, seeing and staging memory."""
+"""Array families (`dataparallel.arrays.families`): recognizing leaves, seeing, staging memory."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataparallel.engine.arrays import family_of
-from dataparallel.engine.dtypes import (
+from dataparallel.arrays.dtypes import (
     SUPPORTED_DTYPES,
     bf16_to_f32,
     f32_to_bf16,
@@ -19,7 +18,8 @@ from dataparallel.engine.dtypes import (
     scale_in_place,
     storage_dtype,
 )
-from dataparallel.engine.pool import BufferPool
+from dataparallel.arrays.families import family_of
+from dataparallel.arrays.pool import BufferPool
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

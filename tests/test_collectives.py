@@ -2,7 +2,7 @@
 
 Rank r's values are computed from r (see `_families.rank_values`), so each rank knows what every
 other rank sent and checks the exact result. Trees, `synchronize` and the property-based tests are
-in `test_collectives_trees.py`; mismatch detection is in `test_checks.py`.
+in `test_collectives_trees.py`; mismatch detection is in `test_protocol.py`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from _families import (
 
 import dataparallel as dp
 import dataparallel.world as world_module
-from dataparallel.engine.arrays import family_of
-from dataparallel.engine.dtypes import scale_in_place
+from dataparallel.arrays.dtypes import scale_in_place
+from dataparallel.arrays.families import family_of
 
 jnp = pytest.importorskip("jax.numpy")
 

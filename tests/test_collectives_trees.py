@@ -472,7 +472,7 @@ def test_an_oversize_leaf_goes_at_once_and_the_open_bucket_keeps_filling(
     monkeypatch.setattr(backend, "allreduce", allreduce)
     if joined and rank == 0:
         dp.join()
-        assert sent == [2000, 16]  # the shadow's calls: the same as the others'
+        assert sent == [2000, 16]  # the replay's calls: the same as the others'
         return
     tree = [np.full(8, rank + 1.0), np.full(2000, rank + 1.0), np.full(8, 1.0)]
     out = dp.allreduce(tree)

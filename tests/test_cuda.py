@@ -1,4 +1,4 @@
-"""The device path of the fusion engine, CUDA-aware MPI and GPU assignment, at any world size.
+"""The device path of `Fusion`, CUDA-aware MPI and GPU assignment, at any world size.
 
 Three kinds of test live here.
 
@@ -39,11 +39,11 @@ from _jobs import run_job
 
 import dataparallel as dp
 from dataparallel import world
+from dataparallel.arrays import arrays
+from dataparallel.arrays.device import DeviceWork
 from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
-from dataparallel.engine import arrays
-from dataparallel.engine.device import DeviceWork
 
 N_GPUS = world.cuda_device_count()
 GPU_FAMILIES = [pytest.param(FAMILY[name], id=name) for name in ("torch-cuda", "cupy")]

@@ -448,9 +448,9 @@ def test_large_worlds_check_with_an_allreduce(
     rank: int, size: int, faulty: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over `GATHER_LIMIT` ranks the handshake carries no payload: made so here on every rank."""
-    from dataparallel import checks
+    from dataparallel import protocol
 
-    monkeypatch.setattr(checks, "GATHER_LIMIT", 1)
+    monkeypatch.setattr(protocol, "GATHER_LIMIT", 1)
     assert dp.allreduce(1.0) == size and dp.allreduce(np.ones(2))[0] == size
     assert outcome(lambda: dp.allreduce(np.ones(2 + (rank == faulty)))) == (
         "CollectiveMismatchError"
@@ -496,10 +496,10 @@ def test_a_call_that_failed_leaves_nothing_for_the_next(
 ) -> None:
     """An engine error in `Fusion.wait()` (every rank alike, so no message is left unmatched):
     the next wait returns and writes back only its own leaves, not the failed call's."""
+    from dataparallel.arrays.actions import Reduction
+    from dataparallel.arrays.families import family_of
+    from dataparallel.arrays.fusion import Fusion
     from dataparallel.backends.base import ReduceOp
-    from dataparallel.engine.actions import Reduction
-    from dataparallel.engine.arrays import family_of
-    from dataparallel.engine.fusion import Fusion
     from dataparallel.errors import CollectiveTimeoutError
 
     engine = world_module.current().backend

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dataparallel as dp
-from dataparallel import checks
+from dataparallel import protocol
 from dataparallel.errors import CollectiveMismatchError, RankJoinedError
 
 torch = pytest.importorskip("torch")
@@ -183,7 +183,7 @@ def test_large_worlds_handshake_join_alike(
     rank: int, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Worlds over 64 ranks handshake with an allreduce of bounds instead of records."""
-    monkeypatch.setattr(checks, "GATHER_LIMIT", 1)
+    monkeypatch.setattr(protocol, "GATHER_LIMIT", 1)
     test_allreduce_averages_over_the_world_with_zeros_from_joined_ranks(rank, size, -1)
     test_reductions_that_joined_ranks_answer(rank, size)
     test_a_mismatch_among_the_ranks_still_working_is_reported(rank, size)

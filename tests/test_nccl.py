@@ -103,7 +103,7 @@ def test_nccl_reduction_table(dtype: str, op: ReduceOp, want: Any) -> None:
 
 
 def test_every_supported_dtype_is_reduced_in_device_memory() -> None:
-    from dataparallel.engine.dtypes import SUPPORTED_DTYPES
+    from dataparallel.arrays.dtypes import SUPPORTED_DTYPES
 
     assert {"bool"} | set(NCCLBackend.device_native_dtypes) == set(SUPPORTED_DTYPES)
     assert NCCLBackend.stream_aware is True

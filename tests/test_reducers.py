@@ -1,4 +1,4 @@
-"""Flashlight's reducers over the fusion engine: when they communicate, and what they leave behind.
+"""Flashlight's reducers over `Fusion`: when they communicate, and what they leave behind.
 
 Communication calls are observed by wrapping the active backend's `allreduce`/`iallreduce`, so
 the tests see the number, order and size of the buffers the engine actually sends.

@@ -27,10 +27,10 @@ from _families import (
 
 import dataparallel as dp
 import dataparallel.world as world_module
+from dataparallel.arrays.families import family_of
+from dataparallel.arrays.segments import row_parts
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.single import SingleBackend
-from dataparallel.engine.arrays import family_of
-from dataparallel.engine.segments import row_parts
 
 jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")

@@ -35,7 +35,7 @@ from torch import nn
 import dataparallel as dp
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
-from dataparallel.torch._buckets import overlaps, plan
+from dataparallel.torch._buckets import assign, overlaps
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
@@ -121,7 +121,7 @@ def test_buckets_go_out_while_backward_still_runs_or_all_at_its_end(
     sync.overlap = overlap  # DATAPARALLEL_OVERLAP, or chosen per machine
     events: list[str] = []
     calls: list[str] = []  # the engine's: on the communication thread when overlapping
-    start, send = sync.engine.iallreduce, sync._lanes.send
+    start, send = sync.bucket_backend.iallreduce, sync._router.send
 
     def recording(buf: Any, op: Any) -> Any:
         calls.append(threading.current_thread().name)
@@ -131,8 +131,8 @@ def test_buckets_go_out_while_backward_still_runs_or_all_at_its_end(
         events.append("bucket")
         send(*args)
 
-    monkeypatch.setattr(sync.engine, "iallreduce", recording)
-    monkeypatch.setattr(sync._lanes, "send", sending)
+    monkeypatch.setattr(sync.bucket_backend, "iallreduce", recording)
+    monkeypatch.setattr(sync._router, "send", sending)
     # A hook on the first layer's weight runs when backward has reached the first layer, which
     # comes last in backward.
     model[0].weight.register_hook(lambda g: events.append("backward reached the first layer"))
@@ -173,7 +173,7 @@ def test_small_parameters_share_buckets_across_large_ones() -> None:
     small ones fill one bucket (placed when full, or at the end), not one each."""
     sizes = [4, 100, 4, 4, 100, 4, 30, 4]  # float32: 16 and 400 bytes; 120 for the 30
     params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
-    buckets = plan(params, list(range(len(sizes))), bucket_bytes=64)
+    buckets = assign(params, list(range(len(sizes))), bucket_bytes=64)
     assert [b.members for b in buckets] == [[1], [4], [6], [0, 2, 3, 5], [7]]
     assert all(b.key == ("cpu", "float32") for b in buckets)
 

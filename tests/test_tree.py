@@ -1,4 +1,4 @@
-"""Flattening pytrees (`dataparallel.engine.tree`): leaves, readable paths, round trips."""
+"""Flattening pytrees (`dataparallel.arrays.tree`): leaves, readable paths, round trips."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import optree
 import pytest
 
-from dataparallel.engine import tree
+from dataparallel.arrays import tree
 
 
 class Pair(NamedTuple):

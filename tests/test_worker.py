@@ -1,4 +1,4 @@
-"""The communication thread (`engine/worker.py`), and gradient buckets reduced on it (`lanes.py`).
+"""The communication thread (`arrays/worker.py`), and gradient buckets reduced on it (`lanes.py`).
 
 Run at any world size (`pytest`, `mpiexec -n 3 ... pytest`).
 """
@@ -13,8 +13,8 @@ import torch
 from _torch_common import global_batch, loss_of, make_model, share, step_pair
 
 import dataparallel as dp
+from dataparallel.arrays.worker import CommThread
 from dataparallel.backends.base import Backend
-from dataparallel.engine.worker import CommThread
 from dataparallel.errors import CollectiveTimeoutError
 
 
@@ -61,7 +61,7 @@ def test_gradients_reduced_on_the_thread_match_one_process(world: Backend) -> No
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)
     # The thread's engine is a private duplicate: the world's own engine saw none of it.
-    assert opt.gradient_sync.engine is not world or world.size == 1
+    assert opt.gradient_sync.bucket_backend is not world or world.size == 1
 
 
 def test_an_engine_error_on_the_thread_is_raised_by_step_and_the_next_step_works(
@@ -70,7 +70,7 @@ def test_an_engine_error_on_the_thread_is_raised_by_step_and_the_next_step_works
     if world.size == 1:
         pytest.skip("a world of one makes no call on the thread")
     opt, model = overlapping_step(world)
-    engine = opt.gradient_sync.engine
+    engine = opt.gradient_sync.bucket_backend
     assert engine is not world
     start = engine.iallreduce
     failing = [True]

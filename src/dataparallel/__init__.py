@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from dataparallel.arrays.compression import Compression
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import (
     Request,
@@ -31,7 +32,6 @@ from dataparallel.collectives import (
     reducescatter,
     wait_all,
 )
-from dataparallel.engine.compression import Compression
 from dataparallel.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,

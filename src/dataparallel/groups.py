@@ -10,7 +10,7 @@ from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.world import current
 
-__all__ = ["Group", "engine_of", "new_group"]
+__all__ = ["Group", "backend_of", "new_group"]
 
 
 @dataclass(eq=False)
@@ -55,7 +55,7 @@ class Group:
         return f"Group(ranks={list(self.ranks)}, member={self.member})"
 
 
-def engine_of(backend: Backend | None, group: Group | None) -> Backend | None:
+def backend_of(backend: Backend | None, group: Group | None) -> Backend | None:
     """Return the engine that a call's `backend=` or `group=` names (None: the world's).
 
     Raises:

@@ -2,7 +2,7 @@
 
 A reducer ingests mutable arrays with `add` and completes their reduction with `finalize`; the
 coalescing one caches them in fused buckets with Flashlight's flush rules (see `fusion.py`).
-Every flush begins with a handshake (`checks.handshake`): ranks whose reducers are about to send
+Every flush begins with a handshake (`protocol.handshake`): ranks whose reducers are about to send
 different arrays raise `CollectiveMismatchError` instead of hanging or mixing buffers.
 """
 
@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dataparallel import world
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.families import family_of
+from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
-from dataparallel.checks import ShadowOf, handshake, reduction, validate_reduction
-from dataparallel.engine.actions import Reduction
-from dataparallel.engine.arrays import family_of
-from dataparallel.engine.fusion import Fusion
-from dataparallel.engine.shadow import Shadow
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import ReplayOf, handshake, reduction, validate_reduction
 from dataparallel.types import Op
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]
@@ -95,13 +95,13 @@ class _FusionReducer(Reducer):
         return self._fusion.calls
 
     def _agree(self, buckets: list[tuple[str, int]]) -> None:
-        """Check that every rank is about to reduce the same buckets (`checks.handshake`)."""
+        """Check that every rank is about to reduce the same buckets (`protocol.handshake`)."""
         name = type(self).__name__
         sizes = ", ".join(f"{dtype}[{items}]" for dtype, items in buckets)
         call = {"collective": f"{name} flush", "op": self.op, "scale": self.scale, "arrays": sizes}
-        handshake(self.backend, repr(sorted(call.items())), call, shadow=self._shadow(buckets))
+        handshake(self.backend, repr(sorted(call.items())), call, replay=self._replay(buckets))
 
-    def _shadow(self, buckets: list[tuple[str, int]]) -> ShadowOf:
+    def _replay(self, buckets: list[tuple[str, int]]) -> ReplayOf:
         """What a flush sends, one call per bucket, for ranks that have joined (`dp.join`)."""
         fusion = self._fusion
         if not fusion.contiguous or not isinstance(fusion.action, Reduction):
@@ -109,7 +109,7 @@ class _FusionReducer(Reducer):
         action = fusion.action
         # Distinct keys: each bucket is its own call, as in the flush described.
         adds = [((i,), dtype, (items,)) for i, (dtype, items) in enumerate(buckets)]
-        return lambda _: Shadow.of(
+        return lambda _: Replay.of(
             action, [adds], bucket_bytes=fusion.bucket_bytes, async_op=fusion.async_op
         )
 
@@ -161,7 +161,7 @@ class InlineReducer(_FusionReducer):
             async_op=False,
             contiguous=True,
             bucket_bytes=1,
-            backend=engine_of(backend, group),
+            backend=backend_of(backend, group),
         )
 
     def add(self, x: Any) -> None:
@@ -213,7 +213,7 @@ class CoalescingReducer(_FusionReducer):
             async_op=async_op,
             contiguous=contiguous,
             bucket_bytes=bucket_bytes,
-            backend=engine_of(backend, group),
+            backend=backend_of(backend, group),
         )
 
     def flush(self) -> None:

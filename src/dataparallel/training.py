@@ -13,7 +13,7 @@ from typing import Any
 
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import synchronize_tree
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
 from dataparallel.types import Op, Tree
 
 __all__ = ["DistributedOptimizer", "synchronize"]
@@ -83,7 +83,7 @@ def synchronize(
     {'w': array([1., 1.]), 'name': 'net'}
     """
     return synchronize_tree(
-        x, root=root, objects=objects, backend=engine_of(backend, group), special=_torch_sync
+        x, root=root, objects=objects, backend=backend_of(backend, group), special=_torch_sync
     )
 
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dataparallel import runnotes
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.arrays.trace import Timeline
+from dataparallel.arrays.worker import CommThread, Privates
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
-from dataparallel.engine.pool import BufferPool
-from dataparallel.engine.trace import Timeline
-from dataparallel.engine.worker import CommThread, Privates
 from dataparallel.errors import BackendUnavailableError, NotInitializedError
 
 __all__ = [
@@ -56,7 +56,7 @@ class World:
     recording: Timeline | None = None
     plans: dict[Any, Any] = field(default_factory=dict)  # calls made often (collectives/_fast.py)
     # Engines whose calls never meet the caller's, and the thread that makes calls off the
-    # caller's thread (`engine/worker.py`): both made on first use.
+    # caller's thread (`arrays/worker.py`): both made on first use.
     private: Privates = field(default_factory=Privates)
     comm_thread: CommThread = field(default_factory=CommThread)
 
@@ -123,26 +123,26 @@ def initialize(
     note = _world_note(settings, rank, world_size)
     note(runnotes.INITIALIZING)
     try:
-        engine = registry.load(name).create(
+        made = registry.load(name).create(
             init_method=init_method, rank=rank, world_size=world_size, settings=settings
         )
     except BaseException:
         note(runnotes.FAILED)
         raise
     note(runnotes.READY)
-    _check_not_alone(engine, name, settings)
-    gpu = choose_device(engine.local_rank, cuda_device_count(), gpu_devices)
+    _check_not_alone(made, name, settings)
+    gpu = choose_device(made.local_rank, cuda_device_count(), gpu_devices)
     if gpu is not None:
         _point_frameworks_at(gpu)
-        engine.bind_device(gpu)  # NCCL makes its communicator there
-    _world = World(backend=engine, settings=settings, device=gpu, verbose=verbose)
+        made.bind_device(gpu)  # NCCL makes its communicator there
+    _world = World(backend=made, settings=settings, device=gpu, verbose=verbose)
     if settings.timeline:
-        _world.recording = Timeline(settings.timeline, engine.rank, engine.size)
-    if engine.size > 1:
-        _abort_on_uncaught_exceptions(engine)
+        _world.recording = Timeline(settings.timeline, made.rank, made.size)
+    if made.size > 1:
+        _abort_on_uncaught_exceptions(made)
     if verbose:
-        print(f"initialized {engine.name} backend, local rank {engine.local_rank}, GPU {gpu}")
-    return engine
+        print(f"initialized {made.name} backend, local rank {made.local_rank}, GPU {gpu}")
+    return made
 
 
 def _seconds(timeout: object) -> float:
@@ -161,16 +161,16 @@ def _seconds(timeout: object) -> float:
     return seconds
 
 
-def _check_not_alone(engine: Backend, name: str, settings: Settings) -> None:
+def _check_not_alone(made: Backend, name: str, settings: Settings) -> None:
     """Refuse an engine that formed a world of one while the launcher started several processes.
 
     Each process would be rank 0 of its own world and every collective would return its own
     values: a job that looks fine and trains N unrelated models.
     """
     announced = settings.launched_size
-    if name == "single" or engine.size != 1 or announced is None or announced <= 1:
+    if name == "single" or made.size != 1 or announced is None or announced <= 1:
         return
-    engine.close()
+    made.close()
     if settings.mpi_launched:
         source = f"the MPI launcher started {announced} processes (PMI_SIZE or its kin)"
         hint = (
@@ -251,7 +251,7 @@ def _point_frameworks_at(gpu: int) -> None:
         pass
 
 
-def _abort_on_uncaught_exceptions(engine: Backend) -> None:
+def _abort_on_uncaught_exceptions(made: Backend) -> None:
     """Make an uncaught exception end the whole job, not only this rank.
 
     Otherwise the other ranks wait forever in their next collective (mpi4py's `python -m mpi4py`
@@ -262,10 +262,10 @@ def _abort_on_uncaught_exceptions(engine: Backend) -> None:
 
     def abort_the_job(kind: type[BaseException], error: BaseException, tb: Any) -> None:
         previous(kind, error, tb)
-        if _world is not None and _world.backend is engine:
-            sys.stderr.write(f"[rank {engine.rank}] uncaught {kind.__name__}: ending the job\n")
+        if _world is not None and _world.backend is made:
+            sys.stderr.write(f"[rank {made.rank}] uncaught {kind.__name__}: ending the job\n")
             sys.stderr.flush()
-            engine.abort(1)
+            made.abort(1)
 
     sys.excepthook = abort_the_job
 

@@ -81,7 +81,7 @@ def check_reductions(b: Backend) -> None:
 
 
 def check_bool_as_uint8(b: Backend) -> None:
-    """Check the fusion engine's bool encoding: uint8 with MAX (or) and MIN (and)."""
+    """Check `Fusion`'s bool encoding: uint8 with MAX (or) and MIN (and)."""
     mine = np.array([b.rank == 0, True, False], dtype=bool).view(np.uint8).copy()
     b.allreduce(mine, ReduceOp.MAX)
     assert mine.tolist() == [1, 1, 0]

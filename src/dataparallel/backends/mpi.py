@@ -138,7 +138,7 @@ class MPIBackend(Backend):
         self.timeout = timeout
         if cuda_aware is None:
             cuda_aware = Settings.from_env().cuda_aware_mpi
-        # Whether CUDA buffers may be passed as they are (else the fusion engine stages them).
+        # Whether CUDA buffers may be passed as they are (else `Fusion` stages them).
         self.cuda_aware = detect_cuda_aware(mpi) if cuda_aware is None else cuda_aware
         self.comm = (comm if comm is not None else mpi.COMM_WORLD).Dup()
         self.local_comm = self.comm.Split_type(mpi.COMM_TYPE_SHARED)

@@ -18,14 +18,14 @@ Why `cupy.cuda.nccl` rather than `torch.distributed`'s NCCL process group:
   stream), zero-copy; torch.distributed takes torch tensors only.
 - install footprint: CuPy (`cupy-cuda12x`, about 100 MB) plus NCCL, against a CUDA build of torch
   (several GB) for CuPy users. The price: torch users install CuPy as well.
-- avg: both offer NCCL's native `ncclAvg` (NCCL 2.10+); the fusion engine reduces `avg` as a sum
+- avg: both offer NCCL's native `ncclAvg` (NCCL 2.10+); `Fusion` reduces `avg` as a sum
   and a scale, which it fuses into the one unpacking pass per bucket, so it is not used here.
 
 Stream order (Flashlight's `syncDistributed`): each call first makes the backend's communication
 stream wait for an event recorded on the producer's current stream (`DeviceBuffer.stream`, which the
 engine layer reads from torch or CuPy), so NCCL reads the values the compute stream produced; it
 records a completion event on the communication stream. `Handle.wait()` (and so `dp.wait_all`, and
-the fusion engine's landing) makes the consumer's current stream wait for that event, without
+`Fusion`'s landing) makes the consumer's current stream wait for that event, without
 blocking the host; `Handle.test()` queries it. NCCL calls never block the host: a blocking
 `allreduce` is the non-blocking one plus `wait()` (only the host round trips below are synchronous).
 

@@ -2,7 +2,7 @@
 
 Each file holds one kind of collective, written in the same order: find the engine (`context`),
 identify the leaves (`leaves_of`), check that every rank makes the same call (`verify`), run the
-leaves through the fusion engine (`run`), rebuild the tree. `_call.py` is that skeleton. Mutable
+leaves through `Fusion` (`run`), rebuild the tree. `_call.py` is that skeleton. Mutable
 arrays are written in place and returned; immutable values (JAX arrays, numbers) come back new:
 always use the return value.
 """

@@ -3,7 +3,7 @@
 Find the engine and settings (`context`); then, in `prepared` (a failure there fails the call on
 every rank), identify each leaf's family and dtype (`leaves_of`), validate, and stage the leaves
 (`stage`); make the handshake, in which every rank checks that every rank makes the same call and
-small payloads travel (`agree`); run the leaves through the fusion engine, or reduce the payloads
+small payloads travel (`agree`); run the leaves through `Fusion`, or reduce the payloads
 that came with the handshake (`run`); and rebuild the tree from the results. Every public
 collective in this package is these steps in this order; `requests.Request` wraps the ones
 started without blocking.
@@ -21,24 +21,24 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dataparallel import world
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Broadcast, Reduction
+from dataparallel.arrays.families import Family, family_of, write_back
+from dataparallel.arrays.fusion import HOST_KEY, Fusion
+from dataparallel.arrays.inline import land_inline, pack_inline, padded
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, DoneHandle, Handle
-from dataparallel.checks import (
+from dataparallel.config import Settings
+from dataparallel.protocol import (
     HEADER_BYTES,
-    ShadowOf,
+    ReplayOf,
     digest,
     fail_together,
     handshake,
     inline_capacity,
     new_record,
 )
-from dataparallel.config import Settings
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Broadcast, Reduction
-from dataparallel.engine.arrays import Family, family_of, write_back
-from dataparallel.engine.fusion import HOST_KEY, Fusion
-from dataparallel.engine.inline import land_inline, pack_inline, padded
-from dataparallel.engine.pool import BufferPool
-from dataparallel.engine.trace import Timeline
 
 __all__ = [
     "CallContext",
@@ -136,7 +136,7 @@ def prepared(ctx: CallContext, collective: str, prepare: Callable[[], _T]) -> _T
     """Run `prepare` (what a call does before communicating); if it fails, fail on every rank.
 
     A rank whose input is rejected here still takes part in the call's handshake, with its
-    failure as its call (`checks.fail_together`), then raises its error: the other ranks raise
+    failure as its call (`protocol.fail_together`), then raises its error: the other ranks raise
     `CollectiveMismatchError`, and no rank's next call meets another's current one.
     """
     try:
@@ -171,12 +171,12 @@ def agree(
     first_axis: bool = True,
     inline: bool = False,
     flag: bool | None = None,
-    shadow: ShadowOf = None,
+    replay: ReplayOf = None,
 ) -> tuple[np.ndarray | None, bool]:
-    """Make the handshake (`checks.handshake`); return the records (when `inline`), the flag.
+    """Make the handshake (`protocol.handshake`); return the records (when `inline`), the flag.
 
     With `inline`, the leaves' values travel in the records (`run` then reduces them there).
-    `shadow` describes the calls that follow, for ranks that have joined (`dp.join`) to make
+    `replay` describes the calls that follow, for ranks that have joined (`dp.join`) to make
     them too; without one, the call raises `RankJoinedError` while some rank has joined.
     """
     if ctx.backend.size == 1:
@@ -207,7 +207,7 @@ def agree(
         h = _DIGESTS[key] = digest(
             describe(ctx, collective, flat, leaves, args, first_axis, inline)[0]
         )
-    rows, flagged = handshake(ctx.backend, h, details, record=record, flag=flag, shadow=shadow)
+    rows, flagged = handshake(ctx.backend, h, details, record=record, flag=flag, replay=replay)
     return (rows if inline else None), flagged
 
 
@@ -295,7 +295,7 @@ def run(
     """Start the collective; return what to wait for and the function that builds its result.
 
     With `rows` (every rank's handshake record, carrying the values), the result is computed
-    here and nothing more is sent; otherwise the leaves go through the fusion engine (with
+    here and nothing more is sent; otherwise the leaves go through `Fusion` (with
     `compression`, a 16-bit wire dtype, floating buckets travel compressed).
     """
     if ctx.settings.debug:  # formatting costs more than a small call: only when asked
@@ -333,7 +333,7 @@ def fuse(
     async_op: bool,
     compression: str | None = None,
 ) -> Fusion:
-    """Send the leaves (`stage`d) through the fusion engine; return it, flushed."""
+    """Send the leaves (`stage`d) through `Fusion`; return it, flushed."""
     fusion = Fusion(
         ctx.backend,
         action,

@@ -1,12 +1,12 @@
 """The fast path of the commonest calls: `dp.allreduce` of one number or of one NumPy array.
 
 A loss, a count, a flag: one Python float, or one contiguous NumPy array of a few items, reduced
-in a world of two to `checks.GATHER_LIMIT` ranks. Such a call costs one message (its values
-travel in the handshake, see `checks.py`), so what is left to save is Python: this path skips
+in a world of two to `protocol.GATHER_LIMIT` ranks. Such a call costs one message (its values
+travel in the handshake, see `protocol.py`), so what is left to save is Python: this path skips
 flattening, leaf records and the description of the call, whose hash it keeps per (dtype, shape,
 op, scale). The hash is made by the general path on first sight (`_call.describe`), so both paths
 send the same hash for the same call, and a rank on either path meets a rank on the other. The
-result is computed as `engine.inline` computes it: NumPy, in rank order, the same on every rank.
+result is computed as `arrays.inline` computes it: NumPy, in rank order, the same on every rank.
 
 One larger contiguous float32/float64 array under `sum`, `avg` or `prod` takes a second lane
 (`_in_place`): the handshake without payload, then the one in-place allreduce the general path
@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from dataparallel import world
-from dataparallel.checks import HEADER_BYTES, INLINE_BYTES, RECORD_BYTES, inline_capacity
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.dtypes import scale_in_place
 from dataparallel.collectives._lane import (
     DTYPES,
     FLOATS,
@@ -42,8 +43,7 @@ from dataparallel.collectives._lane import (
     reduction_of,
 )
 from dataparallel.collectives._plans import tree_allreduce
-from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import scale_in_place
+from dataparallel.protocol import HEADER_BYTES, INLINE_BYTES, RECORD_BYTES, inline_capacity
 
 __all__ = ["NOT_FAST", "fast_allreduce"]
 

@@ -1,6 +1,6 @@
 """What the fast lanes of `dp.allreduce` share (`_fast.py`, `_plans.py`).
 
-The handshake with less Python than `checks.exchange`, the general path's description of a call
+The handshake with less Python than `protocol.exchange`, the general path's description of a call
 (from which every lane's record is made, so a rank on a lane meets a rank on the general path),
 and the reductions made once per (op, scale, size).
 """
@@ -14,14 +14,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dataparallel import world
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.dtypes import prescale, scale_in_place
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
-from dataparallel.checks import HEADER_BYTES, RECORD_BYTES, digest, disagree, reduction
-from dataparallel.collectives import _shadows
+from dataparallel.collectives import _replays
 from dataparallel.collectives._call import Leaf, describe, inline_fits, leaves_of, stage
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import prescale, scale_in_place
-from dataparallel.engine.shadow import Shadow
+from dataparallel.protocol import HEADER_BYTES, RECORD_BYTES, digest, disagree, reduction
 
 __all__ = [
     "DTYPES",
@@ -47,14 +47,14 @@ PAD = bytes(RECORD_BYTES)
 
 @lru_cache(maxsize=64)
 def reduction_of(op: str, scale: Any, size: int) -> Reduction:
-    """`checks.reduction`, made once per (op, scale, size): its checks cost a call 0.7 µs."""
+    """`protocol.reduction`, made once per (op, scale, size): its checks cost a call 0.7 µs."""
     return reduction(op, scale, size)
 
 
 def gather_records(
     backend: Backend, record: np.ndarray, x: Any, op: str, scale: Any, *, fused: bool
 ) -> tuple[np.ndarray, bytes]:
-    """Gather every rank's record (as `checks.exchange`, with less Python); return the rows.
+    """Gather every rank's record (as `protocol.exchange`, with less Python); return the rows.
 
     `fused`: an allreduce of `x` follows (a rank that has joined makes it on zeros); else the
     values travel in the records and nothing follows."""
@@ -65,19 +65,19 @@ def gather_records(
     for start in range(RECORD_BYTES, len(raw), RECORD_BYTES):
         if raw[start : start + 8] != h:
             described = lambda: general(x, op, scale).details()  # noqa: E731 (only on a mismatch)
-            shadow = partial(_fused_shadow, x, op, scale) if fused else _nothing
-            disagree(backend, rows.reshape(-1, RECORD_BYTES), described, shadow=shadow)
+            replay = partial(_fused_replay, x, op, scale) if fused else _nothing
+            disagree(backend, rows.reshape(-1, RECORD_BYTES), described, replay=replay)
             break
     return rows, raw
 
 
-def _fused_shadow(x: np.ndarray, op: str, scale: Any, _: bool) -> Shadow:
+def _fused_replay(x: np.ndarray, op: str, scale: Any, _: bool) -> Replay:
     """What the in-place lane and planned trees send after the handshake, as the general path
     describes it."""
     ctx = world.current()
     leaves = leaves_of(tree.flatten(x, "x"))
     stage(leaves)
-    return _shadows.fused(ctx, reduction(op, scale, ctx.backend.size), leaves, False, False)
+    return _replays.fused(ctx, reduction(op, scale, ctx.backend.size), leaves, False, False)
 
 
 IN_PLACE_OPS = frozenset({"sum", "avg", "prod"})
@@ -92,9 +92,9 @@ def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> No
         scale_in_place(buf, action.scale)
 
 
-def _nothing(_: bool) -> Shadow:
+def _nothing(_: bool) -> Replay:
     """A fast call's values travel in the handshake: a rank that has joined sends nothing more."""
-    return Shadow.nothing()
+    return Replay.nothing()
 
 
 class General(NamedTuple):

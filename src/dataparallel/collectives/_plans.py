@@ -20,7 +20,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dataparallel import world
-from dataparallel.checks import HEADER_BYTES, INLINE_BYTES, RECORD_BYTES
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.dtypes import scale_in_place
+from dataparallel.arrays.inline import combine_rows
 from dataparallel.collectives._lane import (
     DTYPES,
     IN_PLACE_OPS,
@@ -33,10 +36,7 @@ from dataparallel.collectives._lane import (
     integer_rules,
     reduction_of,
 )
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import scale_in_place
-from dataparallel.engine.inline import combine_rows
+from dataparallel.protocol import HEADER_BYTES, INLINE_BYTES, RECORD_BYTES
 
 __all__ = ["PLAN_BYTES", "Plan", "tree_allreduce"]
 
@@ -133,7 +133,7 @@ def _numbers(
     rows, _ = gather_records(active.backend, record, x, op, scale, fused=False)
     size = active.backend.size
     values = rows.reshape(size, RECORD_BYTES)[:, HEADER_BYTES : HEADER_BYTES + 8 * n]
-    out = combine_rows(UFUNCS[op], values.view(np.float64))  # as `engine.inline`, leaf by leaf
+    out = combine_rows(UFUNCS[op], values.view(np.float64))  # as `arrays.inline`, leaf by leaf
     if action.scale is not None:
         scale_in_place(out, action.scale)
     results = out.tolist()

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Exchange, Scatter
+from dataparallel.arrays.dtypes import storage_dtype
+from dataparallel.arrays.fusion import Fusion
 from dataparallel.collectives._call import CallContext, Leaf, log
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Exchange, Scatter
-from dataparallel.engine.dtypes import storage_dtype
-from dataparallel.engine.fusion import Fusion
 
 __all__ = ["check_rows", "host_work", "run_split"]
 

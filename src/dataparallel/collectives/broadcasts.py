@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend, Handle
 from dataparallel.collectives._call import (
     CallContext,
@@ -19,9 +21,7 @@ from dataparallel.collectives._call import (
     stage,
 )
 from dataparallel.collectives.requests import Request
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Broadcast
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
 from dataparallel.types import Tree
 
 __all__ = ["broadcast", "ibroadcast"]
@@ -50,7 +50,7 @@ def broadcast(
     x: Tree, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
 ) -> Tree:
     """Give every rank `root`'s values of `x` (an array, a number, or a pytree of them)."""
-    fusion, finish, _ = _start_broadcast(x, root, engine_of(backend, group), async_op=False)
+    fusion, finish, _ = _start_broadcast(x, root, backend_of(backend, group), async_op=False)
     fusion.wait()
     return finish()
 
@@ -59,5 +59,5 @@ def ibroadcast(
     x: Tree, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
 ) -> Request:
     """Start `broadcast` without blocking; `Request.wait()` returns its result."""
-    fusion, finish, ctx = _start_broadcast(x, root, engine_of(backend, group), async_op=True)
+    fusion, finish, ctx = _start_broadcast(x, root, backend_of(backend, group), async_op=True)
     return Request(fusion, finish, ctx.pending)

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Exchange
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import (
     Leaf,
@@ -16,9 +18,7 @@ from dataparallel.collectives._call import (
     prepared,
 )
 from dataparallel.collectives._split import check_rows, run_split
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Exchange
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
 from dataparallel.types import Tree
 
 __all__ = ["alltoall"]
@@ -67,7 +67,7 @@ def alltoall(
     >>> dp.alltoall(np.arange(3), splits=[3])
     (array([0, 1, 2]), [3])
     """
-    ctx = context(engine_of(backend, group))
+    ctx = context(backend_of(backend, group))
     b = ctx.backend
 
     def prepare() -> tuple[tree.Flat, list[Leaf], list[int]]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.dtypes import storage_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import Leaf, agree, context, leaves_of, log, prepared
-from dataparallel.engine import tree
-from dataparallel.engine.dtypes import storage_dtype
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
 from dataparallel.types import Tree
 
 __all__ = ["allgather"]
@@ -21,7 +21,7 @@ def allgather(x: Tree, *, backend: Backend | None = None, group: Group | None = 
     0-d arrays count as one row each, so they gather into a 1-D array of `size()` items.
     Results are new arrays of each leaf's family (NumPy arrays for numbers).
     """
-    ctx = context(engine_of(backend, group))
+    ctx = context(backend_of(backend, group))
     b = ctx.backend
 
     def prepare() -> tuple[tree.Flat, list[Leaf], list[np.ndarray]]:

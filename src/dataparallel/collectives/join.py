@@ -1,8 +1,8 @@
 """`join`: uneven inputs. A rank that has run out of data keeps answering the others' reductions.
 
 Horovod's `hvd.join()` and the idea of DDP's `Join`: a rank that calls `join()` takes part in
-every handshake of the ranks still working (`checks.handshake`), marked as joined. From their
-handshake it learns what they send next (a `Shadow`) and makes the same engine calls with zeros:
+every handshake of the ranks still working (`protocol.handshake`), marked as joined. From their
+handshake it learns what they send next (a `Replay`) and makes the same engine calls with zeros:
 their allreduces, reduce-scatters, gradient steps (`DistributedOptimizer`, `DataParallelModel`),
 reducers' flushes and barriers complete, and averages divide by the whole world's size, as in
 Horovod (the joined ranks count, with zeros). Collectives that cannot be answered so (gathers,
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataparallel import checks
+from dataparallel import protocol
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.checks import JOINED, NEWCOMER, new_record
 from dataparallel.collectives._call import context
-from dataparallel.engine.shadow import Shadow
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import JOINED, NEWCOMER, new_record
 
 __all__ = ["join"]
 
@@ -50,26 +50,26 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
     >>> dp.join()
     0
     """
-    ctx = context(engine_of(backend, group))
+    ctx = context(backend_of(backend, group))
     b = ctx.backend
     if b.size == 1:
         return 0
     newcomer = True
     while True:
-        done, last, shadow = _round(b, newcomer)
+        done, last, replay = _round(b, newcomer)
         newcomer = False
         if done:
             return last
-        if shadow is not None:
-            shadow.run(b, ctx.buffers)
+        if replay is not None:
+            replay.run(b, ctx.buffers)
 
 
-def _round(b: Backend, newcomer: bool) -> tuple[bool, int, Shadow | None]:
+def _round(b: Backend, newcomer: bool) -> tuple[bool, int, Replay | None]:
     """Take part in the next handshake as a joined rank.
 
     Returns whether every rank has joined, the last to join (then), and what to run (or None).
     """
-    if b.size > checks.GATHER_LIMIT:  # the allreduce handshake (`checks.handshake`)
+    if b.size > protocol.GATHER_LIMIT:  # the allreduce handshake (`protocol.handshake`)
         bounds = np.array(
             [_NO_HASH, _NO_HASH, 0, 1, 0, b.rank if newcomer else -1, _NO_HASH], np.int64
         )

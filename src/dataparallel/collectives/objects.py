@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
-from dataparallel.checks import verify_same_call
 from dataparallel.collectives._call import check_root, context, prepared
-from dataparallel.engine.shadow import Shadow
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import verify_same_call
 
 __all__ = ["allgather_object", "barrier", "broadcast_object"]
 
@@ -17,7 +17,7 @@ def broadcast_object(
     obj: Any, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
 ) -> Any:
     """Return `root`'s `obj` (anything picklable) on every rank."""
-    ctx = context(engine_of(backend, group))
+    ctx = context(backend_of(backend, group))
     rank = prepared(ctx, "broadcast_object", lambda: check_root(root, ctx.backend))
     verify_same_call(ctx.backend, {"collective": "broadcast_object", "root": rank})
     return ctx.backend.broadcast_object(obj, rank)
@@ -27,17 +27,17 @@ def allgather_object(
     obj: Any, *, backend: Backend | None = None, group: Group | None = None
 ) -> list[Any]:
     """Return the list of every rank's `obj` (anything picklable), in rank order."""
-    ctx = context(engine_of(backend, group))
+    ctx = context(backend_of(backend, group))
     verify_same_call(ctx.backend, {"collective": "allgather_object"})
     return ctx.backend.allgather_object(obj)
 
 
 def barrier(*, backend: Backend | None = None, group: Group | None = None) -> None:
     """Block until every rank has reached the barrier (ranks that have joined, `dp.join`, too)."""
-    ctx = context(engine_of(backend, group))
-    verify_same_call(ctx.backend, {"collective": "barrier"}, shadow=_barrier)
+    ctx = context(backend_of(backend, group))
+    verify_same_call(ctx.backend, {"collective": "barrier"}, replay=_barrier)
     ctx.backend.barrier()
 
 
-def _barrier(_: bool) -> Shadow:
-    return Shadow.barrier()
+def _barrier(_: bool) -> Replay:
+    return Replay.barrier()

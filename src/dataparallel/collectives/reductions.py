@@ -7,9 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.compression import wire_dtype
+from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask, set_nan
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, Handle, ReduceOp
-from dataparallel.checks import reduction, reduction_error
-from dataparallel.collectives import _shadows
+from dataparallel.collectives import _replays
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
@@ -24,13 +29,8 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.collectives._fast import NOT_FAST, fast_allreduce
 from dataparallel.collectives.requests import Request
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Reduction
-from dataparallel.engine.compression import wire_dtype
-from dataparallel.engine.fusion import Fusion
-from dataparallel.engine.nan import FLOATING, has_nan, nan_mask, set_nan
-from dataparallel.engine.shadow import Shadow
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import reduction, reduction_error
 from dataparallel.types import Op, Tree
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
@@ -74,12 +74,12 @@ def _start_reduction(
     if not inline and action.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
         nans = prepared(ctx, collective, lambda: _local_nans(leaves))
 
-    def shadow(flagged: bool) -> Shadow:  # what a rank that has joined (dp.join) sends instead
+    def replay(flagged: bool) -> Replay:  # what a rank that has joined (dp.join) sends instead
         masks = None
         if flagged and nans is not None:
             floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
-            masks = _shadows.nan_masks(ctx, floating, async_op)
-        return _shadows.fused(ctx, action, leaves, async_op, inline, then=masks)
+            masks = _replays.nan_masks(ctx, floating, async_op)
+        return _replays.fused(ctx, action, leaves, async_op, inline, then=masks)
 
     rows, any_nan = agree(
         ctx,
@@ -89,7 +89,7 @@ def _start_reduction(
         args,
         inline=inline,
         flag=None if nans is None else bool(nans),
-        shadow=shadow,
+        replay=replay,
     )
     if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
         return (*_nan_preserving(ctx, collective, flat, leaves, action, async_op, wire), ctx)
@@ -119,7 +119,7 @@ def _nan_preserving(
     async_op: bool,
     wire: str | None,
 ) -> tuple[Handle, Callable[[], Any]]:
-    """Run a min/max reduction, then write NaN wherever any rank had one (see `engine.nan`)."""
+    """Run a min/max reduction, then write NaN wherever any rank had one (see `arrays.nan`)."""
     floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
     masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]
     fusion, finish = run(ctx, collective, flat, leaves, action, async_op, compression=wire)
@@ -205,7 +205,7 @@ def allreduce(
         if result is not NOT_FAST:
             return result
     fusion, finish, _ = _start_reduction(
-        x, op, scale, engine_of(backend, group), "x", async_op=False, compression=compression
+        x, op, scale, backend_of(backend, group), "x", async_op=False, compression=compression
     )
     fusion.wait()
     return finish()
@@ -226,7 +226,7 @@ def iallreduce(
     overlaps with whatever the caller does until `wait()`. `compression` as for `allreduce`.
     """
     fusion, finish, ctx = _start_reduction(
-        x, op, scale, engine_of(backend, group), "x", async_op=True, compression=compression
+        x, op, scale, backend_of(backend, group), "x", async_op=True, compression=compression
     )
     return Request(fusion, finish, ctx.pending)
 
@@ -242,7 +242,7 @@ def reduce(
 ) -> Tree:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
     fusion, finish, _ = _start_reduction(
-        x, op, scale, engine_of(backend, group), "x", async_op=False, root=root
+        x, op, scale, backend_of(backend, group), "x", async_op=False, root=root
     )
     fusion.wait()
     return finish()
@@ -265,7 +265,7 @@ def allreduce_gradients(
         grads,
         op,
         None,
-        engine_of(backend, group),
+        backend_of(backend, group),
         "grads",
         async_op=False,
         compression=compression,

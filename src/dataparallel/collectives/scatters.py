@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Scatter
 from dataparallel.backends.base import Backend
-from dataparallel.checks import reduction, reduction_error
-from dataparallel.collectives import _shadows
+from dataparallel.collectives import _replays
 from dataparallel.collectives._call import (
     Leaf,
     agree,
@@ -13,9 +14,8 @@ from dataparallel.collectives._call import (
     prepared,
 )
 from dataparallel.collectives._split import check_rows, run_split
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Scatter
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import reduction, reduction_error
 from dataparallel.types import Op, Tree
 
 __all__ = ["reducescatter"]
@@ -57,7 +57,7 @@ def reducescatter(
     >>> dp.reducescatter({"w": np.arange(3.0)}, op="avg")
     {'w': array([0., 1., 2.])}
     """
-    ctx = context(engine_of(backend, group))
+    ctx = context(backend_of(backend, group))
 
     def prepare() -> tuple[tree.Flat, list[Leaf], Scatter]:
         action = reduction(op, scale, ctx.backend.size)
@@ -78,6 +78,6 @@ def reducescatter(
         flat,
         leaves,
         {"op": op, "scale": scale_arg},
-        shadow=lambda _: _shadows.split(ctx, scatter, leaves),  # for ranks that have joined
+        replay=lambda _: _replays.split(ctx, scatter, leaves),  # for ranks that have joined
     )
     return run_split(ctx, "reducescatter", flat, leaves, scatter)

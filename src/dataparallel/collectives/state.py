@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import (
     Leaf,
@@ -19,8 +21,6 @@ from dataparallel.collectives._call import (
     run,
     stage,
 )
-from dataparallel.engine import tree
-from dataparallel.engine.actions import Broadcast
 from dataparallel.types import Tree
 
 __all__ = ["synchronize_tree"]

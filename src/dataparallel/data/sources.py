@@ -1,7 +1,7 @@
 """Read a dataset of any form, one sample or one batch at a time, in the data's own family.
 
 Array families (NumPy, PyTorch, JAX, CuPy) are detected without importing any framework
-(`engine.arrays.array_family`); a batch of an array is gathered with one fancy index on its
+(`arrays.arrays.array_family`); a batch of an array is gathered with one fancy index on its
 device, and items of other datasets are collated field by field. `dataparallel.data` builds
 its container and loader on these sources.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dataparallel.engine.arrays import array_family
+from dataparallel.arrays.families import array_family
 
 __all__ = ["Index", "Source", "source"]
 

@@ -66,10 +66,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
     ) from exc
 
 from dataparallel import collectives, world
+from dataparallel.arrays.compression import wire_dtype
 from dataparallel.backends.base import Backend
-from dataparallel.checks import parse_op, validate_reduction
-from dataparallel.engine.compression import wire_dtype
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import parse_op, validate_reduction
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
@@ -131,7 +131,7 @@ def distributed_optax(
     """
     parse_op(op)
     wire_dtype(compression)  # a bad one raises here, not at the first update
-    backend = engine_of(backend, group)
+    backend = backend_of(backend, group)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
         callback_backend(backend)  # collective: create the private communicator now, everywhere

@@ -17,17 +17,18 @@ import numpy as np
 import torch
 
 from dataparallel import collectives
+from dataparallel.arrays.dtypes import dtype_name
+from dataparallel.arrays.families import Family, family_of
+from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
-from dataparallel.engine.arrays import Family, family_of
-from dataparallel.engine.dtypes import dtype_name
-from dataparallel.engine.fusion import HOST_KEY
-from dataparallel.engine.shadow import Add, Shadow
 
 __all__ = [
     "Bucket",
     "NamedParams",
     "arrival_order",
+    "assign",
     "check_options",
     "default_bucket_bytes",
     "describe",
@@ -36,8 +37,7 @@ __all__ = [
     "message",
     "on_host",
     "overlaps",
-    "plan",
-    "shadow_of",
+    "replay_of",
     "signature",
     "step_flags",
     "summarize",
@@ -54,7 +54,7 @@ class Bucket:
     key: tuple[str, str]  # (device, dtype)
 
 
-def plan(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Bucket]:
+def assign(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Bucket]:
     """Cut `order` into buckets of at most `bucket_bytes` per (device, dtype).
 
     A parameter of `bucket_bytes` or more is a bucket of its own, placed at once; smaller ones
@@ -96,7 +96,7 @@ def layout(
     # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket (-1).
     flags = 4 * (2 * len(params) + 1)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
-    buckets = plan(params, order, budget)
+    buckets = assign(params, order, budget)
     bucket_of = [-1] * len(params)
     for b, bucket in enumerate(buckets):
         for i in bucket.members:
@@ -231,13 +231,13 @@ def message(what: str, owner: str, passes: int) -> str:
     )
 
 
-def shadow_of(
+def replay_of(
     params: NamedParams,
     buckets: list[Bucket],
     current: NamedParams,
     action: Any,
     bucket_bytes: int,
-) -> Shadow:
+) -> Replay:
     """Describe a step's reduction for ranks that have joined (`dp.join`) to make it on zeros.
 
     Mirrors `GradientSync`: one flush per bucket (the flag vector with the last), then one for
@@ -256,4 +256,4 @@ def shadow_of(
     late = [add(p) for _, p in current if id(p) not in planned]
     if late:
         flushes.append(late)
-    return Shadow.of(action, flushes, bucket_bytes=bucket_bytes, async_op=True)
+    return Replay.of(action, flushes, bucket_bytes=bucket_bytes, async_op=True)

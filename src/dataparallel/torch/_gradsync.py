@@ -3,7 +3,7 @@
 `DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
 post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
 ready buckets go out while backward keeps running, handed to the communication thread, or all at
-its end when no core is spare for that (`overlap`, `_buckets.overlaps`; `engine/lanes.py`).
+its end when no core is spare for that (`overlap`, `_buckets.overlaps`; `arrays/routes.py`).
 
 How buckets are made, and why every rank makes the same calls:
 
@@ -16,7 +16,7 @@ How buckets are made, and why every rank makes the same calls:
   then started every bucket before `backward()` returns, so collectives the user makes between
   `backward()` and `step()` stay in the same order on every rank. A parameter no rank used keeps
   `grad=None` (flags travel with the last bucket): optimizers skip it, as in one process.
-- Every step's reduction begins with a handshake (`checks.handshake`) before its first bucket,
+- Every step's reduction begins with a handshake (`protocol.handshake`) before its first bucket,
   so a step that does not line up with the other ranks' (a rank skipped one) raises
   `CollectiveMismatchError` on every rank instead of hanging or mixing buffers. A rank whose
   backward failed after its gradients began to go out completes the step's messages at its next
@@ -38,13 +38,13 @@ import numpy as np
 import torch
 
 from dataparallel import collectives, world
+from dataparallel.arrays.compression import wire_dtype
+from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.replay import Replay
+from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
-from dataparallel.checks import handshake, reduction
-from dataparallel.engine.compression import wire_dtype
-from dataparallel.engine.fusion import Fusion
-from dataparallel.engine.lanes import Lanes
-from dataparallel.engine.shadow import Shadow
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
+from dataparallel.protocol import handshake, reduction
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
@@ -57,7 +57,7 @@ from dataparallel.torch._buckets import (
     message,
     on_host,
     overlaps,
-    shadow_of,
+    replay_of,
     signature,
     step_flags,
 )
@@ -131,7 +131,7 @@ class GradientSync:
         fusion_on = partial(
             Fusion, action=action, bucket_bytes=self.bucket_bytes, pool=pool, compression=wire
         )
-        self._lanes = Lanes(fusion_on, self.backend, private, active.comm_thread)
+        self._router = Router(fusion_on, self.backend, private, active.comm_thread)
         self._source = params
         self._params: NamedParams = []
         self._handles: list[Any] = []
@@ -145,12 +145,12 @@ class GradientSync:
     @property
     def calls(self) -> int:
         """Communication calls made so far."""
-        return self._lanes.calls
+        return self._router.calls
 
     @property
-    def engine(self) -> Backend:
-        """The engine this step's buckets travel on (`engine/lanes.py`)."""
-        return self._lanes.fusion.backend
+    def bucket_backend(self) -> Backend:
+        """The engine this step's buckets travel on (`arrays/routes.py`)."""
+        return self._router.fusion.backend
 
     @property
     def parameters(self) -> list[torch.Tensor]:
@@ -230,8 +230,8 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
-        self._lanes.discard()  # left by a step that failed; nothing otherwise
-        self._lanes.trace(world.current().timeline if world.initialized() else None)
+        self._router.discard()  # left by a step that failed; nothing otherwise
+        self._router.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
 
     @property
@@ -263,7 +263,7 @@ class GradientSync:
         if self._passes + 1 < self.passes or self._ready[index]:
             return
         if self._next > 0:
-            self._lanes.progress()
+            self._router.progress()
         self._ready[index] = True
         self._arrival.append(index)
         b = self._bucket_of[index]
@@ -310,7 +310,7 @@ class GradientSync:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 leaves.append((grad_family(self.owner, name, p.grad), p.grad))
-            self._lanes.send(leaves)
+            self._router.send(leaves)
 
     def _agree(self) -> None:
         """Make this step's handshake: every rank reduces the same parameters, now."""
@@ -324,22 +324,22 @@ class GradientSync:
                 self.backend,
                 self._summary,
                 partial(describe, self.owner, self._options, self._params),
-                shadow=self._shadow,
+                replay=self._replay,
                 on_joined=partial(setattr, self, "_joined", True),  # no rebuild this step
             )
         except CollectiveMismatchError:
             self._state = _FAILED
             raise
-        self._lanes.begin(joined=self._joined, offload=self.overlap and self._host)
+        self._router.begin(joined=self._joined, offload=self.overlap and self._host)
 
-    def _shadow(self, _: bool) -> Shadow:
+    def _replay(self, _: bool) -> Replay:
         """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
-        params, action = self._params, self._lanes.base.action
-        return shadow_of(params, self._buckets, self._current(), action, self.bucket_bytes)
+        params, action = self._params, self._router.base.action
+        return replay_of(params, self._buckets, self._current(), action, self.bucket_bytes)
 
     def _launch(self, b: int) -> None:
         self._agree()
-        timeline = self._lanes.fusion.timeline
+        timeline = self._router.fusion.timeline
         if b == 0 and timeline is not None:
             self._started_at = timeline.now()
         leaves = []
@@ -353,7 +353,7 @@ class GradientSync:
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
             self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
-        self._lanes.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
+        self._router.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
 
     def wait(self) -> None:
         """Complete this step's reduction: launch what is left, wait, and write the results.
@@ -367,7 +367,7 @@ class GradientSync:
         if self._state == _FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
         self._launch_rest()
-        self._lanes.finish()
+        self._router.finish()
         if self._sparse.members:
             self._agree()  # made already, unless every parameter is gathered
             self._sparse.reduce(self._params, self.backend, self.op == "avg")
@@ -380,7 +380,7 @@ class GradientSync:
                 self._replan(self._params, [i for b in self._buckets for i in b.members])
         self._state = _DONE
         self.steps += 1
-        timeline = self._lanes.fusion.timeline
+        timeline = self._router.fusion.timeline
         if timeline is not None and self._started_at:
             timeline.complete(
                 f"{self.owner} gradients", self._started_at, buckets=len(self._buckets)

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from dataparallel.backends.base import Backend
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._synchronize import synchronize_torch
@@ -78,7 +78,7 @@ class DataParallelModel(nn.Module):
             )
         super().__init__()
         self.module = module
-        backend = engine_of(backend, group)
+        backend = backend_of(backend, group)
         synchronize_torch(module, root=root, backend=backend)
         self._require_sync = True
         self._sync = GradientSync(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dataparallel.backends.base import Backend
-from dataparallel.groups import Group, engine_of
+from dataparallel.groups import Group, backend_of
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.types import Op
@@ -228,7 +228,7 @@ def distributed_torch_optimizer(
         bucket_bytes=bucket_bytes,
         passes=backward_passes_per_step,
         owner="DistributedOptimizer",
-        backend=engine_of(backend, group),
+        backend=backend_of(backend, group),
         compression=compression,
         sparse_as_dense=sparse_as_dense,
     )

@@ -9,8 +9,8 @@ from torch import nn
 
 from dataparallel import collectives, world
 from dataparallel.backends.base import Backend
-from dataparallel.checks import verify_same_call
 from dataparallel.config import Settings
+from dataparallel.protocol import verify_same_call
 
 __all__ = ["synchronize_torch"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from dataparallel import world
-from dataparallel.engine.compression import Compression
+from dataparallel.arrays.compression import Compression
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._basics import (
     Adasum,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from dataparallel import collectives, world
-from dataparallel.engine.trace import Timeline
+from dataparallel.arrays.trace import Timeline
 
 __all__ = [
     "Adasum",

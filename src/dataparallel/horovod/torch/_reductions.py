@@ -43,8 +43,8 @@ __all__ = [
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
-    "plan",
     "scaled",
+    "scaling",
 ]
 
 _OPS: dict[int, Op] = {Sum: "sum", Average: "avg", Min: "min", Max: "max", Product: "prod"}
@@ -77,7 +77,7 @@ def check_tensor(tensor: Any) -> None:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Scaling:
     """How one Horovod reduction runs on dataparallel: the op, the scale, and local scalings."""
 
     op: Op
@@ -86,7 +86,7 @@ class _Plan:
     post: float | None  # applied locally afterwards (integers: float64, truncated)
 
 
-def plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: int) -> _Plan:
+def scaling(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: int) -> _Scaling:
     if op == Adasum:
         raise NotImplementedError(
             "Adasum is not supported by dataparallel: use op=hvd.Average (or hvd.Sum)."
@@ -98,8 +98,8 @@ def plan(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float, n: i
     if integral:  # Horovod: the sum, then the scaling in float64, truncated
         total = float(post) / n if op == Average else float(post)
         engine_op = "sum" if op == Average else _OPS[op]
-        return _Plan(engine_op, None, pre_factor, None if total == 1.0 else total)
-    return _Plan(_OPS[op], None if post == 1.0 else float(post), pre_factor, None)
+        return _Scaling(engine_op, None, pre_factor, None if total == 1.0 else total)
+    return _Scaling(_OPS[op], None if post == 1.0 else float(post), pre_factor, None)
 
 
 def scaled(t: torch.Tensor, factor: float | None) -> torch.Tensor:
@@ -115,7 +115,7 @@ def _start_allreduce(
     outputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet, wait: bool
 ) -> _handles.Started:
     group = group_of(ps)
-    how = plan(outputs, op, pre, post, ps.size() or 1)
+    how = scaling(outputs, op, pre, post, ps.size() or 1)
     for t in outputs:
         scaled(t, how.pre)
 

@@ -24,8 +24,8 @@ from dataparallel.horovod.torch._reductions import (
     compress,
     copy_of,
     decompress,
-    plan,
     scaled,
+    scaling,
 )
 
 __all__ = [
@@ -40,7 +40,7 @@ def _start_reducescatter(
     inputs: list[torch.Tensor], op: int, pre: float, post: float, ps: ProcessSet
 ) -> _handles.Started:
     group = group_of(ps)
-    how = plan(inputs, op, pre, post, ps.size() or 1)
+    how = scaling(inputs, op, pre, post, ps.size() or 1)
     copies = [scaled(copy_of(t), how.pre) if how.pre else t.detach() for t in inputs]
     results = collectives.reducescatter(copies, op=how.op, scale=how.scale, group=group)
     return _handles.Done([scaled(r, how.post) for r in results])

@@ -1,6 +1,6 @@
 """Buckets laid out by rank: what one reduce-scatter or all-to-all call sends and receives.
 
-The fusion engine packs a bucket of arrays, each split along its first axis, so that one engine
+The `Fusion` packs a bucket of arrays, each split along its first axis, so that one engine
 call moves them all: the send buffer holds, for each destination rank in turn, that rank's rows of
 every array in turn; the receive buffer holds, for each source rank in turn, the rows it sent of
 every array in turn. A bucket of one contiguous array needs no packing: its rows are already in
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays.actions import Exchange, Scatter
+from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, Handle, ReduceOp
-from dataparallel.engine.actions import Exchange, Scatter
-from dataparallel.engine.pool import BufferPool
 
 __all__ = ["Segments", "layout_of", "row_parts"]
 

@@ -1,4 +1,4 @@
-"""Host buffers allocated once and reused: the fusion engine's memory after the first step."""
+"""Host buffers allocated once and reused: `Fusion`'s memory after the first step."""
 
 from __future__ import annotations
 

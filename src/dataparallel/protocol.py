@@ -19,7 +19,7 @@ payload.
 
 A rank that has joined (`dp.join`: it ran out of data) takes part in every handshake with a
 `joined` mark instead of a call. The others' calls must then agree among themselves; the lowest
-of them sends what it is about to send (a `Shadow`, `engine/shadow.py`), and the joined ranks
+of them sends what it is about to send (a `Replay`, `arrays/replay.py`), and the joined ranks
 make the same engine calls on zeros. Calls that cannot be answered so (gathers, broadcasts, ...)
 raise `RankJoinedError` on the ranks that made them. Without joined ranks, nothing of this costs
 anything.
@@ -39,10 +39,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.dtypes import INTEGER_DTYPES
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.engine.actions import Reduction
-from dataparallel.engine.dtypes import INTEGER_DTYPES
-from dataparallel.engine.shadow import Shadow
 from dataparallel.errors import CollectiveMismatchError, RankJoinedError
 
 __all__ = [
@@ -52,7 +52,7 @@ __all__ = [
     "JOINED",
     "NEWCOMER",
     "RECORD_BYTES",
-    "ShadowOf",
+    "ReplayOf",
     "check_scale",
     "digest",
     "disagree",
@@ -78,7 +78,7 @@ JOINED, NEWCOMER = 9, 10
 
 # What a call will send after its handshake, for ranks that joined to answer (None: it cannot);
 # given whether some rank raised the handshake's flag.
-ShadowOf = Callable[[bool], Shadow | None] | None
+ReplayOf = Callable[[bool], Replay | None] | None
 
 _OPS = ("sum", "prod", "min", "max", "avg")
 _MAX_DIFFERENCES = 8
@@ -169,7 +169,7 @@ def handshake(
     *,
     record: np.ndarray | None = None,
     flag: bool | None = None,
-    shadow: ShadowOf = None,
+    replay: ReplayOf = None,
     on_joined: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray | None, bool]:
     """Exchange this rank's call with every rank; raise `CollectiveMismatchError` unless all agree.
@@ -181,7 +181,7 @@ def handshake(
         call: the call field by field (or a function that makes it), to explain a mismatch.
         record: this rank's record (`new_record()`) with a payload after the header, if any.
         flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
-        shadow: makes what the call sends next (given whether some rank raised `flag`), for
+        replay: makes what the call sends next (given whether some rank raised `flag`), for
             ranks that have joined to answer with zeros (None: the call cannot be answered so,
             and raises `RankJoinedError` if some rank has joined).
         on_joined: called when some rank has joined (before the call goes on).
@@ -197,7 +197,7 @@ def handshake(
         if bounds[0] != -bounds[1]:
             _mismatch(backend, call)
         if bounds[3]:
-            _answer(backend, int(-bounds[6]), call, shadow, on_joined, bool(bounds[2]))
+            _answer(backend, int(-bounds[6]), call, replay, on_joined, bool(bounds[2]))
         return None, bool(bounds[2])
     if record is None:
         record = np.zeros(RECORD_BYTES, np.uint8)
@@ -205,7 +205,7 @@ def handshake(
     head[0] = h
     if flag:
         head[1] = 1
-    rows = exchange(backend, record, call, shadow=shadow, on_joined=on_joined)
+    rows = exchange(backend, record, call, replay=replay, on_joined=on_joined)
     return rows, (flag is not None and bool(rows[:, 8].any()))
 
 
@@ -214,7 +214,7 @@ def exchange(
     record: np.ndarray,
     call: dict[str, Any] | Callable[[], dict[str, Any]],
     *,
-    shadow: ShadowOf = None,
+    replay: ReplayOf = None,
     on_joined: Callable[[], None] | None = None,
 ) -> np.ndarray:
     """Gather every rank's `record` (its header filled in); raise unless every hash is the same.
@@ -226,7 +226,7 @@ def exchange(
     rows = np.empty((size, RECORD_BYTES), np.uint8)
     backend.allgather(record, rows.reshape(-1))
     if rows[:, :8].tobytes() != record[:8].tobytes() * size:
-        disagree(backend, rows, call, shadow=shadow, on_joined=on_joined)
+        disagree(backend, rows, call, replay=replay, on_joined=on_joined)
     return rows
 
 
@@ -235,7 +235,7 @@ def disagree(
     rows: np.ndarray,
     call: dict[str, Any] | Callable[[], dict[str, Any]],
     *,
-    shadow: ShadowOf = None,
+    replay: ReplayOf = None,
     on_joined: Callable[[], None] | None = None,
 ) -> None:
     """The records' hashes differ: answer the ranks that have joined, or raise on every rank.
@@ -247,22 +247,22 @@ def disagree(
     if not joined.any() or (hashes != hashes[0]).any():
         _mismatch(backend, call)
     root = int(np.flatnonzero(~joined)[0])
-    _answer(backend, root, call, shadow, on_joined, bool(rows[:, 8].any()))
+    _answer(backend, root, call, replay, on_joined, bool(rows[:, 8].any()))
 
 
 def _answer(
     backend: Backend,
     root: int,
     call: dict[str, Any] | Callable[[], dict[str, Any]],
-    shadow: ShadowOf,
+    replay: ReplayOf,
     on_joined: Callable[[], None] | None,
     flagged: bool,
 ) -> None:
     """Some rank has joined: send it what this call sends next, or raise `RankJoinedError`.
 
-    `root`, the lowest rank that has not joined, sends the shadow; every rank receives it.
+    `root`, the lowest rank that has not joined, sends the replay; every rank receives it.
     """
-    mine = shadow(flagged) if shadow is not None and backend.rank == root else None
+    mine = replay(flagged) if replay is not None and backend.rank == root else None
     if backend.broadcast_object(mine, root) is None:
         collective = (call if isinstance(call, dict) else call()).get("collective")
         raise RankJoinedError(
@@ -288,7 +288,7 @@ def verify_same_call(
     backend: Backend,
     call: dict[str, Any] | Callable[[], dict[str, Any]],
     summary: str | None = None,
-    shadow: ShadowOf = None,
+    replay: ReplayOf = None,
 ) -> None:
     """Raise `CollectiveMismatchError` on every rank unless all ranks make the same call.
 
@@ -302,13 +302,13 @@ def verify_same_call(
             explain a mismatch, so a caller with a cheap `summary` can defer it.
         summary: a string equal on two ranks exactly when their calls are the same (default:
             derived from `call`).
-        shadow: what follows, for ranks that have joined (see `handshake`).
+        replay: what follows, for ranks that have joined (see `handshake`).
     """
     if backend.size == 1:
         return
     if summary is None:
         summary = repr(sorted((call if isinstance(call, dict) else call()).items()))
-    handshake(backend, summary, call, shadow=shadow)
+    handshake(backend, summary, call, replay=replay)
 
 
 def fail_together(backend: Backend, collective: str, error: BaseException) -> None:

@@ -1,4 +1,4 @@
-"""One communication call of the fusion engine in flight, and what to do when it lands."""
+"""One communication call of `Fusion` in flight, and what to do when it lands."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays.device import DeviceBucket
+from dataparallel.arrays.segments import Segments
 from dataparallel.backends.base import Handle
-from dataparallel.engine.device import DeviceBucket
-from dataparallel.engine.segments import Segments
 
 __all__ = ["Deliver", "Flight"]
 

@@ -1,18 +1,18 @@
 """What a collective sends after its handshake, described for ranks that have joined (`dp.join`).
 
-Each function mirrors how a collective gives its leaves to the fusion engine (`_call.fuse`,
-`_call.run_split`), as a `Shadow` that a joined rank runs on zeros (`engine/shadow.py`).
+Each function mirrors how a collective gives its leaves to `Fusion` (`_call.fuse`,
+`_call.run_split`), as a `Replay` that a joined rank runs on zeros (`arrays/replay.py`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from dataparallel.arrays.actions import Reduction, Scatter
+from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf
-from dataparallel.engine.actions import Reduction, Scatter
-from dataparallel.engine.fusion import HOST_KEY
-from dataparallel.engine.shadow import Add, Shadow
 
 __all__ = ["fused", "nan_masks", "split"]
 
@@ -30,12 +30,12 @@ def fused(
     leaves: list[Leaf],
     async_op: bool,
     inline: bool,
-    then: Shadow | None = None,
-) -> Shadow:
-    """The shadow of `run`: the leaves through `fuse` (nothing more when they went `inline`)."""
+    then: Replay | None = None,
+) -> Replay:
+    """The replay of `run`: the leaves through `fuse` (nothing more when they went `inline`)."""
     if inline:
-        return Shadow.nothing()
-    return Shadow.of(
+        return Replay.nothing()
+    return Replay.of(
         action,
         [[_add(leaf) for leaf in leaves]],
         bucket_bytes=ctx.settings.bucket_bytes,
@@ -44,17 +44,17 @@ def fused(
     )
 
 
-def nan_masks(ctx: CallContext, floating: list[Leaf], async_op: bool) -> Shadow:
-    """The shadow of the NaN masks a min/max reduction sends when some rank has a NaN."""
+def nan_masks(ctx: CallContext, floating: list[Leaf], async_op: bool) -> Replay:
+    """The replay of the NaN masks a min/max reduction sends when some rank has a NaN."""
     masks = [((), "uint8", leaf.shape) for leaf in floating]
-    return Shadow.of(
+    return Replay.of(
         Reduction(ReduceOp.MAX), [masks], bucket_bytes=ctx.settings.bucket_bytes, async_op=async_op
     )
 
 
-def split(ctx: CallContext, action: Scatter, leaves: list[Leaf]) -> Shadow:
-    """The shadow of `run_split` for a reduce-scatter (host arrays, one flush)."""
-    return Shadow.of(
+def split(ctx: CallContext, action: Scatter, leaves: list[Leaf]) -> Replay:
+    """The replay of `run_split` for a reduce-scatter (host arrays, one flush)."""
+    return Replay.of(
         action,
         [[((), leaf.dtype, leaf.shape) for leaf in leaves]],
         bucket_bytes=ctx.settings.bucket_bytes,

@@ -1,6 +1,6 @@
 """Small payloads reduced where they land: every rank's values, reduced locally in rank order.
 
-When a collective's payload fits in the handshake that precedes it (`checks.handshake`), every
+When a collective's payload fits in the handshake that precedes it (`protocol.handshake`), every
 rank receives every rank's values with the handshake itself, and computes the result here with
 NumPy, in rank order. Every rank computes from the same bytes in the same order, so every rank
 gets the same result, bit for bit. The semantics are those of the engines' path
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataparallel.arrays.actions import Broadcast, Reduction
+from dataparallel.arrays.dtypes import bf16_to_f32, f32_to_bf16, scale_in_place
 from dataparallel.backends.base import ReduceOp
-from dataparallel.engine.actions import Broadcast, Reduction
-from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16, scale_in_place
 
 __all__ = ["ALIGN", "combine_rows", "land_inline", "pack_inline", "padded"]
 

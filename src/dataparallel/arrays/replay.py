@@ -2,10 +2,10 @@
 
 A rank that has run out of data keeps answering the collectives of the ranks still working. It
 does not have their arrays, so the ranks describe, in the handshake that begins every collective
-(`checks.handshake`), what they are about to send: a `Shadow`. The joined rank runs it: the same
-fusion engine, with the same action, bucket size and flushes, over zero arrays of the same keys,
+(`protocol.handshake`), what they are about to send: a `Replay`. The joined rank runs it: the same
+`Fusion`, with the same action, bucket size and flushes, over zero arrays of the same keys,
 dtypes and shapes, so it makes exactly the engine calls the others make and contributes zeros
-(Horovod's join). A `Shadow` is small and picklable; it travels only while some rank has joined.
+(Horovod's join). A `Replay` is small and picklable; it travels only while some rank has joined.
 
 Limitation: the joined rank's zeros are host arrays. Where the other ranks hand GPU buffers to an
 engine that reduces some dtype natively on the device but not on the host (NCCL and bfloat16),
@@ -20,27 +20,27 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays.actions import Reduction, Scatter
+from dataparallel.arrays.dtypes import storage_dtype
+from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.engine.actions import Reduction, Scatter
-from dataparallel.engine.dtypes import storage_dtype
-from dataparallel.engine.fusion import Fusion
-from dataparallel.engine.pool import BufferPool
 
-__all__ = ["Add", "Shadow"]
+__all__ = ["Add", "Replay"]
 
-# One array given to the fusion engine: (bucket key, dtype, shape).
+# One array given to `Fusion`: (bucket key, dtype, shape).
 Add = tuple[tuple[Any, ...], str, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
-class Shadow:
+class Replay:
     """The engine calls a collective makes after its handshake, to be made again on zeros.
 
     Attributes:
         action: what the calls do (`Reduction` or `Scatter`), or None for a barrier.
-        flushes: the arrays given to the fusion engine, flush by flush (empty: nothing more is
+        flushes: the arrays given to `Fusion`, flush by flush (empty: nothing more is
             sent, as when the values travelled in the handshake itself).
-        bucket_bytes, async_op, contiguous: the fusion engine's settings.
+        bucket_bytes, async_op, contiguous: `Fusion`'s settings.
         then: calls made after these (a second fused call), or None.
     """
 
@@ -49,16 +49,16 @@ class Shadow:
     bucket_bytes: int = 1
     async_op: bool = False
     contiguous: bool = True
-    then: Shadow | None = None
+    then: Replay | None = None
 
     @classmethod
-    def barrier(cls) -> Shadow:
-        """The shadow of a barrier: a barrier."""
+    def barrier(cls) -> Replay:
+        """The replay of a barrier: a barrier."""
         return cls(None)
 
     @classmethod
-    def nothing(cls) -> Shadow:
-        """The shadow of a call whose values travelled in the handshake: no more calls."""
+    def nothing(cls) -> Replay:
+        """The replay of a call whose values travelled in the handshake: no more calls."""
         return cls(Reduction(ReduceOp.SUM))
 
     @classmethod
@@ -70,9 +70,9 @@ class Shadow:
         bucket_bytes: int,
         async_op: bool = False,
         contiguous: bool = True,
-        then: Shadow | None = None,
-    ) -> Shadow:
-        """Describe calls that give the fusion engine `flushes` (arrays, flushed after each)."""
+        then: Replay | None = None,
+    ) -> Replay:
+        """Describe calls that give `Fusion` `flushes` (arrays, flushed after each)."""
         frozen = tuple(
             tuple((tuple(key), dtype, tuple(shape)) for key, dtype, shape in f) for f in flushes
         )

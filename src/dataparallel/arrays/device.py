@@ -1,7 +1,7 @@
-"""Device buckets: the GPU counterpart of the fusion engine's host path.
+"""Device buckets: the GPU counterpart of `Fusion`'s host path.
 
 Leaves that live on a GPU (torch CUDA tensors, CuPy arrays) are not copied to the host one by one.
-`Family.work` hands them to the fusion engine as `DeviceWork`, and at a flush `DeviceBucket` packs
+`Family.work` hands them to `Fusion` as `DeviceWork`, and at a flush `DeviceBucket` packs
 each bucket (one per array family, device and dtype) into one contiguous device buffer of the
 leaves' own family. Then either
 
@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.backends.base import Backend, DeviceBuffer
-from dataparallel.engine.dtypes import dtype_name
 
 __all__ = ["DeviceBucket", "DeviceWork", "device_ops"]
 
@@ -226,7 +226,7 @@ def device_ops(family: str) -> Any:
 
 
 class DeviceWork:
-    """A GPU leaf queued for the fusion engine as it is, to be packed on its device.
+    """A GPU leaf queued for `Fusion` as it is, to be packed on its device.
 
     Stands where a host work array stands (`Family.work` returns it with `is_view=True`: results
     are written into the leaf itself). `nbytes` and `size` feed the engine's bucketing, and

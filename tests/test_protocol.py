@@ -1,4 +1,4 @@
-"""Input validation and collective mismatch detection (`dataparallel.checks`).
+"""Input validation and collective mismatch detection (`dataparallel.protocol`).
 
 The mismatch tests make the ranks call collectives differently on purpose: every rank must raise
 `CollectiveMismatchError` naming the ranks and what differs, and the next collective must work.
@@ -17,7 +17,7 @@ import pytest
 import dataparallel as dp
 import dataparallel.world as world_module
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
-from dataparallel.checks import parse_op, reduction_error, validate_reduction, verify_same_call
+from dataparallel.protocol import parse_op, reduction_error, validate_reduction, verify_same_call
 
 
 def test_parse_op() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from dataparallel.engine.device import DeviceWork
-from dataparallel.engine.dtypes import BF16_BITS, check_dtype, dtype_name, storage_dtype
+from dataparallel.arrays.device import DeviceWork
+from dataparallel.arrays.dtypes import BF16_BITS, check_dtype, dtype_name, storage_dtype
 
 __all__ = ["Family", "Staged", "array_family", "family_of", "stage", "write_back"]
 
@@ -70,7 +70,7 @@ class Family(ABC):
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
 
         GPU leaves of mutable families (torch CUDA tensors, CuPy arrays) come back as a
-        `device.DeviceWork` instead (with True): the fusion engine packs them on their device.
+        `device.DeviceWork` instead (with True): `Fusion` packs them on their device.
         """
         view = self.host_view(x)
         if view is not None:

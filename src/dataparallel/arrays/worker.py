@@ -9,7 +9,7 @@ runs them in that order, so the calls stay aligned across ranks.
 
 What a job raises is kept on it and re-raised by `Job.wait()` on the caller's thread, so nothing
 is lost; the jobs after it still run (a caller whose later jobs depend on an earlier one skips
-them: `engine/lanes.py`). The thread starts on the first `submit` and is joined by `close()`
+them: `arrays/routes.py`). The thread starts on the first `submit` and is joined by `close()`
 (`dp.finalize()`).
 """
 

@@ -4,7 +4,7 @@
 `compress(tensor) -> (tensor, ctx)` and `decompress(tensor, ctx)`), and are accepted as
 `compression=` by `dp.allreduce`, `dp.iallreduce`, `dp.allreduce_gradients`,
 `dp.DistributedOptimizer` and `dp.torch.DataParallelModel`. Those calls do not call `compress`
-leaf by leaf: the fusion engine reads the compressor's `wire` dtype and packs each bucket of
+leaf by leaf: `Fusion` reads the compressor's `wire` dtype and packs each bucket of
 floating leaves (float16, bfloat16, float32, float64) into one 16-bit wire buffer
 (`to_wire`), has the engine reduce that buffer in 16 bits, and widens the result back into the
 leaves' dtype (`from_wire`), applying `avg`'s or `scale`'s factor in the wide dtype. Other dtypes
@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dataparallel.engine.arrays import array_family
-from dataparallel.engine.dtypes import bf16_to_f32, f32_to_bf16
+from dataparallel.arrays.dtypes import bf16_to_f32, f32_to_bf16
+from dataparallel.arrays.families import array_family
 
 __all__ = [
     "COMPRESSIBLE",
@@ -44,7 +44,7 @@ COMPRESSIBLE = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 class Compressor:
-    """Horovod's compressor interface, with the wire dtype the fusion engine reads.
+    """Horovod's compressor interface, with the wire dtype `Fusion` reads.
 
     Attributes:
         wire: the dtype name floating values travel as (`"float16"`, `"bfloat16"`), or None.

@@ -1,10 +1,10 @@
-"""Where a bucketed step's calls go: `Lanes`, the engine under `GradientSync`.
+"""Where a bucketed step's calls go: `Router`, the engine under `GradientSync`.
 
 A step's buckets travel on a private duplicate of the caller's engine (`World.private`), so that
 collectives the program makes meanwhile on the world's engine never meet them, whichever thread
 makes each. They are made either on the caller's thread (non-blocking, one in flight: the hooks
 make them as backward goes, or all at its end), or on the communication thread
-(`engine/worker.py`), which waits in the engine with the GIL released while autograd computes:
+(`arrays/worker.py`), which waits in the engine with the GIL released while autograd computes:
 Horovod's overlap. The choice is made per step and may differ between ranks (the private engine
 is the same, and each bucket is one non-blocking call either way), except for a step that a rank
 has joined (`dp.join`): the joined rank answers it on the world's engine, so every rank makes it
@@ -18,16 +18,16 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel.arrays.families import Family
+from dataparallel.arrays.fusion import HOST_KEY, Fusion
+from dataparallel.arrays.trace import Timeline
+from dataparallel.arrays.worker import CommThread, Job
 from dataparallel.backends.base import Backend
-from dataparallel.engine.arrays import Family
-from dataparallel.engine.fusion import HOST_KEY, Fusion
-from dataparallel.engine.trace import Timeline
-from dataparallel.engine.worker import CommThread, Job
 
-__all__ = ["Lanes"]
+__all__ = ["Router"]
 
 
-class Lanes:
+class Router:
     """A step's buckets, sent through a `Fusion` on the chosen engine, inline or off-thread.
 
     Args:

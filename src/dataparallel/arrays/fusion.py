@@ -1,4 +1,4 @@
-"""The one fusion engine (Horovod's tensor fusion, DDP's buckets, Flashlight's coalescing).
+"""the one `Fusion` (Horovod's tensor fusion, DDP's buckets, Flashlight's coalescing).
 
 Arrays handed to `Fusion` are cached in buckets per the key the caller gives (host arrays: per
 (device, dtype) whatever their family; GPU ones per (array family, device, dtype)); when the
@@ -26,22 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.engine.actions import Broadcast, Exchange, Reduction, Scatter
-from dataparallel.engine.arrays import Family, Staged, stage, write_back
-from dataparallel.engine.compression import COMPRESSIBLE, from_wire, to_wire
-from dataparallel.engine.device import DeviceBucket, DeviceWork
-from dataparallel.engine.dtypes import (
+from dataparallel.arrays.actions import Broadcast, Exchange, Reduction, Scatter
+from dataparallel.arrays.compression import COMPRESSIBLE, from_wire, to_wire
+from dataparallel.arrays.device import DeviceBucket, DeviceWork
+from dataparallel.arrays.dtypes import (
     bf16_to_f32,
     f32_to_bf16,
     prescale,
     scale_in_place,
     storage_dtype,
 )
-from dataparallel.engine.flight import Deliver, Flight
-from dataparallel.engine.pool import BufferPool
-from dataparallel.engine.segments import layout_of
-from dataparallel.engine.trace import Timeline
+from dataparallel.arrays.families import Family, Staged, stage, write_back
+from dataparallel.arrays.flight import Deliver, Flight
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.arrays.segments import layout_of
+from dataparallel.arrays.trace import Timeline
+from dataparallel.backends.base import Backend, ReduceOp
 
 __all__ = ["HOST_KEY", "Action", "Fusion"]
 
