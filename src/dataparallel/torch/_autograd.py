@@ -25,18 +25,43 @@ per forward call whose output the loss depends on), as every rank runs the forwa
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
+import numpy as np
 import torch
 
 from dataparallel import collectives, world
 from dataparallel.groups import Group
 from dataparallel.types import Op
 
-__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "reducescatter"]
+if TYPE_CHECKING:
+    from torch.autograd.function import BackwardCFunction
+
+    from dataparallel.torch._buckets import Compressing
+
+    class Ctx(BackwardCFunction):
+        """The `ctx` autograd passes these Functions, with what their forward keeps on it."""
+
+        op: Op
+        scale: float | None
+        group: Group | None
+        compression: Compressing
+        shape: torch.Size
+        root: int
+        received: list[int]
 
 
-def _tensor(name: str, x: Any) -> torch.Tensor:
+__all__ = ["Splits", "allgather", "allreduce", "alltoall", "broadcast", "reducescatter"]
+
+# How many rows an alltoall sends each rank: `size()` non-negative ints, or None (equal parts).
+Splits: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor | None"
+
+# What a Function's backward returns: one gradient per input of forward (None: no gradient).
+Grads: TypeAlias = "tuple[torch.Tensor | None, ...]"
+
+
+def _tensor(name: str, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(
             f"dp.torch.{name} takes a torch.Tensor, got {type(x).__module__}."
@@ -46,7 +71,7 @@ def _tensor(name: str, x: Any) -> torch.Tensor:
 
 
 def _allreduce(
-    x: torch.Tensor, op: Op, scale: float | None, group: Group | None, compression: Any
+    x: torch.Tensor, op: Op, scale: float | None, group: Group | None, compression: Compressing
 ) -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
     result: torch.Tensor = collectives.allreduce(
@@ -58,19 +83,19 @@ def _allreduce(
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: Ctx,
         x: torch.Tensor,
         op: Op,
         scale: float | None,
         group: Group | None,
-        compression: Any,
+        compression: Compressing,
     ) -> torch.Tensor:
-        ctx.args = (op, scale, group, compression)
+        ctx.op, ctx.scale, ctx.group, ctx.compression = op, scale, group, compression
         return _allreduce(x, op, scale, group, compression)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, scale, group, compression = ctx.args
+    def backward(ctx: Ctx, grad: torch.Tensor) -> Grads:
+        op, scale, group, compression = ctx.op, ctx.scale, ctx.group, ctx.compression
         if op not in ("sum", "avg"):
             raise RuntimeError(
                 f"dp.torch.allreduce(op={op!r}) has no gradient; only 'sum' and 'avg' "
@@ -85,7 +110,7 @@ def allreduce(
     *,
     scale: float | None = None,
     group: Group | None = None,
-    compression: Any = None,
+    compression: Compressing = None,
 ) -> torch.Tensor:
     """Return the reduction of `tensor` across ranks, as a new tensor that autograd sees through.
 
@@ -111,13 +136,13 @@ def allreduce(
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    def forward(ctx: Ctx, x: torch.Tensor, group: Group | None) -> torch.Tensor:
         ctx.group, ctx.shape = group, x.shape
         result: torch.Tensor = collectives.allgather(x.detach(), group=group)
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Ctx, grad: torch.Tensor) -> Grads:
         group, shape = ctx.group, ctx.shape
         reduced = _allreduce(grad, "avg", None, group, None)
         rows = shape[0] if len(shape) else 1
@@ -137,14 +162,14 @@ def allgather(tensor: torch.Tensor, *, group: Group | None = None) -> torch.Tens
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, root: int, group: Group | None) -> torch.Tensor:
+    def forward(ctx: Ctx, x: torch.Tensor, root: int, group: Group | None) -> torch.Tensor:
         ctx.root, ctx.group = root, group
         out = x.detach().clone(memory_format=torch.contiguous_format)
         result: torch.Tensor = collectives.broadcast(out, root=root, group=group)
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Ctx, grad: torch.Tensor) -> Grads:
         reduced = _allreduce(grad, "avg", None, ctx.group, None)
         if world.rank(ctx.group) != ctx.root:
             reduced = torch.zeros_like(reduced)
@@ -162,7 +187,9 @@ def broadcast(tensor: torch.Tensor, root: int = 0, *, group: Group | None = None
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, splits: Any, group: Group | None) -> tuple[Any, Any]:
+    def forward(
+        ctx: Ctx, x: torch.Tensor, splits: Splits, group: Group | None
+    ) -> tuple[torch.Tensor, list[int]]:
         result, received = collectives.alltoall(x.detach(), splits=splits, group=group)
         ctx.received, ctx.group = received, group
         if isinstance(received, torch.Tensor):
@@ -170,7 +197,7 @@ class _Alltoall(torch.autograd.Function):
         return result, received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    def backward(ctx: Ctx, grad: torch.Tensor, *_: object) -> Grads:
         back, _received = collectives.alltoall(
             grad.contiguous(), splits=ctx.received, group=ctx.group
         )
@@ -178,8 +205,8 @@ class _Alltoall(torch.autograd.Function):
 
 
 def alltoall(
-    tensor: torch.Tensor, splits: Any = None, *, group: Group | None = None
-) -> tuple[torch.Tensor, Any]:
+    tensor: torch.Tensor, splits: Splits = None, *, group: Group | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """Send `splits[i]` rows of `tensor` to rank i; return the rows received and their splits.
 
     As `dp.alltoall` (default splits: equal parts), differentiably: the gradient goes back
@@ -192,17 +219,17 @@ def alltoall(
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, op: Op, scale: float | None, group: Group | None
+        ctx: Ctx, x: torch.Tensor, op: Op, scale: float | None, group: Group | None
     ) -> torch.Tensor:
-        ctx.args = (op, scale, group)
+        ctx.op, ctx.scale, ctx.group = op, scale, group
         result: torch.Tensor = collectives.reducescatter(
             x.detach(), op=op, scale=scale, group=group
         )
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, scale, group = ctx.args
+    def backward(ctx: Ctx, grad: torch.Tensor) -> Grads:
+        op, scale, group = ctx.op, ctx.scale, ctx.group
         if op not in ("sum", "avg"):
             raise RuntimeError(
                 f"dp.torch.reducescatter(op={op!r}) has no gradient; only 'sum' and 'avg' "

@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias, TypedDict
 
 import numpy as np
 import torch
 
 from dataparallel import collectives
+from dataparallel.arrays.actions import Reduction, Scatter
+from dataparallel.arrays.compression import Compressor
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.arrays.families import Family, family_of
 from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
+from dataparallel.types import Op
 
 __all__ = [
     "Bucket",
+    "Compressing",
     "NamedParams",
+    "Options",
     "arrival_order",
     "assign",
     "check_options",
@@ -44,6 +49,20 @@ __all__ = [
 ]
 
 NamedParams = list[tuple[str, torch.Tensor]]
+
+# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
+Compressing: TypeAlias = type[Compressor] | Compressor | None
+
+
+class Options(TypedDict, total=False):
+    """What decides a gradient reduction's messages, by the names mismatch reports give them."""
+
+    op: Op
+    bucket_bytes: int
+    backward_passes_per_step: int
+    compression: str | None  # the wire dtype
+    sparse_as_dense: bool
+    sparse: list[int]  # the parameters whose gradients are gathered sparse
 
 
 @dataclass
@@ -85,7 +104,7 @@ def assign(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Buc
 
 def layout(
     owner: str,
-    options: dict[str, Any],
+    options: Options,
     params: NamedParams,
     order: list[int],
     bucket_bytes: int,
@@ -122,9 +141,9 @@ def signature(params: NamedParams) -> list[tuple[int, torch.dtype, torch.device]
     return [(id(p), p.dtype, p.device) for _, p in params]
 
 
-def describe(owner: str, options: dict[str, Any], params: NamedParams) -> dict[str, Any]:
+def describe(owner: str, options: Options, params: NamedParams) -> dict[str, object]:
     """Describe a gradient reduction field by field, for mismatch reports."""
-    call: dict[str, Any] = {"collective": f"{owner} gradient reduction", **options}
+    call: dict[str, object] = {"collective": f"{owner} gradient reduction", **options}
     call["parameters"] = len(params)
     for i, (name, p) in enumerate(params):
         call[f"{name} ({i})"] = f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
@@ -132,7 +151,7 @@ def describe(owner: str, options: dict[str, Any], params: NamedParams) -> dict[s
 
 
 def summarize(
-    owner: str, options: dict[str, Any], params: NamedParams, buckets: list[Bucket], full: bool
+    owner: str, options: Options, params: NamedParams, buckets: list[Bucket], full: bool
 ) -> str:
     """Return a string equal on two ranks exactly when their reductions are the same.
 
@@ -235,7 +254,7 @@ def replay_of(
     params: NamedParams,
     buckets: list[Bucket],
     current: NamedParams,
-    action: Any,
+    action: Reduction | Scatter,
     bucket_bytes: int,
 ) -> Replay:
     """Describe a step's reduction for ranks that have joined (`dp.join`) to make it on zeros.

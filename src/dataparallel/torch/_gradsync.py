@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from enum import Enum
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -66,9 +67,24 @@ from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from dataparallel.torch._buckets import Compressing, Options
+
 __all__ = ["GradientSync"]
 
-_OPEN, _LAUNCHED, _DONE, _FAILED = "open", "launched", "done", "failed"
+
+class _State(Enum):
+    """Where a step's reduction is: open to gradients, launched, done, or failed its handshake."""
+
+    OPEN = "open"
+    LAUNCHED = "launched"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_OPEN, _LAUNCHED, _DONE, _FAILED = _State.OPEN, _State.LAUNCHED, _State.DONE, _State.FAILED
 
 
 class GradientSync:
@@ -104,7 +120,7 @@ class GradientSync:
         wait_after_backward: bool = False,
         owner: str = "GradientSync",
         backend: Backend | None = None,
-        compression: Any = None,
+        compression: Compressing = None,
         sparse_as_dense: bool = False,
     ) -> None:
         check_options(owner, op, passes, bucket_bytes)
@@ -119,7 +135,7 @@ class GradientSync:
         self.bucket_bytes = bucket_bytes or default_bucket_bytes(
             self.backend, self.overlap, private, on_host(trainable), active.settings
         )
-        self._options: dict[str, Any] = {"op": op, "bucket_bytes": self.bucket_bytes}
+        self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
             self._options |= {"compression": wire, "sparse_as_dense": sparse_as_dense}
@@ -128,13 +144,14 @@ class GradientSync:
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
         action, pool = reduction(op, None, self.backend.size), active.buffers
+        self._action = action  # the buckets' fusions': replayed by ranks that have joined
         fusion_on = partial(
             Fusion, action=action, bucket_bytes=self.bucket_bytes, pool=pool, compression=wire
         )
         self._router = Router(fusion_on, self.backend, private, active.comm_thread)
         self._source = params
         self._params: NamedParams = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
@@ -219,7 +236,7 @@ class GradientSync:
             self._clear()
 
     def _clear(self) -> None:
-        self._state = _OPEN
+        self._state: _State = _OPEN
         self._passes = 0
         self._queued = False
         self._ready = [False] * len(self._params)
@@ -334,7 +351,7 @@ class GradientSync:
 
     def _replay(self, _: bool) -> Replay:
         """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
-        params, action = self._params, self._router.base.action
+        params, action = self._params, self._action
         return replay_of(params, self._buckets, self._current(), action, self.bucket_bytes)
 
     def _launch(self, b: int) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["GradientReceiver", "claim", "make_hook", "owner", "remove_hooks"]
 
@@ -68,7 +71,7 @@ def make_hook(
     return hook
 
 
-def remove_hooks(handles: list[Any]) -> None:
+def remove_hooks(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
