@@ -39,7 +39,7 @@ from _jobs import run_job
 
 import dataparallel as dp
 from dataparallel import world
-from dataparallel.arrays import arrays
+from dataparallel.arrays import families
 from dataparallel.arrays.device import DeviceWork
 from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.backends.single import SingleBackend
@@ -118,10 +118,10 @@ class Handing(Backend):
 def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send every torch tensor down the device path, CPU memory standing in for a GPU's."""
 
-    def work(self: arrays.TorchFamily, x: Any) -> tuple[Any, bool]:
+    def work(self: families.TorchFamily, x: Any) -> tuple[Any, bool]:
         return DeviceWork(self, x), True
 
-    monkeypatch.setattr(arrays.TorchFamily, "work", work)
+    monkeypatch.setattr(families.TorchFamily, "work", work)
 
 
 def make(family: Family, values: np.ndarray, dtype: str) -> Any:
@@ -291,19 +291,19 @@ def test_allgather_reads_device_leaves_through_a_host_copy(
 
 def test_device_work_stands_for_its_leaf() -> None:
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    work = DeviceWork(arrays.family_of(x), x)
+    work = DeviceWork(families.family_of(x), x)
     assert (work.size, work.nbytes, work.device) == (6, 24, "cpu")
     np.testing.assert_array_equal(np.asarray(work), x.numpy())
     bf16 = torch.ones(3, dtype=torch.bfloat16)
-    assert np.asarray(DeviceWork(arrays.family_of(bf16), bf16)).dtype == np.uint16  # its bits
+    assert np.asarray(DeviceWork(families.family_of(bf16), bf16)).dtype == np.uint16  # its bits
 
 
 def test_host_leaves_never_take_the_device_path(world: Backend, rank: int) -> None:
     x = torch.ones(3)
-    work, is_view = arrays.family_of(x).work(x)
+    work, is_view = families.family_of(x).work(x)
     assert isinstance(work, np.ndarray) and is_view
     conjugate = torch.ones(2, dtype=torch.complex64).conj()  # no host view: a host copy
-    work, is_view = arrays.family_of(conjugate).work(conjugate)
+    work, is_view = families.family_of(conjugate).work(conjugate)
     assert isinstance(work, np.ndarray) and not is_view
 
 
