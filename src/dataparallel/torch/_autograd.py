@@ -26,7 +26,7 @@ per forward call whose output the loss depends on), as every rank runs the forwa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -36,20 +36,21 @@ from dataparallel.groups import Group
 from dataparallel.types import Op
 
 if TYPE_CHECKING:
-    from torch.autograd.function import BackwardCFunction
-
     from dataparallel.torch._buckets import Compressing
 
-    class Ctx(BackwardCFunction):
-        """The `ctx` autograd passes these Functions, with what their forward keeps on it."""
 
-        op: Op
-        scale: float | None
-        group: Group | None
-        compression: Compressing
-        shape: torch.Size
-        root: int
-        received: list[int]
+class Ctx(Protocol):
+    """The `ctx` autograd passes these Functions: what their forward keeps on it for backward."""
+
+    op: Op
+    scale: float | None
+    group: Group | None
+    compression: Compressing
+    shape: torch.Size
+    root: int
+    received: list[int]
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None: ...
 
 
 __all__ = ["Splits", "allgather", "allreduce", "alltoall", "broadcast", "reducescatter"]

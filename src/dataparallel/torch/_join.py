@@ -8,7 +8,8 @@ rank has left.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+
+from torch import nn, optim
 
 from dataparallel import collectives
 from dataparallel.backends.base import Backend
@@ -17,7 +18,7 @@ from dataparallel.torch._gradsync import GradientSync
 __all__ = ["Join", "join"]
 
 
-def _gradient_sync(joinable: Any) -> GradientSync:
+def _gradient_sync(joinable: object) -> GradientSync:
     sync = getattr(joinable, "gradient_sync", None)
     if not isinstance(sync, GradientSync):
         raise TypeError(
@@ -37,7 +38,7 @@ class Join:
     Horovod's `join`), reductions and barriers. An exception leaving the block is not held back.
     """
 
-    def __init__(self, *joinables: Any, enable: bool = True) -> None:
+    def __init__(self, *joinables: nn.Module | optim.Optimizer, enable: bool = True) -> None:
         self._syncs = [_gradient_sync(j) for j in joinables]
         backends = {id(s.backend): s.backend for s in self._syncs}
         if len(backends) > 1:
@@ -67,7 +68,7 @@ class Join:
         self.last = collectives.join(backend=self._backend)
 
 
-def join(*joinables: Any, enable: bool = True) -> Join:
+def join(*joinables: nn.Module | optim.Optimizer, enable: bool = True) -> Join:
     """Train over uneven data: a rank that finishes its batches first answers the others' steps.
 
     Args:

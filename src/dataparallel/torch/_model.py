@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -15,6 +15,11 @@ from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._synchronize import synchronize_torch
 from dataparallel.types import Op
+
+if TYPE_CHECKING:
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from dataparallel.torch._buckets import Compressing
 
 __all__ = ["DataParallelModel"]
 
@@ -68,7 +73,7 @@ class DataParallelModel(nn.Module):
         root: int = 0,
         backend: Backend | None = None,
         group: Group | None = None,
-        compression: Any = None,
+        compression: Compressing = None,
         sparse_as_dense: bool = False,
     ) -> None:
         if not isinstance(module, nn.Module):
@@ -130,7 +135,9 @@ class DataParallelModel(nn.Module):
                 raise
             return getattr(inner, name)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
         """Load a state dict of the wrapped module, with or without DDP's `module.` prefix."""
         keys = list(state_dict)
         if keys and all(k.startswith("module.") for k in keys):
@@ -138,16 +145,18 @@ class DataParallelModel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def _renamed(state_dict: Any, prefix: str, old: str, new: str) -> OrderedDict[str, Any]:
+def _renamed(
+    state_dict: Mapping[str, object], prefix: str, old: str, new: str
+) -> OrderedDict[str, object]:
     """Return `state_dict` with keys `prefix + old + rest` renamed `prefix + new + rest`."""
-    out: OrderedDict[str, Any] = OrderedDict()
+    out: OrderedDict[str, object] = OrderedDict()
     for key, value in state_dict.items():
         if key.startswith(prefix + old):
             key = prefix + new + key[len(prefix + old) :]
         out[key] = value
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        meta: OrderedDict[str, Any] = OrderedDict()
+        meta: OrderedDict[str, object] = OrderedDict()
         inner = (prefix + old).rstrip(".")
         for key, value in metadata.items():
             if key == inner:
@@ -160,7 +169,7 @@ def _renamed(state_dict: Any, prefix: str, old: str, new: str) -> OrderedDict[st
 
 
 def _drop_module_prefix(
-    module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any
+    module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object
 ) -> None:
     renamed = _renamed(state_dict, prefix, "module.", "")
     state_dict.clear()
@@ -172,9 +181,9 @@ def _drop_module_prefix(
 
 def _add_module_prefix(
     module: nn.Module,
-    state_dict: Any,
+    state_dict: dict[str, object],
     prefix: str,
-    local_metadata: Any,
+    local_metadata: object,
     strict: bool,
     missing_keys: list[str],
     unexpected_keys: list[str],

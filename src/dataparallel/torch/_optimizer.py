@@ -11,7 +11,7 @@ The reduction itself is `dataparallel.torch.GradientSync`, shared with `DataPara
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, TypeVar, cast, overload
 
 import torch
 
@@ -21,7 +21,12 @@ from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.types import Op
 
+if TYPE_CHECKING:
+    from dataparallel.torch._buckets import Compressing
+
 __all__ = ["distributed_torch_optimizer"]
+
+_O = TypeVar("_O", bound=torch.optim.Optimizer)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -30,7 +35,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     __slots__ = ("_dp_sync",)
     _dp_sync: GradientSync
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Finish the gradient reduction (unless `synchronize()` did), then run the inner step.
 
         With a `closure` (LBFGS), the gradients of every evaluation are reduced before the inner
@@ -47,7 +58,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sync.wait()
         sync.reset()
 
-        def reduced() -> Any:
+        def reduced() -> float:
             loss = closure()
             sync.wait()
             sync.reset()
@@ -83,7 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         sync.reset()
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, object]) -> None:
         """Add a param group as the wrapped optimizer does; its parameters are reduced too."""
         super().add_param_group(param_group)
         sync = getattr(self, "_dp_sync", None)
@@ -107,7 +118,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             f"bucket_bytes={sync.bucket_bytes}, backward_passes_per_step={sync.passes})"
         )
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         raise TypeError(
             "A DistributedOptimizer cannot be pickled (it holds gradient hooks); save "
             "optimizer.state_dict() instead, and load it into a new DistributedOptimizer."
@@ -142,16 +153,16 @@ def _named_params(state: dict[str, Any]) -> Callable[[], NamedParams]:
 
 
 def distributed_torch_optimizer(
-    optimizer: torch.optim.Optimizer,
+    optimizer: _O,
     *,
     op: Op = "avg",
     bucket_bytes: int | None = None,
     backward_passes_per_step: int = 1,
     backend: Backend | None = None,
     group: Group | None = None,
-    compression: Any = None,
+    compression: Compressing = None,
     sparse_as_dense: bool = False,
-) -> torch.optim.Optimizer:
+) -> _O:
     """Wrap `optimizer` so that gradients are reduced across ranks before each step.
 
     Called by `dp.DistributedOptimizer(optimizer, ...)`. Each parameter gets a gradient hook;
@@ -232,4 +243,4 @@ def distributed_torch_optimizer(
         compression=compression,
         sparse_as_dense=sparse_as_dense,
     )
-    return wrapper
+    return cast(_O, wrapper)  # an instance of a subclass of the optimizer's class

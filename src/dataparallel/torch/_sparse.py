@@ -24,8 +24,6 @@ gradient is sparse only when it arrives, and a rank that did not use the embeddi
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -89,7 +87,7 @@ class SparseGrads:
         for i in sorted(self.members):
             p = params[i][1]
             rows, values = _rows(p)
-            got: Any = collectives.allgather(
+            got: dict[str, torch.Tensor] = collectives.allgather(
                 {"has": torch.tensor([p.grad is not None]), "rows": rows, "values": values},
                 backend=backend,
             )

@@ -20,7 +20,7 @@ In eval mode (with running statistics) nothing is communicated; in a world of on
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,21 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dataparallel import collectives, world
 from dataparallel.groups import Group
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+
+class _Ctx(Protocol):
+    """The `ctx` autograd passes `_SyncBatchNormFunction`: what its forward keeps on it."""
+
+    total: float
+    group: Group | None
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
+
 
 __all__ = ["SyncBatchNorm"]
 
@@ -56,8 +71,8 @@ class SyncBatchNorm(_BatchNorm):
         affine: bool = True,
         track_running_stats: bool = True,
         group: Group | None = None,
-        device: Any = None,
-        dtype: Any = None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
@@ -99,7 +114,9 @@ class SyncBatchNorm(_BatchNorm):
         )
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module, group: Group | None = None) -> Any:
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, group: Group | None = None
+    ) -> torch.nn.Module:
         """Return `module` with every `BatchNorm*d` in it replaced by a `SyncBatchNorm`.
 
         Parameters, running statistics, `requires_grad` and the training flag carry over (the
@@ -150,7 +167,7 @@ def _accumulation(x: torch.Tensor) -> torch.dtype:
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _Ctx,
         x: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
@@ -196,7 +213,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         acc, shape, dims = mean.dtype, _channel_shape(x), _reduce_dims(x)

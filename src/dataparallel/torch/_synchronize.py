@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Literal, TypeAlias, TypedDict, TypeVar
 
 import torch
 from torch import nn
@@ -14,8 +15,21 @@ from dataparallel.protocol import verify_same_call
 
 __all__ = ["synchronize_torch"]
 
+_S = TypeVar("_S", bound="nn.Module | torch.optim.Optimizer")
 
-def synchronize_torch(obj: Any, *, root: int = 0, backend: Backend | None = None) -> Any:
+# How root describes an entry of a param group or of a parameter's state, for the other ranks:
+# ("tensor", dtype, shape, on the parameter's device) or ("plain", value).
+_TensorSpec: TypeAlias = tuple[Literal["tensor"], str, tuple[int, ...], bool]
+_Spec: TypeAlias = _TensorSpec | tuple[Literal["plain"], object]
+_Entries: TypeAlias = dict[str, _Spec]
+
+
+class _OptimizerSpec(TypedDict):
+    groups: list[_Entries]  # per param group
+    state: list[_Entries | None]  # per parameter (None: no state on root)
+
+
+def synchronize_torch(obj: _S, *, root: int = 0, backend: Backend | None = None) -> _S:
     """Make every rank hold `root`'s state of a module or an optimizer, in place; return it.
 
     - `nn.Module`: parameters and buffers, broadcast in fused buckets.
@@ -44,7 +58,7 @@ def synchronize_torch(obj: Any, *, root: int = 0, backend: Backend | None = None
     )
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: object) -> bool:
     if value is None or isinstance(value, (bool, int, float, complex, str)):
         return True
     if isinstance(value, (tuple, list)):
@@ -52,13 +66,13 @@ def _is_plain(value: Any) -> bool:
     return False
 
 
-def _describe_tensor(t: torch.Tensor, param: torch.Tensor | None) -> tuple[Any, ...]:
+def _describe_tensor(t: torch.Tensor, param: torch.Tensor | None) -> _TensorSpec:
     on_param = param is not None and t.device == param.device
     return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), on_param)
 
 
-def _describe_entries(entries: dict[Any, Any], param: torch.Tensor | None) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
+def _describe_entries(entries: Mapping[str, object], param: torch.Tensor | None) -> _Entries:
+    out: _Entries = {}
     for key, value in entries.items():
         if key == "params":
             continue
@@ -70,7 +84,7 @@ def _describe_entries(entries: dict[Any, Any], param: torch.Tensor | None) -> di
 
 
 def _ensure_tensor(
-    entries: dict[Any, Any], key: Any, spec: tuple[Any, ...], param: torch.Tensor | None
+    entries: dict[str, object], key: str, spec: _TensorSpec, param: torch.Tensor | None
 ) -> torch.Tensor:
     _, dtype_name, shape, on_param = spec
     dtype = getattr(torch, dtype_name)
@@ -88,15 +102,15 @@ def _ensure_tensor(
 
 
 def _apply_entries(
-    entries: dict[Any, Any], spec: dict[Any, Any], param: torch.Tensor | None, prune: bool
+    entries: dict[str, object], spec: _Entries, param: torch.Tensor | None, prune: bool
 ) -> list[torch.Tensor]:
     """Give `entries` root's plain values and tensor slots; return the tensors to broadcast."""
     tensors = []
-    for key, (kind, *rest) in spec.items():
-        if kind == "plain":
-            entries[key] = rest[0]
+    for key, entry in spec.items():
+        if entry[0] == "plain":
+            entries[key] = entry[1]
         else:
-            tensors.append(_ensure_tensor(entries, key, (kind, *rest), param))
+            tensors.append(_ensure_tensor(entries, key, entry, param))
     if prune:
         for key in [k for k in entries if k not in spec]:
             del entries[key]
@@ -118,7 +132,7 @@ def _synchronize_optimizer(opt: torch.optim.Optimizer, root: int, backend: Backe
     settings = world.current().settings if world.initialized() else Settings.from_env()
     if settings.check:
         verify_same_call(b, call)
-    spec: dict[str, Any] | None = None
+    spec: _OptimizerSpec | None = None
     if b.rank == root:
         spec = {
             "groups": [_describe_entries(g, None) for g in groups],
