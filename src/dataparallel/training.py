@@ -9,17 +9,50 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import synchronize_tree
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Op, Tree
 
+if TYPE_CHECKING:
+    import optax
+    import torch
+
+    from dataparallel.torch import Compressing
+
 __all__ = ["DistributedOptimizer", "synchronize"]
 
+_O = TypeVar("_O", bound="torch.optim.Optimizer")
 
-def DistributedOptimizer(optimizer: Any, *, op: Op = "avg", **options: Any) -> Any:
+
+@overload
+def DistributedOptimizer(
+    optimizer: _O,
+    *,
+    op: Op = "avg",
+    bucket_bytes: int | None = None,
+    backward_passes_per_step: int = 1,
+    backend: Backend | None = None,
+    group: Group | None = None,
+    compression: Compressing = None,
+    sparse_as_dense: bool = False,
+) -> _O: ...
+
+
+@overload
+def DistributedOptimizer(
+    optimizer: optax.GradientTransformation,
+    *,
+    op: Op = "avg",
+    backend: Backend | None = None,
+    group: Group | None = None,
+    compression: Compressing = None,
+) -> optax.GradientTransformationExtraArgs: ...
+
+
+def DistributedOptimizer(optimizer: Any, *, op: Op = "avg", **options: Any) -> object:
     """Wrap a `torch.optim.Optimizer` or an `optax.GradientTransformation` (dispatch on type).
 
     Gradients are reduced across ranks (averaged by default; `op="sum"` is FluxMPI's behaviour)
@@ -41,12 +74,12 @@ def DistributedOptimizer(optimizer: Any, *, op: Op = "avg", **options: Any) -> A
     )
 
 
-def _is_torch_optimizer(optimizer: Any) -> bool:
+def _is_torch_optimizer(optimizer: object) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(optimizer, torch.optim.Optimizer)
 
 
-def _is_optax_transformation(optimizer: Any) -> bool:
+def _is_optax_transformation(optimizer: object) -> bool:
     init, update = getattr(optimizer, "init", None), getattr(optimizer, "update", None)
     return callable(init) and callable(update)
 
@@ -55,7 +88,7 @@ def synchronize(
     x: Tree,
     *,
     root: int = 0,
-    objects: str = "keep",
+    objects: Literal["keep", "broadcast"] = "keep",
     backend: Backend | None = None,
     group: Group | None = None,
 ) -> Tree:
@@ -87,14 +120,16 @@ def synchronize(
     )
 
 
-def _torch_sync(leaf: Any) -> Callable[[Any, int, Backend], Any] | None:
+def _torch_sync(
+    leaf: object,
+) -> Callable[[torch.nn.Module | torch.optim.Optimizer, int, Backend], object] | None:
     """Return how to synchronize `leaf` when it is a torch module or optimizer, else None."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
+    loaded = sys.modules.get("torch")
+    if loaded is None or not isinstance(leaf, (loaded.nn.Module, loaded.optim.Optimizer)):
         return None
     from dataparallel.torch import synchronize_torch
 
-    def sync(obj: Any, root: int, backend: Backend) -> Any:
+    def sync(obj: torch.nn.Module | torch.optim.Optimizer, root: int, backend: Backend) -> object:
         return synchronize_torch(obj, root=root, backend=backend)
 
     return sync

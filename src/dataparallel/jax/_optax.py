@@ -52,7 +52,7 @@ Sharp bits:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -66,7 +66,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
     ) from exc
 
 from dataparallel import collectives, world
-from dataparallel.arrays.compression import wire_dtype
+from dataparallel.arrays.compression import Compressor, wire_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import parse_op, validate_reduction
@@ -74,11 +74,14 @@ from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
 
+# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
+Compressing: TypeAlias = type[Compressor] | Compressor | None
+
 
 class DistributedState(NamedTuple):
     """State of `distributed_optax`: the wrapped transformation's state, unchanged."""
 
-    inner_state: Any
+    inner_state: optax.OptState
 
 
 def distributed_optax(
@@ -87,7 +90,7 @@ def distributed_optax(
     op: Op = "avg",
     backend: Backend | None = None,
     group: Group | None = None,
-    compression: Any = None,
+    compression: Compressing = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -136,12 +139,15 @@ def distributed_optax(
     if world.initialized():
         callback_backend(backend)  # collective: create the private communicator now, everywhere
 
-    def init_fn(params: Any) -> DistributedState:
+    def init_fn(params: optax.Params) -> DistributedState:
         return DistributedState(inner_state=inner.init(params))
 
     def update_fn(
-        updates: Any, state: DistributedState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, DistributedState]:
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,  # optax's: whatever the inner transformation takes
+    ) -> tuple[optax.Updates, DistributedState]:
         if not isinstance(state, DistributedState):
             raise TypeError(
                 "update expected the DistributedState made by this transformation's init, got "
@@ -155,7 +161,9 @@ def distributed_optax(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _allreduce_tree(grads: Any, op: Op, backend: Backend | None, compression: Any) -> Any:
+def _allreduce_tree(
+    grads: optax.Updates, op: Op, backend: Backend | None, compression: Compressing
+) -> optax.Updates:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     if not with_paths:
@@ -172,15 +180,17 @@ def _allreduce_tree(grads: Any, op: Op, backend: Backend | None, compression: An
     return jax.tree_util.tree_unflatten(treedef, reduced)
 
 
-def _dtype(leaf: Any) -> str:
+def _dtype(leaf: jax.typing.ArrayLike) -> str:
     return str(np.dtype(jax.numpy.result_type(leaf)))
 
 
-def _allreduce_traced(leaves: list[Any], op: Op, backend: Backend, compression: Any) -> list[Any]:
+def _allreduce_traced(
+    leaves: list[jax.Array], op: Op, backend: Backend, compression: Compressing
+) -> list[jax.Array]:
     """Stage `leaves` out to one ordered host callback that allreduces them as NumPy arrays."""
     shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in leaves]
 
-    def reduce_on_host(*arrays: Any) -> list[np.ndarray]:
+    def reduce_on_host(*arrays: jax.Array) -> list[np.ndarray]:
         # JAX hands over CPU jax.Arrays; writable NumPy copies are reduced in place by the engine.
         work = [np.array(a, copy=True) for a in arrays]
         reduced = collectives.allreduce(work, op=op, backend=backend, compression=compression)

@@ -26,7 +26,9 @@ except ImportError as exc:
         name="torch",
     ) from exc
 
+from dataparallel.torch._autograd import Splits as Splits
 from dataparallel.torch._autograd import allgather, allreduce, alltoall, broadcast, reducescatter
+from dataparallel.torch._buckets import Compressing as Compressing
 from dataparallel.torch._buckets import NamedParams as NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._join import Join, join

@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar, cast, overload
 
 import torch
 
 from dataparallel import training
+from dataparallel.backends.base import Backend
 from dataparallel.backends.single import SingleBackend
 from dataparallel.horovod.torch._basics import Adasum, Average, Sum
 from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 
+if TYPE_CHECKING:
+    from dataparallel.torch import Compressing
+
 __all__ = ["DistributedOptimizer"]
+
+_O = TypeVar("_O", bound=torch.optim.Optimizer)
 
 _STEP_WARNING = (
     "optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -35,6 +41,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
 
     __slots__ = ()
     _hvd_inner_class: type
+    _parameter_names: dict[torch.Tensor, str]
     _synchronized: bool
     _should_synchronize: bool
 
@@ -52,7 +59,13 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Reduce what is left (nothing after `synchronize()`), then run the inner step."""
         if self._should_synchronize and self._synchronized:
             warnings.warn(_STEP_WARNING, stacklevel=2)
@@ -81,7 +94,9 @@ def _horovod_class(made: type, inner: type) -> type:
     return cls
 
 
-def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any, str]:
+def _names(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> dict[torch.Tensor, str]:
     """Check `named_parameters` as Horovod does; return {parameter: name}."""
     if named_parameters is not None:
         named = list(named_parameters)
@@ -114,17 +129,17 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any,
 
 
 def DistributedOptimizer(
-    optimizer: torch.optim.Optimizer,
-    named_parameters: Any = None,
-    compression: Any = None,
+    optimizer: _O,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Compressing = None,
     backward_passes_per_step: int = 1,
     op: int = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[list[torch.Tensor]] | None = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
-) -> torch.optim.Optimizer:
+) -> _O:
     """Wrap `optimizer` so that gradients are averaged (or summed) across processes.
 
     `dp.DistributedOptimizer` does the work: gradients are reduced in fused buckets while
@@ -151,7 +166,7 @@ def DistributedOptimizer(
         )
     names = _names(optimizer, named_parameters)
     if process_set.included() is False:  # outside the set: a world of one, as Horovod skips it
-        backend: Any = SingleBackend.create()
+        backend: Backend | None = SingleBackend.create()
         group = None
     else:
         backend, group = None, group_of(process_set)
@@ -166,7 +181,8 @@ def DistributedOptimizer(
         sparse_as_dense=sparse_as_dense,
     )
     wrapped.__class__ = _horovod_class(type(wrapped), inner)
-    wrapped._parameter_names = names
-    wrapped._synchronized = False
-    wrapped._should_synchronize = True
+    made = cast(_HorovodOptimizer, wrapped)  # the class just set
+    made._parameter_names = names
+    made._synchronized = False
+    made._should_synchronize = True
     return wrapped
