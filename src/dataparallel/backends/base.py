@@ -12,14 +12,24 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeAlias
 
 import numpy as np
 
 from dataparallel.backends.half import TwoPhase
 from dataparallel.config import Settings
 
-__all__ = ["Backend", "DeviceBuffer", "DoneHandle", "Handle", "ReduceOp"]
+__all__ = [
+    "Backend",
+    "Buffer",
+    "DeviceBuffer",
+    "DoneHandle",
+    "Handle",
+    "HostBuffer",
+    "Received",
+    "ReduceOp",
+    "host_only",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -78,7 +88,7 @@ class DeviceBuffer:
     dtype: str
     device: int
     stream: int
-    owner: Any
+    owner: object
     record_stream: Callable[[int], None] | None = None
 
     @property
@@ -86,7 +96,7 @@ class DeviceBuffer:
         return self.items * self.itemsize
 
     @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
+    def __cuda_array_interface__(self) -> dict[str, object]:
         typestr = _TYPESTR.get(self.dtype) or np.dtype(self.dtype).str
         return {
             "shape": (self.items,),
@@ -96,6 +106,22 @@ class DeviceBuffer:
             "strides": None,
             "stream": None,  # ordering is the caller's: it synchronized the producer first
         }
+
+
+# A flat, contiguous host buffer: a 1-D NumPy array in a storage dtype (bfloat16 as uint16 bits).
+HostBuffer: TypeAlias = np.ndarray
+# What a backend's collectives take: host memory, or device memory where `accepts_device` says so.
+Buffer: TypeAlias = HostBuffer | DeviceBuffer
+# An object another rank sent (`broadcast_object`, `allgather_object`): unpickled here, so its
+# type is whatever the sender's was, which no signature on this side can know.
+Received: TypeAlias = Any
+
+
+def host_only(buf: Buffer, where: str) -> HostBuffer:
+    """Return `buf` for a call that takes host memory only; raise TypeError for device memory."""
+    if isinstance(buf, DeviceBuffer):
+        raise TypeError(f"{where}: this engine takes host buffers only here, got a device buffer.")
+    return buf
 
 
 class Backend(ABC):
@@ -171,14 +197,14 @@ class Backend(ABC):
         raise NotImplementedError(f"the {self.name!r} backend cannot form groups of ranks.")
 
     @abstractmethod
-    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         """Reduce `buf` across all ranks, in place on every rank."""
 
     @abstractmethod
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+    def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""
 
-    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
         """Start reducing 16-bit floats in place, moving 16 bits (a compressed allreduce).
 
         `buf` is a 1-D host buffer of `dtype` `"float16"`, or `"bfloat16"` held as raw bits
@@ -191,26 +217,27 @@ class Backend(ABC):
         return TwoPhase(self, buf, op, dtype)
 
     @abstractmethod
-    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+    def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         """Reduce `buf` across all ranks into `root`'s `buf`; other ranks' buffers are unchanged."""
 
     @abstractmethod
-    def broadcast(self, buf: Any, root: int) -> None:
+    def broadcast(self, buf: Buffer, root: int) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""
 
     @abstractmethod
-    def ibroadcast(self, buf: Any, root: int) -> Handle:
+    def ibroadcast(self, buf: Buffer, root: int) -> Handle:
         """Start `broadcast` without blocking."""
 
     @abstractmethod
-    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+    def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         """Gather every rank's `send` into `recv`, in rank order; rank r sends `counts[r]` items."""
 
-    def allgather(self, send: Any, recv: Any) -> None:
+    def allgather(self, send: Buffer, recv: Buffer) -> None:
         """Gather every rank's `send` (the same size on every rank) into `recv`, in rank order."""
-        self.allgatherv(send, recv, [len(send)] * self.size)
+        items = send.items if isinstance(send, DeviceBuffer) else len(send)
+        self.allgatherv(send, recv, [items] * self.size)
 
-    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+    def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
         """Reduce `send` across all ranks; this rank keeps its segment of the result in `recv`.
 
         `send` holds `sum(counts)` items laid out by rank: rank r's segment is the `counts[r]`
@@ -220,18 +247,20 @@ class Backend(ABC):
         The default is exact on host buffers and works on any engine, at an allreduce's cost:
         reduce a copy of the whole of `send`, keep this rank's segment. Engines override it.
         """
-        start = sum(counts[: self.rank])
-        whole = np.array(send, copy=True)
+        start, recv = sum(counts[: self.rank]), host_only(recv, "reduce_scatter")
+        whole = np.array(host_only(send, "reduce_scatter"), copy=True)
         self.allreduce(whole, op)
         recv[: counts[self.rank]] = whole[start : start + counts[self.rank]]
 
-    def ireduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> Handle:
+    def ireduce_scatter(
+        self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
+    ) -> Handle:
         """Start `reduce_scatter` without blocking (default: it runs to completion at once)."""
         self.reduce_scatter(send, recv, counts, op)
         return DoneHandle()
 
     def alltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> None:
         """Send segment i of `send` to rank i; receive rank i's segment for this rank into `recv`.
 
@@ -243,7 +272,8 @@ class Backend(ABC):
         The default is exact on host buffers and works on any engine, at an allgather's cost:
         every rank's whole `send` is gathered and each rank keeps what was meant for it.
         """
-        send, size = np.ascontiguousarray(send).reshape(-1), self.size
+        send, size = np.ascontiguousarray(host_only(send, "alltoallv")).reshape(-1), self.size
+        recv = host_only(recv, "alltoallv")
         counts = np.empty(size * size, np.int64)
         self.allgatherv(np.asarray(send_counts, np.int64), counts, [size] * size)
         matrix = counts.reshape(size, size)  # matrix[i, j]: the items rank i sends rank j
@@ -257,18 +287,18 @@ class Backend(ABC):
             offset += count
 
     def ialltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> Handle:
         """Start `alltoallv` without blocking (default: it runs to completion at once)."""
         self.alltoallv(send, send_counts, recv, recv_counts)
         return DoneHandle()
 
     @abstractmethod
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: object, root: int) -> Received:
         """Return `root`'s picklable `obj` on every rank."""
 
     @abstractmethod
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: object) -> list[Received]:
         """Return the list of every rank's picklable `obj`, in rank order."""
 
     @abstractmethod

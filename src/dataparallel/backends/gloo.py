@@ -31,11 +31,20 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from types import ModuleType
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.base import (
+    Backend,
+    Buffer,
+    DoneHandle,
+    Handle,
+    HostBuffer,
+    Received,
+    ReduceOp,
+)
 from dataparallel.backends.gloo_errors import translate_error
 from dataparallel.backends.gloo_exchange import GlooExchange
 from dataparallel.backends.gloo_wire import flat, wire_for, writable
@@ -49,10 +58,16 @@ from dataparallel.backends.rendezvous import (
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup, Work
+
 __all__ = ["GlooBackend", "import_torch_distributed"]
 
+_R = TypeVar("_R")
 
-def import_torch_distributed() -> Any:
+
+def import_torch_distributed() -> ModuleType:
     """Import `torch.distributed`, or raise `BackendUnavailableError` saying what to install."""
     try:
         import torch.distributed as dist
@@ -75,13 +90,14 @@ class _GlooHandle:
     __slots__ = ("_backend", "_done", "_finish", "_keep", "_work")
 
     def __init__(
-        self, backend: GlooBackend, work: Any, keep: Any, finish: Callable[[], None] | None
+        self, backend: GlooBackend, work: Work, keep: object, finish: Callable[[], None] | None
     ) -> None:
-        self._backend, self._work, self._keep, self._finish = backend, work, keep, finish
+        self._backend, self._keep, self._finish = backend, keep, finish
+        self._work: Work | None = work
         self._done = False
 
     def wait(self) -> None:
-        if self._done:
+        if self._done or self._work is None:
             return
         try:
             self._work.wait()
@@ -93,7 +109,7 @@ class _GlooHandle:
         self._work = self._keep = self._finish = None
 
     def test(self) -> bool:
-        if self._done:
+        if self._done or self._work is None:
             return True
         if not self._work.is_completed():
             return False
@@ -116,8 +132,8 @@ class GlooBackend(GlooExchange, Backend):
 
     def __init__(
         self,
-        dist: Any,
-        group: Any,
+        dist: ModuleType,
+        group: ProcessGroup | None,
         *,
         owns_default_group: bool,
         local: tuple[int, int] | None,
@@ -196,7 +212,7 @@ class GlooBackend(GlooExchange, Backend):
 
     @classmethod
     def _over_existing_group(
-        cls, dist: Any, rank: int | None, world_size: int | None, settings: Settings
+        cls, dist: ModuleType, rank: int | None, world_size: int | None, settings: Settings
     ) -> GlooBackend:
         actual = (dist.get_rank(), dist.get_world_size())
         for given, value, what in (
@@ -214,7 +230,7 @@ class GlooBackend(GlooExchange, Backend):
 
     # -- reductions --------------------------------------------------------------------------
 
-    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         buf = writable(flat(buf, "allreduce"), "allreduce")
         if buf.dtype.kind == "c" and op is ReduceOp.PROD:
             buf[...] = self._gathered_product(buf)
@@ -224,7 +240,7 @@ class GlooBackend(GlooExchange, Backend):
         if finish is not None:
             finish()
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+    def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         buf = writable(flat(buf, "iallreduce"), "iallreduce")
         if buf.dtype.kind == "c" and op is ReduceOp.PROD:
             self.allreduce(buf, op)
@@ -234,7 +250,7 @@ class GlooBackend(GlooExchange, Backend):
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
         return _GlooHandle(self, work, (wire, tensor), finish)
 
-    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
         """Gloo reduces float16 and bfloat16 natively, about as fast as float32."""
         if dtype == "float16":
             return self.iallreduce(buf, op)
@@ -243,7 +259,7 @@ class GlooBackend(GlooExchange, Backend):
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
         return _GlooHandle(self, work, (bits, tensor), None)
 
-    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+    def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
         if self.rank != root:
             buf = buf.copy()  # Gloo uses non-root buffers as scratch
@@ -267,17 +283,17 @@ class GlooBackend(GlooExchange, Backend):
 
     # -- data movement -----------------------------------------------------------------------
 
-    def broadcast(self, buf: Any, root: int) -> None:
+    def broadcast(self, buf: Buffer, root: int) -> None:
         raw = writable(flat(buf, "broadcast"), "broadcast").view(np.uint8)
         self._call("broadcast", self._dist.broadcast, raw, src=self._global(root))
 
-    def ibroadcast(self, buf: Any, root: int) -> Handle:
+    def ibroadcast(self, buf: Buffer, root: int) -> Handle:
         raw = writable(flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
         tensor = self._torch.from_numpy(raw)
         work = self._start("ibroadcast", self._dist.broadcast, tensor, src=self._global(root))
         return _GlooHandle(self, work, (raw, tensor), None)
 
-    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+    def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         send, recv = flat(send, "allgatherv"), writable(flat(recv, "allgatherv"), "allgatherv")
         item = send.dtype.itemsize
         sizes = [count * item for count in counts]
@@ -309,15 +325,15 @@ class GlooBackend(GlooExchange, Backend):
             raw_recv[offset : offset + size] = gathered[r, :size]
             offset += size
 
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: object, root: int) -> Received:
         box = [obj]
         self._call_tensors(
             "broadcast_object", self._dist.broadcast_object_list, box, src=self._global(root)
         )
         return box[0]
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
+    def allgather_object(self, obj: object) -> list[Received]:
+        out: list[object] = [None] * self.size
         self._call_tensors("allgather_object", self._dist.all_gather_object, out, obj)
         return out
 
@@ -379,16 +395,22 @@ class GlooBackend(GlooExchange, Backend):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[..., Any], array: np.ndarray, **kwargs: Any) -> None:
+    def _call(
+        self, what: str, fn: Callable[..., object], array: np.ndarray, **kwargs: object
+    ) -> None:
         self._call_tensors(what, fn, self._torch.from_numpy(array), **kwargs)
 
-    def _call_tensors(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _call_tensors(
+        self, what: str, fn: Callable[..., _R], *args: object, **kwargs: object
+    ) -> _R:
         try:
             return fn(*args, group=self.group, **kwargs)
         except RuntimeError as exc:
             raise translate_error(exc, what, self.rank) from exc
 
-    def _start(self, what: str, fn: Callable[..., Any], tensor: Any, **kwargs: Any) -> Any:
+    def _start(
+        self, what: str, fn: Callable[..., Work], tensor: torch.Tensor, **kwargs: object
+    ) -> Work:
         return self._call_tensors(what, fn, tensor, async_op=True, **kwargs)
 
 

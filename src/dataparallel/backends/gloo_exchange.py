@@ -14,17 +14,37 @@ with split sizes. What Gloo lacks is filled in exactly, as for `allreduce`:
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import Protocol, TypeVar
 
 import numpy as np
 
-from dataparallel.backends.base import ReduceOp
+from dataparallel.backends.base import Buffer, ReduceOp
 from dataparallel.backends.gloo_wire import flat, writable
 
 __all__ = ["GlooExchange"]
 
 # What Gloo reduce-scatters natively (bool arrives as uint8, bfloat16 widened to float32).
 _SCATTERED = frozenset({"int8", "uint8", "int32", "int64", "float16", "float32", "float64"})
+
+
+_R = TypeVar("_R")
+
+
+class _Gloo(Protocol):
+    """What these calls use of the `GlooBackend` they are part of."""
+
+    rank: int
+    _torch: ModuleType
+    _dist: ModuleType
+    _ops: dict[ReduceOp, object]
+
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None: ...
+
+    def _call_tensors(
+        self, what: str, fn: Callable[..., _R], *args: object, **kwargs: object
+    ) -> _R: ...
 
 
 def _edges(counts: list[int]) -> list[int]:
@@ -34,8 +54,10 @@ def _edges(counts: list[int]) -> list[int]:
 class GlooExchange:
     """`reduce_scatter` and `alltoallv` for `GlooBackend` (which this class is mixed into)."""
 
-    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
-        gloo: Any = self  # the GlooBackend this is part of
+    def reduce_scatter(
+        self: _Gloo, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
+    ) -> None:
+        gloo = self  # the GlooBackend this is part of
         send, recv = (
             flat(send, "reduce_scatter"),
             writable(flat(recv, "reduce_scatter"), "reduce_scatter"),
@@ -67,9 +89,9 @@ class GlooExchange:
         )
 
     def alltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self: _Gloo, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> None:
-        gloo: Any = self
+        gloo = self
         send, recv = flat(send, "alltoallv"), writable(flat(recv, "alltoallv"), "alltoallv")
         if send.size < sum(send_counts) or recv.size < sum(recv_counts):
             raise ValueError(

@@ -9,25 +9,27 @@ which maps unsigned order onto signed order).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from dataparallel.backends.base import ReduceOp
+from dataparallel.backends.base import Buffer, ReduceOp
 
 __all__ = ["flat", "wire_for", "writable"]
 
 # Unsigned integers travel as the signed type of the same width (wrapping sums and products are
 # bit-identical); for min/max their sign bit is flipped first, which keeps their order.
-_SIGNED_VIEW: dict[str, np.dtype[Any]] = {
+_SIGNED_VIEW: dict[str, np.dtype[np.signedinteger]] = {
     "uint32": np.dtype(np.int32),
     "uint64": np.dtype(np.int64),
 }
-_SIGN_BIT: dict[str, np.unsignedinteger[Any]] = {
+_SIGN_BIT: dict[str, np.unsignedinteger] = {
     "uint32": np.uint32(1 << 31),
     "uint64": np.uint64(1 << 63),
 }
-_WIDENED: dict[str, np.dtype[Any]] = {"int16": np.dtype(np.int32), "uint16": np.dtype(np.int32)}
+_WIDENED: dict[str, np.dtype[np.int32]] = {
+    "int16": np.dtype(np.int32),
+    "uint16": np.dtype(np.int32),
+}
 
 
 def wire_for(buf: np.ndarray, op: ReduceOp) -> tuple[np.ndarray, Callable[[], None] | None]:
@@ -47,7 +49,7 @@ def wire_for(buf: np.ndarray, op: ReduceOp) -> tuple[np.ndarray, Callable[[], No
     return buf, None
 
 
-def flat(buf: Any, where: str) -> np.ndarray:
+def flat(buf: Buffer, where: str) -> np.ndarray:
     array = np.asarray(buf)
     if not array.flags.c_contiguous:
         raise ValueError(f"GlooBackend.{where}: the buffer must be contiguous (got strides).")

@@ -8,20 +8,24 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.backends.base import Backend, Buffer, Handle, HostBuffer, Received, ReduceOp
 from dataparallel.backends.half import TwoPhase
 from dataparallel.backends.mpi_board import CallBoard
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 __all__ = ["MPIBackend", "detect_cuda_aware", "import_mpi"]
 
 
-def import_mpi() -> Any:
+def import_mpi() -> ModuleType:
     """Import `mpi4py.MPI`, or raise `BackendUnavailableError` saying what to install."""
     try:
         from mpi4py import MPI
@@ -37,7 +41,7 @@ def import_mpi() -> Any:
 _CUDA_AWARE_HINTS = ("MVAPICH2-GDR", "MVAPICH-Plus")
 
 
-def detect_cuda_aware(mpi: Any) -> bool:
+def detect_cuda_aware(mpi: ModuleType) -> bool:
     """Return whether the MPI library behind `mpi` (`mpi4py.MPI`) accepts CUDA device buffers.
 
     Asks, in order: `MPI.Query_cuda_support()` where mpi4py offers it; the library's own
@@ -55,7 +59,7 @@ def detect_cuda_aware(mpi: Any) -> bool:
     return any(hint in version for hint in _CUDA_AWARE_HINTS)
 
 
-def _mpix_query(mpi: Any) -> Any:
+def _mpix_query(mpi: ModuleType) -> Callable[[], object] | None:
     """Return the MPI library's `MPIX_Query_cuda_support` function, or None where it has none."""
     import ctypes
 
@@ -69,7 +73,7 @@ def _mpix_query(mpi: Any) -> Any:
     return function
 
 
-def _wait(request: Any, timeout: float | None, what: str, rank: int) -> None:
+def _wait(request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
     """Wait for an MPI request; past `timeout` seconds raise `CollectiveTimeoutError`."""
     if timeout is None:
         request.Wait()
@@ -86,7 +90,7 @@ def _wait(request: Any, timeout: float | None, what: str, rank: int) -> None:
         time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
 
-def _by_rank(buf: Any, counts: list[int]) -> list[Any]:
+def _by_rank(buf: Buffer, counts: list[int]) -> list[object]:
     """Return mpi4py's `[buffer, (counts, displacements)]` for segments laid out in rank order."""
     return [buf, (counts, [0, *itertools.accumulate(counts)][:-1])]
 
@@ -98,7 +102,7 @@ _ABORT_GRACE_S = 0.3
 class _MPIHandle:
     __slots__ = ("_rank", "_request", "_timeout", "_what")
 
-    def __init__(self, request: Any, timeout: float | None, what: str, rank: int) -> None:
+    def __init__(self, request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
         self._request, self._timeout, self._what, self._rank = request, timeout, what, rank
 
     def wait(self) -> None:
@@ -127,7 +131,7 @@ class MPIBackend(Backend):
 
     def __init__(
         self,
-        comm: Any = None,
+        comm: MPI.Comm | None = None,
         *,
         cuda_aware: bool | None = None,
         timeout: float | None = None,
@@ -150,7 +154,7 @@ class MPIBackend(Backend):
         self._closed = False
         if self._owns_board:
             atexit.register(self.close)  # a rank that ends without dp.finalize() leaves too
-        self._ops = {
+        self._ops: dict[ReduceOp, MPI.Op] = {
             ReduceOp.SUM: mpi.SUM,
             ReduceOp.PROD: mpi.PROD,
             ReduceOp.MIN: mpi.MIN,
@@ -193,14 +197,16 @@ class MPIBackend(Backend):
         """
         return device == "cpu" or (self.cuda_aware and device.startswith("cuda"))
 
-    def _complete(self, what: str, blocking: Callable[[], Any], start: Callable[[], Any]) -> None:
+    def _complete(
+        self, what: str, blocking: Callable[[], object], start: Callable[[], MPI.Request]
+    ) -> None:
         """Run `blocking()`, or with a timeout `start()` and poll it against the deadline."""
         if self.timeout is None:
             blocking()
         else:
             _wait(start(), self.timeout, what, self.rank)
 
-    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         self._board.tick()
         mpi_op, comm, in_place = self._ops[op], self.comm, self._mpi.IN_PLACE
         if self.timeout is None:  # every blocking allreduce: no closures on its way
@@ -212,16 +218,16 @@ class MPIBackend(Backend):
             lambda: comm.Iallreduce(in_place, buf, mpi_op),
         )
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+    def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         self._board.tick()
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
         return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
-    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
         """MPI has no bfloat16, and MPICH's float16 sum is slow: both go `half.TwoPhase`."""
         return TwoPhase(self, buf, op, dtype)
 
-    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+    def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         self._board.tick()
         send, recv = (self._mpi.IN_PLACE, buf) if self.rank == root else (buf, None)
         mpi_op, comm = self._ops[op], self.comm
@@ -231,23 +237,23 @@ class MPIBackend(Backend):
             lambda: comm.Ireduce(send, recv, mpi_op, root),
         )
 
-    def broadcast(self, buf: Any, root: int) -> None:
+    def broadcast(self, buf: Buffer, root: int) -> None:
         self._board.tick()
         self._broadcast(buf, root)
 
-    def _broadcast(self, buf: Any, root: int) -> None:
+    def _broadcast(self, buf: Buffer, root: int) -> None:
         comm = self.comm
         self._complete("broadcast", lambda: comm.Bcast(buf, root), lambda: comm.Ibcast(buf, root))
 
-    def ibroadcast(self, buf: Any, root: int) -> Handle:
+    def ibroadcast(self, buf: Buffer, root: int) -> Handle:
         self._board.tick()
         return _MPIHandle(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
 
-    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+    def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         self._board.tick()
         self._allgatherv(send, recv, counts)
 
-    def _allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+    def _allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         displacements = [0, *itertools.accumulate(counts)][:-1]
         target, comm = [recv, (counts, displacements)], self.comm
         self._complete(
@@ -256,14 +262,14 @@ class MPIBackend(Backend):
             lambda: comm.Iallgatherv(send, target),
         )
 
-    def allgather(self, send: Any, recv: Any) -> None:
+    def allgather(self, send: Buffer, recv: Buffer) -> None:
         self._board.tick()
         if self.timeout is None:  # the handshake of every call: no closures on its way
             self.comm.Allgather(send, recv)
         else:
             _wait(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
 
-    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+    def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
         self._board.tick()
         mpi_op, comm = self._ops[op], self.comm
         self._complete(
@@ -272,13 +278,15 @@ class MPIBackend(Backend):
             lambda: comm.Ireduce_scatter(send, recv, counts, mpi_op),
         )
 
-    def ireduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> Handle:
+    def ireduce_scatter(
+        self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
+    ) -> Handle:
         self._board.tick()
         request = self.comm.Ireduce_scatter(send, recv, counts, self._ops[op])
         return _MPIHandle(request, self.timeout, "ireduce_scatter", self.rank)
 
     def alltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> None:
         self._board.tick()
         source, target, comm = _by_rank(send, send_counts), _by_rank(recv, recv_counts), self.comm
@@ -289,13 +297,13 @@ class MPIBackend(Backend):
         )
 
     def ialltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> Handle:
         self._board.tick()
         request = self.comm.Ialltoallv(_by_rank(send, send_counts), _by_rank(recv, recv_counts))
         return _MPIHandle(request, self.timeout, "ialltoall", self.rank)
 
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: object, root: int) -> Received:
         self._board.tick()
         if self.timeout is None:
             return self.comm.bcast(obj, root)
@@ -307,7 +315,7 @@ class MPIBackend(Backend):
         self._broadcast(data, root)
         return pickle.loads(data.tobytes())
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: object) -> list[Received]:
         self._board.tick()
         if self.timeout is None:
             return list(self.comm.allgather(obj))

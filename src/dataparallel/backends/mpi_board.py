@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 
@@ -32,6 +33,28 @@ __all__ = ["CallBoard"]
 _SPIN_S, _FIRST_LOOK_S, _LAST_LOOK_S = 0.002, 0.001, 0.05
 
 
+# What the board uses of mpi4py's objects (this module names no framework: `mpi.py` hands it them).
+class Communicator(Protocol):
+    def Dup(self) -> Communicator: ...
+    def Get_rank(self) -> int: ...
+    def Get_size(self) -> int: ...
+    def Barrier(self) -> None: ...
+    def Ibarrier(self) -> Request: ...
+    def Free(self) -> None: ...
+
+
+class Request(Protocol):
+    def Test(self) -> bool: ...
+
+
+class Window(Protocol):
+    def Lock_all(self, assertion: int) -> None: ...
+    def Get(self, origin: np.ndarray, target_rank: int) -> None: ...
+    def Flush(self, rank: int) -> None: ...
+    def Unlock_all(self) -> None: ...
+    def Free(self) -> None: ...
+
+
 class CallBoard:
     """Each rank's count of collectives started, readable by every other rank (collective).
 
@@ -40,14 +63,14 @@ class CallBoard:
         comm: the communicator whose ranks keep counts (duplicated here).
     """
 
-    def __init__(self, mpi: Any, comm: Any) -> None:
+    def __init__(self, mpi: ModuleType, comm: Communicator) -> None:
         self._mpi = mpi
         self._comm = comm.Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         # A counter's `next` is atomic (engines may be used from several threads, e.g. jax's
         # host callbacks): a lost count would read as a rank that made one call less.
         self._next = itertools.count(1).__next__
-        self._win: Any = None
+        self._win: Window | None = None
         # This rank's count, seen as a memoryview: a store costs less than through NumPy.
         self._count = _stand_in()
         if self.size > 1:

@@ -43,14 +43,30 @@ with it.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from dataparallel.backends import registry
-from dataparallel.backends.base import Backend, DeviceBuffer, DoneHandle, Handle, ReduceOp
-from dataparallel.backends.nccl_exchange import alltoall_call, device_pair, scatter_call
+from dataparallel.backends.base import (
+    Backend,
+    Buffer,
+    DeviceBuffer,
+    DoneHandle,
+    Handle,
+    HostBuffer,
+    Received,
+    ReduceOp,
+)
+from dataparallel.backends.nccl_exchange import (
+    Call,
+    Communicator,
+    Event,
+    Stream,
+    alltoall_call,
+    device_pair,
+    scatter_call,
+)
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 
@@ -123,7 +139,7 @@ class _NCCLHandle:
 
     __slots__ = ("_backend", "_buffer", "_done")
 
-    def __init__(self, backend: NCCLBackend, buffer: DeviceBuffer, done: Any) -> None:
+    def __init__(self, backend: NCCLBackend, buffer: DeviceBuffer, done: Event) -> None:
         self._backend, self._buffer, self._done = backend, buffer, done
 
     def test(self) -> bool:
@@ -158,8 +174,8 @@ class NCCLBackend(Backend):
         self.fallback = fallback
         self.rank, self.size = fallback.rank, fallback.size
         self.local_rank, self.local_size = fallback.local_rank, fallback.local_size
-        self._comm: Any = None
-        self._stream: Any = None
+        self._comm: Communicator | None = None
+        self._stream: Stream | None = None
         self._device: int | None = None
         if device is not None:
             self.bind_device(device)
@@ -169,7 +185,7 @@ class NCCLBackend(Backend):
         """The fallback's: host buffers are reduced by it."""
         return self.fallback.native_dtypes
 
-    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
         return self.fallback.iallreduce_half(buf, op, dtype)  # host buffers: the fallback's
 
     @classmethod
@@ -222,26 +238,28 @@ class NCCLBackend(Backend):
 
     # -- streams -----------------------------------------------------------------------------
 
-    def _current_stream(self, buffer: DeviceBuffer) -> Any:
+    def _current_stream(self, buffer: DeviceBuffer) -> Stream:
         """Return the producer's (and consumer's) stream of `buffer`, as a CuPy stream."""
         return self._cupy.cuda.ExternalStream(buffer.stream, buffer.device)
 
-    def _enqueue(self, buffer: DeviceBuffer, call: Any) -> _NCCLHandle:
+    def _enqueue(self, buffer: DeviceBuffer, call: Call) -> _NCCLHandle:
         """Run `call(comm, stream_pointer)` on the communication stream, after the producer."""
         self.bind_device(buffer.device)
-        cupy = self._cupy
+        cupy, comm, stream = self._cupy, self._comm, self._stream
+        if comm is None or stream is None:  # bind_device made both, or raised
+            raise RuntimeError("NCCLBackend: no communicator after bind_device.")
         with cupy.cuda.Device(buffer.device):
             ready = cupy.cuda.Event(disable_timing=True)
             ready.record(self._current_stream(buffer))
-            self._stream.wait_event(ready)
-            call(self._comm, self._stream.ptr)
+            stream.wait_event(ready)
+            call(comm, stream.ptr)
             done = cupy.cuda.Event(disable_timing=True)
-            done.record(self._stream)
+            done.record(stream)
         if buffer.record_stream is not None:  # the framework's allocator: in use on our stream
-            buffer.record_stream(self._stream.ptr)
+            buffer.record_stream(stream.ptr)
         return _NCCLHandle(self, buffer, done)
 
-    def _via_host(self, buffer: DeviceBuffer, run: Any) -> Handle:
+    def _via_host(self, buffer: DeviceBuffer, run: Callable[[HostBuffer], None]) -> Handle:
         """Do what NCCL cannot on a host copy, with the fallback engine, and copy it back."""
         cupy = self._cupy
         memory = cupy.cuda.UnownedMemory(buffer.ptr, buffer.nbytes, buffer.owner, buffer.device)
@@ -256,7 +274,7 @@ class NCCLBackend(Backend):
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+    def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         if isinstance(buf, np.ndarray):
             return self.fallback.iallreduce(buf, op)
         buffer: DeviceBuffer = buf
@@ -265,19 +283,19 @@ class NCCLBackend(Backend):
             return self._via_host(buffer, lambda host: self.fallback.allreduce(host, op))
         kind, parts = how
 
-        def call(comm: Any, stream: int) -> None:
+        def call(comm: Communicator, stream: int) -> None:
             count = buffer.items * parts
             comm.allReduce(buffer.ptr, buffer.ptr, count, kind, _NCCL_OPS[op], stream)
 
         return self._enqueue(buffer, call)
 
-    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         if isinstance(buf, np.ndarray):
             self.fallback.allreduce(buf, op)
         else:
             self.iallreduce(buf, op).wait()
 
-    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+    def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         if isinstance(buf, np.ndarray):
             self.fallback.reduce(buf, op, root)
             return
@@ -288,30 +306,30 @@ class NCCLBackend(Backend):
             return
         kind, parts = how
 
-        def call(comm: Any, stream: int) -> None:
+        def call(comm: Communicator, stream: int) -> None:
             count = buffer.items * parts
             comm.reduce(buffer.ptr, buffer.ptr, count, kind, _NCCL_OPS[op], root, stream)
 
         self._enqueue(buffer, call).wait()
 
-    def ibroadcast(self, buf: Any, root: int) -> Handle:
+    def ibroadcast(self, buf: Buffer, root: int) -> Handle:
         if isinstance(buf, np.ndarray):
             return self.fallback.ibroadcast(buf, root)
         buffer: DeviceBuffer = buf
 
-        def call(comm: Any, stream: int) -> None:
+        def call(comm: Communicator, stream: int) -> None:
             nbytes = buffer.items * buffer.itemsize
             comm.bcast(buffer.ptr, nbytes, _NCCL_BYTES, root, stream)
 
         return self._enqueue(buffer, call)
 
-    def broadcast(self, buf: Any, root: int) -> None:
+    def broadcast(self, buf: Buffer, root: int) -> None:
         if isinstance(buf, np.ndarray):
             self.fallback.broadcast(buf, root)
         else:
             self.ibroadcast(buf, root).wait()
 
-    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
+    def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         if isinstance(send, np.ndarray) and isinstance(recv, np.ndarray):
             self.fallback.allgatherv(send, recv, counts)
             return
@@ -323,7 +341,7 @@ class NCCLBackend(Backend):
         source, target = send, recv
         nccl, rank = self._nccl, self.rank
 
-        def call(comm: Any, stream: int) -> None:
+        def call(comm: Communicator, stream: int) -> None:
             # NCCL's allgather needs equal counts: a group of one broadcast per rank instead.
             offset = 0
             nccl.groupStart()
@@ -340,7 +358,7 @@ class NCCLBackend(Backend):
 
         self._enqueue(target, call).wait()
 
-    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+    def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
         pair = device_pair(send, recv, "reduce_scatter")
         if pair is None:
             self.fallback.reduce_scatter(send, recv, counts, op)
@@ -355,7 +373,7 @@ class NCCLBackend(Backend):
         self._enqueue(pair[1], call).wait()
 
     def alltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> None:
         pair = device_pair(send, recv, "alltoallv")
         if pair is None:
@@ -366,10 +384,10 @@ class NCCLBackend(Backend):
 
     # -- the rest goes to the fallback -----------------------------------------------------------
 
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: object, root: int) -> Received:
         return self.fallback.broadcast_object(obj, root)
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: object) -> list[Received]:
         return self.fallback.allgather_object(obj)
 
     def barrier(self) -> None:
@@ -384,7 +402,7 @@ class NCCLBackend(Backend):
         self.fallback.abort(code)
 
     def close(self) -> None:
-        if self._comm is not None:
+        if self._comm is not None and self._stream is not None:  # made together
             self._stream.synchronize()
             self._comm.destroy()
             self._comm = None

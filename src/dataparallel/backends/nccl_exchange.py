@@ -19,28 +19,87 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 
-from dataparallel.backends.base import DeviceBuffer
+from dataparallel.backends.base import Buffer, DeviceBuffer
 
-__all__ = ["alltoall_call", "device_pair", "scatter_call"]
+__all__ = [
+    "Call",
+    "Communicator",
+    "Event",
+    "Stream",
+    "alltoall_call",
+    "device_pair",
+    "scatter_call",
+]
 
-Call = Callable[[Any, int], None]  # (communicator, stream pointer) -> None
+
+# What the NCCL backend uses of CuPy's objects (CuPy is not needed to check these types).
+# Buffers are device addresses, counts are items of an `ncclDataType_t`, streams `cudaStream_t`.
+class Communicator(Protocol):
+    """`cupy.cuda.nccl.NcclCommunicator`."""
+
+    def allReduce(
+        self, send: int, recv: int, count: int, kind: int, op: int, stream: int
+    ) -> None: ...
+
+    def reduce(
+        self, send: int, recv: int, count: int, kind: int, op: int, root: int, stream: int
+    ) -> None: ...
+
+    def bcast(self, buf: int, count: int, kind: int, root: int, stream: int) -> None: ...
+
+    def broadcast(
+        self, send: int, recv: int, count: int, kind: int, root: int, stream: int
+    ) -> None: ...
+
+    def reduceScatter(
+        self, send: int, recv: int, count: int, kind: int, op: int, stream: int
+    ) -> None: ...
+
+    def send(self, buf: int, count: int, kind: int, peer: int, stream: int) -> None: ...
+
+    def recv(self, buf: int, count: int, kind: int, peer: int, stream: int) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def destroy(self) -> None: ...
 
 
-def device_pair(send: Any, recv: Any, what: str) -> tuple[DeviceBuffer, DeviceBuffer] | None:
+class Stream(Protocol):
+    """`cupy.cuda.Stream` (and `ExternalStream`)."""
+
+    @property
+    def ptr(self) -> int: ...
+
+    def wait_event(self, event: Event) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Event(Protocol):
+    """`cupy.cuda.Event`."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+Call = Callable[[Communicator, int], None]  # (communicator, stream pointer) -> None
+
+
+def device_pair(send: Buffer, recv: Buffer, what: str) -> tuple[DeviceBuffer, DeviceBuffer] | None:
     """Return the two CUDA buffers, or None when both are host arrays; raise on a mix."""
-    on_host = isinstance(send, np.ndarray), isinstance(recv, np.ndarray)
-    if all(on_host):
+    if isinstance(send, DeviceBuffer) and isinstance(recv, DeviceBuffer):
+        return send, recv
+    if isinstance(send, np.ndarray) and isinstance(recv, np.ndarray):
         return None
-    if any(on_host):
-        raise TypeError(
-            f"{what}: send and recv must both be host arrays or both CUDA buffers, got "
-            f"{type(send).__name__} and {type(recv).__name__}."
-        )
-    return send, recv
+    raise TypeError(
+        f"{what}: send and recv must both be host arrays or both CUDA buffers, got "
+        f"{type(send).__name__} and {type(recv).__name__}."
+    )
 
 
 def scatter_call(
@@ -50,12 +109,12 @@ def scatter_call(
     how: tuple[int, int],
     op: int,
     rank: int,
-    nccl: Any,
+    nccl: ModuleType,
 ) -> Call:
     """Return the NCCL reduce-scatter of `source` into `target` (`how`: NCCL type, parts)."""
     kind, parts = how
 
-    def call(comm: Any, stream: int) -> None:
+    def call(comm: Communicator, stream: int) -> None:
         if len(set(counts)) == 1:
             comm.reduceScatter(source.ptr, target.ptr, counts[0] * parts, kind, op, stream)
             return
@@ -77,7 +136,7 @@ def alltoall_call(
     target: DeviceBuffer,
     send_counts: list[int],
     recv_counts: list[int],
-    nccl: Any,
+    nccl: ModuleType,
     byte_type: int,
 ) -> Call:
     """Return the all-to-all of `source` into `target` as grouped NCCL sends and receives."""
@@ -85,7 +144,7 @@ def alltoall_call(
     sent = [0, *itertools.accumulate(send_counts)]
     received = [0, *itertools.accumulate(recv_counts)]
 
-    def call(comm: Any, stream: int) -> None:
+    def call(comm: Communicator, stream: int) -> None:
         nccl.groupStart()
         try:
             for peer, (out, into) in enumerate(zip(send_counts, recv_counts, strict=True)):

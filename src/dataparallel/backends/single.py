@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.base import (
+    Backend,
+    Buffer,
+    DoneHandle,
+    Handle,
+    HostBuffer,
+    Received,
+    ReduceOp,
+    host_only,
+)
 from dataparallel.config import Settings
 
 __all__ = ["SingleBackend"]
@@ -42,39 +50,41 @@ class SingleBackend(Backend):
     def split(self, ranks: Sequence[int]) -> SingleBackend | None:
         return SingleBackend() if 0 in ranks else None
 
-    def allreduce(self, buf: Any, op: ReduceOp) -> None:
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         return None
 
-    def iallreduce(self, buf: Any, op: ReduceOp) -> Handle:
+    def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         return DoneHandle()
 
-    def iallreduce_half(self, buf: Any, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
         return DoneHandle()
 
-    def reduce(self, buf: Any, op: ReduceOp, root: int) -> None:
+    def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         return None
 
-    def broadcast(self, buf: Any, root: int) -> None:
+    def broadcast(self, buf: Buffer, root: int) -> None:
         return None
 
-    def ibroadcast(self, buf: Any, root: int) -> Handle:
+    def ibroadcast(self, buf: Buffer, root: int) -> Handle:
         return DoneHandle()
 
-    def allgatherv(self, send: Any, recv: Any, counts: list[int]) -> None:
-        recv[: counts[0]] = send
+    def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
+        host_only(recv, "allgatherv")[: counts[0]] = host_only(send, "allgatherv")
 
-    def reduce_scatter(self, send: Any, recv: Any, counts: list[int], op: ReduceOp) -> None:
+    def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
+        recv, send = host_only(recv, "reduce_scatter"), host_only(send, "reduce_scatter")
         recv[: counts[0]] = send[: counts[0]]
 
     def alltoallv(
-        self, send: Any, send_counts: list[int], recv: Any, recv_counts: list[int]
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> None:
+        recv, send = host_only(recv, "alltoallv"), host_only(send, "alltoallv")
         recv[: recv_counts[0]] = send[: send_counts[0]]
 
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: object, root: int) -> Received:
         return obj
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: object) -> list[Received]:
         return [obj]
 
     def barrier(self) -> None:
