@@ -11,7 +11,7 @@ NCCL), for NumPy, PyTorch, JAX and CuPy arrays in nested containers.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dataparallel.arrays.compression import Compression
 from dataparallel.backends.base import Backend
@@ -118,7 +118,13 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+if TYPE_CHECKING:  # what the type checker sees of them; at run time they load here
+    from dataparallel import torch as torch
+    from dataparallel.data import DistributedDataContainer as DistributedDataContainer
+    from dataparallel.data import DistributedDataLoader as DistributedDataLoader
+
+
+def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'dataparallel' has no attribute {name!r}")
     module_name, attr = _LAZY[name]

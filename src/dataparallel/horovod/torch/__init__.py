@@ -13,7 +13,8 @@ tensor([1., 1.])
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 from dataparallel import world
 from dataparallel.arrays.compression import Compression
@@ -94,8 +95,11 @@ from dataparallel.horovod.torch._scatters import (
     reducescatter_async,
 )
 
+if TYPE_CHECKING:
+    from dataparallel.torch import SyncBatchNorm
 
-def __getattr__(name: str) -> Any:
+
+def __getattr__(name: str) -> type[SyncBatchNorm]:
     if name == "SyncBatchNorm":  # imported on first use, as dataparallel.torch is
         from dataparallel.torch import SyncBatchNorm
 
@@ -109,7 +113,10 @@ poll = _handles.poll
 synchronize = _handles.synchronize
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
+def init(
+    comm: Sequence[int] | None = None,
+    process_sets: Sequence[ProcessSet] | Literal["dynamic"] | None = None,
+) -> None:
     """Start dataparallel (`dp.initialize()`: MPI under an MPI launcher, Gloo under torchrun-
     style variables, else a world of one) and register `process_sets`.
 

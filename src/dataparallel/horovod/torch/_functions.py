@@ -9,7 +9,8 @@ none yet; `broadcast_object` and `allgather_object` are dataparallel's.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -33,7 +34,13 @@ __all__ = [
 ]
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+_T = TypeVar("_T")
+
+
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor | tuple[str, torch.Tensor]],
+    root_rank: int,
+) -> None:
     """Copy `root_rank`'s parameters into every process's, in place, in one fused broadcast.
 
     Args:
@@ -96,11 +103,11 @@ def broadcast_optimizer_state(
 
 
 def broadcast_object(
-    obj: Any,
+    obj: _T,
     root_rank: int = 0,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> _T:
     """Return `root_rank`'s `obj` (anything picklable) on every process of the set."""
 
     def start() -> _handles.Started:
@@ -113,8 +120,8 @@ def broadcast_object(
 
 
 def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> list[Any]:
+    obj: _T, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[_T]:
     """Return the list of every process's `obj` (anything picklable), in rank order."""
     return _handles.blocking(
         "allgather_object",

@@ -6,8 +6,8 @@ process set's group. Roots are world ranks, as in Horovod, translated to the gro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeAlias, overload
 
 import torch
 
@@ -36,6 +36,10 @@ __all__ = [
     "grouped_allgather_async",
     "sparse_allreduce_async",
 ]
+
+
+# Rows to send to each process of the set: a sequence of ints or an int32 tensor; None: equal parts.
+Splits: TypeAlias = "Sequence[int] | torch.Tensor | None"
 
 
 def _gather(tensors: list[torch.Tensor], ps: ProcessSet) -> _handles.Started:
@@ -106,7 +110,7 @@ def _gather_grads(
 
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
-) -> Any:
+) -> Callable[[], torch.Tensor]:
     """Start reducing a sparse tensor as Horovod does: gather every process's indices and values.
 
     Returns a function that waits and returns the sparse result (values averaged over the
@@ -197,7 +201,7 @@ def broadcast_(
     )
 
 
-def _splits_of(tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, list[int] | None]:
+def _splits_of(tensor: torch.Tensor, splits: Splits) -> tuple[torch.Tensor, list[int] | None]:
     """Check `splits` as Horovod does; return the rows to send (trimmed) and the splits."""
     if splits is None:
         return tensor, None
@@ -216,7 +220,9 @@ def _splits_of(tensor: torch.Tensor, splits: Any) -> tuple[torch.Tensor, list[in
     return tensor[: sum(listed)], listed
 
 
-def _checked_splits(tensor: torch.Tensor, splits: Any, ps: ProcessSet) -> Any:
+def _checked_splits(
+    tensor: torch.Tensor, splits: Splits, ps: ProcessSet
+) -> tuple[torch.Tensor, list[int] | None]:
     """Check `tensor` and `splits` where Horovod does, before anything is queued."""
     check_tensor(tensor)
     sent, listed = _splits_of(tensor, splits)
@@ -239,7 +245,7 @@ def _start_alltoall(
 
 def alltoall_async(
     tensor: torch.Tensor,
-    splits: Any = None,
+    splits: Splits = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> int:
@@ -253,12 +259,30 @@ def alltoall_async(
     return _handles.submit("alltoall", name, start)
 
 
+@overload
 def alltoall(
     tensor: torch.Tensor,
-    splits: Any = None,
+    splits: None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> torch.Tensor: ...
+
+
+@overload
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Splits = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Send `splits[i]` rows of `tensor` to process i; return the rows received.
 
     With `splits` given, returns `(received, received_splits)` (an int32 tensor of how many rows
@@ -272,7 +296,7 @@ def alltoall(
         received.append(out[1])
         return out
 
-    def backward(g: torch.Tensor, *_: Any) -> torch.Tensor:  # the rows go back where they came
+    def backward(g: torch.Tensor, *_: object) -> torch.Tensor:  # the rows go back where they came
         return alltoall(g.contiguous(), splits=received[0], process_set=process_set)[0]
 
     output, splits_back = through(forward, backward, sent)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 from dataparallel import collectives, groups, world
 from dataparallel.horovod.torch._basics import require_init
@@ -35,9 +34,9 @@ class ProcessSet:
 
     process_set_id: int | None = None
     ranks: list[int] | None = None
-    mpi_comm: Any = None
+    mpi_comm: object = None  # Horovod's communicator: never one here
 
-    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+    def __init__(self, ranks_or_comm: Sequence[int]) -> None:
         if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
             raise ValueError(
                 "ProcessSet takes a list of world ranks here (a process set made from an MPI "

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -30,6 +30,7 @@ from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_
 from dataparallel.types import Op
 
 __all__ = [
+    "Compressor",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -46,6 +47,15 @@ __all__ = [
     "scaled",
     "scaling",
 ]
+
+
+class Compressor(Protocol):
+    """Horovod's compressor interface: `hvd.Compression.fp16` (the class) or one of the user's."""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object]: ...
+
+    def decompress(self, tensor: torch.Tensor, ctx: object) -> torch.Tensor: ...
+
 
 _OPS: dict[int, Op] = {Sum: "sum", Average: "avg", Min: "min", Max: "max", Product: "prod"}
 
@@ -68,7 +78,7 @@ def average_or_op(op: int | None, average: bool | None) -> int:
     return Average
 
 
-def check_tensor(tensor: Any) -> None:
+def check_tensor(tensor: object) -> None:
     """Raise Horovod's `ValueError` for what it cannot communicate: non-tensors, strided views."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"Horovod operations take torch tensors, got {type(tensor).__name__}.")
@@ -119,7 +129,7 @@ def _start_allreduce(
     for t in outputs:
         scaled(t, how.pre)
 
-    def after(_: Any) -> list[torch.Tensor]:
+    def after(_: object) -> list[torch.Tensor]:
         for t in outputs:
             scaled(t, how.post)
         return outputs
@@ -200,7 +210,7 @@ def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
-    compression: Any = None,
+    compression: Compressor | None = None,
     op: int | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -283,7 +293,7 @@ def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
-    compression: Any = None,
+    compression: Compressor | None = None,
     op: int | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -326,9 +336,9 @@ def grouped_allreduce_(
     return _handles.synchronize(handle)
 
 
-def compress(compression: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def compress(compression: Compressor | None, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
     return (tensor, None) if compression is None else compression.compress(tensor)
 
 
-def decompress(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+def decompress(compression: Compressor | None, tensor: torch.Tensor, ctx: object) -> torch.Tensor:
     return tensor if compression is None else compression.decompress(tensor, ctx)
