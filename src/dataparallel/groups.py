@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import SupportsIndex
 
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
@@ -68,7 +69,7 @@ def backend_of(backend: Backend | None, group: Group | None) -> Backend | None:
     return group.backend
 
 
-def new_group(ranks: Any) -> Group:
+def new_group(ranks: Iterable[SupportsIndex]) -> Group:
     """Return a group of the world ranks `ranks`, for collectives among them alone.
 
     Collective: every rank of the world calls it, with the same ranks (checked), including the

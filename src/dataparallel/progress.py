@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 __all__ = ["progress"]
 
@@ -28,7 +28,7 @@ def _on_main_rank() -> bool:
     return rank is None or rank == 0
 
 
-def progress(iterable: Iterable[T], /, **kwargs: Any) -> Iterable[T]:
+def progress(iterable: Iterable[T], /, **kwargs: object) -> Iterable[T]:
     """Wrap `iterable` in a `tqdm` progress bar on the main rank; return it unchanged elsewhere.
 
     On the other ranks the very object passed in comes back, so `len()`, indexing and its other

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import Any
+from typing import SupportsIndex
 
 import numpy as np
 
 from dataparallel import world
 from dataparallel.data.sources import Index, source
 from dataparallel.groups import Group
+from dataparallel.types import Tree
 
 __all__ = ["DistributedDataContainer", "DistributedDataLoader", "shard_indices"]
 
@@ -75,7 +76,7 @@ def _global_order(n: int, shuffle: bool, seed: int, epoch: int) -> Index:
     return np.random.default_rng((seed, epoch)).permutation(n).astype(np.int64, copy=False)
 
 
-def _count(value: Any, name: str) -> int:
+def _count(value: object, name: str) -> int:
     """Return `value` as a non-negative int, or raise a message that names it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         why = " (it must be the same on every rank, so no fresh entropy)" if value is None else ""
@@ -97,7 +98,7 @@ class _Sharded:
     """What the container and the loader share: the data, the world's shape, the shuffle state."""
 
     def __init__(
-        self, data: Any, shuffle: bool, seed: int, owner: str, group: Group | None
+        self, data: Tree, shuffle: bool, seed: int, owner: str, group: Group | None
     ) -> None:
         if not isinstance(shuffle, (bool, np.bool_)):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__} {shuffle!r}.")
@@ -174,7 +175,7 @@ class DistributedDataContainer(_Sharded):
     """
 
     def __init__(
-        self, data: Any, *, shuffle: bool = False, seed: int = 0, group: Group | None = None
+        self, data: Tree, *, shuffle: bool = False, seed: int = 0, group: Group | None = None
     ) -> None:
         super().__init__(data, shuffle, seed, "DistributedDataContainer", group)
         self._indices = self._compute_indices()
@@ -204,7 +205,7 @@ class DistributedDataContainer(_Sharded):
     def __len__(self) -> int:
         return len(self._indices)
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: SupportsIndex | slice) -> Tree:
         if isinstance(index, slice):
             return self._source.slice(self._indices[index])
         try:
@@ -222,7 +223,7 @@ class DistributedDataContainer(_Sharded):
             )
         return self._source.item(int(self._indices[i]))
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Tree]:
         for j in self._indices:
             yield self._source.item(int(j))
 
@@ -307,7 +308,7 @@ class DistributedDataLoader(_Sharded):
 
     def __init__(
         self,
-        data: Any,
+        data: Tree,
         batch_size: int,
         *,
         shuffle: bool = False,
@@ -347,7 +348,7 @@ class DistributedDataLoader(_Sharded):
     def __len__(self) -> int:
         return self._batches
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Tree]:
         idx = _epoch_indices(
             self._source.n,
             self._rank,
@@ -359,7 +360,7 @@ class DistributedDataLoader(_Sharded):
         )
         return self._iterate(idx)
 
-    def _iterate(self, idx: Index) -> Iterator[Any]:
+    def _iterate(self, idx: Index) -> Iterator[Tree]:
         bs = self._batch_size
         for b in range(self._batches):
             yield self._source.batch(idx[b * bs : (b + 1) * bs])

@@ -9,19 +9,23 @@ its container and loader on these sources.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
 
 import numpy as np
 
 from dataparallel.arrays.families import array_family
+from dataparallel.types import Tree
 
 __all__ = ["Index", "Source", "source"]
 
-Index = np.ndarray[Any, np.dtype[np.int64]]
+Index = np.ndarray[tuple[int, ...], np.dtype[np.int64]]
+
+# Datasets, their arrays, samples and batches are all `Tree`s: an array of any family, a number,
+# or a tuple/dict/namedtuple of them (or whatever a map-style dataset's items are); which one is
+# decided at run time (`source`).
 
 
-def _take(x: Any, family: str, idx: Index) -> Any:
+def _take(x: Tree, family: str, idx: Index) -> Tree:
     """Gather rows `idx` of array `x` with one fancy index, keeping its family and device."""
     if family == "torch":
         # torch warns on read-only NumPy memory (a share's indices are read-only): copy it.
@@ -31,7 +35,7 @@ def _take(x: Any, family: str, idx: Index) -> Any:
     return x[idx]  # NumPy and JAX index with a NumPy integer array directly.
 
 
-def _stack(items: list[Any], family: str | None) -> Any:
+def _stack(items: list[Tree], family: str | None) -> Tree:
     if family == "torch":
         return sys.modules["torch"].stack(items)
     if family == "jax":
@@ -43,7 +47,7 @@ def _stack(items: list[Any], family: str | None) -> Any:
     return np.stack([np.asarray(item) for item in items])
 
 
-def _collate(items: list[Any], path: str) -> Any:
+def _collate(items: list[Tree], path: str) -> Tree:
     """Stack a list of samples into a batch: arrays and numbers stacked, tuples/dicts per field."""
     first = items[0]
     family = array_family(first)
@@ -94,20 +98,20 @@ def _collate(items: list[Any], path: str) -> Any:
 class Source:
     n: int
 
-    def item(self, i: int) -> Any:
+    def item(self, i: int) -> Tree:
         raise NotImplementedError
 
-    def batch(self, idx: Index) -> Any:
+    def batch(self, idx: Index) -> Tree:
         """Return samples `idx` as one batch in the data's own family."""
         raise NotImplementedError
 
-    def slice(self, idx: Index) -> Any:
+    def slice(self, idx: Index) -> Tree:
         """Return samples `idx` for `container[a:b]`."""
         return self.batch(idx)
 
 
 class _ArraySource(Source):
-    def __init__(self, x: Any, family: str, owner: str, where: str = "") -> None:
+    def __init__(self, x: Tree, family: str, owner: str, where: str = "") -> None:
         if len(x.shape) == 0:
             raise ValueError(
                 f"{owner} got a 0-d {family} array{where}, which has no first axis to split into "
@@ -115,17 +119,17 @@ class _ArraySource(Source):
             )
         self.x, self.family, self.n = x, family, int(x.shape[0])
 
-    def item(self, i: int) -> Any:
+    def item(self, i: int) -> Tree:
         return self.x[i]
 
-    def batch(self, idx: Index) -> Any:
+    def batch(self, idx: Index) -> Tree:
         return _take(self.x, self.family, idx)
 
 
 class _FieldsSource(Source):
-    def __init__(self, data: Any, owner: str) -> None:
+    def __init__(self, data: Tree, owner: str) -> None:
         # What `build` makes of one value per field: a dict with these keys, a namedtuple, a tuple.
-        self.keys: list[Any] | None = list(data) if isinstance(data, Mapping) else None
+        self.keys: list[Hashable] | None = list(data) if isinstance(data, Mapping) else None
         self.named: type | None = type(data) if hasattr(data, "_fields") else None
         if self.keys is not None:
             values, names = [data[k] for k in self.keys], [repr(k) for k in self.keys]
@@ -146,33 +150,33 @@ class _FieldsSource(Source):
             )
         self.n = self.fields[0].n
 
-    def build(self, values: list[Any]) -> Any:
+    def build(self, values: list[Tree]) -> Tree:
         if self.keys is not None:
             return dict(zip(self.keys, values, strict=True))
         return self.named(*values) if self.named is not None else tuple(values)
 
-    def item(self, i: int) -> Any:
+    def item(self, i: int) -> Tree:
         return self.build([f.item(i) for f in self.fields])
 
-    def batch(self, idx: Index) -> Any:
+    def batch(self, idx: Index) -> Tree:
         return self.build([f.batch(idx) for f in self.fields])
 
 
 class _SequenceSource(Source):
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Tree) -> None:
         self.data, self.n = data, len(data)
 
-    def item(self, i: int) -> Any:
+    def item(self, i: int) -> Tree:
         return self.data[i]
 
-    def batch(self, idx: Index) -> Any:
+    def batch(self, idx: Index) -> Tree:
         return _collate([self.data[int(i)] for i in idx], "sample")
 
-    def slice(self, idx: Index) -> Any:
+    def slice(self, idx: Index) -> Tree:
         return [self.data[int(i)] for i in idx]
 
 
-def source(data: Any, owner: str) -> Source:
+def source(data: Tree, owner: str) -> Source:
     """Classify `data` as an array, a tuple/dict of arrays, or an indexable dataset."""
     family = array_family(data)
     if family is not None:

@@ -17,7 +17,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TypedDict
 
 from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES, Settings
 
@@ -53,12 +54,36 @@ print(json.dumps(out))
 """
 
 
+class _Facts(TypedDict, total=False):
+    """What one probe learns for the next: why MPI is unusable, the frameworks, the engines."""
+
+    mpi: str
+    torch: ModuleType
+    cupy: ModuleType
+    gloo: bool
+    nccl_reason: str | None
+    nccl: bool
+    gpus: int
+
+
+class _MpiProbe(TypedDict, total=False):
+    """What `_MPI_PROBE` prints (as JSON): versions, or the error."""
+
+    error: str
+    mpi4py: str
+    library: str
+    vendor: str
+    standard: str
+    thread: str
+    cuda: bool | None
+
+
 @dataclass
 class Report:
     """What `dataparallel info` found: titled sections of (name, description) rows."""
 
     sections: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: _Facts = field(default_factory=lambda: _Facts())
 
     def add(self, section: str, name: str, value: str) -> None:
         """Append the row `name: value` to `section`."""
@@ -132,7 +157,7 @@ def _probe_mpi(report: Report) -> None:
         report.add(section, "mpiexec", f"not found: {exc}")
 
 
-def _run_mpi_probe() -> dict[str, Any]:
+def _run_mpi_probe() -> _MpiProbe:
     # A probe started inside an MPI job must not take itself for one of its ranks.
     hidden = set(MPI_LAUNCHER_VARIABLES) | set(MPI_RANK_VARIABLES)
     env = {k: v for k, v in os.environ.items() if k not in hidden}
@@ -149,7 +174,7 @@ def _run_mpi_probe() -> dict[str, Any]:
         return {"error": f"MPI_Init did not finish within {_MPI_PROBE_SECONDS}s"}
     lines = done.stdout.strip().splitlines()
     try:
-        result: dict[str, Any] = json.loads(lines[-1])
+        result: _MpiProbe = json.loads(lines[-1])
     except (IndexError, ValueError):
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"error": f"the probe exited with status {done.returncode}: {tail}"}

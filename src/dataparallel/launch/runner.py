@@ -40,8 +40,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, NoReturn
+from types import ModuleType, TracebackType
+from typing import NoReturn
 
 from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
@@ -124,7 +124,7 @@ def _init_mpi() -> None:
             from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
 
 
-def _live_mpi() -> Any:
+def _live_mpi() -> ModuleType | None:
     """Return `mpi4py.MPI` if MPI is initialized and not yet finalized, else None."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
