@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class Reducer(ABC):
     """Flashlight's reducer interface: ingest arrays with `add`, complete them with `finalize`."""
 
     @abstractmethod
-    def add(self, x: Any) -> None:
+    def add(self, x: object) -> None:
         """Ingest a mutable array; it holds its reduced value once the reducer is finalized."""
 
     @abstractmethod
@@ -113,7 +113,7 @@ class _FusionReducer(Reducer):
             action, [adds], bucket_bytes=fusion.bucket_bytes, async_op=fusion.async_op
         )
 
-    def add(self, x: Any) -> None:
+    def add(self, x: object) -> None:
         family = family_of(x)
         if not family.mutable:
             raise TypeError(
@@ -164,7 +164,7 @@ class InlineReducer(_FusionReducer):
             backend=backend_of(backend, group),
         )
 
-    def add(self, x: Any) -> None:
+    def add(self, x: object) -> None:
         super().add(x)
         self.finalize()
 
