@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeAlias
 
-__all__ = ["Op", "Tree"]
+__all__ = ["Op", "Tree", "WireDtype"]
 
 # A pytree: an array (NumPy, PyTorch, JAX, CuPy), a number, None, or a dict, list, tuple,
 # namedtuple or dataclass of them (the tree library is optree). Its structure is not checked
@@ -13,3 +13,7 @@ Tree: TypeAlias = Any
 
 # An element-wise reduction: "avg" is a sum divided by the world's size.
 Op: TypeAlias = Literal["sum", "prod", "min", "max", "avg"]
+
+# A 16-bit float dtype that floating values may travel as (compression's wire dtype; bfloat16 is
+# held on the host as its raw bits, `uint16`).
+WireDtype: TypeAlias = Literal["float16", "bfloat16"]

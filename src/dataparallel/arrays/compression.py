@@ -20,15 +20,21 @@ otherwise (NumPy's float16 casts are scalar loops: about 10 ns per value).
 from __future__ import annotations
 
 import sys
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from dataparallel.arrays.dtypes import bf16_to_f32, f32_to_bf16
 from dataparallel.arrays.families import array_family
+from dataparallel.types import WireDtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "COMPRESSIBLE",
+    "WIRE_DTYPES",
     "BF16Compressor",
     "Compression",
     "Compressor",
@@ -41,6 +47,8 @@ __all__ = [
 
 # Dtypes a compressed reduction sends as its 16-bit wire dtype.
 COMPRESSIBLE = frozenset({"float16", "bfloat16", "float32", "float64"})
+# The wire dtypes, by name: a name checked against this is a `WireDtype`.
+WIRE_DTYPES: dict[str, WireDtype] = {"float16": "float16", "bfloat16": "bfloat16"}
 
 
 class Compressor:
@@ -50,10 +58,10 @@ class Compressor:
         wire: the dtype name floating values travel as (`"float16"`, `"bfloat16"`), or None.
     """
 
-    wire: ClassVar[str | None] = None
+    wire: ClassVar[WireDtype | None] = None
 
     @classmethod
-    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+    def compress(cls, tensor: Any) -> tuple[Any, object]:
         """Return `tensor` cast to the wire dtype (floating tensors only), and its dtype.
 
         Works on torch tensors, NumPy arrays (bfloat16 needs `ml_dtypes`), JAX arrays and CuPy
@@ -65,7 +73,7 @@ class Compressor:
         return _cast(tensor, cls.wire), dtype
 
     @classmethod
-    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+    def decompress(cls, tensor: Any, ctx: object) -> Any:
         """Return `tensor` cast back to `ctx`, the dtype `compress` returned."""
         if cls.wire is None or tensor.dtype == ctx:
             return tensor
@@ -104,7 +112,7 @@ class Compression:
     bf16 = BF16Compressor
 
 
-def wire_dtype(compression: Any) -> str | None:
+def wire_dtype(compression: object) -> WireDtype | None:
     """Return the wire dtype of `compression` (a `Compressor` class or instance, or None).
 
     Raises:
@@ -122,7 +130,7 @@ def wire_dtype(compression: Any) -> str | None:
     )
 
 
-def to_wire(values: np.ndarray, dtype: str, wire: str, out: np.ndarray) -> None:
+def to_wire(values: np.ndarray, dtype: str, wire: WireDtype, out: np.ndarray) -> None:
     """Write host `values` (storage of `dtype`) into `out` (storage of `wire`), rounding.
 
     Rounds to nearest even; beyond float16's range values become inf, as a cast does.
@@ -143,7 +151,7 @@ def to_wire(values: np.ndarray, dtype: str, wire: str, out: np.ndarray) -> None:
 
 
 def from_wire(
-    values: np.ndarray, wire: str, out: np.ndarray, dtype: str, scale: float | None
+    values: np.ndarray, wire: WireDtype, out: np.ndarray, dtype: str, scale: float | None
 ) -> None:
     """Write reduced wire `values` into `out` (storage of `dtype`), times `scale` when given.
 
@@ -162,7 +170,7 @@ def from_wire(
         return
     if torch is not None:
         wide = _as_torch(torch, values, wire).float()
-        if scaled:
+        if scaled and scale is not None:
             wide.mul_(scale)
         _as_torch(torch, out, dtype).copy_(wide)
         return
@@ -176,7 +184,7 @@ def from_wire(
             out[...] = wide_np
 
 
-def _as_torch(torch: Any, values: np.ndarray, dtype: str) -> Any:
+def _as_torch(torch: ModuleType, values: np.ndarray, dtype: str) -> torch.Tensor:
     """Return a torch view of host `values` (storage of `dtype`: bfloat16 as its bits)."""
     if dtype == "bfloat16":
         return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
@@ -190,7 +198,7 @@ def _is_floating(tensor: Any) -> bool:
     return kind == "f" or str(tensor.dtype) == "bfloat16"
 
 
-def _cast(tensor: Any, wire: str) -> Any:
+def _cast(tensor: Any, wire: WireDtype) -> Any:
     family = array_family(tensor)
     if family == "torch":
         import torch

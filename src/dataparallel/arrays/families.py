@@ -10,63 +10,88 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar, cast
 
 import numpy as np
 
 from dataparallel.arrays.device import DeviceWork
 from dataparallel.arrays.dtypes import BF16_BITS, check_dtype, dtype_name, storage_dtype
 
-__all__ = ["Family", "Staged", "array_family", "family_of", "stage", "write_back"]
+if TYPE_CHECKING:
+    import cupy
+    import jax
+    import torch
+
+__all__ = [
+    "Family",
+    "Scalar",
+    "Staged",
+    "Work",
+    "array_family",
+    "family_of",
+    "stage",
+    "write_back",
+]
+
+# A leaf's work array: a writable host array in its storage dtype, or a GPU leaf as it is.
+Work: TypeAlias = np.ndarray | DeviceWork
+# The leaves of `ScalarFamily`: Python numbers and NumPy scalars.
+Scalar: TypeAlias = bool | int | float | complex | np.generic
+
+L = TypeVar("L")  # the family's leaf type
 
 
-class Family(ABC):
-    """How dataparallel sees one kind of array. Subclasses are stateless singletons."""
+class Family(ABC, Generic[L]):
+    """How dataparallel sees one kind of array (leaves of type `L`). Subclasses are stateless
+    singletons; code that takes leaves of any family holds a bare `Family`."""
 
     name: str
     mutable: bool = True
     tracks_writes: bool = False  # whether `mark_written` must hear of writes through views
 
     @abstractmethod
-    def dtype(self, x: Any) -> str:
+    def dtype(self, x: L) -> str:
         """Return the leaf's dtype name (`"float32"`, `"bfloat16"`, ...)."""
 
     @abstractmethod
-    def shape(self, x: Any) -> tuple[int, ...]:
+    def shape(self, x: L) -> tuple[int, ...]:
         """Return the leaf's shape."""
 
-    def device(self, x: Any) -> str:
+    def device(self, x: L) -> str:
         """Return `"cpu"` or `"cuda:N"`."""
         return "cpu"
 
-    def host_view(self, x: Any) -> np.ndarray | None:
+    def host_view(self, x: L) -> np.ndarray | None:
         """Return a writable zero-copy host view of `x` in its storage dtype, or None."""
         return None
 
     @abstractmethod
-    def to_host(self, x: Any) -> np.ndarray:
+    def to_host(self, x: L) -> np.ndarray:
         """Return a new writable host copy of `x` in its storage dtype."""
 
     @abstractmethod
-    def from_host(self, x: Any, host: np.ndarray) -> Any:
+    def from_host(self, x: L, host: np.ndarray) -> L:
         """Return `host`'s values as an array like `x` (written into `x` when it is mutable)."""
 
     @abstractmethod
-    def new(self, like: Any, host: np.ndarray) -> Any:
-        """Return a new array of `like`'s family, device and dtype holding `host` (any shape)."""
+    def new(self, like: L, host: np.ndarray) -> L | np.ndarray:
+        """Return a new array of `like`'s family, device and dtype holding `host` (any shape).
 
-    def mark_written(self, xs: list[Any]) -> None:
+        A NumPy array for a number (`ScalarFamily`): a result of another shape is no number.
+        """
+
+    def mark_written(self, xs: list[L]) -> None:
         """Tell the framework that `xs` were written in place behind its back (through views)."""
         return None
 
-    def adopt(self, like: Any, host: np.ndarray) -> Any:
+    def adopt(self, like: L, host: np.ndarray) -> L | np.ndarray:
         """Return `new(like, host)`, taking over `host`'s memory where the family can (no copy).
 
         The caller gives `host` up: it must not be used or reused afterwards.
         """
         return self.new(like, host)
 
-    def work(self, x: Any) -> tuple[np.ndarray, bool]:
+    def work(self, x: L) -> tuple[Work, bool]:
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
 
         GPU leaves of mutable families (torch CUDA tensors, CuPy arrays) come back as a
@@ -78,7 +103,7 @@ class Family(ABC):
         return self.to_host(x), False
 
 
-class NumpyFamily(Family):
+class NumpyFamily(Family[np.ndarray]):
     name = "numpy"
 
     def dtype(self, x: np.ndarray) -> str:
@@ -115,46 +140,46 @@ class NumpyFamily(Family):
 _PYTHON_DTYPES = {bool: "bool", int: "int64", float: "float64", complex: "complex128"}
 
 
-class ScalarFamily(Family):
+class ScalarFamily(Family[Scalar]):
     """Python numbers and NumPy scalars: immutable, returned as the same type."""
 
     name = "scalar"
     mutable = False
 
-    def dtype(self, x: Any) -> str:
+    def dtype(self, x: Scalar) -> str:
         if isinstance(x, np.generic):
             return dtype_name(x.dtype)
         return _PYTHON_DTYPES.get(type(x)) or dtype_name(np.asarray(x).dtype)
 
-    def shape(self, x: Any) -> tuple[int, ...]:
+    def shape(self, x: Scalar) -> tuple[int, ...]:
         return ()
 
-    def to_host(self, x: Any) -> np.ndarray:
+    def to_host(self, x: Scalar) -> np.ndarray:
         return np.array(x).view(storage_dtype(self.dtype(x)))  # bfloat16 as its bits
 
-    def from_host(self, x: Any, host: np.ndarray) -> Any:
+    def from_host(self, x: Scalar, host: np.ndarray) -> Scalar:
         if isinstance(x, np.generic):
-            return host.reshape(()).view(x.dtype)[()]
+            return host.reshape(-1).view(x.dtype)[0]  # a NumPy scalar of x's type
         return type(x)(host.reshape(()).item())
 
-    def new(self, like: Any, host: np.ndarray) -> np.ndarray:
+    def new(self, like: Scalar, host: np.ndarray) -> np.ndarray:
         return np.array(host).view(np.asarray(like).dtype)
 
 
-class TorchFamily(Family):
+class TorchFamily(Family["torch.Tensor"]):
     name = "torch"
     tracks_writes = True
 
-    def dtype(self, x: Any) -> str:
+    def dtype(self, x: torch.Tensor) -> str:
         return dtype_name(x.dtype)
 
-    def shape(self, x: Any) -> tuple[int, ...]:
+    def shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(x.shape)
 
-    def device(self, x: Any) -> str:
+    def device(self, x: torch.Tensor) -> str:
         return str(x.device)
 
-    def _host_numpy(self, t: Any) -> np.ndarray:
+    def _host_numpy(self, t: torch.Tensor) -> np.ndarray:
         import torch
 
         t = t.detach()
@@ -162,12 +187,12 @@ class TorchFamily(Family):
             return t.view(torch.int16).numpy().view(np.uint16)
         return t.numpy()
 
-    def host_view(self, x: Any) -> np.ndarray | None:
+    def host_view(self, x: torch.Tensor) -> np.ndarray | None:
         if x.device.type != "cpu" or x.is_conj() or x.is_neg():
             return None
         return self._host_numpy(x)
 
-    def work(self, x: Any) -> tuple[Any, bool]:
+    def work(self, x: torch.Tensor) -> tuple[Work, bool]:
         view = self.host_view(x)
         if view is not None:
             return view, True
@@ -175,10 +200,10 @@ class TorchFamily(Family):
             return _device_work(self, x), True
         return self.to_host(x), False
 
-    def to_host(self, x: Any) -> np.ndarray:
+    def to_host(self, x: torch.Tensor) -> np.ndarray:
         return np.array(self._host_numpy(x.detach().cpu().resolve_conj().resolve_neg()))
 
-    def _tensor(self, like: Any, host: np.ndarray) -> Any:
+    def _tensor(self, like: torch.Tensor, host: np.ndarray) -> torch.Tensor:
         import torch
 
         t = torch.from_numpy(np.ascontiguousarray(host))
@@ -186,17 +211,17 @@ class TorchFamily(Family):
             t = t.view(torch.bfloat16)
         return t
 
-    def from_host(self, x: Any, host: np.ndarray) -> Any:
+    def from_host(self, x: torch.Tensor, host: np.ndarray) -> torch.Tensor:
         import torch
 
         with torch.no_grad():
             x.copy_(self._tensor(x, host).reshape(x.shape))
         return x
 
-    def new(self, like: Any, host: np.ndarray) -> Any:
+    def new(self, like: torch.Tensor, host: np.ndarray) -> torch.Tensor:
         return self._tensor(like, np.array(host)).to(like.device)
 
-    def mark_written(self, xs: list[Any]) -> None:
+    def mark_written(self, xs: list[torch.Tensor]) -> None:
         """Bump the tensors' version counters, as torch's own in-place operations do.
 
         A tensor saved for backward and then written through a NumPy view would otherwise give
@@ -207,72 +232,72 @@ class TorchFamily(Family):
 
         torch.autograd.graph.increment_version(xs)
 
-    def adopt(self, like: Any, host: np.ndarray) -> Any:
+    def adopt(self, like: torch.Tensor, host: np.ndarray) -> torch.Tensor:
         return self._tensor(like, host).to(like.device)  # on the CPU: host's memory itself
 
 
-class JaxFamily(Family):
+class JaxFamily(Family["jax.Array"]):
     """JAX arrays are immutable: results always come back as new arrays on the leaf's device."""
 
     name = "jax"
     mutable = False
 
-    def dtype(self, x: Any) -> str:
+    def dtype(self, x: jax.Array) -> str:
         return dtype_name(x.dtype)
 
-    def shape(self, x: Any) -> tuple[int, ...]:
+    def shape(self, x: jax.Array) -> tuple[int, ...]:
         return tuple(x.shape)
 
-    def device(self, x: Any) -> str:
+    def device(self, x: jax.Array) -> str:
         dev = next(iter(x.devices()))
         return "cpu" if dev.platform == "cpu" else f"{dev.platform}:{dev.id}"
 
-    def to_host(self, x: Any) -> np.ndarray:
+    def to_host(self, x: jax.Array) -> np.ndarray:
         return np.array(x).view(storage_dtype(self.dtype(x)))
 
-    def from_host(self, x: Any, host: np.ndarray) -> Any:
+    def from_host(self, x: jax.Array, host: np.ndarray) -> jax.Array:
         return self.new(x, host.reshape(x.shape))
 
-    def new(self, like: Any, host: np.ndarray) -> Any:
+    def new(self, like: jax.Array, host: np.ndarray) -> jax.Array:
         import jax
 
         return jax.device_put(np.asarray(host).view(like.dtype), next(iter(like.devices())))
 
 
-class CupyFamily(Family):
+class CupyFamily(Family["cupy.ndarray"]):
     """CuPy arrays live on a GPU: packed and communicated there (`device.py`), written in place."""
 
     name = "cupy"
 
-    def work(self, x: Any) -> tuple[Any, bool]:
+    def work(self, x: cupy.ndarray) -> tuple[Work, bool]:
         return _device_work(self, x), True
 
-    def dtype(self, x: Any) -> str:
+    def dtype(self, x: cupy.ndarray) -> str:
         return dtype_name(x.dtype)
 
-    def shape(self, x: Any) -> tuple[int, ...]:
+    def shape(self, x: cupy.ndarray) -> tuple[int, ...]:
         return tuple(x.shape)
 
-    def device(self, x: Any) -> str:
+    def device(self, x: cupy.ndarray) -> str:
         return f"cuda:{x.device.id}"
 
-    def to_host(self, x: Any) -> np.ndarray:
+    def to_host(self, x: cupy.ndarray) -> np.ndarray:
         return np.asarray(x.get())
 
-    def from_host(self, x: Any, host: np.ndarray) -> Any:
+    def from_host(self, x: cupy.ndarray, host: np.ndarray) -> cupy.ndarray:
         import cupy
 
         x[...] = cupy.asarray(host.reshape(x.shape))
         return x
 
-    def new(self, like: Any, host: np.ndarray) -> Any:
+    def new(self, like: cupy.ndarray, host: np.ndarray) -> cupy.ndarray:
         import cupy
 
         with cupy.cuda.Device(like.device.id):
             return cupy.asarray(host)
 
 
-def _device_work(family: Family, x: Any) -> DeviceWork:
+def _device_work(family: Family[L], x: L) -> DeviceWork:
     return DeviceWork(family, x)
 
 
@@ -281,7 +306,7 @@ _TORCH, _JAX, _CUPY = TorchFamily(), JaxFamily(), CupyFamily()
 _ARRAY_FAMILIES: dict[str, Family] = {"numpy": _NUMPY, "torch": _TORCH, "jax": _JAX, "cupy": _CUPY}
 
 
-def array_family(x: Any) -> str | None:
+def array_family(x: object) -> str | None:
     """Return `"numpy"`, `"torch"`, `"jax"` or `"cupy"` for an array of that family, else None.
 
     No framework is imported: an object of a framework's type means it is imported already.
@@ -305,7 +330,7 @@ def array_family(x: Any) -> str | None:
     return None
 
 
-def family_of(x: Any, path: str = "x") -> Family:
+def family_of(x: object, path: str = "x") -> Family:
     """Return the family of leaf `x`, checking that its dtype is supported.
 
     Raises:
@@ -330,7 +355,7 @@ def family_of(x: Any, path: str = "x") -> Family:
                 "which works inside jit."
             )
         if name == "torch":
-            problem = _torch_problem(x)
+            problem = _torch_problem(cast("torch.Tensor", x))  # array_family checked
             if problem is not None:
                 raise TypeError(f"{path}: {problem}")
         family = _ARRAY_FAMILIES[name]
@@ -339,25 +364,25 @@ def family_of(x: Any, path: str = "x") -> Family:
 
 
 # A leaf on its way through a collective: (family, leaf, work array, whether work is a view).
-Staged = tuple[Family, Any, Any, bool]
+Staged = tuple[Family, object, Work | None, bool]
 
 
-def stage(family: Family, x: Any) -> Staged:
+def stage(family: Family[L], x: L) -> tuple[Family, object, Work, bool]:
     """Give leaf `x` its work array: a zero-copy view, a host copy, or a device bucket's member."""
     work, is_view = family.work(x)
     return family, x, work, is_view
 
 
-def write_back(staged: list[Staged]) -> list[Any]:
+def write_back(staged: list[Staged]) -> list[object]:
     """Return each leaf's value once its work array holds the result.
 
     Staged copies are written back (in place for mutable families, new values for immutable
     ones); the framework is told of writes through views (torch's version counters).
     """
-    out: list[Any] = []
-    written: dict[Family, list[Any]] = {}
+    out: list[object] = []
+    written: dict[Family, list[object]] = {}
     for family, x, work, is_view in staged:
-        if is_view or work is None:
+        if is_view or not isinstance(work, np.ndarray):  # a view, a GPU leaf, or nothing
             out.append(x)
             if family.tracks_writes:
                 written.setdefault(family, []).append(x)
@@ -368,7 +393,7 @@ def write_back(staged: list[Staged]) -> list[Any]:
     return out
 
 
-def _torch_problem(t: Any) -> str | None:
+def _torch_problem(t: torch.Tensor) -> str | None:
     """Return why torch tensor `t` cannot be communicated (nested, sparse, meta), or None."""
     if t.is_nested:
         return (
@@ -388,7 +413,7 @@ def _torch_problem(t: Any) -> str | None:
     return None
 
 
-def _torch_strided() -> Any:
+def _torch_strided() -> torch.layout:
     import torch
 
     return torch.strided

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from dataparallel.arrays.device import DeviceBucket
 from dataparallel.arrays.segments import Segments
-from dataparallel.backends.base import Handle
+from dataparallel.backends.base import Buffer, Handle
+from dataparallel.types import WireDtype
 
 __all__ = ["Deliver", "Flight"]
 
-Deliver = Callable[[np.ndarray], Any]  # where a reduce-scatter's or all-to-all's result goes
+Deliver = Callable[[np.ndarray], object]  # where a reduce-scatter's or all-to-all's result goes
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Flight:
     request: Handle | None
     dtype: str
     buf: np.ndarray  # storage-dtype values, 1-D
-    wire: Any  # what the engine gets: buf, a widened copy, or a DeviceBuffer
+    wire: Buffer  # what the engine gets: buf, a widened copy, or a DeviceBuffer
     slots: list[tuple[np.ndarray, int]] = field(default_factory=list)  # (work, offset) to unpack
     pooled: list[np.ndarray] = field(default_factory=list)
     span: int = 0  # the timeline's id of the communicate phase
@@ -33,5 +33,5 @@ class Flight:
     recv: np.ndarray | None = None  # ... their results (storage dtype), and what the engine fills
     recv_wire: np.ndarray | None = None
     deliver: list[Deliver] = field(default_factory=list)
-    compressed: str | None = None  # the 16-bit dtype `wire` holds, when compressed
+    compressed: WireDtype | None = None  # the 16-bit dtype `wire` holds, when compressed
     prescaled: bool = False  # scaled before the call (`dtypes.prescale`): nothing to do after

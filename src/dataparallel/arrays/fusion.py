@@ -21,13 +21,13 @@ The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducesca
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TypeAlias, cast
 
 import numpy as np
 
 from dataparallel.arrays.actions import Broadcast, Exchange, Reduction, Scatter
-from dataparallel.arrays.compression import COMPRESSIBLE, from_wire, to_wire
+from dataparallel.arrays.compression import COMPRESSIBLE, WIRE_DTYPES, from_wire, to_wire
 from dataparallel.arrays.device import DeviceBucket, DeviceWork
 from dataparallel.arrays.dtypes import (
     bf16_to_f32,
@@ -36,16 +36,19 @@ from dataparallel.arrays.dtypes import (
     scale_in_place,
     storage_dtype,
 )
-from dataparallel.arrays.families import Family, Staged, stage, write_back
+from dataparallel.arrays.families import Family, Staged, Work, stage, write_back
 from dataparallel.arrays.flight import Deliver, Flight
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.segments import layout_of
 from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.types import WireDtype
 
-__all__ = ["HOST_KEY", "Action", "Fusion"]
+__all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion"]
 
-HOST_KEY = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
+# What a caller buckets arrays by (the dtype is added to it): (array family, device) for GPU leaves.
+BucketKey: TypeAlias = tuple[Hashable, ...]
+HOST_KEY: BucketKey = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
 # Calls left in flight after a new one starts, on an engine that moves them on by itself (Gloo,
 # NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`). Many in
@@ -92,29 +95,27 @@ class Fusion:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be positive.")
         if compression is not None and not (
-            compression in ("float16", "bfloat16")
-            and isinstance(action, Reduction)
-            and action.root is None
+            compression in WIRE_DTYPES and isinstance(action, Reduction) and action.root is None
         ):
             raise ValueError(f"compression={compression!r} applies to allreduces, in 16 bits.")
-        self.compression = compression
+        self.compression = None if compression is None else WIRE_DTYPES[compression]
         self.backend, self.action = backend, action
         self.bucket_bytes, self.async_op, self.contiguous = bucket_bytes, async_op, contiguous
         self.keep_open = keep_open
         self.pool = pool if pool is not None else BufferPool()
-        self._open: dict[tuple[Any, ...], list[np.ndarray]] = {}
-        self._deliver: dict[tuple[Any, ...], list[Deliver]] = {}
+        self._open: dict[BucketKey, list[Work]] = {}
+        self._deliver: dict[BucketKey, list[Deliver]] = {}
         self._open_bytes = 0
         self._flights: list[Flight] = []
         self.timeline = timeline
-        self._opened_at: dict[tuple[Any, ...], float] = {}
+        self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
         # array), so that a caller can check that every rank is about to make the same calls.
         self.before_launch: Callable[[list[tuple[str, int]]], None] | None = None
 
-    def add_leaf(self, family: Family, x: Any, dtype: str, device: str) -> None:
+    def add_leaf(self, family: Family, x: object, dtype: str, device: str) -> None:
         """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back.
 
         `wait()` returns the leaves' results in the order they were added.
@@ -126,7 +127,7 @@ class Fusion:
         self.add(work, dtype, HOST_KEY if type(work) is np.ndarray else (family.name, device))
 
     def add(
-        self, work: Any, dtype: str, key: tuple[Any, ...] = (), deliver: Deliver | None = None
+        self, work: Work, dtype: str, key: BucketKey = (), deliver: Deliver | None = None
     ) -> None:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective.
 
@@ -166,10 +167,10 @@ class Fusion:
         self._open, self._deliver, self._open_bytes = {}, {}, 0
         if self.before_launch is not None and opened:
             self.before_launch(
-                [(key[-1], sum(w.size for w in works)) for key, works in opened.items()]
+                [(str(key[-1]), sum(w.size for w in works)) for key, works in opened.items()]
             )
         for bucket_key, works in opened.items():
-            dtype = bucket_key[-1]
+            dtype = str(bucket_key[-1])  # the dtype name `add` put last
             if self.timeline is not None:
                 self._trace_queue(bucket_key, len(works))
             given = delivers.get(bucket_key, [])
@@ -189,7 +190,7 @@ class Fusion:
         """Return whether every call started so far has completed."""
         return all(f.request is None or f.request.test() for f in self._flights)
 
-    def wait(self) -> list[Any]:
+    def wait(self) -> list[object]:
         """Flush, wait for every call, write the results into the queued arrays.
 
         Returns:
@@ -209,13 +210,13 @@ class Fusion:
             return [x for _, x, _, _ in leaves]
         return write_back(leaves)
 
-    def _trace_queue(self, bucket_key: tuple[Any, ...], arrays: int) -> None:
+    def _trace_queue(self, bucket_key: BucketKey, arrays: int) -> None:
         assert self.timeline is not None
         opened = self._opened_at.pop(bucket_key, None)
         if opened is not None:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
-    def _launch(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> None:
+    def _launch(self, works: list[Work], dtype: str, delivers: list[Deliver]) -> None:
         if not self.backend.progresses:  # one call in flight at a time (`Backend.progresses`)
             while self._flights:
                 self._land(self._flights.pop(0))
@@ -238,11 +239,13 @@ class Fusion:
         else:
             self._land(flight)
 
-    def _pack(self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]) -> Flight:
+    def _pack(self, given: list[Work], dtype: str, delivers: list[Deliver]) -> Flight:
+        # A bucket holds one kind of work, as its key says: host arrays, or GPU leaves.
+        works = cast("list[np.ndarray]", given)
         if isinstance(self.action, (Scatter, Exchange)):
             return self._pack_segments(works, dtype, delivers)
-        if type(works[0]) is DeviceWork:
-            return self._pack_device(works, dtype)
+        if type(given[0]) is DeviceWork:
+            return self._pack_device(cast("list[DeviceWork]", given), dtype)
         if len(works) == 1 and works[0].flags.c_contiguous:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
             flight = Flight(None, dtype, buf, buf)
@@ -264,7 +267,7 @@ class Fusion:
             flight.pooled.append(flight.wire)
         return flight
 
-    def _compressed(self, dtype: str) -> str | None:
+    def _compressed(self, dtype: str) -> WireDtype | None:
         """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
         wire = self.compression
         return wire if dtype in COMPRESSIBLE else None
@@ -287,7 +290,9 @@ class Fusion:
             wide[...] = buf
         return wide
 
-    def _pack_segments(self, works: list[Any], dtype: str, delivers: list[Deliver]) -> Flight:
+    def _pack_segments(
+        self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]
+    ) -> Flight:
         """Lay a bucket out rank by rank (`Segments`) for a reduce-scatter or an all-to-all."""
         assert isinstance(self.action, (Scatter, Exchange))
         layout = layout_of(self.action, works, self.backend.rank, self.backend.size)
@@ -299,7 +304,7 @@ class Fusion:
         flight.recv_wire = self._wire(recv, dtype, flight.pooled, copy=False)
         return flight
 
-    def _pack_device(self, works: list[Any], dtype: str) -> Flight:
+    def _pack_device(self, works: list[DeviceWork], dtype: str) -> Flight:
         """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
         bucket = DeviceBucket(works, dtype)
         compressed = self._compressed(dtype)
@@ -315,6 +320,7 @@ class Fusion:
         action, backend, wire = self.action, self.backend, flight.wire
         if flight.layout is not None:  # a reduce-scatter or an all-to-all
             assert isinstance(action, (Scatter, Exchange)) and flight.recv_wire is not None
+            assert isinstance(wire, np.ndarray)  # host arrays only
             op = action.op if isinstance(action, Scatter) else ReduceOp.SUM
             op = _BOOL_OPS.get(op, op) if flight.dtype == "bool" else op
             item = flight.buf.itemsize if wire.dtype == np.uint8 else 1  # counts in wire items
@@ -330,6 +336,7 @@ class Fusion:
         assert isinstance(action, Reduction)
         op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
         if flight.compressed is not None:  # 16-bit host values (bfloat16 as bits)
+            assert isinstance(wire, np.ndarray)
             flight.request = backend.iallreduce_half(wire, op, flight.compressed)
             if not self.async_op:
                 flight.request.wait()
@@ -363,6 +370,7 @@ class Fusion:
             wire, buf = flight.wire, flight.buf
             if flight.recv is not None and flight.recv_wire is not None:
                 wire, buf = flight.recv_wire, flight.recv  # a reduce-scatter's or all-to-all's
+            assert isinstance(wire, np.ndarray)  # a direct device flight landed above
             # A packed bucket is scaled as it is unpacked: one pass over it instead of two.
             fold = scale is not None and scale != 1 and bool(flight.slots) and wire is buf
             fold = fold and flight.compressed is None

@@ -16,20 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from dataparallel.arrays.actions import Reduction, Scatter
 from dataparallel.arrays.dtypes import storage_dtype
-from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.fusion import BucketKey, Fusion
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, ReduceOp
 
 __all__ = ["Add", "Replay"]
 
 # One array given to `Fusion`: (bucket key, dtype, shape).
-Add = tuple[tuple[Any, ...], str, tuple[int, ...]]
+Add = tuple[BucketKey, str, tuple[int, ...]]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from dataparallel.backends.half import TwoPhase
 from dataparallel.config import Settings
+from dataparallel.types import WireDtype
 
 __all__ = [
     "Backend",
@@ -204,7 +205,7 @@ class Backend(ABC):
     def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""
 
-    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """Start reducing 16-bit floats in place, moving 16 bits (a compressed allreduce).
 
         `buf` is a 1-D host buffer of `dtype` `"float16"`, or `"bfloat16"` held as raw bits

@@ -57,6 +57,7 @@ from dataparallel.backends.rendezvous import (
 )
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
+from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     import torch
@@ -250,7 +251,7 @@ class GlooBackend(GlooExchange, Backend):
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
         return _GlooHandle(self, work, (wire, tensor), finish)
 
-    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """Gloo reduces float16 and bfloat16 natively, about as fast as float32."""
         if dtype == "float16":
             return self.iallreduce(buf, op)

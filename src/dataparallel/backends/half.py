@@ -15,18 +15,41 @@ of the protocol it serves).
 
 from __future__ import annotations
 
+import enum
 import weakref
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
+
+from dataparallel.types import WireDtype
 
 __all__ = ["TwoPhase", "narrow", "widen"]
 
-_UFUNCS: dict[str, Any] = {"sum": np.add, "prod": np.multiply, "min": np.minimum}
+_UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "min": np.minimum}
 _UFUNCS["max"] = np.maximum
 
 
-def widen(values: np.ndarray, dtype: str, out: np.ndarray) -> None:
+class Request(Protocol):
+    def wait(self) -> object: ...
+
+    def test(self) -> bool: ...
+
+
+class Engine(Protocol):
+    """What `TwoPhase` uses of a `Backend` (which this module serves, so cannot import)."""
+
+    rank: int
+    size: int
+
+    def ialltoallv(
+        self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]
+    ) -> Request: ...
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None: ...
+
+
+def widen(values: np.ndarray, dtype: WireDtype, out: np.ndarray) -> None:
     """Write 16-bit `values` (float16, or bfloat16 bits) into float32 `out`, exactly."""
     if dtype == "bfloat16":
         bits = out.view(np.uint32)
@@ -36,7 +59,7 @@ def widen(values: np.ndarray, dtype: str, out: np.ndarray) -> None:
         out[...] = values
 
 
-def narrow(wide: np.ndarray, dtype: str, out: np.ndarray) -> None:
+def narrow(wide: np.ndarray, dtype: WireDtype, out: np.ndarray) -> None:
     """Round float32 `wide` to nearest even into 16-bit `out` (bfloat16 as bits; NaN kept)."""
     if dtype != "bfloat16":
         with np.errstate(over="ignore"):  # beyond float16's range: inf, as a cast
@@ -58,11 +81,11 @@ def narrow(wide: np.ndarray, dtype: str, out: np.ndarray) -> None:
 # page faults). A wait runs to its end before the next on the same engine; a private duplicate
 # engine may run in another thread (the optax callbacks), hence one set per engine. The receive
 # buffer of the all-to-all is not scratch: several calls may be in flight at once.
-_SCRATCH: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], np.ndarray]]
+_SCRATCH: weakref.WeakKeyDictionary[Engine, dict[tuple[str, int], np.ndarray]]
 _SCRATCH = weakref.WeakKeyDictionary()
 
 
-def scratch(backend: Any, dtype: Any, items: int, slot: int) -> np.ndarray:
+def scratch(backend: Engine, dtype: npt.DTypeLike, items: int, slot: int) -> np.ndarray:
     """Return `items` items of `dtype`, `backend`'s own until its next wait (`slot`: which)."""
     mine = _SCRATCH.setdefault(backend, {})
     key = (np.dtype(dtype).str, slot)
@@ -87,7 +110,7 @@ class TwoPhase:
         dtype: `"float16"` or `"bfloat16"`.
     """
 
-    def __init__(self, backend: Any, buf: np.ndarray, op: Any, dtype: str) -> None:
+    def __init__(self, backend: Engine, buf: np.ndarray, op: enum.Enum, dtype: WireDtype) -> None:
         self.backend, self.buf, self.dtype = backend, buf, dtype
         self.ufunc = _UFUNCS[op.value]
         self.counts = parts(buf.size, backend.size)

@@ -18,6 +18,7 @@ from dataparallel.backends.half import TwoPhase
 from dataparallel.backends.mpi_board import CallBoard
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
+from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -223,7 +224,7 @@ class MPIBackend(Backend):
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
         return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
-    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """MPI has no bfloat16, and MPICH's float16 sum is slow: both go `half.TwoPhase`."""
         return TwoPhase(self, buf, op, dtype)
 

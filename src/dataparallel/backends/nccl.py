@@ -69,6 +69,7 @@ from dataparallel.backends.nccl_exchange import (
 )
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
+from dataparallel.types import WireDtype
 
 __all__ = ["INSTALL_HINT", "NCCLBackend", "unavailable_reason"]
 
@@ -185,7 +186,7 @@ class NCCLBackend(Backend):
         """The fallback's: host buffers are reduced by it."""
         return self.fallback.native_dtypes
 
-    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         return self.fallback.iallreduce_half(buf, op, dtype)  # host buffers: the fallback's
 
     @classmethod

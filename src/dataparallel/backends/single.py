@@ -16,6 +16,7 @@ from dataparallel.backends.base import (
     host_only,
 )
 from dataparallel.config import Settings
+from dataparallel.types import WireDtype
 
 __all__ = ["SingleBackend"]
 
@@ -56,7 +57,7 @@ class SingleBackend(Backend):
     def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         return DoneHandle()
 
-    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: str) -> Handle:
+    def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         return DoneHandle()
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
