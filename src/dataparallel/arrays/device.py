@@ -26,14 +26,23 @@ allocators, CuPy's memory pools), so repeated flushes reuse memory without a poo
 from __future__ import annotations
 
 import importlib
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.backends.base import Backend, DeviceBuffer
 
-__all__ = ["DeviceBucket", "DeviceWork", "device_ops"]
+if TYPE_CHECKING:
+    import cupy
+    import torch
+
+__all__ = ["DeviceArray", "DeviceBucket", "DeviceOps", "DeviceWork", "device_ops"]
+
+# A GPU leaf or a bucket's buffer: a torch tensor or a CuPy array. They share no type a checker
+# knows (CuPy may be absent), so what is done to one is typed in its family's ops below.
+DeviceArray: TypeAlias = Any
 
 
 class LeafFamily(Protocol):
@@ -41,9 +50,31 @@ class LeafFamily(Protocol):
 
     name: str
 
-    def device(self, x: Any) -> str: ...
+    def device(self, x: DeviceArray) -> str: ...
 
-    def to_host(self, x: Any) -> np.ndarray: ...
+    def to_host(self, x: DeviceArray) -> np.ndarray: ...
+
+
+class DeviceOps(Protocol):
+    """Device-buffer operations of one array family (`_TorchOps`, `_CupyOps`)."""
+
+    def size(self, x: DeviceArray) -> int: ...
+    def nbytes(self, x: DeviceArray) -> int: ...
+    def contiguous(self, x: DeviceArray) -> bool: ...
+    def flat(self, x: DeviceArray) -> DeviceArray: ...
+    def empty(self, like: DeviceArray, n: int) -> DeviceArray: ...
+    def put(self, buf: DeviceArray, offset: int, x: DeviceArray) -> None: ...
+    def get(self, buf: DeviceArray, offset: int, x: DeviceArray) -> None: ...
+    def as_bytes(self, buf: DeviceArray) -> DeviceArray: ...
+    def widen(self, buf: DeviceArray) -> DeviceArray: ...
+    def casts_to(self, dtype: str) -> bool: ...
+    def cast(self, buf: DeviceArray, dtype: str) -> DeviceArray: ...
+    def narrow(self, wide: DeviceArray, buf: DeviceArray) -> None: ...
+    def scale(self, buf: DeviceArray, scale: float) -> None: ...
+    def synchronize(self, buf: DeviceArray) -> None: ...
+    def describe(self, buf: DeviceArray) -> DeviceBuffer: ...
+    def to_host(self, buf: DeviceArray) -> tuple[object, np.ndarray]: ...
+    def from_host(self, holder: object, buf: DeviceArray) -> None: ...
 
 
 class _TorchOps:
@@ -57,44 +88,44 @@ class _TorchOps:
             if hasattr(torch, f"uint{bits}")
         }
 
-    def size(self, x: Any) -> int:
+    def size(self, x: torch.Tensor) -> int:
         return int(x.numel())
 
-    def nbytes(self, x: Any) -> int:
+    def nbytes(self, x: torch.Tensor) -> int:
         return int(x.numel()) * int(x.element_size())
 
-    def contiguous(self, x: Any) -> bool:
+    def contiguous(self, x: torch.Tensor) -> bool:
         return bool(x.is_contiguous() and not x.is_conj() and not x.is_neg())
 
-    def flat(self, x: Any) -> Any:
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
         return x.detach().view(-1)
 
-    def empty(self, like: Any, n: int) -> Any:
+    def empty(self, like: torch.Tensor, n: int) -> torch.Tensor:
         return self.torch.empty(n, dtype=like.dtype, device=like.device)
 
-    def put(self, buf: Any, offset: int, x: Any) -> None:
+    def put(self, buf: torch.Tensor, offset: int, x: torch.Tensor) -> None:
         buf[offset : offset + x.numel()].view(x.shape).copy_(x.detach())
 
-    def get(self, buf: Any, offset: int, x: Any) -> None:
+    def get(self, buf: torch.Tensor, offset: int, x: torch.Tensor) -> None:
         with self.torch.no_grad():
             x.copy_(buf[offset : offset + x.numel()].view(x.shape))
 
-    def as_bytes(self, buf: Any) -> Any:
+    def as_bytes(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(self.torch.uint8)
 
-    def widen(self, buf: Any) -> Any:
+    def widen(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.to(self.torch.float32)
 
     def casts_to(self, dtype: str) -> bool:
         return True
 
-    def cast(self, buf: Any, dtype: str) -> Any:
+    def cast(self, buf: torch.Tensor, dtype: str) -> torch.Tensor:
         return buf.to(getattr(self.torch, dtype))
 
-    def narrow(self, wide: Any, buf: Any) -> None:
+    def narrow(self, wide: torch.Tensor, buf: torch.Tensor) -> None:
         buf.copy_(wide)  # float32 -> bfloat16 rounds to nearest even, as the host path does
 
-    def scale(self, buf: Any, scale: float) -> None:
+    def scale(self, buf: torch.Tensor, scale: float) -> None:
         if buf.is_floating_point() or buf.is_complex():
             buf.mul_(scale)
             return
@@ -102,11 +133,11 @@ class _TorchOps:
         signed = self._signed.get(buf.dtype)
         (buf if signed is None else buf.view(signed)).mul_(int(scale))
 
-    def synchronize(self, buf: Any) -> None:
+    def synchronize(self, buf: torch.Tensor) -> None:
         if buf.is_cuda:
             self.torch.cuda.current_stream(buf.device).synchronize()
 
-    def describe(self, buf: Any) -> DeviceBuffer:
+    def describe(self, buf: torch.Tensor) -> DeviceBuffer:
         def record_stream(stream: int) -> None:
             buf.record_stream(self.torch.cuda.ExternalStream(stream))
 
@@ -123,14 +154,14 @@ class _TorchOps:
             record_stream=record_stream if cuda else None,
         )
 
-    def to_host(self, buf: Any) -> tuple[Any, np.ndarray]:
+    def to_host(self, buf: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
         host = self.torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=bool(buf.is_cuda))
         host.copy_(buf)  # blocking: the values are on the host when this returns
         if host.dtype == self.torch.bfloat16:
             return host, host.view(self.torch.int16).numpy().view(np.uint16)
         return host, host.numpy()
 
-    def from_host(self, holder: Any, buf: Any) -> None:
+    def from_host(self, holder: torch.Tensor, buf: torch.Tensor) -> None:
         buf.copy_(holder)
 
 
@@ -141,52 +172,52 @@ class _CupyOps:
         self.cupy = importlib.import_module("cupy")
         self.cupyx = importlib.import_module("cupyx")
 
-    def size(self, x: Any) -> int:
+    def size(self, x: cupy.ndarray) -> int:
         return int(x.size)
 
-    def nbytes(self, x: Any) -> int:
+    def nbytes(self, x: cupy.ndarray) -> int:
         return int(x.nbytes)
 
-    def contiguous(self, x: Any) -> bool:
+    def contiguous(self, x: cupy.ndarray) -> bool:
         return bool(x.flags.c_contiguous)
 
-    def flat(self, x: Any) -> Any:
+    def flat(self, x: cupy.ndarray) -> cupy.ndarray:
         return x.reshape(-1)  # a view, since x is C-contiguous
 
-    def empty(self, like: Any, n: int) -> Any:
+    def empty(self, like: cupy.ndarray, n: int) -> cupy.ndarray:
         with self.cupy.cuda.Device(like.device.id):
             return self.cupy.empty(n, like.dtype)
 
-    def put(self, buf: Any, offset: int, x: Any) -> None:
+    def put(self, buf: cupy.ndarray, offset: int, x: cupy.ndarray) -> None:
         buf[offset : offset + x.size].reshape(x.shape)[...] = x
 
-    def get(self, buf: Any, offset: int, x: Any) -> None:
+    def get(self, buf: cupy.ndarray, offset: int, x: cupy.ndarray) -> None:
         x[...] = buf[offset : offset + x.size].reshape(x.shape)
 
-    def as_bytes(self, buf: Any) -> Any:
+    def as_bytes(self, buf: cupy.ndarray) -> cupy.ndarray:
         return buf.view(self.cupy.uint8)
 
-    def widen(self, buf: Any) -> Any:
+    def widen(self, buf: cupy.ndarray) -> cupy.ndarray:
         return buf.astype(self.cupy.float32)
 
     def casts_to(self, dtype: str) -> bool:
         return dtype != "bfloat16"  # CuPy has no bfloat16: such buckets are staged
 
-    def cast(self, buf: Any, dtype: str) -> Any:
+    def cast(self, buf: cupy.ndarray, dtype: str) -> cupy.ndarray:
         return buf.astype(dtype)
 
-    def narrow(self, wide: Any, buf: Any) -> None:
+    def narrow(self, wide: cupy.ndarray, buf: cupy.ndarray) -> None:
         buf[...] = wide
 
-    def scale(self, buf: Any, scale: float) -> None:
+    def scale(self, buf: cupy.ndarray, scale: float) -> None:
         factor = int(scale) if buf.dtype.kind in "iu" else scale
         self.cupy.multiply(buf, factor, out=buf, casting="unsafe")
 
-    def synchronize(self, buf: Any) -> None:
+    def synchronize(self, buf: cupy.ndarray) -> None:
         with self.cupy.cuda.Device(buf.device.id):
             self.cupy.cuda.get_current_stream().synchronize()
 
-    def describe(self, buf: Any) -> DeviceBuffer:
+    def describe(self, buf: cupy.ndarray) -> DeviceBuffer:
         with self.cupy.cuda.Device(buf.device.id):
             stream = int(self.cupy.cuda.get_current_stream().ptr)
         return DeviceBuffer(
@@ -199,21 +230,21 @@ class _CupyOps:
             owner=buf,
         )
 
-    def to_host(self, buf: Any) -> tuple[Any, np.ndarray]:
+    def to_host(self, buf: cupy.ndarray) -> tuple[cupy.ndarray, np.ndarray]:
         host = self.cupyx.empty_pinned(buf.shape, buf.dtype)
         buf.get(out=host)  # blocking
         return host, host
 
-    def from_host(self, holder: Any, buf: Any) -> None:
+    def from_host(self, holder: cupy.ndarray, buf: cupy.ndarray) -> None:
         buf.set(holder)
         self.synchronize(buf)  # the pinned buffer goes back to its pool once this returns
 
 
-_OPS: dict[str, Any] = {}
+_OPS: dict[str, DeviceOps] = {}
 _OPS_CLASSES: dict[str, type] = {"torch": _TorchOps, "cupy": _CupyOps}
 
 
-def device_ops(family: str) -> Any:
+def device_ops(family: str) -> DeviceOps:
     """Return the device-buffer operations of array family `family` (`"torch"` or `"cupy"`)."""
     ops = _OPS.get(family)
     if ops is None:
@@ -235,14 +266,14 @@ class DeviceWork:
 
     __slots__ = ("array", "device", "family", "nbytes", "ops", "size")
 
-    def __init__(self, family: LeafFamily, array: Any) -> None:
+    def __init__(self, family: LeafFamily, array: DeviceArray) -> None:
         self.family, self.array = family, array
         self.ops = device_ops(family.name)
         self.device = family.device(array)
         self.size = self.ops.size(array)
         self.nbytes = self.ops.nbytes(array)
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         host = self.family.to_host(self.array)
         return host if dtype is None else host.astype(dtype, copy=False)
 
@@ -261,7 +292,9 @@ class DeviceBucket:
     def __init__(self, works: list[DeviceWork], dtype: str) -> None:
         first = works[0]
         self.ops, self.dtype, self.device = first.ops, dtype, first.device
-        self.slots: list[tuple[Any, int]] = []  # (leaf, offset) to unpack; none when in place
+        self.slots: list[
+            tuple[DeviceArray, int]
+        ] = []  # (leaf, offset) to unpack; none when in place
         if len(works) == 1 and self.ops.contiguous(first.array):
             self.buf = self.ops.flat(first.array)  # communicate the leaf in place
         else:
@@ -274,7 +307,7 @@ class DeviceBucket:
         self.wire = self.buf
         self.direct = False
         self._widened = self._compressed = False
-        self._host: Any = None
+        self._host: object = None
 
     def can_send(self, backend: Backend, compressed: str | None) -> bool:
         """Whether `backend` reduces this bucket on the device (compressed to `compressed`)."""

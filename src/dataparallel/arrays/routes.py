@@ -14,7 +14,6 @@ there, on its caller's thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -58,7 +57,9 @@ class Router:
         self.fusion = self.base if joined or self.private is None else self.private
         self.threaded = offload and not joined and self.thread is not None
 
-    def send(self, leaves: Sequence[tuple[Family, Any]], extra: np.ndarray | None = None) -> None:
+    def send(
+        self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None
+    ) -> None:
         """Send one bucket: `leaves` (validated, with their family), then `extra` host float32."""
         if self.thread is not None and self.threaded:
             self._jobs.append(self.thread.submit(lambda: self._land(leaves, extra)))
@@ -66,14 +67,14 @@ class Router:
             self._add(leaves, extra)
             self.fusion.flush()
 
-    def _add(self, leaves: Sequence[tuple[Family, Any]], extra: np.ndarray | None) -> None:
+    def _add(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
         fusion = self.fusion
         for family, x in leaves:
             fusion.add_leaf(family, x, family.dtype(x), family.device(x))
         if extra is not None:
             fusion.add(extra, "float32", HOST_KEY)
 
-    def _land(self, leaves: Sequence[tuple[Family, Any]], extra: np.ndarray | None) -> None:
+    def _land(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
         """On the thread: send, wait in the engine (GIL released), write the results."""
         if self._failed:  # the other ranks' calls no longer line up with this rank's
             raise RuntimeError("an earlier bucket of this step failed")  # finish() raises that

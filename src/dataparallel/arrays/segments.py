@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -106,7 +105,7 @@ class Segments:
                 taken[j] += rows
                 position += items
 
-    def unpack(self, recv: np.ndarray, deliver: list[Callable[[np.ndarray], Any]]) -> None:
+    def unpack(self, recv: np.ndarray, deliver: list[Callable[[np.ndarray], object]]) -> None:
         """Hand each array's result, from `recv`, to its `deliver` function, to keep.
 
         A result from one source, or of a bucket of one array, is a view of `recv` (which must not
@@ -138,7 +137,9 @@ class Segments:
             take(result)
 
 
-def layout_of(action: Scatter | Exchange, works: list[Any], rank: int, size: int) -> Segments:
+def layout_of(
+    action: Scatter | Exchange, works: list[np.ndarray], rank: int, size: int
+) -> Segments:
     """Return the layout of a bucket of `works` for `action` on rank `rank` of `size`."""
     if isinstance(action, Scatter):
         sends = [row_parts(work.shape[0], size) for work in works]

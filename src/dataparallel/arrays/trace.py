@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TextIO
 
 __all__ = ["Timeline"]
 
@@ -41,12 +41,12 @@ class Timeline:
         """Return the current time in microseconds, the trace's unit."""
         return time.perf_counter_ns() / 1e3
 
-    def complete(self, name: str, start_us: float, **args: Any) -> None:
+    def complete(self, name: str, start_us: float, **args: object) -> None:
         """Record a phase `name` that began at `start_us` and ends now."""
         now = self.now()
         self._emit({"name": name, "ph": "X", "ts": start_us, "dur": now - start_us, "args": args})
 
-    def begin(self, name: str, **args: Any) -> int:
+    def begin(self, name: str, **args: object) -> int:
         """Record the start of an asynchronous span; return its id for `end`."""
         with self._lock:
             self._next_id += 1
@@ -60,7 +60,7 @@ class Timeline:
         """Record the end of the asynchronous span `span`."""
         self._emit({"name": name, "ph": "e", "cat": "comm", "id": span, "ts": self.now()})
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: dict[str, object]) -> None:
         event.setdefault("pid", self.rank)
         event.setdefault("tid", threading.get_ident() % 100_000)
         line = json.dumps(event) + ",\n"

@@ -13,10 +13,15 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Hashable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import optree
+
+from dataparallel.types import Tree
+
+if TYPE_CHECKING:
+    from jax.tree_util import PyTreeDef
 
 __all__ = ["Flat", "flatten", "unflatten"]
 
@@ -30,7 +35,7 @@ class Flat(NamedTuple):
     spelling them for every call would cost more than a small allreduce.
     """
 
-    leaves: list[Any]
+    leaves: list[Any]  # arrays and numbers of any family: callers look at them as they are
     spec: optree.PyTreeSpec
     name: str
 
@@ -54,7 +59,7 @@ _registered: set[type] = set()
 _PLAIN = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
 
 
-def _is_unregistered_dataclass(x: Any) -> bool:
+def _is_unregistered_dataclass(x: object) -> bool:
     return (
         not isinstance(x, _PLAIN)
         and dataclasses.is_dataclass(x)
@@ -66,11 +71,11 @@ def _is_unregistered_dataclass(x: Any) -> bool:
 def _register_dataclass(cls: type) -> None:
     names = tuple(f.name for f in dataclasses.fields(cls))
 
-    def flatten(obj: Any) -> tuple[tuple[Any, ...], None, tuple[str, ...]]:
+    def flatten(obj: object) -> tuple[tuple[object, ...], None, tuple[str, ...]]:
         return tuple(getattr(obj, n) for n in names), None, names
 
-    def unflatten(_: Hashable | None, children: Iterable[Any]) -> Any:
-        obj: Any = object.__new__(cls)
+    def unflatten(_: Hashable | None, children: Iterable[object]) -> object:
+        obj: object = object.__new__(cls)
         for name, child in zip(names, children, strict=True):
             object.__setattr__(obj, name, child)
         return obj
@@ -78,14 +83,14 @@ def _register_dataclass(cls: type) -> None:
     optree.register_pytree_node(
         cls,
         flatten,
-        unflatten,
+        unflatten,  # type: ignore[arg-type]  # optree's stub wants a Collection; any class works
         path_entry_type=optree.GetAttrEntry,
         namespace=NAMESPACE,
     )
     _registered.add(cls)
 
 
-def _is_jax_node(x: Any) -> bool:
+def _is_jax_node(x: object) -> bool:
     """Return whether JAX (loaded) sees `x` as a container that optree does not know."""
     kind = type(x)
     if kind in _leaf_types or isinstance(x, _PLAIN):
@@ -100,17 +105,22 @@ def _is_jax_node(x: Any) -> bool:
 def _register_jax_node(cls: type) -> None:
     jax = sys.modules["jax"]
 
-    def flatten(obj: Any) -> tuple[list[Any], Any]:
-        def one_level(y: Any) -> bool:
+    def flatten(obj: object) -> tuple[list[object], PyTreeDef]:
+        def one_level(y: object) -> bool:
             return y is not obj
 
         children = jax.tree_util.tree_leaves(obj, is_leaf=one_level)
         return children, jax.tree_util.tree_structure(obj, is_leaf=one_level)
 
-    def unflatten(treedef: Any, children: Iterable[Any]) -> Any:
+    def unflatten(treedef: PyTreeDef, children: Iterable[object]) -> object:
         return treedef.unflatten(list(children))
 
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    optree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,  # type: ignore[arg-type]  # as above: any container JAX knows
+        namespace=NAMESPACE,
+    )
     _registered.add(cls)
 
 
@@ -128,7 +138,7 @@ class _KnownLeaves:
 _known = _KnownLeaves()
 
 
-def flatten(tree: Any, name: str = "x") -> Flat:
+def flatten(tree: Tree, name: str = "x") -> Flat:
     """Flatten `tree` into leaves, their paths (rooted at `name`) and its structure."""
     jax_loaded = "jax" in sys.modules
     if _known.jax_loaded != jax_loaded:  # JAX just came: its containers must be asked again
@@ -156,6 +166,6 @@ def _structure(spec: optree.PyTreeSpec) -> str:
     return str(spec)
 
 
-def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:
+def unflatten(spec: optree.PyTreeSpec, leaves: list[object]) -> Tree:
     """Rebuild a tree of `spec`'s structure from `leaves`."""
     return optree.tree_unflatten(spec, leaves)
