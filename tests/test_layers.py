@@ -26,7 +26,13 @@ PACKAGE = SRC / "dataparallel"
 
 # Bottom to top. A module's layer is that of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
-    ("dataparallel.config", "dataparallel.errors", "dataparallel.types", "dataparallel.runnotes"),
+    (
+        "dataparallel.config",
+        "dataparallel.errors",
+        "dataparallel.types",
+        "dataparallel.runnotes",
+        "dataparallel.caches",
+    ),
     ("dataparallel.backends",),
     ("dataparallel.arrays",),
     ("dataparallel.world", "dataparallel.groups"),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dataparallel import runnotes
+from dataparallel import caches, runnotes
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.trace import Timeline
 from dataparallel.arrays.worker import CommThread, Privates
@@ -59,6 +59,9 @@ class World:
     # caller's thread (`arrays/worker.py`): both made on first use.
     private: Privates = field(default_factory=Privates)
     comm_thread: CommThread = field(default_factory=CommThread)
+    # Puts back the `sys.excepthook` of before `initialize` (which, and torch.distributed's
+    # `init_process_group` under it, wrapped it).
+    restore_excepthook: Callable[[], None] | None = None
 
     @property
     def timeline(self) -> Timeline | None:
@@ -83,7 +86,10 @@ def initialize(
     """Set up the process group and return its backend.
 
     Idempotent: a second call returns the active backend; one that names another backend than the
-    active one raises `ValueError`.
+    active one raises `ValueError`. After `finalize()`, a new world can be made in the same process,
+    on any engine (every rank must do it alike); under MPI only while MPI itself is initialized:
+    `finalize()` leaves it so, but once the program (or the interpreter's exit) has called
+    `MPI_Finalize`, MPI cannot start again in this process.
 
     Args:
         backend: `"auto"` (default), `"mpi"`, `"gloo"`, `"nccl"` or `"single"`. `"auto"` picks MPI
@@ -104,7 +110,7 @@ def initialize(
         ValueError: `timeout` is not positive and finite, or `backend` is not the active one.
         TypeError: `timeout` is not a number.
         BackendUnavailableError: the engine cannot be used here, e.g. it finds itself alone
-            while the launcher started several processes.
+            while the launcher started several processes, or MPI was finalized.
     """
     global _world
     if _world is not None:
@@ -120,8 +126,11 @@ def initialize(
     if timeout is not None:
         settings = dataclasses.replace(settings, timeout=_seconds(timeout))
     name = registry.choose(backend, init_method, settings)
+    if name == "mpi":
+        _check_mpi_not_finalized()
     note = _world_note(settings, rank, world_size)
     note(runnotes.INITIALIZING)
+    hook_before = sys.excepthook  # torch.distributed's init_process_group wraps it too
     try:
         made = registry.load(name).create(
             init_method=init_method, rank=rank, world_size=world_size, settings=settings
@@ -140,6 +149,7 @@ def initialize(
         _world.recording = Timeline(settings.timeline, made.rank, made.size)
     if made.size > 1:
         _abort_on_uncaught_exceptions(made)
+    _world.restore_excepthook = _excepthook_restorer(hook_before)
     if verbose:
         print(f"initialized {made.name} backend, local rank {made.local_rank}, GPU {gpu}")
     return made
@@ -159,6 +169,22 @@ def _seconds(timeout: object) -> float:
             "(e.g. timeout=60), or None for no limit."
         )
     return seconds
+
+
+def _check_mpi_not_finalized() -> None:
+    """Refuse MPI once `MPI_Finalize` has run here: no MPI call is allowed after it (MPICH ends
+    the process on the first one), and MPI cannot be initialized again."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_finalized():
+        return
+    raise BackendUnavailableError(
+        "The 'mpi' backend cannot start: MPI was finalized in this process (MPI.Finalize()), and "
+        "the MPI standard allows no MPI call after it, MPI_Init included. dp.finalize() leaves MPI "
+        "initialized, so that dp.initialize('mpi') can make a world again: do not finalize MPI "
+        "yourself until the last world is done. To form worlds again after MPI has ended (elastic "
+        "training), use Gloo: start the job with `dataparallel run --backend gloo` and call "
+        "dp.initialize('gloo')."
+    )
 
 
 def _check_not_alone(made: Backend, name: str, settings: Settings) -> None:
@@ -256,7 +282,8 @@ def _abort_on_uncaught_exceptions(made: Backend) -> None:
 
     Otherwise the other ranks wait forever in their next collective (mpi4py's `python -m mpi4py`
     and `dataparallel run` do the same; under them, their own handler acts first). The traceback is
-    printed as usual, once, then the backend aborts the job.
+    printed as usual, once, then the backend aborts the job. `finalize` unwraps it
+    (`_excepthook_restorer`).
     """
     previous = sys.excepthook
 
@@ -268,6 +295,23 @@ def _abort_on_uncaught_exceptions(made: Backend) -> None:
             made.abort(1)
 
     sys.excepthook = abort_the_job
+
+
+def _excepthook_restorer(before: Callable[..., Any]) -> Callable[[], None]:
+    """Return what puts `sys.excepthook` back to `before`, as it was when `initialize` began.
+
+    Between the two, the world wrapped it (`_abort_on_uncaught_exceptions`) and so did
+    `torch.distributed.init_process_group` (Gloo), which never unwraps it: each world made again
+    would wrap it once more. A hook that the program set after `initialize` is left in place (the
+    world's wrapper under it no longer aborts: its world is gone).
+    """
+    installed = sys.excepthook
+
+    def restore() -> None:
+        if sys.excepthook is installed:
+            sys.excepthook = before
+
+    return restore
 
 
 def _world_note(
@@ -292,6 +336,12 @@ def initialized() -> bool:
 def finalize() -> None:
     """Wait for requests in flight, then tear the process group down. Safe to call twice.
 
+    In order: the requests in flight are waited for, the communication thread is stopped, the
+    timeline closed, the private duplicates of the engines (`World.private`) and then the engine
+    are closed; `sys.excepthook` is put back as it was before `initialize`, and every cache
+    registered in `dataparallel.caches` is cleared, so that a world made next starts afresh
+    (Gloo and the world of one can be made again; MPI cannot, see `initialize`).
+
     Under MPI, leaving is collective: it waits until every rank leaves (at `dp.finalize()` or at
     its end), and ends the job when another rank waits in a collective that this one will never
     join (see `backends/mpi_board.py`), so that a rank that finishes early cannot hang the job.
@@ -300,12 +350,18 @@ def finalize() -> None:
     if _world is None:
         return
     world, _world = _world, None
-    for request in list(world.pending):
-        request.wait()
-    world.comm_thread.close()
-    if world.recording is not None:
-        world.recording.close()
-    world.backend.close()
+    try:
+        for request in list(world.pending):
+            request.wait()
+        world.comm_thread.close()
+        if world.recording is not None:
+            world.recording.close()
+        world.private.close()
+        world.backend.close()
+    finally:
+        if world.restore_excepthook is not None:
+            world.restore_excepthook()
+        caches.clear_all()
 
 
 def current() -> World:

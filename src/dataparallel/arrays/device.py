@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from dataparallel import caches
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.backends.base import Backend, DeviceBuffer
 
@@ -240,7 +241,8 @@ class _CupyOps:
         self.synchronize(buf)  # the pinned buffer goes back to its pool once this returns
 
 
-_OPS: dict[str, DeviceOps] = {}
+_OPS: dict[str, DeviceOps] = {}  # one per framework, made on first use; cleared by dp.finalize()
+caches.register(_OPS.clear)
 _OPS_CLASSES: dict[str, type] = {"torch": _TorchOps, "cupy": _CupyOps}
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from dataparallel import caches
+
 __all__ = [
     "BF16_BITS",
     "INTEGER_DTYPES",
@@ -34,7 +36,8 @@ INTEGER_DTYPES = frozenset(
 BF16_BITS = np.dtype(np.uint16)  # how bfloat16 values are held on the host
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
+_DTYPE_NAMES: dict[Any, str] = {}  # a pure function of the dtype; cleared by dp.finalize()
+caches.register(_DTYPE_NAMES.clear)
 
 
 def dtype_name(dtype: Any) -> str:

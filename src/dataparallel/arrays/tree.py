@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import optree
 
+from dataparallel import caches
 from dataparallel.types import Tree
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ class Flat(NamedTuple):
         return _structure(self.spec)
 
 
-# Dataclass types registered in NAMESPACE, mirroring optree's registry.
+# Dataclass types registered in NAMESPACE, mirroring optree's registry: kept for the process's life
+# (unregistering would break the specs of trees still held), unlike the caches below, which
+# `dp.finalize()` clears (`_clear`).
 _registered: set[type] = set()
 # Leaves that are certainly not dataclasses, checked in C before any Python-level test.
 _PLAIN = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
@@ -164,6 +167,15 @@ def flatten(tree: Tree, name: str = "x") -> Flat:
 @functools.lru_cache(maxsize=256)
 def _structure(spec: optree.PyTreeSpec) -> str:
     return str(spec)
+
+
+@caches.register
+def _clear() -> None:
+    """Forget the types asked about and the structures spelt (they are asked again)."""
+    _leaf_types.clear()
+    _known.jax_loaded = False
+    _known.types.clear()
+    _structure.cache_clear()
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: list[object]) -> Tree:

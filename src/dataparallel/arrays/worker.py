@@ -1,5 +1,5 @@
 """The communication thread: jobs run one at a time, in the order they were submitted; and
-the private engines such calls go on (`Privates`).
+the private engines such calls go on (`Privates`), closed by `dp.finalize()`.
 
 Horovod's background thread, reduced to what dataparallel needs: the gradient hooks of
 `GradientSync` hand each ready bucket over (`submit`) and return at once; the thread packs it,
@@ -101,10 +101,33 @@ class Privates:
 
     def __init__(self) -> None:
         self._pairs: dict[int, tuple[Backend, Backend]] = {}
+        self._closed = False
 
     def __call__(self, backend: Backend) -> Backend:
         pair = self._pairs.get(id(backend))
         if pair is None or pair[0] is not backend:
+            if self._closed:
+                raise RuntimeError("the world's private engines are closed (dp.finalize() ran).")
             pair = (backend, backend.duplicate() if backend.size > 1 else backend)
             self._pairs[id(backend)] = pair
         return pair[1]
+
+    def close(self) -> None:
+        """Close every duplicate made (`dp.finalize()`; safe to call twice).
+
+        Each engine frees what its duplicate holds: MPI its communicators, Gloo its process group.
+        Collective, as `Backend.close` is: every rank closes the same duplicates. An engine that
+        returned itself as its duplicate is left alone: its owner closes it. The first error is
+        raised once every duplicate has been closed.
+        """
+        pairs, self._pairs, self._closed = list(self._pairs.values()), {}, True
+        first: BaseException | None = None
+        for backend, duplicate in pairs:
+            if duplicate is backend:
+                continue
+            try:
+                duplicate.close()
+            except Exception as error:
+                first = first or error
+        if first is not None:
+            raise first

@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from dataparallel import caches
 from dataparallel.types import WireDtype
 
 __all__ = ["TwoPhase", "narrow", "widen"]
@@ -83,6 +84,7 @@ def narrow(wide: np.ndarray, dtype: WireDtype, out: np.ndarray) -> None:
 # buffer of the all-to-all is not scratch: several calls may be in flight at once.
 _SCRATCH: weakref.WeakKeyDictionary[Engine, dict[tuple[str, int], np.ndarray]]
 _SCRATCH = weakref.WeakKeyDictionary()
+caches.register(_SCRATCH.clear)  # dp.finalize(): the ended world's engines keep none
 
 
 def scratch(backend: Engine, dtype: npt.DTypeLike, items: int, slot: int) -> np.ndarray:

@@ -237,26 +237,41 @@ def rendezvous_error(exc: BaseException, rendezvous: Rendezvous) -> BaseExceptio
     return exc
 
 
-# One TCP store per rendezvous address for the life of the process. A world made again after
-# dp.finalize() meets through it under a fresh key prefix, instead of binding the port anew while
-# the first server may still be listening (a rank could then reach the stale one and its keys).
+# One TCP store per rendezvous address for the life of the process, deliberately not cleared by
+# dp.finalize() (`dataparallel.caches` says so): a world made again meets through it under a fresh
+# key prefix, instead of binding the port anew while the first server may still be listening (a
+# rank could then reach the stale one and its keys). Keyed on the address, not on a world.
 _STORES: dict[tuple[str, int, int], Any] = {}
+# Worlds met through a store by this process: every rank makes the same worlds in the same order,
+# so the count names the same prefix on every rank.
 _GENERATIONS = itertools.count()
 
 
 def rendezvous_store(dist: Any, rendezvous: Rendezvous, timeout: datetime.timedelta | None) -> Any:
-    """Return the store of an env:// or tcp:// rendezvous (None for file://)."""
+    """Return the store this world's ranks meet through, under a key prefix of its own.
+
+    Every world made in this process (`dp.initialize` after `dp.finalize`) gets a fresh prefix:
+    torch names its groups again from the start in each, so their keys would otherwise collide
+    with those of the world before, which the TCP store, kept, still holds: a rank would connect
+    to the old world's addresses. A file:// world after the first meets in a file of its own,
+    `RENDEZVOUS_FILE.N` (N: the worlds this process made before): torch removes a rendezvous file
+    when the last store on it is let go, which could race with a rank of the next world opening it.
+    """
+    wait = timeout if timeout is not None else datetime.timedelta(minutes=30)  # torch's default
+    generation = next(_GENERATIONS)
     if rendezvous.master is None:
-        return None
-    host, port = rendezvous.master
-    key = (host, port, rendezvous.world_size)
-    base = _STORES.get(key)
-    if base is None:
-        base = _STORES[key] = dist.TCPStore(
-            host,
-            port,
-            rendezvous.world_size,
-            rendezvous.rank == 0,
-            timeout=timeout if timeout is not None else datetime.timedelta(minutes=30),
-        )
-    return dist.PrefixStore(f"dataparallel/{next(_GENERATIONS)}/", base)
+        assert rendezvous.file is not None
+        file = rendezvous.file
+        if generation:
+            file = file.with_name(f"{file.name}.{generation}")
+        base = dist.FileStore(str(file), rendezvous.world_size)
+        base.set_timeout(wait)
+    else:
+        host, port = rendezvous.master
+        key = (host, port, rendezvous.world_size)
+        base = _STORES.get(key)
+        if base is None:
+            base = _STORES[key] = dist.TCPStore(
+                host, port, rendezvous.world_size, rendezvous.rank == 0, timeout=wait
+            )
+    return dist.PrefixStore(f"dataparallel/{generation}/", base)

@@ -4,7 +4,9 @@ A parameter is reduced by one `GradientSync` only: the one created last over it.
 same parameters again (a new `DistributedOptimizer` in a re-run notebook cell, or a
 `DistributedOptimizer` over a `DataParallelModel`'s parameters) moves their reduction to the new
 wrapper; the old one stops reducing them. Gradients are never reduced twice. The hooks hold
-their `GradientSync` weakly: a wrapper that is dropped stops reducing.
+their `GradientSync` weakly: a wrapper that is dropped stops reducing. A wrapper of a world that
+`dp.finalize()` ended owns nothing any more: its hooks tell it nothing, and the next world's
+wrappers take the parameters over.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from dataparallel import caches
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -30,7 +34,10 @@ class GradientReceiver(Protocol):
 
 
 # Which receiver reduces a parameter: id(param) -> (weakref to param, weakref to receiver).
+# `dp.finalize()` clears it: the receivers of the world it ends own nothing any more, and their
+# hooks (which tell only a parameter's owner) fall silent; the next world's wrappers claim afresh.
 _owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientReceiver]]] = {}
+caches.register(_owners.clear)
 
 
 def claim(param: torch.Tensor, sync: GradientReceiver) -> GradientReceiver | None:
@@ -61,11 +68,13 @@ def owner(param: torch.Tensor) -> GradientReceiver | None:
 def make_hook(
     sync: Callable[[], GradientReceiver | None], index: int
 ) -> Callable[[torch.Tensor], None]:
-    """Return a post-accumulate-grad hook that tells `sync` (held weakly) of parameter `index`."""
+    """Return a post-accumulate-grad hook that tells `sync` (held weakly) of parameter `index`
+    while `sync` owns the parameter (`claim`; no longer once `dp.finalize()` ended its world)."""
 
-    def hook(_: torch.Tensor) -> None:
+    def hook(param: torch.Tensor) -> None:
+        entry = _owners.get(id(param))  # `owner(param)`, inlined: this runs for every gradient
         target = sync()
-        if target is not None:
+        if target is not None and entry is not None and entry[1]() is target:
             target.on_grad(index)
 
     return hook

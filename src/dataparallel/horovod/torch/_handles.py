@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dataparallel import caches
+
 __all__ = [
     "Done",
     "Started",
@@ -94,8 +96,9 @@ _names: dict[str, int] = {}
 _handles = itertools.count(1)
 
 
+@caches.register  # dp.finalize() too: queued operations belong to the world that ends
 def reset() -> None:
-    """Forget every operation (`init()` and `shutdown()` call this)."""
+    """Forget every operation (`init()` and `shutdown()` call this, and `dp.finalize()`)."""
     _operations.clear()
     _queue.clear()
     _names.clear()
