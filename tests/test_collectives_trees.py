@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import dataparallel as dp
-from dataparallel.collectives._plans import Plan
+from dataparallel.collectives._plans import CallPlan
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -128,7 +128,7 @@ def test_three_hundred_leaves_of_mixed_dtypes_and_families(rank: int, size: int)
 def test_trees_of_numpy_arrays_reduce_as_the_general_path(
     rank: int, size: int, op: str, dtype: Any, kind: str
 ) -> None:
-    """Lists, tuples and dicts of one dtype take a plan (`_plans.tree_allreduce`): same results,
+    """Lists, tuples and dicts of one dtype take a "packed" plan (`_plans.py`): same results,
     written in place (non-contiguous arrays too), new arrays for read-only ones, called again
     safely."""
     if op == "avg" and np.dtype(dtype).kind == "i":
@@ -160,16 +160,9 @@ def test_trees_of_numpy_arrays_reduce_as_the_general_path(
         for got, x, want in zip(leaves(out), xs, leaves(general), strict=True):
             np.testing.assert_array_equal(got, want.numpy(), strict=True)
             assert (got is x) == x.flags.writeable  # in place, or new when read-only
-    assert (
-        any(
-            key[0] is {"list": list, "tuple": tuple, "dict": dict}[kind]
-            for key in world.current().plans
-        )
-        or size == 1
-    )
-    # The world also keeps plans of Python numbers (a header, no buffer): only arrays' count.
-    plans = world.current().plans.values()
-    plan_buffers = [plan.buf for plan in plans if isinstance(plan, Plan)]
+    plans = [plan for _, plan in world.current().plans.items() if isinstance(plan, CallPlan)]
+    assert any(plan.kind == "packed" for plan in plans) or size == 1
+    plan_buffers = [plan.buf for plan in plans if plan.buf is not None]
     assert not any(np.shares_memory(leaf, buf) for leaf in leaves(out) for buf in plan_buffers)
 
 
@@ -178,8 +171,8 @@ def test_trees_of_numpy_arrays_reduce_as_the_general_path(
 def test_a_few_floats_reduce_in_the_handshake_as_the_general_path(
     rank: int, size: int, op: str, kind: type
 ) -> None:
-    """Metrics: Python floats in a container take `_plans._numbers`; NumPy scalars, the general
-    path. Both give Python floats back, with the same values."""
+    """Metrics: Python floats in a container are keyed as they are (`_plans._host_form`); NumPy
+    scalars are flattened and staged. Both give Python floats back, with the same values."""
     values = [rank + 0.5, -1.0 / (rank + 3), float("nan") if rank == size - 1 else 2.0]
 
     def tree_of(xs: list[Any]) -> Any:
@@ -199,7 +192,7 @@ def test_a_few_floats_reduce_in_the_handshake_as_the_general_path(
 def test_a_tree_past_the_plan_limit_takes_the_general_path(
     rank: int, size: int, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A plan is one bucket of at most `PLAN_BYTES`: larger trees go the general path's way."""
+    """A "packed" plan is one bucket of at most `PLAN_BYTES`: larger trees go through `Fusion`."""
     from dataparallel import world
     from dataparallel.collectives._plans import PLAN_BYTES
 
@@ -211,8 +204,13 @@ def test_a_tree_past_the_plan_limit_takes_the_general_path(
     big = [np.full(min(limit, PLAN_BYTES) // 8, rank + 1.0), np.ones(3)]
     out = dp.allreduce(big)
     assert out[0] is big[0] and out[0][-1] == size * (size + 1) / 2 and out[1][0] == size
-    shapes = (big[0].shape, big[1].shape)
-    assert all(plan is None for key, plan in active.plans.items() if key[3] == shapes)
+    shapes = [big[0].shape, big[1].shape]
+    packed = [
+        plan
+        for _, plan in active.plans.items()
+        if isinstance(plan, CallPlan) and [view.shape for view in plan.views] == shapes
+    ]
+    assert packed == []
 
 
 def test_non_contiguous_inputs_are_reduced_and_written_back_in_place(rank: int, size: int) -> None:

@@ -16,8 +16,9 @@ import pytest
 
 import dataparallel as dp
 import dataparallel.world as world_module
+from dataparallel.arrays.actions import parse_op, reduction_error, validate_reduction
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
-from dataparallel.protocol import parse_op, reduction_error, validate_reduction, verify_same_call
+from dataparallel.protocol import verify_same_call
 
 
 def test_parse_op() -> None:

@@ -1,149 +1,110 @@
-"""Input validation and collective mismatch detection.
+"""The handshake: the message every collective begins with, both sides of it.
 
-Every collective begins with one small message, the *handshake*, and no rank sends anything
-else for the call until every rank has agreed on it. Each rank contributes a 64-byte record: an
-8-byte hash of its call (collective, op, root, tree structure, shapes, dtypes), 8 bytes of flags,
-and up to 48 bytes of payload; one allgather gives every rank every record. Since every rank sees
-the same records, every rank reaches the same verdict:
+Every collective begins with one small message, and no rank sends anything else for the call
+until every rank has agreed on it. Each rank contributes a 64-byte `RECORD` (little-endian, named
+fields): the `digest` of its call (collective, op, root, tree structure, shapes, dtypes), its
+`flags` (`Flag`), and up to `PAYLOAD_BYTES` of payload; one allgather gives every rank every
+record. Since every rank sees the same records, every rank reaches the same verdict:
 
-- all hashes equal: the call goes on. A payload that fits in the record (a loss, a few metrics)
-  has then already travelled: the ranks reduce it locally, and the call costs one message.
-- hashes differ: the ranks exchange pickled descriptions of their calls (only now), and every
+- all digests equal: the call goes on. A payload that fits in the record (a loss, a few
+  metrics) has then already travelled: the ranks reduce it locally, and the call costs one
+  message.
+- digests differ: the ranks exchange pickled descriptions of their calls (only now), and every
   rank raises `CollectiveMismatchError` naming the ranks and what differs; the world stays usable.
 
 A rank whose call fails before communicating (a `TypeError` for a bad leaf) still takes part in
 the handshake, with its failure as its call (`fail_together`), so its next call can never be
-paired with the other ranks' current one. In worlds over `GATHER_LIMIT` ranks the handshake is a
-16-byte allreduce of `[h, -h]` with MAX instead (the largest and the smallest hash), without
-payload.
+paired with the other ranks' current one. In worlds over `GATHER_LIMIT` ranks the handshake is an
+allreduce with MAX of `BOUNDS` (the largest and the smallest digest, and what the flags say)
+instead, without payload.
 
-A rank that has joined (`dp.join`: it ran out of data) takes part in every handshake with a
-`joined` mark instead of a call. The others' calls must then agree among themselves; the lowest
-of them sends what it is about to send (a `Replay`, `arrays/replay.py`), and the joined ranks
-make the same engine calls on zeros. Calls that cannot be answered so (gathers, broadcasts, ...)
-raise `RankJoinedError` on the ranks that made them. Without joined ranks, nothing of this costs
-anything.
+A rank that has joined (`dp.join`: it ran out of data) takes part in every handshake with the
+`Flag.JOINED` mark instead of a call (`joined_round`). The others' calls must then agree among
+themselves; the lowest of them sends what it is about to send (a `Replay`, `arrays/replay.py`),
+and the joined ranks make the same engine calls on zeros. Calls that cannot be answered so
+(gathers, broadcasts, ...) raise `RankJoinedError` on the ranks that made them. Without joined
+ranks, nothing of this costs anything.
 
 `DATAPARALLEL_CHECK=0` cannot turn the handshake off (without it a mismatch hangs or corrupts):
-it makes the hash cover only what decides the messages that follow (collective, op, root, and
-each leaf's dtype, size and device), so a mismatch of shapes of equal size or of tree
-structure goes unnoticed, at a lower cost of describing the call.
+the collectives then make the digest cover only what decides the messages that follow
+(collective, op, root, and each leaf's dtype, size and device).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
-import numbers
+import struct
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
 
-from dataparallel.arrays.actions import Reduction
-from dataparallel.arrays.dtypes import INTEGER_DTYPES
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.errors import CollectiveMismatchError, RankJoinedError
 
 __all__ = [
+    "BOUNDS",
     "GATHER_LIMIT",
-    "HEADER_BYTES",
-    "INLINE_BYTES",
-    "JOINED",
-    "NEWCOMER",
-    "RECORD_BYTES",
+    "PAYLOAD_BYTES",
+    "RECORD",
+    "Describe",
+    "Flag",
     "ReplayOf",
-    "check_scale",
     "digest",
-    "disagree",
     "exchange",
     "fail_together",
     "handshake",
-    "inline_capacity",
+    "header",
+    "joined_round",
     "new_record",
-    "parse_op",
-    "reduction",
-    "reduction_error",
-    "validate_reduction",
+    "payload_capacity",
+    "record_of",
     "verify_same_call",
 ]
 
-RECORD_BYTES = 64  # what each rank contributes to a handshake
-HEADER_BYTES = 16  # the call's hash, then the flags
-INLINE_BYTES = RECORD_BYTES - HEADER_BYTES  # payload carried by the handshake itself
 GATHER_LIMIT = 64  # larger worlds check with an allreduce, whose cost grows slower with size
-# Flag bytes of a record (byte 8 is "this rank has a NaN"): the rank has joined (`dp.join`), and
-# this is its first handshake since it joined.
-JOINED, NEWCOMER = 9, 10
+PAYLOAD_BYTES = 48  # what a record carries beside its header
+
+
+class Flag(enum.IntFlag):
+    """The bits of a record's `flags`, every rank's OR learnt by every rank."""
+
+    NAN = 1  # this rank's floating leaves hold a NaN (min/max: `arrays/nan.py`)
+    JOINED = 2  # this rank has joined (`dp.join`) and answers instead of calling
+    NEWCOMER = 4  # ... and this is its first handshake since it joined
+
+
+# What each rank contributes: little-endian whatever the host, so that ranks on machines of
+# either byte order read each other's records alike.
+RECORD = np.dtype([("digest", "<i8"), ("flags", "<i8"), ("payload", "u1", (PAYLOAD_BYTES,))])
+_HEADER = struct.Struct("<qq")  # a record's first two fields, packed without an array
+_PAD = bytes(PAYLOAD_BYTES)
+
+# What a world over `GATHER_LIMIT` ranks reduces with MAX instead (native order: reduced as
+# numbers, never read as bytes by another host). A rank that has joined contributes `NO_DIGEST`
+# to the digests, below every digest and every negated one, so only working ranks count there.
+BOUNDS = np.dtype(
+    [
+        ("high", "=i8"),  # the largest digest
+        ("neg_low", "=i8"),  # minus the smallest: equal to -high exactly when all agree
+        ("flagged", "=i8"),  # some rank raised Flag.NAN
+        ("joined", "=i8"),  # some rank has joined
+        ("working", "=i8"),  # some rank has not
+        ("newcomer", "=i8"),  # the highest rank that joined in this round (-1: none)
+        ("neg_first_working", "=i8"),  # minus the lowest rank that has not joined
+    ]
+)
+NO_DIGEST = -(1 << 62)
 
 # What a call will send after its handshake, for ranks that joined to answer (None: it cannot);
-# given whether some rank raised the handshake's flag.
+# given whether some rank raised `Flag.NAN`.
 ReplayOf = Callable[[bool], Replay | None] | None
+# The call field by field (or a function that makes it), to explain a mismatch.
+Describe = dict[str, Any] | Callable[[], dict[str, Any]]
 
-_OPS = ("sum", "prod", "min", "max", "avg")
 _MAX_DIFFERENCES = 8
-
-
-def parse_op(op: str) -> tuple[ReduceOp, bool]:
-    """Return the engine op for `op` and whether it is `"avg"` (sum, then divide by size)."""
-    if op == "avg":
-        return ReduceOp.SUM, True
-    try:
-        return ReduceOp(op), False
-    except ValueError:
-        raise ValueError(f"op={op!r} is not a reduction: use one of {_OPS}.") from None
-
-
-def reduction(op: str, scale: object, size: int, root: int | None = None) -> Reduction:
-    """Return what the engine does for a public `op` and `scale` on a world of `size` ranks.
-
-    The one place where `"avg"` becomes a sum scaled by `1 / size`, and `scale` multiplies it.
-
-    >>> reduction("avg", 2.0, 4)
-    Reduction(op=<ReduceOp.SUM: 'sum'>, scale=0.5, root=None)
-    """
-    engine_op, average = parse_op(op)
-    check_scale(scale)
-    total = 1.0 if scale is None else float(scale)  # type: ignore[arg-type]
-    if average:
-        total /= size
-    return Reduction(engine_op, None if total == 1 else total, root)
-
-
-def check_scale(scale: object) -> None:
-    """Raise `TypeError` unless `scale` is None or a real number (a 0-d array or tensor too)."""
-    if scale is None or isinstance(scale, numbers.Real):
-        return
-    if not isinstance(scale, (str, bytes, numbers.Complex)) and hasattr(type(scale), "__float__"):
-        return
-    raise TypeError(
-        f"scale={scale!r} must be a real number (an int or a float), got {type(scale).__name__}."
-    )
-
-
-def reduction_error(dtype: str, op: str, scale: float | None) -> str | None:
-    """Return why a reduction cannot be done on `dtype`, or None when it can."""
-    if dtype in INTEGER_DTYPES or dtype == "bool":
-        if op == "avg":
-            return (
-                f"op='avg' on {dtype} values would truncate; convert the leaf to a floating "
-                "dtype, or use op='sum' and divide yourself."
-            )
-        if scale is not None and (dtype == "bool" or not float(scale).is_integer()):
-            return (
-                f"scale={scale} cannot be applied to {dtype} values; use a floating dtype, "
-                "or an integral scale."
-            )
-    if dtype.startswith("complex") and op in ("min", "max"):
-        return f"op={op!r} is not defined for complex values ({dtype})."
-    return None
-
-
-def validate_reduction(dtype: str, op: str, scale: float | None, path: str) -> None:
-    """Raise `TypeError` for a reduction the dtype cannot hold, naming the leaf's `path`."""
-    error = reduction_error(dtype, op, scale)
-    if error is not None:
-        raise TypeError(f"{path}: {error}")
 
 
 def digest(description: str) -> int:
@@ -152,20 +113,32 @@ def digest(description: str) -> int:
     return int.from_bytes(raw, "little") >> 2  # so that -h fits in int64 too
 
 
-def inline_capacity(size: int) -> int:
+def payload_capacity(size: int) -> int:
     """Return how many payload bytes a handshake carries in a world of `size` ranks (0: none)."""
-    return INLINE_BYTES if 1 < size <= GATHER_LIMIT else 0
+    return PAYLOAD_BYTES if 1 < size <= GATHER_LIMIT else 0
 
 
-def new_record() -> np.ndarray:
-    """Return an empty handshake record; a payload goes at `HEADER_BYTES` onwards."""
-    return np.zeros(RECORD_BYTES, np.uint8)
+def header(call_digest: int, flags: int = 0) -> bytes:
+    """Return a record's header (its digest and flags) as bytes, for `record_of`."""
+    return _HEADER.pack(call_digest, flags)
+
+
+def record_of(head: bytes, payload: bytes = b"") -> np.ndarray:
+    """Return the record of `head` (`header`) and `payload` (read-only: a record to send)."""
+    return np.frombuffer(head + payload + _PAD[: PAYLOAD_BYTES - len(payload)], RECORD)
+
+
+def new_record(call_digest: int = 0, flags: int = 0) -> np.ndarray:
+    """Return a writable record (shape `(1,)`); its payload is `record["payload"][0]`."""
+    record = np.zeros(1, RECORD)
+    record["digest"], record["flags"] = call_digest, flags
+    return record
 
 
 def handshake(
     backend: Backend,
     summary: str | int,
-    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    call: Describe,
     *,
     record: np.ndarray | None = None,
     flag: bool | None = None,
@@ -179,7 +152,7 @@ def handshake(
         summary: a string equal on two ranks exactly when their calls are the same, or its
             `digest`.
         call: the call field by field (or a function that makes it), to explain a mismatch.
-        record: this rank's record (`new_record()`) with a payload after the header, if any.
+        record: this rank's record (`new_record()`) with a payload, if any.
         flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
         replay: makes what the call sends next (given whether some rank raised `flag`), for
             ranks that have joined to answer with zeros (None: the call cannot be answered so,
@@ -187,80 +160,84 @@ def handshake(
         on_joined: called when some rank has joined (before the call goes on).
 
     Returns:
-        Every rank's record, one row per rank (None in worlds over `GATHER_LIMIT` ranks), and
-        whether any rank raised `flag`.
+        Every rank's record (`RECORD`, one per rank; None in worlds over `GATHER_LIMIT` ranks),
+        and whether any rank raised `flag`.
     """
     h = summary if isinstance(summary, int) else digest(summary)
     if backend.size > GATHER_LIMIT:
-        bounds = np.array([h, -h, bool(flag), 0, 1, -1, -backend.rank], np.int64)
-        backend.allreduce(bounds, ReduceOp.MAX)
-        if bounds[0] != -bounds[1]:
+        bounds = np.zeros(1, BOUNDS)
+        bounds[0] = (h, -h, bool(flag), 0, 1, -1, -backend.rank)
+        backend.allreduce(bounds.view(np.int64), ReduceOp.MAX)
+        seen = bounds[0]
+        if seen["high"] != -seen["neg_low"]:
             _mismatch(backend, call)
-        if bounds[3]:
-            _answer(backend, int(-bounds[6]), call, replay, on_joined, bool(bounds[2]))
-        return None, bool(bounds[2])
+        if seen["joined"]:
+            root = int(-seen["neg_first_working"])
+            _answer(backend, root, call, replay, on_joined, bool(seen["flagged"]))
+        return None, bool(seen["flagged"])
     if record is None:
-        record = np.zeros(RECORD_BYTES, np.uint8)
-    head = record[:HEADER_BYTES].view(np.int64)
-    head[0] = h
+        record = new_record()
+    record["digest"] = h
     if flag:
-        head[1] = 1
+        record["flags"] |= Flag.NAN
     rows = exchange(backend, record, call, replay=replay, on_joined=on_joined)
-    return rows, (flag is not None and bool(rows[:, 8].any()))
+    return rows, (flag is not None and bool((rows["flags"] & Flag.NAN).any()))
 
 
 def exchange(
     backend: Backend,
     record: np.ndarray,
-    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    call: Describe,
     *,
     replay: ReplayOf = None,
     on_joined: Callable[[], None] | None = None,
 ) -> np.ndarray:
-    """Gather every rank's `record` (its header filled in); raise unless every hash is the same.
+    """Gather every rank's `record` (its header filled in); raise unless every digest is the same.
 
-    The core of `handshake`, for callers that build their record themselves (a world of at most
-    `GATHER_LIMIT` ranks). Returns the records, one row per rank.
+    The one exchange of records, for `handshake` and for callers that build their record
+    themselves (`record_of`: a call plan's header and payload) in a world of at most
+    `GATHER_LIMIT` ranks. Returns the records, one per rank.
     """
     size = backend.size
-    rows = np.empty((size, RECORD_BYTES), np.uint8)
-    backend.allgather(record, rows.reshape(-1))
-    if rows[:, :8].tobytes() != record[:8].tobytes() * size:
-        disagree(backend, rows, call, replay=replay, on_joined=on_joined)
+    rows = np.empty(size, RECORD)
+    backend.allgather(record.view(np.uint8), rows.view(np.uint8))
+    if rows["digest"].tobytes() != record["digest"].tobytes() * size:
+        _disagree(backend, rows, call, replay, on_joined)
     return rows
 
 
-def disagree(
+def _disagree(
     backend: Backend,
     rows: np.ndarray,
-    call: dict[str, Any] | Callable[[], dict[str, Any]],
-    *,
-    replay: ReplayOf = None,
-    on_joined: Callable[[], None] | None = None,
+    call: Describe,
+    replay: ReplayOf,
+    on_joined: Callable[[], None] | None,
 ) -> None:
-    """The records' hashes differ: answer the ranks that have joined, or raise on every rank.
+    """The records' digests differ: answer the ranks that have joined, or raise on every rank.
 
     Raises `CollectiveMismatchError` unless the ranks that have not joined agree among themselves.
     """
-    joined = rows[:, JOINED] != 0
-    hashes = rows[~joined, :8]
-    if not joined.any() or (hashes != hashes[0]).any():
+    flags = rows["flags"]
+    joined = (flags & Flag.JOINED) != 0
+    digests = rows["digest"][~joined]
+    if not joined.any() or (digests != digests[0]).any():
         _mismatch(backend, call)
     root = int(np.flatnonzero(~joined)[0])
-    _answer(backend, root, call, replay, on_joined, bool(rows[:, 8].any()))
+    _answer(backend, root, call, replay, on_joined, bool((flags & Flag.NAN).any()))
 
 
 def _answer(
     backend: Backend,
     root: int,
-    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    call: Describe,
     replay: ReplayOf,
     on_joined: Callable[[], None] | None,
     flagged: bool,
 ) -> None:
     """Some rank has joined: send it what this call sends next, or raise `RankJoinedError`.
 
-    `root`, the lowest rank that has not joined, sends the replay; every rank receives it.
+    `root`, the lowest rank that has not joined, sends the replay (given whether some rank
+    raised `Flag.NAN`); every rank receives it.
     """
     mine = replay(flagged) if replay is not None and backend.rank == root else None
     if backend.broadcast_object(mine, root) is None:
@@ -275,7 +252,40 @@ def _answer(
         on_joined()
 
 
-def _mismatch(backend: Backend, call: dict[str, Any] | Callable[[], dict[str, Any]]) -> NoReturn:
+def joined_round(backend: Backend, newcomer: bool) -> tuple[bool, int, Replay | None]:
+    """Take part in the next handshake as a rank that has joined (`dp.join`).
+
+    Returns whether every rank has joined, the rank that joined last (then; -1 otherwise), and
+    what the working ranks send next, to be made on zeros (None: nothing, or a mismatch among
+    them, which they raise).
+    """
+    b = backend
+    if b.size > GATHER_LIMIT:
+        bounds = np.zeros(1, BOUNDS)
+        bounds[0] = (NO_DIGEST, NO_DIGEST, 0, 1, 0, b.rank if newcomer else -1, NO_DIGEST)
+        b.allreduce(bounds.view(np.int64), ReduceOp.MAX)
+        seen = bounds[0]
+        if not seen["working"]:
+            return True, int(seen["newcomer"]), None
+        if seen["high"] != -seen["neg_low"]:  # the others disagree: they exchange, then raise
+            b.allgather_object(None)
+            return False, -1, None
+        return False, -1, b.broadcast_object(None, int(-seen["neg_first_working"]))
+    record = new_record(0, Flag.JOINED | (Flag.NEWCOMER if newcomer else 0))
+    rows = np.empty(b.size, RECORD)
+    b.allgather(record.view(np.uint8), rows.view(np.uint8))
+    flags = rows["flags"]
+    joined = (flags & Flag.JOINED) != 0
+    if joined.all():
+        return True, int(np.flatnonzero(flags & Flag.NEWCOMER)[-1]), None
+    digests = rows["digest"][~joined]
+    if (digests != digests[0]).any():
+        b.allgather_object(None)
+        return False, -1, None
+    return False, -1, b.broadcast_object(None, int(np.flatnonzero(~joined)[0]))
+
+
+def _mismatch(backend: Backend, call: Describe) -> NoReturn:
     """Exchange the calls' descriptions (every rank saw the mismatch) and raise on every rank.
 
     Ranks that have joined take part with None (`dp.join`), and are left out of the report.
@@ -286,7 +296,7 @@ def _mismatch(backend: Backend, call: dict[str, Any] | Callable[[], dict[str, An
 
 def verify_same_call(
     backend: Backend,
-    call: dict[str, Any] | Callable[[], dict[str, Any]],
+    call: Describe,
     summary: str | None = None,
     replay: ReplayOf = None,
 ) -> None:

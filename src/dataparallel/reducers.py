@@ -15,13 +15,13 @@ from typing import TypeVar
 import numpy as np
 
 from dataparallel import world
-from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.actions import Reduction, reduction, validate_reduction
 from dataparallel.arrays.families import family_of
 from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
-from dataparallel.protocol import ReplayOf, handshake, reduction, validate_reduction
+from dataparallel.protocol import ReplayOf, handshake
 from dataparallel.types import Op
 
 __all__ = ["CoalescingReducer", "InlineReducer", "Reducer"]

@@ -10,7 +10,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, NotInitializedError
 
 __all__ = [
+    "Plans",
     "World",
     "choose_device",
     "cuda_device_count",
@@ -43,6 +44,41 @@ __all__ = [
 ]
 
 
+class Plans:
+    """What the collectives decided about calls this world has made, by the calls' signatures
+    (`collectives/_plans.py`): the oldest go first beyond `KEPT` plans or `KEPT_BYTES` of the
+    buffers they hold. A plan is anything with an `nbytes`; a digest (an int) holds none."""
+
+    KEPT = 1024
+    KEPT_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._plans: dict[Hashable, object] = {}
+        self.nbytes = 0
+
+    def get(self, key: Hashable) -> object | None:
+        return self._plans.get(key)
+
+    def put(self, key: Hashable, plan: object) -> None:
+        """Keep `plan` for `key`, letting the oldest plans go while there are too many."""
+        plans = self._plans
+        plans[key] = plan
+        self.nbytes += getattr(plan, "nbytes", 0)
+        while len(plans) > self.KEPT or (self.nbytes > self.KEPT_BYTES and len(plans) > 1):
+            oldest = next(iter(plans))
+            self.nbytes -= getattr(plans.pop(oldest), "nbytes", 0)
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def items(self) -> list[tuple[Hashable, object]]:
+        return list(self._plans.items())
+
+
 @dataclass
 class World:
     """Everything `initialize` sets up: the backend, the settings it read, the device it chose."""
@@ -54,7 +90,7 @@ class World:
     pending: list[Any] = field(default_factory=list)  # dp.Request objects not yet waited on
     buffers: BufferPool = field(default_factory=BufferPool)
     recording: Timeline | None = None
-    plans: dict[Any, Any] = field(default_factory=dict)  # calls made often (collectives/_fast.py)
+    plans: Plans = field(default_factory=Plans)  # by signature (collectives/_plans.py)
     # Engines whose calls never meet the caller's, and the thread that makes calls off the
     # caller's thread (`arrays/worker.py`): both made on first use.
     private: Privates = field(default_factory=Privates)

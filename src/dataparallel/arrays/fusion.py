@@ -259,8 +259,8 @@ class Fusion:
         if wire is None:
             flight.wire = self._wire(buf, dtype, flight.pooled)
             action = self.action
-            if isinstance(action, Reduction) and action.root is None:
-                flight.prescaled = prescale(flight.wire, action.scale)
+            if isinstance(action, Reduction) and action.root is None and action.op is ReduceOp.SUM:
+                flight.prescaled = prescale(flight.wire, action.scale)  # a sum's shares only
         elif dtype != wire:
             flight.wire = self.pool.take(storage_dtype(wire), buf.size)
             to_wire(buf, dtype, wire, out=flight.wire)

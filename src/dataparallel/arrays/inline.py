@@ -17,7 +17,7 @@ from dataparallel.arrays.actions import Broadcast, Reduction
 from dataparallel.arrays.dtypes import bf16_to_f32, f32_to_bf16, scale_in_place
 from dataparallel.backends.base import ReduceOp
 
-__all__ = ["ALIGN", "combine_rows", "land_inline", "pack_inline", "padded"]
+__all__ = ["ALIGN", "combine_rows", "land_inline", "pack_inline", "padded", "payload_of"]
 
 ALIGN = 8  # each leaf's bytes start at a multiple of this in the record
 
@@ -46,6 +46,17 @@ def pack_inline(record: np.ndarray, start: int, works: list[np.ndarray]) -> None
         offset += (nbytes + ALIGN - 1) & -ALIGN
 
 
+def payload_of(works: list[np.ndarray]) -> bytes:
+    """Return `works` laid out as `pack_inline` lays them out, as bytes."""
+    if len(works) == 1:
+        return works[0].tobytes()
+    parts = []
+    for work in works:
+        raw = work.tobytes()
+        parts.append(raw + bytes(-len(raw) % ALIGN))
+    return b"".join(parts)
+
+
 def land_inline(
     rows: np.ndarray,
     start: int,
@@ -67,36 +78,41 @@ def land_inline(
                 if rank != action.root:
                     work[...] = values[action.root].reshape(work.shape)
             elif action.root is None or action.root == rank:
-                work[...] = _combine(values, dtype, action).reshape(work.shape)
+                _combine(values, dtype, action, work)
         offset += (nbytes + ALIGN - 1) & -ALIGN
 
 
-def combine_rows(ufunc: np.ufunc, values: np.ndarray) -> np.ndarray:
+def combine_rows(ufunc: np.ufunc, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Combine the rows of `values` (one per rank, two or more) with `ufunc`, in rank order.
 
     One row after the other, so that any caller, for any number of ranks, gets the same bits.
     """
-    out: np.ndarray = ufunc(values[0], values[1])
+    out = ufunc(values[0], values[1], out=out)
     for row in values[2:]:
         ufunc(out, row, out=out)
     return out
 
 
-def _combine(values: np.ndarray, dtype: str, action: Reduction) -> np.ndarray:
-    """Reduce `values` (one row per rank, storage dtype) along the ranks, then scale."""
+def _combine(values: np.ndarray, dtype: str, action: Reduction, work: np.ndarray) -> None:
+    """Reduce `values` (one row per rank, storage dtype) along the ranks into `work`, scaled."""
     op, scale = action.op, action.scale
     if dtype == "bool":
         logical = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
-        return combine_rows(logical, values)
+        work[...] = combine_rows(logical, values).reshape(work.shape)
+        return
     if dtype in ("bfloat16", "float16"):
         wide = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
         out = combine_rows(_UFUNCS[op], wide)
         if scale is not None:
             scale_in_place(out, scale)
         if dtype == "float16":
-            return out.astype(np.float16)
-        return f32_to_bf16(out, np.empty(out.shape, np.uint16))
-    out = combine_rows(_UFUNCS[op], values)
+            work[...] = out.astype(np.float16).reshape(work.shape)
+        else:
+            work[...] = f32_to_bf16(out, np.empty(out.shape, np.uint16)).reshape(work.shape)
+        return
+    contiguous = work.flags.c_contiguous  # then combined straight into it, through a 1-D view
+    out = combine_rows(_UFUNCS[op], values, out=work.reshape(-1) if contiguous else None)
     if scale is not None:
         scale_in_place(out, scale)
-    return out
+    if not contiguous:
+        work[...] = out.reshape(work.shape)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -31,13 +31,12 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, DoneHandle, Handle
 from dataparallel.config import Settings
 from dataparallel.protocol import (
-    HEADER_BYTES,
     ReplayOf,
     digest,
     fail_together,
     handshake,
-    inline_capacity,
     new_record,
+    payload_capacity,
 )
 
 __all__ = [
@@ -68,10 +67,11 @@ class Context:
     settings: Settings
     buffers: BufferPool
     pending: list[Any] | None
+    plans: world.Plans
     timeline: Timeline | None = None
 
 
-CallContext = Context | world.World  # both have backend, settings, buffers, pending, timeline
+CallContext = Context | world.World  # both have backend, settings, buffers, pending, plans...
 
 
 def context(backend: Backend | None) -> CallContext:
@@ -82,8 +82,10 @@ def context(backend: Backend | None) -> CallContext:
         active = world.current()
         if backend is active.backend:
             return active
-        return Context(backend, active.settings, active.buffers, active.pending, active.timeline)
-    return Context(backend, Settings.from_env(), BufferPool(), None)
+        return Context(
+            backend, active.settings, active.buffers, active.pending, active.plans, active.timeline
+        )
+    return Context(backend, Settings.from_env(), BufferPool(), None, world.Plans())
 
 
 @dataclass
@@ -148,7 +150,7 @@ def prepared(ctx: CallContext, collective: str, prepare: Callable[[], _T]) -> _T
 
 def inline_fits(ctx: CallContext, leaves: list[Leaf]) -> bool:
     """Whether the leaves' values travel in the handshake (host leaves, few bytes in all)."""
-    room = inline_capacity(ctx.backend.size)
+    room = payload_capacity(ctx.backend.size)
     if room == 0:
         return False
     for leaf in leaves:
@@ -184,9 +186,10 @@ def agree(
     record = None
     if inline:
         record = new_record()
-        pack_inline(record, HEADER_BYTES, [leaf.work for leaf in leaves])
+        pack_inline(record["payload"][0], 0, [leaf.work for leaf in leaves])
     settings = ctx.settings
     key = (
+        "digest",
         collective,
         tuple(args.items()),
         flat.spec,
@@ -195,25 +198,18 @@ def agree(
         inline,
         settings.check,
         settings.bucket_bytes,
+        ctx.backend.size,
     )
-    h = _DIGESTS.get(key)
+    h = cast(int | None, ctx.plans.get(key))
 
     def details() -> dict[str, Any]:
         return describe(ctx, collective, flat, leaves, args, first_axis, inline)[1]()
 
-    if h is None:
-        if len(_DIGESTS) > 4096:
-            _DIGESTS.clear()
-        h = _DIGESTS[key] = digest(
-            describe(ctx, collective, flat, leaves, args, first_axis, inline)[0]
-        )
+    if h is None:  # the world keeps the digests of calls seen: a call repeated is described once
+        h = digest(describe(ctx, collective, flat, leaves, args, first_axis, inline)[0])
+        ctx.plans.put(key, h)
     rows, flagged = handshake(ctx.backend, h, details, record=record, flag=flag, replay=replay)
-    return (rows if inline else None), flagged
-
-
-# The digests of calls seen, by what their summary depends on: a call repeated (a training step)
-# is described once. (Leaf paths and shapes enter only through `flat.spec` and the leaves.)
-_DIGESTS: dict[tuple[Any, ...], int] = {}
+    return (rows["payload"] if inline and rows is not None else None), flagged
 
 
 def describe(
@@ -239,23 +235,25 @@ def describe(
         where = "" if leaf.device == "cpu" else f" on {leaf.device.partition(':')[0]}"
         return f"{leaf.dtype}{shape}{where}"
 
+    signatures = [signature(leaf) for leaf in leaves]
     if ctx.settings.check:
-        signatures = [signature(leaf) for leaf in leaves]
         structure = flat.structure()
         summary = f"{collective}|{sorted(args.items())}|{structure}|{'|'.join(signatures)}"
     else:
-        signatures, structure = [], ""
+        structure = ""
         sizes = [
             f"{leaf.dtype}:{prod(leaf.shape[0 if first_axis else 1 :])}:{leaf.device[:2]}"
             for leaf in leaves
         ]
         summary = f"{collective}|{sorted(args.items())}|{'|'.join(sizes)}"
+    bare = tree.Flat([], flat.spec, flat.name)  # the structure without the leaves, kept by plans
+    indices = [leaf.index for leaf in leaves]
 
     def details() -> dict[str, Any]:
         call: dict[str, Any] = {"collective": collective, **args, "messages": wire}
-        call["tree structure"] = structure or flat.structure()
-        for leaf, sig in zip(leaves, signatures or map(signature, leaves), strict=True):
-            call[flat.path(leaf.index)] = sig
+        call["tree structure"] = structure or bare.structure()
+        for index, sig in zip(indices, signatures, strict=True):
+            call[bare.path(index)] = sig
         return call
 
     return f"{summary}|{wire}", details
@@ -294,7 +292,7 @@ def run(
 ) -> tuple[Handle, Callable[[], Any]]:
     """Start the collective; return what to wait for and the function that builds its result.
 
-    With `rows` (every rank's handshake record, carrying the values), the result is computed
+    With `rows` (every rank's handshake payload, carrying the values), the result is computed
     here and nothing more is sent; otherwise the leaves go through `Fusion` (with
     `compression`, a 16-bit wire dtype, floating buckets travel compressed).
     """
@@ -312,7 +310,7 @@ def run(
     fusion = None
     if rows is not None:
         works = [leaf.work for leaf in leaves]
-        land_inline(rows, HEADER_BYTES, works, [leaf.dtype for leaf in leaves], action, rank)
+        land_inline(rows, 0, works, [leaf.dtype for leaf in leaves], action, rank)
     else:
         fusion = fuse(ctx, leaves, action, async_op, compression)
 

@@ -1,192 +1,490 @@
-"""The third lane of `dp.allreduce`'s fast path: trees of NumPy arrays, or of a few floats.
+"""Call plans: what the general path decides about a reduction, decided once per signature.
 
-A list, tuple or dict of plain NumPy arrays of one dtype under `sum`, `avg` or `prod`, too large
-to travel in the handshake and at most `PLAN_BYTES` in all: a plan per tree structure, made once
-by the general path and kept by the world (`World.plans`), holds the call's hash, a buffer and
-each leaf's view of it, so a call is one `np.concatenate` into the buffer, the handshake, the one
-`Allreduce` the general path's single bucket would make, and one copy back per leaf (200 arrays of
-64 floats: 0.11 us a leaf, against about 2 us a leaf of records, fusion and write-back on the
-general path). A few Python floats (metrics) travel in the handshake, combined as the general
-path's inline call combines them.
+A reduction's signature is what its decisions depend on: the collective and its arguments, the
+tree's structure, each leaf's dtype, shape and device, the world's size and the settings. The first
+call of a signature is planned (`_plan`): validated, described and hashed for the handshake, its
+values placed in the handshake or not, its `Reduction` and its join replay made, and, for host
+arrays of one dtype that make one bucket, that bucket allocated with each leaf's view of it. The
+world keeps the plan (`World.plans`, which `dp.finalize()` drops with the world), and every call,
+the first included, executes its plan (`start`) in one of three ways:
+
+- "inline": the values travel in the handshake's payload, and every rank combines every rank's
+  values locally, in rank order (`arrays/inline.py`): one message.
+- "packed": the handshake, then one `Allreduce` of the bucket (the one leaf itself, in place; else
+  the plan's buffer, packed and unpacked), scaled as `Fusion` scales a bucket.
+- "fused": the leaves through `Fusion` (`_call.run`), with the NaN masks of min and max.
+
+"packed" sends exactly what "fused" sends for the same call (`Fusion` makes one bucket of those
+leaves), so ranks may differ in which they execute: a rank that records a timeline or logs each
+call goes through `Fusion`, whose steps those record.
+
+What is left per call is finding the plan. A number, a writable NumPy array, or a list, tuple or
+dict of numbers or of arrays of one dtype (`_host_form`) is keyed as it is; any other tree is
+flattened and its leaves staged first (`_call.leaves_of`, `stage`), as every call was before.
 """
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, cast
 
 import numpy as np
+import optree
 
-from dataparallel import world
 from dataparallel.arrays import tree
-from dataparallel.arrays.actions import Reduction
-from dataparallel.arrays.dtypes import scale_in_place
-from dataparallel.arrays.inline import combine_rows
-from dataparallel.collectives._lane import (
-    DTYPES,
-    IN_PLACE_OPS,
-    NOT_FAST,
-    PAD,
-    UFUNCS,
-    allreduce_scaled,
-    gather_records,
-    general,
-    integer_rules,
-    reduction_of,
+from dataparallel.arrays.actions import Reduction, reduction, reduction_error
+from dataparallel.arrays.compression import wire_dtype
+from dataparallel.arrays.dtypes import prescale, scale_in_place
+from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.inline import land_inline, payload_of
+from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask, set_nan
+from dataparallel.arrays.replay import Replay
+from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.collectives import _replays
+from dataparallel.collectives._call import (
+    CallContext,
+    Leaf,
+    check_root,
+    describe,
+    inline_fits,
+    leaves_of,
+    prepared,
+    results,
+    run,
+    stage,
 )
-from dataparallel.protocol import HEADER_BYTES, INLINE_BYTES, RECORD_BYTES
+from dataparallel.protocol import (
+    PAYLOAD_BYTES,
+    digest,
+    exchange,
+    handshake,
+    header,
+    payload_capacity,
+    record_of,
+)
 
-__all__ = ["PLAN_BYTES", "Plan", "tree_allreduce"]
+__all__ = ["PLAN_BYTES", "CallPlan", "allreduce_scaled", "start"]
 
-PLAN_BYTES = 1 << 20  # trees up to this size get a plan, and keep its buffer
-_PLANS_KEPT = 32  # plans a world keeps (the oldest goes first)
+PLAN_BYTES = 1 << 20  # a bucket of several leaves up to this size is kept in its plan
+Kind = Literal["inline", "packed", "fused"]
+Finish = Callable[[], object]
+
+_PACKED_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
+_PACKED_OPS = frozenset({ReduceOp.SUM, ReduceOp.PROD})  # min and max: the NaN rules of "fused"
+_DONE = DoneHandle()
 
 
-@dataclass(slots=True)
-class Plan:
-    """How a tree of one structure is reduced: made once (`_plan`), used by every call."""
+@dataclass(slots=True, eq=False)
+class CallPlan:
+    """How every call of one signature runs: made once by `_plan`, executed by `start`."""
 
-    record: np.ndarray  # the handshake record (uint8): the call's hash, no payload
+    kind: Kind
+    digest: int  # the call's summary hashed, what the handshake compares
+    header: bytes  # the handshake record's header: the digest, no flags
+    describe: Callable[[], dict[str, object]]  # the call field by field, for a mismatch
     action: Reduction
-    buf: np.ndarray  # the tree's values, packed in leaf order (as the general path's bucket)
-    views: list[np.ndarray]  # each leaf's place in `buf`, in its shape
-    spec: Any  # the structure of a dict (None for a list or a tuple)
+    dtypes: list[str]  # each leaf's dtype ("inline": how its bytes are combined)
+    wire: str | None  # the 16-bit wire dtype of `compression=`
+    nans: bool  # "fused" min/max: ranks flag their NaNs in the handshake
+    replay: Replay  # what a rank that has joined (`dp.join`) makes instead
+    replay_nan: Replay  # ... when some rank flagged a NaN (the masks follow)
+    buf: np.ndarray | None = None  # "packed" over several leaves: the bucket
+    views: list[np.ndarray] = field(default_factory=list)  # each leaf's place in `buf`
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.nbytes
+
+    def replay_of(self, flagged: bool) -> Replay:
+        return self.replay_nan if flagged else self.replay
 
 
-def tree_allreduce(x: Any, kind: type, op: str, scale: Any, active: world.World) -> Any:
-    """Reduce a list, tuple or dict of NumPy arrays of one dtype with its plan (`Plan`)."""
-    if kind is dict:
-        if type(_some_leaf(x)) not in _PLANNED_LEAVES:
-            return NOT_FAST  # a dict of tensors, say: not flattened twice
+def start(
+    ctx: CallContext,
+    collective: str,
+    x: object,
+    name: str,
+    op: str,
+    scale: float | None,
+    *,
+    root: int | None = None,
+    compression: object = None,
+    async_op: bool = False,
+) -> tuple[Handle, Finish]:
+    """Start the reduction `collective` of `x` through its plan.
+
+    Returns what to wait for and the function that builds the result.
+    """
+    plain = ctx.timeline is None and not ctx.settings.debug
+    if plain and root is None and compression is None and type(scale) in _SCALES:
+        form = _host_form(x) if type(op) is str else None
+        if form is not None:
+            settings = ctx.settings
+            key: tuple[Hashable, ...] = (collective, name, op, scale, ctx.backend.size)
+            key += (settings.check, settings.bucket_bytes, *form.key)
+            plan = cast(CallPlan | None, ctx.plans.get(key))
+            if plan is not None and (
+                plan.kind == "inline" or (plan.kind == "packed" and not form.numbers)
+            ):
+                return _DONE, _run_form(ctx, plan, form)
+            return _general(ctx, collective, x, name, op, scale, root, compression, async_op, key)
+    return _general(ctx, collective, x, name, op, scale, root, compression, async_op, None)
+
+
+class _Form(NamedTuple):
+    """A call's tree as it is: a number, a NumPy array, or a flat container of either."""
+
+    key: tuple[Hashable, ...]  # what of the tree its plan depends on
+    works: list[np.ndarray]  # its values as the plan's leaves (numbers: one float64 array)
+    kind: type  # float, np.ndarray, list, tuple or dict
+    spec: optree.PyTreeSpec | None  # a dict's structure
+    numbers: bool  # the leaves are Python floats
+
+
+_SCALES = (type(None), int, float)
+_NUMERIC = frozenset("biufc")
+
+
+def _host_form(x: object) -> _Form | None:
+    """Return `x` as a `_Form`, or None for a tree that is flattened (`_general`)."""
+    kind = type(x)
+    if kind is float:
+        return _Form(_FLOAT_KEY, [np.array(x)], kind, None, True)
+    if kind is np.ndarray:
+        a = cast(np.ndarray, x)
+        if not (a.flags.c_contiguous and a.flags.writeable) or a.dtype.kind not in _NUMERIC:
+            return None
+        return _Form((kind, a.dtype, a.shape), [a], kind, None, False)
+    spec = None
+    if kind is list or kind is tuple:
+        leaves = cast(list[object], x)
+    elif kind is dict:
+        first = next(iter(cast(dict[object, object], x).values()), None)
+        if type(first) is not float and type(first) is not np.ndarray:
+            return None  # a dict of tensors, of dicts, ...: flattened once, by `_general`
         flat = tree.flatten(x, "x")
         leaves, spec = flat.leaves, flat.spec
     else:
-        leaves, spec = x, None
-    if len(leaves) < 2:
-        return NOT_FAST
-    if type(leaves[0]) is float:
-        return _numbers(x, kind, leaves, spec, op, scale, active)
-    if type(leaves[0]) is not np.ndarray or op not in IN_PLACE_OPS:
-        return NOT_FAST
-    dtype = leaves[0].dtype
+        return None
+    if not leaves:
+        return None
+    first = leaves[0]
+    if type(first) is float:
+        if len(leaves) * 8 > PAYLOAD_BYTES:
+            return None
+        for leaf in leaves:
+            if type(leaf) is not float:
+                return None
+        return _Form((kind, spec, len(leaves)), [np.array(leaves)], kind, spec, True)
+    if type(first) is not np.ndarray:
+        return None
+    dtype = first.dtype
+    if dtype.kind not in _NUMERIC:
+        return None
     for leaf in leaves:
         if type(leaf) is not np.ndarray or leaf.dtype is not dtype:
-            return NOT_FAST
-    settings = active.settings
-    shapes = tuple([leaf.shape for leaf in leaves])
-    key = (kind, spec, dtype, shapes, op, scale, settings.check, settings.bucket_bytes)
-    plan = _planned(active, key, lambda: _plan(x, leaves, op, scale, active))
-    if plan is None:
-        return NOT_FAST
-    buf, backend = plan.buf, active.backend
-    np.concatenate(leaves, axis=None, out=buf)
-    gather_records(backend, plan.record, x, op, scale, fused=True)
-    allreduce_scaled(backend, buf, plan.action)
-    results = leaves
-    try:
-        for leaf, view in zip(leaves, plan.views, strict=True):
-            leaf[...] = view
-    except ValueError:  # a read-only array: a new one instead, as the general path gives
-        results = [
-            leaf if leaf.flags.writeable else view.copy()
-            for leaf, view in zip(leaves, plan.views, strict=True)
-        ]
-        for leaf, view in zip(results, plan.views, strict=True):
-            if leaf is not view:
-                leaf[...] = view
-    return tree.unflatten(spec, results) if spec is not None else kind(results)
-
-
-_PLANNED_LEAVES = (np.ndarray, float)
-
-
-def _some_leaf(x: Any) -> Any:
-    """Return one leaf of a tree of dicts, lists and tuples (every leaf of a planned tree has
-    the same type, so one that has another rules the tree out)."""
-    while type(x) is dict or type(x) is list or type(x) is tuple:
-        if not x:
             return None
-        x = next(iter(x.values())) if type(x) is dict else x[0]
-    return x
+    arrays = cast(list[np.ndarray], leaves)
+    return _Form((kind, spec, dtype, tuple([a.shape for a in arrays])), arrays, kind, spec, False)
 
 
-def _numbers(
-    x: Any, kind: type, leaves: list[Any], spec: Any, op: str, scale: Any, active: world.World
-) -> Any:
-    """Reduce a few Python floats (metrics) in the handshake: the general path's inline call."""
-    n = len(leaves)
-    if n * 8 > INLINE_BYTES:
-        return NOT_FAST
-    for leaf in leaves:
-        if type(leaf) is not float:
-            return NOT_FAST
-    settings = active.settings
-    key = ("numbers", kind, spec, n, op, scale, settings.check, settings.bucket_bytes)
-    plan = _planned(active, key, lambda: _numbers_plan(x, op, scale, active))
+_FLOAT_KEY: tuple[Hashable, ...] = (float,)
+_ONE_FLOAT64 = ["float64"]  # a form's numbers, one float64 array: laid out as n float64 leaves
+
+
+def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
+    """Execute an "inline" or "packed" plan on a `_Form`; return what builds the result."""
+    works = form.works
+    if plan.kind == "inline":
+        _inline(ctx.backend, plan, works, _ONE_FLOAT64 if form.numbers else plan.dtypes)
+    else:
+        works = _packed(ctx.backend, plan, works)
+    if form.numbers:
+        values = works[0].tolist()
+        if form.kind is float:
+            return lambda: values
+        return lambda: _rebuilt(form, values)
+    if form.kind is np.ndarray:
+        result = works[0]
+        return lambda: result
+    return lambda: _rebuilt(form, works)
+
+
+def _rebuilt(form: _Form, leaves: Sequence[object]) -> object:
+    if form.spec is not None:
+        return tree.unflatten(form.spec, list(leaves))
+    return form.kind(leaves)
+
+
+def _inline(backend: Backend, plan: CallPlan, works: list[np.ndarray], dtypes: list[str]) -> None:
+    """The values travel in the handshake; every rank combines every rank's into `works`."""
+    record = record_of(plan.header, payload_of(works))
+    rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
+    land_inline(rows["payload"], 0, works, dtypes, plan.action, backend.rank)
+
+
+def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[np.ndarray]:
+    """The handshake, then one allreduce of the plan's bucket; return the leaves' results (read-only
+    arrays come back new)."""
+    buf = plan.buf
+    if buf is None:  # one leaf: its own bucket
+        work = works[0]
+        mine = work.flags.c_contiguous and work.flags.writeable
+        target = work if mine else np.array(work, order="C")
+    else:
+        np.concatenate(works, axis=None, out=buf)
+        target = buf
+    exchange(backend, record_of(plan.header), plan.describe, replay=plan.replay_of)
+    allreduce_scaled(backend, target.reshape(-1), plan.action)  # after the handshake
+    if buf is None:
+        if target is not work:
+            if not work.flags.writeable:
+                return [target]
+            work[...] = target
+        return works
+    out = works
+    for i, (work, view) in enumerate(zip(works, plan.views, strict=True)):
+        if work.flags.writeable:
+            work[...] = view
+        else:  # a read-only array: a new one instead, as `Fusion` gives
+            out = list(works) if out is works else out
+            out[i] = view.copy()
+    return out
+
+
+def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
+    """Allreduce `buf` in place, scaled as `Fusion` scales a bucket: a sum's shares before the
+    sum where that is exact (`dtypes.prescale`), else the result."""
+    prescaled = action.op is ReduceOp.SUM and prescale(buf, action.scale)
+    backend.allreduce(buf, action.op)
+    if action.scale is not None and not prescaled:
+        scale_in_place(buf, action.scale)
+
+
+def _general(
+    ctx: CallContext,
+    collective: str,
+    x: object,
+    name: str,
+    op: str,
+    scale: float | None,
+    root: int | None,
+    compression: object,
+    async_op: bool,
+    key: tuple[Hashable, ...] | None,
+) -> tuple[Handle, Finish]:
+    """Flatten and stage `x`, find (or make) its plan, and execute it. `key`: the plan's key,
+    when the caller made it from the tree as it is (`_host_form`)."""
+    size = ctx.backend.size
+
+    def prepare() -> tuple[tree.Flat, list[Leaf], Reduction, dict[str, object]]:
+        wire = wire_dtype(compression)
+        rank = None if root is None else check_root(root, ctx.backend)
+        action = reduction(op, scale, size, rank)  # every call: it validates op and scale
+        flat = tree.flatten(x, name)
+        leaves = leaves_of(flat)
+        stage(leaves)
+        scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
+        args: dict[str, object] = {"op": op, "scale": scale_arg}
+        if rank is not None:
+            args["root"] = rank
+        if wire is not None:
+            args["compression"] = wire
+        return flat, leaves, action, args
+
+    flat, leaves, action, args = prepared(ctx, collective, prepare)
+    if key is None:
+        settings = ctx.settings
+        signature = tuple([(leaf.dtype, leaf.shape, leaf.device) for leaf in leaves])
+        key = (collective, name, *args.values(), size, settings.check, settings.bucket_bytes)
+        key += (flat.spec, signature)
+    plan = cast(CallPlan | None, ctx.plans.get(key))
     if plan is None:
-        return NOT_FAST
-    header, action = plan
-    payload = struct.pack(f"<{n}d", *leaves)
-    record = np.frombuffer(header + payload + PAD[: INLINE_BYTES - 8 * n], np.uint8)
-    rows, _ = gather_records(active.backend, record, x, op, scale, fused=False)
-    size = active.backend.size
-    values = rows.reshape(size, RECORD_BYTES)[:, HEADER_BYTES : HEADER_BYTES + 8 * n]
-    out = combine_rows(UFUNCS[op], values.view(np.float64))  # as `arrays.inline`, leaf by leaf
-    if action.scale is not None:
-        scale_in_place(out, action.scale)
-    results = out.tolist()
-    return tree.unflatten(spec, results) if spec is not None else kind(results)
+        plan = prepared(
+            ctx, collective, lambda: _plan(ctx, collective, flat, leaves, args, action, scale)
+        )
+        ctx.plans.put(key, plan)
+    return _execute(ctx, collective, plan, flat, leaves, async_op)
 
 
-def _numbers_plan(x: Any, op: str, scale: Any, active: world.World) -> tuple[bytes, Any] | None:
-    """Return the header and reduction of `_numbers`' calls, or None for the general path's."""
-    try:
-        action = reduction_of(op, scale, active.backend.size)
-    except Exception:
-        return None  # the general path raises the error, on every rank
-    described = general(x, op, scale)
-    if not described.inline or any(leaf.dtype != "float64" for leaf in described.leaves):
-        return None
-    return described.header, action
-
-
-def _plan(x: Any, leaves: list[Any], op: str, scale: Any, active: world.World) -> Plan | None:
-    """Make the plan of `x`'s calls (`leaves`: its arrays), or None for the general path's."""
-    dtype = leaves[0].dtype
-    if dtype not in DTYPES or integer_rules(dtype, op, scale):
-        return None
-    total = sum(leaf.nbytes for leaf in leaves)
-    if total > min(PLAN_BYTES, active.settings.bucket_bytes):
-        return None  # the general path would make more than one bucket
-    try:
-        action = reduction_of(op, scale, active.backend.size)
-    except Exception:
-        return None  # the general path raises the error, on every rank
-    described = general(x, op, scale)
-    if described.inline:
-        return None  # the values travel in the handshake, as small calls
-    buf = np.empty(total // dtype.itemsize, dtype)
-    views, offset = [], 0
+def _plan(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    args: dict[str, object],
+    action: Reduction,
+    scale: float | None,
+) -> CallPlan:
+    """Decide how calls like this one run (see the module's notes); raise for a bad leaf."""
+    op = cast(str, args["op"])
+    wire = cast(str | None, args.get("compression"))
     for leaf in leaves:
-        views.append(buf[offset : offset + leaf.size].reshape(leaf.shape))
-        offset += leaf.size
-    spec = described.spec if type(x) is dict else None
-    record = np.frombuffer(described.header + PAD[:INLINE_BYTES], np.uint8)
-    return Plan(record, action, buf, views, spec)
+        error = reduction_error(leaf.dtype, op, scale)
+        if error is not None:
+            raise TypeError(f"{flat.path(leaf.index)}: {error}")
+    size = ctx.backend.size
+    inline = wire is None and inline_fits(ctx, leaves)  # compressed values never go inline
+    summary, details = describe(ctx, collective, flat, leaves, args, True, inline)
+    call_digest = digest(summary)
+    works = [leaf.work for leaf in leaves]
+    dtypes = [leaf.dtype for leaf in leaves]
+    kind: Kind = "inline" if inline else "fused"
+    buf, views = None, []
+    if not inline and _packable(ctx, collective, action, wire, works, dtypes):
+        kind = "packed"
+        if len(works) > 1:
+            buf = np.empty(sum(w.size for w in works), works[0].dtype)
+            offset = 0
+            for w in works:
+                views.append(buf[offset : offset + w.size].reshape(w.shape))
+                offset += w.size
+    nans = kind == "fused" and action.op in (ReduceOp.MIN, ReduceOp.MAX) and size > 1
+    replay = _replays.fused(ctx, action, leaves, collective.startswith("i"), inline)
+    replay_nan = replay
+    if nans:
+        floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
+        masks = _replays.nan_masks(ctx, floating, collective.startswith("i"))
+        replay_nan = dataclasses.replace(replay, then=masks)
+    head = header(call_digest)
+    return CallPlan(
+        kind, call_digest, head, details, action, dtypes, wire, nans, replay, replay_nan, buf, views
+    )
 
 
-_T = TypeVar("_T")
+def _packable(
+    ctx: CallContext,
+    collective: str,
+    action: Reduction,
+    wire: str | None,
+    works: list[object],
+    dtypes: list[str],
+) -> bool:
+    """Whether one `Allreduce` of one host bucket is what `Fusion` would make of these leaves."""
+    if collective != "allreduce" or wire is not None or action.op not in _PACKED_OPS:
+        return False
+    if not payload_capacity(ctx.backend.size):  # "packed" meets in records, as "inline" does
+        return False
+    if any(type(w) is not np.ndarray for w in works) or len(set(dtypes)) != 1:
+        return False
+    if dtypes[0] not in _PACKED_DTYPES:
+        return False
+    if dtypes[0] in ("int32", "int64") and action.scale is not None:
+        return False  # integer scales: `Fusion`'s rules
+    if len(works) == 1:
+        return True  # a bucket of itself, whatever its size
+    total = sum(cast(np.ndarray, w).nbytes for w in works)
+    return total <= min(PLAN_BYTES, ctx.settings.bucket_bytes)
 
 
-def _planned(active: world.World, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
-    """Return the world's plan for `key`, made by `make` on first sight (None: no plan)."""
-    plans = active.plans
-    plan = plans.get(key, NOT_FAST)  # one lookup: this is every planned call's path
-    if plan is not NOT_FAST:
-        return plan
-    if len(plans) >= _PLANS_KEPT:
-        del plans[next(iter(plans))]  # the oldest
-    plans[key] = plan = make()
-    return plan
+def _execute(
+    ctx: CallContext,
+    collective: str,
+    plan: CallPlan,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    async_op: bool,
+) -> tuple[Handle, Finish]:
+    """Execute `plan` on staged leaves."""
+    backend = ctx.backend
+    plain = ctx.timeline is None and not ctx.settings.debug
+    if plan.kind == "packed" and plain:
+        works = _packed(backend, plan, [cast(np.ndarray, leaf.work) for leaf in leaves])
+        for leaf, work in zip(leaves, works, strict=True):
+            if work is not leaf.work:
+                leaf.work, leaf.is_view = work, False
+        return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
+    if plan.kind == "inline":
+        works = [cast(np.ndarray, leaf.work) for leaf in leaves]
+        record = record_of(plan.header, payload_of(works))
+        rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
+        return run(ctx, collective, flat, leaves, plan.action, async_op, rows["payload"])
+    nans = None
+    if plan.nans:
+        nans = prepared(ctx, collective, lambda: _local_nans(leaves))
+    any_nan = False
+    if backend.size > 1:
+        _, any_nan = handshake(
+            backend,
+            plan.digest,
+            plan.describe,
+            flag=None if nans is None else bool(nans),
+            replay=plan.replay_of,
+        )
+    if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
+        return _nan_preserving(ctx, collective, flat, leaves, plan.action, async_op, plan.wire)
+    return run(ctx, collective, flat, leaves, plan.action, async_op, None, plan.wire)
+
+
+def _host_values(leaf: Leaf) -> np.ndarray:
+    work = leaf.work
+    return work if type(work) is np.ndarray else leaf.family.to_host(leaf.value)
+
+
+def _local_nans(leaves: list[Leaf]) -> list[Leaf]:
+    """Return the floating leaves that hold a NaN on this rank."""
+    return [
+        leaf
+        for leaf in leaves
+        if leaf.dtype in FLOATING and has_nan(_host_values(leaf), leaf.dtype)
+    ]
+
+
+def _nan_preserving(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    action: Reduction,
+    async_op: bool,
+    wire: str | None,
+) -> tuple[Handle, Finish]:
+    """Run a min/max reduction, then write NaN wherever any rank had one (see `arrays.nan`)."""
+    floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
+    masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]
+    fusion, finish = run(ctx, collective, flat, leaves, action, async_op, compression=wire)
+    mask_fusion = _fuse_masks(ctx, masks, async_op)
+
+    def finish_with_nan() -> object:
+        mask_fusion.wait()
+        if action.root is None or action.root == ctx.backend.rank:
+            for leaf, mask in zip(floating, masks, strict=True):
+                if type(leaf.work) is np.ndarray:
+                    set_nan(leaf.work, leaf.dtype, mask)
+                else:  # a device leaf: its reduction has landed already
+                    host = leaf.family.to_host(leaf.value)
+                    set_nan(host, leaf.dtype, mask)
+                    leaf.family.from_host(leaf.value, host)
+        return finish()
+
+    return _Both(fusion, mask_fusion), finish_with_nan
+
+
+def _fuse_masks(ctx: CallContext, masks: list[np.ndarray], async_op: bool) -> Fusion:
+    fusion = Fusion(
+        ctx.backend,
+        Reduction(ReduceOp.MAX),
+        bucket_bytes=ctx.settings.bucket_bytes,
+        async_op=async_op,
+        pool=ctx.buffers,
+    )
+    for mask in masks:
+        fusion.add(mask, "uint8")
+    fusion.flush()
+    return fusion
+
+
+class _Both:
+    """Two collectives in flight, waited for together."""
+
+    def __init__(self, first: Handle, second: Handle) -> None:
+        self.first, self.second = first, second
+
+    def wait(self) -> None:
+        self.first.wait()
+        self.second.wait()
+
+    def test(self) -> bool:
+        return self.first.test() and self.second.test()

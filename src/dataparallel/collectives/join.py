@@ -1,7 +1,7 @@
 """`join`: uneven inputs. A rank that has run out of data keeps answering the others' reductions.
 
 Horovod's `hvd.join()` and the idea of DDP's `Join`: a rank that calls `join()` takes part in
-every handshake of the ranks still working (`protocol.handshake`), marked as joined. From their
+every handshake of the ranks still working (`protocol.joined_round`), marked as joined. From their
 handshake it learns what they send next (a `Replay`) and makes the same engine calls with zeros:
 their allreduces, reduce-scatters, gradient steps (`DistributedOptimizer`, `DataParallelModel`),
 reducers' flushes and barriers complete, and averages divide by the whole world's size, as in
@@ -13,18 +13,12 @@ the rank that joined last.
 
 from __future__ import annotations
 
-import numpy as np
-
-from dataparallel import protocol
-from dataparallel.arrays.replay import Replay
-from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import context
 from dataparallel.groups import Group, backend_of
-from dataparallel.protocol import JOINED, NEWCOMER, new_record
+from dataparallel.protocol import joined_round
 
 __all__ = ["join"]
-
-_NO_HASH = -(1 << 62)  # below every hash and every -hash, for MAX
 
 
 def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
@@ -56,39 +50,9 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
         return 0
     newcomer = True
     while True:
-        done, last, replay = _round(b, newcomer)
+        done, last, replay = joined_round(b, newcomer)
         newcomer = False
         if done:
             return last
         if replay is not None:
             replay.run(b, ctx.buffers)
-
-
-def _round(b: Backend, newcomer: bool) -> tuple[bool, int, Replay | None]:
-    """Take part in the next handshake as a joined rank.
-
-    Returns whether every rank has joined, the last to join (then), and what to run (or None).
-    """
-    if b.size > protocol.GATHER_LIMIT:  # the allreduce handshake (`protocol.handshake`)
-        bounds = np.array(
-            [_NO_HASH, _NO_HASH, 0, 1, 0, b.rank if newcomer else -1, _NO_HASH], np.int64
-        )
-        b.allreduce(bounds, ReduceOp.MAX)
-        if bounds[4] == 0:
-            return True, int(bounds[5]), None
-        if bounds[0] != -bounds[1]:  # the others disagree: they exchange their calls, then raise
-            b.allgather_object(None)
-            return False, -1, None
-        return False, -1, b.broadcast_object(None, int(-bounds[6]))
-    record = new_record()
-    record[JOINED], record[NEWCOMER] = 1, int(newcomer)
-    rows = np.empty((b.size, record.size), np.uint8)
-    b.allgather(record, rows.reshape(-1))
-    joined = rows[:, JOINED] != 0
-    if joined.all():
-        return True, int(np.flatnonzero(rows[:, NEWCOMER])[-1]), None
-    hashes = rows[~joined, :8]
-    if (hashes != hashes[0]).any():
-        b.allgather_object(None)
-        return False, -1, None
-    return False, -1, b.broadcast_object(None, int(np.flatnonzero(~joined)[0]))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataparallel.arrays import tree
-from dataparallel.arrays.actions import Scatter
+from dataparallel.arrays.actions import Scatter, reduction, reduction_error
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import _replays
 from dataparallel.collectives._call import (
@@ -15,7 +15,6 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.collectives._split import check_rows, run_split
 from dataparallel.groups import Group, backend_of
-from dataparallel.protocol import reduction, reduction_error
 from dataparallel.types import Op, Tree
 
 __all__ = ["reducescatter"]

@@ -66,10 +66,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
     ) from exc
 
 from dataparallel import collectives, world
+from dataparallel.arrays.actions import parse_op, validate_reduction
 from dataparallel.arrays.compression import Compressor, wire_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
-from dataparallel.protocol import parse_op, validate_reduction
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]

@@ -39,13 +39,14 @@ import numpy as np
 import torch
 
 from dataparallel import collectives, world
+from dataparallel.arrays.actions import reduction
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.replay import Replay
 from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import handshake, reduction
+from dataparallel.protocol import handshake
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
