@@ -5,7 +5,7 @@ instead of being silently ignored.
 
 | variable | meaning | default |
 | --- | --- | --- |
-| `DATAPARALLEL_CHECK` | `0` turns collective mismatch detection off | `1` |
+| `DATAPARALLEL_CHECK` | `0` compares only what decides the messages (dtypes, sizes) | `1` |
 | `DATAPARALLEL_DEBUG` | `1` logs every collective, prefixed with its rank, to stderr | `0` |
 | `DATAPARALLEL_TIMELINE` | path of a Chrome-trace JSON file to record every collective in | unset |
 | `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |

@@ -1,8 +1,10 @@
 """The public collectives over arrays, numbers and pytrees of them.
 
-Each file holds one kind of collective, written in the same order: find the engine (`context`),
-identify the leaves (`leaves_of`), check that every rank makes the same call (`verify`), run the
-leaves through `Fusion` (`run`), rebuild the tree. `_call.py` is that skeleton. Mutable
+Each file holds one kind of collective, written in the same order: find the backend (`context`),
+identify the leaves (`leaves_of`), make the handshake in which every rank checks that every rank
+makes the same call (`agree`), run the leaves through `Fusion` (`run`), rebuild the tree.
+`_call.py` is that skeleton; the reductions execute a plan made by it once per signature
+(`_plans.py`). Mutable
 arrays are written in place and returned; immutable values (JAX arrays, numbers) come back new:
 always use the return value.
 """

@@ -1,7 +1,7 @@
 """What a collective sends after its handshake, described for ranks that have joined (`dp.join`).
 
 Each function mirrors how a collective gives its leaves to `Fusion` (`_call.fuse`,
-`_call.run_split`), as a `Replay` that a joined rank runs on zeros (`arrays/replay.py`).
+`_split.run_split`), as a `Replay` that a joined rank runs on zeros (`arrays/replay.py`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
@@ -22,7 +22,7 @@ from dataparallel.collectives._call import (
 )
 from dataparallel.collectives.requests import Request
 from dataparallel.groups import Group, backend_of
-from dataparallel.types import Tree
+from dataparallel.types import Tree, TreeT
 
 __all__ = ["broadcast", "ibroadcast"]
 
@@ -47,17 +47,17 @@ def _start_broadcast(
 
 
 def broadcast(
-    x: Tree, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
-) -> Tree:
+    x: TreeT, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
+) -> TreeT:
     """Give every rank `root`'s values of `x` (an array, a number, or a pytree of them)."""
     fusion, finish, _ = _start_broadcast(x, root, backend_of(backend, group), async_op=False)
     fusion.wait()
-    return finish()
+    return cast(TreeT, finish())
 
 
 def ibroadcast(
-    x: Tree, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
-) -> Request:
+    x: TreeT, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
+) -> Request[TreeT]:
     """Start `broadcast` without blocking; `Request.wait()` returns its result."""
     fusion, finish, ctx = _start_broadcast(x, root, backend_of(backend, group), async_op=True)
     return Request(fusion, finish, ctx.pending)

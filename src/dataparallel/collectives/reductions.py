@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import _plans
 from dataparallel.collectives._call import context
 from dataparallel.collectives.requests import Request
 from dataparallel.groups import Group, backend_of
-from dataparallel.types import Op, Tree
+from dataparallel.types import Op, TreeT
 
 __all__ = ["allreduce", "allreduce_gradients", "iallreduce", "reduce"]
 
 
 def allreduce(
-    x: Tree,
+    x: TreeT,
     op: Op = "sum",
     *,
     scale: float | None = None,
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressor | type[Compressor] | None = None,
-) -> Tree:
+) -> TreeT:
     """Reduce `x` element-wise across all ranks; every rank gets the result.
 
     Args:
@@ -48,18 +50,18 @@ def allreduce(
     ctx = context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "allreduce", x, "x", op, scale, compression=compression)
     handle.wait()
-    return finish()
+    return cast(TreeT, finish())
 
 
 def iallreduce(
-    x: Tree,
+    x: TreeT,
     op: Op = "sum",
     *,
     scale: float | None = None,
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressor | type[Compressor] | None = None,
-) -> Request:
+) -> Request[TreeT]:
     """Start `allreduce` without blocking; `Request.wait()` returns its result.
 
     Leaves are still packed into buckets and the buckets sent at once, so the communication
@@ -73,29 +75,29 @@ def iallreduce(
 
 
 def reduce(
-    x: Tree,
+    x: TreeT,
     op: Op = "sum",
     *,
     root: int = 0,
     scale: float | None = None,
     backend: Backend | None = None,
     group: Group | None = None,
-) -> Tree:
+) -> TreeT:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
     ctx = context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "reduce", x, "x", op, scale, root=root)
     handle.wait()
-    return finish()
+    return cast(TreeT, finish())
 
 
 def allreduce_gradients(
-    grads: Tree,
+    grads: TreeT,
     op: Op = "avg",
     *,
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressor | type[Compressor] | None = None,
-) -> Tree:
+) -> TreeT:
     """Allreduce a gradient tree with fusion, averaging by default.
 
     Averaging follows Lux, Flashlight and Horovod; `op="sum"` reproduces FluxMPI, whose users scale
@@ -106,4 +108,4 @@ def allreduce_gradients(
         ctx, "allreduce", grads, "grads", op, None, compression=compression
     )
     handle.wait()
-    return finish()
+    return cast(TreeT, finish())
