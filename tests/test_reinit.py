@@ -202,6 +202,7 @@ def _check_rounds(results: list[dict[str, Any]], backend: str, size: int, rounds
         assert (r["backend"], r["size"]) == (backend, size), r
         assert r["allreduce"] == [total] * 3, r
         assert r["broadcast"] == [i * size for i in range(4)], r
+        assert r["group"] == [size] and r["group_freed"], r  # a group goes with its world
         # The step summed every rank's gradient once, on the new world's optimizer only.
         assert r["weight_ok"] and r["bias_ok"], r
         # The duplicate and the thread were used (several ranks), and finalize undid everything.

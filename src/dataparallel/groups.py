@@ -107,4 +107,6 @@ def new_group(ranks: Iterable[SupportsIndex]) -> Group:
                 f"Ranks called new_group with different ranks ({named}). Every rank must call it "
                 "with the same list."
             )
-    return Group(members, world.backend.split(members), world.backend.rank)
+    group = Group(members, world.backend.split(members), world.backend.rank)
+    world.groups.append(group)  # freed by dp.finalize() if not before
+    return group

@@ -44,6 +44,12 @@ __all__ = [
 ]
 
 
+class _Freeable(Protocol):
+    """What the world needs of a group (`groups.Group`) to end it: freeing twice does nothing."""
+
+    def free(self) -> None: ...
+
+
 class Plans:
     """What the collectives decided about calls this world has made, by the calls' signatures
     (`collectives/_plans.py`): the oldest go first beyond `KEPT` plans or `KEPT_BYTES` of the
@@ -98,6 +104,8 @@ class World:
     # Puts back the `sys.excepthook` of before `initialize` (which, and torch.distributed's
     # `init_process_group` under it, wrapped it).
     restore_excepthook: Callable[[], None] | None = None
+    # The groups made in this world (`dp.new_group`): their engines are freed with it.
+    groups: list[_Freeable] = field(default_factory=list)
 
     @property
     def timeline(self) -> Timeline | None:
@@ -373,10 +381,11 @@ def finalize() -> None:
     """Wait for requests in flight, then tear the process group down. Safe to call twice.
 
     In order: the requests in flight are waited for, the communication thread is stopped, the
-    timeline closed, the private duplicates of the engines (`World.private`) and then the engine
-    are closed; `sys.excepthook` is put back as it was before `initialize`, and every cache
-    registered in `dataparallel.caches` is cleared, so that a world made next starts afresh
-    (Gloo and the world of one can be made again; MPI cannot, see `initialize`).
+    timeline closed, the private duplicates of the engines (`World.private`), the groups' engines
+    (`dp.new_group`) and then the engine are closed; `sys.excepthook` is put back as it was
+    before `initialize`, and every cache registered in `dataparallel.caches` is cleared, so that
+    a world made next starts afresh (any engine can be made again; MPI only while `MPI.Finalize`
+    has not run, see `initialize`).
 
     Under MPI, leaving is collective: it waits until every rank leaves (at `dp.finalize()` or at
     its end), and ends the job when another rank waits in a collective that this one will never
@@ -393,6 +402,8 @@ def finalize() -> None:
         if world.recording is not None:
             world.recording.close()
         world.private.close()
+        for group in world.groups:
+            group.free()
         world.backend.close()
     finally:
         if world.restore_excepthook is not None:

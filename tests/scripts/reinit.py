@@ -41,6 +41,8 @@ def one_world(backend: str, round_: int, meeting: dict[str, object]) -> dict[str
     rank, size = made.rank, made.size
     total = dp.allreduce(np.full(3, rank + 1.0))
     shared = dp.broadcast(np.arange(4) * (rank + 1), root=size - 1)
+    group = dp.new_group(range(size))  # freed with the world
+    in_group = dp.allreduce(np.ones(1), group=group).tolist()
 
     if not _kept:
         torch.manual_seed(0)
@@ -63,6 +65,11 @@ def one_world(backend: str, round_: int, meeting: dict[str, object]) -> dict[str
     thread_ran = any(t.name == active.comm_thread.name for t in threading.enumerate())
     hooked = sys.excepthook is not hook_before
     dp.finalize()
+    try:
+        group.backend  # noqa: B018 (raises once freed)
+        group_freed = False
+    except ValueError:
+        group_freed = True
     comm_alive = any(t.name == active.comm_thread.name for t in threading.enumerate())
     return {
         "round": round_,
@@ -71,6 +78,8 @@ def one_world(backend: str, round_: int, meeting: dict[str, object]) -> dict[str
         "size": size,
         "allreduce": total.tolist(),
         "broadcast": shared.tolist(),
+        "group": in_group,
+        "group_freed": group_freed,
         "weight_ok": bool(np.allclose(weight_step, sum_x)),
         "bias_ok": bool(np.allclose(bias_step, size)),
         "duplicate": private is not made,

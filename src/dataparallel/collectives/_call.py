@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from dataparallel import world
+from dataparallel import caches, world
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast, Reduction
 from dataparallel.arrays.families import Family, family_of, write_back
@@ -119,6 +119,7 @@ def leaf_of(flat: tree.Flat, i: int) -> Leaf:
 
 # The family and dtype name of plain NumPy arrays, by dtype, once `family_of` has accepted it.
 _PLAIN_NUMPY: dict[np.dtype, tuple[Family, str]] = {}
+caches.register(_PLAIN_NUMPY.clear)
 
 
 def leaves_of(flat: tree.Flat) -> list[Leaf]:

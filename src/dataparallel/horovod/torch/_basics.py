@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from dataparallel import collectives, world
+from dataparallel import caches, collectives, world
 from dataparallel.arrays.trace import Timeline
 
 __all__ = [
@@ -64,6 +64,13 @@ class _Nodes:
 
 _nodes = _Nodes()
 _timeline: list[Timeline] = []
+
+
+@caches.register
+def _forget_the_world() -> None:
+    """What `init()` learnt of the world goes with it (`dp.finalize()`)."""
+    _nodes.cross_rank, _nodes.cross_size, _nodes.homogeneous = 0, 1, True
+    _timeline.clear()
 
 
 def require_init() -> None:

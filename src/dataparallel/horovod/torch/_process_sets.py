@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from dataparallel import collectives, groups, world
+from dataparallel import caches, collectives, groups, world
 from dataparallel.horovod.torch._basics import require_init
 
 __all__ = [
@@ -88,6 +88,7 @@ _registered: dict[int, ProcessSet] = {}
 _ids = itertools.count(1)
 
 
+@caches.register
 def reset_process_sets() -> None:
     """Forget every process set but the global one (`init()` and `shutdown()` call this)."""
     for ps in _registered.values():
