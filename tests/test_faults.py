@@ -344,14 +344,14 @@ def test_a_collective_into_a_tensor_saved_for_backward_makes_backward_raise(
     torch.testing.assert_close(w.grad, torch.full((2,), 2.0))
 
 
-# -- the fast path of small calls meets the general path ---------------------------------------
+# -- a call keyed as it is meets the same call flattened (collectives/_plans.py) ---------------
 
 
 @pytest.mark.parametrize("check", [True, False], ids=["checks-on", "checks-off"])
-def test_the_fast_path_and_the_general_path_make_the_same_call(
+def test_a_numpy_array_and_a_tensor_make_the_same_call(
     rank: int, size: int, faulty: int, check: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A NumPy array (fast path) on most ranks, a torch tensor (general path) on one."""
+    """A NumPy array (keyed as it is) on most ranks, a torch tensor (flattened) on one."""
     active = world_module.current()
     monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, check=check))
     mine = np.array([1.0, rank], np.float32)
@@ -368,10 +368,10 @@ def test_the_fast_path_and_the_general_path_make_the_same_call(
 
 
 @pytest.mark.parametrize("op", ["sum", "avg", "prod"])
-def test_the_in_place_lane_and_the_general_path_make_the_same_call(
+def test_a_packed_array_and_a_tensor_make_the_same_call(
     rank: int, size: int, faulty: int, op: str
 ) -> None:
-    """A larger float array: in place on most ranks, a torch tensor (general path) on one."""
+    """A larger float array: in place on most ranks, a torch tensor (flattened) on one."""
     mine = np.full(1000, 1.0 + rank, np.float64)
     x = torch.from_numpy(mine.copy()) if rank == faulty else mine.copy()
     out = dp.allreduce(x, op=op, scale=2)
@@ -387,10 +387,10 @@ def test_the_in_place_lane_and_the_general_path_make_the_same_call(
 
 @pytest.mark.parametrize("check", [True, False], ids=["checks-on", "checks-off"])
 @pytest.mark.parametrize("kind", [list, dict])
-def test_the_tree_lane_and_the_general_path_make_the_same_call(
+def test_a_packed_tree_and_a_tree_with_a_tensor_make_the_same_call(
     rank: int, size: int, faulty: int, kind: type, check: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tree of NumPy arrays (one plan) on most ranks, one torch leaf (general path) on one."""
+    """A tree of NumPy arrays (one packed bucket) on most ranks, one torch leaf on one."""
     active = world_module.current()
     monkeypatch.setattr(active, "settings", dataclasses.replace(active.settings, check=check))
 
@@ -413,10 +413,8 @@ def test_the_tree_lane_and_the_general_path_make_the_same_call(
 
 
 @pytest.mark.parametrize("scale", [None, 3, 0.1])
-def test_one_float_averages_as_the_general_path_bit_for_bit(
-    rank: int, size: int, scale: Any
-) -> None:
-    """A Python float (fast path) and a NumPy scalar (general path): the same bits, every value.
+def test_a_float_averages_as_a_numpy_scalar_bit_for_bit(rank: int, size: int, scale: Any) -> None:
+    """A Python float (keyed as it is) and a NumPy scalar (flattened): the same bits, every value.
     An average divides by the size where the general path divides (it once multiplied by
     1 / size: 705 of 2000 values differed in their last bit at 3 ranks)."""
     values = [(rank + 1) * 0.1 + i * 0.37 for i in range(200)]
@@ -426,7 +424,7 @@ def test_one_float_averages_as_the_general_path_bit_for_bit(
 
 
 @pytest.mark.parametrize("op", ["avg", "min"])
-def test_metrics_in_the_handshake_and_the_general_path_agree_bit_for_bit(
+def test_metrics_as_they_are_and_flattened_agree_bit_for_bit(
     rank: int, size: int, faulty: int, op: str
 ) -> None:
     """A dict of Python floats (one plan) on most ranks, NumPy scalars (general path) on one."""
