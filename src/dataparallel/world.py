@@ -50,39 +50,29 @@ class _Freeable(Protocol):
     def free(self) -> None: ...
 
 
-class Plans:
+class Plans(dict[Hashable, object]):
     """What the collectives decided about calls this world has made, by the calls' signatures
     (`collectives/_plans.py`): the oldest go first beyond `KEPT` plans or `KEPT_BYTES` of the
-    buffers they hold. A plan is anything with an `nbytes`; a digest (an int) holds none."""
+    buffers they hold. A plan is anything with an `nbytes`; a digest (an int) holds none.
+    Looked up with `get` (a dict's: no Python frame on every call's path), kept with `put`."""
 
     KEPT = 1024
     KEPT_BYTES = 64 << 20
 
     def __init__(self) -> None:
-        self._plans: dict[Hashable, object] = {}
+        super().__init__()
         self.nbytes = 0
-
-    def get(self, key: Hashable) -> object | None:
-        return self._plans.get(key)
 
     def put(self, key: Hashable, plan: object) -> None:
         """Keep `plan` for `key`, letting the oldest plans go while there are too many."""
-        plans = self._plans
-        plans[key] = plan
+        self[key] = plan
         self.nbytes += getattr(plan, "nbytes", 0)
-        while len(plans) > self.KEPT or (self.nbytes > self.KEPT_BYTES and len(plans) > 1):
-            oldest = next(iter(plans))
-            self.nbytes -= getattr(plans.pop(oldest), "nbytes", 0)
+        while len(self) > self.KEPT or (self.nbytes > self.KEPT_BYTES and len(self) > 1):
+            self.nbytes -= getattr(self.pop(next(iter(self))), "nbytes", 0)
 
     def clear(self) -> None:
-        self._plans.clear()
+        super().clear()
         self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def items(self) -> list[tuple[Hashable, object]]:
-        return list(self._plans.items())
 
 
 @dataclass

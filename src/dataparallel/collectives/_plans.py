@@ -196,11 +196,14 @@ _ONE_FLOAT64 = ["float64"]  # a form's numbers, one float64 array: laid out as n
 
 def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
     """Execute an "inline" or "packed" plan on a `_Form`; return what builds the result."""
-    works = form.works
-    if plan.kind == "inline":
-        _inline(ctx.backend, plan, works, _ONE_FLOAT64 if form.numbers else plan.dtypes)
+    works, backend = form.works, ctx.backend
+    if plan.kind == "inline":  # the values travel in the handshake; each rank combines them all
+        record = record_of(plan.header, payload_of(works))
+        rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
+        dtypes = _ONE_FLOAT64 if form.numbers else plan.dtypes
+        land_inline(rows["payload"], 0, works, dtypes, plan.action, backend.rank)
     else:
-        works = _packed(ctx.backend, plan, works)
+        works = _packed(backend, plan, works)
     if form.numbers:
         values = works[0].tolist()
         if form.kind is float:
@@ -216,13 +219,6 @@ def _rebuilt(form: _Form, leaves: Sequence[object]) -> object:
     if form.spec is not None:
         return tree.unflatten(form.spec, list(leaves))
     return form.kind(leaves)
-
-
-def _inline(backend: Backend, plan: CallPlan, works: list[np.ndarray], dtypes: list[str]) -> None:
-    """The values travel in the handshake; every rank combines every rank's into `works`."""
-    record = record_of(plan.header, payload_of(works))
-    rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
-    land_inline(rows["payload"], 0, works, dtypes, plan.action, backend.rank)
 
 
 def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[np.ndarray]:
