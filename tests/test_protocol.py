@@ -18,7 +18,15 @@ import dataparallel as dp
 import dataparallel.world as world_module
 from dataparallel.arrays.actions import parse_op, reduction_error, validate_reduction
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
-from dataparallel.protocol import verify_same_call
+from dataparallel.protocol import (
+    BOUNDS,
+    RECORD,
+    Flag,
+    header,
+    new_record,
+    record_of,
+    verify_same_call,
+)
 
 
 def test_parse_op() -> None:
@@ -121,6 +129,28 @@ class Simulated(Backend):
 
 
 CALL = {"collective": "allreduce", "op": "sum", "x['w']": "float32[3]"}
+
+
+def test_a_record_is_named_fields_in_little_endian_order() -> None:
+    """What ranks exchange is laid out the same on every host: the digest, the flags, the payload,
+    each in its place, little-endian; `header`/`record_of` and `new_record` make the same bytes."""
+    assert RECORD.itemsize == 64 and RECORD.names == ("digest", "flags", "payload")
+    digest, flags = 0x0102030405060708, Flag.JOINED | Flag.NEWCOMER
+    raw = record_of(header(digest, flags), b"\xaa\xbb").view(np.uint8).tobytes()
+    assert raw[:8] == digest.to_bytes(8, "little") and raw[8:16] == int(flags).to_bytes(8, "little")
+    assert raw[16:18] == b"\xaa\xbb" and raw[18:] == bytes(46)
+    made = new_record(digest, flags)
+    made["payload"][0][:2] = [0xAA, 0xBB]
+    assert made.view(np.uint8).tobytes() == raw
+    assert int(made["flags"][0]) & Flag.NAN == 0 and Flag(int(made["flags"][0])) == flags
+
+
+def test_bounds_are_named_int64_slots() -> None:
+    """Worlds over 64 ranks reduce `BOUNDS` with MAX: seven named int64 slots, one vector."""
+    assert BOUNDS.itemsize == 7 * 8 and all(BOUNDS[name] == np.int64 for name in BOUNDS.names)
+    bounds = np.zeros(1, BOUNDS)
+    bounds["neg_first_working"] = -3
+    assert bounds.view(np.int64)[BOUNDS.names.index("neg_first_working")] == -3
 
 
 def test_matching_calls_cost_one_small_allgather() -> None:
