@@ -23,7 +23,7 @@ import numpy as np
 from dataparallel import caches, world
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast, Reduction
-from dataparallel.arrays.families import Family, family_of, write_back
+from dataparallel.arrays.families import Family, Work, family_of, write_back
 from dataparallel.arrays.fusion import HOST_KEY, Fusion
 from dataparallel.arrays.inline import land_inline, pack_inline, padded
 from dataparallel.arrays.pool import BufferPool
@@ -48,6 +48,7 @@ __all__ = [
     "context",
     "describe",
     "fuse",
+    "host_works",
     "inline_fits",
     "leaf_of",
     "leaves_of",
@@ -90,13 +91,13 @@ def context(backend: Backend | None) -> CallContext:
 
 @dataclass
 class Leaf:
-    value: Any
+    value: object
     index: int  # position among the tree's leaves, for its path
     family: Family
     dtype: str
     shape: tuple[int, ...]
     device: str  # "cpu", "cuda:0", ...
-    work: Any = None  # a host array in the storage dtype, or a device.DeviceWork (`stage`)
+    work: Work | None = None  # a host array in the storage dtype, or a device.DeviceWork (`stage`)
     is_view: bool = False
 
 
@@ -120,6 +121,14 @@ def leaf_of(flat: tree.Flat, i: int) -> Leaf:
 # The family and dtype name of plain NumPy arrays, by dtype, once `family_of` has accepted it.
 _PLAIN_NUMPY: dict[np.dtype, tuple[Family, str]] = {}
 caches.register(_PLAIN_NUMPY.clear)
+
+
+def host_works(leaves: list[Leaf]) -> list[np.ndarray]:
+    """The leaves' staged host arrays (a caller that found every leaf's work on the host)."""
+    works = [leaf.work for leaf in leaves]
+    if any(type(work) is not np.ndarray for work in works):
+        raise TypeError("host_works: some leaf was not staged on the host")
+    return cast(list[np.ndarray], works)
 
 
 def leaves_of(flat: tree.Flat) -> list[Leaf]:
@@ -169,7 +178,7 @@ def agree(
     collective: str,
     flat: tree.Flat,
     leaves: list[Leaf],
-    args: dict[str, Any],
+    args: dict[str, object],
     *,
     first_axis: bool = True,
     inline: bool = False,
@@ -187,7 +196,7 @@ def agree(
     record = None
     if inline:
         record = new_record()
-        pack_inline(record["payload"][0], 0, [leaf.work for leaf in leaves])
+        pack_inline(record["payload"][0], 0, host_works(leaves))
     settings = ctx.settings
     key = (
         "digest",
@@ -203,7 +212,7 @@ def agree(
     )
     h = cast(int | None, ctx.plans.get(key))
 
-    def details() -> dict[str, Any]:
+    def details() -> dict[str, object]:
         return describe(ctx, collective, flat, leaves, args, first_axis, inline)[1]()
 
     if h is None:  # the world keeps the digests of calls seen: a call repeated is described once
@@ -218,10 +227,10 @@ def describe(
     collective: str,
     flat: tree.Flat,
     leaves: list[Leaf],
-    args: dict[str, Any],
+    args: dict[str, object],
     first_axis: bool = True,
     inline: bool = False,
-) -> tuple[str, Callable[[], dict[str, Any]]]:
+) -> tuple[str, Callable[[], dict[str, object]]]:
     """Return the call's summary (equal on two ranks exactly when their calls are the same) and
     the function that describes it field by field.
 
@@ -250,8 +259,8 @@ def describe(
     bare = tree.Flat([], flat.spec, flat.name)  # the structure without the leaves, kept by plans
     indices = [leaf.index for leaf in leaves]
 
-    def details() -> dict[str, Any]:
-        call: dict[str, Any] = {"collective": collective, **args, "messages": wire}
+    def details() -> dict[str, object]:
+        call: dict[str, object] = {"collective": collective, **args, "messages": wire}
         call["tree structure"] = structure or bare.structure()
         for index, sig in zip(indices, signatures, strict=True):
             call[bare.path(index)] = sig
@@ -290,7 +299,7 @@ def run(
     async_op: bool,
     rows: np.ndarray | None = None,
     compression: str | None = None,
-) -> tuple[Handle, Callable[[], Any]]:
+) -> tuple[Handle, Callable[[], object]]:
     """Start the collective; return what to wait for and the function that builds its result.
 
     With `rows` (every rank's handshake payload, carrying the values), the result is computed
@@ -310,12 +319,11 @@ def run(
         receives = action.root is None or action.root == rank
     fusion = None
     if rows is not None:
-        works = [leaf.work for leaf in leaves]
-        land_inline(rows, 0, works, [leaf.dtype for leaf in leaves], action, rank)
+        land_inline(rows, 0, host_works(leaves), [leaf.dtype for leaf in leaves], action, rank)
     else:
         fusion = fuse(ctx, leaves, action, async_op, compression)
 
-    def finish() -> Any:
+    def finish() -> object:
         result = tree.unflatten(flat.spec, results(leaves, receives))
         if ctx.timeline is not None:
             calls = 0 if fusion is None else fusion.calls
@@ -355,7 +363,7 @@ def fuse(
 _DONE = DoneHandle()
 
 
-def results(leaves: list[Leaf], receives: bool) -> list[Any]:
+def results(leaves: list[Leaf], receives: bool) -> list[object]:
     """Return the leaves' values after the call: written back where they were staged."""
     if not receives:
         return [leaf.value for leaf in leaves]

@@ -48,6 +48,7 @@ from dataparallel.collectives._call import (
     Leaf,
     check_root,
     describe,
+    host_works,
     inline_fits,
     leaves_of,
     prepared,
@@ -325,12 +326,12 @@ def _plan(
     inline = wire is None and inline_fits(ctx, leaves)  # compressed values never go inline
     summary, details = describe(ctx, collective, flat, leaves, args, True, inline)
     call_digest = digest(summary)
-    works = [leaf.work for leaf in leaves]
     dtypes = [leaf.dtype for leaf in leaves]
     kind: Kind = "inline" if inline else "fused"
     buf, views = None, []
-    if not inline and _packable(ctx, collective, action, wire, works, dtypes):
+    if not inline and _packable(ctx, collective, action, wire, leaves, dtypes):
         kind = "packed"
+        works = host_works(leaves)
         if len(works) > 1:
             buf = np.empty(sum(w.size for w in works), works[0].dtype)
             offset = 0
@@ -355,7 +356,7 @@ def _packable(
     collective: str,
     action: Reduction,
     wire: str | None,
-    works: list[object],
+    leaves: list[Leaf],
     dtypes: list[str],
 ) -> bool:
     """Whether one `Allreduce` of one host bucket is what `Fusion` would make of these leaves."""
@@ -363,6 +364,7 @@ def _packable(
         return False
     if not payload_capacity(ctx.backend.size):  # "packed" meets in records, as "inline" does
         return False
+    works = [leaf.work for leaf in leaves]
     if any(type(w) is not np.ndarray for w in works) or len(set(dtypes)) != 1:
         return False
     if dtypes[0] not in _PACKED_DTYPES:
@@ -387,13 +389,13 @@ def _execute(
     backend = ctx.backend
     plain = ctx.timeline is None and not ctx.settings.debug
     if plan.kind == "packed" and plain:
-        works = _packed(backend, plan, [cast(np.ndarray, leaf.work) for leaf in leaves])
+        works = _packed(backend, plan, host_works(leaves))
         for leaf, work in zip(leaves, works, strict=True):
             if work is not leaf.work:
                 leaf.work, leaf.is_view = work, False
         return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
     if plan.kind == "inline":
-        works = [cast(np.ndarray, leaf.work) for leaf in leaves]
+        works = host_works(leaves)
         record = record_of(plan.header, payload_of(works))
         rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
         return run(ctx, collective, flat, leaves, plan.action, async_op, rows["payload"])
