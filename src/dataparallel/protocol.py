@@ -51,6 +51,7 @@ __all__ = [
     "RECORD",
     "Describe",
     "Flag",
+    "Records",
     "ReplayOf",
     "digest",
     "exchange",
@@ -198,12 +199,42 @@ def exchange(
     themselves (`record_of`: a call plan's header and payload) in a world of at most
     `GATHER_LIMIT` ranks. Returns the records, one per rank.
     """
-    size = backend.size
-    rows = np.empty(size, RECORD)
+    rows = np.empty(backend.size, RECORD)
     backend.allgather(record.view(np.uint8), rows.view(np.uint8))
-    if rows["digest"].tobytes() != record["digest"].tobytes() * size:
-        _disagree(backend, rows, call, replay, on_joined)
+    _verify(backend, rows, call, replay, on_joined)
     return rows
+
+
+class Records:
+    """One call's records, allocated once (a call plan keeps them): this rank's, its digest
+    filled in, and every rank's, with views of their fields."""
+
+    def __init__(self, size: int, call_digest: int) -> None:
+        self.record = new_record(call_digest)
+        self.sent = self.record.view(np.uint8)
+        self.payload: np.ndarray = self.record["payload"][0]  # this rank's values go here
+        self.rows = np.empty(size, RECORD)
+        self.received = self.rows.view(np.uint8)
+        self.payloads: np.ndarray = self.rows["payload"]  # every rank's, one row per rank
+
+    def exchange(self, backend: Backend, call: Describe, replay: ReplayOf = None) -> np.ndarray:
+        """`exchange` this rank's record (its payload filled in); return every rank's."""
+        backend.allgather(self.sent, self.received)
+        _verify(backend, self.rows, call, replay, None)
+        return self.rows
+
+
+def _verify(
+    backend: Backend,
+    rows: np.ndarray,
+    call: Describe,
+    replay: ReplayOf,
+    on_joined: Callable[[], None] | None,
+) -> None:
+    """Go on when every record has the same digest; else `_disagree`."""
+    digests = rows["digest"].tobytes()
+    if digests != digests[:8] * backend.size:
+        _disagree(backend, rows, call, replay, on_joined)
 
 
 def _disagree(

@@ -319,7 +319,7 @@ def run(
         receives = action.root is None or action.root == rank
     fusion = None
     if rows is not None:
-        land_inline(rows, 0, host_works(leaves), [leaf.dtype for leaf in leaves], action, rank)
+        land_inline(rows, host_works(leaves), [leaf.dtype for leaf in leaves], action, rank)
     else:
         fusion = fuse(ctx, leaves, action, async_op, compression)
 

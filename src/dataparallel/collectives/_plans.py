@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import optree
@@ -38,7 +38,7 @@ from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.dtypes import prescale, scale_in_place
 from dataparallel.arrays.fusion import Fusion
-from dataparallel.arrays.inline import land_inline, payload_of
+from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask, set_nan
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
@@ -56,21 +56,13 @@ from dataparallel.collectives._call import (
     run,
     stage,
 )
-from dataparallel.protocol import (
-    PAYLOAD_BYTES,
-    digest,
-    exchange,
-    handshake,
-    header,
-    payload_capacity,
-    record_of,
-)
+from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, payload_capacity
 
 __all__ = ["PLAN_BYTES", "CallPlan", "allreduce_scaled", "start"]
 
 PLAN_BYTES = 1 << 20  # a bucket of several leaves up to this size is kept in its plan
 Kind = Literal["inline", "packed", "fused"]
-Finish = Callable[[], object]
+Finish = Callable[[], Any]  # builds the call's result: the type of the tree it was given
 
 _PACKED_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
 _PACKED_OPS = frozenset({ReduceOp.SUM, ReduceOp.PROD})  # min and max: the NaN rules of "fused"
@@ -83,7 +75,6 @@ class CallPlan:
 
     kind: Kind
     digest: int  # the call's summary hashed, what the handshake compares
-    header: bytes  # the handshake record's header: the digest, no flags
     describe: Callable[[], dict[str, object]]  # the call field by field, for a mismatch
     action: Reduction
     dtypes: list[str]  # each leaf's dtype ("inline": how its bytes are combined)
@@ -93,10 +84,15 @@ class CallPlan:
     replay_nan: Replay  # ... when some rank flagged a NaN (the masks follow)
     buf: np.ndarray | None = None  # "packed" over several leaves: the bucket
     views: list[np.ndarray] = field(default_factory=list)  # each leaf's place in `buf`
+    records: Records | None = None  # "inline", "packed": the handshake's buffers
+    slots: list[Slot] = field(default_factory=list)  # "inline": each leaf's place in the records
+    form_slots: list[Slot] = field(default_factory=list)  # ... as a `_Form` lays its values
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.nbytes
+        return (0 if self.buf is None else self.buf.nbytes) + (
+            0 if self.records is None else self.records.rows.nbytes
+        )
 
     def replay_of(self, flagged: bool) -> Replay:
         return self.replay_nan if flagged else self.replay
@@ -118,14 +114,14 @@ def start(
 
     Returns what to wait for and the function that builds the result.
     """
-    plain = ctx.timeline is None and not ctx.settings.debug
-    if plain and root is None and compression is None and type(scale) in _SCALES:
-        form = _host_form(x) if type(op) is str else None
+    settings = ctx.settings
+    plain = ctx.timeline is None and not settings.debug and root is None and compression is None
+    if plain and type(scale) in _SCALES and type(op) is str:
+        form = _host_form(x)
         if form is not None:
-            settings = ctx.settings
-            key: tuple[Hashable, ...] = (collective, name, op, scale, ctx.backend.size)
-            key += (settings.check, settings.bucket_bytes, *form.key)
-            plan = cast(CallPlan | None, ctx.plans.get(key))
+            size, check, bucket_bytes = ctx.backend.size, settings.check, settings.bucket_bytes
+            key = (collective, name, op, scale, size, check, bucket_bytes, form.key)
+            plan: CallPlan | None = ctx.plans.get(key)
             if plan is not None and (
                 plan.kind == "inline" or (plan.kind == "packed" and not form.numbers)
             ):
@@ -153,16 +149,17 @@ def _host_form(x: object) -> _Form | None:
     kind = type(x)
     if kind is float:
         return _Form(_FLOAT_KEY, [np.array(x)], kind, None, True)
-    if kind is np.ndarray:
-        a = cast(np.ndarray, x)
-        if not (a.flags.c_contiguous and a.flags.writeable) or a.dtype.kind not in _NUMERIC:
+    if kind is np.ndarray and isinstance(x, np.ndarray):
+        flags = x.flags
+        if not (flags.c_contiguous and flags.writeable) or x.dtype.kind not in _NUMERIC:
             return None
-        return _Form((kind, a.dtype, a.shape), [a], kind, None, False)
+        return _Form((kind, x.dtype, x.shape), [x], kind, None, False)
     spec = None
-    if kind is list or kind is tuple:
-        leaves = cast(list[object], x)
-    elif kind is dict:
-        first = next(iter(cast(dict[object, object], x).values()), None)
+    leaves: Sequence[object]
+    if (kind is list or kind is tuple) and isinstance(x, (list, tuple)):
+        leaves = x
+    elif kind is dict and isinstance(x, dict):
+        first = next(iter(x.values()), None)
         if type(first) is not float and type(first) is not np.ndarray:
             return None  # a dict of tensors, of dicts, ...: flattened once, by `_general`
         flat = tree.flatten(x, "x")
@@ -187,7 +184,7 @@ def _host_form(x: object) -> _Form | None:
     for leaf in leaves:
         if type(leaf) is not np.ndarray or leaf.dtype is not dtype:
             return None
-    arrays = cast(list[np.ndarray], leaves)
+    arrays: list[np.ndarray] = list(leaves)  # every one checked above
     return _Form((kind, spec, dtype, tuple([a.shape for a in arrays])), arrays, kind, spec, False)
 
 
@@ -197,12 +194,16 @@ _ONE_FLOAT64 = ["float64"]  # a form's numbers, one float64 array: laid out as n
 
 def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
     """Execute an "inline" or "packed" plan on a `_Form`; return what builds the result."""
-    works, backend = form.works, ctx.backend
+    works, backend, records = form.works, ctx.backend, plan.records
+    assert records is not None  # "inline" and "packed" plans have their records
     if plan.kind == "inline":  # the values travel in the handshake; each rank combines them all
-        record = record_of(plan.header, payload_of(works))
-        rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
+        pack_slots(plan.form_slots, works)
+        records.exchange(backend, plan.describe, plan.replay_of)
         dtypes = _ONE_FLOAT64 if form.numbers else plan.dtypes
-        land_inline(rows["payload"], 0, works, dtypes, plan.action, backend.rank)
+        land_inline(records.payloads, works, dtypes, plan.action, backend.rank, plan.form_slots)
+    elif plan.buf is None and form.kind is np.ndarray:  # contiguous and writable: in place
+        records.exchange(backend, plan.describe, plan.replay_of)
+        allreduce_scaled(backend, works[0].reshape(-1), plan.action)
     else:
         works = _packed(backend, plan, works)
     if form.numbers:
@@ -233,7 +234,9 @@ def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[n
     else:
         np.concatenate(works, axis=None, out=buf)
         target = buf
-    exchange(backend, record_of(plan.header), plan.describe, replay=plan.replay_of)
+    records = plan.records
+    assert records is not None  # "packed" plans have their records
+    records.exchange(backend, plan.describe, plan.replay_of)
     allreduce_scaled(backend, target.reshape(-1), plan.action)  # after the handshake
     if buf is None:
         if target is not work:
@@ -241,14 +244,16 @@ def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[n
                 return [target]
             work[...] = target
         return works
-    out = works
-    for i, (work, view) in enumerate(zip(works, plan.views, strict=True)):
-        if work.flags.writeable:
+    try:
+        for work, view in zip(works, plan.views, strict=True):
             work[...] = view
-        else:  # a read-only array: a new one instead, as `Fusion` gives
-            out = list(works) if out is works else out
-            out[i] = view.copy()
-    return out
+    except ValueError:  # a read-only array (asked only then): a new one, as `Fusion` gives
+        pairs = zip(works, plan.views, strict=True)
+        out = [work if work.flags.writeable else view.copy() for work, view in pairs]
+        for work, view in zip(out, plan.views, strict=True):
+            work[...] = view
+        return out
+    return works
 
 
 def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
@@ -297,7 +302,7 @@ def _general(
         signature = tuple([(leaf.dtype, leaf.shape, leaf.device) for leaf in leaves])
         key = (collective, name, *args.values(), size, settings.check, settings.bucket_bytes)
         key += (flat.spec, signature)
-    plan = cast(CallPlan | None, ctx.plans.get(key))
+    plan: CallPlan | None = ctx.plans.get(key)
     if plan is None:
         plan = prepared(
             ctx, collective, lambda: _plan(ctx, collective, flat, leaves, args, action, scale)
@@ -345,10 +350,18 @@ def _plan(
         floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
         masks = _replays.nan_masks(ctx, floating, collective.startswith("i"))
         replay_nan = dataclasses.replace(replay, then=masks)
-    head = header(call_digest)
-    return CallPlan(
-        kind, call_digest, head, details, action, dtypes, wire, nans, replay, replay_nan, buf, views
+    plan = CallPlan(
+        kind, call_digest, details, action, dtypes, wire, nans, replay, replay_nan, buf, views
     )
+    if kind != "fused":  # the handshake's buffers, and where each leaf's values land in them
+        records = plan.records = Records(size, call_digest)
+        if inline:
+            works = host_works(leaves)
+            plan.slots = plan.form_slots = slots_of(records.payloads, works, records.payload)
+            if all(w.ndim == 0 and w.dtype == np.float64 for w in works):  # numbers: one array
+                numbers = np.empty(len(works))
+                plan.form_slots = slots_of(records.payloads, [numbers], records.payload)
+    return plan
 
 
 def _packable(
@@ -395,10 +408,11 @@ def _execute(
                 leaf.work, leaf.is_view = work, False
         return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
     if plan.kind == "inline":
-        works = host_works(leaves)
-        record = record_of(plan.header, payload_of(works))
-        rows = exchange(backend, record, plan.describe, replay=plan.replay_of)
-        return run(ctx, collective, flat, leaves, plan.action, async_op, rows["payload"])
+        records = plan.records
+        assert records is not None  # "inline" plans have their records
+        pack_slots(plan.slots, host_works(leaves))
+        records.exchange(backend, plan.describe, plan.replay_of)
+        return run(ctx, collective, flat, leaves, plan.action, async_op, records.payloads)
     nans = None
     if plan.nans:
         nans = prepared(ctx, collective, lambda: _local_nans(leaves))

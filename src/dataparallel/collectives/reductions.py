@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import _plans
@@ -52,7 +50,7 @@ def allreduce(
     ctx = current() if backend is None and group is None else context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "allreduce", x, "x", op, scale, compression=compression)
     handle.wait()
-    return cast(TreeT, finish())
+    return finish()
 
 
 def iallreduce(
@@ -89,7 +87,7 @@ def reduce(
     ctx = context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "reduce", x, "x", op, scale, root=root)
     handle.wait()
-    return cast(TreeT, finish())
+    return finish()
 
 
 def allreduce_gradients(
@@ -110,4 +108,4 @@ def allreduce_gradients(
         ctx, "allreduce", grads, "grads", op, None, compression=compression
     )
     handle.wait()
-    return cast(TreeT, finish())
+    return finish()
