@@ -220,8 +220,11 @@ class Records:
     def exchange(self, backend: Backend, call: Describe, replay: ReplayOf = None) -> np.ndarray:
         """`exchange` this rank's record (its payload filled in); return every rank's."""
         backend.allgather(self.sent, self.received)
-        _verify(backend, self.rows, call, replay, None)
-        return self.rows
+        rows = self.rows
+        digests = rows["digest"].tobytes()
+        if digests != digests[:8] * backend.size:
+            _disagree(backend, rows, call, replay, None)
+        return rows
 
 
 def _verify(
