@@ -169,10 +169,11 @@ def test_abort_ends_the_rank_and_its_peers_raise_rank_failed() -> None:
 
 
 @pytest.mark.spawns
-def test_timeout_raises_collective_timeout_error() -> None:
+def test_timeout_raises_collective_timeout_error(tmp_path: Path) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
+    meet = ["--meet", str(tmp_path)]  # both ranks started: the rendezvous alone is timed
     commands = [
-        worker("timeout", "--init-method", url, "--rank", str(r), "--world-size", "2")
+        worker("timeout", "--init-method", url, "--rank", str(r), "--world-size", "2", *meet)
         for r in range(2)
     ]
     envs = [{"DATAPARALLEL_TIMEOUT": "3"}] * 2  # the rendezvous must fit in it too
@@ -181,7 +182,8 @@ def test_timeout_raises_collective_timeout_error() -> None:
     assert "RAISED CollectiveTimeoutError" in out0
     assert "timed out" in out0
     seconds = float(out0.split(" after ")[1].split("s:")[0])
-    assert 2.5 <= seconds < 10, out0
+    # Not before the 3 s; and the 3 s, not torch's default of 30 minutes (however loaded the CPU).
+    assert 2.5 <= seconds < 60, out0
 
 
 # -- the engine on the active world --------------------------------------------------------------

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +257,6 @@ def test_guard_only_rank_0_reports_and_spawns_tests_are_skipped(tmp_path: Path) 
 
 @pytest.mark.spawns
 def test_guard_aborts_the_job_when_one_rank_fails(tmp_path: Path) -> None:
-    start = time.monotonic()
     job = run_test_job(
         tmp_path,
         """
@@ -277,7 +275,7 @@ def test_guard_aborts_the_job_when_one_rank_fails(tmp_path: Path) -> None:
     assert "[rank 1] FAILED test_job.py::test_fails_on_rank_1" in job.stderr, output
     assert "AssertionError: rank 1 is broken" in job.stderr
     assert "[rank 0] FAILED" not in output
-    assert time.monotonic() - start < 60  # aborted, not timed out by MPIEXEC_TIMEOUT
+    assert "APPLICATION TIMED OUT" not in output, output  # aborted, not ended by MPIEXEC_TIMEOUT
 
 
 @pytest.mark.spawns

@@ -1,6 +1,7 @@
 """One rank of a Gloo job started by `tests/test_gloo.py` or `tests/test_multihost.py`.
 
 usage: gloo_worker.py SCENARIO [--init-method URL] [--rank R] [--world-size N] [--no-finalize]
+                      [--meet DIR]
 
 Without --init-method, `dp.initialize()` finds the rendezvous in the environment (env://).
 Scenarios:
@@ -10,6 +11,10 @@ Scenarios:
   timeout  the last rank sleeps past the timeout; the others report what their allreduce raised
   existing torch.distributed is initialized first (by "the user"); dp works beside it, and
            `dp.finalize()` leaves the user's group usable; prints `RESULT {json}`
+
+With --meet DIR (and --rank, --world-size), each rank imports torch.distributed, notes DIR/R, and
+waits for every rank's note before `dp.initialize()`: a short DATAPARALLEL_TIMEOUT then covers
+the rendezvous alone, never one rank's slower start.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world-size", type=int)
     parser.add_argument("--no-finalize", action="store_true")
+    parser.add_argument("--meet")
     args = parser.parse_args()
+    if args.meet is not None:
+        meet(args.meet, args.rank, args.world_size)
     if args.scenario == "existing":
         existing(args.init_method, args.rank, args.world_size)
         return
@@ -64,7 +72,7 @@ def main() -> None:
         if backend.rank == last:
             if args.scenario == "abort":
                 backend.abort(3)
-            time.sleep(60)  # past the others' timeout: the test ends this rank once they report
+            time.sleep(600)  # past the others' timeout: the test ends this rank once they report
             os._exit(0)
         start = time.monotonic()
         try:
@@ -77,6 +85,16 @@ def main() -> None:
         os._exit(1)
     if not args.no_finalize:
         dp.finalize()
+
+
+def meet(folder: str, rank: int, world_size: int) -> None:
+    """Wait until every rank has started and imported torch.distributed (`--meet`)."""
+    import torch.distributed  # noqa: F401 - the slow part of a start, done before meeting
+
+    notes = [os.path.join(folder, str(r)) for r in range(world_size)]
+    open(notes[rank], "w").close()
+    while not all(os.path.exists(note) for note in notes):  # the test's time limit guards it
+        time.sleep(0.01)
 
 
 def existing(init_method: str, rank: int, world_size: int) -> None:

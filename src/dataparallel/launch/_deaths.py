@@ -60,6 +60,7 @@ class FirstDeaths:
     def __init__(self, run_dir: RunDir, n: int) -> None:
         self.run_dir, self.n = run_dir, n
         self.first: list[int] = []  # the ranks that died first, when the watcher could tell
+        self.seen: set[int] = set()  # every rank whose death the watcher has judged, blamed or not
         self._pipes: dict[int, int] = {}  # the reading end of each rank's FIFO -> its rank
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dataparallel-deaths", daemon=True)
@@ -115,4 +116,5 @@ class FirstDeaths:
             return False
         ended = self.run_dir.ends()
         self.first = sorted(rank for rank in dead if rank not in ended)
+        self.seen.update(dead)  # after `first`: a reader that sees a rank here sees its verdict
         return bool(self.first)
