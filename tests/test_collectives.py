@@ -469,7 +469,7 @@ def test_debug_logs_every_collective_with_its_rank(
 def test_an_average_is_the_sum_scaled_bit_for_bit_on_every_path(rank: int, size: int) -> None:
     """Over 2, 4... ranks the shares are scaled before the sum (`dtypes.prescale`), over 3 the
     sum after: either way `avg` gives the same call's `sum` divided by the world's size, bit for
-    bit, for one array (the fast path's in-place lane), a planned list, a tree, and torch
+    bit, for one array (a "packed" plan, in place), a packed list, a tree, and torch
     gradients. (The same call: the engine's order of adding depends on the buffers' layout.)"""
     rng = np.random.default_rng(rank)
 

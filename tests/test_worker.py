@@ -1,4 +1,4 @@
-"""The communication thread (`arrays/worker.py`), and gradient buckets reduced on it (`lanes.py`).
+"""The communication thread (`arrays/worker.py`), and gradient buckets reduced on it (`routes.py`).
 
 Run at any world size (`pytest`, `mpiexec -n 3 ... pytest`).
 """
