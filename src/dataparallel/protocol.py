@@ -98,6 +98,7 @@ BOUNDS = np.dtype(
     ]
 )
 NO_DIGEST = -(1 << 62)
+_NAN = int(Flag.NAN)  # as a plain int: NumPy's `&` with an IntFlag goes through Python
 
 # What a call will send after its handshake, for ranks that joined to answer (None: it cannot);
 # given whether some rank raised `Flag.NAN`.
@@ -142,6 +143,7 @@ def handshake(
     call: Describe,
     *,
     record: np.ndarray | None = None,
+    records: Records | None = None,
     flag: bool | None = None,
     replay: ReplayOf = None,
     on_joined: Callable[[], None] | None = None,
@@ -154,6 +156,8 @@ def handshake(
             `digest`.
         call: the call field by field (or a function that makes it), to explain a mismatch.
         record: this rank's record (`new_record()`) with a payload, if any.
+        records: the call's `Records`, kept by its plan, its digest already in (instead of
+            `summary` and `record`).
         flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
         replay: makes what the call sends next (given whether some rank raised `flag`), for
             ranks that have joined to answer with zeros (None: the call cannot be answered so,
@@ -176,13 +180,17 @@ def handshake(
             root = int(-seen["neg_first_working"])
             _answer(backend, root, call, replay, on_joined, bool(seen["flagged"]))
         return None, bool(seen["flagged"])
-    if record is None:
-        record = new_record()
-    record["digest"] = h
-    if flag:
-        record["flags"] |= Flag.NAN
-    rows = exchange(backend, record, call, replay=replay, on_joined=on_joined)
-    return rows, (flag is not None and bool((rows["flags"] & Flag.NAN).any()))
+    if records is not None:
+        records.flags[0] = _NAN if flag else 0
+        rows = records.exchange(backend, call, replay, on_joined)
+    else:
+        if record is None:
+            record = new_record()
+        record["digest"] = h
+        if flag:
+            record["flags"] |= _NAN
+        rows = exchange(backend, record, call, replay=replay, on_joined=on_joined)
+    return rows, (flag is not None and bool((rows["flags"] & _NAN).any()))
 
 
 def exchange(
@@ -213,17 +221,24 @@ class Records:
         self.record = new_record(call_digest)
         self.sent = self.record.view(np.uint8)
         self.payload: np.ndarray = self.record["payload"][0]  # this rank's values go here
+        self.flags: np.ndarray = self.record["flags"]  # ... and its flags
         self.rows = np.empty(size, RECORD)
         self.received = self.rows.view(np.uint8)
         self.payloads: np.ndarray = self.rows["payload"]  # every rank's, one row per rank
 
-    def exchange(self, backend: Backend, call: Describe, replay: ReplayOf = None) -> np.ndarray:
+    def exchange(
+        self,
+        backend: Backend,
+        call: Describe,
+        replay: ReplayOf = None,
+        on_joined: Callable[[], None] | None = None,
+    ) -> np.ndarray:
         """`exchange` this rank's record (its payload filled in); return every rank's."""
         backend.allgather(self.sent, self.received)
         rows = self.rows
         digests = rows["digest"].tobytes()
         if digests != digests[:8] * backend.size:
-            _disagree(backend, rows, call, replay, None)
+            _disagree(backend, rows, call, replay, on_joined)
         return rows
 
 

@@ -353,7 +353,7 @@ def _plan(
     plan = CallPlan(
         kind, call_digest, details, action, dtypes, wire, nans, replay, replay_nan, buf, views
     )
-    if kind != "fused":  # the handshake's buffers, and where each leaf's values land in them
+    if payload_capacity(size):  # the handshake's buffers, and where each leaf's values land
         records = plan.records = Records(size, call_digest)
         if inline:
             works = host_works(leaves)
@@ -422,6 +422,7 @@ def _execute(
             backend,
             plan.digest,
             plan.describe,
+            records=plan.records,
             flag=None if nans is None else bool(nans),
             replay=plan.replay_of,
         )
