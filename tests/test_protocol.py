@@ -22,9 +22,8 @@ from dataparallel.protocol import (
     BOUNDS,
     RECORD,
     Flag,
-    header,
+    Records,
     new_record,
-    record_of,
     verify_same_call,
 )
 
@@ -133,15 +132,18 @@ CALL = {"collective": "allreduce", "op": "sum", "x['w']": "float32[3]"}
 
 def test_a_record_is_named_fields_in_little_endian_order() -> None:
     """What ranks exchange is laid out the same on every host: the digest, the flags, the payload,
-    each in its place, little-endian; `header`/`record_of` and `new_record` make the same bytes."""
+    each in its place, little-endian, whatever writes it (`new_record`, `Records`)."""
     assert RECORD.itemsize == 64 and RECORD.names == ("digest", "flags", "payload")
     digest, flags = 0x0102030405060708, Flag.JOINED | Flag.NEWCOMER
-    raw = record_of(header(digest, flags), b"\xaa\xbb").view(np.uint8).tobytes()
-    assert raw[:8] == digest.to_bytes(8, "little") and raw[8:16] == int(flags).to_bytes(8, "little")
-    assert raw[16:18] == b"\xaa\xbb" and raw[18:] == bytes(46)
     made = new_record(digest, flags)
     made["payload"][0][:2] = [0xAA, 0xBB]
-    assert made.view(np.uint8).tobytes() == raw
+    raw = made.view(np.uint8).tobytes()
+    assert raw[:8] == digest.to_bytes(8, "little") and raw[8:16] == int(flags).to_bytes(8, "little")
+    assert raw[16:18] == b"\xaa\xbb" and raw[18:] == bytes(46)
+    records = Records(3, digest)
+    records.flags[0] = flags
+    records.payload[:2] = [0xAA, 0xBB]
+    assert records.sent.tobytes() == raw and records.received.nbytes == 3 * 64
     assert int(made["flags"][0]) & Flag.NAN == 0 and Flag(int(made["flags"][0])) == flags
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import struct
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -54,14 +53,11 @@ __all__ = [
     "Records",
     "ReplayOf",
     "digest",
-    "exchange",
     "fail_together",
     "handshake",
-    "header",
     "joined_round",
     "new_record",
     "payload_capacity",
-    "record_of",
     "verify_same_call",
 ]
 
@@ -80,8 +76,6 @@ class Flag(enum.IntFlag):
 # What each rank contributes: little-endian whatever the host, so that ranks on machines of
 # either byte order read each other's records alike.
 RECORD = np.dtype([("digest", "<i8"), ("flags", "<i8"), ("payload", "u1", (PAYLOAD_BYTES,))])
-_HEADER = struct.Struct("<qq")  # a record's first two fields, packed without an array
-_PAD = bytes(PAYLOAD_BYTES)
 
 # What a world over `GATHER_LIMIT` ranks reduces with MAX instead (native order: reduced as
 # numbers, never read as bytes by another host). A rank that has joined contributes `NO_DIGEST`
@@ -120,16 +114,6 @@ def payload_capacity(size: int) -> int:
     return PAYLOAD_BYTES if 1 < size <= GATHER_LIMIT else 0
 
 
-def header(call_digest: int, flags: int = 0) -> bytes:
-    """Return a record's header (its digest and flags) as bytes, for `record_of`."""
-    return _HEADER.pack(call_digest, flags)
-
-
-def record_of(head: bytes, payload: bytes = b"") -> np.ndarray:
-    """Return the record of `head` (`header`) and `payload` (read-only: a record to send)."""
-    return np.frombuffer(head + payload + _PAD[: PAYLOAD_BYTES - len(payload)], RECORD)
-
-
 def new_record(call_digest: int = 0, flags: int = 0) -> np.ndarray:
     """Return a writable record (shape `(1,)`); its payload is `record["payload"][0]`."""
     record = np.zeros(1, RECORD)
@@ -142,7 +126,6 @@ def handshake(
     summary: str | int,
     call: Describe,
     *,
-    record: np.ndarray | None = None,
     records: Records | None = None,
     flag: bool | None = None,
     replay: ReplayOf = None,
@@ -155,9 +138,8 @@ def handshake(
         summary: a string equal on two ranks exactly when their calls are the same, or its
             `digest`.
         call: the call field by field (or a function that makes it), to explain a mismatch.
-        record: this rank's record (`new_record()`) with a payload, if any.
-        records: the call's `Records`, kept by its plan, its digest already in (instead of
-            `summary` and `record`).
+        records: the call's `Records` with its digest (`summary`'s), and its payload if any: a
+            call plan keeps them; made here when not given.
         flag: a bit every rank learns the OR of (whether some rank has a NaN), or None.
         replay: makes what the call sends next (given whether some rank raised `flag`), for
             ranks that have joined to answer with zeros (None: the call cannot be answered so,
@@ -180,37 +162,11 @@ def handshake(
             root = int(-seen["neg_first_working"])
             _answer(backend, root, call, replay, on_joined, bool(seen["flagged"]))
         return None, bool(seen["flagged"])
-    if records is not None:
-        records.flags[0] = _NAN if flag else 0
-        rows = records.exchange(backend, call, replay, on_joined)
-    else:
-        if record is None:
-            record = new_record()
-        record["digest"] = h
-        if flag:
-            record["flags"] |= _NAN
-        rows = exchange(backend, record, call, replay=replay, on_joined=on_joined)
+    if records is None:
+        records = Records(backend.size, h)
+    records.flags[0] = _NAN if flag else 0
+    rows = records.exchange(backend, call, replay, on_joined)
     return rows, (flag is not None and bool((rows["flags"] & _NAN).any()))
-
-
-def exchange(
-    backend: Backend,
-    record: np.ndarray,
-    call: Describe,
-    *,
-    replay: ReplayOf = None,
-    on_joined: Callable[[], None] | None = None,
-) -> np.ndarray:
-    """Gather every rank's `record` (its header filled in); raise unless every digest is the same.
-
-    The one exchange of records, for `handshake` and for callers that build their record
-    themselves (`record_of`: a call plan's header and payload) in a world of at most
-    `GATHER_LIMIT` ranks. Returns the records, one per rank.
-    """
-    rows = np.empty(backend.size, RECORD)
-    backend.allgather(record.view(np.uint8), rows.view(np.uint8))
-    _verify(backend, rows, call, replay, on_joined)
-    return rows
 
 
 class Records:
@@ -233,26 +189,15 @@ class Records:
         replay: ReplayOf = None,
         on_joined: Callable[[], None] | None = None,
     ) -> np.ndarray:
-        """`exchange` this rank's record (its payload filled in); return every rank's."""
+        """Gather every rank's record (this one's payload and flags filled in); return them,
+        unless the digests differ: then answer the ranks that have joined, or raise on every
+        rank (`CollectiveMismatchError`). The one exchange of records."""
         backend.allgather(self.sent, self.received)
         rows = self.rows
         digests = rows["digest"].tobytes()
         if digests != digests[:8] * backend.size:
             _disagree(backend, rows, call, replay, on_joined)
         return rows
-
-
-def _verify(
-    backend: Backend,
-    rows: np.ndarray,
-    call: Describe,
-    replay: ReplayOf,
-    on_joined: Callable[[], None] | None,
-) -> None:
-    """Go on when every record has the same digest; else `_disagree`."""
-    digests = rows["digest"].tobytes()
-    if digests != digests[:8] * backend.size:
-        _disagree(backend, rows, call, replay, on_joined)
 
 
 def _disagree(
@@ -320,9 +265,10 @@ def joined_round(backend: Backend, newcomer: bool) -> tuple[bool, int, Replay | 
             b.allgather_object(None)
             return False, -1, None
         return False, -1, b.broadcast_object(None, int(-seen["neg_first_working"]))
-    record = new_record(0, Flag.JOINED | (Flag.NEWCOMER if newcomer else 0))
-    rows = np.empty(b.size, RECORD)
-    b.allgather(record.view(np.uint8), rows.view(np.uint8))
+    records = Records(b.size, 0)  # no call: its digest is none of theirs
+    records.flags[0] = Flag.JOINED | (Flag.NEWCOMER if newcomer else 0)
+    b.allgather(records.sent, records.received)
+    rows = records.rows
     flags = rows["flags"]
     joined = (flags & Flag.JOINED) != 0
     if joined.all():

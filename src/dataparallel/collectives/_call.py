@@ -31,11 +31,11 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, DoneHandle, Handle
 from dataparallel.config import Settings
 from dataparallel.protocol import (
+    Records,
     ReplayOf,
     digest,
     fail_together,
     handshake,
-    new_record,
     payload_capacity,
 )
 
@@ -193,10 +193,6 @@ def agree(
     """
     if ctx.backend.size == 1:
         return None, False
-    record = None
-    if inline:
-        record = new_record()
-        pack_inline(record["payload"][0], 0, host_works(leaves))
     settings = ctx.settings
     key = (
         "digest",
@@ -210,7 +206,7 @@ def agree(
         settings.bucket_bytes,
         ctx.backend.size,
     )
-    h = cast(int | None, ctx.plans.get(key))
+    h: int | None = ctx.plans.get(key)
 
     def details() -> dict[str, object]:
         return describe(ctx, collective, flat, leaves, args, first_axis, inline)[1]()
@@ -218,7 +214,11 @@ def agree(
     if h is None:  # the world keeps the digests of calls seen: a call repeated is described once
         h = digest(describe(ctx, collective, flat, leaves, args, first_axis, inline)[0])
         ctx.plans.put(key, h)
-    rows, flagged = handshake(ctx.backend, h, details, record=record, flag=flag, replay=replay)
+    records = None
+    if inline:
+        records = Records(ctx.backend.size, h)
+        pack_inline(records.payload, 0, host_works(leaves))
+    rows, flagged = handshake(ctx.backend, h, details, records=records, flag=flag, replay=replay)
     return (rows["payload"] if inline and rows is not None else None), flagged
 
 
