@@ -11,6 +11,7 @@ NCCL), for NumPy, PyTorch, JAX and CuPy arrays in nested containers.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING
 
 from dataparallel.arrays.compression import Compression
@@ -62,7 +63,10 @@ from dataparallel.world import (
     print as print,  # dp.print; not in __all__, so `import *` keeps the builtin
 )
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version: one number, pyproject.toml's
+    __version__ = importlib.metadata.version("dataparallel")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Backend",

@@ -5,4 +5,21 @@ meaning (`docs/horovod.md` lists what differs). It is a thin layer: every call h
 dataparallel's own API (`dp.allreduce`, `dp.DistributedOptimizer`, `dp.new_group`, `dp.join`,
 ...), so a Horovod script gains what dataparallel does (pip install, a failing rank ends the job,
 mismatch errors that name ranks and leaves) without a line of it written twice.
+
+`import dataparallel.horovod as horovod` gives the top-level package's names: `horovod.run`
+(call a function on N ranks from Python, over `dataparallel run`) and `horovod.__version__`.
 """
+
+from __future__ import annotations
+
+from dataparallel import __version__ as _dataparallel_version
+from dataparallel.horovod._run import run
+
+__all__ = ["HOROVOD_API_VERSION", "__version__", "run"]
+
+# The Horovod release whose API this package reproduces.
+HOROVOD_API_VERSION = "0.28.1"
+
+# Horovod's version scheme with a local label saying what this is (PEP 440): code that compares
+# `horovod.__version__` against a Horovod release (`Version(v) >= Version("0.21")`) sees 0.28.1.
+__version__ = f"{HOROVOD_API_VERSION}+dataparallel.{_dataparallel_version}"

@@ -1,0 +1,42 @@
+"""Call `horovod.run` from a plain Python process, as Horovod's `pytorch_mnist.py --num-proc` does.
+
+    python horovod_run.py ENGINE N [fail]
+
+ENGINE is `mpi` or `gloo`. Each rank allreduces its rank through the drop-in and returns what it
+saw; with `fail`, rank 1 raises instead and this prints the `RuntimeError` that `run` raises.
+The result list is printed as one JSON line.
+"""
+
+import json
+import sys
+
+import torch
+
+import dataparallel.horovod as horovod
+import dataparallel.horovod.torch as hvd
+
+
+def train(offset, *, fail=False):  # defined in __main__: travels by value (cloudpickle)
+    hvd.init()
+    if fail and hvd.rank() == 1:
+        raise ValueError(f"rank {hvd.rank()} cannot train")
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
+    result = {"rank": hvd.rank(), "size": hvd.size(), "sum": total.item() + offset}
+    hvd.shutdown()
+    return result
+
+
+engine, n, fail = sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["fail"]
+try:
+    results = horovod.run(
+        train,
+        args=(100,),
+        kwargs={"fail": fail},
+        num_proc=n,
+        use_gloo=engine == "gloo",
+        use_mpi=engine == "mpi",
+    )
+except RuntimeError as exc:
+    print("RuntimeError:", exc, flush=True)
+    sys.exit(3)
+print(json.dumps(results), flush=True)
