@@ -1,5 +1,6 @@
 # `make demo` trains on 2 ranks; `make test` runs lint, types and the test suite at 1, 2 and 3 ranks
-# (MPI) and 2 and 3 ranks (Gloo). Both set up .venv on a fresh machine first.
+# (MPI) and 2 and 3 ranks (Gloo); `make docs` builds the site into site/. Each sets up .venv on a
+# fresh machine first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,16 +10,21 @@ STAMP := $(VENV)/.installed-stamp
 JOB_TIMEOUT := 900
 RUN_ENV := OMP_NUM_THREADS=1 MPIEXEC_TIMEOUT=$(JOB_TIMEOUT) JAX_PLATFORMS=cpu
 
-.PHONY: demo test lint test-1 test-mpi test-gloo test-horovod bench clean
+.PHONY: demo test lint docs test-1 test-mpi test-gloo test-horovod bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[mpi,torch,jax,test]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[mpi,torch,jax,test,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 --timeout $(JOB_TIMEOUT) examples/torch_digits.py
+
+# The documentation site (mkdocs.yml; the docs extra is in the venv): a warning, a broken link or
+# anchor fails it. tests/test_docs.py builds it the same way, into a temporary folder.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks tools
@@ -56,4 +62,4 @@ bench: $(STAMP)
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/optax_step.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

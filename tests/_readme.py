@@ -1,10 +1,11 @@
-"""The README's Python blocks, as a reader meets them: in order, in one Python session.
+"""A page's Python blocks, as a reader meets them: in order, in one Python session.
 
 `blocks(text)` returns every ```python block with the line it starts on and the fewest ranks it
 runs on: a block whose first line says `# on N ranks or more` needs N (the README writes the
 launch command beside it); every other block runs at any world size, a world of one included.
 `python tests/_readme.py README.md` (under any launcher) runs them, each in the namespace the
-ones before it left, and prints `README block K (line L): ok` or `... skipped` on rank 0.
+ones before it left, and prints `README.md block K (line L): ok` or `... skipped` on rank 0.
+Used for the README and for `docs/quickstart.md`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main(path: str) -> None:
 
     namespace: dict[str, object] = {"__name__": "__main__"}
     for k, block in enumerate(blocks(Path(path).read_text(encoding="utf-8")), 1):
-        where = f"README block {k} (line {block.line})"
+        where = f"{Path(path).name} block {k} (line {block.line})"
         size = dp.size() if dp.initialized() else 1
         if size < block.min_ranks:
             verdict = f"skipped (needs {block.min_ranks} ranks, the world has {size})"

@@ -1,5 +1,7 @@
 """The README's Python blocks run as written: in order, in one session, at 1, 2 and 3 ranks.
 
+So do the blocks of the docs' quickstart page, at 2 ranks.
+
 `_readme.py` extracts them; each job runs all of them (a block that says `# on N ranks or more`
 is skipped below N, and says so). The jobs are real (`dataparallel run`, MPI), so this file is
 marked `spawns` and runs in the world of one, each job under `_jobs.run_job`'s time limit.
@@ -16,38 +18,53 @@ from _readme import blocks
 
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
+QUICKSTART = HERE.parent / "docs" / "quickstart.md"
 
 
 def test_every_python_block_is_found() -> None:
-    text = README.read_text(encoding="utf-8")
-    found = blocks(text)
-    assert len(found) == text.count("```python\n") >= 7
-    assert [b.min_ranks for b in found].count(2) == 1  # the process groups' block
-    assert all(b.source.strip() for b in found)
+    for page, least in ((README, 7), (QUICKSTART, 3)):
+        text = page.read_text(encoding="utf-8")
+        found = blocks(text)
+        assert len(found) == text.count("```python\n") >= least
+        assert all(b.source.strip() for b in found)
+    # One block says it needs 2 ranks: the process groups' (`# on 2 ranks or more`).
+    assert [b.min_ranks for b in blocks(README.read_text(encoding="utf-8"))].count(2) == 1
 
 
-@pytest.mark.spawns
-@pytest.mark.skipif(
-    outer_world_size() > 1,
-    reason="launches its own multi-process jobs: run this file in a world of one",
+spawns = [
+    pytest.mark.spawns,
+    pytest.mark.skipif(
+        outer_world_size() > 1,
+        reason="launches its own multi-process jobs: run this file in a world of one",
+    ),
+    pytest.mark.skipif(
+        any(importlib.util.find_spec(m) is None for m in ("torch", "jax", "optax", "mpi4py")),
+        reason="the blocks use torch, JAX, optax; the jobs run under MPI",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("page", "ranks"),
+    [
+        pytest.param(README, 1, marks=spawns, id="README-1"),
+        pytest.param(README, 2, marks=spawns, id="README-2"),
+        pytest.param(README, 3, marks=spawns, id="README-3"),
+        pytest.param(QUICKSTART, 2, marks=spawns, id="quickstart-2"),
+    ],
 )
-@pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("torch", "jax", "optax", "mpi4py")),
-    reason="the README's blocks use torch, JAX, optax; the jobs run under MPI",
-)
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_readme_blocks_run_as_written(ranks: int) -> None:
-    target = [HERE / "_readme.py", README]
+def test_blocks_run_as_written(page: Path, ranks: int) -> None:
+    target = [HERE / "_readme.py", page]
     if ranks == 1:
         job = run_job(target, launcher="python", timeout=300)
     else:
         job = run_job(target, ranks=ranks, job_timeout=280, timeout=300)
     assert job.returncode == 0, job.stdout + job.stderr
-    verdicts = [line for line in job.stdout.splitlines() if line.startswith("README block")]
+    verdicts = [line for line in job.stdout.splitlines() if line.startswith(f"{page.name} block")]
     skipped = "skipped (needs {} ranks, the world has 1)"
     expected = [
-        f"README block {k} (line {b.line}): "
+        f"{page.name} block {k} (line {b.line}): "
         + ("ok" if ranks >= b.min_ranks else skipped.format(b.min_ranks))
-        for k, b in enumerate(blocks(README.read_text(encoding="utf-8")), 1)
+        for k, b in enumerate(blocks(page.read_text(encoding="utf-8")), 1)
     ]
     assert verdicts == expected, job.stdout + job.stderr

@@ -67,6 +67,7 @@ try:  # the installed distribution's version: one number, pyproject.toml's
     __version__ = importlib.metadata.version("dataparallel")
 except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
+"""This package's version, from its installed metadata (`"0+unknown"` when not installed)."""
 
 __all__ = [
     "Backend",

@@ -132,7 +132,8 @@ def initialize(
             torchrun's `RANK`, `WORLD_SIZE` and `MASTER_ADDR` are set, else a world of one.
         init_method: rendezvous for Gloo/NCCL: `"env://"`, `"tcp://host:port"` or `"file:///dir"`
             (Flashlight's methods); `"mpi"` selects the MPI backend.
-        rank, world_size: this process's rank and the world size, for `tcp://` and `file://`.
+        rank: this process's rank, for `tcp://` and `file://`.
+        world_size: the number of processes, for `tcp://` and `file://`.
         gpu_devices: GPU index per local rank; default: round robin over the visible GPUs.
         timeout: seconds before a blocked collective or rendezvous fails: a positive, finite
             number (default: none).

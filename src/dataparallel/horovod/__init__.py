@@ -17,9 +17,12 @@ from dataparallel.horovod._run import run
 
 __all__ = ["HOROVOD_API_VERSION", "__version__", "run"]
 
-# The Horovod release whose API this package reproduces.
 HOROVOD_API_VERSION = "0.28.1"
+"""The Horovod release whose API this package reproduces."""
 
-# Horovod's version scheme with a local label saying what this is (PEP 440): code that compares
-# `horovod.__version__` against a Horovod release (`Version(v) >= Version("0.21")`) sees 0.28.1.
 __version__ = f"{HOROVOD_API_VERSION}+dataparallel.{_dataparallel_version}"
+"""`0.28.1+dataparallel.X.Y.Z`: Horovod's version with a PEP 440 local label saying what this is.
+
+Code that compares `horovod.__version__` against a Horovod release
+(`Version(v) >= Version("0.21")`) sees 0.28.1; `X.Y.Z` is `dataparallel.__version__`.
+"""

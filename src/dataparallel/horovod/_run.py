@@ -172,12 +172,14 @@ def run(
         mpi_args: further `mpiexec` arguments are not supported: must be None.
         verbose: print the launch command.
         executable: the Python that runs the ranks (default: `sys.executable`).
-        min_num_proc, max_num_proc, slots, reset_limit, cooldown_range, host_discovery_script:
-            Horovod's elastic mode, which dataparallel does not have: refused unless None.
         output_filename: Horovod's per-rank output files: refused unless None (every rank's
             output reaches this process's stdout and stderr, prefixed with its rank).
-        start_timeout, ssh_port, ssh_identity_file, disable_cache, network_interface(s):
-            accepted and unused (they tune Horovod's own start-up).
+
+    Horovod's elastic options (`min_num_proc`, `max_num_proc`, `slots`, `reset_limit`,
+    `cooldown_range`, `host_discovery_script`, and the deprecated `min_np`, `max_np`) are refused
+    unless None: dataparallel has no elastic mode. `start_timeout`, `ssh_port`,
+    `ssh_identity_file`, `disable_cache`, `network_interface` and `network_interfaces` are
+    accepted and unused (they tune Horovod's own start-up).
 
     Returns:
         The value `func` returned on each rank, in rank order.

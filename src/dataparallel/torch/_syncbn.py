@@ -52,8 +52,12 @@ class SyncBatchNorm(_BatchNorm):
 
     Args:
         num_features: channels `C` of inputs shaped `(N, C, ...)`.
-        eps, momentum, affine, track_running_stats, device, dtype: as `torch.nn.BatchNorm2d`
-            (`momentum=None`: cumulative average).
+        eps: as `torch.nn.BatchNorm2d`.
+        momentum: as `torch.nn.BatchNorm2d` (`None`: cumulative average).
+        affine: as `torch.nn.BatchNorm2d`.
+        track_running_stats: as `torch.nn.BatchNorm2d`.
+        device: as `torch.nn.BatchNorm2d`.
+        dtype: as `torch.nn.BatchNorm2d`.
         group: normalize over the ranks of this `dp.new_group` only (default: the world).
 
     >>> import torch, dataparallel as dp

@@ -43,7 +43,18 @@ __all__ = [
 ]
 
 # Horovod's reduce ops are small ints (its C API's values); they name dataparallel's ops.
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+Average = 0
+"""`op=Average`: the sum divided by the number of ranks (dataparallel's `op="avg"`)."""
+Sum = 1
+"""`op=Sum` (`op="sum"`)."""
+Adasum = 2
+"""`op=Adasum`: not supported here; raises `NotImplementedError`."""
+Min = 3
+"""`op=Min` (`op="min"`)."""
+Max = 4
+"""`op=Max` (`op="max"`)."""
+Product = 5
+"""`op=Product` (`op="prod"`)."""
 
 
 class HorovodInternalError(RuntimeError):
