@@ -59,7 +59,7 @@ def read_ratios(text: str) -> Ratios:
 
 def svg(ratios: Ratios) -> str:
     """Return the figure: one panel per reference, a group of bars per model."""
-    width, height, top, bottom, left = 760, 330, 50, 70, 60
+    width, height, top, bottom, left = 760, 350, 50, 90, 60
     panel_w = (width - left - 20) / 2
     plot_h = height - top - bottom
     y_max = 1.2
@@ -118,12 +118,13 @@ def svg(ratios: Ratios) -> str:
     for k, mode in enumerate(MODES):
         lx = left + k * 230
         out.append(
-            f'<rect x="{lx}" y="{height - 22}" width="14" height="10" fill="{COLORS[k]}" '
-            f'opacity="0.6"/><text x="{lx + 20}" y="{height - 13}">dp.{mode}</text>'
+            f'<rect x="{lx}" y="{height - 40}" width="14" height="10" fill="{COLORS[k]}" '
+            f'opacity="0.6"/><text x="{lx + 20}" y="{height - 31}">dp.{mode}</text>'
         )
     out.append(
-        f'<text x="{width - 20}" y="{height - 13}" text-anchor="end">bar: the runs\' range; '
-        "dot: their median; below 1: less overhead</text>"
+        f'<text x="{left}" y="{height - 10}" fill="#555">Dark band: the runs\' range; dot and '
+        "light bar: their median. Below the dashed line at 1: less overhead than the reference."
+        "</text>"
     )
     out.append("</svg>")
     return "\n".join(out) + "\n"

@@ -130,8 +130,10 @@ class Backend(ABC):
 
     Attributes:
         name: `"mpi"`, `"gloo"`, `"nccl"` or `"single"`.
-        rank, size: this process's place in the world and the world's size.
-        local_rank, local_size: the same among the processes on this node.
+        rank: this process's place in the world, 0-based.
+        size: the number of processes in the world.
+        local_rank: this process's place among the processes on this node.
+        local_size: the number of processes on this node.
         native_dtypes: dtype names the engine reduces natively in host memory; others are widened
             to float32 before reducing.
         device_native_dtypes: the same for device buffers (NCCL adds bfloat16).
