@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
         "dataparallel.types",
         "dataparallel.runnotes",
         "dataparallel.caches",
+        "dataparallel.version",
     ),
     ("dataparallel.backends",),
     ("dataparallel.arrays",),

@@ -11,7 +11,6 @@ NCCL), for NumPy, PyTorch, JAX and CuPy arrays in nested containers.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 from typing import TYPE_CHECKING
 
 from dataparallel.arrays.compression import Compression
@@ -46,6 +45,7 @@ from dataparallel.groups import Group, new_group
 from dataparallel.progress import progress
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
 from dataparallel.training import DistributedOptimizer, synchronize
+from dataparallel.version import VERSION as _VERSION
 from dataparallel.world import (
     device,
     finalize,
@@ -63,10 +63,7 @@ from dataparallel.world import (
     print as print,  # dp.print; not in __all__, so `import *` keeps the builtin
 )
 
-try:  # the installed distribution's version: one number, pyproject.toml's
-    __version__ = importlib.metadata.version("dataparallel")
-except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-    __version__ = "0+unknown"
+__version__ = _VERSION
 """This package's version, from its installed metadata (`"0+unknown"` when not installed)."""
 
 __all__ = [

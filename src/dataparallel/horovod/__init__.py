@@ -12,15 +12,15 @@ mismatch errors that name ranks and leaves) without a line of it written twice.
 
 from __future__ import annotations
 
-from dataparallel import __version__ as _dataparallel_version
 from dataparallel.horovod._run import run
+from dataparallel.version import VERSION
 
 __all__ = ["HOROVOD_API_VERSION", "__version__", "run"]
 
 HOROVOD_API_VERSION = "0.28.1"
 """The Horovod release whose API this package reproduces."""
 
-__version__ = f"{HOROVOD_API_VERSION}+dataparallel.{_dataparallel_version}"
+__version__ = f"{HOROVOD_API_VERSION}+dataparallel.{VERSION}"
 """`0.28.1+dataparallel.X.Y.Z`: Horovod's version with a PEP 440 local label saying what this is.
 
 Code that compares `horovod.__version__` against a Horovod release

@@ -42,7 +42,7 @@ def error_file(rank: int) -> str:
     return f"error-{rank}.txt"
 
 
-def _dumps(value: object, what: str) -> bytes:
+def dumps(value: object, what: str) -> bytes:
     try:
         import cloudpickle
     except ImportError:
@@ -234,7 +234,7 @@ def run(
     call = (func, tuple(args), dict(kwargs or {}))
     with tempfile.TemporaryDirectory(prefix="dataparallel-horovod-run-") as tmp:
         folder = Path(tmp)
-        (folder / FUNCTION_FILE).write_bytes(_dumps(call, "the function and its arguments"))
+        (folder / FUNCTION_FILE).write_bytes(dumps(call, "the function and its arguments"))
         command = [
             executable or sys.executable,
             "-m",

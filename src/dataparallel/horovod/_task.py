@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from dataparallel.config import Settings
-from dataparallel.horovod._run import FUNCTION_FILE, _dumps, error_file, result_file
+from dataparallel.horovod._run import FUNCTION_FILE, dumps, error_file, result_file
 
 
 def _launcher_rank() -> int:
@@ -33,7 +33,7 @@ def main(folder: Path) -> None:
     except BaseException:
         (folder / error_file(rank)).write_text(traceback.format_exc(), encoding="utf-8")
         raise
-    payload = _dumps(result, f"rank {rank}'s return value")
+    payload = dumps(result, f"rank {rank}'s return value")
     (folder / f"{result_file(rank)}.part").write_bytes(payload)
     (folder / f"{result_file(rank)}.part").rename(folder / result_file(rank))
 
