@@ -3,9 +3,9 @@
 `blocks(text)` returns every ```python block with the line it starts on and the fewest ranks it
 runs on: a block whose first line says `# on N ranks or more` needs N (the README writes the
 launch command beside it); every other block runs at any world size, a world of one included.
-`python tests/_readme.py README.md` (under any launcher) runs them, each in the namespace the
-ones before it left, and prints `README.md block K (line L): ok` or `... skipped` on rank 0.
-Used for the README and for `docs/quickstart.md`.
+`python tests/_readme.py README.md [PAGE ...]` (under any launcher) runs them, each in the
+namespace the ones before it on its page left, and prints `README.md block K (line L): ok` (or
+`... skipped`) on rank 0. Used for the README and for `docs/quickstart.md`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def blocks(text: str) -> list[Block]:
 
 
 def main(path: str) -> None:
+    """Run the blocks of the page at `path` in one namespace, and report each on rank 0."""
     import dataparallel as dp
 
     namespace: dict[str, object] = {"__name__": "__main__"}
@@ -55,4 +56,5 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    for page in sys.argv[1:]:  # each page in a namespace of its own, one process for all
+        main(page)
