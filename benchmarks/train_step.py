@@ -2,8 +2,9 @@
 
 Run: `OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/train_step.py`
 (or `dataparallel run -n 2 benchmarks/train_step.py`). With Horovod 0.28.1 built in a venv of its
-own (`../shared/peers/horovod/README.md`), run that venv's mpiexec and python with
-`PYTHONPATH=src` to add Horovod as a case in the same processes.
+own (Horovod's source install with `HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1`; it needs patches to
+build against current torch), run that venv's mpiexec and python with `PYTHONPATH=src` to add
+Horovod as a case in the same processes.
 
 Models (`--models`, default both):
 - `mlp`: an MLP of about 3.4 M parameters, SGD, batch `--mlp-batch` samples per rank;
