@@ -475,8 +475,11 @@ def print(*args: Any, **kwargs: Any) -> None:
 def timeline(path: str | os.PathLike[str]) -> Timeline:
     """Record every collective of this process into the Chrome-trace file `path`.
 
-    Setting `DATAPARALLEL_TIMELINE=path` does the same from `dp.initialize()` on. Returns the
-    `Timeline`; close it (or leave its `with` block, or call `dp.finalize()`) to finish the file.
+    In a world of one the file is `path`; with several ranks each rank writes its own, named from
+    it (`trace.json` becomes `trace.rank0.json`, `trace.rank1.json`, ...; a `{rank}` in `path` is
+    replaced instead). Setting `DATAPARALLEL_TIMELINE=path` does the same from `dp.initialize()`
+    on. Returns the `Timeline`; close it (or leave its `with` block, or call `dp.finalize()`) to
+    finish the file.
 
     >>> import dataparallel as dp, numpy as np, tempfile, os, json, pathlib
     >>> _ = dp.initialize("single")
