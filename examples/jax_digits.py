@@ -19,10 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import dataparallel as dp
+
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError as exc:  # the digits ship with scikit-learn, which dataparallel does not need
+    raise SystemExit(
+        "This example trains on scikit-learn's digits: pip install 'dataparallel[examples]' "
+        "(or pip install scikit-learn)."
+    ) from exc
 
 EPOCHS = 20
 BATCH_SIZE = 32  # per rank: the global batch is BATCH_SIZE * dp.size()

@@ -20,11 +20,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
 import dataparallel as dp
+
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError as exc:  # the digits ship with scikit-learn, which dataparallel does not need
+    raise SystemExit(
+        "This example trains on scikit-learn's digits: pip install 'dataparallel[examples]' "
+        "(or pip install scikit-learn)."
+    ) from exc
 
 
 def parse_args() -> argparse.Namespace:
