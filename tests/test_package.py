@@ -32,6 +32,10 @@ _IGNORE = shutil.ignore_patterns(
     "dist",
     "site",
     "*.pyc",
+    "checkpoints",
+    "*.pt",
+    "*.whl",
+    "*.tar.gz",
 )
 
 pytestmark = [
