@@ -14,7 +14,7 @@ instead of being silently ignored.
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | a core spare? |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
-| `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store, `host:port` | unset |
+| `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
 | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
 

@@ -85,9 +85,13 @@ class ElasticSampler:
     def reset(self) -> None:
         """Split what remains of the epoch over the current world (called after it changes)."""
         if world.initialized():
-            self.num_replicas, self.rank = world.size(), world.rank()
+            self.resplit(world.size(), world.rank())
         else:
-            self.num_replicas, self.rank = 1, 0
+            self.resplit(1, 0)
+
+    def resplit(self, num_replicas: int, rank: int) -> None:
+        """Split what remains of the epoch as rank `rank` of `num_replicas` takes it."""
+        self.num_replicas, self.rank = num_replicas, rank
         remaining = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(remaining)

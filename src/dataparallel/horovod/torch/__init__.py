@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 from dataparallel import world
 from dataparallel.arrays.compression import Compression
-from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch import _handles, elastic
 from dataparallel.horovod.torch._basics import (
     Adasum,
     Average,
@@ -189,6 +189,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
