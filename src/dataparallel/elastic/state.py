@@ -194,6 +194,16 @@ class TorchState(ObjectState):
             extra["optimizer"] = optimizer
         super().__init__(**extra, **attrs)
 
+    def sync(self) -> None:
+        """Carry distributed optimizers over to a re-formed world (collective, first, where a
+        newcomer made its optimizer), then give every rank rank 0's values."""
+        for name in self._names:
+            value = getattr(self, name)
+            gradient_sync = getattr(value, "gradient_sync", None)
+            if gradient_sync is not None and gradient_sync.outlived:
+                value.rebind_world()
+        super().sync()
+
     def _sync_one(self, name: str, value: Any) -> None:
         import torch
 
