@@ -9,6 +9,7 @@ Options:
     --out FILE          rank 0 writes the final state (JSON) there
     --die W:K           worker W (its id, `w0`...) kills itself with SIGKILL after its K-th
                         commit, in the middle of the next step (after computing its gradient)
+    --skip W:K          worker W skips its K-th commit (a commit called by only some ranks)
     --grow FILE:K:LINE  after its K-th commit, rank 0 writes LINE to FILE (what the discovery
                         script prints), then commits until the launcher has added the workers
 """
@@ -65,10 +66,13 @@ def main() -> None:
     parser.add_argument("--commit", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("--die", action="append", default=[])
+    parser.add_argument("--skip")
     parser.add_argument("--grow")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
+    skip_worker, _, skip_at = (args.skip or "").partition(":")
+    tries = 0
     dp.initialize()
     state = dp.elastic.ObjectState(
         w=np.zeros(DIM),
@@ -81,7 +85,10 @@ def main() -> None:
     grown = False
 
     def commit() -> None:
-        nonlocal commits, grown
+        nonlocal commits, grown, tries
+        tries += 1
+        if me == skip_worker and tries == int(skip_at):
+            return
         state.commit()
         commits += 1
         if args.grow and not grown and dp.rank() == 0:
