@@ -21,6 +21,7 @@ from dataparallel.elastic.state import (
     TorchState,
 )
 from dataparallel.horovod.torch._basics import HorovodInternalError
+from dataparallel.horovod.torch._lifetime import init, shutdown
 
 __all__ = [
     "ElasticSampler",
@@ -38,9 +39,7 @@ S = TypeVar("S", bound=State)
 
 
 def _reset() -> None:
-    from dataparallel.horovod import torch as hvd
-
-    reform_world(leave=hvd.shutdown, enter=hvd.init)
+    reform_world(leave=shutdown, enter=init)
 
 
 def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
