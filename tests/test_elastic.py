@@ -156,3 +156,23 @@ def test_import_dataparallel_does_not_load_elastic() -> None:
     code = "import sys, dataparallel; print('dataparallel.elastic' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_tree_state_carries_an_optax_state() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.full(3, float(dp.rank())), "b": jnp.zeros(())}
+    optimizer = optax.adam(0.1)
+    state = TreeState(params=params, opt_state=optimizer.init(params), step=0)
+    state.sync()  # rank 0's everywhere
+    updates, state.opt_state = optimizer.update(
+        {"w": jnp.ones(3), "b": jnp.ones(())}, state.opt_state
+    )
+    state.params = optax.apply_updates(state.params, updates)
+    state.commit()
+    committed = (np.asarray(state.params["w"]), int(state.opt_state[0].count))
+    state.params = {"w": state.params["w"] + 5, "b": state.params["b"]}
+    state.restore()
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), committed[0])
+    assert committed[1] == 1 and int(state.opt_state[0].count) == 1
+    np.testing.assert_allclose(committed[0], np.full(3, -0.1), rtol=1e-4)  # adam: lr * sign
