@@ -18,7 +18,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 from dataparallel import world
 from dataparallel.elastic import rounds
 from dataparallel.elastic.state import HostsUpdatedInterrupt, State
-from dataparallel.errors import RankFailedError
+from dataparallel.errors import DataParallelError, RankFailedError
 
 __all__ = ["reform_world", "run", "run_fn"]
 
@@ -36,7 +36,7 @@ def reform_world(
     joined = rounds.current()
     assert joined is not None
     timeout = world.current().settings.timeout if world.initialized() else None
-    with contextlib.suppress(RankFailedError, RuntimeError):
+    with contextlib.suppress(DataParallelError, RuntimeError):
         leave()
     rounds.leave()
     rounds.join(joined.generation)
