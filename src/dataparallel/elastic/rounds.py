@@ -126,6 +126,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
             launcher ends such a run itself; this is the worker's own guard), or the launcher
             left this worker out of the newest round.
     """
+    global _current
     settings = settings if settings is not None else Settings.from_env()
     if settings.elastic_store is None or settings.elastic_worker is None:
         raise RuntimeError(
@@ -156,11 +157,18 @@ def join(after: int, settings: Settings | None = None) -> Round:
                 f"every member of {', '.join(members)} arrived."
             )
         if store.get(ready_key(generation)) == FORMED.encode():
-            global _current
             chosen = Round(generation, members, me)
-            _make_group(store, chosen, settings)
-            _current = chosen
-            return chosen
+            try:
+                _make_group(store, chosen, settings)
+            except RuntimeError as exc:  # a member died while the group formed
+                leave()
+                if not _exists(store, round_key(generation + 1), _left(deadline)):
+                    raise RankFailedError(
+                        f"round {generation}'s Gloo group did not form: {exc}"
+                    ) from exc
+            else:
+                _current = chosen
+                return chosen
         after = generation  # a member died before it formed: the launcher opened a newer one
 
 
