@@ -94,7 +94,7 @@ def main() -> int:
 def _run_and_kill(
     command: list[str], env: dict[str, str], cwd: str, worker: str, after: str, count: int
 ) -> int:
-    """Run `command`, echoing its output, and SIGKILL `worker` at the `count`-th line with `after`."""
+    """Run `command`, echoing its output; SIGKILL `worker` at the `count`-th line with `after`."""
     job = subprocess.Popen(
         command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
