@@ -170,3 +170,21 @@ def test_bad_options_are_refused_at_once(options: list[str], message: str) -> No
     command = [sys.executable, "-m", "dataparallel", "run", "-n", "3", *options, TRAIN]
     done = run_job(command, launcher=None, timeout=60.0)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("victim", ["w0", "w1"])
+def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str) -> None:
+    """Horovod's names (`hvd.elastic.run`, `TorchState`, `hvd.DistributedOptimizer`, a reset
+    callback): the optimizer is carried over to the world of the survivors, which end equal."""
+    out = tmp_path / "out.json"
+    done = run_job(
+        [SCRIPTS / "elastic_hvd.py", "--out", out, "--die", victim],
+        ranks=3,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
