@@ -38,7 +38,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("dataparallel.arrays",),
     ("dataparallel.world", "dataparallel.groups"),
     ("dataparallel.protocol", "dataparallel.collectives", "dataparallel.reducers"),
-    ("dataparallel.torch", "dataparallel.jax", "dataparallel.data", "dataparallel.progress"),
+    (
+        "dataparallel.torch",
+        "dataparallel.jax",
+        "dataparallel.data",
+        "dataparallel.elastic",
+        "dataparallel.progress",
+    ),
     ("dataparallel.training",),
     ("dataparallel.horovod",),  # Horovod's API over the public face's calls
     ("dataparallel.launch", "dataparallel.__main__"),

@@ -14,6 +14,9 @@ instead of being silently ignored.
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | a core spare? |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
+| `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
+| `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
+| `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
 
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
@@ -31,6 +34,9 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "ELASTIC_STORE_VARIABLE",
+    "ELASTIC_TIMEOUT_VARIABLE",
+    "ELASTIC_WORKER_VARIABLE",
     "MPI_LAUNCHER_VARIABLES",
     "MPI_RANK_VARIABLES",
     "MPI_SIZE_VARIABLES",
@@ -65,6 +71,10 @@ MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 # Set by `dataparallel run` for its ranks (`Settings.run_dir`).
 RUN_DIR_VARIABLE = "DATAPARALLEL_RUN_DIR"
+# Set by `dataparallel run --min-np` for its workers (`Settings.elastic_*`, dataparallel.elastic).
+ELASTIC_STORE_VARIABLE = "DATAPARALLEL_ELASTIC_STORE"
+ELASTIC_WORKER_VARIABLE = "DATAPARALLEL_ELASTIC_WORKER"
+ELASTIC_TIMEOUT_VARIABLE = "DATAPARALLEL_ELASTIC_TIMEOUT"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -139,6 +149,11 @@ class Settings:
     mpi_size: int | None = None
     # Where `dataparallel run` asks its ranks to note how they ended (launch/_rundir.py).
     run_dir: str | None = None
+    # Elastic runs: the launcher's store (host, port), this worker's id, and how long a worker
+    # waits for the world to re-form (dataparallel.elastic).
+    elastic_store: tuple[str, int] | None = None
+    elastic_worker: str | None = None
+    elastic_timeout: float = 600.0
 
     @property
     def torchrun_launched(self) -> bool:
@@ -180,4 +195,17 @@ class Settings:
             mpi_rank=_first_int(env, MPI_RANK_VARIABLES),
             mpi_size=_first_int(env, MPI_SIZE_VARIABLES),
             run_dir=env.get(RUN_DIR_VARIABLE) or None,
+            elastic_store=_address(env, ELASTIC_STORE_VARIABLE),
+            elastic_worker=env.get(ELASTIC_WORKER_VARIABLE) or None,
+            elastic_timeout=float(_number(env, ELASTIC_TIMEOUT_VARIABLE, float) or 600.0),
         )
+
+
+def _address(env: Mapping[str, str], name: str) -> tuple[str, int] | None:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return None
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{name}={raw!r} is not an address: use HOST:PORT.")
+    return host, int(port)

@@ -9,12 +9,18 @@ hvd` becomes `import dataparallel.horovod.torch as hvd` (and `import horovod` be
 dataparallel.horovod as horovod`); nothing else changes, and the changed lines are printed. The
 copy runs under `dataparallel run -n N`, with a small stand-in for torchvision on the path
 (`standins/`: synthetic MNIST, a small network for ResNet-50).
+
+Elastic examples (`examples/elastic/pytorch/*_elastic.py`): `--min-np M` runs them elastically
+(`dataparallel run --min-np M --backend gloo`), and `--kill W --after TEXT --count K` SIGKILLs
+worker W (`w1`...) once K lines of the job's output contain TEXT: a rank killed mid-run, on a
+condition rather than a clock.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +54,10 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=2)
     parser.add_argument("--backend", default="mpi", choices=["mpi", "gloo"])
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--min-np", type=int)
+    parser.add_argument("--kill", metavar="W")
+    parser.add_argument("--after", metavar="TEXT", default="")
+    parser.add_argument("--count", type=int, default=1)
     args = parser.parse_args(mine)
     source, changed = ported(args.example.read_text())
     if not changed:
@@ -71,11 +81,52 @@ def main() -> int:
             args.backend,
             "--timeout",
             str(args.timeout),
+            *(["--min-np", str(args.min_np)] if args.min_np else []),
             str(script),
             *extra,
         ]
         print(" ".join(command), flush=True)
-        return subprocess.run(command, env=env, cwd=tmp).returncode
+        if args.kill is None:
+            return subprocess.run(command, env=env, cwd=tmp).returncode
+        return _run_and_kill(command, env, tmp, args.kill, args.after, args.count)
+
+
+def _run_and_kill(
+    command: list[str], env: dict[str, str], cwd: str, worker: str, after: str, count: int
+) -> int:
+    """Run `command`, echoing its output; SIGKILL `worker` at the `count`-th line with `after`."""
+    job = subprocess.Popen(
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert job.stdout is not None
+    seen = 0
+    for line in job.stdout:
+        print(line, end="", flush=True)
+        if after in line:
+            seen += 1
+            if seen == count:
+                pid = _worker_pid(job.pid, worker)
+                print(f"run.py: killing worker {worker} (pid {pid}) with SIGKILL", flush=True)
+                os.kill(pid, signal.SIGKILL)
+    return job.wait()
+
+
+def _worker_pid(launcher: int, worker: str) -> int:
+    """The pid of elastic worker `worker` among the launcher's children (Linux /proc)."""
+    wanted = f"DATAPARALLEL_ELASTIC_WORKER={worker}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                ppid = int(file.read().rpartition(b")")[2].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as file:
+                environ = file.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher and wanted in environ:
+            return int(entry)
+    raise SystemExit(f"run.py: no worker {worker} under the launcher (pid {launcher})")
 
 
 if __name__ == "__main__":

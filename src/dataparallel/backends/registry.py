@@ -30,8 +30,9 @@ def choose(backend: str, init_method: str | None, settings: Settings) -> Backend
     """Return the engine to use for `dp.initialize(backend, init_method=...)`.
 
     `"auto"` picks MPI with `init_method="mpi"`, under an MPI launcher, or when MPI is already
-    initialized; Gloo with another `init_method` or under torchrun's variables; else a world of
-    one. NCCL's host fallback is chosen by the same rule.
+    initialized; Gloo with another `init_method`, under torchrun's variables or when
+    `torch.distributed` is initialized (over its processes); else a world of one. NCCL's host
+    fallback is chosen by the same rule.
 
     >>> choose("auto", "tcp://h:1", Settings()), choose("auto", None, Settings())
     ('gloo', 'single')
@@ -50,9 +51,15 @@ def choose(backend: str, init_method: str | None, settings: Settings) -> Backend
         return "gloo"
     if settings.mpi_launched or _mpi_already_initialized():
         return "mpi"
-    if settings.torchrun_launched:
+    if settings.torchrun_launched or _torch_distributed_initialized():
         return "gloo"
     return "single"
+
+
+def _torch_distributed_initialized() -> bool:
+    """Whether the program (or `dataparallel run --min-np`'s runner) made torch's default group."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _mpi_already_initialized() -> bool:

@@ -12,6 +12,12 @@ import sys
 from collections.abc import Sequence
 
 from dataparallel.errors import DataParallelError
+from dataparallel.launch.elastic_cli import (
+    add_elastic_options,
+    check_elastic_options,
+    elastic_options,
+    run_elastic,
+)
 
 __all__ = ["main"]
 
@@ -47,6 +53,7 @@ examples:
   # two machines, 4 processes each (run on both; node 0 hosts the rendezvous):
   dataparallel run -n 4 --backend gloo --nnodes 2 --node-rank 0 --master-addr node0 train.py
   dataparallel run -n 16 --hostfile hosts.txt train.py     # MPI over several machines
+  dataparallel run -n 3 --min-np 2 --max-np 4 --backend gloo train.py   # elastic (Gloo)
 """
 
 # Options of `run` that take a value: everything after the first other word is the target's.
@@ -61,6 +68,11 @@ _RUN_VALUE_OPTIONS = frozenset(
         "--node-rank",
         "--master-addr",
         "--master-port",
+        "--min-np",
+        "--max-np",
+        "--host-discovery-script",
+        "--elastic-timeout",
+        "--reset-limit",
     )
 )
 
@@ -119,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="P",
         help="its port (default: a free port with one machine, 29500 with several)",
     )
+    add_elastic_options(run)
     run.add_argument("script", metavar="SCRIPT", help="the Python file (or, with -m, the module)")
     run.add_argument("args", metavar="ARGS", nargs="*", help="arguments passed on to SCRIPT")
     commands.add_parser(
@@ -194,6 +207,7 @@ def _check_run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         parser.error(
             f"script {ns.script!r} not found: give the path of a Python file, or -m MODULE."
         )
+    check_elastic_options(parser, ns)
     if ns.backend == "mpi":
         gloo_only = [
             flag
@@ -237,6 +251,8 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         from dataparallel.launch.mpi import run_mpi
 
         return run_mpi(ns.n, runner_target, timeout=ns.timeout, hostfile=ns.hostfile)
+    if ns.min_np is not None:
+        return run_elastic(runner_target, elastic_options(ns), timeout=ns.timeout)
     from dataparallel.launch.gloo import Topology, run_gloo
 
     port = ns.master_port

@@ -263,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(AttributeError, OSError, ValueError):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _init_mpi()
+    elastic = Settings.from_env().elastic_store is not None
+    if elastic:  # `dataparallel run --min-np`: join the launcher's newest round (elastic/rounds.py)
+        from dataparallel.elastic.rounds import join
+
+        join(-1)
     rank = int(_rank())
     if run_dir is not None:
         note_start(run_dir, rank)
@@ -272,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = code == _INTERRUPTED
     if code == 0:
         code = _guarded(_finalize_world, options.prefixed)
+    if elastic and code == 0:
+        from dataparallel.elastic.rounds import leave
+
+        code = _guarded(leave, options.prefixed)
     if run_dir is not None:
         note_end(run_dir, rank, DONE if code == 0 else f"failed {code}")
     if code != 0:

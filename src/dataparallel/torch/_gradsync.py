@@ -125,8 +125,20 @@ class GradientSync:
         sparse_as_dense: bool = False,
     ) -> None:
         check_options(owner, op, passes, bucket_bytes)
+        # What `remade` makes again: the world's engine is named None, so that it is the next's.
+        self._made = {
+            "op": op,
+            "bucket_bytes": bucket_bytes,
+            "passes": passes,
+            "wait_after_backward": wait_after_backward,
+            "owner": owner,
+            "compression": compression,
+            "sparse_as_dense": sparse_as_dense,
+        }
         wire, self._sparse = wire_dtype(compression), SparseGrads(sparse_as_dense)
         active = world.current()
+        self._on_world = backend is None or backend is active.backend
+        self._world = weakref.ref(active)
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
         self.overlap = overlaps(self.backend.local_size, active.settings.overlap)  # see there
@@ -159,6 +171,26 @@ class GradientSync:
         self._rebuilt = False
         self._replan(trainable, None)
         self._clear()
+
+    @property
+    def outlived(self) -> bool:
+        """Whether the world this was made on is gone (`dp.finalize()`, an elastic re-form)."""
+        return not world.initialized() or self._world() is not world.current()
+
+    def remade(self) -> GradientSync:
+        """Return a `GradientSync` like this one on the world made since (an elastic run
+        re-formed it), and remove this one's hooks. Collective, as construction is.
+
+        Raises:
+            ValueError: this one reduces over a group (`group=`/`backend=`), gone with its world.
+        """
+        if not self._on_world:
+            raise ValueError(
+                f"{self.owner} reduces over a group, which went with its world: only a "
+                "DistributedOptimizer of the whole world is carried over to a re-formed world."
+            )
+        self._cleanup()
+        return GradientSync(self._source, **self._made)  # type: ignore[arg-type]
 
     @property
     def calls(self) -> int:

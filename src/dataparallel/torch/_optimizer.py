@@ -106,6 +106,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Backward passes accumulated locally before the gradients are reduced."""
         return self._dp_sync.passes
 
+    def rebind_world(self) -> None:
+        """Reduce on the world made since this optimizer was (after an elastic run re-formed
+        it: `dp.elastic.TorchState.sync` calls this, on every rank at the same point)."""
+        self._dp_sync = self._dp_sync.remade()
+
     @property
     def gradient_sync(self) -> GradientSync:
         """The `GradientSync` that reduces this optimizer's gradients."""

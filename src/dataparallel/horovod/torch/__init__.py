@@ -13,12 +13,10 @@ tensor([1., 1.])
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from dataparallel import world
 from dataparallel.arrays.compression import Compression
-from dataparallel.horovod.torch import _handles
+from dataparallel.horovod.torch import _handles, elastic
 from dataparallel.horovod.torch._basics import (
     Adasum,
     Average,
@@ -36,7 +34,6 @@ from dataparallel.horovod.torch._basics import (
     gloo_enabled,
     is_homogeneous,
     is_initialized,
-    learn_nodes,
     local_rank,
     local_size,
     mpi_built,
@@ -57,6 +54,7 @@ from dataparallel.horovod.torch._functions import (
     broadcast_parameters,
     join,
 )
+from dataparallel.horovod.torch._lifetime import init, shutdown
 from dataparallel.horovod.torch._movement import (
     allgather,
     allgather_async,
@@ -76,7 +74,6 @@ from dataparallel.horovod.torch._process_sets import (
     add_process_set,
     global_process_set,
     remove_process_set,
-    reset_process_sets,
 )
 from dataparallel.horovod.torch._reductions import (
     allreduce,
@@ -107,51 +104,8 @@ def __getattr__(name: str) -> type[SyncBatchNorm]:
     raise AttributeError(f"module 'dataparallel.horovod.torch' has no attribute {name!r}")
 
 
-_started: list[bool] = []  # [True] between this module's init() and shutdown()
-
 poll = _handles.poll
 synchronize = _handles.synchronize
-
-
-def init(
-    comm: Sequence[int] | None = None,
-    process_sets: Sequence[ProcessSet] | Literal["dynamic"] | None = None,
-) -> None:
-    """Start dataparallel (`dp.initialize()`: MPI under an MPI launcher, Gloo under torchrun-
-    style variables, else a world of one) and register `process_sets`.
-
-    Args:
-        comm: None (every process), or a list of all the world's ranks; a sub-communicator is not
-            supported (make a process set instead).
-        process_sets: process sets to register (`ProcessSet` objects), or `"dynamic"`.
-    """
-    if comm is not None and not isinstance(comm, (list, tuple)):
-        raise ValueError("hvd.init(comm=...) takes a list of ranks here (not an MPI communicator).")
-    first = not _started or not world.initialized()
-    world.initialize()
-    if comm is not None and sorted(comm) != list(range(world.size())):
-        raise NotImplementedError(
-            "hvd.init(comm=ranks) with a subset of the world is not supported: init every "
-            "process and use hvd.add_process_set(ranks) for collectives among some of them."
-        )
-    _handles.reset()  # as Horovod's init: handles from before are forgotten
-    if first:  # a second init keeps the process sets added since the first, as Horovod's
-        reset_process_sets()
-        _started.append(True)
-    learn_nodes()
-    if process_sets is not None and process_sets != "dynamic":
-        for ps in process_sets:
-            add_process_set(ps)
-
-
-def shutdown() -> None:
-    """Stop dataparallel (`dp.finalize()`); operations still queued are dropped."""
-    if not world.initialized():
-        return
-    _handles.reset()
-    reset_process_sets()
-    _started.clear()
-    world.finalize()
 
 
 __all__ = [
@@ -189,6 +143,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

@@ -10,6 +10,7 @@ import importlib.util
 
 from dataparallel import caches, collectives, world
 from dataparallel.arrays.trace import Timeline
+from dataparallel.errors import RankFailedError
 
 __all__ = [
     "Adasum",
@@ -57,9 +58,10 @@ Product = 5
 """`op=Product` (`op="prod"`)."""
 
 
-class HorovodInternalError(RuntimeError):
+class HorovodInternalError(RankFailedError):
     """A collective failed (Horovod's name; elastic training catches it).
 
+    It is a `dp.RankFailedError`: elastic training (`hvd.elastic.run`) catches both alike.
     dataparallel's own errors (`CollectiveMismatchError`, `RankFailedError`, ...) are raised as
     they are: they are `RuntimeError`s too, and their messages name the ranks and leaves.
     """

@@ -1,0 +1,203 @@
+"""Rounds: how the workers of an elastic run meet, in the store that `dataparallel run` holds.
+
+The launcher (`launch/elastic.py`) owns a TCP store that outlives every worker. Each time the
+membership changes (a worker died, discovery reported new slots) it opens a new *round*: it writes
+the round's members, in rank order, under `round/G`, then `latest = G`. Rounds are numbered
+0, 1, 2, ... without gaps. A worker joins a round by:
+
+1. waiting for a round newer than the one it had (`round/G` appears);
+2. reading the newest, `latest`, and finding its rank there (its position in the members);
+3. arriving (`round/G/arrived` counts up); the last to arrive marks the round `ready` as
+   formed, unless the launcher marked it superseded first (a member died before it formed, and
+   a newer round opened): then back to 2 with the newer round;
+4. making torch's default Gloo group of the round, under the key prefix `round/G/group/`,
+   so groups of different rounds never see each other's keys.
+
+`dp.initialize()` then makes the library's world over that group (`backends/registry.choose`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dataparallel.config import Settings
+from dataparallel.errors import RankFailedError
+
+__all__ = [
+    "LATEST",
+    "Round",
+    "arrived_key",
+    "connect",
+    "current",
+    "join",
+    "leave",
+    "newest",
+    "ready_key",
+    "round_key",
+    "supersede",
+]
+
+LATEST = "latest"
+# The value of a round's `ready` key: every member arrived, or the launcher opened a newer one
+# first (a member died before the round formed). Whichever is written first stays.
+FORMED, SUPERSEDED = "formed", "superseded"
+
+
+def round_key(generation: int) -> str:
+    """The key under which the launcher writes round `generation`'s members (JSON list)."""
+    return f"round/{generation}"
+
+
+def arrived_key(generation: int) -> str:
+    return f"round/{generation}/arrived"
+
+
+def ready_key(generation: int) -> str:
+    return f"round/{generation}/ready"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One world of an elastic run: its number, its members in rank order, and this worker."""
+
+    generation: int
+    members: tuple[str, ...]
+    me: str
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+_client: Any = None  # the worker's connection to the launcher's store, for the process's life
+_current: Round | None = None  # the round this worker joined last (its membership, not a world)
+
+
+def current() -> Round | None:
+    """Return the round this worker joined last, or None outside an elastic run."""
+    return _current
+
+
+def connect(settings: Settings) -> Any:
+    """Return this worker's client of the launcher's store (made once per process)."""
+    global _client
+    if _client is None:
+        from dataparallel.backends.gloo import import_torch_distributed
+
+        dist = import_torch_distributed()
+        assert settings.elastic_store is not None
+        host, port = settings.elastic_store
+        _client = dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=settings.elastic_timeout),
+            wait_for_workers=False,
+        )
+    return _client
+
+
+def newest(store: Any) -> int:
+    """Return the newest round's number."""
+    return int(store.get(LATEST))
+
+
+def _exists(store: Any, key: str, wait: datetime.timedelta) -> bool:
+    try:
+        store.wait([key], wait)
+    except RuntimeError:  # torch raises a plain RuntimeError (DistStoreError) on timeout
+        return False
+    return True
+
+
+def join(after: int, settings: Settings | None = None) -> Round:
+    """Join the first round newer than `after` that forms, and make torch's default group of it.
+
+    Raises:
+        RankFailedError: no round formed within `DATAPARALLEL_ELASTIC_TIMEOUT` seconds (the
+            launcher ends such a run itself; this is the worker's own guard), or the launcher
+            left this worker out of the newest round.
+    """
+    global _current
+    settings = settings if settings is not None else Settings.from_env()
+    if settings.elastic_store is None or settings.elastic_worker is None:
+        raise RuntimeError(
+            "dataparallel.elastic needs a worker of `dataparallel run --min-np M ...` (the "
+            "launcher's store and this worker's id are not in the environment)."
+        )
+    store = connect(settings)
+    deadline = time.monotonic() + settings.elastic_timeout
+    if not _exists(store, round_key(after + 1), _left(deadline)):
+        raise RankFailedError(
+            f"no new world formed within {settings.elastic_timeout:g} s after round {after} "
+            "(DATAPARALLEL_ELASTIC_TIMEOUT): the launcher did not re-form the run."
+        )
+    while True:
+        generation = max(newest(store), after + 1)  # `latest` is written after the round
+        members = tuple(json.loads(store.get(round_key(generation))))
+        me = settings.elastic_worker
+        if me not in members:
+            raise RankFailedError(
+                f"worker {me} is not a member of round {generation} ({', '.join(members)}): "
+                "the launcher left it out."
+            )
+        if store.add(arrived_key(generation), 1) == len(members):
+            store.compare_set(ready_key(generation), "", FORMED)
+        if not _exists(store, ready_key(generation), _left(deadline)):
+            raise RankFailedError(
+                f"round {generation} did not form within {settings.elastic_timeout:g} s: not "
+                f"every member of {', '.join(members)} arrived."
+            )
+        if store.get(ready_key(generation)) == FORMED.encode():
+            chosen = Round(generation, members, me)
+            try:
+                _make_group(store, chosen, settings)
+            except RuntimeError as exc:  # a member died while the group formed
+                leave()
+                if not _exists(store, round_key(generation + 1), _left(deadline)):
+                    raise RankFailedError(
+                        f"round {generation}'s Gloo group did not form: {exc}"
+                    ) from exc
+            else:
+                _current = chosen
+                return chosen
+        after = generation  # a member died before it formed: the launcher opened a newer one
+
+
+def supersede(store: Any, generation: int) -> None:
+    """Mark round `generation` as never to form, unless it formed (the launcher, before it opens
+    the next round: members still waiting for it then go on to the next)."""
+    if generation >= 0:
+        store.compare_set(ready_key(generation), "", SUPERSEDED)
+
+
+def _left(deadline: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+def _make_group(store: Any, chosen: Round, settings: Settings) -> None:
+    from dataparallel.backends.gloo import import_torch_distributed
+
+    dist = import_torch_distributed()
+    prefix = dist.PrefixStore(f"{round_key(chosen.generation)}/group/", store)
+    timeout = datetime.timedelta(seconds=settings.timeout or settings.elastic_timeout)
+    dist.init_process_group(
+        "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
+    )
+
+
+def leave() -> None:
+    """Destroy torch's default group (and every group made over it), if there is one."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,217 @@
+"""What an elastic run keeps in memory and rolls back: `State`, `ObjectState`, `TorchState`,
+`TreeState` (Horovod's `hvd.elastic` names).
+
+`commit()` saves a copy of every attribute and then asks whether the launcher re-formed the
+run (`check_host_updates`); `restore()` puts the last saved copy back; `sync()` gives every rank
+rank 0's values. An attribute with `state_dict`/`load_state_dict` (a model, an optimizer, an
+`ElasticSampler`) is saved and restored through them and changes in place; any other value is
+copied (`copy.deepcopy`) and rebound.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from dataparallel import world
+from dataparallel.collectives.broadcasts import broadcast
+from dataparallel.collectives.objects import broadcast_object
+from dataparallel.collectives.reductions import allreduce
+from dataparallel.config import Settings
+from dataparallel.elastic import rounds
+from dataparallel.errors import DataParallelError
+
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "TreeState"]
+
+
+class HostsUpdatedInterrupt(DataParallelError, RuntimeError):
+    """The launcher re-formed the run (workers added): raised by `commit()` on every rank alike.
+
+    `elastic.run` then re-forms the world without rolling back; `skip_sync` is Horovod's flag
+    (False here: a newcomer needs the state, so the state is always synchronized).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the launcher re-formed the run: new workers join at this commit")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """The base of elastic states: what `elastic.run` saves, restores and synchronizes."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], object]] = []
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], object]]) -> None:
+        """Call each of `callbacks` (no arguments) after every re-formed world, before `sync`."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (called by `elastic.run` once the world is re-formed)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state in memory (what a failure rolls back to), then `check_host_updates`."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise `HostsUpdatedInterrupt` on every rank when the launcher opened a newer round.
+
+        The ranks agree (the newest round any of them saw, a max-allreduce), so all raise or none
+        does. Outside an elastic run (no launcher's store), nothing happens.
+        """
+        joined = rounds.current()
+        if joined is None:
+            return
+        seen = rounds.newest(rounds.connect(Settings.from_env()))
+        agreed = int(allreduce(np.array([seen], np.int64), op="max")[0])
+        if agreed > joined.generation:
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+def _stateful(value: object) -> bool:
+    return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+
+
+def _root_pickled(name: str, value: object) -> Any:
+    """Give every rank rank 0's `value`; a value rank 0 cannot pickle fails on every rank."""
+    payload: tuple[bool, object]
+    if world.rank() == 0:
+        try:
+            payload = (True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as exc:  # pickling raises anything the object's __reduce__ raises
+            payload = (False, f"{type(exc).__name__}: {exc}")
+    else:
+        payload = (True, b"")
+    ok, data = broadcast_object(payload)
+    if not ok:
+        raise TypeError(
+            f"state attribute {name!r} cannot be sent to the other ranks ({data}): elastic "
+            "state holds picklable values, models, optimizers and samplers."
+        )
+    assert isinstance(data, bytes)
+    return pickle.loads(data)
+
+
+class ObjectState(State):
+    """Any attributes, given as keywords: `state = ObjectState(epoch=0, batch=0, history=[])`.
+
+    Read and assign them as attributes (`state.epoch += 1`); `commit()` saves them all.
+    """
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__()
+        self._names = list(attrs)
+        self._saved: dict[str, Any] = {}
+        for name, value in attrs.items():
+            setattr(self, name, value)
+        self.save()
+
+    def save(self) -> None:
+        saved = {}
+        for name in self._names:
+            value = getattr(self, name)
+            try:
+                saved[name] = copy.deepcopy(value.state_dict() if _stateful(value) else value)
+            except Exception as exc:
+                raise TypeError(
+                    f"state attribute {name!r} ({type(value).__name__}) cannot be saved: "
+                    f"{type(exc).__name__}: {exc}. Elastic state holds values that copy.deepcopy "
+                    "can copy, or objects with state_dict()/load_state_dict()."
+                ) from exc
+        self._saved = saved
+
+    def restore(self) -> None:
+        for name in self._names:
+            value = getattr(self, name)
+            saved = copy.deepcopy(self._saved[name])
+            if _stateful(value):
+                value.load_state_dict(saved)
+            else:
+                setattr(self, name, saved)
+
+    def sync(self) -> None:
+        for name in self._names:
+            self._sync_one(name, getattr(self, name))
+
+    def _sync_one(self, name: str, value: Any) -> None:
+        if _stateful(value):
+            value.load_state_dict(_root_pickled(name, value.state_dict()))
+        else:
+            setattr(self, name, _root_pickled(name, value))
+
+
+class TreeState(ObjectState):
+    """Pytrees of arrays (an optax run's `params=`, `opt_state=`) and other attributes.
+
+    Attributes that are arrays or pytrees of arrays are synchronized with `dp.broadcast` (their
+    bytes, not a pickle); the others as `ObjectState` does.
+    """
+
+    def _sync_one(self, name: str, value: Any) -> None:
+        if _stateful(value) or not _is_array_tree(value):
+            super()._sync_one(name, value)
+        else:
+            setattr(self, name, broadcast(value))
+
+
+def _is_array_tree(value: object) -> bool:
+    from dataparallel.arrays.tree import flatten
+
+    try:
+        leaves = flatten(value).leaves
+    except (TypeError, ValueError):
+        return False
+    return bool(leaves) and all(hasattr(leaf, "dtype") for leaf in leaves)
+
+
+class TorchState(ObjectState):
+    """Horovod's `TorchState(model=None, optimizer=None, **attrs)`: a model, its optimizer and
+    other attributes (an `ElasticSampler`, the epoch, ...).
+
+    The model's parameters and buffers are synchronized with `dp.broadcast`; the optimizer's
+    state and the other attributes through a pickle from rank 0.
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **attrs: Any) -> None:
+        extra = {"model": model} if model is not None else {}
+        if optimizer is not None:
+            extra["optimizer"] = optimizer
+        super().__init__(**extra, **attrs)
+
+    def sync(self) -> None:
+        """Carry distributed optimizers over to a re-formed world (collective, first, where a
+        newcomer made its optimizer), then give every rank rank 0's values."""
+        for name in self._names:
+            value = getattr(self, name)
+            gradient_sync = getattr(value, "gradient_sync", None)
+            if gradient_sync is not None and gradient_sync.outlived:
+                value.rebind_world()
+        super().sync()
+
+    def _sync_one(self, name: str, value: Any) -> None:
+        import torch
+
+        if isinstance(value, torch.nn.Module):
+            tensors = value.state_dict()
+            received = broadcast(dict(tensors))
+            with torch.no_grad():
+                for key, tensor in tensors.items():
+                    tensor.copy_(received[key])
+            return
+        super()._sync_one(name, value)

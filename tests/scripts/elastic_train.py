@@ -1,0 +1,134 @@
+"""An elastic training run whose every update can be replayed: the tests' subject.
+
+Linear regression in float64 on a dataset made from each sample's index. Each step, every rank
+sums its samples' gradients in order, the ranks' sums are gathered and added in rank order, so
+the update is a function of which samples each rank had: `replay` recomputes the final weights
+from the history kept in the state, bit for bit. The state commits every `--commit` steps.
+
+Options:
+    --out FILE          rank 0 writes the final state (JSON) there
+    --die W:K           worker W (its id, `w0`...) kills itself with SIGKILL after its K-th
+                        commit, in the middle of the next step (after computing its gradient)
+    --skip W:K          worker W skips its K-th commit (a commit called by only some ranks)
+    --grow FILE:K:LINE  after its K-th commit, rank 0 writes LINE to FILE (what the discovery
+                        script prints), then commits until the launcher has added the workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import numpy as np
+
+import dataparallel as dp
+
+DIM = 4
+LR = 0.05
+
+
+def sample(i: int) -> tuple[np.ndarray, float]:
+    x = np.random.default_rng(i).standard_normal(DIM)
+    return x, float(x @ np.arange(1.0, DIM + 1.0)) + 0.1 * ((i % 7) - 3)
+
+
+def gradient(w: np.ndarray, indices: list[int]) -> np.ndarray:
+    g = np.zeros(DIM)
+    for i in indices:
+        x, y = sample(i)
+        g = g + x * (x @ w - y)
+    return g
+
+
+def update(w: np.ndarray, parts: list[tuple[list[int], np.ndarray]]) -> np.ndarray:
+    total = np.zeros(DIM)
+    for _, g in parts:  # rank order
+        total = total + g
+    count = sum(len(indices) for indices, _ in parts)
+    return w - LR * total / count
+
+
+def replay(history: list[list[object]]) -> np.ndarray:
+    """The weights after the committed steps of `history`, recomputed in one process."""
+    w = np.zeros(DIM)
+    for _, _, shares in history:
+        w = update(w, [(list(s), gradient(w, list(s))) for s in shares])  # type: ignore[arg-type]
+    return w
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=23)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--commit", type=int, default=2)
+    parser.add_argument("--out")
+    parser.add_argument("--die", action="append", default=[])
+    parser.add_argument("--skip")
+    parser.add_argument("--grow")
+    args = parser.parse_args()
+    me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
+    dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
+    skip_worker, _, skip_at = (args.skip or "").partition(":")
+    tries = 0
+    dp.initialize()
+    state = dp.elastic.ObjectState(
+        w=np.zeros(DIM),
+        epoch=0,
+        steps=0,
+        history=[],
+        sampler=dp.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=5),
+    )
+    commits = 0
+    grown = False
+
+    def commit() -> None:
+        nonlocal commits, grown, tries
+        tries += 1
+        if me == skip_worker and tries == int(skip_at):
+            return
+        state.commit()
+        commits += 1
+        if args.grow and not grown and dp.rank() == 0:
+            path, k, line = args.grow.split(":", 2)
+            if commits >= int(k):
+                grown = True
+                with open(path, "w") as file:
+                    file.write(line + "\n")
+                from dataparallel.config import Settings
+                from dataparallel.elastic import rounds
+
+                store, joined = rounds.connect(Settings.from_env()), rounds.current()
+                assert joined is not None
+                store.wait([rounds.round_key(joined.generation + 1)])
+
+    @dp.elastic.run
+    def train(state: dp.elastic.ObjectState) -> None:
+        while state.epoch < args.epochs:
+            sampler = state.sampler
+            for b in range(sampler.steps(args.batch)):
+                indices = sampler.get_indices(b, args.batch)
+                g = gradient(state.w, indices)
+                if dies_after is not None and commits >= dies_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                parts = dp.allgather_object((indices, g))
+                state.w = update(state.w, parts)
+                state.history.append([state.epoch, dp.size(), [p[0] for p in parts]])
+                sampler.record_batch(b, args.batch)
+                state.steps += 1
+                if state.steps % args.commit == 0:
+                    commit()
+            state.epoch += 1
+            sampler.set_epoch(state.epoch)
+            commit()
+
+    train(state)
+    if dp.rank() == 0 and args.out:
+        with open(args.out, "w") as file:
+            json.dump({"w": state.w.tolist(), "history": state.history, "size": dp.size()}, file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Elastic runs end to end: `dataparallel run --min-np ... --backend gloo` with workers killed by
+SIGKILL mid-run, workers added through a discovery script, and the ways such a run must end.
+
+The subject is tests/scripts/elastic_train.py: a victim kills itself after its K-th commit, in
+the middle of the next step (a condition, not a clock). Every run must then finish, with final
+float64 weights equal, bit for bit, to a replay of the committed steps kept in the state, and
+every sample of every epoch in exactly one committed step.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _jobs import outer_world_size, run_job
+
+pytestmark = [
+    pytest.mark.spawns,
+    pytest.mark.skipif(
+        outer_world_size() > 1,
+        reason="launches its own multi-process jobs: run this file in a world of one",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="elastic runs need torch (Gloo)"
+    ),
+]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = SCRIPTS / "elastic_train.py"
+SAMPLES = 23
+# Hang guard: a run of a few Python processes on two busy cores takes 20-40 s.
+LIMIT = 300.0
+
+sys.path.insert(0, str(SCRIPTS))
+from elastic_train import replay  # noqa: E402
+
+
+def elastic(
+    n: int, options: list[str], args: list[str], tmp_path: Path, timeout: float = LIMIT
+) -> subprocess.CompletedProcess[str]:
+    return run_job(
+        [TRAIN, "--samples", str(SAMPLES), "--out", tmp_path / "out.json", *args],
+        ranks=n,
+        backend="gloo",
+        job_timeout=timeout - 30,
+        options=options,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+
+
+def check_run(tmp_path: Path, sizes: list[int]) -> None:
+    """The run's committed history went through world sizes `sizes`, in that order; each epoch
+    saw each sample once; the weights are the replay's, bit for bit."""
+    out = json.loads((tmp_path / "out.json").read_text())
+    history = out["history"]
+    seen = []
+    for _, size, _ in history:
+        if not seen or seen[-1] != size:
+            seen.append(size)
+    assert seen == sizes
+    epochs: dict[int, list[int]] = collections.defaultdict(list)
+    for epoch, size, shares in history:
+        assert len(shares) == size
+        for share in shares:
+            epochs[epoch] += share
+    assert sorted(epochs) == [0, 1, 2]
+    for epoch, indices in epochs.items():
+        assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch}"
+    np.testing.assert_array_equal(np.array(out["w"]), replay(history))
+    assert out["w"] == replay(history).tolist()  # bit for bit, not only to a tolerance
+
+
+@pytest.mark.parametrize("victim", ["w0", "w2"])
+def test_kill_one_of_three(tmp_path: Path, victim: str) -> None:
+    """Rank 0 too: the new rank 0 is the lowest survivor, which holds the same commit."""
+    done = elastic(3, ["--min-np", "2"], ["--die", f"{victim}:3"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"worker {victim[1:]} was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    check_run(tmp_path, [3, 2])
+
+
+def test_kill_two_of_four_at_once(tmp_path: Path) -> None:
+    done = elastic(4, ["--min-np", "2"], ["--die", "w1:2", "--die", "w3:2"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "worker 1 was lost" in done.stderr and "worker 3 was lost" in done.stderr
+    check_run(tmp_path, [4, 2])
+
+
+def discovery_script(tmp_path: Path, slots: str) -> Path:
+    (tmp_path / "slots").write_text(slots + "\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'slots'}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def test_add_a_worker_through_discovery(tmp_path: Path) -> None:
+    """2 -> 3: rank 0 makes the script report a third slot after its 2nd commit; the newcomer
+    gets the state from rank 0 and the run goes on with three, without rolling back."""
+    script = discovery_script(tmp_path, "localhost:2")
+    done = elastic(
+        2,
+        ["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
+        ["--grow", f"{tmp_path / 'slots'}:2:localhost:3"],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    check_run(tmp_path, [2, 3])
+
+
+def test_below_min_np_ends_after_the_elastic_timeout(tmp_path: Path) -> None:
+    done = elastic(2, ["--min-np", "2", "--elastic-timeout", "2"], ["--die", "w1:1"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "fewer than --min-np 2" in done.stderr
+    assert "1 slot(s) missing on this machine (lost: worker(s) 1)" in done.stderr
+
+
+def test_a_commit_on_some_ranks_only_fails_on_every_rank(tmp_path: Path) -> None:
+    """Worker 1 skips its 2nd commit: the others' commit meets its next step's collective, and
+    the protocol says so on every rank (a bug, not a lost worker: the run ends)."""
+    done = elastic(3, ["--min-np", "2"], ["--skip", "w1:2"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "CollectiveMismatchError" in done.stderr
+
+
+def test_reset_limit(tmp_path: Path) -> None:
+    done = elastic(3, ["--min-np", "1", "--reset-limit", "0"], ["--die", "w1:1"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "--reset-limit is 0" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("output", "status", "message"),
+    [
+        ("localhost:two", 0, "is not HOST:SLOTS"),
+        ("otherhost:2", 0, "is not this machine"),
+        ("localhost:2", 3, "exited with status 3"),
+    ],
+)
+def test_bad_discovery_script(tmp_path: Path, output: str, status: int, message: str) -> None:
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho {output}\nexit {status}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    done = elastic(2, ["--min-np", "1", "--host-discovery-script", str(script)], [], tmp_path)
+    assert done.returncode == 1 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--min-np", "1", "--backend", "mpi"], "MPI cannot go on without a lost rank"),
+        (["--min-np", "4", "--backend", "gloo"], "--min-np must be in 1..3"),
+        (["--min-np", "2", "--max-np", "2", "--backend", "gloo"], "--max-np must be at least"),
+        (["--max-np", "4", "--backend", "gloo"], "--max-np needs --min-np"),
+        (
+            ["--min-np", "2", "--host-discovery-script", "/nonexistent", "--backend", "gloo"],
+            "is not an executable file",
+        ),
+    ],
+)
+def test_bad_options_are_refused_at_once(options: list[str], message: str) -> None:
+    command = [sys.executable, "-m", "dataparallel", "run", "-n", "3", *options, TRAIN]
+    done = run_job(command, launcher=None, timeout=60.0)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("victim", ["w0", "w1"])
+def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str) -> None:
+    """Horovod's names (`hvd.elastic.run`, `TorchState`, `hvd.DistributedOptimizer`, a reset
+    callback): the optimizer is carried over to the world of the survivors, which end equal."""
+    out = tmp_path / "out.json"
+    done = run_job(
+        [SCRIPTS / "elastic_hvd.py", "--out", out, "--die", victim],
+        ranks=3,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
