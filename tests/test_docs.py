@@ -73,6 +73,7 @@ def test_site_builds_strict_and_documents_every_public_name(site: Path) -> None:
         ],
         "torch": _public("dataparallel.torch") if importlib.util.find_spec("torch") else [],
         "jax": _public("dataparallel.jax") if importlib.util.find_spec("jax") else [],
+        "elastic": _public("dataparallel.elastic"),
         "horovod": [
             *_public("dataparallel.horovod"),  # run, __version__, HOROVOD_API_VERSION
             *(_public("dataparallel.horovod.torch") if importlib.util.find_spec("torch") else []),

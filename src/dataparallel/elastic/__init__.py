@@ -7,7 +7,7 @@ of themselves and go on; workers the launcher adds receive the state from rank 0
 See docs/elastic.md.
 """
 
-from dataparallel.elastic.run import run
+from dataparallel.elastic.retry import run
 from dataparallel.elastic.sampler import ElasticSampler
 from dataparallel.elastic.state import (
     HostsUpdatedInterrupt,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar
 
-from dataparallel.elastic.run import reform_world, run_fn
+from dataparallel.elastic.retry import reform_world, run_fn
 from dataparallel.elastic.sampler import ElasticSampler
 from dataparallel.elastic.state import (
     HostsUpdatedInterrupt,
