@@ -161,6 +161,8 @@ def initialize(
     if timeout is not None:
         settings = dataclasses.replace(settings, timeout=_seconds(timeout))
     name = registry.choose(backend, init_method, settings)
+    if backend == "auto" and name == "single":
+        _check_slurm_step(settings)
     if name == "mpi":
         _check_mpi_not_finalized()
     note = _world_note(settings, rank, world_size)
@@ -240,6 +242,9 @@ def _check_not_alone(made: Backend, name: str, settings: Settings) -> None:
             if name == "mpi"
             else "under an MPI launcher, call dp.initialize() (it picks MPI)."
         )
+    elif settings.slurm is not None and settings.slurm.in_step and settings.rank is not None:
+        source = f"srun started {announced} tasks (SLURM_STEP_NUM_TASKS={announced})"
+        hint = "start the step with `srun --mpi=pmi2` for MPI, or call dp.initialize() (Gloo)."
     else:
         source = f"the launcher started {announced} processes (WORLD_SIZE={announced})"
         hint = (
@@ -251,6 +256,24 @@ def _check_not_alone(made: Backend, name: str, settings: Settings) -> None:
     raise BackendUnavailableError(
         f"The {name!r} engine formed a world of one, but {source}: each process would be rank 0 "
         f"of its own world, training alone. {hint[0].upper()}{hint[1:]}"
+    )
+
+
+def _check_slurm_step(settings: Settings) -> None:
+    """Refuse a world of one in a Slurm job of several tasks, outside any srun step.
+
+    A batch script or an salloc shell that runs `python train.py` itself starts one process where
+    the job asked for N: the other N-1 tasks' resources sit idle and the model trains alone.
+    """
+    slurm = settings.slurm
+    if slurm is None or slurm.in_step or slurm.ntasks is None or slurm.ntasks <= 1:
+        return
+    raise BackendUnavailableError(
+        f"This process runs in Slurm job {slurm.job_id} of {slurm.ntasks} tasks "
+        f"(SLURM_NTASKS={slurm.ntasks}) but was not started as one of them: it would train "
+        "alone. Start it with `srun python SCRIPT` (each task a rank) or `dataparallel run "
+        "SCRIPT` (which uses the allocation); for a world of one on purpose, call "
+        "dp.initialize('single')."
     )
 
 
