@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dataparallel import caches, runnotes
+from dataparallel import caches, runnotes, torch_distributed
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.trace import Timeline
 from dataparallel.arrays.worker import CommThread, Privates
@@ -97,6 +97,8 @@ class World:
     restore_excepthook: Callable[[], None] | None = None
     # The groups made in this world (`dp.new_group`): their engines are freed with it.
     groups: list[_Freeable] = field(default_factory=list)
+    # Destroys torch.distributed's default group where the world made it (`torch_distributed.py`).
+    torch_group: Callable[[], None] | None = None
 
     @property
     def timeline(self) -> Timeline | None:
@@ -182,6 +184,12 @@ def initialize(
         _point_frameworks_at(gpu)
         made.bind_device(gpu)  # NCCL makes its communicator there
     _world = World(backend=made, settings=settings, device=gpu, verbose=verbose)
+    try:
+        _world.torch_group = torch_distributed.join(made, settings)
+    except BaseException:
+        _world = None
+        made.close()
+        raise
     if settings.timeline:
         _world.recording = Timeline(settings.timeline, made.rank, made.size)
     if made.size > 1:
@@ -418,6 +426,8 @@ def finalize() -> None:
         world.private.close()
         for group in world.groups:
             group.free()
+        if world.torch_group is not None:
+            world.torch_group()
         world.backend.close()
     finally:
         if world.restore_excepthook is not None:

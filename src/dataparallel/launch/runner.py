@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
 from typing import NoReturn
 
+from dataparallel.launch.torchenv import set_torchrun_variables
 from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
 __all__ = ["main"]
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(AttributeError, OSError, ValueError):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _init_mpi()
+    set_torchrun_variables(_live_mpi())
     rank = int(_rank())
     if run_dir is not None:
         note_start(run_dir, rank)
