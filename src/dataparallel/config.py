@@ -14,7 +14,8 @@ instead of being silently ignored.
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | a core spare? |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
-| `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: leave `torch.distributed` alone (`torch_world.py`) | `1` |
+| `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
+| `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
 
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
@@ -47,6 +48,7 @@ __all__ = [
     "MPI_LAUNCHER_VARIABLES",
     "MPI_RANK_VARIABLES",
     "MPI_SIZE_VARIABLES",
+    "PREFIXED_VARIABLE",
     "RUN_DIR_VARIABLE",
     "THREAD_BUCKET_BYTES",
     "Settings",
@@ -78,6 +80,8 @@ MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 # Set by `dataparallel run` for its ranks (`Settings.run_dir`).
 RUN_DIR_VARIABLE = "DATAPARALLEL_RUN_DIR"
+# Set by launchers that prefix every output line with `[rank R] ` (`Settings.prefixed`).
+PREFIXED_VARIABLE = "DATAPARALLEL_PREFIXED"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -152,6 +156,8 @@ class Settings:
     mpi_size: int | None = None
     # Where `dataparallel run` asks its ranks to note how they ended (launch/_rundir.py).
     run_dir: str | None = None
+    # The launcher prefixes every output line with the rank (dp.print then leaves its own out).
+    prefixed: bool = False
     # Whether to initialize torch.distributed alongside the world when torch is installed.
     torch_distributed: bool = True
     # torchrun's agent serves the store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True).
@@ -205,6 +211,7 @@ class Settings:
             mpi_rank=_first_int(env, MPI_RANK_VARIABLES),
             mpi_size=_first_int(env, MPI_SIZE_VARIABLES),
             run_dir=env.get(RUN_DIR_VARIABLE) or None,
+            prefixed=bool(_flag(env, PREFIXED_VARIABLE, False)),
             torch_distributed=bool(_flag(env, "DATAPARALLEL_TORCH_DISTRIBUTED", True)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             slurm=slurm,

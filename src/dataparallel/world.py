@@ -493,15 +493,23 @@ def device() -> int | None:
 def print(*args: Any, **kwargs: Any) -> None:
     """Print with a timestamp and a `[rank/size]` prefix, flushed at once.
 
+    Under `dataparallel run --backend gloo`, which prefixes every line with `[rank R] ` already,
+    the `[rank/size]` prefix of its world is left out: one prefix per line.
+
     Never communicates, so a print on one rank alone cannot deadlock (FluxMPI's is collective).
     """
     where = f"{rank()}/{size()}" if _world is not None else "-/-"
     stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+    head = f"[{stamp}] [{where}] "
+    # Where the launcher prefixes every line with `[rank R] ` of this very world, once is enough.
+    if _world is not None and _world.settings.prefixed:
+        if _world.settings.world_size == _world.backend.size:
+            head = f"[{stamp}] "
     text = kwargs.pop("sep", " ").join(map(str, args))
     end = kwargs.pop("end", "\n")
     kwargs.setdefault("flush", True)
     # One write per line, so lines from ranks sharing a terminal never interleave mid-line.
-    builtins.print(f"[{stamp}] [{where}] {text}{end}", end="", **kwargs)
+    builtins.print(f"{head}{text}{end}", end="", **kwargs)
 
 
 def timeline(path: str | os.PathLike[str]) -> Timeline:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO, NoReturn, TextIO
 
-from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES
+from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES, PREFIXED_VARIABLE
 from dataparallel.launch._process import EXIT_TIMEOUT, GRACE_SECONDS, Signals, exit_status, warn
 from dataparallel.slurm import SlurmJob
 
@@ -139,6 +139,7 @@ def run_srun(n: int, target: list[str], *, timeout: float | None = None) -> int:
         and name not in MPI_RANK_VARIABLES
     }
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[PREFIXED_VARIABLE] = "1"
     deadline = None if timeout is None else time.monotonic() + timeout
     with Signals() as signals:
         proc = subprocess.Popen(
