@@ -502,9 +502,9 @@ def print(*args: Any, **kwargs: Any) -> None:
     stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
     head = f"[{stamp}] [{where}] "
     # Where the launcher prefixes every line with `[rank R] ` of this very world, once is enough.
-    if _world is not None and _world.settings.prefixed:
-        if _world.settings.world_size == _world.backend.size:
-            head = f"[{stamp}] "
+    world = _world
+    if world is not None and world.settings.prefixed and world.settings.world_size == size():
+        head = f"[{stamp}] "
     text = kwargs.pop("sep", " ").join(map(str, args))
     end = kwargs.pop("end", "\n")
     kwargs.setdefault("flush", True)
