@@ -4,6 +4,7 @@
 #
 #   tools/slurm/start.sh            # start it (as root), installing nothing
 #   tools/slurm/start.sh --install  # apt-get install slurmctld slurmd slurm-client munge first
+#                                   # (and libpmix-dev, so that srun --mpi=pmix can be tried)
 #
 # The node declares CPUs=4 whatever the machine has (SlurmdParameters=config_overrides), so that
 # jobs of 3-4 tasks fit on a small machine. Processes are tracked without cgroups
@@ -21,7 +22,7 @@ if [ "${1:-}" = "--install" ] && ! command -v slurmctld >/dev/null 2>&1; then
     say "installing Slurm needs root and apt-get"; exit 1
   fi
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-     apt-get install -y -qq slurmctld slurmd slurm-client munge) >/dev/null 2>&1 \
+     apt-get install -y -qq slurmctld slurmd slurm-client munge libpmix-dev) >/dev/null 2>&1 \
     || { say "apt-get install slurmctld slurmd slurm-client munge failed"; exit 1; }
 fi
 for tool in munged slurmctld slurmd srun scontrol; do
