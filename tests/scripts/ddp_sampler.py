@@ -1,12 +1,21 @@
 """A DDP script ported to dataparallel: dp.initialize() instead of init_process_group, the rest
 unchanged (DistributedSampler, dist.all_reduce, DistributedDataParallel)."""
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dataparallel as dp
+
+
+def say(line: str) -> None:
+    """Print `line` in one write (mpiexec interleaves the ranks' output by writes)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 
 dp.initialize()
 assert dist.is_initialized(), "torch.distributed was not initialized alongside the world"
@@ -26,10 +35,9 @@ grads = [p.grad.clone() for p in model.parameters()]
 every = [torch.zeros_like(grads[0]) for _ in range(dp.size())]
 dist.all_gather(every, grads[0])  # DDP averaged the gradients: every rank holds the same ones
 same = all(torch.equal(every[0], g) for g in every)
-print(
+say(
     f"ddp rank={dist.get_rank()} size={dist.get_world_size()} backend={dp.get_backend().name} "
-    f"samples={seen} total={count.item()} same_grads={same}",
-    flush=True,
+    f"samples={','.join(map(str, seen))} total={count.item()} same_grads={same}",
 )
 dp.finalize()
 assert not dist.is_initialized(), "dp.finalize() left torch.distributed initialized"

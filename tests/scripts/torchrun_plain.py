@@ -9,13 +9,20 @@ import sys
 import torch
 import torch.distributed as dist
 
+
+def say(line: str) -> None:
+    """Print `line` in one write (mpiexec interleaves the ranks' output by writes)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 local = int(os.environ["LOCAL_RANK"])
 dist.init_process_group("gloo")
 x = torch.tensor([rank + 1.0])
 dist.all_reduce(x)
 assert dist.get_rank() == rank and dist.get_world_size() == size
-print(f"torchrun rank={rank} size={size} local={local} sum={x.item():g}", flush=True)
+say(f"torchrun rank={rank} size={size} local={local} sum={x.item():g}")
 if "--dp-after" in sys.argv:
     import numpy as np
 
@@ -23,7 +30,7 @@ if "--dp-after" in sys.argv:
 
     dp.initialize()
     total = dp.allreduce(np.array([1.0]), op="sum")
-    print(f"dp rank={dp.rank()} size={dp.size()} sum={total[0]:g}", flush=True)
+    say(f"dp rank={dp.rank()} size={dp.size()} sum={total[0]:g}")
     dp.finalize()
     assert dist.is_initialized(), "dp.finalize() destroyed the script's own group"
 dist.destroy_process_group()
