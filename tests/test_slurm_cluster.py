@@ -8,6 +8,7 @@ every test here is skipped with the script's reason. Every job has the hard limi
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -133,6 +134,18 @@ def test_python_alone_in_an_allocation_of_several_tasks_is_refused() -> None:
     done = run_job(["salloc", "-n", "2", PYTHON, WORLD], launcher=None, timeout=LIMIT)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "of 2 tasks (SLURM_NTASKS=2) but was not started as one of them" in done.stderr
+
+
+def test_the_sbatch_example_of_the_docs_runs_as_written(tmp_path: Path) -> None:
+    pytest.importorskip("mpi4py")
+    output = tmp_path / "tour.out"
+    path = f"{Path(PYTHON).parent}:{os.environ.get('PATH', '')}"  # the `dataparallel` command
+    command = ["sbatch", "--wait", f"--output={output}", "examples/slurm_job.sh"]
+    done = run_job(command, launcher=None, timeout=LIMIT, cwd=ROOT, env={"PATH": path})
+    text = output.read_text() if output.exists() else ""
+    assert done.returncode == 0, done.stdout + done.stderr + text
+    for r in range(2):
+        assert f"[{r}/2] allreduce sum: [3. 3. 3.] (expected 3.0)" in text, text
 
 
 def test_an_sbatch_script_runs_dataparallel_run_without_n(tmp_path: Path) -> None:
