@@ -176,9 +176,9 @@ def _timed_out(backend: Backend, call: Describe) -> CollectiveTimeoutError:
     """Name the call the user made, not the engine's exchange that carried the handshake."""
     name = (call if isinstance(call, dict) else call()).get("collective", "a collective")
     limit = getattr(backend, "timeout", None)
-    within = f"within {limit:g} s" if isinstance(limit, int | float) else "in time"
+    within = f" (did not complete within {limit:g} s)" if isinstance(limit, int | float) else ""
     return CollectiveTimeoutError(
-        f"rank {backend.rank}: {name} did not complete {within}: the other ranks did not make "
+        f"rank {backend.rank}: {name} timed out{within}: the other ranks did not make "
         "the same call (one is stuck, has died, or called another collective). Every rank "
         "must make the same collective calls in the same order; raise the limit with "
         "dp.initialize(timeout=...) or DATAPARALLEL_TIMEOUT if it is just slow."
