@@ -31,7 +31,12 @@ sys.argv. Inside, `dp.initialize()` finds the backend by itself.
 --backend mpi (default) runs `mpiexec -n N python -m dataparallel.launch.runner SCRIPT ARGS`, with
 the mpiexec installed beside this Python (the mpich wheel's) and this Python. --backend gloo spawns
 the N processes itself with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `.
+MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `. Under MPI every rank
+gets torchrun's variables too, so an unchanged torchrun script runs.
+
+In a Slurm allocation (salloc, sbatch) -n defaults to its tasks and may not exceed them, and Gloo
+ranks start through srun on the allocated nodes; inside `srun -n 1` the ranks start in the step
+(docs/slurm.md).
 
 When a rank raises, its traceback is printed once, prefixed with its rank, and the whole job ends
 at once instead of hanging. The exit status is 0 only if every rank finished its script; otherwise
