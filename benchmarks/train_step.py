@@ -115,6 +115,8 @@ def transformer(d: int, layers: int = 4) -> nn.Module:
 
 
 def init_gloo() -> None:
+    if dist.is_initialized():  # dp.initialize() made torch's group alongside (torch imported)
+        return
     port = None
     if dp.rank() == 0:
         with socket.socket() as s:

@@ -33,10 +33,11 @@ LAYERS: list[tuple[str, ...]] = [
         "dataparallel.runnotes",
         "dataparallel.caches",
         "dataparallel.version",
+        "dataparallel.slurm",
     ),
     ("dataparallel.backends",),
     ("dataparallel.arrays",),
-    ("dataparallel.world", "dataparallel.groups"),
+    ("dataparallel.world", "dataparallel.groups", "dataparallel.torch_distributed"),
     ("dataparallel.protocol", "dataparallel.collectives", "dataparallel.reducers"),
     (
         "dataparallel.torch",

@@ -17,13 +17,25 @@ instead of being silently ignored.
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
 | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
+| `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
+| `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
 
 The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
 the rank it gives (`PMI_RANK`, `OMPI_COMM_WORLD_RANK`, `PMIX_RANK`: `Settings.mpi_rank`) and the
 number of processes it started (`PMI_SIZE`, `OMPI_COMM_WORLD_SIZE`, `PMIX_SIZE`:
 `Settings.mpi_size`).
-`GLOO_SOCKET_IFNAME` (torch's) is read to know whether the user chose Gloo's network interface.
+`GLOO_SOCKET_IFNAME` (torch's) is read to know whether the user chose Gloo's network interface;
+`TORCHELASTIC_USE_AGENT_STORE` (torchrun's) says that torchrun's agent already serves a store on
+`MASTER_PORT`.
+
+Slurm's (`slurm.py`): `SLURM_JOB_ID`, `SLURM_NTASKS`, and inside an srun step `SLURM_STEP_ID`,
+`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, `SLURM_STEP_NODELIST`
+(else `SLURM_NODELIST`), `SLURM_STEP_TASKS_PER_NODE`, and `PMI_FD`/`PMIX_NAMESPACE` for the
+interface srun gave (`--mpi=pmi2`/`pmix`). In a step started without MPI, they fill in rank,
+world size, local rank and size, `MASTER_ADDR` (the step's first node) and `MASTER_PORT` (from the
+job and step ids) where torchrun's variables are not set, so `srun -n N python train.py` forms one
+Gloo world.
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from dataparallel.slurm import SlurmJob
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -40,6 +54,7 @@ __all__ = [
     "MPI_LAUNCHER_VARIABLES",
     "MPI_RANK_VARIABLES",
     "MPI_SIZE_VARIABLES",
+    "PREFIXED_VARIABLE",
     "RUN_DIR_VARIABLE",
     "THREAD_BUCKET_BYTES",
     "Settings",
@@ -75,6 +90,8 @@ RUN_DIR_VARIABLE = "DATAPARALLEL_RUN_DIR"
 ELASTIC_STORE_VARIABLE = "DATAPARALLEL_ELASTIC_STORE"
 ELASTIC_WORKER_VARIABLE = "DATAPARALLEL_ELASTIC_WORKER"
 ELASTIC_TIMEOUT_VARIABLE = "DATAPARALLEL_ELASTIC_TIMEOUT"
+# Set by launchers that prefix every output line with `[rank R] ` (`Settings.prefixed`).
+PREFIXED_VARIABLE = "DATAPARALLEL_PREFIXED"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -154,6 +171,14 @@ class Settings:
     elastic_store: tuple[str, int] | None = None
     elastic_worker: str | None = None
     elastic_timeout: float = 600.0
+    # The launcher prefixes every output line with the rank (dp.print then leaves its own out).
+    prefixed: bool = False
+    # Whether to initialize torch.distributed alongside the world when torch is installed.
+    torch_distributed: bool = True
+    # torchrun's agent serves the store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True).
+    agent_store: bool = False
+    # The Slurm job this process runs in (None outside Slurm).
+    slurm: SlurmJob | None = None
 
     @property
     def torchrun_launched(self) -> bool:
@@ -175,6 +200,12 @@ class Settings:
         env = os.environ if env is None else env
         bucket = _number(env, "DATAPARALLEL_BUCKET_BYTES", int)
         timeout = _number(env, "DATAPARALLEL_TIMEOUT", float)
+        mpi_launched = any(name in env for name in MPI_LAUNCHER_VARIABLES)
+        slurm = _slurm(env)
+        # In an srun step without MPI, Slurm's variables stand in for torchrun's.
+        by_slurm = slurm is not None and slurm.in_step and not mpi_launched and "RANK" not in env
+        step = slurm if by_slurm else None
+        master_port = _int(env, "MASTER_PORT")
         return cls(
             check=bool(_flag(env, "DATAPARALLEL_CHECK", True)),
             debug=bool(_flag(env, "DATAPARALLEL_DEBUG", False)),
@@ -184,20 +215,24 @@ class Settings:
             thread_bucket_bytes=int(bucket) if bucket is not None else THREAD_BUCKET_BYTES,
             timeout=float(timeout) if timeout is not None else None,
             overlap=_flag(env, "DATAPARALLEL_OVERLAP", None),
-            rank=_int(env, "RANK"),
-            world_size=_int(env, "WORLD_SIZE"),
-            local_rank=_int(env, "LOCAL_RANK"),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE"),
-            master_addr=env.get("MASTER_ADDR") or None,
-            master_port=_int(env, "MASTER_PORT"),
+            rank=step.procid if step else _int(env, "RANK"),
+            world_size=step.ntasks if step else _int(env, "WORLD_SIZE"),
+            local_rank=step.localid if step else _int(env, "LOCAL_RANK"),
+            local_world_size=step.local_size if step else _int(env, "LOCAL_WORLD_SIZE"),
+            master_addr=env.get("MASTER_ADDR") or (step.master_addr if step else None),
+            master_port=master_port if master_port or not step else step.port,
             gloo_socket_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
-            mpi_launched=any(name in env for name in MPI_LAUNCHER_VARIABLES),
+            mpi_launched=mpi_launched,
             mpi_rank=_first_int(env, MPI_RANK_VARIABLES),
             mpi_size=_first_int(env, MPI_SIZE_VARIABLES),
             run_dir=env.get(RUN_DIR_VARIABLE) or None,
             elastic_store=_address(env, ELASTIC_STORE_VARIABLE),
             elastic_worker=env.get(ELASTIC_WORKER_VARIABLE) or None,
             elastic_timeout=float(_number(env, ELASTIC_TIMEOUT_VARIABLE, float) or 600.0),
+            prefixed=bool(_flag(env, PREFIXED_VARIABLE, False)),
+            torch_distributed=bool(_flag(env, "DATAPARALLEL_TORCH_DISTRIBUTED", True)),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            slurm=slurm,
         )
 
 
@@ -209,3 +244,28 @@ def _address(env: Mapping[str, str], name: str) -> tuple[str, int] | None:
     if not host or not port.isdigit():
         raise ValueError(f"{name}={raw!r} is not an address: use HOST:PORT.")
     return host, int(port)
+
+
+def _slurm(env: Mapping[str, str]) -> SlurmJob | None:
+    """Read the Slurm job (and step, and task) this process runs in, or None outside Slurm."""
+    job = _int(env, "SLURM_JOB_ID")
+    if job is None:
+        return None
+    step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID") else _int(env, "SLURM_STEPID")
+    in_step = step is not None
+    pmi = "pmi2" if "PMI_FD" in env else "pmix" if "PMIX_NAMESPACE" in env else None
+    return SlurmJob(
+        job_id=job,
+        ntasks=_int(env, "SLURM_STEP_NUM_TASKS" if in_step else "SLURM_NTASKS")
+        or _int(env, "SLURM_NTASKS"),
+        step_id=step,
+        procid=_int(env, "SLURM_PROCID") if in_step else None,
+        localid=_int(env, "SLURM_LOCALID") if in_step else None,
+        nodeid=_int(env, "SLURM_NODEID") if in_step else None,
+        nodelist=(env.get("SLURM_STEP_NODELIST") if in_step else None)
+        or env.get("SLURM_JOB_NODELIST")
+        or env.get("SLURM_NODELIST"),
+        tasks_per_node=(env.get("SLURM_STEP_TASKS_PER_NODE") if in_step else None)
+        or env.get("SLURM_TASKS_PER_NODE"),
+        pmi=pmi,
+    )

@@ -41,7 +41,7 @@ import numpy as np
 
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.errors import CollectiveMismatchError, RankJoinedError
+from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError, RankJoinedError
 
 __all__ = [
     "BOUNDS",
@@ -154,7 +154,10 @@ def handshake(
     if backend.size > GATHER_LIMIT:
         bounds = np.zeros(1, BOUNDS)
         bounds[0] = (h, -h, bool(flag), 0, 1, -1, -backend.rank)
-        backend.allreduce(bounds.view(np.int64), ReduceOp.MAX)
+        try:
+            backend.allreduce(bounds.view(np.int64), ReduceOp.MAX)
+        except CollectiveTimeoutError as error:
+            raise _timed_out(backend, call) from error
         seen = bounds[0]
         if seen["high"] != -seen["neg_low"]:
             _mismatch(backend, call)
@@ -167,6 +170,19 @@ def handshake(
     records.flags[0] = _NAN if flag else 0
     rows = records.exchange(backend, call, replay, on_joined)
     return rows, (flag is not None and bool((rows["flags"] & _NAN).any()))
+
+
+def _timed_out(backend: Backend, call: Describe) -> CollectiveTimeoutError:
+    """Name the call the user made, not the engine's exchange that carried the handshake."""
+    name = (call if isinstance(call, dict) else call()).get("collective", "a collective")
+    limit = getattr(backend, "timeout", None)
+    within = f" (did not complete within {limit:g} s)" if isinstance(limit, int | float) else ""
+    return CollectiveTimeoutError(
+        f"rank {backend.rank}: {name} timed out{within}: the other ranks did not make "
+        "the same call (one is stuck, has died, or called another collective). Every rank "
+        "must make the same collective calls in the same order; raise the limit with "
+        "dp.initialize(timeout=...) or DATAPARALLEL_TIMEOUT if it is just slow."
+    )
 
 
 class Records:
@@ -192,7 +208,10 @@ class Records:
         """Gather every rank's record (this one's payload and flags filled in); return them,
         unless the digests differ: then answer the ranks that have joined, or raise on every
         rank (`CollectiveMismatchError`). The one exchange of records."""
-        backend.allgather(self.sent, self.received)
+        try:
+            backend.allgather(self.sent, self.received)
+        except CollectiveTimeoutError as error:  # zero cost unless raised (Python 3.11+)
+            raise _timed_out(backend, call) from error
         rows = self.rows
         digests = rows["digest"].tobytes()
         if digests != digests[:8] * backend.size:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dataparallel import caches, runnotes
+from dataparallel import caches, runnotes, torch_distributed
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.trace import Timeline
 from dataparallel.arrays.worker import CommThread, Privates
@@ -97,6 +97,8 @@ class World:
     restore_excepthook: Callable[[], None] | None = None
     # The groups made in this world (`dp.new_group`): their engines are freed with it.
     groups: list[_Freeable] = field(default_factory=list)
+    # Destroys torch.distributed's default group where the world made it (`torch_distributed.py`).
+    torch_group: Callable[[], None] | None = None
 
     @property
     def timeline(self) -> Timeline | None:
@@ -162,6 +164,8 @@ def initialize(
     if timeout is not None:
         settings = dataclasses.replace(settings, timeout=_seconds(timeout))
     name = registry.choose(backend, init_method, settings)
+    if backend == "auto" and name == "single":
+        _check_slurm_step(settings)
     if name == "mpi":
         _check_mpi_not_finalized()
     note = _world_note(settings, rank, world_size)
@@ -181,6 +185,12 @@ def initialize(
         _point_frameworks_at(gpu)
         made.bind_device(gpu)  # NCCL makes its communicator there
     _world = World(backend=made, settings=settings, device=gpu, verbose=verbose)
+    try:
+        _world.torch_group = torch_distributed.join(made, settings)
+    except BaseException:
+        _world = None
+        made.close()
+        raise
     if settings.timeline:
         _world.recording = Timeline(settings.timeline, made.rank, made.size)
     if made.size > 1:
@@ -241,6 +251,9 @@ def _check_not_alone(made: Backend, name: str, settings: Settings) -> None:
             if name == "mpi"
             else "under an MPI launcher, call dp.initialize() (it picks MPI)."
         )
+    elif settings.slurm is not None and settings.slurm.in_step and settings.rank is not None:
+        source = f"srun started {announced} tasks (SLURM_STEP_NUM_TASKS={announced})"
+        hint = "start the step with `srun --mpi=pmi2` for MPI, or call dp.initialize() (Gloo)."
     else:
         source = f"the launcher started {announced} processes (WORLD_SIZE={announced})"
         hint = (
@@ -252,6 +265,24 @@ def _check_not_alone(made: Backend, name: str, settings: Settings) -> None:
     raise BackendUnavailableError(
         f"The {name!r} engine formed a world of one, but {source}: each process would be rank 0 "
         f"of its own world, training alone. {hint[0].upper()}{hint[1:]}"
+    )
+
+
+def _check_slurm_step(settings: Settings) -> None:
+    """Refuse a world of one in a Slurm job of several tasks, outside any srun step.
+
+    A batch script or an salloc shell that runs `python train.py` itself starts one process where
+    the job asked for N: the other N-1 tasks' resources sit idle and the model trains alone.
+    """
+    slurm = settings.slurm
+    if slurm is None or slurm.in_step or slurm.ntasks is None or slurm.ntasks <= 1:
+        return
+    raise BackendUnavailableError(
+        f"This process runs in Slurm job {slurm.job_id} of {slurm.ntasks} tasks "
+        f"(SLURM_NTASKS={slurm.ntasks}) but was not started as one of them: it would train "
+        "alone. Start it with `srun python SCRIPT` (each task a rank) or `dataparallel run "
+        "SCRIPT` (which uses the allocation); for a world of one on purpose, call "
+        "dp.initialize('single')."
     )
 
 
@@ -396,6 +427,8 @@ def finalize() -> None:
         world.private.close()
         for group in world.groups:
             group.free()
+        if world.torch_group is not None:
+            world.torch_group()
         world.backend.close()
     finally:
         if world.restore_excepthook is not None:
@@ -461,15 +494,23 @@ def device() -> int | None:
 def print(*args: Any, **kwargs: Any) -> None:
     """Print with a timestamp and a `[rank/size]` prefix, flushed at once.
 
+    Under `dataparallel run --backend gloo`, which prefixes every line with `[rank R] ` already,
+    the `[rank/size]` prefix of its world is left out: one prefix per line.
+
     Never communicates, so a print on one rank alone cannot deadlock (FluxMPI's is collective).
     """
     where = f"{rank()}/{size()}" if _world is not None else "-/-"
     stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+    head = f"[{stamp}] [{where}] "
+    # Where the launcher prefixes every line with `[rank R] ` of this very world, once is enough.
+    world = _world
+    if world is not None and world.settings.prefixed and world.settings.world_size == size():
+        head = f"[{stamp}] "
     text = kwargs.pop("sep", " ").join(map(str, args))
     end = kwargs.pop("end", "\n")
     kwargs.setdefault("flush", True)
     # One write per line, so lines from ranks sharing a terminal never interleave mid-line.
-    builtins.print(f"[{stamp}] [{where}] {text}{end}", end="", **kwargs)
+    builtins.print(f"{head}{text}{end}", end="", **kwargs)
 
 
 def timeline(path: str | os.PathLike[str]) -> Timeline:

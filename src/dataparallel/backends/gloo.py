@@ -193,7 +193,8 @@ class GlooBackend(GlooExchange, Backend):
             interface = interface_toward(*rendezvous.master)
         try:
             with gloo_interface(interface):
-                store = rendezvous_store(dist, rendezvous, timeout)
+                agent = settings.agent_store and rendezvous.url == "env://"
+                store = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
                 dist.init_process_group(
                     "gloo",
                     init_method=None if store is not None else rendezvous.url,

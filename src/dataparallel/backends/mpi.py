@@ -16,6 +16,7 @@ import numpy as np
 from dataparallel.backends.base import Backend, Buffer, Handle, HostBuffer, Received, ReduceOp
 from dataparallel.backends.half import TwoPhase
 from dataparallel.backends.mpi_board import CallBoard
+from dataparallel.backends.mpi_pmi import check_pmi
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 from dataparallel.types import WireDtype
@@ -177,6 +178,8 @@ class MPIBackend(Backend):
                 "launcher: use init_method='mpi' (or none), or backend='gloo' for env/tcp/file."
             )
         settings = settings if settings is not None else Settings.from_env()
+        if "mpi4py.MPI" not in sys.modules:
+            check_pmi(settings)  # MPI_Init would abort the process under an unknown PMI
         backend = cls(cuda_aware=settings.cuda_aware_mpi, timeout=settings.timeout)
         for given, actual, what in (
             (rank, backend.rank, "rank"),

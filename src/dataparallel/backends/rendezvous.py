@@ -247,8 +247,18 @@ _STORES: dict[tuple[str, int, int], Any] = {}
 _GENERATIONS = itertools.count()
 
 
-def rendezvous_store(dist: Any, rendezvous: Rendezvous, timeout: datetime.timedelta | None) -> Any:
+def rendezvous_store(
+    dist: Any,
+    rendezvous: Rendezvous,
+    timeout: datetime.timedelta | None,
+    *,
+    agent_store: bool = False,
+) -> Any:
     """Return the store this world's ranks meet through, under a key prefix of its own.
+
+    With `agent_store` (torchrun's agent serves a store on `MASTER_PORT` already:
+    `TORCHELASTIC_USE_AGENT_STORE=True`), every rank is a client of it, as torch's own env://
+    rendezvous does there; rank 0 binding the port again makes torch log an error-looking line.
 
     Every world made in this process (`dp.initialize` after `dp.finalize`) gets a fresh prefix:
     torch names its groups again from the start in each, so their keys would otherwise collide
@@ -271,7 +281,8 @@ def rendezvous_store(dist: Any, rendezvous: Rendezvous, timeout: datetime.timede
         key = (host, port, rendezvous.world_size)
         base = _STORES.get(key)
         if base is None:
+            serve = rendezvous.rank == 0 and not agent_store
             base = _STORES[key] = dist.TCPStore(
-                host, port, rendezvous.world_size, rendezvous.rank == 0, timeout=wait
+                host, port, rendezvous.world_size, serve, timeout=wait
             )
     return dist.PrefixStore(f"dataparallel/{generation}/", base)

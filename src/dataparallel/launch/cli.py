@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
 from dataparallel.launch.elastic_cli import (
     add_elastic_options,
@@ -36,7 +37,12 @@ sys.argv. Inside, `dp.initialize()` finds the backend by itself.
 --backend mpi (default) runs `mpiexec -n N python -m dataparallel.launch.runner SCRIPT ARGS`, with
 the mpiexec installed beside this Python (the mpich wheel's) and this Python. --backend gloo spawns
 the N processes itself with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `.
+MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `. Under MPI every rank
+gets torchrun's variables too, so an unchanged torchrun script runs.
+
+In a Slurm allocation (salloc, sbatch) -n defaults to its tasks and may not exceed them, and Gloo
+ranks start through srun on the allocated nodes; inside `srun -n 1` the ranks start in the step
+(docs/slurm.md).
 
 When a rank raises, its traceback is printed once, prefixed with its rank, and the whole job ends
 at once instead of hanging. The exit status is 0 only if every rank finished its script; otherwise
@@ -94,7 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="dataparallel run -n N [options] (SCRIPT | -m MODULE) [ARGS ...]",
     )
-    run.add_argument("-n", "--np", dest="n", type=int, required=True, help="processes to start")
+    run.add_argument(
+        "-n",
+        "--np",
+        dest="n",
+        type=int,
+        help="processes to start (in a Slurm allocation: default and most, its tasks)",
+    )
     run.add_argument(
         "--backend",
         choices=("mpi", "gloo"),
@@ -193,6 +205,8 @@ def _module_exists(name: str) -> bool:
 
 def _check_run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Reject bad `run` arguments with argparse's usage error (exit status 2)."""
+    if ns.n is None:
+        parser.error("-n N is required: the number of processes to start.")
     if ns.n < 1:
         parser.error(f"-n must be at least 1, got {ns.n}.")
     if ns.timeout is not None and ns.timeout <= 0:
@@ -245,8 +259,17 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     # SCRIPT goes after `--` so that argparse takes it as the positional whatever it looks like;
     # without one, argparse says that SCRIPT is required.
     ns = parser.parse_args(["run", *own, *(["--", target[0]] if target else [])])
+    slurm = Settings.from_env().slurm
+    if slurm is not None:  # the allocation decides -n (launch/slurm.py)
+        from dataparallel.launch import slurm as in_slurm
+
+        ns.n = in_slurm.ranks(ns.n, slurm, parser.error)
     _check_run(parser, ns)
     runner_target = (["-m"] if ns.module else []) + target
+    if slurm is not None and slurm.in_step and ns.backend == "mpi":
+        in_slurm.leave_step()
+    elif slurm is not None and not slurm.in_step and ns.backend == "gloo" and ns.nnodes == 1:
+        return in_slurm.run_srun(ns.n, runner_target, timeout=ns.timeout)
     if ns.backend == "mpi":
         from dataparallel.launch.mpi import run_mpi
 

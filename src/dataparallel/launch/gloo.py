@@ -19,7 +19,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES, RUN_DIR_VARIABLE
+from dataparallel.config import (
+    MPI_LAUNCHER_VARIABLES,
+    MPI_RANK_VARIABLES,
+    PREFIXED_VARIABLE,
+    RUN_DIR_VARIABLE,
+)
 from dataparallel.launch._output import Output, pump
 from dataparallel.launch._process import (
     EXIT_TIMEOUT,
@@ -105,7 +110,7 @@ def run_gloo(target: list[str], topology: Topology, *, timeout: float | None = N
         port = free_port(topology.master_addr)
     command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid()), *target]
     run_dir = RunDir()
-    base = {**os.environ, RUN_DIR_VARIABLE: run_dir.path}
+    base = {**os.environ, RUN_DIR_VARIABLE: run_dir.path, PREFIXED_VARIABLE: "1"}
     deadline = None if timeout is None else time.monotonic() + timeout
     exited: queue.Queue[int] = queue.Queue()
     procs: list[subprocess.Popen[bytes]] = []

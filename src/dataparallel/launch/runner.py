@@ -10,7 +10,9 @@ one rank into the end of the whole job instead of a hang:
 - `sys.exit(0)` (or `None`) is success; any other `SystemExit` code is a failure with that code;
 - Ctrl-C (`KeyboardInterrupt`) prints `[rank R] KeyboardInterrupt` and leaves with status 130,
   without `MPI_Abort` (its launcher has signalled every rank, so the job ends quietly);
-- at a normal exit, `dataparallel.world.finalize()` runs if the script initialized the world.
+- at a normal exit, `dataparallel.world.finalize()` runs if the script initialized the world;
+- torchrun's variables (`RANK`, ..., `MASTER_PORT`) are set before the script runs, under MPI too
+  (`torchenv.py`), so a torchrun script runs unchanged.
 
 Under `dataparallel run` (`DATAPARALLEL_RUN_DIR` set), the rank notes its process id at start and
 how it ended in the launcher's run folder (`_rundir.py`); `os._exit` is watched for that purpose,
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
 from typing import NoReturn
 
+from dataparallel.launch.torchenv import set_torchrun_variables
 from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
 __all__ = ["main"]
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         from dataparallel.elastic.rounds import join
 
         join(-1)
+    set_torchrun_variables(_live_mpi())
     rank = int(_rank())
     if run_dir is not None:
         note_start(run_dir, rank)

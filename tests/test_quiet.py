@@ -1,0 +1,60 @@
+"""Quiet by default: a successful launch prints nothing that reads like an error, and what does
+go wrong is named in the user's words.
+
+- under torchrun, no `[E ... TCPStore] The server socket ... has failed to bind` (dataparallel
+  joins torchrun's agent store instead of binding MASTER_PORT again);
+- a collective that times out is named as the user called it, not by the engine's exchange;
+- under `dataparallel run --backend gloo`, one rank prefix per line (dp.print leaves out its own).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from _jobs import run_job
+
+pytestmark = pytest.mark.spawns
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+
+@needs_torch
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_launch_under_torchrun_prints_no_error_line(n: int) -> None:
+    if not TORCHRUN.exists():
+        pytest.skip(f"no torchrun beside {sys.executable}")
+    command = [TORCHRUN, f"--nproc-per-node={n}", SCRIPTS / "slurm_world.py"]
+    done = run_job(command, launcher=None)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(f"backend=gloo sum={n * (n + 1) // 2}") == n, done.stdout
+    assert "failed to bind" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if re.match(r"\[?E\d{4} ", line)]
+    assert not errors, done.stderr
+
+
+@pytest.mark.parametrize("backend", [pytest.param("gloo", marks=needs_torch), pytest.param("mpi")])
+@pytest.mark.parametrize("call", ["allreduce", "iallreduce", "barrier", "reducescatter"])
+def test_a_timed_out_collective_is_named_as_called(backend: str, call: str) -> None:
+    if backend == "mpi" and importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs mpi4py")
+    target = [SCRIPTS / "timeout_job.py", call]
+    done = run_job(target, ranks=2, backend=backend, job_timeout=100)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"TIMEOUT rank 0: {call} timed out" in done.stdout, done.stdout
+    assert "allgather" not in done.stdout, done.stdout  # the handshake's exchange is not named
+
+
+@needs_torch
+def test_one_prefix_per_line_under_gloo() -> None:
+    done = run_job(["dp_print.py"], ranks=2, backend="gloo", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for r in range(2):
+        line = rf"^\[rank {r}\] \[\d\d:\d\d:\d\d\.\d{{3}}\] hello from {r}$"
+        assert re.search(line, done.stdout, flags=re.MULTILINE), done.stdout
+    assert "/2]" not in done.stdout, done.stdout

@@ -1,0 +1,118 @@
+"""torch's ecosystem in every job (`torch_distributed.py`, `launch/torchenv.py`).
+
+- `dp.initialize()` makes torch.distributed's default group alongside any engine, so a DDP script
+  keeps `DistributedSampler`, `dist.all_reduce` and `DistributedDataParallel` unchanged;
+  `DATAPARALLEL_TORCH_DISTRIBUTED=0` turns it off; `dp.finalize()` destroys it.
+- `dataparallel run` gives every rank torchrun's variables under MPI too, so a torchrun script
+  that calls `dist.init_process_group()` itself runs unchanged; `dp.initialize()` after it joins
+  its group; `dist.init_process_group()` after `dp.initialize()` is refused by torch.
+
+Every test launches its own jobs (`spawns`), at 2 and 3 ranks, under MPI and Gloo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+from _jobs import run_job
+
+pytestmark = [
+    pytest.mark.spawns,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
+ENGINES = [
+    pytest.param("mpi", 2, marks=needs_mpi),
+    pytest.param("mpi", 3, marks=needs_mpi),
+    pytest.param("gloo", 2),
+    pytest.param("gloo", 3),
+]
+
+
+def _lines(stdout: str, tag: str) -> dict[int, dict[str, str]]:
+    """Each rank's `TAG key=value ...` line, by rank (prefixed by the launcher or not)."""
+    found = re.findall(rf"^(?:\[rank \d+\] )?{tag} (.*)$", stdout, flags=re.MULTILINE)
+    fields = [dict(pair.split("=", 1) for pair in line.split()) for line in found]
+    return {int(f["rank"]): f for f in fields}
+
+
+@pytest.mark.parametrize(("backend", "n"), ENGINES)
+def test_a_ddp_script_runs_unchanged(backend: str, n: int) -> None:
+    done = run_job(["ddp_sampler.py"], ranks=n, backend=backend, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = _lines(done.stdout, "ddp")
+    assert sorted(ranks) == list(range(n)), done.stdout
+    seen: list[int] = []
+    for r, line in ranks.items():
+        assert (line["size"], line["backend"]) == (str(n), backend)
+        assert line["total"] == "12" and line["same_grads"] == "True", done.stdout
+        samples = [int(i) for i in line["samples"].split(",")]
+        assert samples == list(range(r, 12, n)), done.stdout  # DistributedSampler's share
+        seen += samples
+    assert sorted(seen) == list(range(12))
+
+
+@pytest.mark.parametrize(("backend", "n"), ENGINES[::2])
+def test_torch_distributed_is_initialized_alongside_and_finalized(backend: str, n: int) -> None:
+    done = run_job(["torch_alongside.py", "check"], ranks=n, backend=backend, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = _lines(done.stdout, "ALONGSIDE")
+    assert sorted(ranks) == list(range(n)), done.stdout
+    for line in ranks.values():
+        assert line["same_ranks"] == "True" and line["sum"] == str(n * (n + 1) // 2)
+    assert done.stdout.count("AFTER FINALIZE rank=- initialized=False") == n, done.stdout
+
+
+@needs_mpi
+def test_torch_distributed_alongside_can_be_turned_off() -> None:
+    env = {"DATAPARALLEL_TORCH_DISTRIBUTED": "0"}
+    done = run_job(["torch_alongside.py", "check"], ranks=2, env=env, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("NOT INITIALIZED") == 2, done.stdout
+
+
+def test_a_world_of_one_has_torch_distributed_too() -> None:
+    done = run_job(["torch_alongside.py", "check"], launcher="python", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ALONGSIDE rank=0 same_ranks=True sum=1" in done.stdout
+
+
+@pytest.mark.parametrize(("backend", "n"), ENGINES)
+def test_a_torchrun_script_runs_under_dataparallel_run(backend: str, n: int) -> None:
+    target = ["torchrun_plain.py", "--dp-after"]  # then dp.initialize() joins its group
+    done = run_job(target, ranks=n, backend=backend, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = _lines(done.stdout, "torchrun")
+    assert sorted(ranks) == list(range(n)), done.stdout
+    for r, line in ranks.items():
+        total = str(n * (n + 1) // 2)
+        assert line == {"rank": str(r), "size": str(n), "local": str(r), "sum": total}
+    assert sorted(_lines(done.stdout, "dp")) == list(range(n)), done.stdout
+
+
+@pytest.mark.parametrize("backend", [pytest.param("mpi", marks=needs_mpi), "gloo"])
+def test_init_process_group_after_dp_initialize_is_refused_by_torch(backend: str) -> None:
+    done = run_job(["torch_alongside.py", "user-after"], backend=backend, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    refused = "REFUSED ValueError: trying to initialize the default process group twice!"
+    assert done.stdout.count(refused) == 2, done.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_run_under_mpi_gives_torchrun_variables(n: int) -> None:
+    done = run_job(["cli_env.py"], ranks=n, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(int(r["RANK"]) for r in ranks) == list(range(n)), done.stdout
+    for r in ranks:
+        assert r["WORLD_SIZE"] == r["LOCAL_WORLD_SIZE"] == str(n)
+        assert r["LOCAL_RANK"] == r["RANK"]  # one machine
+    masters = {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in ranks}
+    assert len(masters) == 1 and masters.pop()[1].isdigit(), done.stdout
