@@ -103,6 +103,11 @@ def _launch_options(
     return options
 
 
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def _failure(folder: Path, num_proc: int, status: int) -> RuntimeError:
     """Return the error for a job that ended with `status`, naming the ranks that raised."""
     raised = [
@@ -115,8 +120,11 @@ def _failure(folder: Path, num_proc: int, status: int) -> RuntimeError:
             f"horovod.run: the job exited with status {status} and no rank returned from the "
             "function (the launcher's message above says which rank ended it, and how)."
         )
+    # A rank that failed because another did (its peer gone: RankFailedError) is named after the
+    # ranks that raised of their own accord, whichever engine noticed the death first.
+    raised.sort(key=lambda found: ("RankFailedError" in _last_line(found[1]), found[0]))
     rank, text = raised[0]
-    last = text.strip().splitlines()[-1]
+    last = _last_line(text)
     others = f" (ranks {', '.join(str(r) for r, _ in raised[1:])} raised too)" if raised[1:] else ""
     return RuntimeError(
         f"horovod.run: rank {rank} raised {last}{others}; the job ended with status {status}.\n"
