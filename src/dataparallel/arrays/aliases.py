@@ -1,0 +1,57 @@
+"""Leaves of one call that share memory: `[a, a]`, `{"x": a, "y": a[:]}`, overlapping views.
+
+A reduction's leaves are reduced in place when they can be (`Fusion` sends a large contiguous
+array as itself), and the buckets of one call land one after another. Two leaves over the same
+memory would then be reduced twice: the second one read after the first had been written. The
+rule (Horovod's, through its fusion buffer): every leaf is reduced from the values it held when
+the call began, once; where leaves overlap, their memory ends holding that result.
+
+So in a call whose leaves may land apart, every leaf that overlaps another is given a copy of its
+values before anything is sent (`unalias`), and the copy is written back when the call completes,
+as a staged leaf is. Identical leaves and overlapping views alike: the shared part is reduced from
+its original values, and every alias ends with the reduced value. Only host arrays are compared
+(their byte ranges: conservative, interleaved views count as overlapping); GPU leaves are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
+__all__ = ["overlapping"]
+
+
+def overlapping(works: Sequence[object]) -> list[int]:
+    """Return the indices of the host arrays in `works` whose memory overlaps that of an
+    earlier one (the first of each group of overlapping arrays is left out), in order.
+
+    >>> a = np.zeros(10)
+    >>> overlapping([a, np.zeros(3), a, a[5:], a[:2]])
+    [2, 3, 4]
+    """
+    spans = []
+    for i, work in enumerate(works):
+        if type(work) is np.ndarray and work.size:
+            low, high = byte_bounds(work)
+            spans.append((low, high, i))
+    if len(spans) < 2:
+        return []
+    spans.sort()
+    copies: list[int] = []
+    group: list[int] = []  # the indices of the overlapping spans met so far in address order
+    reach = -1
+    for low, high, i in spans:
+        if low >= reach:  # a new group begins: every member but the earliest is copied
+            if len(group) > 1:
+                group.remove(min(group))
+                copies += group
+            group, reach = [i], high
+        else:
+            group.append(i)
+            reach = max(reach, high)
+    if len(group) > 1:
+        group.remove(min(group))
+        copies += group
+    return sorted(copies)
