@@ -346,7 +346,9 @@ def _plan(
                 views.append(buf[offset : offset + w.size].reshape(w.shape))
                 offset += w.size
     nans = kind == "fused" and action.op in (ReduceOp.MIN, ReduceOp.MAX) and size > 1
-    replay = _replays.fused(ctx, action, leaves, collective.startswith("i"), inline)
+    replay = _replays.fused(
+        ctx, action, leaves, collective.startswith("i"), inline, compression=wire
+    )
     replay_nan = replay
     if nans:
         floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]

@@ -31,8 +31,10 @@ def fused(
     async_op: bool,
     inline: bool,
     then: Replay | None = None,
+    compression: str | None = None,
 ) -> Replay:
-    """The replay of `run`: the leaves through `fuse` (nothing more when they went `inline`)."""
+    """The replay of `run`: the leaves through `fuse` (nothing more when they went `inline`),
+    with the call's wire dtype (`compression`), so that zeros travel as the values do."""
     if inline:
         return Replay.nothing()
     return Replay.of(
@@ -41,6 +43,7 @@ def fused(
         bucket_bytes=ctx.settings.bucket_bytes,
         async_op=async_op,
         then=then,
+        compression=compression,
     )
 
 
