@@ -101,3 +101,38 @@ def test_horovod_grouped_in_place(rank: int, size: int, n: int) -> None:
     handle = hvd.grouped_allreduce_async_([t, t], op=hvd.Average)
     hvd.synchronize(handle)
     torch.testing.assert_close(t, torch.full((n,), _expected(size)))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_horovod_factors_scale_shared_memory_once(rank: int, size: int, n: int) -> None:
+    """Horovod's prescale and postscale factors of an in-place call apply once to each element,
+    however many of the call's tensors hold it."""
+    hvd = pytest.importorskip("dataparallel.horovod.torch")
+    hvd.init()
+    t = torch.full((n,), rank + 1.5)
+    hvd.grouped_allreduce_([t, t], op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    torch.testing.assert_close(t, torch.full((n,), _expected(size) * 1.5))
+    u = torch.full((2 * n,), rank + 1.5, dtype=torch.float64)
+    hvd.grouped_allreduce_([u[: n + 1], u[n - 1 :], u], op=hvd.Max, prescale_factor=2.0)
+    torch.testing.assert_close(u, torch.full((2 * n,), 2 * _expected(size, "max"), dtype=u.dtype))
+    ints = torch.full((n,), rank + 1, dtype=torch.int64)
+    hvd.grouped_allreduce_([ints, ints.view(-1)], op=hvd.Sum, postscale_factor=2.0)
+    assert ints.tolist() == [2 * sum(r + 1 for r in range(size))] * n
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_reducer_given_the_same_array_twice_reduces_it_once(rank: int, size: int, n: int) -> None:
+    a, b = np.full(n, rank + 1.5), torch.full((n,), rank + 1.5)
+    with dp.CoalescingReducer(op="sum") as reducer:
+        for x in (a, b, a, b.view(-1), np.full(3, 1.0), a[:]):
+            reducer.add(x)
+    np.testing.assert_allclose(a, _expected(size))
+    torch.testing.assert_close(b, torch.full((n,), _expected(size)))
+    c = np.full(n + 1, rank + 1.5)
+    reducer = dp.CoalescingReducer()
+    reducer.add(c[1:])
+    with pytest.raises(ValueError, match="shares memory with an array added since the last"):
+        reducer.add(c[:-1])  # every rank refuses it, before anything of it is sent
+    reducer.finalize()
+    np.testing.assert_allclose(c[1:], _expected(size))
+    assert c[0] == rank + 1.5

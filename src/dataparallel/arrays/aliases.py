@@ -15,12 +15,26 @@ its original values, and every alias ends with the reduced value. Only host arra
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
-__all__ = ["overlapping"]
+__all__ = ["clusters", "overlapping", "span"]
+
+
+def span(work: np.ndarray) -> tuple[int, int]:
+    """Return the first and one past the last byte address `work` may touch.
+
+    A contiguous writable array's address comes through the buffer protocol (0.6 us; NumPy's
+    `__array_interface__` costs 3 us); any other through `byte_bounds`.
+    """
+    if work.flags.c_contiguous and work.flags.writeable:  # typeshed: an ndarray is no Buffer
+        low = ctypes.addressof(ctypes.c_char.from_buffer(work))  # type: ignore[arg-type]
+        return low, low + work.nbytes
+    low, high = byte_bounds(work)
+    return low, high
 
 
 def overlapping(works: Sequence[object]) -> list[int]:
@@ -34,24 +48,35 @@ def overlapping(works: Sequence[object]) -> list[int]:
     spans = []
     for i, work in enumerate(works):
         if type(work) is np.ndarray and work.size:
-            low, high = byte_bounds(work)
+            low, high = span(work)
             spans.append((low, high, i))
+    copies: list[int] = []
+    for group in clusters(spans):
+        copies += group[1:]
+    return sorted(copies)
+
+
+def clusters(spans: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Group `(low, high, index)` byte ranges into the groups of those that overlap (through
+    others too); return the groups of two or more, each's indices in order.
+
+    >>> clusters([(0, 8, 0), (16, 24, 1), (4, 12, 2), (10, 11, 3)])
+    [[0, 2, 3]]
+    """
     if len(spans) < 2:
         return []
-    spans.sort()
-    copies: list[int] = []
-    group: list[int] = []  # the indices of the overlapping spans met so far in address order
+    spans = sorted(spans)
+    groups: list[list[int]] = []
+    group: list[int] = []
     reach = -1
     for low, high, i in spans:
-        if low >= reach:  # a new group begins: every member but the earliest is copied
+        if low >= reach:  # nothing met so far reaches this one: a new group begins
             if len(group) > 1:
-                group.remove(min(group))
-                copies += group
+                groups.append(sorted(group))
             group, reach = [i], high
         else:
             group.append(i)
             reach = max(reach, high)
     if len(group) > 1:
-        group.remove(min(group))
-        copies += group
-    return sorted(copies)
+        groups.append(sorted(group))
+    return groups
