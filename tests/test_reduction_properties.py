@@ -2,14 +2,16 @@
 included.
 
 Hypothesis draws a call: the collective (`allreduce`, `iallreduce`, `reduce`,
-`allreduce_gradients`), the op and scale, the dtype and family (NumPy or torch), a tree whose
-leaves are views of a few base arrays (the whole array, the same array again, overlapping
-slices), sizes from a few items to past the bucket size, a 16-bit wire dtype, a NaN on one rank,
-and whether the last rank has joined (`dp.join`) and answers with zeros. Every rank can compute
-every rank's inputs, so every rank checks every base array against a NumPy reference: where a
-leaf covers it, the op over all ranks' values (a joined rank's are zeros, Horovod's rule) times
-the scale, once; elsewhere, its values untouched. Under several ranks every rank draws the same
-examples (`derandomize=True`, `conftest.py`); the job runs under its launcher's timeout.
+`allreduce_gradients`, `reducescatter`), the op and scale, the dtype and family (NumPy or
+torch), a tree whose leaves are views of a few base arrays (the whole array, the same array
+again, overlapping slices), sizes from a few items to past the bucket size, a 16-bit wire dtype,
+a NaN on one rank, and whether the last rank has joined (`dp.join`) and answers with zeros. Every
+rank can compute every rank's inputs, so every rank checks every base array against a NumPy
+reference: where a leaf covers it, the op over all ranks' values (a joined rank's are zeros,
+Horovod's rule) times the scale, once; elsewhere, its values untouched (a reduce-scatter's
+results are new arrays: this rank's rows of each leaf's reduction). Under several ranks every
+rank draws the same examples (`derandomize=True`, `conftest.py`); the job runs under its
+launcher's timeout.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import dataparallel as dp
+from dataparallel.arrays.segments import row_parts
 
 torch = pytest.importorskip("torch")
 
 # float64 items past the bucket size (256 KiB): such a leaf is reduced in place, alone.
 SIZES = [1, 7, 300, 33_000]
+COLLECTIVES = ["allreduce", "iallreduce", "reduce", "allreduce_gradients", "reducescatter"]
 COMBINE = {"sum": np.sum, "avg": np.sum, "prod": np.prod, "min": np.min, "max": np.max}
 
 
@@ -62,26 +66,33 @@ class Call:
         return out
 
     def expected(self, size: int, rank: int, b: int) -> np.ndarray:
+        """Base array `b` on `rank` after the call."""
         mine = self.base(rank, b).astype(np.float64)
-        if self.collective == "reduce" and rank != self.root:
-            return mine
+        if self.collective == "reducescatter" or (
+            self.collective == "reduce" and rank != self.root
+        ):
+            return mine  # results are new arrays / not this rank's to receive
+        covered = np.zeros(self.sizes[b], bool)
+        for view in self.views:
+            if view.base == b:
+                covered[view.start : view.stop] = True
+        return np.where(covered, self.total(size, b), mine)
+
+    def total(self, size: int, b: int) -> np.ndarray:
+        """The reduction of base array `b` over every rank, scaled."""
         live = size - 1 if self.joined else size
         stacked = [self.base(r, b).astype(np.float64) for r in range(live)]
         stacked += [np.zeros(self.sizes[b])] * (size - live)
         combine = {"min": np.minimum.reduce, "max": np.maximum.reduce}.get(self.op)
         total = combine(stacked) if combine else COMBINE[self.op](stacked, axis=0)
         total = total / size if self.op == "avg" else total
-        total = total * (1.0 if self.scale is None else self.scale)
-        covered = np.zeros(self.sizes[b], bool)
-        for view in self.views:
-            if view.base == b:
-                covered[view.start : view.stop] = True
-        return np.where(covered, total, mine)
+        result: np.ndarray = total * (1.0 if self.scale is None else self.scale)
+        return result
 
 
 @st.composite
 def calls(draw: st.DrawFn) -> Call:
-    collective = draw(st.sampled_from(["allreduce", "iallreduce", "reduce", "allreduce_gradients"]))
+    collective = draw(st.sampled_from(COLLECTIVES))
     op = draw(
         st.sampled_from(["sum", "avg"] if collective == "allreduce_gradients" else list(COMBINE))
     )
@@ -98,7 +109,7 @@ def calls(draw: st.DrawFn) -> Call:
         stop = draw(st.integers(start + 1, n))
         whole = draw(st.booleans())  # the whole base (so the same array often appears twice)
         views.append(View(b, 0, n) if whole else View(b, start, stop))
-    compressible = collective != "reduce" and dtype != "int64"
+    compressible = collective not in ("reduce", "reducescatter") and dtype != "int64"
     wire = draw(st.sampled_from([None, "fp16", "bf16"])) if compressible else None
     nan = dtype != "int64" and op in ("min", "max") and draw(st.booleans())
     return Call(
@@ -125,10 +136,12 @@ def _run(call: Call, tree: list[object]) -> object:
         return dp.iallreduce(tree, call.op, scale=call.scale, compression=wire).wait()
     if call.collective == "reduce":
         return dp.reduce(tree, call.op, root=call.root, scale=call.scale)
+    if call.collective == "reducescatter":
+        return dp.reducescatter(tree, call.op, scale=call.scale)
     return dp.allreduce_gradients(tree, call.op, compression=wire)
 
 
-@settings(max_examples=60)
+@settings(max_examples=80)
 @given(call=calls())
 def test_every_reduction_matches_numpy(call: Call) -> None:
     rank, size = dp.rank(), dp.size()
@@ -153,6 +166,10 @@ def test_every_reduction_matches_numpy(call: Call) -> None:
     for got, view in zip(out, call.views, strict=True):  # type: ignore[call-overload]
         values = got.numpy() if isinstance(got, torch.Tensor) else np.asarray(got)
         expected = call.expected(size, rank, view.base)[view.start : view.stop]
+        if call.collective == "reducescatter":  # this rank's rows of the view's reduction
+            parts = row_parts(view.stop - view.start, size)
+            first = view.start + sum(parts[:rank])
+            expected = call.total(size, view.base)[first : first + parts[rank]]
         np.testing.assert_allclose(values.astype(np.float64), expected, rtol=tolerance)
     if joined:
         dp.join()
