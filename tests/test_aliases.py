@@ -136,3 +136,24 @@ def test_a_reducer_given_the_same_array_twice_reduces_it_once(rank: int, size: i
     reducer.finalize()
     np.testing.assert_allclose(c[1:], _expected(size))
     assert c[0] == rank + 1.5
+
+
+def test_a_reducer_takes_interleaved_views_and_refuses_strided_overlaps(
+    rank: int, size: int
+) -> None:
+    a = np.full((4, 6), rank + 1.5)
+    with dp.CoalescingReducer() as reducer:
+        reducer.add(a[:, ::2])  # interleaved columns: their byte ranges overlap, not their memory
+        reducer.add(a[:, 1::2])
+        reducer.add(a[:, ::2])  # the same view again: once
+    np.testing.assert_allclose(a, _expected(size))
+    b = np.full((4, 6), rank + 1.5)
+    reducer = dp.CoalescingReducer()
+    reducer.add(b[:, ::2])
+    with pytest.raises(ValueError, match="shares memory"):
+        reducer.add(b[:2])
+    with pytest.raises(ValueError, match="shares memory"):
+        reducer.add(b[:, ::4])
+    reducer.finalize()
+    np.testing.assert_allclose(b[:, ::2], _expected(size))
+    np.testing.assert_allclose(b[:, 1::2], rank + 1.5)

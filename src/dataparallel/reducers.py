@@ -88,6 +88,9 @@ class _FusionReducer(Reducer):
         # The byte ranges of the arrays added since the last finalize, disjoint, sorted by start.
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._contiguous: list[np.ndarray] = []  # ... their arrays, in the same order
+        self._strided: list[np.ndarray] = []  # the strided ones, compared exactly
+        self._added: list[np.ndarray] = []  # every one
 
     @property
     def bucket_bytes(self) -> int:
@@ -146,18 +149,41 @@ class _FusionReducer(Reducer):
         """Record the memory of `work` (a view of an added array) for this round; return whether
         the very same memory was added already. An array that overlaps another one without
         being the same memory is refused: its shared part would be reduced twice."""
-        low, high = span(work)
+        for other in self._strided:  # strided views, compared exactly (rare: one by one)
+            if np.shares_memory(work, other):
+                return self._same(work, other)
+        if not work.flags.c_contiguous:
+            for other in self._added:
+                if np.shares_memory(work, other):
+                    return self._same(work, other)
+            self._strided.append(work)
+            self._added.append(work)
+            return False
+        low, high = span(work)  # contiguous: byte ranges overlap exactly when memory does
         starts, ends = self._starts, self._ends
         i = bisect_right(starts, low)
         if i and ends[i - 1] > low:
-            if starts[i - 1] == low and ends[i - 1] == high:
-                return True
-            self._overlap()
+            return self._same(work, self._contiguous[i - 1])
         if i < len(starts) and starts[i] < high:
-            self._overlap()
+            return self._same(work, self._contiguous[i])
         starts.insert(i, low)
         ends.insert(i, high)
+        self._contiguous.insert(i, work)
+        self._added.append(work)
         return False
+
+    def _same(self, work: np.ndarray, other: np.ndarray) -> bool:
+        """Return True if `work` is `other`'s very memory, element for element; else refuse it."""
+        if work.dtype == other.dtype and span(work) == span(other):
+            if (work.shape, work.strides) == (other.shape, other.strides):
+                return True
+            if work.flags.c_contiguous and other.flags.c_contiguous:
+                return True  # the same bytes in another shape (a tensor and its view(-1))
+        raise ValueError(
+            f"{type(self).__name__}.add: this array shares memory with an array added since the "
+            "last finalize() without being the same array, so their shared part would be "
+            "reduced twice; add the whole array once, or finalize() between the two."
+        )
 
     def _overlap(self) -> None:
         raise ValueError(
@@ -167,7 +193,7 @@ class _FusionReducer(Reducer):
         )
 
     def finalize(self) -> None:
-        self._starts, self._ends = [], []
+        self._starts, self._ends, self._contiguous, self._strided, self._added = [], [], [], [], []
         self._fusion.wait()
 
 
