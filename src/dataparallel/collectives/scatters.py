@@ -7,6 +7,7 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Scatter, reduction, reduction_error
 from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives import _replays
 from dataparallel.collectives._call import (
@@ -81,8 +82,11 @@ def reducescatter(
     if scatter.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
         floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
     masks = prepared(ctx, "reducescatter", lambda: _local_masks(floating)) if floating else None
-    split = _replays.split(ctx, scatter, leaves)
-    split_nan = _replays.nan_scatter(ctx, floating, then=split)
+
+    def replay(flagged: bool) -> Replay:  # for ranks that have joined, made only then
+        split = _replays.split(ctx, scatter, leaves)
+        return _replays.nan_scatter(ctx, floating, then=split) if flagged else split
+
     _, flagged = agree(
         ctx,
         "reducescatter",
@@ -90,7 +94,7 @@ def reducescatter(
         leaves,
         {"op": op, "scale": scale_arg},
         flag=None if masks is None else masks[0],
-        replay=lambda flagged: split_nan if flagged else split,  # for ranks that have joined
+        replay=replay,
     )
     nans: dict[int, np.ndarray] = {}
     if flagged and masks is not None:  # every rank reduce-scatters where its NaNs are, first
