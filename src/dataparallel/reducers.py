@@ -9,6 +9,7 @@ different arrays raise `CollectiveMismatchError` instead of hanging or mixing bu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from bisect import bisect_right
 from types import TracebackType
 from typing import TypeVar
 
@@ -16,7 +17,8 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction, validate_reduction
-from dataparallel.arrays.families import family_of
+from dataparallel.arrays.aliases import span
+from dataparallel.arrays.families import family_of, stage
 from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
@@ -83,6 +85,12 @@ class _FusionReducer(Reducer):
         if self.backend.size > 1:
             self._fusion.before_launch = self._agree
         self._valid_dtypes: set[str] = set()  # dtypes already checked against op and scale
+        # The byte ranges of the arrays added since the last finalize, disjoint, sorted by start.
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._contiguous: list[np.ndarray] = []  # ... their arrays, in the same order
+        self._strided: list[np.ndarray] = []  # the strided ones, compared exactly
+        self._added: list[np.ndarray] = []  # every one
 
     @property
     def bucket_bytes(self) -> int:
@@ -131,9 +139,61 @@ class _FusionReducer(Reducer):
         if dtype not in self._valid_dtypes:
             validate_reduction(dtype, self.op, self.scale if self.scale != 1 else None, "x")
             self._valid_dtypes.add(dtype)
-        self._fusion.add_leaf(family, x, dtype, family.device(x))
+        staged = stage(family, x)
+        work = staged[2]
+        if staged[3] and type(work) is np.ndarray and work.size and self._seen(work):
+            return  # added already since the last finalize: it will hold its reduced value once
+        self._fusion.add_leaf(family, x, dtype, family.device(x), staged)
+
+    def _seen(self, work: np.ndarray) -> bool:
+        """Record the memory of `work` (a view of an added array) for this round; return whether
+        the very same memory was added already. An array that overlaps another one without
+        being the same memory is refused: its shared part would be reduced twice."""
+        for other in self._strided:  # strided views, compared exactly (rare: one by one)
+            if np.shares_memory(work, other):
+                return self._same(work, other)
+        if not work.flags.c_contiguous:
+            for other in self._added:
+                if np.shares_memory(work, other):
+                    return self._same(work, other)
+            self._strided.append(work)
+            self._added.append(work)
+            return False
+        low, high = span(work)  # contiguous: byte ranges overlap exactly when memory does
+        starts, ends = self._starts, self._ends
+        i = bisect_right(starts, low)
+        if i and ends[i - 1] > low:
+            return self._same(work, self._contiguous[i - 1])
+        if i < len(starts) and starts[i] < high:
+            return self._same(work, self._contiguous[i])
+        starts.insert(i, low)
+        ends.insert(i, high)
+        self._contiguous.insert(i, work)
+        self._added.append(work)
+        return False
+
+    def _same(self, work: np.ndarray, other: np.ndarray) -> bool:
+        """Return True if `work` is `other`'s very memory, element for element; else refuse it."""
+        if work.dtype == other.dtype and span(work) == span(other):
+            if (work.shape, work.strides) == (other.shape, other.strides):
+                return True
+            if work.flags.c_contiguous and other.flags.c_contiguous:
+                return True  # the same bytes in another shape (a tensor and its view(-1))
+        raise ValueError(
+            f"{type(self).__name__}.add: this array shares memory with an array added since the "
+            "last finalize() without being the same array, so their shared part would be "
+            "reduced twice; add the whole array once, or finalize() between the two."
+        )
+
+    def _overlap(self) -> None:
+        raise ValueError(
+            f"{type(self).__name__}.add: this array shares memory with an array added since the "
+            "last finalize() without being the same array, so their shared part would be "
+            "reduced twice; add the whole array once, or finalize() between the two."
+        )
 
     def finalize(self) -> None:
+        self._starts, self._ends, self._contiguous, self._strided, self._added = [], [], [], [], []
         self._fusion.wait()
 
 

@@ -115,12 +115,21 @@ class Fusion:
         # array), so that a caller can check that every rank is about to make the same calls.
         self.before_launch: Callable[[list[tuple[str, int]]], None] | None = None
 
-    def add_leaf(self, family: Family, x: object, dtype: str, device: str) -> None:
-        """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back.
+    def add_leaf(
+        self,
+        family: Family,
+        x: object,
+        dtype: str,
+        device: str,
+        staged: tuple[Family, object, Work, bool] | None = None,
+    ) -> None:
+        """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back
+        (`staged`: what `families.stage` gave for it, if the caller has it already).
 
         `wait()` returns the leaves' results in the order they were added.
         """
-        staged = stage(family, x)
+        if staged is None:
+            staged = stage(family, x)
         self._leaves.append(staged)
         work = staged[2]
         # Host buffers are packed alike whatever their family, so ranks may mix families.

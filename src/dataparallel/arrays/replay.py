@@ -40,6 +40,8 @@ class Replay:
         flushes: the arrays given to `Fusion`, flush by flush (empty: nothing more is
             sent, as when the values travelled in the handshake itself).
         bucket_bytes, async_op, contiguous: `Fusion`'s settings.
+        compression: the 16-bit wire dtype of floating buckets (`Fusion`'s `compression`), so
+            that the zeros travel as the live ranks' values do, or None.
         then: calls made after these (a second fused call), or None.
     """
 
@@ -49,6 +51,7 @@ class Replay:
     async_op: bool = False
     contiguous: bool = True
     then: Replay | None = None
+    compression: str | None = None
 
     @classmethod
     def barrier(cls) -> Replay:
@@ -70,12 +73,13 @@ class Replay:
         async_op: bool = False,
         contiguous: bool = True,
         then: Replay | None = None,
+        compression: str | None = None,
     ) -> Replay:
         """Describe calls that give `Fusion` `flushes` (arrays, flushed after each)."""
         frozen = tuple(
             tuple((tuple(key), dtype, tuple(shape)) for key, dtype, shape in f) for f in flushes
         )
-        return cls(action, frozen, bucket_bytes, async_op, contiguous, then)
+        return cls(action, frozen, bucket_bytes, async_op, contiguous, then, compression)
 
     def run(self, backend: Backend, pool: BufferPool | None = None) -> None:
         """Make the described calls on `backend`, with zeros, and wait for them."""
@@ -95,6 +99,7 @@ class Replay:
             async_op=self.async_op,
             contiguous=self.contiguous,
             pool=pool,
+            compression=self.compression,
         )
         scatter = isinstance(self.action, Scatter)
         for arrays in self.flushes:

@@ -35,6 +35,7 @@ import optree
 
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
+from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.dtypes import prescale, scale_in_place
 from dataparallel.arrays.fusion import Fusion
@@ -80,6 +81,7 @@ class CallPlan:
     dtypes: list[str]  # each leaf's dtype ("inline": how its bytes are combined)
     wire: str | None  # the 16-bit wire dtype of `compression=`
     nans: bool  # "fused" min/max: ranks flag their NaNs in the handshake
+    apart: bool  # "fused" leaves may land in different flights: aliases are copied (`aliases`)
     replay: Replay  # what a rank that has joined (`dp.join`) makes instead
     replay_nan: Replay  # ... when some rank flagged a NaN (the masks follow)
     buf: np.ndarray | None = None  # "packed" over several leaves: the bucket
@@ -344,14 +346,28 @@ def _plan(
                 views.append(buf[offset : offset + w.size].reshape(w.shape))
                 offset += w.size
     nans = kind == "fused" and action.op in (ReduceOp.MIN, ReduceOp.MAX) and size > 1
-    replay = _replays.fused(ctx, action, leaves, collective.startswith("i"), inline)
+    replay = _replays.fused(
+        ctx, action, leaves, collective.startswith("i"), inline, compression=wire
+    )
     replay_nan = replay
     if nans:
         floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
         masks = _replays.nan_masks(ctx, floating, collective.startswith("i"))
         replay_nan = dataclasses.replace(replay, then=masks)
+    apart = kind == "fused" and len(leaves) > 1 and not _one_flight(ctx, leaves)
     plan = CallPlan(
-        kind, call_digest, details, action, dtypes, wire, nans, replay, replay_nan, buf, views
+        kind,
+        call_digest,
+        details,
+        action,
+        dtypes,
+        wire,
+        nans,
+        apart,
+        replay,
+        replay_nan,
+        buf,
+        views,
     )
     if payload_capacity(size):  # the handshake's buffers, and where each leaf's values land
         records = plan.records = Records(size, call_digest)
@@ -362,6 +378,15 @@ def _plan(
                 numbers = np.empty(len(works))
                 plan.form_slots = slots_of(records.payloads, [numbers], records.payload)
     return plan
+
+
+def _one_flight(ctx: CallContext, leaves: list[Leaf]) -> bool:
+    """Whether `Fusion` sends these leaves as one packed bucket: all copied in before any lands,
+    so leaves that share memory are each reduced once, whatever their memory (`aliases`)."""
+    works = [leaf.work for leaf in leaves]
+    if any(type(w) is not np.ndarray for w in works) or len(set(leaf.dtype for leaf in leaves)) > 1:
+        return False
+    return sum(cast(np.ndarray, w).nbytes for w in works) <= ctx.settings.bucket_bytes
 
 
 def _packable(
@@ -413,6 +438,10 @@ def _execute(
         pack_slots(plan.slots, host_works(leaves))
         records.exchange(backend, plan.describe, plan.replay_of)
         return run(ctx, collective, flat, leaves, plan.action, async_op, records.payloads)
+    if plan.apart:  # leaves over the same memory: each reduced once, from its values now
+        for i in overlapping([leaf.work for leaf in leaves]):
+            leaf = leaves[i]
+            leaf.work, leaf.is_view = np.array(leaf.work), False
     nans = None
     if plan.nans:
         nans = prepared(ctx, collective, lambda: _local_nans(leaves))

@@ -14,7 +14,7 @@ from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf
 
-__all__ = ["fused", "nan_masks", "split"]
+__all__ = ["fused", "nan_masks", "nan_scatter", "split"]
 
 
 def _add(leaf: Leaf) -> Add:
@@ -31,8 +31,10 @@ def fused(
     async_op: bool,
     inline: bool,
     then: Replay | None = None,
+    compression: str | None = None,
 ) -> Replay:
-    """The replay of `run`: the leaves through `fuse` (nothing more when they went `inline`)."""
+    """The replay of `run`: the leaves through `fuse` (nothing more when they went `inline`),
+    with the call's wire dtype (`compression`), so that zeros travel as the values do."""
     if inline:
         return Replay.nothing()
     return Replay.of(
@@ -41,6 +43,7 @@ def fused(
         bucket_bytes=ctx.settings.bucket_bytes,
         async_op=async_op,
         then=then,
+        compression=compression,
     )
 
 
@@ -58,4 +61,14 @@ def split(ctx: CallContext, action: Scatter, leaves: list[Leaf]) -> Replay:
         action,
         [[((), leaf.dtype, leaf.shape) for leaf in leaves]],
         bucket_bytes=ctx.settings.bucket_bytes,
+    )
+
+
+def nan_scatter(ctx: CallContext, floating: list[Leaf], then: Replay) -> Replay:
+    """The replay of a min/max reduce-scatter when some rank has a NaN: the masks, then `then`."""
+    return Replay.of(
+        Scatter(ReduceOp.MAX),
+        [[((), "uint8", leaf.shape) for leaf in floating]],
+        bucket_bytes=ctx.settings.bucket_bytes,
+        then=then,
     )

@@ -12,9 +12,11 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Exchange, Scatter
 from dataparallel.arrays.dtypes import storage_dtype
 from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.nan import set_nan
+from dataparallel.backends.base import ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf, log
 
-__all__ = ["check_rows", "host_work", "run_split"]
+__all__ = ["check_rows", "host_work", "run_split", "scatter_masks"]
 
 
 def check_rows(collective: str, flat: tree.Flat, leaves: list[Leaf]) -> None:
@@ -40,13 +42,15 @@ def run_split(
     flat: tree.Flat,
     leaves: list[Leaf],
     action: Scatter | Exchange,
+    nans: dict[int, np.ndarray] | None = None,
 ) -> Any:
     """Run a reduce-scatter or an all-to-all of the leaves; return the rebuilt tree.
 
     Results change shape, so each comes back as a new array of its leaf's family; GPU leaves are
     staged through host memory. Every leaf is on the host here, so buckets are per dtype whatever
     the family. An all-to-all moves bytes, all leaves in one call: its bucketing must not depend
-    on sizes, which differ between ranks.
+    on sizes, which differ between ranks. `nans`: a reduce-scatter's NaN masks, this rank's part
+    of each (`scatter_masks`), by leaf index: NaN is written where they are set.
     """
     if ctx.settings.debug:
         log(ctx, f"{collective} {action} leaves={len(leaves)}")
@@ -67,6 +71,8 @@ def run_split(
         def deliver(host: np.ndarray, i: int = i, leaf: Leaf = leaf, kind: Any = storage) -> None:
             if moves:  # bytes, one row per row: back to the leaf's dtype and shape
                 host = host.reshape(-1).view(kind).reshape(host.shape[0], *leaf.shape[1:])
+            elif nans and leaf.index in nans:
+                set_nan(host, leaf.dtype, nans[leaf.index])
             out[i] = leaf.family.adopt(leaf.value, host)  # host is the result's own memory
 
         if moves:
@@ -78,3 +84,27 @@ def run_split(
     if ctx.timeline is not None:
         ctx.timeline.complete(collective, started, leaves=len(leaves), calls=fusion.calls)
     return tree.unflatten(flat.spec, out)
+
+
+def scatter_masks(
+    ctx: CallContext, floating: list[Leaf], masks: list[np.ndarray]
+) -> dict[int, np.ndarray]:
+    """Reduce-scatter (MAX) the NaN masks of a min/max reduce-scatter's floating leaves (each
+    shaped as its leaf, 1 where this rank has a NaN); return this rank's part of each, by leaf
+    index (`run_split`'s `nans`)."""
+    fusion = Fusion(
+        ctx.backend,
+        Scatter(ReduceOp.MAX),
+        bucket_bytes=ctx.settings.bucket_bytes,
+        async_op=False,
+        pool=ctx.buffers,
+    )
+    parts: dict[int, np.ndarray] = {}
+    for leaf, mask in zip(floating, masks, strict=True):
+
+        def keep(part: np.ndarray, index: int = leaf.index) -> None:
+            parts[index] = part
+
+        fusion.add(mask, "uint8", (), keep)
+    fusion.wait()
+    return parts

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Scatter, reduction, reduction_error
-from dataparallel.backends.base import Backend
+from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask
+from dataparallel.arrays.replay import Replay
+from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives import _replays
 from dataparallel.collectives._call import (
     Leaf,
@@ -13,7 +17,7 @@ from dataparallel.collectives._call import (
     leaves_of,
     prepared,
 )
-from dataparallel.collectives._split import check_rows, run_split
+from dataparallel.collectives._split import check_rows, host_work, run_split, scatter_masks
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Op, Tree
 
@@ -41,6 +45,8 @@ def reducescatter(
         scale: multiply the result by this afterwards.
         backend: the engine to use (default: the active one).
         group: run among the ranks of this `dp.new_group` group (default: the world).
+
+    Under `"min"` and `"max"`, NaN wins wherever any rank has one, as in `allreduce`.
 
     Returns:
         `x`'s structure with new arrays of each leaf's family, dtype and device, of shape
@@ -71,12 +77,35 @@ def reducescatter(
 
     flat, leaves, scatter = prepared(ctx, "reducescatter", prepare)
     scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
-    agree(
+    # min and max: every rank says whether it has a NaN; if one has, the masks of where go first.
+    floating: list[Leaf] = []
+    if scatter.op in (ReduceOp.MIN, ReduceOp.MAX) and ctx.backend.size > 1:
+        floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
+    masks = prepared(ctx, "reducescatter", lambda: _local_masks(floating)) if floating else None
+
+    def replay(flagged: bool) -> Replay:  # for ranks that have joined, made only then
+        split = _replays.split(ctx, scatter, leaves)
+        return _replays.nan_scatter(ctx, floating, then=split) if flagged else split
+
+    _, flagged = agree(
         ctx,
         "reducescatter",
         flat,
         leaves,
         {"op": op, "scale": scale_arg},
-        replay=lambda _: _replays.split(ctx, scatter, leaves),  # for ranks that have joined
+        flag=None if masks is None else masks[0],
+        replay=replay,
     )
-    return run_split(ctx, "reducescatter", flat, leaves, scatter)
+    nans: dict[int, np.ndarray] = {}
+    if flagged and masks is not None:  # every rank reduce-scatters where its NaNs are, first
+        pairs = zip(masks[1], floating, strict=True)
+        shaped = [nan_mask(work, leaf.dtype).reshape(leaf.shape) for work, leaf in pairs]
+        nans = scatter_masks(ctx, floating, shaped)
+    return run_split(ctx, "reducescatter", flat, leaves, scatter, nans)
+
+
+def _local_masks(floating: list[Leaf]) -> tuple[bool, list[np.ndarray]]:
+    """Whether this rank holds a NaN in a floating leaf, and those leaves' host values."""
+    works = [host_work(leaf) for leaf in floating]
+    pairs = zip(works, floating, strict=True)
+    return any(has_nan(work, leaf.dtype) for work, leaf in pairs), works

@@ -256,11 +256,13 @@ def replay_of(
     current: NamedParams,
     action: Reduction | Scatter,
     bucket_bytes: int,
+    compression: str | None = None,
 ) -> Replay:
     """Describe a step's reduction for ranks that have joined (`dp.join`) to make it on zeros.
 
     Mirrors `GradientSync`: one flush per bucket (the flag vector with the last), then one for
-    the parameters of `current` that became trainable after the plan.
+    the parameters of `current` that became trainable after the plan; with the step's wire dtype
+    (`compression`), so that the zeros travel as the gradients do.
     """
 
     def add(p: torch.Tensor) -> Add:
@@ -275,4 +277,6 @@ def replay_of(
     late = [add(p) for _, p in current if id(p) not in planned]
     if late:
         flushes.append(late)
-    return Replay.of(action, flushes, bucket_bytes=bucket_bytes, async_op=True)
+    return Replay.of(
+        action, flushes, bucket_bytes=bucket_bytes, async_op=True, compression=compression
+    )

@@ -157,7 +157,7 @@ class GradientSync:
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
         action, pool = reduction(op, None, self.backend.size), active.buffers
-        self._action = action  # the buckets' fusions': replayed by ranks that have joined
+        self._action, self._wire = action, wire  # replayed by ranks that have joined
         fusion_on = partial(
             Fusion, action=action, bucket_bytes=self.bucket_bytes, pool=pool, compression=wire
         )
@@ -384,8 +384,8 @@ class GradientSync:
 
     def _replay(self, _: bool) -> Replay:
         """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
-        params, action = self._params, self._action
-        return replay_of(params, self._buckets, self._current(), action, self.bucket_bytes)
+        params, action, wire = self._params, self._action, self._wire
+        return replay_of(params, self._buckets, self._current(), action, self.bucket_bytes, wire)
 
     def _launch(self, b: int) -> None:
         self._agree()

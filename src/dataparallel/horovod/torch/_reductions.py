@@ -8,7 +8,8 @@ group. What Horovod defines that dataparallel's own API does not is done here, a
   here (dataparallel refuses `"avg"` on integers, which would truncate silently).
 - `prescale_factor` is applied to a copy before the reduction (integers in float64, half
   precision in float32, as Horovod); `postscale_factor` is dataparallel's `scale=` (integers:
-  in float64 after the sum, as Horovod).
+  in float64 after the sum, as Horovod). Tensors of one in-place call that share memory
+  (`grouped_allreduce_([t, t])`) have it scaled once (`_distinct`), and reduced once.
 - `Adasum` raises `NotImplementedError` (dataparallel has no Adasum).
 """
 
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 
 from dataparallel import collectives
+from dataparallel.arrays.aliases import clusters
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
@@ -126,11 +128,12 @@ def _start_allreduce(
 ) -> _handles.Started:
     group = group_of(ps)
     how = scaling(outputs, op, pre, post, ps.size() or 1)
-    for t in outputs:
+    memory = _distinct(outputs) if how.pre is not None or how.post is not None else []
+    for t in memory:
         scaled(t, how.pre)
 
     def after(_: object) -> list[torch.Tensor]:
-        for t in outputs:
+        for t in memory:
             scaled(t, how.post)
         return outputs
 
@@ -139,6 +142,33 @@ def _start_allreduce(
         return _handles.Done(after(None))
     request = collectives.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
     return _handles.Then(request, after)
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Return tensors that cover the memory of `tensors` (contiguous, `check_tensor`) once each:
+    tensors that share memory are replaced by one flat view of their union, so that an in-place
+    call's factors scale every element once (`grouped_allreduce_([t, t])`)."""
+    spans: dict[torch.device, list[tuple[int, int, int]]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            low = t.data_ptr()
+            spans.setdefault(t.device, []).append((low, low + t.numel() * t.element_size(), i))
+    shared = [group for device_spans in spans.values() for group in clusters(device_spans)]
+    if not shared:
+        return tensors
+    out = [t for i, t in enumerate(tensors) if not any(i in group for group in shared)]
+    for group in shared:
+        members = [tensors[i] for i in group]
+        first = members[0]
+        if any(m.dtype != first.dtype for m in members):
+            raise ValueError(
+                f"tensors {group} of one in-place allreduce share memory with different dtypes "
+                f"({', '.join(str(m.dtype) for m in members)}); pass each memory once."
+            )
+        low = min(int(m.storage_offset()) for m in members)
+        high = max(int(m.storage_offset()) + m.numel() for m in members)
+        out.append(first.as_strided((high - low,), (1,), low))
+    return out
 
 
 def copy_of(tensor: torch.Tensor) -> torch.Tensor:
