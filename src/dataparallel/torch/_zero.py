@@ -18,6 +18,7 @@ import torch
 
 from dataparallel import world
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.config import Settings
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import verify_same_call
 from dataparallel.torch._buckets import overlaps
@@ -28,6 +29,15 @@ from dataparallel.torch._zero_state import consolidate, load
 __all__ = ["ZeroRedundancyOptimizer"]
 
 Stage = Literal[1, 2]
+
+
+def default_bucket_bytes(stage: Stage, settings: Settings) -> int:
+    """Stage 1: `Settings.thread_bucket_bytes` (25 MiB, DDP's size): its buckets cost no buffer
+    (the allgathers land in the parameters), and every bucket is two calls (a reduce by the
+    wrapper, an allgather), each about as dear whatever its size on a busy node. Stage 2: 4 x
+    `Settings.bucket_bytes` (1 MiB): each bucket in flight is a send buffer of its size, which
+    counts against the gradient memory stage 2 saves (benchmarks/zero.py, docs/zero.md)."""
+    return settings.thread_bucket_bytes if stage == 1 else 4 * settings.bucket_bytes
 
 
 def _optimizer_class(cls: object) -> type[torch.optim.Optimizer]:
@@ -81,7 +91,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: the class of the inner optimizer (`torch.optim.Adam`).
         stage: 1 (optimizer state sharded) or 2 (gradients too).
         group: shard among the ranks of this `dp.new_group` group (default: the world).
-        bucket_bytes: bucket size (default `DATAPARALLEL_BUCKET_BYTES`).
+        bucket_bytes: bucket size (default: `default_bucket_bytes`, 25 MiB at stage 1, 1 MiB at
+            stage 2).
         backend: the engine (default: the active one).
         **defaults: `optimizer_class`'s options (`lr=1e-3`, ...).
 
@@ -119,7 +130,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         chosen = backend_of(backend, group)
         self.backend: Backend = chosen if chosen is not None else active.backend
         self.stage: Stage = stage
-        self.bucket_bytes = bucket_bytes or active.settings.bucket_bytes
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(stage, active.settings)
         self._overlap = overlaps(self.backend.local_size, active.settings.overlap)
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
@@ -270,9 +281,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             item = data.element_size()
             raw = data.view(torch.uint8)  # any dtype, as bytes
             lo, hi = bucket.mine
-            send = raw[lo * item : hi * item].clone()
-            recv = raw[bucket.start * item : bucket.stop * item].numpy()
-            self.backend.allgatherv(send.numpy(), recv, [c * item for c in bucket.counts])
+            send = raw[lo * item : hi * item].clone()  # segments are equal: a plain allgather
+            self.backend.allgather(
+                send.numpy(), raw[bucket.start * item : bucket.stop * item].numpy()
+            )
 
     def _end_step(self) -> None:
         for pieces in self._pieces:

@@ -12,7 +12,8 @@ ever holds more than its shard and the buckets in flight. Whether a parameter ha
 some rank travels once per step (an allreduce of one flag per parameter), so that a parameter
 no rank used keeps no gradient, as in one process.
 
-Send buffers come from a pool of at most `MAX_IN_FLIGHT + 1` buffers of one bucket per dtype.
+Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
+parameter (one of `bucket_bytes` or more) sends its gradient in place.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ __all__ = ["GradientShards", "launch_order", "wire_dtype"]
 # Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
 MAX_IN_FLIGHT = 1
 
+# A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
+# parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
+# and whether it sends in place.
+_Flight = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
+
 
 def launch_order(buckets: list[Bucket]) -> list[int]:
     """Buckets in the order backward usually completes them: latest parameters first."""
@@ -49,18 +55,28 @@ def wire_dtype(dtype: torch.dtype, backend: Backend) -> torch.dtype:
     return dtype if name in backend.native_dtypes else torch.float32
 
 
+def sent_counts(bucket: Bucket) -> list[int]:
+    """Items per rank of a bucket's reduce-scatter: its padding (which ends the last ranks'
+    segments) is not sent, so that a bucket of one parameter sends its gradient as it is."""
+    part, items = bucket.counts[0], bucket.filled - bucket.start
+    return [min(part, max(0, items - r * part)) for r in range(len(bucket.counts))]
+
+
 class _Pool:
-    """Buffers of one bucket's items per dtype, taken and given back (allocated once)."""
+    """Buffers taken and given back: a buffer is reused by any later request it can hold."""
 
-    def __init__(self, items: int) -> None:
-        self.items, self._free = items, dict[torch.dtype, list[torch.Tensor]]()
-        self.allocated = 0  # bytes
+    def __init__(self) -> None:
+        self._free = dict[torch.dtype, list[torch.Tensor]]()
+        self.allocated = 0  # bytes of the buffers alive (given out or free)
 
-    def take(self, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, dtype: torch.dtype, items: int) -> torch.Tensor:
         free = self._free.setdefault(dtype, [])
-        if free:
-            return free.pop()
-        buf = torch.empty(self.items, dtype=dtype)
+        for i, buf in enumerate(free):
+            if buf.numel() >= items:
+                return free.pop(i)
+        if free:  # too small: dropped, so that no more buffers live than are in use at once
+            self.allocated -= free.pop().nbytes
+        buf = torch.empty(items, dtype=dtype)
         self.allocated += buf.nbytes
         return buf
 
@@ -108,8 +124,8 @@ class GradientShards:
                 self.buckets_of[k].append(position[b])
         self.shards = [torch.zeros(f.shard_items, dtype=f.dtype) for f in flats]
         self._wires = [wire_dtype(f.dtype, backend) for f in flats]
-        self._pool = _Pool(max((b.stop - b.start for b in buckets), default=0))
-        self._flights: list[tuple[int, Handle, torch.Tensor, torch.Tensor | None]] = []
+        self._pool = _Pool()
+        self._flights: list[_Flight] = []
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         ref = weakref.ref(self)
@@ -174,38 +190,50 @@ class GradientShards:
             self.land()
         elif len(self._flights) > MAX_IN_FLIGHT:
             self._land(self._flights.pop(0))
-        base = self._pool.take(wire)
-        send = base[: bucket.stop - bucket.start]
+        base, send = None, self._alone(bucket, wire)
+        if send is not None:  # one parameter: its gradient goes as it is
+            self.had[bucket.params[0]] = 1
+        else:
+            base = self._pool.take(wire, bucket.filled - bucket.start)
+            send = base[: bucket.filled - bucket.start]
+            for k in bucket.params:
+                p, at = self.params[k], flat.offsets[k] - bucket.start
+                target = send[at : at + p.numel()]
+                if p.grad is None:
+                    target.zero_()
+                else:
+                    target.copy_(p.grad.reshape(-1))
+                    self.had[k] = 1
         for k in bucket.params:
-            p, at = self.params[k], flat.offsets[k]
-            lo, hi = max(at, bucket.start), min(at + p.numel(), bucket.stop)
-            target = send[lo - bucket.start : hi - bucket.start]
-            if p.grad is None:
-                target.zero_()
-            else:
-                target.copy_(p.grad.reshape(-1)[lo - at : hi - at])
-                self.had[k] = 1
             self._left[k] -= 1
-            if self._left[k] == 0:
-                p.grad = None  # every bucket it overlaps is packed: this rank keeps its shard only
-        mine = bucket.counts[rank]
+            if self._left[k] == 0:  # packed (or in flight, holding it): this rank keeps its shard
+                self.params[k].grad = None
+        counts = sent_counts(bucket)
+        mine = counts[rank]
         shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
         spare = None
         if self._fresh[b] and wire == flat.dtype:
             recv = shard
         else:
-            spare = self._pool.take(wire)
+            spare = self._pool.take(wire, mine)
             recv = spare[:mine]
-        handle = self.backend.ireduce_scatter(
-            send.numpy(), recv.numpy(), bucket.counts, ReduceOp.SUM
-        )
-        self._flights.append((b, handle, base, spare))
+        handle = self.backend.ireduce_scatter(send.numpy(), recv.numpy(), counts, ReduceOp.SUM)
+        self._flights.append((b, handle, base if base is not None else send, spare, base is None))
 
-    def _land(self, flight: tuple[int, Handle, torch.Tensor, torch.Tensor | None]) -> None:
-        b, handle, base, spare = flight
+    def _alone(self, bucket: Bucket, wire: torch.dtype) -> torch.Tensor | None:
+        """The gradient of a bucket's one parameter, when it can be sent in place."""
+        if len(bucket.params) != 1:
+            return None
+        grad = self.params[bucket.params[0]].grad
+        if grad is None or grad.dtype != wire or not grad.is_contiguous():
+            return None
+        return grad.view(-1)
+
+    def _land(self, flight: _Flight) -> None:
+        b, handle, base, spare, in_place = flight
         handle.wait()
         bucket = self.buckets[b]
-        mine = bucket.counts[self.backend.rank]
+        mine = sent_counts(bucket)[self.backend.rank]
         shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
         if spare is None:
             if self.scale != 1.0:
@@ -220,7 +248,8 @@ class GradientShards:
                 shard.add_(received)
             self._pool.give(spare)
         self._fresh[b] = False
-        self._pool.give(base)
+        if not in_place:
+            self._pool.give(base)
 
     def land(self) -> None:
         """Complete every reduce-scatter in flight."""

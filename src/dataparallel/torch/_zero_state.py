@@ -91,12 +91,7 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
                     send[start - lo : stop - lo] = state[key][start - a : stop - a]
             if backend.size > 1:
                 whole = torch.empty(bucket.stop - bucket.start, dtype=dtype)
-                item = whole.element_size()
-                backend.allgatherv(
-                    send.view(torch.uint8).numpy(),
-                    whole.view(torch.uint8).numpy(),
-                    [c * item for c in bucket.counts],
-                )
+                backend.allgather(send.view(torch.uint8).numpy(), whole.view(torch.uint8).numpy())
             else:
                 whole = send
             if not receives:
