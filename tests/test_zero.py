@@ -26,6 +26,7 @@ from _torch_common import (
     make_model,
     share,
 )
+from test_torch_optim import torch_distributed  # noqa: F401 - the fixture, for DDP
 from torch import nn
 
 import dataparallel as dp
@@ -154,6 +155,18 @@ def test_parameters_without_gradients_match_the_unsharded_optimizer(
     for piece in opt.pieces:
         if id(opt._params[piece.param]) in unused:
             assert piece.tensor not in opt.optim.state
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+@pytest.mark.usefixtures("torch_distributed")
+def test_stage_1_under_distributed_data_parallel() -> None:
+    model = make_model()
+    reference, ref_opt = reference_of(model)
+    opt = zero(model, "adam", 1, bucket_bytes=128)
+    ddp = nn.parallel.DistributedDataParallel(model)  # DDP averages; the optimizer shards
+    train(ddp, opt, range(4), on_share=True)
+    train(reference, ref_opt, range(4), on_share=False)
+    assert_params_close(model, reference, torch.float32)
     assert_same_on_every_rank(list(model.parameters()))
 
 
