@@ -447,6 +447,8 @@ def test_a_state_dict_from_another_model_is_refused(world: Backend) -> None:
         opt.load_state_dict(fewer.state_dict())
     with pytest.raises(ValueError, match="no 'state' and 'param_groups'"):
         opt.load_state_dict({"weights": 1})
+    with pytest.raises(ValueError, match="give a rank"):
+        opt.consolidate_state_dict(to=dp.size())
 
 
 def test_stage_2_refuses_parameters_a_wrapper_reduces(world: Backend) -> None:

@@ -15,15 +15,28 @@ keeps this rank's slices; a dict whose parameters do not match raises `ValueErro
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from dataparallel.collectives._call import check_root
+from dataparallel.backends.base import Backend
+from dataparallel.torch._zero_layout import Bucket, Flat, Piece
 
-if TYPE_CHECKING:
-    from dataparallel.torch._zero import ZeroRedundancyOptimizer
-    from dataparallel.torch._zero_layout import Piece
+
+class ZeroRedundancyOptimizer(Protocol):
+    """What checkpoints read of `_zero.ZeroRedundancyOptimizer` (named so, without the import)."""
+
+    backend: Backend
+    optim: torch.optim.Optimizer
+    param_groups: list[dict[str, Any]]
+    _flats: list[Flat]
+    _buckets: list[Bucket]
+    _params: list[torch.Tensor]
+    _names: list[str]
+
+    @property
+    def pieces(self) -> list[Piece]: ...
+
 
 __all__ = ["consolidate", "load"]
 
@@ -43,7 +56,10 @@ def _flat_range(zero: ZeroRedundancyOptimizer, piece: Piece) -> tuple[int, int]:
 def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None:
     """Gather the whole state on rank `to` (collective); return it there, None elsewhere."""
     backend = zero.backend
-    to = check_root(to, backend)
+    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < backend.size:
+        raise ValueError(
+            f"consolidate_state_dict(to={to!r}): give a rank, an int from 0 to {backend.size - 1}."
+        )
     local: dict[int, Schema] = {}
     for piece in zero.pieces:
         state = zero.optim.state.get(piece.tensor)
