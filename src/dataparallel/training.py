@@ -49,6 +49,7 @@ def DistributedOptimizer(
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressing = None,
+    shard_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs: ...
 
 
@@ -57,8 +58,20 @@ def DistributedOptimizer(optimizer: Any, *, op: Op = "avg", **options: Any) -> o
 
     Gradients are reduced across ranks (averaged by default; `op="sum"` is FluxMPI's behaviour)
     before the inner update. See `dataparallel.torch.distributed_torch_optimizer` and
-    `dataparallel.jax.distributed_optax` for the options of each.
+    `dataparallel.jax.distributed_optax` for the options of each. For optax, `shard_state=True`
+    keeps on each rank the state of its slice of the parameters only
+    (`dataparallel.jax.sharded_optax`, docs/zero.md); for PyTorch that is
+    `dp.torch.ZeroRedundancyOptimizer`.
     """
+    if options.pop("shard_state", False):
+        if not _is_optax_transformation(optimizer) or _is_torch_optimizer(optimizer):
+            raise TypeError(
+                "DistributedOptimizer(shard_state=True) takes an optax transformation; for "
+                "PyTorch use dp.torch.ZeroRedundancyOptimizer(params, optimizer_class, ...)."
+            )
+        from dataparallel.jax import sharded_optax
+
+        return sharded_optax(optimizer, op=op, **options)
     module = type(optimizer).__module__.partition(".")[0]
     if module == "torch" or _is_torch_optimizer(optimizer):
         from dataparallel.torch import distributed_torch_optimizer

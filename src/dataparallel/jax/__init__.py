@@ -7,5 +7,13 @@ Loaded when `dp.DistributedOptimizer` is given an optax transformation, so that
 from __future__ import annotations
 
 from dataparallel.jax._optax import DistributedState, distributed_optax
+from dataparallel.jax._sharded import ShardedState, consolidate_state, shard_state, sharded_optax
 
-__all__ = ["DistributedState", "distributed_optax"]
+__all__ = [
+    "DistributedState",
+    "ShardedState",
+    "consolidate_state",
+    "distributed_optax",
+    "shard_state",
+    "sharded_optax",
+]

@@ -11,6 +11,8 @@
 - `SyncBatchNorm` (`_syncbn`): batch normalization over every rank's batch.
 - Sparse gradients in `GradientSync` (`_sparse`): gathered and coalesced, or made dense.
 - `join` (`_join`): uneven data; a rank that leaves its loop first answers the others' steps.
+- `ZeroRedundancyOptimizer` (`_zero`): optimizer state (and gradients) sharded across ranks;
+  its layout (`_zero_layout`), stage-2 reduction (`_zero_grads`), checkpoints (`_zero_state`).
 
 Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
 """
@@ -36,12 +38,14 @@ from dataparallel.torch._model import DataParallelModel
 from dataparallel.torch._optimizer import distributed_torch_optimizer
 from dataparallel.torch._syncbn import SyncBatchNorm
 from dataparallel.torch._synchronize import synchronize_torch
+from dataparallel.torch._zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DataParallelModel",
     "GradientSync",
     "Join",
     "SyncBatchNorm",
+    "ZeroRedundancyOptimizer",
     "allgather",
     "allreduce",
     "alltoall",

@@ -1,0 +1,203 @@
+"""Sharded optimizer state: `dp.torch.ZeroRedundancyOptimizer` beside unsharded and torch's ZeRO.
+
+Run: `OMP_NUM_THREADS=1 .venv/bin/dataparallel run -n 3 benchmarks/zero.py` (MPI), or with
+`--backend gloo`. One process per rank, one torch thread each.
+
+Model: an MLP of 1.59 M float32 parameters (512 -> 1024 -> 1024 -> 10), Adam, `--batch` samples
+per rank. Cases, in the same processes, each on its own copy of the model:
+
+- `dp.DistributedOptimizer` (unsharded: every rank holds the whole Adam state): the reference;
+- `ZeRO stage 1 + DataParallelModel`: `ZeroRedundancyOptimizer(stage=1)` under the wrapper;
+- `ZeRO stage 2`: `ZeroRedundancyOptimizer(stage=2)` on the bare model;
+- `torch ZeRO + DDP (gloo)`: torch's `ZeroRedundancyOptimizer` under `DistributedDataParallel`, on
+  the Gloo group that `dataparallel run` sets up beside the engine (or one made here).
+
+Printed: optimizer state bytes per rank and gradient bytes per rank between steps (each rank's,
+the largest shown), the step times (median over interleaved batches of steps: the cases take turns,
+so the machine's drifts spread over all of them) and their ratios, and the largest difference of
+the parameters from the unsharded run's after `--steps` Adam steps from the same start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+import dataparallel as dp
+
+Step = Callable[[], None]
+UNSHARDED = "dp.DistributedOptimizer (unsharded)"
+STAGE1 = "ZeRO stage 1 + DataParallelModel"
+STAGE2 = "ZeRO stage 2"
+TORCH = "torch ZeRO + DDP (gloo)"
+WIDTHS = (11, 6, 11, 8, 12, 9)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dp.rank())
+    return torch.randn(size, 512, generator=g), torch.randint(0, 10, (size,), generator=g)
+
+
+def make(
+    name: str, base: nn.Module, lr: float, bucket_bytes: int | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Return the module to call and the optimizer to step for case `name`."""
+    model = copy.deepcopy(base)
+    if name == UNSHARDED:
+        return model, dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr))
+    if name == STAGE1:
+        opt = dp.torch.ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, lr=lr, bucket_bytes=bucket_bytes
+        )
+        return dp.torch.DataParallelModel(model), opt
+    if name == STAGE2:
+        opt = dp.torch.ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, stage=2, lr=lr, bucket_bytes=bucket_bytes
+        )
+        return model, opt
+    ddp = nn.parallel.DistributedDataParallel(model)
+    return ddp, TorchZero(ddp.parameters(), torch.optim.Adam, lr=lr)
+
+
+def trainer(model: nn.Module, opt: torch.optim.Optimizer, size: int) -> Step:
+    x, y = batch(0, size)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    inner = getattr(opt, "optim", opt)  # the sharded ones keep their state in .optim
+    return sum(
+        v.nbytes for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def grad_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    if isinstance(opt, dp.torch.ZeroRedundancyOptimizer):
+        return opt.gradient_bytes
+    return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+def timed(steps: dict[str, Step], batches: int, budget: float) -> dict[str, float]:
+    """Median seconds per step of each case, over `batches` batches taken in turn."""
+    counts = {}
+    for name, step in steps.items():
+        step()
+        dp.barrier()
+        start = time.perf_counter()
+        step()
+        once = float(dp.allreduce(time.perf_counter() - start, op="max"))
+        counts[name] = max(2, int(budget / max(once, 1e-6)))
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(batches):
+        for name, step in steps.items():
+            dp.barrier()
+            start = time.perf_counter()
+            for _ in range(counts[name]):
+                step()
+            elapsed = float(dp.allreduce(time.perf_counter() - start, op="max"))
+            samples[name].append(elapsed / counts[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
+    parser.add_argument("--batches", type=int, default=15, help="timed batches per case")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per timed batch")
+    parser.add_argument("--steps", type=int, default=30, help="Adam steps of the parity check")
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="ZeRO's (default: its own)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dp.initialize()
+    if not dist.is_initialized():  # under mpiexec: a Gloo group for torch's case
+        port = None
+        if dp.rank() == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = dp.broadcast_object(port)
+        address = f"tcp://127.0.0.1:{port}"
+        dist.init_process_group("gloo", init_method=address, rank=dp.rank(), world_size=dp.size())
+    base = mlp()
+    n = sum(p.numel() for p in base.parameters())
+    names = [UNSHARDED, STAGE1, STAGE2, TORCH]
+    made = {name: make(name, base, 1e-3, args.bucket_bytes) for name in names}
+    steps = {name: trainer(model, opt, args.batch) for name, (model, opt) in made.items()}
+    for step in steps.values():
+        step()  # state exists, buckets rebuilt
+    memory = {}
+    for name, (model, opt) in made.items():
+        if name == STAGE2:  # between backward and step: what stage 2 holds at its peak
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(
+                model(batch(0, args.batch)[0]), batch(0, args.batch)[1]
+            ).backward()
+        mine = (state_bytes(opt), grad_bytes(model, opt))
+        memory[name] = [max(v) for v in zip(*dp.allgather_object(mine), strict=True)]
+        if name == STAGE2:
+            opt.step()
+    times = timed(steps, args.batches, args.budget)
+
+    # Parity: the same start, the same batches, `--steps` Adam steps.
+    finals = {}
+    for name in (UNSHARDED, STAGE1, STAGE2):
+        model, opt = make(name, base, 1e-3, args.bucket_bytes)
+        for s in range(args.steps):
+            x, y = batch(s + 1, args.batch)
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            opt.step()
+        finals[name] = [p.detach().clone() for p in model.parameters()]
+    parity = {
+        name: max(
+            float((a - b).abs().max()) for a, b in zip(finals[name], finals[UNSHARDED], strict=True)
+        )
+        for name in (STAGE1, STAGE2)
+    }
+    if not dp.is_main():
+        return
+    size, engine = dp.size(), dp.get_backend().name
+    print(f"{size} ranks, engine {engine}, {n / 1e6:.2f} M float32 parameters, Adam, ", end="")
+    print(f"batch {args.batch}/rank, ZeRO buckets {args.bucket_bytes or 'default'}")
+    unsharded_state = memory[UNSHARDED][0]
+    heads = ("state/rank", "x 1/N", "grads/rank", "step ms", "vs unsharded", "vs torch")
+    print(f"{'case':38} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, WIDTHS, strict=True)))
+    for name in names:
+        state, grads = memory[name]
+        share = state / (unsharded_state / size)
+        print(
+            f"{name:38} {state / 2**20:9.2f}MB {share:6.2f} {grads / 2**20:9.2f}MB "
+            f"{times[name] * 1e3:8.2f} {times[name] / times[UNSHARDED]:12.2f} "
+            f"{times[name] / times[TORCH]:9.2f}"
+        )
+    print(f"unsharded state / N = {unsharded_state / size / 2**20:.2f} MB; ", end="")
+    print(f"parameters {4 * n / 2**20:.2f} MB")
+    for name, diff in parity.items():
+        print(f"{name}: max |param - unsharded| after {args.steps} Adam steps = {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()

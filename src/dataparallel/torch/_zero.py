@@ -1,0 +1,417 @@
+"""`ZeroRedundancyOptimizer`: optimizer state sharded across ranks (ZeRO stages 1 and 2).
+
+torch's class and signature (`torch.distributed.optim.ZeroRedundancyOptimizer`), over this
+library's engines, with slices instead of whole parameters: every rank steps a contiguous
+segment of every bucket (`_zero_layout.py`), so shards are balanced whatever the parameters'
+sizes, and the updated segments come back with one allgather per bucket (torch's: one broadcast
+per rank). `stage=2` reduce-scatters the gradients itself during backward (`_zero_grads.py`).
+Checkpoints: `_zero_state.py`. Usage, semantics and departures: docs/zero.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, NoReturn, SupportsIndex
+
+import numpy as np
+import torch
+
+from dataparallel import world
+from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.config import Settings
+from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import verify_same_call
+from dataparallel.torch._buckets import overlaps
+from dataparallel.torch._zero_grads import GradientShards, refuse_reduced
+from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
+from dataparallel.torch._zero_state import consolidate, load
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+Stage = Literal[1, 2]
+
+
+def default_bucket_bytes(stage: Stage, settings: Settings) -> int:
+    """Stage 1: `Settings.thread_bucket_bytes` (25 MiB, DDP's size): its buckets cost no buffer
+    (the allgathers land in the parameters), and every bucket is two calls (a reduce by the
+    wrapper, an allgather), each about as dear whatever its size on a busy node. Stage 2: 4 x
+    `Settings.bucket_bytes` (1 MiB): each bucket in flight is a send buffer of its size, which
+    counts against the gradient memory stage 2 saves (benchmarks/zero.py, docs/zero.md)."""
+    return settings.thread_bucket_bytes if stage == 1 else 4 * settings.bucket_bytes
+
+
+def _optimizer_class(cls: object) -> type[torch.optim.Optimizer]:
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        return cls
+    if isinstance(cls, torch.optim.Optimizer):
+        raise TypeError(
+            "ZeroRedundancyOptimizer(params, optimizer_class, ...) takes the optimizer's class "
+            f"and its options, not an optimizer: give {type(cls).__name__}, lr=... instead of "
+            f"{type(cls).__name__}(params, lr=...)."
+        )
+    raise TypeError(
+        "ZeroRedundancyOptimizer: optimizer_class must be a subclass of torch.optim.Optimizer "
+        f"(torch.optim.Adam, ...), got {cls!r}."
+    )
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Shard `optimizer_class`'s state across ranks: each rank steps its slice of the parameters.
+
+    The parameters of each (param group, dtype) are laid end to end in one flat buffer (each
+    parameter's `.data` becomes a view of it) cut into buckets of `bucket_bytes`; rank r owns
+    the r-th of `size` equal contiguous segments of every bucket. `.optim` is this rank's
+    `optimizer_class` over its pieces (1-D views of the flat buffers, one parameter each), so
+    its state is about `1 / size` of the unsharded state. `step()` steps them, then allgathers
+    the updated segments (one call per bucket): every rank ends the step with all parameters.
+
+    - `stage=1`: gradients are reduced by a model wrapper (`dp.torch.DataParallelModel`, DDP,
+      or `dp.allreduce_gradients`) before `step()`, which reads `param.grad`.
+    - `stage=2`: give it the unwrapped model's parameters: it reduce-scatters the gradients in
+      buckets started from gradient hooks during backward, keeps its slice (averaged over
+      ranks), and frees `param.grad` as each bucket is packed. Every backward pass is reduced;
+      passes before a `step()` accumulate into the slice. Parameters that a wrapper reduces
+      are refused.
+
+    Both: mixed dtypes, parameters without a gradient (a parameter that no rank gave a
+    gradient is skipped by the inner optimizer, as in one process), gradient accumulation,
+    `clip_grad_norm_` (the norm over every rank's slice), learning-rate schedulers (they set
+    `param_groups`, copied into `.optim` at each step), `add_param_group` (on every rank).
+    The inner optimizer must be element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): it sees
+    slices, not whole parameters. Host (CPU) parameters only.
+
+    Checkpoints: `consolidate_state_dict(to=0)` on every rank, then `state_dict()` on rank
+    `to`: the state of a plain `optimizer_class` over the same parameters (torch's format),
+    which loads into `optimizer_class` in one process, or into a `ZeroRedundancyOptimizer` at
+    any world size (`load_state_dict` on every rank).
+
+    Args:
+        params: parameters or param groups, identical in structure on every rank (checked:
+            `CollectiveMismatchError` names the parameter that differs).
+        optimizer_class: the class of the inner optimizer (`torch.optim.Adam`).
+        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        group: shard among the ranks of this `dp.new_group` group (default: the world).
+        bucket_bytes: bucket size (default: `default_bucket_bytes`, 25 MiB at stage 1, 1 MiB at
+            stage 2).
+        backend: the engine (default: the active one).
+        **defaults: `optimizer_class`'s options (`lr=1e-3`, ...).
+
+    >>> import torch, dataparallel as dp
+    >>> _ = dp.initialize()
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = dp.torch.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=2)
+    >>> model(torch.ones(3, 4)).sum().backward()   # reduce-scattered while backward runs
+    >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        stage: Stage = 1,
+        group: Group | None = None,
+        bucket_bytes: int | None = None,
+        backend: Backend | None = None,
+        **defaults: Any,
+    ) -> None:
+        self._class = _optimizer_class(optimizer_class)
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroRedundancyOptimizer: stage={stage!r} must be 1 or 2.")
+        if bucket_bytes is not None and (
+            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+        ):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: bucket_bytes={bucket_bytes!r} must be a positive int."
+            )
+        self._initialized = False
+        super().__init__(params, defaults)
+        active = world.current()
+        chosen = backend_of(backend, group)
+        self.backend: Backend = chosen if chosen is not None else active.backend
+        self.stage: Stage = stage
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(stage, active.settings)
+        self._overlap = overlaps(self.backend.local_size, active.settings.overlap)
+        self._params: list[torch.Tensor] = []
+        self._names: list[str] = []
+        self._flats: list[Flat] = []
+        self._buckets: list[Bucket] = []
+        self._pieces: list[list[Piece]] = []
+        self._shards: GradientShards | None = None
+        self._consolidated: dict[str, Any] | None = None
+        self._have_grads = False
+        for g in range(len(self.param_groups)):
+            self._plan(g)
+        inner = [self._inner_group(g) for g in range(len(self.param_groups))]
+        self.optim: torch.optim.Optimizer = self._class(inner, **defaults)
+        _copy_options(self.optim.param_groups, self.param_groups)
+        self._reshard()
+        self._initialized = True
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def _plan(self, g: int) -> None:
+        """Check group `g` against every rank's, and lay it out (collective)."""
+        group = self.param_groups[g]
+        first = len(self._params)
+        named = [(f"param_groups[{g}]['params'][{i}]", p) for i, p in enumerate(group["params"])]
+        for name, p in named:
+            if p.device.type != "cpu":
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer: {name} is on {p.device}; it shards host "
+                    "(CPU) parameters only. Use DistributedOptimizer for device parameters."
+                )
+        if self.stage == 2:
+            refuse_reduced(named)
+        call: dict[str, object] = {
+            "collective": "ZeroRedundancyOptimizer parameters",
+            "optimizer_class": f"{self._class.__module__}.{self._class.__qualname__}",
+            "stage": self.stage,
+            "bucket_bytes": self.bucket_bytes,
+        }
+        for name, p in named:
+            call[name] = f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
+        verify_same_call(self.backend, call)
+        self._names += [name for name, _ in named]
+        self._params += [p for _, p in named]
+        flats, buckets, pieces = plan_group(
+            g,
+            list(enumerate(group["params"], start=first)),
+            self.backend.rank,
+            self.backend.size,
+            self.bucket_bytes,
+            len(self._flats),
+        )
+        for flat in flats:
+            flat.buckets = [b + len(self._buckets) for b in flat.buckets]
+        self._flats += flats
+        self._buckets += buckets
+        self._pieces.append(pieces)
+
+    def _inner_group(self, g: int) -> dict[str, Any]:
+        options = {k: v for k, v in self.param_groups[g].items() if k != "params"}
+        return {**options, "params": [piece.tensor for piece in self._pieces[g]]}
+
+    def _reshard(self) -> None:
+        """(Re)make the stage-2 reducer over the current layout."""
+        if self.stage != 2:
+            return
+        if self._shards is not None:
+            self._shards.land()
+            self._shards.close()
+        self._shards = GradientShards(
+            self._params,
+            self._flats,
+            self._buckets,
+            self.backend,
+            average=True,
+            overlap=self._overlap,
+        )
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces, over all param groups (what `.optim` steps)."""
+        return [piece for pieces in self._pieces for piece in pieces]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, sharded as the others (on every rank alike: it is collective)."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return  # torch's Optimizer.__init__ adds the groups; __init__ lays them out
+        g = len(self.param_groups) - 1
+        self._plan(g)
+        self.optim.add_param_group(self._inner_group(g))
+        _copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
+        self._reshard()
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def _gradients(self) -> None:
+        """Give every piece its gradient (None where no rank had one); once per step."""
+        if self._have_grads:
+            return
+        if self._shards is not None:
+            had = self._shards.wait()
+            for pieces in self._pieces:
+                for piece in pieces:
+                    if had[piece.param]:
+                        shard = self._shards.shards[piece.flat]
+                        n = piece.stop - piece.start
+                        piece.tensor.grad = shard[piece.shard_at : piece.shard_at + n]
+                    else:
+                        piece.tensor.grad = None
+        else:
+            for pieces in self._pieces:
+                for piece in pieces:
+                    grad = self._params[piece.param].grad
+                    if grad is not None and grad.layout != torch.strided:
+                        raise TypeError(
+                            f"ZeroRedundancyOptimizer: {self._names[piece.param]} has a "
+                            f"{grad.layout} gradient; only dense gradients are sharded."
+                        )
+                    piece.tensor.grad = (
+                        None if grad is None else grad.reshape(-1)[piece.start : piece.stop]
+                    )
+        self._have_grads = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step this rank's slice with the reduced gradients, then allgather every slice.
+
+        A `closure` is evaluated once, with gradients enabled, before the step (optimizers that
+        evaluate it several times, as LBFGS, are not supported: they are not element-wise).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._gradients()
+        _copy_options(self.param_groups, self.optim.param_groups)
+        self.optim.step()
+        self._allgather()
+        self._end_step()
+        return loss
+
+    def _allgather(self) -> None:
+        """Bring every rank's updated segments to every rank: one allgather per bucket."""
+        size = self.backend.size
+        if size == 1:
+            return  # the pieces are views of the parameters: nothing to bring
+        for bucket in self._buckets:
+            data = self._flats[bucket.flat].data
+            item = data.element_size()
+            raw = data.view(torch.uint8)  # any dtype, as bytes
+            lo, hi = bucket.mine
+            send = raw[lo * item : hi * item].clone()  # segments are equal: a plain allgather
+            self.backend.allgather(
+                send.numpy(), raw[bucket.start * item : bucket.stop * item].numpy()
+            )
+
+    def _end_step(self) -> None:
+        for pieces in self._pieces:
+            for piece in pieces:
+                piece.tensor.grad = None
+        self._have_grads = False
+        if self._shards is not None:
+            self._shards.reset()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients and begin accumulating a new step's.
+
+        With `stage=2`, reduce-scatters in flight complete first (every rank started them).
+        """
+        self._end_step()
+        super().zero_grad(set_to_none)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients by their norm over every rank's slice (collective).
+
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` cannot be used with
+        `stage=2` (a rank holds only its slice of the gradients); this computes the same norm
+        across shards, scales this rank's slice, and returns the total norm. Call it after
+        backward and before `step()`, on every rank.
+        """
+        self._gradients()
+        grads = [p.tensor.grad for p in self.pieces if p.tensor.grad is not None]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+            total = np.array([local], np.float64)
+            if self.backend.size > 1:
+                self.backend.allreduce(total, ReduceOp.MAX)
+            norm = float(total[0])
+        else:
+            local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
+            total = np.array([local], np.float64)
+            if self.backend.size > 1:
+                self.backend.allreduce(total, ReduceOp.SUM)
+            norm = float(total[0]) ** (1.0 / norm_type)
+        if error_if_nonfinite and not np.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is {norm}: not finite, "
+                "so they cannot be clipped (error_if_nonfinite=True)."
+            )
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0:
+            for g in grads:
+                g.mul_(coefficient)
+        return torch.tensor(norm)
+
+    # -- memory figures ------------------------------------------------------------------------
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (tensors of `.optim.state`)."""
+        return sum(
+            v.nbytes
+            for state in self.optim.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients this rank keeps between steps: with `stage=2` its shards and the
+        send buffers; with `stage=1` every parameter's `.grad`."""
+        if self._shards is not None:
+            return self._shards.gradient_bytes
+        return sum(p.grad.nbytes for p in self._params if p.grad is not None)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state on rank `to`, bucket by bucket (collective: every rank calls).
+
+        Rank `to` then holds one full copy (`state_dict()` returns it); the others nothing.
+        """
+        self._consolidated = consolidate(self, to)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state consolidated on this rank, in a plain `optimizer_class`'s format.
+
+        Raises:
+            RuntimeError: `consolidate_state_dict(to=this rank)` was not called first.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. Call "
+                f"consolidate_state_dict(to={self.backend.rank}) on every rank first."
+            )
+        groups = []
+        saved = self._consolidated["param_groups"]
+        for group, indices in zip(self.param_groups, saved, strict=True):
+            options = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**options, "params": indices["params"]})
+        return {"state": self._consolidated["state"], "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a consolidated state (this optimizer's, at any world size, or a plain
+        `optimizer_class`'s): every rank keeps its slice. Call it on every rank with the same
+        dict.
+
+        Raises:
+            ValueError: the state dict belongs to an optimizer over other parameters.
+        """
+        load(self, state_dict)
+        self._consolidated = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroRedundancyOptimizer({self._class.__name__}, stage={self.stage}, "
+            f"bucket_bytes={self.bucket_bytes}, rank={self.backend.rank}/{self.backend.size})"
+        )
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(
+            "A ZeroRedundancyOptimizer cannot be pickled (it holds a shard); save "
+            "consolidate_state_dict() + state_dict() instead."
+        )
+
+
+def _copy_options(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Copy every option but the parameters, group by group (torch's `_sync_param_groups`)."""
+    for src, dst in zip(source, target, strict=True):
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value

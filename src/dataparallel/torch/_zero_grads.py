@@ -1,0 +1,302 @@
+"""Stage 2 of `ZeroRedundancyOptimizer`: gradients reduce-scattered during `backward()`.
+
+A post-accumulate-grad hook on every trainable parameter marks it ready; a bucket whose
+parameters are all ready is packed into a send buffer (its parameters' `.grad` freed once every
+bucket they overlap is packed) and reduce-scattered, so that this rank receives the sum of its
+segment only, into its gradient shard. Buckets are launched strictly in one order, the same on
+every rank (that of `launch_order`), while backward runs when the node has a core to spare
+(`_buckets.overlaps`), else all at the end of the pass; at the end of every pass the buckets not
+launched yet go out, their parameters without a gradient sending zeros. Every backward pass is
+reduced (as DeepSpeed's stage 2): accumulation adds each pass's shard into the last, so no rank
+ever holds more than its shard and the buckets in flight. Whether a parameter had a gradient on
+some rank travels once per step (an allreduce of one flag per parameter), so that a parameter
+no rank used keeps no gradient, as in one process.
+
+Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
+parameter (one of `bucket_bytes` or more) sends its gradient in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.torch._hooks import claim, make_hook, remove_hooks
+from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._zero_layout import Bucket, Flat
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GradientShards", "launch_order", "wire_dtype"]
+
+# Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
+MAX_IN_FLIGHT = 1
+
+# A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
+# parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
+# and whether it sends in place.
+_Flight = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
+
+
+def launch_order(buckets: list[Bucket]) -> list[int]:
+    """Buckets in the order backward usually completes them: latest parameters first."""
+    return sorted(range(len(buckets)), key=lambda b: (-max(buckets[b].params), buckets[b].start))
+
+
+def wire_dtype(dtype: torch.dtype, backend: Backend) -> torch.dtype:
+    """The dtype a gradient bucket is reduced in: its own where the engine reduces it natively,
+    else float32 (bfloat16)."""
+    name = str(dtype).removeprefix("torch.")
+    return dtype if name in backend.native_dtypes else torch.float32
+
+
+def sent_counts(bucket: Bucket) -> list[int]:
+    """Items per rank of a bucket's reduce-scatter: its padding (which ends the last ranks'
+    segments) is not sent, so that a bucket of one parameter sends its gradient as it is."""
+    part, items = bucket.counts[0], bucket.filled - bucket.start
+    return [min(part, max(0, items - r * part)) for r in range(len(bucket.counts))]
+
+
+class _Pool:
+    """Buffers taken and given back: a buffer is reused by any later request it can hold."""
+
+    def __init__(self) -> None:
+        self._free = dict[torch.dtype, list[torch.Tensor]]()
+        self.allocated = 0  # bytes of the buffers alive (given out or free)
+
+    def take(self, dtype: torch.dtype, items: int) -> torch.Tensor:
+        free = self._free.setdefault(dtype, [])
+        for i, buf in enumerate(free):
+            if buf.numel() >= items:
+                return free.pop(i)
+        if free:  # too small: dropped, so that no more buffers live than are in use at once
+            self.allocated -= free.pop().nbytes
+        buf = torch.empty(items, dtype=dtype)
+        self.allocated += buf.nbytes
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free[buf.dtype].append(buf)
+
+
+class GradientShards:
+    """Reduce-scatter the gradients of `params` into this rank's shards while backward runs.
+
+    Args:
+        params: every parameter of the optimizer, by index.
+        flats, buckets: their layout (`_zero_layout.plan_group`).
+        backend: the engine.
+        average: divide the sums by the world's size.
+        overlap: launch buckets while backward runs (else at the end of each pass).
+    """
+
+    # This pass's state (`_new_pass`): a callback queued, parameters ready, their buckets'
+    # parameters not ready yet, buckets each parameter has left to be packed in, the next bucket.
+    _queued: bool
+    _ready: list[bool]
+    _pending: list[int]
+    _left: list[int]
+    _next: int
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        flats: list[Flat],
+        buckets: list[Bucket],
+        backend: Backend,
+        *,
+        average: bool,
+        overlap: bool,
+    ) -> None:
+        self.params, self.flats, self.buckets, self.backend = params, flats, buckets, backend
+        self.scale = 1.0 / backend.size if average else 1.0
+        self.overlap, self.displaced = overlap, False
+        self.order = launch_order(buckets)
+        position = {b: i for i, b in enumerate(self.order)}
+        self.buckets_of: list[list[int]] = [[] for _ in params]
+        for b in self.order:
+            for k in buckets[b].params:
+                self.buckets_of[k].append(position[b])
+        self.shards = [torch.zeros(f.shard_items, dtype=f.dtype) for f in flats]
+        self._wires = [wire_dtype(f.dtype, backend) for f in flats]
+        self._pool = _Pool()
+        self._flights: list[_Flight] = []
+        self._handles: list[RemovableHandle] = []
+        self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
+        ref = weakref.ref(self)
+        for k, p in enumerate(params):
+            if p.requires_grad:
+                claim(p, self)
+                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, k)))
+        self.had = np.zeros(len(params), np.float32)
+        self._fresh = [True] * len(buckets)
+        self._new_pass()
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes this rank holds for gradients between steps: its shards and the send pool."""
+        return sum(s.nbytes for s in self.shards) + self._pool.allocated
+
+    def close(self) -> None:
+        """Remove the hooks (the layout changed: a new `GradientShards` takes over)."""
+        self._cleanup()
+
+    # -- the hooks' side ---------------------------------------------------------------------
+
+    def refresh(self) -> bool:
+        """Called when a newer wrapper claimed one of the parameters: it reduces them now."""
+        self.displaced = True
+        return False
+
+    def on_grad(self, k: int) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+            self._queued = True
+        if self._ready[k]:
+            return
+        self._ready[k] = True
+        for position in self.buckets_of[k]:
+            self._pending[position] -= 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _new_pass(self) -> None:
+        self._queued = False
+        self._ready = [False] * len(self.params)
+        self._pending = [len(self.buckets[b].params) for b in self.order]
+        self._left = [len(positions) for positions in self.buckets_of]
+        self._next = 0
+
+    def _end_of_pass(self) -> None:
+        self.check()
+        self._pending = [0] * len(self.order)
+        self._launch_ready()
+        self._new_pass()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.order) and self._pending[self._next] == 0:
+            self._launch(self.order[self._next])
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket, rank = self.buckets[b], self.backend.rank
+        flat, wire = self.flats[bucket.flat], self._wires[bucket.flat]
+        if not self.backend.progresses:  # MPI: one call in flight at a time (`fusion.py`)
+            self.land()
+        elif len(self._flights) > MAX_IN_FLIGHT:
+            self._land(self._flights.pop(0))
+        base, send = None, self._alone(bucket, wire)
+        if send is not None:  # one parameter: its gradient goes as it is
+            self.had[bucket.params[0]] = 1
+        else:
+            base = self._pool.take(wire, bucket.filled - bucket.start)
+            send = base[: bucket.filled - bucket.start]
+            for k in bucket.params:
+                p, at = self.params[k], flat.offsets[k] - bucket.start
+                target = send[at : at + p.numel()]
+                if p.grad is None:
+                    target.zero_()
+                else:
+                    target.copy_(p.grad.reshape(-1))
+                    self.had[k] = 1
+        for k in bucket.params:
+            self._left[k] -= 1
+            if self._left[k] == 0:  # packed (or in flight, holding it): this rank keeps its shard
+                self.params[k].grad = None
+        counts = sent_counts(bucket)
+        mine = counts[rank]
+        shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
+        spare = None
+        if self._fresh[b] and wire == flat.dtype:
+            recv = shard
+        else:
+            spare = self._pool.take(wire, mine)
+            recv = spare[:mine]
+        handle = self.backend.ireduce_scatter(send.numpy(), recv.numpy(), counts, ReduceOp.SUM)
+        self._flights.append((b, handle, base if base is not None else send, spare, base is None))
+
+    def _alone(self, bucket: Bucket, wire: torch.dtype) -> torch.Tensor | None:
+        """The gradient of a bucket's one parameter, when it can be sent in place."""
+        if len(bucket.params) != 1:
+            return None
+        grad = self.params[bucket.params[0]].grad
+        if grad is None or grad.dtype != wire or not grad.is_contiguous():
+            return None
+        return grad.view(-1)
+
+    def _land(self, flight: _Flight) -> None:
+        b, handle, base, spare, in_place = flight
+        handle.wait()
+        bucket = self.buckets[b]
+        mine = sent_counts(bucket)[self.backend.rank]
+        shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
+        if spare is None:
+            if self.scale != 1.0:
+                shard.mul_(self.scale)
+        else:
+            received = spare[:mine]
+            if self.scale != 1.0:
+                received.mul_(self.scale)  # in the wire dtype, before any narrowing
+            if self._fresh[b]:
+                shard.copy_(received)
+            else:
+                shard.add_(received)
+            self._pool.give(spare)
+        self._fresh[b] = False
+        if not in_place:
+            self._pool.give(base)
+
+    def land(self) -> None:
+        """Complete every reduce-scatter in flight."""
+        flights, self._flights = self._flights, []
+        for flight in flights:
+            self._land(flight)
+
+    # -- the step's side ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.displaced:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer(stage=2): another gradient reducer "
+                "(DataParallelModel or DistributedOptimizer) was made over its parameters "
+                "after it, so their gradients would be reduced twice. Use stage=1 under a "
+                "model wrapper, or stage=2 on the unwrapped model."
+            )
+
+    def wait(self) -> np.ndarray:
+        """Complete this step's reductions; return which parameters had a gradient on any rank."""
+        self.check()
+        if self._queued:  # a pass still running: not expected between backward and step
+            self._end_of_pass()
+        self.land()
+        had = self.had.copy()
+        if self.backend.size > 1:
+            self.backend.allreduce(had, ReduceOp.MAX)
+        return had
+
+    def reset(self) -> None:
+        """Begin a new step: reductions in flight complete (every rank started them), then the
+        shards are overwritten by the next pass instead of added to."""
+        self.land()
+        self._fresh = [True] * len(self.buckets)
+        self.had[:] = 0
+        self._new_pass()
+
+
+def refuse_reduced(params: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise `ValueError` for a parameter whose gradients a model wrapper already reduces."""
+    for name, p in params:
+        reducer = owner_of(p)
+        if reducer is not None and not isinstance(reducer, GradientShards):
+            who = getattr(reducer, "owner", type(reducer).__name__)
+            raise ValueError(
+                f"ZeroRedundancyOptimizer(stage=2): {name} is already reduced by a {who}; "
+                "stage 2 reduce-scatters the gradients itself, so they would be reduced twice. "
+                "Give stage=2 the unwrapped model's parameters, or use stage=1 under the "
+                "wrapper."
+            )
