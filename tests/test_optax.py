@@ -19,12 +19,13 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
+import jax.extend.core  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
-from dataparallel import collectives  # noqa: E402
 from dataparallel.backends.base import Backend  # noqa: E402
 from dataparallel.errors import CollectiveMismatchError  # noqa: E402
 from dataparallel.jax import DistributedState, distributed_optax  # noqa: E402
+from dataparallel.jax._jit import mpi4jax_reason  # noqa: E402
 from dataparallel.jax._optax import callback_backend  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks: every share has the same size
@@ -239,38 +240,67 @@ def test_mismatched_gradients_fail_on_every_rank_and_the_world_survives(
     grads = {"w": jnp.ones(3 + rank)}
     with pytest.raises(CollectiveMismatchError, match=r"float32\[3\] on rank 0"):
         opt.update(grads, opt.init(grads))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
+    # Under jit the ranks agree on the traced signature once, when tracing: a plain error.
+    with pytest.raises(CollectiveMismatchError, match=r"(?s)jit allreduce.*float32\[3\] on rank 0"):
         jax.jit(opt.update)(grads, opt.init(grads))
     same = {"w": jnp.ones(3)}
     out, _ = jax.jit(opt.update)(same, opt.init(same))
     np.testing.assert_allclose(out["w"], np.ones(3))
 
 
-# --- Under jit: one callback per step, ranks in step. ---------------------------------------------
+# --- Under jit: one engine call per step, ranks in step. ------------------------------------------
 
 
 @pytest.fixture
-def allreduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the calls the transformation makes to `collectives.allreduce` (one per step)."""
+def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the engine calls the callback route makes (one per dtype buffer and step): their
+    sizes, in items. A world of one reduces nothing, so nothing is counted there."""
     calls: list[int] = []
-    real = collectives.allreduce
+    private = callback_backend(None)
+    real = private.allreduce_into
 
-    def counting(x: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(x))
-        return real(x, *args, **kwargs)
+    def counting(send: np.ndarray, recv: np.ndarray, op: Any) -> None:
+        calls.append(send.size)
+        real(send, recv, op)
 
-    monkeypatch.setattr(collectives, "allreduce", counting)
+    monkeypatch.setattr(private, "allreduce_into", counting)
     return calls
 
 
-def test_one_fused_callback_per_jitted_step_and_ranks_stay_in_step(
-    allreduce_calls: list[int], rank: int, size: int
+ROUTES = ["callback", "mpi4jax"]
+
+
+def route_or_skip(route: str, size: int) -> str:
+    if route == "mpi4jax":
+        reason = mpi4jax_reason(callback_backend(None))
+        if size == 1 or reason is not None:
+            pytest.skip(f"the mpi4jax route: {reason or 'a world of one reduces nothing'}")
+    return route
+
+
+def primitives(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """The names of the primitives `fn` stages out, nested jaxprs included."""
+    names: list[str] = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            names.append(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_one_engine_call_per_jitted_step_and_ranks_stay_in_step(
+    route: str, engine_calls: list[int], rank: int, size: int
 ) -> None:
+    route = route_or_skip(route, size)
     lr, steps = 0.01, 100
-    opt = dp.DistributedOptimizer(optax.sgd(lr))
+    opt = dp.DistributedOptimizer(optax.sgd(lr), route=route)  # type: ignore[arg-type]
     key = jax.random.key(rank)
 
-    @jax.jit
     def step(params: Any, state: Any, key: Any) -> tuple[Any, Any, Any]:
         # Gradient (rank + 1) * params: the average over ranks is (size + 1) / 2 * params.
         grads = jax.tree.map(lambda p: (rank + 1) * p, params)
@@ -280,21 +310,31 @@ def test_one_fused_callback_per_jitted_step_and_ranks_stay_in_step(
 
     params = {"a": jnp.ones((3, 2)), "b": [jnp.full(5, 2.0)]}
     state = opt.init(params)
+    staged = primitives(step, params, state, key)
+    jitted = jax.jit(step)
     for _ in range(steps):
         key, sub = jax.random.split(key)
-        params, state, _ = step(params, state, sub)
+        params, state, _ = jitted(params, state, sub)
 
-    assert allreduce_calls == [2] * steps  # one call per step, both leaves fused into it
+    if size > 1:  # both leaves in one buffer, with the two items of the order check
+        if route == "callback":
+            assert engine_calls == [6 + 5 + 2] * steps
+            assert staged.count("io_callback") == 1
+        else:
+            assert engine_calls == [] and staged.count("allreduce_mpi") == 1
+            assert "io_callback" in staged  # only inside the order check's failing branch
     factor = (1 - lr * (size + 1) / 2) ** steps
     np.testing.assert_allclose(params["a"], np.full((3, 2), factor), rtol=1e-4)
     np.testing.assert_allclose(params["b"][0], np.full(5, 2 * factor), rtol=1e-4)
     assert_same_on_every_rank(params)
 
 
-def test_callback_runs_once_per_iteration_inside_a_loop(
-    allreduce_calls: list[int], rank: int, size: int
+@pytest.mark.parametrize("route", ROUTES)
+def test_engine_call_runs_once_per_iteration_inside_a_loop(
+    route: str, engine_calls: list[int], rank: int, size: int
 ) -> None:
-    opt = distributed_optax(optax.identity(), op="sum")
+    route = route_or_skip(route, size)
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
 
     @jax.jit
     def loop(x: Any) -> Any:
@@ -307,8 +347,41 @@ def test_callback_runs_once_per_iteration_inside_a_loop(
         return jax.lax.fori_loop(0, 7, body, x)
 
     out = loop(jnp.zeros(2))
-    assert allreduce_calls == [1] * 7
+    if size > 1 and route == "callback":
+        assert engine_calls == [2 + 2] * 7
     np.testing.assert_allclose(out, np.full(2, 7 * size * (size + 1) / 2))
+
+
+def test_results_of_earlier_steps_stay_as_they_were(rank: int, size: int) -> None:
+    """The callback hands JAX the same receive buffers every step: JAX must copy them out."""
+    opt = distributed_optax(optax.identity(), op="sum", route="callback")
+    update = jax.jit(opt.update)
+    state = opt.init({"w": jnp.zeros(4)})
+    first, _ = update({"w": jnp.full(4, rank + 1.0)}, state)
+    second, _ = update({"w": jnp.full(4, 10.0 * (rank + 1))}, state)
+    total = size * (size + 1) / 2
+    np.testing.assert_allclose(first["w"], np.full(4, total))
+    np.testing.assert_allclose(second["w"], np.full(4, 10 * total))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_ranks_running_different_compiled_steps_raise_instead_of_mixing(
+    route: str, rank: int, size: int
+) -> None:
+    """Both steps were agreed on when traced; run in a different order, the order check fails."""
+    route = route_or_skip(route, size)
+    if size == 1:
+        pytest.skip("needs peers")
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    update = jax.jit(opt.update)
+    a, b = {"a": jnp.ones(3)}, {"b": jnp.ones(3)}  # the same sizes: the engine cannot tell
+    update(a, opt.init(a))
+    update(b, opt.init(b))
+    grads = a if rank == 0 else b
+    with pytest.raises(jax.errors.JaxRuntimeError, match="different jitted DistributedOptimizer"):
+        jax.block_until_ready(update(grads, opt.init(grads)))
+    out, _ = update(a, opt.init(a))  # the world goes on
+    np.testing.assert_allclose(out["a"], np.full(3, size))
 
 
 def test_value_and_grad_train_step_with_apply_updates(rank: int, size: int) -> None:

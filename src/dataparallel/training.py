@@ -49,6 +49,7 @@ def DistributedOptimizer(
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressing = None,
+    route: Literal["auto", "callback", "mpi4jax"] = "auto",
 ) -> optax.GradientTransformationExtraArgs: ...
 
 
