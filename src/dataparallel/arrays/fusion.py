@@ -131,10 +131,19 @@ class Fusion:
     ) -> None:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective.
 
-        `deliver` (`Scatter` and `Exchange` only, and required there) is called with the array's
-        result: a new host array in `dtype`'s storage, the caller's to keep.
+        `deliver` (required for `Scatter` and `Exchange`; for a `Reduction`, only for a
+        read-only `work` that `reads_only` accepted) is called with the array's result: a new
+        host array in `dtype`'s storage, the caller's to keep.
         """
         nbytes = work.nbytes
+        if deliver is not None and isinstance(self.action, Reduction):  # `reads_only` said yes
+            assert isinstance(work, np.ndarray)  # host arrays only
+            if not self.keep_open:
+                self.flush()
+            if self.before_launch is not None:
+                self.before_launch([(dtype, work.size)])
+            self._reduce_into(work, dtype, deliver)
+            return
         if nbytes > self.bucket_bytes:
             if not self.keep_open:
                 self.flush()  # as Flashlight: the cache goes first, then the oversize array alone
@@ -160,6 +169,39 @@ class Fusion:
         if deliver is not None:
             self._deliver.setdefault(bucket_key, []).append(deliver)
         self._open_bytes += nbytes
+
+    def reads_only(self, work: np.ndarray, dtype: str) -> bool:
+        """Whether read-only `work` can be reduced as it is, its result handed to a `deliver`
+        given to `add`: an allreduce of an array that goes alone (over `bucket_bytes`,
+        contiguous) in a dtype the engine sums itself, uncompressed. The engine reads `work` and
+        writes a new array (`Backend.allreduce_into`): no copy at all, and the same call as
+        `work`'s copy would make. Other read-only arrays are copied by the caller first."""
+        action = self.action
+        return (
+            isinstance(action, Reduction)
+            and action.root is None
+            and work.nbytes > self.bucket_bytes
+            and work.flags.c_contiguous
+            and dtype != "bool"
+            and dtype in self.backend.native_dtypes
+            and self._compressed(dtype) is None
+        )
+
+    def _reduce_into(self, work: np.ndarray, dtype: str, deliver: Deliver) -> None:
+        """Allreduce read-only `work` into a new array, blocking; hand it to `deliver`."""
+        assert isinstance(self.action, Reduction)
+        while self._flights:  # the calls before it complete first, as `_launch` keeps them
+            self._land(self._flights.pop(0))
+        timeline = self.timeline
+        started = timeline.now() if timeline is not None else 0.0
+        result = np.empty(work.shape, work.dtype)
+        self.backend.allreduce_into(work.reshape(-1), result.reshape(-1), self.action.op)
+        self.calls += 1
+        if self.action.scale is not None and self.action.scale != 1:
+            scale_in_place(result, self.action.scale)
+        if timeline is not None:
+            timeline.complete("communicate", started, dtype=dtype, bytes=work.nbytes)
+        deliver(result)
 
     def flush(self) -> None:
         """Start communicating everything cached (after an error, none of it is kept)."""

@@ -229,6 +229,8 @@ def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[n
     buf = plan.buf
     if buf is None:  # one leaf: its own bucket
         work = works[0]
+        if not work.flags.writeable and work.flags.c_contiguous:  # a JAX array's memory
+            return [_into_new(backend, plan, work)]
         mine = work.flags.c_contiguous and work.flags.writeable
         target = work if mine else np.array(work, order="C")
     else:
@@ -254,6 +256,18 @@ def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[n
             work[...] = view
         return out
     return works
+
+
+def _into_new(backend: Backend, plan: CallPlan, work: np.ndarray) -> np.ndarray:
+    """The handshake, then one allreduce from read-only `work` into a new array; return it."""
+    records = plan.records
+    assert records is not None  # "packed" plans have their records
+    result = np.empty_like(work)
+    records.exchange(backend, plan.describe, plan.replay_of)
+    backend.allreduce_into(work.reshape(-1), result.reshape(-1), plan.action.op)
+    if plan.action.scale is not None:
+        scale_in_place(result, plan.action.scale)
+    return result
 
 
 def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
@@ -287,7 +301,7 @@ def _general(
         action = reduction(op, scale, size, rank)  # every call: it validates op and scale
         flat = tree.flatten(x, name)
         leaves = leaves_of(flat)
-        stage(leaves)
+        stage(leaves, read_only=True)
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
         args: dict[str, object] = {"op": op, "scale": scale_arg}
         if rank is not None:
