@@ -486,3 +486,98 @@ def test_synchronize_gives_every_rank_roots_parameters(rank: int, size: int) -> 
     assert synced["scale"].dtype == jnp.bfloat16 and float(synced["scale"]) == 0.0
     assert synced["steps"][0].dtype == jnp.int32 and int(synced["steps"][0]) == 0
     assert_same_on_every_rank(synced)
+
+
+# --- Both routes: parity, dtypes, compositions with optax's wrappers. -----------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_jitted_routes_match_one_process_on_the_whole_batch(route: str, rank: int, size: int) -> None:
+    route = route_or_skip(route, size)
+    params, x, y = problem()
+    reference, _ = train(optax.adam(1e-2), params, x, y, STEPS, jit=True)
+    opt = dp.DistributedOptimizer(optax.adam(1e-2), route=route)  # type: ignore[arg-type]
+    mine, _ = train(opt, params, share(x, rank, size), share(y, rank, size), STEPS, jit=True)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), mine, reference
+    )
+    assert_same_on_every_rank(mine)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_jitted_sum_of_bool_small_integers_and_large_leaves(
+    route: str, rank: int, size: int
+) -> None:
+    """Small leaves share a buffer per wire dtype (int8, uint8, bool as int32; float16 as
+    float32); a leaf over the bucket size is a buffer of its own."""
+    route = route_or_skip(route, size)
+    big = 1 + dp.get_backend().size * 0 + (1 << 17)  # 512 KiB of float32: over 256 KiB
+    grads = {
+        "flag": jnp.asarray([rank == 0, False]),
+        "i8": jnp.full(3, rank + 1, jnp.int8),
+        "u32": jnp.full(2, rank + 1, jnp.uint32),
+        "f16": jnp.full(2, rank + 1, jnp.float16),
+        "big": jnp.full(big, rank + 1.0, jnp.float32),
+    }
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    out, _ = jax.jit(opt.update)(grads, opt.init(grads))
+    total = size * (size + 1) // 2
+    for key, value in out.items():
+        assert value.dtype == grads[key].dtype and value.shape == grads[key].shape, key
+    np.testing.assert_array_equal(out["flag"], [True, False])
+    np.testing.assert_array_equal(out["i8"], np.full(3, total, np.int8))
+    np.testing.assert_array_equal(out["u32"], np.full(2, total, np.uint32))
+    np.testing.assert_array_equal(out["f16"], np.full(2, total, np.float16))
+    np.testing.assert_array_equal(out["big"], np.full(big, float(total), np.float32))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_multisteps_communicates_once_per_real_update(
+    route: str, engine_calls: list[int], rank: int, size: int
+) -> None:
+    """optax.MultiSteps around DistributedOptimizer: k micro-batches accumulated locally, one
+    reduction per real update, the same result as one process on the whole batch."""
+    route = route_or_skip(route, size)
+    params, x, y = problem()
+    k = 3
+    reference, _ = train(optax.MultiSteps(optax.adam(1e-2), k), params, x, y, 2 * k, jit=True)
+    opt = optax.MultiSteps(
+        dp.DistributedOptimizer(optax.adam(1e-2), route=route),  # type: ignore[arg-type]
+        k,
+    )
+    mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), 2 * k, jit=True)
+    if size > 1 and route == "callback":
+        assert len(engine_calls) == 2  # two real updates in 2k micro-steps
+    assert int(state.gradient_step) == 2
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), mine, reference
+    )
+    assert_same_on_every_rank(mine)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_chain_and_apply_if_finite_inside_the_distributed_optimizer(
+    jit: bool, rank: int, size: int
+) -> None:
+    """DistributedOptimizer(apply_if_finite(chain(clip, adam))): the averaged gradient is tested,
+    so every rank skips the same steps; one rank's NaN poisons the average, and every rank skips."""
+    params = {"w": jnp.ones(3)}
+    inner = optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), 5)
+    opt = dp.DistributedOptimizer(inner)
+    update = jax.jit(opt.update) if jit else opt.update
+    state = opt.init(params)
+    finite = {"w": jnp.full(3, float(rank + 1))}
+    updates, state = update(finite, state, params)
+    np.testing.assert_allclose(updates["w"], np.full(3, -0.1 / np.sqrt(3)), rtol=1e-6)
+    poisoned = {"w": jnp.full(3, np.nan if rank == size - 1 else 1.0)}
+    updates, state = update(poisoned, state, params)
+    np.testing.assert_array_equal(updates["w"], np.zeros(3))
+    assert int(state.inner_state.notfinite_count) == 1
+    assert_same_on_every_rank(state)
+
+
+def test_several_local_devices_fail_at_trace_time_with_the_fix(rank: int, size: int) -> None:
+    """A process with several JAX devices: gradients on one device work; gradients sharded over
+    several are refused when traced, with what to do instead."""
+    if jax.local_device_count() < 2:
+        pytest.skip("one JAX device per process (XLA_FLAGS=--xla_force_host_platform_device_count)")

@@ -194,11 +194,15 @@ class Fusion:
             self._land(self._flights.pop(0))
         timeline = self.timeline
         started = timeline.now() if timeline is not None else 0.0
-        result = np.empty(work.shape, work.dtype)
+        # Into a buffer lent by the pool, adopted by the leaf's framework without a copy: MPI is
+        # twice as slow into new memory (4 MiB on 2 ranks: 18-21 ms into a new array each call,
+        # 9-11 ms into the same one), and the lent buffer comes back once the result is gone.
+        result = self.pool.lend(work.dtype, work.shape)
         self.backend.allreduce_into(work.reshape(-1), result.reshape(-1), self.action.op)
         self.calls += 1
-        if self.action.scale is not None and self.action.scale != 1:
-            scale_in_place(result, self.action.scale)
+        scale = self.action.scale
+        if scale is not None and scale != 1:
+            scale_in_place(result, scale)
         if timeline is not None:
             timeline.complete("communicate", started, dtype=dtype, bytes=work.nbytes)
         deliver(result)

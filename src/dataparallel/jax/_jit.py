@@ -95,16 +95,26 @@ class Packed:
     ticket: float  # the order check's `t`, or 0 (no check)
 
     @classmethod
-    def of(cls, leaves: Sequence[jax.Array], summary: str, size: int) -> Packed | None:
-        """Return the layout of `leaves`, or None when some dtype has no wire dtype."""
+    def of(cls, leaves: Sequence[jax.Array], summary: str, size: int, alone: int) -> Packed | None:
+        """Return the layout of `leaves`, or None when some dtype has no wire dtype.
+
+        Leaves of more than `alone` bytes on the wire are buffers of their own (a reshape, no
+        copy); the others are packed, one buffer per wire dtype, placed first.
+        """
         dtypes = tuple(str(np.dtype(x.dtype)) for x in leaves)
         if any(d not in WIRE for d in dtypes):
             return None
-        order: dict[str, list[int]] = {}
-        for i, d in enumerate(dtypes):
-            order.setdefault(WIRE[d], []).append(i)
-        buckets = tuple(Bucket(wire, tuple(members)) for wire, members in order.items())
+        shared: dict[str, list[int]] = {}
+        own: list[Bucket] = []
+        for i, (d, x) in enumerate(zip(dtypes, leaves, strict=True)):
+            if x.size * np.dtype(WIRE[d]).itemsize > alone:
+                own.append(Bucket(WIRE[d], (i,)))
+            else:
+                shared.setdefault(WIRE[d], []).append(i)
         ticket = float(digest(summary) % TICKETS + 1) if size <= CHECK_LIMIT else 0.0
+        if ticket and not shared:  # the order check needs a buffer to ride in
+            shared["float32"] = []
+        buckets = tuple(Bucket(w, tuple(m)) for w, m in shared.items()) + tuple(own)
         return cls(buckets, dtypes, tuple(tuple(x.shape) for x in leaves), ticket)
 
     def pack(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
@@ -163,7 +173,9 @@ def allreduce_traced(
         return list(leaves)
     chosen = _route(route, private)
     summary = f"jit allreduce|{op}|{chosen}|{summary}"
-    packed = Packed.of(leaves, summary, size)
+    alone = world.current().settings.bucket_bytes
+    summary = f"{summary}|alone over {alone} B"
+    packed = Packed.of(leaves, summary, size, alone)
     if packed is None:
         return None
     handshake(engine, summary, describe)  # once per trace: raises on every rank if they differ
