@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
 import jax.extend.core  # noqa: E402
+from _jobs import run_job  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.backends.base import Backend  # noqa: E402
@@ -30,6 +32,7 @@ from dataparallel.jax._optax import callback_backend  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks: every share has the same size
 STEPS = 6
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def gather(tree: Any) -> list[Any]:
@@ -492,7 +495,9 @@ def test_synchronize_gives_every_rank_roots_parameters(rank: int, size: int) -> 
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_jitted_routes_match_one_process_on_the_whole_batch(route: str, rank: int, size: int) -> None:
+def test_jitted_routes_match_one_process_on_the_whole_batch(
+    route: str, rank: int, size: int
+) -> None:
     route = route_or_skip(route, size)
     params, x, y = problem()
     reference, _ = train(optax.adam(1e-2), params, x, y, STEPS, jit=True)
@@ -511,7 +516,7 @@ def test_jitted_sum_of_bool_small_integers_and_large_leaves(
     """Small leaves share a buffer per wire dtype (int8, uint8, bool as int32; float16 as
     float32); a leaf over the bucket size is a buffer of its own."""
     route = route_or_skip(route, size)
-    big = 1 + dp.get_backend().size * 0 + (1 << 17)  # 512 KiB of float32: over 256 KiB
+    big = 1 << 17  # 512 KiB of float32: over the default bucket size, 256 KiB
     grads = {
         "flag": jnp.asarray([rank == 0, False]),
         "i8": jnp.full(3, rank + 1, jnp.int8),
@@ -576,8 +581,20 @@ def test_chain_and_apply_if_finite_inside_the_distributed_optimizer(
     assert_same_on_every_rank(state)
 
 
-def test_several_local_devices_fail_at_trace_time_with_the_fix(rank: int, size: int) -> None:
-    """A process with several JAX devices: gradients on one device work; gradients sharded over
-    several are refused when traced, with what to do instead."""
-    if jax.local_device_count() < 2:
-        pytest.skip("one JAX device per process (XLA_FLAGS=--xla_force_host_platform_device_count)")
+@pytest.mark.spawns
+def test_a_process_with_several_devices_reduces_through_the_callback() -> None:
+    """Two JAX devices per rank: a gradient on one of them or sharded over both is reduced (the
+    callback route); route='mpi4jax' is refused when traced, with the fix."""
+    job = run_job(
+        [SCRIPTS / "jax_devices.py"],
+        ranks=2,
+        job_timeout=300,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: one device ok" in job.stdout, job.stdout + job.stderr
+        assert f"rank {rank}: sharded ok" in job.stdout, job.stdout + job.stderr
+        assert f"rank {rank}: refused: route='mpi4jax' cannot be used: " in job.stdout
+    assert "one rank per device" in job.stdout or "not installed" in job.stdout

@@ -197,6 +197,12 @@ def mpi4jax_reason(engine: Backend) -> str | None:
         return "a timeout is set: only the callback can keep a deadline"
     if jax.default_backend() != "cpu":
         return f"JAX runs on {jax.default_backend()}: the callback stages through the host"
+    if jax.local_device_count() > 1:
+        return (
+            f"this process has {jax.local_device_count()} JAX devices, and mpi4jax's ordered "
+            "effects run on one (the callback gathers a sharded gradient onto one device); "
+            "give each process one device (one rank per device) to use mpi4jax"
+        )
     return None
 
 
