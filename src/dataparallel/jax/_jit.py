@@ -2,10 +2,12 @@
 
 What a traced `DistributedOptimizer.update` stages out, for a sum or an average (`Packed`):
 
-1. Inside the traced function, the leaves are packed into one flat buffer per wire dtype
-   (`jnp.concatenate` of the ravelled leaves, which XLA fuses with the gradient's computation).
-   float16 and bfloat16 travel as float32, the small integers and bool as int32, uint32 as int64
-   (exact: a sum is computed at least as precisely as the engine's native half sum would).
+1. Inside the traced function, the leaves of at most `bucket_bytes` are packed into one flat
+   buffer per wire dtype (`jnp.concatenate` of the ravelled leaves, which XLA fuses with the
+   gradient's computation); a larger leaf is a buffer of its own (a reshape, no copy: packing
+   it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
+   small integers and bool as int32, uint32 as int64 (exact: a sum is computed at least as
+   precisely as the engine's native half sum would).
 2. One reduction per step: by default one ordered host callback (`io_callback(ordered=True)`)
    that reduces each buffer with one engine call, from JAX's memory (a zero-copy NumPy view of the
    callback's argument) into the array it returns (`Backend.allreduce_into`: MPI reads one and

@@ -9,12 +9,13 @@ wrapped transformation on the result.
 It works eagerly and inside `jax.jit`:
 
 - Eagerly, the gradient leaves go through `dataparallel.collectives.allreduce` directly.
-- Under `jax.jit` (or any trace), the leaves go through one *ordered* host callback per step
-  (`jax.experimental.io_callback(..., ordered=True)`), which hands them to the same allreduce as
-  NumPy arrays and returns the reduced ones. Ordered effects run exactly once per executed step and
-  in program order, so every rank makes the same collective calls in the same order; a
-  `jax.pure_callback` could be dropped, duplicated or reordered by the compiler, which would
-  deadlock the ranks.
+- Under `jax.jit` (or any trace), `_jit.py` stages the reduction out: the leaves packed into one
+  buffer per dtype by XLA (leaves over the bucket size alone), one engine call per buffer through
+  one *ordered* host callback per step (`io_callback(..., ordered=True)`: it runs exactly once
+  per executed step, in program order, so every rank makes the same calls in the same order) or
+  through mpi4jax's custom call where mpi4jax is installed, and the results unpacked in the
+  traced function. The ranks agree on the traced signature when tracing; per step only the call
+  order is checked (docs/jax.md).
 
 Sharp bits:
 
@@ -22,23 +23,22 @@ Sharp bits:
   not put the update in a branch that depends on rank-local data; in particular wrap as
   `DistributedOptimizer(optax.apply_if_finite(opt, n))`, not the other way round, so the
   finiteness test sees the averaged gradients and every rank takes the same branch.
-- Under `jit` the gradients travel device -> host -> device for the reduction; on CPU, JAX runs a
-  step that holds a host callback synchronously. On GPUs, `mpi4jax` (`mpi4jax.allreduce` inside
-  `jit`, not a dependency here) reduces without leaving the XLA program and can use CUDA-aware MPI.
+- Tracing the update is collective (the ranks agree on its signature then): every rank traces
+  it, as `jit` does on the first call of each signature everywhere alike.
 - With more than one rank, the callbacks run on a private duplicate of the backend
   (`Backend.duplicate`: a duplicated MPI communicator, a second Gloo group), created collectively
   when the first transformation is built (or, when the world is not initialized yet, when the
   first update is traced). A GPU step still in flight thus never interleaves its reduction with
   collectives that the main thread makes meanwhile (logging a loss with `dp.allreduce`, say).
-- Errors raised inside the callback (`CollectiveMismatchError` when ranks send different trees)
-  reach the caller wrapped in JAX's runtime error, with the dataparallel message inside; dtype
-  errors (`op="avg"` on integer gradients) are raised at trace time, as a plain `TypeError`.
-- The update cannot be `vmap`ped (ordered effects do not batch), and the callback expects the
-  data-parallel layout: one JAX device per process (within a process, use JAX's own sharding).
-- Staging the gradient tree through a host callback has a cost of its own, which grows with the
-  gradients' size. The alternative is to split the step: compute the gradients under `jit`,
-  reduce them eagerly with `dp.allreduce_gradients`, and apply a plain optax update under `jit`.
-  `benchmarks/optax_step.py` measures both ways side by side; pick by measuring on your model.
+- A mismatch found when tracing (ranks tracing different trees, shapes, dtypes) raises
+  `CollectiveMismatchError` out of the jitted call; one found by a step's order check (ranks
+  running different compiled steps) reaches the caller wrapped in JAX's runtime error, with the
+  dataparallel message inside; dtype errors (`op="avg"` on integer gradients) are raised at
+  trace time, as a plain `TypeError`.
+- The update cannot be `vmap`ped (ordered effects do not batch). A process with several JAX
+  devices works through the callback (a sharded gradient is gathered onto one device for it);
+  the data-parallel layout is one device per process.
+- `benchmarks/jax_step.py` measures the jitted step against mpi4jax and raw MPI.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()  # a world of one here
