@@ -6,7 +6,7 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
    buffer per wire dtype (`jnp.concatenate` of the ravelled leaves, which XLA fuses with the
    gradient's computation); a larger leaf is a buffer of its own (a reshape, no copy: packing
    it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
-   small integers and bool as int32, uint32 as int64 (exact: a sum is computed at least as
+   small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
 2. One reduction per step: by default one ordered host callback (`io_callback(ordered=True)`)
    that reduces each buffer with one engine call, from JAX's memory (a zero-copy NumPy view of the
@@ -27,7 +27,7 @@ with the same `t` (one chance in 251) are not told apart; steps whose buffers di
 fail in the engine (MPI's truncation error) before the check can run; worlds over 256 ranks
 skip the check (`n * t * t` would not be exact in float32).
 
-Everything else (min, max, prod, compression, complex and uint64 leaves) goes through
+Everything else (min, max, prod, compression, uint32, uint64 and complex leaves) goes through
 `collectives.allreduce` inside one ordered callback per step (`general`), as every call did
 before, with its per-call handshake.
 """
@@ -71,7 +71,6 @@ WIRE = {
     "uint8": "int32",
     "uint16": "int32",
     "bool": "int32",
-    "uint32": "int64",
 }
 Compressing = type[Compressor] | Compressor | None  # `compression=`: dp.Compression.fp16, ...
 Details = Callable[[], dict[str, object]]  # the call field by field, to explain a mismatch
