@@ -110,6 +110,7 @@ class Fusion:
         self.timeline = timeline
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
+        self._read_only: dict[int, Deliver] = {}  # id of a read-only work packed -> its deliver
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
         # array), so that a caller can check that every rank is about to make the same calls.
@@ -136,8 +137,13 @@ class Fusion:
         host array in `dtype`'s storage, the caller's to keep.
         """
         nbytes = work.nbytes
-        if deliver is not None and isinstance(self.action, Reduction):  # `reads_only` said yes
+        if deliver is not None and isinstance(self.action, Reduction):  # a read-only `work`
             assert isinstance(work, np.ndarray)  # host arrays only
+            if not self.reads_only(work, dtype):  # packed from as it is; its result delivered
+                self._read_only[id(work)] = deliver
+                deliver = None
+        if deliver is not None and isinstance(self.action, Reduction):  # `reads_only` said yes
+            assert isinstance(work, np.ndarray)
             if not self.keep_open:
                 self.flush()
             if self.before_launch is not None:
@@ -292,7 +298,7 @@ class Fusion:
             return self._pack_segments(works, dtype, delivers)
         if type(given[0]) is DeviceWork:
             return self._pack_device(cast("list[DeviceWork]", given), dtype)
-        if len(works) == 1 and works[0].flags.c_contiguous:
+        if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
             flight = Flight(None, dtype, buf, buf)
         else:
@@ -431,6 +437,14 @@ class Fusion:
                     buf[...] = wire
             for work, offset in flight.slots:
                 values = buf[offset : offset + work.size].reshape(work.shape)
+                if not work.flags.writeable:  # packed from a read-only view: a new array
+                    result = np.empty(work.shape, work.dtype)
+                    if fold:
+                        scale_in_place(values, scale, out=result)  # type: ignore[arg-type]
+                    else:
+                        np.copyto(result, values)
+                    self._read_only.pop(id(work))(result)
+                    continue
                 if fold:
                     scale_in_place(values, scale, out=work)  # type: ignore[arg-type]
                 else:

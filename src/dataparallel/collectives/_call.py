@@ -374,8 +374,8 @@ def fuse(
             leaf.work, leaf.is_view = leaf.family.work(leaf.value)
         work = leaf.work
         if type(work) is np.ndarray and not work.flags.writeable:  # `stage(read_only=True)`
-            if fusion.reads_only(work, leaf.dtype):
-                fusion.add(work, leaf.dtype, HOST_KEY, deliver=_into(leaf))
+            if isinstance(action, Reduction) and action.root is None and compression is None:
+                fusion.add(work, leaf.dtype, HOST_KEY, deliver=_into(leaf))  # read, not written
                 continue
             leaf.work = work.copy()
         # Host buffers are packed alike whatever their family, so ranks may mix families.
