@@ -48,6 +48,7 @@ from dataparallel import collectives, world
 from dataparallel.arrays.actions import parse_op
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.backends.mpi import MPIBackend
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.protocol import digest, handshake
 from dataparallel.types import Op
@@ -192,9 +193,9 @@ def mpi4jax_reason(engine: Backend) -> str | None:
     """Return why the mpi4jax route cannot reduce on `engine`, or None when it can."""
     if importlib.util.find_spec("mpi4jax") is None:
         return "mpi4jax is not installed"
-    if engine.name != "mpi":
+    if not isinstance(engine, MPIBackend):
         return f"the engine is {engine.name}, not MPI"
-    if getattr(engine, "timeout", None) is not None:
+    if engine.timeout is not None:
         return "a timeout is set: only the callback can keep a deadline"
     if jax.default_backend() != "cpu":
         return f"JAX runs on {jax.default_backend()}: the callback stages through the host"
@@ -243,7 +244,8 @@ def _through_mpi4jax(
     import mpi4jax
     from mpi4py import MPI
 
-    comm = private.comm  # type: ignore[attr-defined]  # `mpi4jax_reason`: an MPI engine
+    assert isinstance(private, MPIBackend)  # `mpi4jax_reason` said so
+    comm = private.comm
     reduced = [mpi4jax.allreduce(f, op=MPI.SUM, comm=comm) for f in flats]
     reduced = [r[0] if isinstance(r, tuple) else r for r in reduced]  # older mpi4jax: (x, token)
     if packed.ticket:
