@@ -367,6 +367,16 @@ def test_results_of_earlier_steps_stay_as_they_were(rank: int, size: int) -> Non
     np.testing.assert_allclose(second["w"], np.full(4, 10 * total))
 
 
+def test_ranks_on_different_routes_are_told_when_tracing(rank: int, size: int) -> None:
+    route_or_skip("mpi4jax", size)
+    route = "callback" if rank == 0 else "mpi4jax"
+    opt = distributed_optax(optax.identity(), route=route)  # type: ignore[arg-type]
+    grads = {"w": jnp.ones(3)}
+    message = r"route: callback on rank 0; mpi4jax on rank"
+    with pytest.raises(CollectiveMismatchError, match=message):
+        jax.jit(opt.update)(grads, opt.init(grads))
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_ranks_running_different_compiled_steps_raise_instead_of_mixing(
     route: str, rank: int, size: int

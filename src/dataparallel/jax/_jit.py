@@ -180,12 +180,16 @@ def allreduce_traced(
     packed = Packed.of(leaves, summary, size, alone)
     if packed is None:
         return None
-    handshake(engine, summary, describe)  # once per trace: raises on every rank if they differ
+
+    def details() -> dict[str, object]:
+        return {**describe(), "route": chosen, "packed": f"leaves of at most {alone} B"}
+
+    handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
-        reduced = _through_mpi4jax(flats, packed, private, describe)
+        reduced = _through_mpi4jax(flats, packed, private, details)
     else:
-        reduced = _through_callback(flats, packed, private, describe)
+        reduced = _through_callback(flats, packed, private, details)
     return packed.unpack(reduced, size if average else 1)
 
 
