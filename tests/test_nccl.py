@@ -26,6 +26,7 @@ from _families import (
 from _jobs import run_job
 
 import dataparallel as dp
+from dataparallel.backends import registry
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.nccl import (
     INSTALL_HINT,
@@ -111,6 +112,8 @@ def test_every_supported_dtype_is_reduced_in_device_memory() -> None:
 
 def test_the_fallback_is_picked_as_auto_picks_an_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)  # as if MPI were not started
+    # ... and torch.distributed neither (under Gloo, or alongside MPI, this pass's world has it)
+    monkeypatch.setattr(registry, "_torch_distributed_initialized", lambda: False)
     assert choose("auto", None, Settings()) == "single"
     assert choose("auto", "mpi", Settings()) == "mpi"
     assert choose("auto", None, Settings(mpi_launched=True)) == "mpi"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,16 +20,19 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
+import jax.extend.core  # noqa: E402
+from _jobs import run_job  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
-from dataparallel import collectives  # noqa: E402
 from dataparallel.backends.base import Backend  # noqa: E402
 from dataparallel.errors import CollectiveMismatchError  # noqa: E402
 from dataparallel.jax import DistributedState, distributed_optax  # noqa: E402
+from dataparallel.jax._jit import mpi4jax_reason  # noqa: E402
 from dataparallel.jax._optax import callback_backend  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks: every share has the same size
 STEPS = 6
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def gather(tree: Any) -> list[Any]:
@@ -239,38 +243,67 @@ def test_mismatched_gradients_fail_on_every_rank_and_the_world_survives(
     grads = {"w": jnp.ones(3 + rank)}
     with pytest.raises(CollectiveMismatchError, match=r"float32\[3\] on rank 0"):
         opt.update(grads, opt.init(grads))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
+    # Under jit the ranks agree on the traced signature once, when tracing: a plain error.
+    with pytest.raises(CollectiveMismatchError, match=r"(?s)jit allreduce.*float32\[3\] on rank 0"):
         jax.jit(opt.update)(grads, opt.init(grads))
     same = {"w": jnp.ones(3)}
     out, _ = jax.jit(opt.update)(same, opt.init(same))
     np.testing.assert_allclose(out["w"], np.ones(3))
 
 
-# --- Under jit: one callback per step, ranks in step. ---------------------------------------------
+# --- Under jit: one engine call per step, ranks in step. ------------------------------------------
 
 
 @pytest.fixture
-def allreduce_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the calls the transformation makes to `collectives.allreduce` (one per step)."""
+def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the engine calls the callback route makes (one per dtype buffer and step): their
+    sizes, in items. A world of one reduces nothing, so nothing is counted there."""
     calls: list[int] = []
-    real = collectives.allreduce
+    private = callback_backend(None)
+    real = private.allreduce_into
 
-    def counting(x: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(x))
-        return real(x, *args, **kwargs)
+    def counting(send: np.ndarray, recv: np.ndarray, op: Any) -> None:
+        calls.append(send.size)
+        real(send, recv, op)
 
-    monkeypatch.setattr(collectives, "allreduce", counting)
+    monkeypatch.setattr(private, "allreduce_into", counting)
     return calls
 
 
-def test_one_fused_callback_per_jitted_step_and_ranks_stay_in_step(
-    allreduce_calls: list[int], rank: int, size: int
+ROUTES = ["callback", "mpi4jax"]
+
+
+def route_or_skip(route: str, size: int) -> str:
+    if route == "mpi4jax":
+        reason = mpi4jax_reason(callback_backend(None))
+        if size == 1 or reason is not None:
+            pytest.skip(f"the mpi4jax route: {reason or 'a world of one reduces nothing'}")
+    return route
+
+
+def primitives(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """The names of the primitives `fn` stages out, nested jaxprs included."""
+    names: list[str] = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            names.append(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_one_engine_call_per_jitted_step_and_ranks_stay_in_step(
+    route: str, engine_calls: list[int], rank: int, size: int
 ) -> None:
+    route = route_or_skip(route, size)
     lr, steps = 0.01, 100
-    opt = dp.DistributedOptimizer(optax.sgd(lr))
+    opt = dp.DistributedOptimizer(optax.sgd(lr), route=route)  # type: ignore[arg-type]
     key = jax.random.key(rank)
 
-    @jax.jit
     def step(params: Any, state: Any, key: Any) -> tuple[Any, Any, Any]:
         # Gradient (rank + 1) * params: the average over ranks is (size + 1) / 2 * params.
         grads = jax.tree.map(lambda p: (rank + 1) * p, params)
@@ -280,21 +313,31 @@ def test_one_fused_callback_per_jitted_step_and_ranks_stay_in_step(
 
     params = {"a": jnp.ones((3, 2)), "b": [jnp.full(5, 2.0)]}
     state = opt.init(params)
+    staged = primitives(step, params, state, key)
+    jitted = jax.jit(step)
     for _ in range(steps):
         key, sub = jax.random.split(key)
-        params, state, _ = step(params, state, sub)
+        params, state, _ = jitted(params, state, sub)
 
-    assert allreduce_calls == [2] * steps  # one call per step, both leaves fused into it
+    if size > 1:  # both leaves in one buffer, with the two items of the order check
+        if route == "callback":
+            assert engine_calls == [6 + 5 + 2] * steps
+            assert staged.count("io_callback") == 1
+        else:
+            assert engine_calls == [] and staged.count("allreduce_mpi") == 1
+            assert "io_callback" in staged  # only inside the order check's failing branch
     factor = (1 - lr * (size + 1) / 2) ** steps
     np.testing.assert_allclose(params["a"], np.full((3, 2), factor), rtol=1e-4)
     np.testing.assert_allclose(params["b"][0], np.full(5, 2 * factor), rtol=1e-4)
     assert_same_on_every_rank(params)
 
 
-def test_callback_runs_once_per_iteration_inside_a_loop(
-    allreduce_calls: list[int], rank: int, size: int
+@pytest.mark.parametrize("route", ROUTES)
+def test_engine_call_runs_once_per_iteration_inside_a_loop(
+    route: str, engine_calls: list[int], rank: int, size: int
 ) -> None:
-    opt = distributed_optax(optax.identity(), op="sum")
+    route = route_or_skip(route, size)
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
 
     @jax.jit
     def loop(x: Any) -> Any:
@@ -307,8 +350,51 @@ def test_callback_runs_once_per_iteration_inside_a_loop(
         return jax.lax.fori_loop(0, 7, body, x)
 
     out = loop(jnp.zeros(2))
-    assert allreduce_calls == [1] * 7
+    if size > 1 and route == "callback":
+        assert engine_calls == [2 + 2] * 7
     np.testing.assert_allclose(out, np.full(2, 7 * size * (size + 1) / 2))
+
+
+def test_results_of_earlier_steps_stay_as_they_were(rank: int, size: int) -> None:
+    """The callback hands JAX the same receive buffers every step: JAX must copy them out."""
+    opt = distributed_optax(optax.identity(), op="sum", route="callback")
+    update = jax.jit(opt.update)
+    state = opt.init({"w": jnp.zeros(4)})
+    first, _ = update({"w": jnp.full(4, rank + 1.0)}, state)
+    second, _ = update({"w": jnp.full(4, 10.0 * (rank + 1))}, state)
+    total = size * (size + 1) / 2
+    np.testing.assert_allclose(first["w"], np.full(4, total))
+    np.testing.assert_allclose(second["w"], np.full(4, 10 * total))
+
+
+def test_ranks_on_different_routes_are_told_when_tracing(rank: int, size: int) -> None:
+    route_or_skip("mpi4jax", size)
+    route = "callback" if rank == 0 else "mpi4jax"
+    opt = distributed_optax(optax.identity(), route=route)  # type: ignore[arg-type]
+    grads = {"w": jnp.ones(3)}
+    message = r"route: callback on rank 0; mpi4jax on rank"
+    with pytest.raises(CollectiveMismatchError, match=message):
+        jax.jit(opt.update)(grads, opt.init(grads))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_ranks_running_different_compiled_steps_raise_instead_of_mixing(
+    route: str, rank: int, size: int
+) -> None:
+    """Both steps were agreed on when traced; run in a different order, the order check fails."""
+    route = route_or_skip(route, size)
+    if size == 1:
+        pytest.skip("needs peers")
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    update = jax.jit(opt.update)
+    a, b = {"a": jnp.ones(3)}, {"b": jnp.ones(3)}  # the same sizes: the engine cannot tell
+    update(a, opt.init(a))
+    update(b, opt.init(b))
+    grads = a if rank == 0 else b
+    with pytest.raises(jax.errors.JaxRuntimeError, match="different jitted DistributedOptimizer"):
+        jax.block_until_ready(update(grads, opt.init(grads)))
+    out, _ = update(a, opt.init(a))  # the world goes on
+    np.testing.assert_allclose(out["a"], np.full(3, size))
 
 
 def test_value_and_grad_train_step_with_apply_updates(rank: int, size: int) -> None:
@@ -413,3 +499,127 @@ def test_synchronize_gives_every_rank_roots_parameters(rank: int, size: int) -> 
     assert synced["scale"].dtype == jnp.bfloat16 and float(synced["scale"]) == 0.0
     assert synced["steps"][0].dtype == jnp.int32 and int(synced["steps"][0]) == 0
     assert_same_on_every_rank(synced)
+
+
+# --- Both routes: parity, dtypes, compositions with optax's wrappers. -----------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_jitted_routes_match_one_process_on_the_whole_batch(
+    route: str, rank: int, size: int
+) -> None:
+    route = route_or_skip(route, size)
+    params, x, y = problem()
+    reference, _ = train(optax.adam(1e-2), params, x, y, STEPS, jit=True)
+    opt = dp.DistributedOptimizer(optax.adam(1e-2), route=route)  # type: ignore[arg-type]
+    mine, _ = train(opt, params, share(x, rank, size), share(y, rank, size), STEPS, jit=True)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), mine, reference
+    )
+    assert_same_on_every_rank(mine)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_jitted_sum_of_bool_small_integers_and_large_leaves(
+    route: str, rank: int, size: int
+) -> None:
+    """Small leaves share a buffer per wire dtype (int8, uint8, bool as int32; float16 as
+    float32); a leaf over the bucket size is a buffer of its own."""
+    route = route_or_skip(route, size)
+    big = 1 << 17  # 512 KiB of float32: over the default bucket size, 256 KiB
+    grads = {
+        "flag": jnp.asarray([rank == 0, False]),
+        "i8": jnp.full(3, rank + 1, jnp.int8),
+        "f16": jnp.full(2, rank + 1, jnp.float16),
+        "big": jnp.full(big, rank + 1.0, jnp.float32),
+    }
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    out, _ = jax.jit(opt.update)(grads, opt.init(grads))
+    total = size * (size + 1) // 2
+    for key, value in out.items():
+        assert value.dtype == grads[key].dtype and value.shape == grads[key].shape, key
+    np.testing.assert_array_equal(out["flag"], [True, False])
+    np.testing.assert_array_equal(out["i8"], np.full(3, total, np.int8))
+    np.testing.assert_array_equal(out["f16"], np.full(2, total, np.float16))
+    np.testing.assert_array_equal(out["big"], np.full(big, float(total), np.float32))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_multi_steps_communicates_once_per_real_update(
+    route: str, engine_calls: list[int], rank: int, size: int
+) -> None:
+    """dp.jax.multi_steps: k micro-batches accumulated locally, one reduction per real update,
+    the same result as one process on the whole batch with optax.MultiSteps."""
+    route = route_or_skip(route, size)
+    params, x, y = problem()
+    k = 3
+    reference, _ = train(optax.MultiSteps(optax.adam(1e-2), k), params, x, y, 2 * k, jit=True)
+    opt = dp.jax.multi_steps(optax.adam(1e-2), k, route=route)
+    mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), 2 * k, jit=True)
+    if size > 1 and route == "callback":
+        assert len(engine_calls) == 2  # two real updates in 2k micro-steps
+    assert int(state.gradient_step) == 2
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), mine, reference
+    )
+    assert_same_on_every_rank(mine)
+
+
+def test_multisteps_around_the_distributed_optimizer_is_right_but_reduces_every_micro_step(
+    engine_calls: list[int], rank: int, size: int
+) -> None:
+    """optax's MultiSteps calls the inner update on every micro-step (keeping its result on the
+    k-th only), so the plain composition reduces k times per real update: dp.jax.multi_steps
+    is the one that communicates once (above)."""
+    params, x, y = problem()
+    k = 3
+    reference, _ = train(optax.MultiSteps(optax.adam(1e-2), k), params, x, y, 2 * k, jit=True)
+    opt = optax.MultiSteps(dp.DistributedOptimizer(optax.adam(1e-2), route="callback"), k)
+    mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), 2 * k, jit=True)
+    if size > 1:
+        assert len(engine_calls) == 2 * k
+    assert int(state.gradient_step) == 2
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), mine, reference
+    )
+    assert_same_on_every_rank(mine)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_chain_and_apply_if_finite_inside_the_distributed_optimizer(
+    jit: bool, rank: int, size: int
+) -> None:
+    """DistributedOptimizer(apply_if_finite(chain(clip, adam))): the averaged gradient is tested,
+    so every rank skips the same steps; one rank's NaN poisons the average, and every rank skips."""
+    params = {"w": jnp.ones(3)}
+    inner = optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), 5)
+    opt = dp.DistributedOptimizer(inner)
+    update = jax.jit(opt.update) if jit else opt.update
+    state = opt.init(params)
+    finite = {"w": jnp.full(3, float(rank + 1))}
+    updates, state = update(finite, state, params)
+    np.testing.assert_allclose(updates["w"], np.full(3, -0.1 / np.sqrt(3)), rtol=1e-6)
+    poisoned = {"w": jnp.full(3, np.nan if rank == size - 1 else 1.0)}
+    updates, state = update(poisoned, state, params)
+    np.testing.assert_array_equal(updates["w"], np.zeros(3))
+    assert int(state.inner_state.notfinite_count) == 1
+    assert_same_on_every_rank(state)
+
+
+@pytest.mark.spawns
+def test_a_process_with_several_devices_reduces_through_the_callback() -> None:
+    """Two JAX devices per rank: a gradient on one of them or sharded over both is reduced (the
+    callback route); route='mpi4jax' is refused when traced, with the fix."""
+    job = run_job(
+        [SCRIPTS / "jax_devices.py"],
+        ranks=2,
+        job_timeout=300,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: one device ok" in job.stdout, job.stdout + job.stderr
+        assert f"rank {rank}: sharded ok" in job.stdout, job.stdout + job.stderr
+        assert f"rank {rank}: refused: route='mpi4jax' cannot be used: " in job.stdout
+    assert "one rank per device" in job.stdout or "not installed" in job.stdout

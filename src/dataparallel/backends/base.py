@@ -203,6 +203,16 @@ class Backend(ABC):
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         """Reduce `buf` across all ranks, in place on every rank."""
 
+    def allreduce_into(self, send: HostBuffer, recv: HostBuffer, op: ReduceOp) -> None:
+        """Reduce `send` across all ranks into `recv` (same size and dtype); `send` is only read.
+
+        For a send buffer that is not this library's to write (a JAX array's memory). The
+        default copies `send` into `recv` and reduces there; engines that take the two buffers
+        apart (MPI) make no copy.
+        """
+        recv[...] = send
+        self.allreduce(recv, op)
+
     @abstractmethod
     def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         """Start `allreduce` without blocking; `buf` must not be touched until it completes."""

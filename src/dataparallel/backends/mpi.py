@@ -222,6 +222,18 @@ class MPIBackend(Backend):
             lambda: comm.Iallreduce(in_place, buf, mpi_op),
         )
 
+    def allreduce_into(self, send: HostBuffer, recv: HostBuffer, op: ReduceOp) -> None:
+        self._board.tick()
+        mpi_op, comm = self._ops[op], self.comm
+        if self.timeout is None:
+            comm.Allreduce(send, recv, mpi_op)
+            return
+        self._complete(
+            "allreduce",
+            lambda: comm.Allreduce(send, recv, mpi_op),
+            lambda: comm.Iallreduce(send, recv, mpi_op),
+        )
+
     def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         self._board.tick()
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])

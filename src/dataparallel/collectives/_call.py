@@ -57,6 +57,7 @@ __all__ = [
     "results",
     "run",
     "stage",
+    "writable",
 ]
 
 
@@ -135,10 +136,27 @@ def leaves_of(flat: tree.Flat) -> list[Leaf]:
     return [leaf_of(flat, i) for i in range(len(flat.leaves))]
 
 
-def stage(leaves: list[Leaf]) -> None:
-    """Give every leaf its `work` array (a view, a host copy, or a device bucket's member)."""
+def stage(leaves: list[Leaf], read_only: bool = False) -> None:
+    """Give every leaf its `work` array (a view, a host copy, or a device bucket's member).
+
+    With `read_only` (reductions), immutable leaves that allow it (JAX's CPU arrays) get a
+    read-only view of their memory (`Family.read_view`): what reads them packs from it or sends
+    it as it is (`Fusion.reads_only`), and what would write it makes a copy first (`writable`).
+    """
     for leaf in leaves:
-        leaf.work, leaf.is_view = leaf.family.work(leaf.value)
+        view = leaf.family.read_view(leaf.value) if read_only else None
+        if view is not None:
+            leaf.work, leaf.is_view = view, False
+        else:
+            leaf.work, leaf.is_view = leaf.family.work(leaf.value)
+
+
+def writable(leaves: list[Leaf]) -> None:
+    """Replace the leaves' read-only views (`stage(read_only=True)`) by copies, to write into."""
+    for leaf in leaves:
+        work = leaf.work
+        if type(work) is np.ndarray and not work.flags.writeable:
+            leaf.work = work.copy()
 
 
 _T = TypeVar("_T")
@@ -319,6 +337,7 @@ def run(
         receives = action.root is None or action.root == rank
     fusion = None
     if rows is not None:
+        writable(leaves)
         land_inline(rows, host_works(leaves), [leaf.dtype for leaf in leaves], action, rank)
     else:
         fusion = fuse(ctx, leaves, action, async_op, compression)
@@ -353,11 +372,26 @@ def fuse(
     for leaf in leaves:
         if leaf.work is None:
             leaf.work, leaf.is_view = leaf.family.work(leaf.value)
+        work = leaf.work
+        if type(work) is np.ndarray and not work.flags.writeable:  # `stage(read_only=True)`
+            if isinstance(action, Reduction) and action.root is None and compression is None:
+                fusion.add(work, leaf.dtype, HOST_KEY, deliver=_into(leaf))  # read, not written
+                continue
+            leaf.work = work.copy()
         # Host buffers are packed alike whatever their family, so ranks may mix families.
         key = HOST_KEY if type(leaf.work) is np.ndarray else (leaf.family.name, leaf.device)
         fusion.add(leaf.work, leaf.dtype, key)
     fusion.flush()
     return fusion
+
+
+def _into(leaf: Leaf) -> Callable[[np.ndarray], None]:
+    """Where a read-only leaf's result goes: its new work, written back as a new array."""
+
+    def land(result: np.ndarray) -> None:
+        leaf.work = result
+
+    return land
 
 
 _DONE = DoneHandle()

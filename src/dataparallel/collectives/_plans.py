@@ -41,6 +41,7 @@ from dataparallel.arrays.dtypes import prescale, scale_in_place
 from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask, set_nan
+from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
 from dataparallel.collectives import _replays
@@ -207,7 +208,7 @@ def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
         records.exchange(backend, plan.describe, plan.replay_of)
         allreduce_scaled(backend, works[0].reshape(-1), plan.action)
     else:
-        works = _packed(backend, plan, works)
+        works = _packed(backend, plan, works, ctx.buffers)
     if form.numbers:
         values = works[0].tolist()
         if form.kind is float:
@@ -225,12 +226,16 @@ def _rebuilt(form: _Form, leaves: Sequence[object]) -> object:
     return form.kind(leaves)
 
 
-def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[np.ndarray]:
+def _packed(
+    backend: Backend, plan: CallPlan, works: list[np.ndarray], pool: BufferPool
+) -> list[np.ndarray]:
     """The handshake, then one allreduce of the plan's bucket; return the leaves' results (read-only
     arrays come back new)."""
     buf = plan.buf
     if buf is None:  # one leaf: its own bucket
         work = works[0]
+        if not work.flags.writeable and work.flags.c_contiguous:  # a JAX array's memory
+            return [_into_new(backend, plan, work, pool)]
         mine = work.flags.c_contiguous and work.flags.writeable
         target = work if mine else np.array(work, order="C")
     else:
@@ -256,6 +261,19 @@ def _packed(backend: Backend, plan: CallPlan, works: list[np.ndarray]) -> list[n
             work[...] = view
         return out
     return works
+
+
+def _into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPool) -> np.ndarray:
+    """The handshake, then one allreduce from read-only `work` into a buffer lent by `pool`
+    (`Fusion._reduce_into`); return it."""
+    records = plan.records
+    assert records is not None  # "packed" plans have their records
+    result = pool.lend(work.dtype, work.shape)
+    records.exchange(backend, plan.describe, plan.replay_of)
+    backend.allreduce_into(work.reshape(-1), result.reshape(-1), plan.action.op)
+    if plan.action.scale is not None:
+        scale_in_place(result, plan.action.scale)
+    return result
 
 
 def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
@@ -289,7 +307,7 @@ def _general(
         action = reduction(op, scale, size, rank)  # every call: it validates op and scale
         flat = tree.flatten(x, name)
         leaves = leaves_of(flat)
-        stage(leaves)
+        stage(leaves, read_only=True)
         scale_arg = None if scale is None else float(scale)  # 2 and 2.0 are the same call
         args: dict[str, object] = {"op": op, "scale": scale_arg}
         if rank is not None:
@@ -427,7 +445,7 @@ def _execute(
     backend = ctx.backend
     plain = ctx.timeline is None and not ctx.settings.debug
     if plan.kind == "packed" and plain:
-        works = _packed(backend, plan, host_works(leaves))
+        works = _packed(backend, plan, host_works(leaves), ctx.buffers)
         for leaf, work in zip(leaves, works, strict=True):
             if work is not leaf.work:
                 leaf.work, leaf.is_view = work, False

@@ -6,6 +6,7 @@ Loaded when `dp.DistributedOptimizer` is given an optax transformation, so that
 
 from __future__ import annotations
 
+from dataparallel.jax._accumulate import multi_steps
 from dataparallel.jax._optax import DistributedState, distributed_optax
 from dataparallel.jax._sharded import ShardedState, consolidate_state, shard_state, sharded_optax
 
@@ -14,6 +15,7 @@ __all__ = [
     "ShardedState",
     "consolidate_state",
     "distributed_optax",
+    "multi_steps",
     "shard_state",
     "sharded_optax",
 ]

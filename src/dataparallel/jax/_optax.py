@@ -9,12 +9,13 @@ wrapped transformation on the result.
 It works eagerly and inside `jax.jit`:
 
 - Eagerly, the gradient leaves go through `dataparallel.collectives.allreduce` directly.
-- Under `jax.jit` (or any trace), the leaves go through one *ordered* host callback per step
-  (`jax.experimental.io_callback(..., ordered=True)`), which hands them to the same allreduce as
-  NumPy arrays and returns the reduced ones. Ordered effects run exactly once per executed step and
-  in program order, so every rank makes the same collective calls in the same order; a
-  `jax.pure_callback` could be dropped, duplicated or reordered by the compiler, which would
-  deadlock the ranks.
+- Under `jax.jit` (or any trace), `_jit.py` stages the reduction out: the leaves packed into one
+  buffer per dtype by XLA (leaves over the bucket size alone), one engine call per buffer through
+  one *ordered* host callback per step (`io_callback(..., ordered=True)`: it runs exactly once
+  per executed step, in program order, so every rank makes the same calls in the same order) or
+  through mpi4jax's custom call where mpi4jax is installed, and the results unpacked in the
+  traced function. The ranks agree on the traced signature when tracing; per step only the call
+  order is checked (docs/jax.md).
 
 Sharp bits:
 
@@ -22,23 +23,22 @@ Sharp bits:
   not put the update in a branch that depends on rank-local data; in particular wrap as
   `DistributedOptimizer(optax.apply_if_finite(opt, n))`, not the other way round, so the
   finiteness test sees the averaged gradients and every rank takes the same branch.
-- Under `jit` the gradients travel device -> host -> device for the reduction; on CPU, JAX runs a
-  step that holds a host callback synchronously. On GPUs, `mpi4jax` (`mpi4jax.allreduce` inside
-  `jit`, not a dependency here) reduces without leaving the XLA program and can use CUDA-aware MPI.
+- Tracing the update is collective (the ranks agree on its signature then): every rank traces
+  it, as `jit` does on the first call of each signature everywhere alike.
 - With more than one rank, the callbacks run on a private duplicate of the backend
   (`Backend.duplicate`: a duplicated MPI communicator, a second Gloo group), created collectively
   when the first transformation is built (or, when the world is not initialized yet, when the
   first update is traced). A GPU step still in flight thus never interleaves its reduction with
   collectives that the main thread makes meanwhile (logging a loss with `dp.allreduce`, say).
-- Errors raised inside the callback (`CollectiveMismatchError` when ranks send different trees)
-  reach the caller wrapped in JAX's runtime error, with the dataparallel message inside; dtype
-  errors (`op="avg"` on integer gradients) are raised at trace time, as a plain `TypeError`.
-- The update cannot be `vmap`ped (ordered effects do not batch), and the callback expects the
-  data-parallel layout: one JAX device per process (within a process, use JAX's own sharding).
-- Staging the gradient tree through a host callback has a cost of its own, which grows with the
-  gradients' size. The alternative is to split the step: compute the gradients under `jit`,
-  reduce them eagerly with `dp.allreduce_gradients`, and apply a plain optax update under `jit`.
-  `benchmarks/optax_step.py` measures both ways side by side; pick by measuring on your model.
+- A mismatch found when tracing (ranks tracing different trees, shapes, dtypes) raises
+  `CollectiveMismatchError` out of the jitted call; one found by a step's order check (ranks
+  running different compiled steps) reaches the caller wrapped in JAX's runtime error, with the
+  dataparallel message inside; dtype errors (`op="avg"` on integer gradients) are raised at
+  trace time, as a plain `TypeError`.
+- The update cannot be `vmap`ped (ordered effects do not batch). A process with several JAX
+  devices works through the callback (a sharded gradient is gathered onto one device for it);
+  the data-parallel layout is one device per process.
+- `benchmarks/jax_step.py` measures the jitted step against mpi4jax and raw MPI.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()  # a world of one here
@@ -59,7 +59,6 @@ import numpy as np
 try:
     import jax
     import optax
-    from jax.experimental import io_callback
 except ImportError as exc:  # pragma: no cover - exercised only without JAX
     raise ImportError(
         "dp.DistributedOptimizer for optax needs JAX and optax: pip install 'dataparallel[jax]'."
@@ -70,6 +69,7 @@ from dataparallel.arrays.actions import parse_op, validate_reduction
 from dataparallel.arrays.compression import Compressor, wire_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
+from dataparallel.jax import _jit
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
@@ -91,6 +91,7 @@ def distributed_optax(
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressing = None,
+    route: _jit.Route = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -106,6 +107,9 @@ def distributed_optax(
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
             floats and come back in their dtype (default: none).
+        route: how a jitted update reduces (see `dataparallel.jax._jit`): `"auto"` (default)
+            takes mpi4jax's XLA custom call where mpi4jax is installed and the engine is MPI
+            on the CPU, else one ordered host callback; `"callback"` or `"mpi4jax"` choose.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
@@ -133,6 +137,8 @@ def distributed_optax(
     ('DistributedState', [0.001, 0.001, 0.001])
     """
     parse_op(op)
+    if route not in ("auto", "callback", "mpi4jax"):
+        raise ValueError(f"route={route!r}: use 'auto', 'callback' or 'mpi4jax'.")
     wire_dtype(compression)  # a bad one raises here, not at the first update
     backend = backend_of(backend, group)
     inner = optax.with_extra_args_support(inner)
@@ -154,7 +160,7 @@ def distributed_optax(
                 f"{type(state).__module__}.{type(state).__qualname__}: pass the state returned by "
                 "the distributed transformation's init (or update), not the inner one's."
             )
-        reduced = _allreduce_tree(updates, op, backend, compression)
+        reduced = _allreduce_tree(updates, op, backend, compression, route)
         new_updates, inner_state = inner.update(reduced, state.inner_state, params, **extra_args)
         return new_updates, DistributedState(inner_state=inner_state)
 
@@ -162,7 +168,11 @@ def distributed_optax(
 
 
 def _allreduce_tree(
-    grads: optax.Updates, op: Op, backend: Backend | None, compression: Compressing
+    grads: optax.Updates,
+    op: Op,
+    backend: Backend | None,
+    compression: Compressing,
+    route: _jit.Route,
 ) -> optax.Updates:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -172,7 +182,8 @@ def _allreduce_tree(
         validate_reduction(_dtype(leaf), op, None, "grads" + jax.tree_util.keystr(key))
     leaves = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        reduced = _allreduce_traced(leaves, op, callback_backend(backend), compression)
+        paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
+        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, route)
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
@@ -182,21 +193,6 @@ def _allreduce_tree(
 
 def _dtype(leaf: jax.typing.ArrayLike) -> str:
     return str(np.dtype(jax.numpy.result_type(leaf)))
-
-
-def _allreduce_traced(
-    leaves: list[jax.Array], op: Op, backend: Backend, compression: Compressing
-) -> list[jax.Array]:
-    """Stage `leaves` out to one ordered host callback that allreduces them as NumPy arrays."""
-    shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in leaves]
-
-    def reduce_on_host(*arrays: jax.Array) -> list[np.ndarray]:
-        # JAX hands over CPU jax.Arrays; writable NumPy copies are reduced in place by the engine.
-        work = [np.array(a, copy=True) for a in arrays]
-        reduced = collectives.allreduce(work, op=op, backend=backend, compression=compression)
-        return [np.asarray(a) for a in reduced]
-
-    return list(io_callback(reduce_on_host, shapes, *leaves, ordered=True))
 
 
 def callback_backend(backend: Backend | None) -> Backend:

@@ -1,0 +1,159 @@
+"""A jitted Adam step with dp against mpi4jax and raw MPI, and eager tree allreduces against raw.
+
+Run: `OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/jax_step.py`
+(`--batches N`: rounds of the interleaved timing, 15 by default; `--models medium,large`).
+
+For an MLP of 1.86 M parameters (784-1024-1024-10) and one of 8.40 M (1024-2048-2048-1024-10),
+batch 64 per rank, every case is timed in short batches taken in turn (`_timing.compare`), so the
+machine's drifts spread over all of them:
+
+- `local`: the jitted step of plain `optax.adam`, no communication (the floor);
+- `dp callback`: `dp.DistributedOptimizer(optax.adam(...), route="callback")` in the same jitted
+  step (one ordered host callback per step, one `Allreduce` per dtype buffer);
+- `dp mpi4jax`: the same with `route="mpi4jax"` (mpi4jax's custom call on dp's packed buffer);
+- `mpi4jax per leaf`: what an mpi4jax user writes: `mpi4jax.allreduce` on each gradient leaf
+  inside `jit`, divided by the size, then Adam (the peer);
+- `raw`: one `comm.Allreduce` of a float32 NumPy buffer of the gradient's bytes (no step);
+- eager: `dp.allreduce(tree, op="avg")` and `dp.allreduce_gradients(tree)` of the gradient
+  tree as JAX arrays, against `raw` (the same bytes).
+
+A step's overhead is its time minus `local`'s (medians). Printed: milliseconds, overheads and the
+ratios the goals are stated in: dp's overhead over mpi4jax's (goal: at most 1), eager over raw
+(goal: at most 1.2). Without mpi4jax the cases that need it are skipped, with the reason;
+docs/performance.md says how to build it against the `mpich` wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _timing import compare
+from mpi4py import MPI
+
+import dataparallel as dp
+from dataparallel.jax._jit import mpi4jax_reason
+
+MODELS = {"medium": (784, 1024, 1024, 10), "large": (1024, 2048, 2048, 1024, 10)}
+BATCH = 64
+
+
+def init_mlp(sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
+    keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+        for a, b, k in zip(sizes[:-1], sizes[1:], keys, strict=True)
+    ]
+
+
+def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    for layer in params[:-1]:
+        x = jax.nn.relu(x @ layer["w"] + layer["b"])
+    logits = x @ params[-1]["w"] + params[-1]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def looped(step: Callable[..., Any], params: Any, state: Any) -> Callable[[], None]:
+    carry = [(params, state)]
+
+    def once() -> None:
+        carry[0] = jax.block_until_ready(step(*carry[0]))
+
+    return once
+
+
+def cases_of(sizes: tuple[int, ...], comm: MPI.Comm, m4j: bool) -> dict[str, Callable[[], Any]]:
+    params = init_mlp(sizes)
+    n = sum(leaf.size for leaf in jax.tree.leaves(params))
+    rng = np.random.default_rng(dp.rank())
+    x = jnp.asarray(rng.normal(size=(BATCH, sizes[0])), jnp.float32)
+    y = jnp.asarray(rng.integers(0, sizes[-1], BATCH), jnp.int32)
+    size = dp.size()
+
+    def make_step(opt: Any, reduce: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
+        @jax.jit
+        def step(p: Any, s: Any) -> Any:
+            g = jax.grad(loss_fn)(p, x, y)
+            if reduce is not None:
+                g = reduce(g)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return step
+
+    adam = optax.adam(1e-3)
+    cases: dict[str, Callable[[], Any]] = {}
+    cases["local"] = looped(make_step(adam), params, adam.init(params))
+    routes = ["callback", "mpi4jax"] if m4j else ["callback"]
+    for route in routes:
+        dist = dp.DistributedOptimizer(optax.adam(1e-3), route=route)  # type: ignore[arg-type]
+        cases[f"dp {route}"] = looped(make_step(dist), params, dist.init(params))
+    if m4j:
+        import mpi4jax
+
+        peer = comm.Dup()
+
+        def per_leaf(g: Any) -> Any:
+            return jax.tree.map(lambda t: mpi4jax.allreduce(t, op=MPI.SUM, comm=peer) / size, g)
+
+        cases["mpi4jax per leaf"] = looped(make_step(adam, per_leaf), params, adam.init(params))
+    flat = np.ones(n, np.float32)
+    cases["raw"] = lambda: comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+    grads = jax.tree.map(jnp.ones_like, params)
+    cases["eager allreduce"] = lambda: jax.block_until_ready(dp.allreduce(grads, op="avg"))
+    cases["eager allreduce_gradients"] = lambda: jax.block_until_ready(
+        dp.allreduce_gradients(grads)
+    )
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=15)
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    dp.initialize("mpi")
+    comm = MPI.COMM_WORLD.Dup()
+    reason = mpi4jax_reason(dp.get_backend())
+    if dp.is_main():
+        print(f"{dp.size()} ranks, jax {jax.__version__} on {jax.devices()[0].platform}")
+        if reason is not None:
+            print(f"mpi4jax cases skipped: {reason}")
+    for name in args.models.split(","):
+        sizes = MODELS[name]
+        n = sum(a * b + b for a, b in itertools.pairwise(sizes))
+        times = compare(cases_of(sizes, comm, reason is None), comm, batches=args.batches)
+        if not dp.is_main():
+            continue
+        local, raw = times["local"], times["raw"]
+        print(f"\n{name}: {n / 1e6:.2f} M parameters, {4 * n / 2**20:.1f} MiB of gradients")
+        print(f"{'case':28s} {'ms':>9s} {'overhead ms':>12s}")
+        for case, seconds in times.items():
+            over = "" if case in ("local", "raw") or case.startswith("eager") else "overhead"
+            extra = f"{(seconds - local) * 1e3:12.3f}" if over else ""
+            print(f"{case:28s} {seconds * 1e3:9.3f} {extra}")
+        peer = times.get("mpi4jax per leaf")
+        for route in ("callback", "mpi4jax"):
+            mine = times.get(f"dp {route}")
+            if mine is None:
+                continue
+            ratio = f"{(mine - local) / (peer - local):.2f}" if peer is not None else "n/a"
+            print(
+                f"dp {route} overhead / mpi4jax per leaf overhead = {ratio}; "
+                f"/ raw = {(mine - local) / raw:.2f}"
+            )
+        if peer is not None:
+            print(f"mpi4jax per leaf overhead / raw = {(peer - local) / raw:.2f}")
+        for case in ("eager allreduce", "eager allreduce_gradients"):
+            print(f"{case} / raw = {times[case] / raw:.2f}")
+    dp.finalize()
+
+
+if __name__ == "__main__":
+    main()
