@@ -158,6 +158,7 @@ def cases_for(
         make_opt(overlapped), bucket_bytes=current().settings.thread_bucket_bytes
     )
     forced.gradient_sync.overlap = True
+    forced.gradient_sync._trial = None  # as DATAPARALLEL_OVERLAP=1: no timed choice of the mode
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {
@@ -333,7 +334,10 @@ def main() -> None:
             f"{torch.get_num_threads()} torch thread per rank, {args.rounds} rounds"
         )
         mode = overlaps(dp.local_size(), current().settings.overlap)
-        print(f"dp's gradient buckets go out {'during' if mode else 'after'} backward here")
+        print(
+            f"dp's gradient buckets go out {'during' if mode else 'after'} backward by the core "
+            "count; where both can run, dp times both in its first steps and keeps the faster"
+        )
         if horovod.hvd is None:
             print(f"Horovod case skipped: {horovod.reason}")
         else:
