@@ -194,7 +194,6 @@ def work(args: argparse.Namespace) -> None:
     from train_step import ALONE, Horovod, measure, trainer, transformer
 
     import dataparallel as dp
-    from dataparallel.torch._tuning import ModeTrial
 
     torch.set_num_threads(1)
     if args.init:
@@ -250,9 +249,7 @@ def work(args: argparse.Namespace) -> None:
             if compression is not None:
                 ddp.register_comm_hook(None, fp16_compress_hook)
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
-        for _ in range(ModeTrial.SKIP + 2 * ModeTrial.TRIALS + 1):  # let dp's trial choose
-            for name, _sync in warm:
-                cases[name][0]()
+        # measure warms every case up until dp's mode trial has chosen
         samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
             chosen = {

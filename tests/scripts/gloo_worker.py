@@ -111,6 +111,7 @@ def existing(init_method: str, rank: int, world_size: int) -> None:
     backend = dp.initialize("gloo")
     total = dp.allreduce(np.full(3, backend.rank + 1.0))
     shared = dp.broadcast(np.arange(4) * backend.rank, root=backend.size - 1)
+    bulk = dp.allreduce(np.ones(BULK, np.float32))
     private = backend.group is not None  # type: ignore[attr-defined]
     dp.finalize()
     mine = torch.ones(2)
@@ -122,6 +123,7 @@ def existing(init_method: str, rank: int, world_size: int) -> None:
         "local": [backend.local_rank, backend.local_size],
         "allreduce": total.tolist(),
         "broadcast": shared.tolist(),
+        "bulk": [float(bulk.min()), float(bulk.max())],
         "private group": private,
         "user allreduce": mine.tolist(),
     }

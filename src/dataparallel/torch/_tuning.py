@@ -28,7 +28,7 @@ class ModeTrial:
     """The schedule and the timings of the trial; `mode` says the mode of the coming step."""
 
     SKIP = 2  # steps before the trial: the first step's rebuild, warm caches
-    TRIALS = 3  # steps timed in each mode
+    TRIALS = 5  # steps timed in each mode (3 chose differently for two copies of one model)
 
     def __init__(self) -> None:
         self.steps = 0  # steps completed (those a rank had joined are not counted)
