@@ -150,7 +150,9 @@ def launch(args: argparse.Namespace, worker: list[str]) -> int:
         "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
         "PYTHONUNBUFFERED": "1",
     }
-    if not use_hvd:
+    if args.backend != "mpi":
+        print("Horovod not run: it runs beside dataparallel only when both use MPI")
+    elif not use_hvd:
         print(f"Horovod not run: no venv at {args.hvd_venv} (../shared/peers/horovod/README.md)")
     link = Link()
     try:
@@ -201,9 +203,10 @@ def work(args: argparse.Namespace) -> None:
     else:
         dp.initialize("mpi")
     master = args.master or f"{SUBNET}.1"
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{master}:{PORT + 1}", rank=dp.rank(), world_size=dp.size()
-    )
+    if not dist.is_initialized():  # dp on Gloo made torch's default group: DDP shares it
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{master}:{PORT + 1}", rank=dp.rank(), world_size=dp.size()
+        )
     horovod = Horovod()
     mpi = dp.get_backend().name == "mpi"
     g = torch.Generator().manual_seed(dp.rank())
@@ -258,7 +261,8 @@ def work(args: argparse.Namespace) -> None:
                 for name, s in warm
             }
             report(d, n, samples, chosen, dp.get_backend().name)
-    dist.destroy_process_group()
+    if mpi:
+        dist.destroy_process_group()
     dp.finalize()
 
 
