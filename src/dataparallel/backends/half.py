@@ -20,16 +20,13 @@ import enum
 import sys
 import weakref
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from dataparallel import caches
 from dataparallel.types import WireDtype
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["TwoPhase", "add16", "narrow", "widen"]
 
@@ -126,8 +123,9 @@ def add16(values: np.ndarray, into: np.ndarray, dtype: WireDtype) -> None:
         narrow(a, dtype, into[start:end])
 
 
-def _torch_view(torch: ModuleType, values: np.ndarray, dtype: WireDtype) -> torch.Tensor:
-    """Return a torch view of host 16-bit `values` (bfloat16 held as its bits)."""
+def _torch_view(torch: ModuleType, values: np.ndarray, dtype: WireDtype) -> Any:
+    """Return a torch view (a `torch.Tensor`: this generic module names no framework) of host
+    16-bit `values` (bfloat16 held as its bits)."""
     if dtype == "bfloat16":
         return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(values)
