@@ -59,6 +59,7 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.torch._buckets import overlaps
+from dataparallel.torch._tuning import ModeTrial
 from dataparallel.world import current
 
 Step = Callable[[], None]
@@ -161,6 +162,7 @@ def cases_for(
         make_opt(overlapped), bucket_bytes=current().settings.thread_bucket_bytes
     )
     forced.gradient_sync.overlap = True
+    forced.gradient_sync._trial = None  # as DATAPARALLEL_OVERLAP=1: no timed choice of the mode
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {
@@ -213,6 +215,7 @@ def measure(
     rounds: int,
     budget: float,
     tolerance: float = 0.1,
+    warmup: int = ModeTrial.SKIP + 2 * ModeTrial.TRIALS + 1,
 ) -> dict[str, list[float]]:
     """Time every case in interleaved rounds; return each case's seconds per step, per round.
 
@@ -220,12 +223,13 @@ def measure(
     rotates from round to round). A round whose two one-process times differ by more than
     `tolerance` (the machine's load changed during it) is dropped; rounds are run until `rounds`
     are kept, or three times as many were tried. The one-process time of a kept round is the
-    mean of its two.
+    mean of its two. Each case first runs `warmup` untimed steps (by default until dp's mode
+    trial has chosen, `torch/_tuning.py`).
     """
     counts: dict[str, int] = {}
     for name, (step, context) in cases.items():  # warm up; size each case's timing to `budget`
         with context or _null():
-            for _ in range(2):
+            for _ in range(warmup):
                 step()
             counts[name] = max(1, min(50, round(budget / run_steps(step, 2))))
     others = [name for name in cases if name != ALONE]
@@ -336,7 +340,10 @@ def main() -> None:
             f"{torch.get_num_threads()} torch thread per rank, {args.rounds} rounds"
         )
         mode = overlaps(dp.local_size(), current().settings.overlap)
-        print(f"dp's gradient buckets go out {'during' if mode else 'after'} backward here")
+        print(
+            f"dp's gradient buckets go out {'during' if mode else 'after'} backward by the core "
+            "count; where both can run, dp times both in its first steps and keeps the faster"
+        )
         if horovod.hvd is None:
             print(f"Horovod case skipped: {horovod.reason}")
         else:

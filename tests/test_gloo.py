@@ -71,6 +71,7 @@ def check_basic(
         assert (result["rank"], result["size"]) == (rank, size)
         assert result["allreduce"] == [size * (size + 1) / 2] * 3
         assert result["broadcast"] == [i * (size - 1) for i in range(4)]
+        assert result["bulk"] == [size, size]
         if local_size is not None:
             assert result["local"] == [rank, local_size]
 

@@ -55,6 +55,7 @@ FRAMEWORKS = {"torch", "jax", "jaxlib", "optax", "cupy", "cupyx", "mpi4py"}
 BACKEND_FRAMEWORKS = {
     "dataparallel.backends.gloo": {"torch"},
     "dataparallel.backends.mpi": {"mpi4py"},
+    "dataparallel.backends.mpi_half": {"mpi4py"},
     "dataparallel.backends.nccl": {"cupy"},
 }
 

@@ -131,7 +131,10 @@ def test_mpi_across_two_hosts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
         "1",
         *worker("basic"),
     ]
-    env = {"PYTHONUNBUFFERED": "1"}  # MPIEXEC_TIMEOUT: run_job's, under its hang guard
+    # UCX_TLS: without it UCX finds shared memory between the namespaces (one kernel), and MPI's
+    # data would never cross the link. MPIEXEC_TIMEOUT: run_job's, under its hang guard.
+    env = {"PYTHONUNBUFFERED": "1", "UCX_TLS": "tcp,self"}
+    before = received(b)
     done = run_job(a.command(job), launcher=None, env=env)
     stdout, stderr = done.stdout, done.stderr
     assert done.returncode == 0, f"{stdout}\n{stderr}"
@@ -140,3 +143,18 @@ def test_mpi_across_two_hosts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     results.sort(key=lambda result: result["rank"])
     check_basic(results, backend="mpi")
     assert [result["local"] for result in results] == [[0, 1], [0, 1]]
+    # The basic scenario's 4 MiB allreduce went through the veth link (a ring moves half of it
+    # each way at 2 ranks); Hydra's own traffic is a few KiB.
+    assert received(b) - before >= 2 * 2**20, "MPI's data did not cross the link"
+
+
+def received(host: Host) -> int:
+    """Bytes `host`'s end of the veth pair has received so far."""
+    tag = host.namespace[:-1]
+    device = f"{tag}v{host.namespace[-1]}"
+    path = f"/sys/class/net/{device}/statistics/rx_bytes"
+    done = subprocess.run(
+        ["ip", "netns", "exec", host.namespace, "cat", path],
+        capture_output=True, text=True, timeout=SETUP_TIMEOUT, check=True,
+    )  # fmt: skip
+    return int(done.stdout)

@@ -209,6 +209,8 @@ def test_auto_backend_resolution(
     backend: str, init_method: str | None, env: dict[str, str], name: str, monkeypatch: Any
 ) -> None:
     monkeypatch.setattr(registry, "_mpi_already_initialized", lambda: False)
+    # This pass's own world may have torch.distributed (Gloo's engine, or alongside MPI).
+    monkeypatch.setattr(registry, "_torch_distributed_initialized", lambda: False)
     settings = Settings.from_env(env)
     assert registry.choose(backend, init_method, settings) == name
 

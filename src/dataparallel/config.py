@@ -10,9 +10,9 @@ instead of being silently ignored.
 | `DATAPARALLEL_TIMELINE` | path of a Chrome-trace JSON file to record every collective in | unset |
 | `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
 | `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
-| | ... and of gradient buckets reduced on the communication thread | `THREAD_BUCKET_BYTES` |
+| | ... and the limit of gradient buckets on the communication thread | `THREAD_BUCKET_BYTES` |
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
-| `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | a core spare? |
+| `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
@@ -68,7 +68,8 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 256 * 1024
 # Gradient buckets handed to the communication thread are bigger (DDP's size): each is a
 # rendezvous of the ranks' threads, and fewer of them won at 1-14 M parameters, 25 MiB against
-# 4 MiB and 256 KiB (benchmarks/NOTES.md).
+# 4 MiB and 256 KiB (benchmarks/NOTES.md). An upper limit: `_buckets.bucket_bytes_for` cuts a
+# model into about 8 buckets so that some leave during backward (issue 24).
 THREAD_BUCKET_BYTES = 25 * 1024 * 1024
 
 # Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.

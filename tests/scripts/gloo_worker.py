@@ -5,7 +5,8 @@ usage: gloo_worker.py SCENARIO [--init-method URL] [--rank R] [--world-size N] [
 
 Without --init-method, `dp.initialize()` finds the rendezvous in the environment (env://).
 Scenarios:
-  basic    allreduce (sum of rank + 1) and broadcast (from the last rank); prints `RESULT {json}`
+  basic    allreduce (sum of rank + 1), broadcast (from the last rank), an allreduce of 4 MiB;
+           prints `RESULT {json}`
   engine   `gloo_engine.check_engine` on the backend; prints `ENGINE OK`
   abort    the last rank calls `abort(3)`; the others report what their next allreduce raised
   timeout  the last rank sleeps past the timeout; the others report what their allreduce raised
@@ -29,6 +30,8 @@ import numpy as np
 
 import dataparallel as dp
 
+BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -51,6 +54,7 @@ def main() -> None:
     if args.scenario == "basic":
         total = dp.allreduce(np.full(3, backend.rank + 1.0))
         shared = dp.broadcast(np.arange(4) * backend.rank, root=last)
+        bulk = dp.allreduce(np.ones(BULK, np.float32))  # 4 MiB: a link must carry it
         result = {
             "backend": backend.name,
             "rank": backend.rank,
@@ -58,6 +62,7 @@ def main() -> None:
             "local": [backend.local_rank, backend.local_size],
             "allreduce": total.tolist(),
             "broadcast": shared.tolist(),
+            "bulk": [float(bulk.min()), float(bulk.max())],
         }
         sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: launchers may interleave
         sys.stdout.flush()
@@ -106,6 +111,7 @@ def existing(init_method: str, rank: int, world_size: int) -> None:
     backend = dp.initialize("gloo")
     total = dp.allreduce(np.full(3, backend.rank + 1.0))
     shared = dp.broadcast(np.arange(4) * backend.rank, root=backend.size - 1)
+    bulk = dp.allreduce(np.ones(BULK, np.float32))
     private = backend.group is not None  # type: ignore[attr-defined]
     dp.finalize()
     mine = torch.ones(2)
@@ -117,6 +123,7 @@ def existing(init_method: str, rank: int, world_size: int) -> None:
         "local": [backend.local_rank, backend.local_size],
         "allreduce": total.tolist(),
         "broadcast": shared.tolist(),
+        "bulk": [float(bulk.min()), float(bulk.max())],
         "private group": private,
         "user allreduce": mine.tolist(),
     }

@@ -11,10 +11,9 @@ leaves' dtype (`from_wire`), applying `avg`'s or `scale`'s factor in the wide dt
 (integers, bool, complex) travel as they are.
 
 What travels is 16 bits on every engine (`Backend.iallreduce_half`): Gloo and NCCL reduce
-float16 and bfloat16 natively; MPI (no bfloat16, and a slow float16 sum in MPICH) moves the
-16-bit values with one all-to-all and one allgather and adds in float32 in between
-(`backends/half.py`). The conversions use torch's vectorized casts when torch is loaded, NumPy's
-otherwise (NumPy's float16 casts are scalar loops: about 10 ns per value).
+float16 and bfloat16 natively; MPI (no bfloat16, and a slow float16 sum in MPICH) sums with a
+16-bit op of its own (`backends/mpi_half.py`). The conversions use torch's vectorized casts
+when torch is loaded, NumPy's otherwise (3 to 7 times slower for float16).
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ __all__ = [
     "Options",
     "arrival_order",
     "assign",
+    "bucket_bytes_for",
     "check_options",
-    "default_bucket_bytes",
     "describe",
     "grad_family",
     "layout",
     "message",
+    "offloadable",
     "on_host",
     "overlaps",
     "replay_of",
@@ -49,6 +50,11 @@ __all__ = [
 ]
 
 NamedParams = list[tuple[str, torch.Tensor]]
+
+# The first bucket's limit (DDP's): communication starts after about 1 MiB of gradients.
+FIRST_BUCKET_BYTES = 1 << 20
+# How many buckets a model's gradients make on the communication thread (`bucket_bytes_for`).
+THREAD_BUCKETS = 8
 
 # What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
 Compressing: TypeAlias = type[Compressor] | Compressor | None
@@ -73,13 +79,17 @@ class Bucket:
     key: tuple[str, str]  # (device, dtype)
 
 
-def assign(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Bucket]:
+def assign(
+    params: NamedParams, order: list[int], bucket_bytes: int, first_bytes: int | None = None
+) -> list[Bucket]:
     """Cut `order` into buckets of at most `bucket_bytes` per (device, dtype).
 
     A parameter of `bucket_bytes` or more is a bucket of its own, placed at once; smaller ones
     keep filling the open bucket of their key across it, which is placed when it is full (or at
     the end). So where large and small parameters alternate (a weight, its bias, a norm's two
-    vectors) the small ones share buckets instead of going a few at a time.
+    vectors) the small ones share buckets instead of going a few at a time. Until the first
+    bucket is placed the limit is `first_bytes` (when smaller), so that the first message leaves
+    early in backward (DDP caps its first bucket at 1 MiB for that).
     """
     buckets: list[Bucket] = []
     open_: dict[tuple[str, str], tuple[Bucket, int]] = {}
@@ -87,11 +97,12 @@ def assign(params: NamedParams, order: list[int], bucket_bytes: int) -> list[Buc
         p = params[i][1]
         key = (str(p.device), str(p.dtype).removeprefix("torch."))
         nbytes = p.numel() * p.element_size()
-        if nbytes >= bucket_bytes:
+        cap = bucket_bytes if buckets or first_bytes is None else min(first_bytes, bucket_bytes)
+        if nbytes >= cap:
             buckets.append(Bucket([i], key))
             continue
         current = open_.get(key)
-        if current is not None and current[1] + nbytes > bucket_bytes:
+        if current is not None and current[1] + nbytes > cap:
             buckets.append(current[0])
             current = None
         if current is None:
@@ -115,7 +126,7 @@ def layout(
     # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket (-1).
     flags = 4 * (2 * len(params) + 1)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
-    buckets = assign(params, order, budget)
+    buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
     bucket_of = [-1] * len(params)
     for b, bucket in enumerate(buckets):
         for i in bucket.members:
@@ -166,12 +177,13 @@ def summarize(
 
 
 def overlaps(local_size: int, overlap: bool | None) -> bool:
-    """Whether buckets go out during backward (True) or all after it (False).
+    """Whether buckets go out during backward (True) or all after it (False), for a reduction
+    that cannot time both (`_tuning.ModeTrial` chooses for the others).
 
     `overlap` (`DATAPARALLEL_OVERLAP`) decides when set. Otherwise overlap only when this node has
     a core to spare for it: with no idle core, reducing during backward slows backward by what
     the reduction costs and makes the ranks meet once per bucket inside it, while reducing after
-    it costs 0.67-0.87x as much (benchmarks/NOTES.md, 2 ranks on 2 cores).
+    it costs 0.67-0.87x as much (benchmarks/NOTES.md, 2 ranks on 2 cores, shared memory).
     """
     if overlap is not None:
         return overlap
@@ -184,20 +196,28 @@ def on_host(params: NamedParams) -> bool:
     return all(p.device.type == "cpu" for _, p in params)
 
 
-def default_bucket_bytes(
-    backend: Backend, overlap: bool, private: Backend, host: bool, settings: Settings
-) -> int:
-    """The bucket size of a `GradientSync` not given one (collective in a world of several).
-
-    `Settings.thread_bucket_bytes` when its buckets go to the communication thread on every
-    rank (overlapping, host parameters, a private engine), else `Settings.bucket_bytes`. Ranks
-    agree (a minimum over ranks), so that a node with a spare core and one without still cut
-    the same buckets.
-    """
-    offload = overlap and host and private is not backend
+def offloadable(backend: Backend, private: Backend, host: bool) -> bool:
+    """Whether buckets may go to the communication thread on every rank: host parameters and a
+    private engine (collective in a world of several: a minimum over ranks)."""
+    offload = host and private is not backend
     if backend.size > 1:
         offload = bool(collectives.allreduce(int(offload), op="min", backend=backend))
-    return settings.thread_bucket_bytes if offload else settings.bucket_bytes
+    return offload
+
+
+def bucket_bytes_for(offload: bool, total: int, settings: Settings) -> int:
+    """The bucket size of a `GradientSync` not given one, for `total` bytes of parameters.
+
+    Reduced after backward (`offload` False): `Settings.bucket_bytes` (small buckets pipeline
+    packing with sending). On the communication thread: about an eighth of the model, between
+    1 MiB and `Settings.thread_bucket_bytes`, so that any model sends several buckets while
+    backward runs (one 25 MiB bucket held a 14.7 MB model whole: nothing left before backward
+    ended; issue 24). A `DATAPARALLEL_BUCKET_BYTES` set by the user sets both limits.
+    """
+    if not offload:
+        return settings.bucket_bytes
+    cap = settings.thread_bucket_bytes
+    return max(min(cap, FIRST_BUCKET_BYTES), min(cap, -(-total // THREAD_BUCKETS)))
 
 
 def check_options(owner: str, op: str, passes: object, bucket_bytes: object) -> None:

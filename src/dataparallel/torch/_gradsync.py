@@ -3,7 +3,9 @@
 `DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
 post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
 ready buckets go out while backward keeps running, handed to the communication thread, or all at
-its end when no core is spare for that (`overlap`, `_buckets.overlaps`; `arrays/routes.py`).
+its end (`overlap`: timed by the first steps where both can be, `_tuning.ModeTrial`; else
+`_buckets.overlaps`; `arrays/routes.py`). The first bucket holds at most 1 MiB, so the first
+message leaves early in backward (`_buckets.assign`).
 
 How buckets are made, and why every rank makes the same calls:
 
@@ -29,6 +31,7 @@ One `GradientSync` reduces a parameter: the last made over it (`_hooks.py`). Spa
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from enum import Enum
@@ -51,12 +54,13 @@ from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
     arrival_order,
+    bucket_bytes_for,
     check_options,
-    default_bucket_bytes,
     describe,
     grad_family,
     layout,
     message,
+    offloadable,
     on_host,
     overlaps,
     replay_of,
@@ -66,6 +70,7 @@ from dataparallel.torch._buckets import (
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._sparse import SparseGrads
+from dataparallel.torch._tuning import ModeTrial
 from dataparallel.types import Op
 
 if TYPE_CHECKING:
@@ -141,12 +146,20 @@ class GradientSync:
         self._world = weakref.ref(active)
         self.backend = backend if backend is not None else active.backend
         self.op, self.passes, self.owner = op, passes, owner
-        self.overlap = overlaps(self.backend.local_size, active.settings.overlap)  # see there
-        # Collective (World.private, default_bucket_bytes): every rank makes it at the same point.
+        # Collective (World.private, offloadable): every rank makes it at the same point.
         private = active.private(self.backend)
         trainable = [(n, p) for n, p in params() if p.requires_grad]
-        self.bucket_bytes = bucket_bytes or default_bucket_bytes(
-            self.backend, self.overlap, private, on_host(trainable), active.settings
+        offload = offloadable(self.backend, private, on_host(trainable))
+        forced = active.settings.overlap
+        # Thread or after backward: timed by the steps themselves where either can be (_tuning).
+        self._trial = ModeTrial() if offload and forced is None and self.backend.size > 1 else None
+        self.overlap = (
+            self._trial.mode if self._trial else overlaps(self.backend.local_size, forced)
+        )
+        self._given, self._settings = bucket_bytes, active.settings
+        self._model_bytes = sum(p.numel() * p.element_size() for _, p in trainable)
+        self.bucket_bytes = bucket_bytes or bucket_bytes_for(
+            self.overlap and offload, self._model_bytes, active.settings
         )
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
@@ -283,6 +296,7 @@ class GradientSync:
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
+        self._began = 0.0  # when this step's first gradient came (for ModeTrial)
 
     @property
     def in_flight(self) -> bool:
@@ -310,6 +324,8 @@ class GradientSync:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._queued = True
+            if not self._began:
+                self._began = time.perf_counter()
         if self._passes + 1 < self.passes or self._ready[index]:
             return
         if self._next > 0:
@@ -437,8 +453,24 @@ class GradientSync:
             )
         if not self._rebuilt and not self._joined:
             self._rebuild()
+        if self._trial is not None and not self._joined:  # on every rank alike: collective
+            took = time.perf_counter() - self._began if self._began else 0.0
+            if self._trial.record(took, self.backend):
+                self._switch(self._trial.mode)
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
+
+    def _switch(self, overlap: bool) -> None:
+        """Reduce on the communication thread (True) or after backward from the next step on,
+        with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
+        self.overlap = overlap
+        if self._given is None:
+            self.bucket_bytes = bucket_bytes_for(overlap, self._model_bytes, self._settings)
+            self._options["bucket_bytes"] = self.bucket_bytes
+            for fusion in (self._router.base, self._router.private):
+                if fusion is not None:
+                    fusion.bucket_bytes = self.bucket_bytes
+        self._replan(self._params, [i for b in self._buckets for i in b.members])
 
     def _rebuild(self) -> None:
         """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""

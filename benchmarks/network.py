@@ -1,0 +1,354 @@
+"""Training across a real, shaped link: dataparallel beside Horovod and DDP, one rank per host.
+
+Run as root: `.venv/bin/python benchmarks/network.py [--rates none,10,2.5,1] [--d 256,512]`
+(`--backend gloo`: dataparallel on Gloo instead of MPI; Horovod then cannot run beside it).
+
+Builds two network namespaces joined by a veth pair (as `tests/test_multihost.py`), each with its
+own hostname, and shapes both directions with `tc qdisc add dev X root tbf rate R burst 1mb latency
+50ms` (no netem in this kernel); skips, saying why, without root, iproute2 or tc. One rank runs in
+each namespace: under MPI, mpiexec runs in the first and MPICH's Hydra starts the second rank
+through a `-launcher ssh -launcher-exec` script that runs the command in the other namespace;
+`UCX_TLS=tcp,self`, else UCX finds shared memory between the namespaces and MPI's data never
+crosses the shaped link (the `raw` rows show it does: they follow the rate). Under Gloo, each
+rank is started in its namespace with a tcp:// rendezvous on the first one's address.
+
+Every case runs in the same processes, in interleaved rounds (`train_step.measure`): a transformer
+step (4 layers, width D, Adam, `train_step.transformer`) with one process alone (the floor), the
+raw allreduce of the same bytes (one `Allreduce` of the gradients' float32, and of their 16 bits
+with `mpi_half`'s op on MPI; `torch.distributed.all_reduce` of a float32 and a float16 tensor on
+Gloo), `dp.DistributedOptimizer` and `dp.torch.DataParallelModel`, Horovod 0.28.1's
+`DistributedOptimizer` (MPI build, from the venv `--hvd-venv`, initialized only while its cases
+run), and torch DDP over Gloo (fp16: `fp16_compress_hook`), each in fp32 and with fp16 compression.
+Printed per case: the step's overhead (step minus one process alone, median over rounds), the raw
+allreduce of the same bytes, and the share of it the case hides (1 - overhead / raw).
+dataparallel's cases first run until their mode trial has chosen (`torch/_tuning.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SUBNET = "10.213.78"
+PORT = 29511
+DEVICE = "dpnet0"  # each namespace's end of the veth pair (Gloo is told to bind to it)
+RATES = {"none": None, "10": "10gbit", "2.5": "2500mbit", "1": "1gbit"}
+
+
+# -- the launcher: namespaces, the link, the jobs ----------------------------------------------
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+
+
+def why_not() -> str | None:
+    """Why namespaces and shaping cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (iproute2, util-linux)"
+    return None
+
+
+class Link:
+    """Two namespaces, `<tag>a` and `<tag>b`, joined by a veth pair; removed by `close()`."""
+
+    def __init__(self) -> None:
+        tag = f"dpn{os.getpid() % 10000}"
+        self.spaces = [f"{tag}a", f"{tag}b"]
+        self.addresses = [f"{SUBNET}.1", f"{SUBNET}.2"]
+        self.hosts = [f"{tag}-host-a", f"{tag}-host-b"]
+        self.made: list[str] = []
+        pair = [f"{tag}va", f"{tag}vb"]  # unique in the root namespace; renamed inside
+        steps = [("link", "add", pair[0], "type", "veth", "peer", "name", pair[1])]
+        for space, end, address in zip(self.spaces, pair, self.addresses, strict=True):
+            steps += [
+                ("link", "set", end, "netns", space),
+                ("-n", space, "link", "set", end, "name", DEVICE),
+                ("-n", space, "addr", "add", f"{address}/24", "dev", DEVICE),
+                ("-n", space, "link", "set", DEVICE, "up"),
+                ("-n", space, "link", "set", "lo", "up"),
+            ]
+        for space in self.spaces:
+            self._ip("netns", "add", space)
+            self.made.append(space)
+        for args in steps:
+            self._ip(*args)
+
+    def _ip(self, *args: str) -> None:
+        done = _run("ip", *args)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+    def shape(self, rate: str | None) -> None:
+        """Limit both directions to `rate` (tc's syntax), or remove the limit (None)."""
+        for space in self.spaces:
+            _run("ip", "netns", "exec", space, "tc", "qdisc", "del", "dev", DEVICE, "root")
+            if rate is not None:
+                done = _run(
+                    "ip", "netns", "exec", space, "tc", "qdisc", "add", "dev", DEVICE, "root",
+                    "tbf", "rate", rate, "burst", "1mb", "latency", "50ms",
+                )  # fmt: skip
+                if done.returncode != 0:
+                    raise RuntimeError(f"tc in {space}: {done.stderr.strip()}")
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        """`argv` run in namespace `host`, under its own hostname."""
+        script = f'hostname {self.hosts[host]} && exec "$@"'
+        return ["ip", "netns", "exec", self.spaces[host], "unshare", "--uts", "sh", "-c", script,
+                "sh", *argv]  # fmt: skip
+
+    def launcher(self, folder: Path) -> Path:
+        """Hydra's `-launcher-exec`: it is called as ssh would be; run the command in HOST."""
+        path = folder / "netns-launcher"
+        cases = "\n".join(
+            f"  {a}) ns={s}; name={h};;"
+            for a, s, h in zip(self.addresses, self.spaces, self.hosts, strict=True)
+        )
+        path.write_text(
+            "#!/bin/sh\n"
+            'while [ "${1#-}" != "$1" ]; do shift; done\n'
+            "host=$1; shift\n"
+            f'case $host in\n{cases}\n  *) echo "unknown host $host" >&2; exit 1;;\nesac\n'
+            'exec ip netns exec "$ns" unshare --uts sh -c "hostname $name; exec $*"\n'
+        )
+        path.chmod(0o755)
+        return path
+
+    def close(self) -> None:
+        for space in self.made:  # deleting a namespace deletes its end of the veth pair
+            _run("ip", "netns", "delete", space)
+
+
+def launch(args: argparse.Namespace, worker: list[str]) -> int:
+    reason = why_not()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    hvd = Path(args.hvd_venv) / "bin"
+    use_hvd = args.backend == "mpi" and (hvd / "python").exists()
+    bindir = hvd if use_hvd else Path(sys.executable).parent
+    python = str(bindir / "python")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+        "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
+        "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
+        "PYTHONUNBUFFERED": "1",
+    }
+    if args.backend != "mpi":
+        print("Horovod not run: it runs beside dataparallel only when both use MPI")
+    elif not use_hvd:
+        print(f"Horovod not run: no venv at {args.hvd_venv} (../shared/peers/horovod/README.md)")
+    link = Link()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            launcher = link.launcher(Path(folder))
+            for name in args.rates.split(","):
+                link.shape(RATES[name])
+                print(f"\n## link: {RATES[name] or 'not shaped'}", flush=True)
+                script = [python, str(HERE / "network.py"), "--worker", *worker]
+                if args.backend == "mpi":
+                    job = [str(bindir / "mpiexec"), "-hosts", ",".join(link.addresses),
+                           "-launcher", "ssh", "-launcher-exec", str(launcher),
+                           "-n", "2", "-ppn", "1", *script]  # fmt: skip
+                    done = subprocess.run(link.command(0, job), env=env, timeout=args.timeout)
+                else:
+                    url = f"tcp://{link.addresses[0]}:{PORT}"
+                    ranks = [
+                        subprocess.Popen(
+                            link.command(r, [*script, "--init", url, "--rank", str(r)]), env=env
+                        )
+                        for r in range(2)
+                    ]
+                    codes = [p.wait(timeout=args.timeout) for p in ranks]
+                    done = subprocess.CompletedProcess([], max(codes))
+                if done.returncode != 0:
+                    return done.returncode
+    finally:
+        link.shape(None)
+        link.close()
+    return 0
+
+
+# -- a rank: the cases -------------------------------------------------------------------------
+
+
+def work(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from train_step import ALONE, Horovod, measure, trainer, transformer
+
+    import dataparallel as dp
+
+    torch.set_num_threads(1)
+    if args.init:
+        dp.initialize("gloo", init_method=args.init, rank=args.rank, world_size=2)
+    else:
+        dp.initialize("mpi")
+    master = args.master or f"{SUBNET}.1"
+    if not dist.is_initialized():  # dp on Gloo made torch's default group: DDP shares it
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{master}:{PORT + 1}", rank=dp.rank(), world_size=dp.size()
+        )
+    horovod = Horovod()
+    mpi = dp.get_backend().name == "mpi"
+    g = torch.Generator().manual_seed(dp.rank())
+    tokens = torch.randint(0, 1000, (args.batch, args.seq + 1), generator=g)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+
+    def adam(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(m.parameters(), lr=1e-4)
+
+    for d in (int(v) for v in args.d.split(",")):
+        base = transformer(d)
+        n = sum(p.numel() for p in base.parameters())
+        cases: dict[str, tuple[Callable[[], None], Any]] = {}
+        single = copy.deepcopy(base)
+        cases[ALONE] = (trainer(single, adam(single), batch), None)
+        cases |= raw_cases(n, mpi)
+        warm = []
+        for bits, compression in (("fp32", None), ("fp16", dp.Compression.fp16)):
+            ours, wrapped = (
+                copy.deepcopy(base),
+                dp.torch.DataParallelModel(copy.deepcopy(base), compression=compression),
+            )
+            opt = dp.DistributedOptimizer(adam(ours), compression=compression)
+            cases[f"dp DistributedOptimizer {bits}"] = (trainer(ours, opt, batch), None)
+            cases[f"dp DataParallelModel {bits}"] = (
+                trainer(wrapped, adam(wrapped), batch),
+                None,
+            )
+            warm += [(f"dp DistributedOptimizer {bits}", opt.gradient_sync)]
+            warm += [(f"dp DataParallelModel {bits}", wrapped.gradient_sync)]
+            if horovod.hvd is not None:
+                theirs = copy.deepcopy(base)
+                with horovod:
+                    hopt = horovod.hvd.DistributedOptimizer(
+                        adam(theirs),
+                        named_parameters=theirs.named_parameters(),
+                        compression=getattr(
+                            horovod.hvd.Compression, "fp16" if compression else "none"
+                        ),
+                    )
+                cases[f"Horovod {bits}"] = (trainer(theirs, hopt, batch), horovod)
+            ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            if compression is not None:
+                ddp.register_comm_hook(None, fp16_compress_hook)
+            cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
+        # measure warms every case up until dp's mode trial has chosen
+        samples = measure(cases, args.rounds, args.budget, args.tolerance)
+        if dp.is_main():
+            chosen = {
+                name: f"{'thread' if s.overlap else 'after backward'}, "
+                f"{s.bucket_bytes / 2**20:.2f} MiB buckets"
+                for name, s in warm
+            }
+            report(d, n, samples, chosen, dp.get_backend().name)
+    if mpi:
+        dist.destroy_process_group()
+    dp.finalize()
+
+
+def raw_cases(n: int, mpi: bool) -> dict[str, tuple[Callable[[], None], None]]:
+    """The raw allreduce of `n` gradients' bytes, in float32 and in 16 bits, by the engine."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    wide, half = np.zeros(n, np.float32), torch.zeros(n, dtype=torch.float16)
+    if not mpi:
+        return {
+            "raw allreduce fp32": (lambda: dist.all_reduce(torch.from_numpy(wide)), None),
+            "raw allreduce fp16": (lambda: dist.all_reduce(half), None),
+        }
+    from mpi4py import MPI
+
+    from dataparallel.backends.mpi_half import half_sum
+
+    comm, op16, bits = MPI.COMM_WORLD, half_sum(MPI, "float16"), half.numpy()
+    return {
+        "raw allreduce fp32": (lambda: comm.Allreduce(MPI.IN_PLACE, wide), None),
+        "raw allreduce fp16": (
+            lambda: comm.Allreduce(MPI.IN_PLACE, [bits, MPI.UINT16_T], op16),
+            None,
+        ),
+    }
+
+
+def report(
+    d: int, n: int, samples: dict[str, list[float]], chosen: dict[str, str], backend: str
+) -> None:
+    from train_step import ALONE
+
+    alone = samples[ALONE]
+    over = {}  # a step's overhead over the one process; a raw allreduce's own time
+    for name, values in samples.items():
+        raw = name.startswith("raw")
+        over[name] = [s if raw else s - a for s, a in zip(values, alone, strict=True)]
+    med = {name: statistics.median(values) for name, values in over.items()}
+    print(
+        f"\nD={d}, {n / 1e6:.2f} M parameters, dp on {backend}; one process alone: "
+        f"{statistics.median(alone) * 1e3:.1f} ms a step, {len(alone)} rounds"
+    )
+    print("| case | overhead (median) | raw allreduce | hidden | rounds |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in samples:
+        if name == ALONE:
+            continue
+        raw = med["raw allreduce fp16" if "fp16" in name else "raw allreduce fp32"]
+        low, high = min(over[name]) * 1e3, max(over[name]) * 1e3
+        hidden = "" if name.startswith("raw") else f"{1 - med[name] / raw:.0%}"
+        note = f" ({chosen[name]})" if name in chosen else ""
+        print(
+            f"| {name}{note} | {med[name] * 1e3:.1f} ms | {raw * 1e3:.1f} ms | {hidden} | "
+            f"{low:.0f}..{high:.0f} ms |"
+        )
+    sys.stdout.flush()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="none,10,2.5,1", help=f"of {sorted(RATES)}, Gbit/s")
+    parser.add_argument("--d", default="256,512", help="transformer widths")
+    parser.add_argument("--backend", default="mpi", choices=("mpi", "gloo"))
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per case per round")
+    parser.add_argument("--tolerance", type=float, default=0.25, help="see train_step.measure")
+    parser.add_argument("--hvd-venv", default="/work/hvdvenv", help="Horovod's own venv")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--init", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--master", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, str(HERE))
+        work(args)
+        return 0
+    worker = ["--d", args.d, "--batch", str(args.batch), "--seq", str(args.seq)]
+    worker += ["--rounds", str(args.rounds), "--budget", str(args.budget)]
+    worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
+    return launch(args, worker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

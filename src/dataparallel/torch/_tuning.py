@@ -1,0 +1,65 @@
+"""Whether a `GradientSync` reduces on the communication thread or after backward: timed.
+
+Which mode is faster depends on what the core count cannot tell: over shared memory with no
+spare core, reducing during backward steals the core backward runs on (after it: 0.67-0.87x the
+cost, benchmarks/NOTES.md); over a network most of a reduction is waiting on the wire, which
+backward can fill. So a reduction that could do either (host parameters, a private engine, no
+`DATAPARALLEL_OVERLAP`) times itself: after `SKIP` steps (the first rebuilds the buckets), it
+alternates the two modes for `2 * TRIALS` steps, each timed from its first gradient to the end
+of its reduction (backward and communication, what the mode changes), then keeps the mode whose
+median is lower. The slowest rank's medians decide (one allreduce of two floats, at a step
+boundary, on every rank alike): the mode changes the bucket layout, which is part of every
+step's handshake.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from dataparallel import collectives
+from dataparallel.backends.base import Backend
+
+__all__ = ["ModeTrial"]
+
+
+class ModeTrial:
+    """The schedule and the timings of the trial; `mode` says the mode of the coming step."""
+
+    SKIP = 2  # steps before the trial: the first step's rebuild, warm caches
+    TRIALS = 5  # steps timed in each mode (3 chose differently for two copies of one model)
+
+    def __init__(self) -> None:
+        self.steps = 0  # steps completed (those a rank had joined are not counted)
+        self.times: dict[bool, list[float]] = {False: [], True: []}
+        self.chosen: bool | None = None
+
+    @property
+    def mode(self) -> bool:
+        """Whether the coming step reduces on the communication thread (True) or after backward."""
+        if self.chosen is not None:
+            return self.chosen
+        trial = self.steps - self.SKIP
+        return trial < 0 or trial % 2 == 1
+
+    @property
+    def timing(self) -> bool:
+        """Whether the coming step's time is recorded."""
+        return self.chosen is None and self.steps >= self.SKIP
+
+    def record(self, seconds: float, backend: Backend) -> bool:
+        """Take the time of a completed step; return whether the mode of the next one changes.
+
+        Collective on the step that ends the trial: every rank records the same steps.
+        """
+        before = self.mode
+        if self.timing:
+            self.times[before].append(seconds)
+        self.steps += 1
+        if self.chosen is None and self.steps == self.SKIP + 2 * self.TRIALS:
+            medians = np.array([statistics.median(self.times[m]) for m in (False, True)])
+            if backend.size > 1:
+                medians = collectives.allreduce(medians, op="max", backend=backend)
+            self.chosen = bool(medians[1] < medians[0])
+        return self.mode != before

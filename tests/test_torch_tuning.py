@@ -1,0 +1,99 @@
+"""How `GradientSync` plans for overlap: a small first bucket, bucket sizes from the model's size,
+and the mode (communication thread or after backward) timed by its first steps and agreed by all
+ranks (`torch/_tuning.py`, issue 24)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _torch_common import gathered, global_batch, make_model, step_pair
+
+import dataparallel as dp
+from dataparallel.config import Settings
+from dataparallel.torch._buckets import FIRST_BUCKET_BYTES, assign, bucket_bytes_for
+from dataparallel.torch._tuning import ModeTrial
+
+MiB = 1 << 20
+
+
+def test_the_first_bucket_is_capped_and_the_others_are_not() -> None:
+    sizes = [4, 4, 4, 4, 4, 4]  # float32: 16 bytes each
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    buckets = assign(params, list(range(len(sizes))), bucket_bytes=48, first_bytes=16)
+    assert [b.members for b in buckets] == [[0], [1, 2, 3], [4, 5]]
+    # A first limit above the bucket size changes nothing.
+    same = assign(params, list(range(len(sizes))), bucket_bytes=48, first_bytes=1000)
+    assert [b.members for b in same] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_thread_buckets_are_an_eighth_of_the_model_within_limits() -> None:
+    settings = Settings()
+    assert bucket_bytes_for(False, 100 * MiB, settings) == settings.bucket_bytes
+    assert bucket_bytes_for(True, 2 * MiB, settings) == FIRST_BUCKET_BYTES  # never below 1 MiB
+    assert bucket_bytes_for(True, 16 * MiB, settings) == 2 * MiB
+    assert bucket_bytes_for(True, 1000 * MiB, settings) == settings.thread_bucket_bytes
+    small = Settings(bucket_bytes=4096, thread_bucket_bytes=4096)  # DATAPARALLEL_BUCKET_BYTES
+    assert bucket_bytes_for(True, 1000 * MiB, small) == 4096
+
+
+class _One:
+    size = 1
+
+
+def test_the_trial_alternates_the_modes_then_keeps_the_faster() -> None:
+    steps = ModeTrial.SKIP + 2 * ModeTrial.TRIALS
+    for thread_faster in (True, False):
+        trial, modes = ModeTrial(), []
+        for _ in range(steps + 2):
+            modes.append(trial.mode)
+            fast = trial.mode == thread_faster
+            trial.record(1.0 if fast else 2.0, _One())  # type: ignore[arg-type]
+        assert modes[: ModeTrial.SKIP] == [True] * ModeTrial.SKIP
+        assert modes[ModeTrial.SKIP : steps] == [False, True] * ModeTrial.TRIALS
+        assert modes[steps:] == [thread_faster] * 2
+        assert trial.chosen is thread_faster
+
+
+@pytest.mark.parametrize("wait_after_backward", [False, True], ids=["optimizer", "model"])
+def test_ranks_time_both_modes_and_the_slowest_rank_decides(
+    wait_after_backward: bool, rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 alone would keep reducing after backward, every other rank on the thread; the
+    slowest rank's medians decide, so every rank takes the thread, at the same step; the
+    gradients are averaged right in both modes and across the switches."""
+    model, reference = make_model(hidden=16), make_model(hidden=16)
+    if wait_after_backward:
+        wrapped: Any = dp.torch.DataParallelModel(model)
+        sync = wrapped.gradient_sync
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        wrapped = model
+        opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        sync = opt.gradient_sync
+    if sync._trial is None:
+        pytest.skip("no trial here: a world of one, or DATAPARALLEL_OVERLAP set")
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    record = sync._trial.record
+
+    def timed(_: float, backend: Any) -> bool:  # after backward: rank 0 fast, others slow
+        slow = sync.overlap if rank == 0 else not sync.overlap
+        return record(3.0 if slow and rank > 0 else (2.0 if slow else 1.0), backend)
+
+    monkeypatch.setattr(sync._trial, "record", timed)
+    modes, sizes = [], []
+    for step in range(ModeTrial.SKIP + 2 * ModeTrial.TRIALS + 2):
+        modes.append(sync.overlap)
+        sizes.append(sync.bucket_bytes)
+        x, y = global_batch(step)
+        step_pair(wrapped, opt, reference, ref_opt, x, y)
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want)
+    trial_steps = [True] * ModeTrial.SKIP + [False, True] * ModeTrial.TRIALS
+    assert modes == [*trial_steps, True, True]
+    assert sync._trial.chosen is True
+    after, thread = dp.world.current().settings.bucket_bytes, sizes[0]
+    assert sizes == [after if not m else thread for m in modes]
+    everyone = gathered([torch.tensor([float(m) for m in modes])])
+    assert all((theirs[0] == everyone[0][0]).all() for theirs in everyone)
