@@ -34,8 +34,8 @@ def choose(backend: str, init_method: str | None, settings: Settings) -> Backend
     `torch.distributed` is initialized (over its processes); else a world of one. NCCL's host
     fallback is chosen by the same rule.
 
-    >>> choose("auto", "tcp://h:1", Settings()), choose("auto", None, Settings())
-    ('gloo', 'single')
+    >>> choose("auto", "tcp://h:1", Settings()), choose("auto", "mpi", Settings())
+    ('gloo', 'mpi')
     """
     if backend not in ("auto", *BACKENDS):
         raise ValueError(
