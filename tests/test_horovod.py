@@ -225,26 +225,3 @@ def test_compression_and_sparse_as_dense(rank: int, size: int) -> None:
         expected[r % 6] += 1 / size
     expected[5] += 1.0
     torch.testing.assert_close(grad.to_dense(), expected)
-
-
-def test_ranks_may_wait_and_meet_the_barrier_in_either_order(rank: int, size: int) -> None:
-    """`allreduce_async; barrier; synchronize` on even ranks, `allreduce_async; synchronize;
-    barrier` on odd ones (issue 18.5): the barrier starts the queued allreduce first."""
-    handle = hvd.allreduce_async(torch.full((1000,), rank + 1.0), op=hvd.Sum)
-    if rank % 2 == 0:
-        hvd.barrier()
-        result = hvd.synchronize(handle)
-    else:
-        result = hvd.synchronize(handle)
-        hvd.barrier()
-    assert result.tolist() == [float(sum(r + 1 for r in range(size)))] * 1000
-    if size > 1:  # submitted on one side of the barrier here, on the other there: refused
-        with pytest.raises(dp.CollectiveMismatchError):
-            if rank == 0:
-                late = hvd.allreduce_async(torch.ones(3), op=hvd.Sum)
-                hvd.barrier()
-            else:
-                hvd.barrier()
-                late = hvd.allreduce_async(torch.ones(3), op=hvd.Sum)
-            hvd.synchronize(late)
-        hvd.barrier()

@@ -145,14 +145,7 @@ def join(device: int = -1) -> int:
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every process of the set has reached the barrier.
 
-    Operations queued with `*_async` are started first, in submission order, as by any blocking
-    operation, but not waited for (a Horovod barrier does not wait for them either): so a rank
-    may call `barrier()` before `synchronize(handle)` while another calls them the other way
-    round, provided both submitted the same operations before the barrier. If one of them fails
-    as it starts (`CollectiveMismatchError`: another rank made another call), the barrier raises
-    that error instead of making its own call, so the ranks stay in step.
+    Operations queued with `*_async` are not started by it (as in Horovod, a barrier does not
+    wait for them).
     """
-    error = _handles.flush()
-    if error is not None:
-        raise error
     collectives.barrier(group=group_of(process_set))

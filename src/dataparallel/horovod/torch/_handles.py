@@ -4,13 +4,13 @@ Horovod starts an operation when every rank has submitted it, matching operation
 background thread. Here an `*_async` call queues the operation and returns a handle (an int, as
 Horovod's) without communicating; queued operations start in submission order, the same on every
 rank, when this process next needs one of them: `synchronize(handle)`, `poll(handle)`, a
-blocking operation, `barrier()`, or `join()`. Starting is dataparallel's own call (`dp.iallreduce`,
+blocking operation, or `join()`. Starting is dataparallel's own call (`dp.iallreduce`,
 `dp.ibroadcast`, or a blocking collective where dataparallel has no non-blocking one).
 
 So ranks may submit and wait in different places, as with Horovod, as long as every rank submits
-the same operations in the same order. `barrier()` starts queued operations but does not wait
-for them (Horovod's barrier does not either). `poll()` on a handle still queued starts it and
-reports False (it had not completed when polled).
+the same operations in the same order. `barrier()` does not start queued operations (Horovod's
+barrier does not wait for them either). `poll()` on a handle still queued starts it and reports
+False (it had not completed when polled).
 
 Names: two operations of one kind in flight with the same `name` raise `ValueError`, as in
 Horovod; a name is free again once its operation has completed.
@@ -134,18 +134,14 @@ def _start(handle: int) -> None:
         op.error = error
 
 
-def flush(through: int | None = None) -> BaseException | None:
-    """Start the queued operations in order, up to `through` (default: all of them); return the
-    first error one of them raised as it started (it is raised again by its `synchronize`)."""
-    first: BaseException | None = None
+def flush(through: int | None = None) -> None:
+    """Start the queued operations in order, up to `through` (default: all of them)."""
     while _queue:
         handle = _queue.pop(0)
         if handle in _operations:
             _start(handle)
-            first = first or _operations[handle].error
         if handle == through:
-            break
-    return first
+            return
 
 
 def wait_started() -> None:
