@@ -234,6 +234,17 @@ def _is_segment(path: tuple[Any, ...], names: set[str]) -> bool:
     return isinstance(last, jax.tree_util.DictKey) and last.key in names
 
 
+def _state_leaves(
+    state: ShardedState, params: optax.Params, backend: Backend | None, group: Group | None
+) -> tuple[Backend, _Layout, set[str], list[tuple[Any, Any]], Any]:
+    """The engine, the parameters' layout, its dtype names and the state's leaves by path."""
+    chosen = backend_of(backend, group)
+    b = chosen if chosen is not None else world.current().backend
+    layout, _ = _layout(params, b.size)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner_state)
+    return b, layout, set(layout.dtypes), with_paths, treedef
+
+
 def consolidate_state(
     state: ShardedState,
     params: optax.Params,
@@ -247,11 +258,7 @@ def consolidate_state(
     The result's per-dtype vectors hold every item; `shard_state` cuts it again for any world
     size. `params` gives the layout (the same tree as at `init`).
     """
-    chosen = backend_of(backend, group)
-    b = chosen if chosen is not None else world.current().backend
-    layout, _ = _layout(params, b.size)
-    names = set(layout.dtypes)
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner_state)
+    b, layout, names, with_paths, treedef = _state_leaves(state, params, backend, group)
     out = []
     for path, leaf in with_paths:
         if _is_segment(path, names):
@@ -284,11 +291,7 @@ def shard_state(
             "shard_state expects the ShardedState from consolidate_state, got "
             f"{type(state).__module__}.{type(state).__qualname__}."
         )
-    chosen = backend_of(backend, group)
-    b = chosen if chosen is not None else world.current().backend
-    layout, _ = _layout(params, b.size)
-    names = set(layout.dtypes)
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner_state)
+    b, layout, names, with_paths, treedef = _state_leaves(state, params, backend, group)
     out = []
     for path, leaf in with_paths:
         if not _is_segment(path, names):
