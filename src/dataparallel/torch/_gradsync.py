@@ -151,11 +151,6 @@ class GradientSync:
         trainable = [(n, p) for n, p in params() if p.requires_grad]
         offload = offloadable(self.backend, private, on_host(trainable))
         forced = active.settings.overlap
-        if forced is None and active.settings.elastic_store is not None:
-            # An elastic run reduces after backward unless told otherwise: a worker lost while the
-            # thread's buckets are in flight could leave a survivor's thread waiting on another
-            # survivor in the dead world (docs/elastic.md).
-            forced = False
         # Thread or after backward: timed by the steps themselves where either can be (_tuning).
         self._trial = ModeTrial() if offload and forced is None and self.backend.size > 1 else None
         self.overlap = (
