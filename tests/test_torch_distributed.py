@@ -116,3 +116,13 @@ def test_run_under_mpi_gives_torchrun_variables(n: int) -> None:
         assert r["LOCAL_RANK"] == r["RANK"]  # one machine
     masters = {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in ranks}
     assert len(masters) == 1 and masters.pop()[1].isdigit(), done.stdout
+
+
+@needs_mpi
+def test_an_unresolvable_host_name_is_named_not_waited_on() -> None:
+    # torch's store would retry the name until its timeout (30 minutes): the ranks say so at once.
+    env = {"MASTER_ADDR": "no-such-host.invalid"}
+    done = run_job(["torch_alongside.py", "check"], launcher="mpiexec", env=env, cwd=SCRIPTS)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "rank 0's host name 'no-such-host.invalid' does not resolve" in done.stderr
+    assert "set MASTER_ADDR to an address of rank 0's host" in done.stderr

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
+from dataparallel.errors import DataParallelError
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -90,10 +91,22 @@ def _store(
         return single
     if backend.rank == 0:
         host = settings.master_addr or socket.gethostname()
+        try:  # torch's store retries an unknown name until its timeout: say so now instead
+            socket.getaddrinfo(host, None)
+        except OSError as e:
+            problem = (
+                f"torch.distributed alongside the world: rank 0's host name {host!r} does not "
+                f"resolve ({e}); set MASTER_ADDR to an address of rank 0's host that every rank "
+                "can reach, or DATAPARALLEL_TORCH_DISTRIBUTED=0 to go without torch's group"
+            )
+            backend.broadcast_object(problem, 0)
+            raise DataParallelError(problem) from e
         server = dist.TCPStore(host, 0, backend.size, True, timeout=wait, wait_for_workers=False)
         backend.broadcast_object((host, int(server.port)), 0)
         return server
     received = backend.broadcast_object(None, 0)
+    if isinstance(received, str):
+        raise DataParallelError(received)
     assert isinstance(received, tuple)
     host, port = received
     client: Store = dist.TCPStore(host, port, backend.size, False, timeout=wait)
