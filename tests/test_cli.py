@@ -328,10 +328,12 @@ def test_info_reports_mpi_frameworks_and_backends() -> None:
     done = run_job([*CLI, "info"], launcher="python", cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for section in ("dataparallel", "MPI", "frameworks", "engines", "backends"):
+    for section in ("dataparallel", "MPI", "frameworks", "engines", "launchers", "backends"):
         assert re.search(rf"^{section}$", out, re.M), section
     assert re.search(r"^  torch +\S", out, re.M)
     assert re.search(r"^  single +usable$", out, re.M)
+    assert re.search(r"^  Slurm +(srun at \S+, not in a job|not found)", out, re.M), out
+    assert re.search(r"^  this process +not started as a rank", out, re.M), out
     if importlib.util.find_spec("mpi4py") is not None:
         assert re.search(r"^  library +\S", out, re.M), out
         assert re.search(r"^  thread level +MPI_THREAD_\w+$", out, re.M), out

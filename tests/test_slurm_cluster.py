@@ -162,3 +162,20 @@ def test_an_sbatch_script_runs_dataparallel_run_without_n(tmp_path: Path) -> Non
     text = output.read_text() if output.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + text
     _one_world(text, 2, "mpi")
+
+
+def test_info_reports_the_job_and_the_task() -> None:
+    command = ["srun", "-n", "2", PYTHON, "-m", "dataparallel", "info"]
+    done = run_job(command, launcher=None, timeout=LIMIT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    slurm = re.findall(
+        r"^  Slurm +job \d+, 2 task\(s\) on \S+; step \d+, this is task (\d) ", done.stdout, re.M
+    )
+    assert sorted(slurm) == ["0", "1"], done.stdout
+    ranks = re.findall(r"^  this process +rank (\d) of 2, from Slurm's step$", done.stdout, re.M)
+    assert sorted(ranks) == ["0", "1"], done.stdout
+    under_mpi = [*command[:3], "--mpi=pmi2", *command[3:]]
+    done = run_job(under_mpi, launcher=None, timeout=LIMIT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("(PMI: pmi2)") == 2, done.stdout
+    assert done.stdout.count("started by an MPI launcher") == 2, done.stdout

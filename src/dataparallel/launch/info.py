@@ -261,6 +261,33 @@ def _probe_engines(report: Report) -> None:
     _guard(report, section, "GPUs", gpus)
 
 
+def _probe_launchers(report: Report) -> None:
+    import shutil
+
+    section = "launchers"
+    settings = Settings.from_env()
+    slurm = settings.slurm
+    srun = shutil.which("srun")
+    if slurm is None:
+        where = f"srun at {srun}, not in a job" if srun else "not found (no srun on PATH)"
+    else:
+        tasks = f"{slurm.ntasks} task(s)" if slurm.ntasks is not None else "tasks unknown"
+        nodes = f" on {slurm.nodelist}" if slurm.nodelist else ""
+        where = f"job {slurm.job_id}, {tasks}{nodes}"
+        if slurm.in_step:
+            where += f"; step {slurm.step_id}, this is task {slurm.procid}"
+            where += f" (PMI: {slurm.pmi})" if slurm.pmi else " (no PMI: Gloo, or srun --mpi=pmi2)"
+    report.add(section, "Slurm", where)
+    if settings.mpi_launched:
+        started = f"rank {settings.mpi_rank} of {settings.mpi_size}, started by an MPI launcher"
+    elif settings.rank is not None:
+        by = "Slurm's step" if "RANK" not in os.environ else "RANK and WORLD_SIZE (torchrun's)"
+        started = f"rank {settings.rank} of {settings.world_size}, from {by}"
+    else:
+        started = "not started as a rank (a world of one)"
+    report.add(section, "this process", started)
+
+
 def _probe_backends(report: Report) -> None:
     facts = report.facts
     reasons = {
@@ -278,7 +305,8 @@ def _probe_backends(report: Report) -> None:
 def collect() -> Report:
     """Probe the installation and return the report."""
     report = Report()
-    for probe in (_probe_python, _probe_mpi, _probe_frameworks, _probe_engines, _probe_backends):
+    probes = (_probe_python, _probe_mpi, _probe_frameworks, _probe_engines, _probe_launchers)
+    for probe in (*probes, _probe_backends):
         try:
             probe(report)
         except Exception as exc:  # the report goes on whatever one probe does
