@@ -142,19 +142,22 @@ def launch(args: argparse.Namespace, worker: list[str]) -> int:
     use_hvd = args.backend == "mpi" and (hvd / "python").exists()
     bindir = hvd if use_hvd else Path(sys.executable).parent
     python = str(bindir / "python")
+    link = Link()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT / "src"),
         "OMP_NUM_THREADS": "1",
         "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
         "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
+        # ... nor can torch.distributed's store, which dp makes beside MPI on rank 0's hostname
+        # unless told an address (without it rank 0 retried its own hostname for 30 minutes)
+        "MASTER_ADDR": link.addresses[0],
         "PYTHONUNBUFFERED": "1",
     }
     if args.backend != "mpi":
         print("Horovod not run: it runs beside dataparallel only when both use MPI")
     elif not use_hvd:
         print(f"Horovod not run: no venv at {args.hvd_venv} (../shared/peers/horovod/README.md)")
-    link = Link()
     try:
         with tempfile.TemporaryDirectory() as folder:
             launcher = link.launcher(Path(folder))
@@ -237,6 +240,8 @@ def work(args: argparse.Namespace) -> None:
             )
             warm += [(f"dp DistributedOptimizer {bits}", opt.gradient_sync)]
             warm += [(f"dp DataParallelModel {bits}", wrapped.gradient_sync)]
+            if args.variants:
+                cases |= variants(base, adam, batch, compression, bits)
             if horovod.hvd is not None:
                 theirs = copy.deepcopy(base)
                 with horovod:
@@ -264,6 +269,36 @@ def work(args: argparse.Namespace) -> None:
     if mpi:
         dist.destroy_process_group()
     dp.finalize()
+
+
+def variants(
+    base: Any, adam: Callable[[Any], Any], batch: Any, compression: Any, bits: str
+) -> dict[str, tuple[Callable[[], None], None]]:
+    """dp's `DistributedOptimizer` held on the communication thread, tested with pauses (as
+    now) and waiting in MPI (before issue 24's fix), to compare the two in one run."""
+    from train_step import trainer
+
+    import dataparallel as dp
+    from dataparallel.arrays import routes
+
+    cases: dict[str, tuple[Callable[[], None], None]] = {}
+    for name, pause in (("thread", routes.THREAD_PAUSE), ("thread, waits in MPI", 0.0)):
+        model = copy.deepcopy(base)
+        opt = dp.DistributedOptimizer(adam(model), compression=compression)
+        sync = opt.gradient_sync
+        sync._trial = None  # no trial: the thread at every step
+        sync._switch(True)
+        step = trainer(model, opt, batch)
+
+        def paused(step: Callable[[], None] = step, pause: float = pause) -> None:
+            kept, routes.THREAD_PAUSE = routes.THREAD_PAUSE, pause
+            try:
+                step()
+            finally:
+                routes.THREAD_PAUSE = kept
+
+        cases[f"dp DistributedOptimizer {bits} ({name})"] = (paused, None)
+    return cases
 
 
 def raw_cases(n: int, mpi: bool) -> dict[str, tuple[Callable[[], None], None]]:
@@ -333,6 +368,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per case per round")
     parser.add_argument("--tolerance", type=float, default=0.25, help="see train_step.measure")
+    parser.add_argument(
+        "--variants", action="store_true", help="dp on the thread, waiting in MPI or not"
+    )
     parser.add_argument("--hvd-venv", default="/work/hvdvenv", help="Horovod's own venv")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -347,6 +385,7 @@ def main() -> int:
     worker = ["--d", args.d, "--batch", str(args.batch), "--seq", str(args.seq)]
     worker += ["--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
+    worker += ["--variants"] if args.variants else []
     return launch(args, worker)
 
 

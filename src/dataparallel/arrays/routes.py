@@ -23,7 +23,10 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.arrays.worker import CommThread, Job
 from dataparallel.backends.base import Backend
 
-__all__ = ["Router"]
+__all__ = ["THREAD_PAUSE", "Router"]
+
+# Seconds the communication thread sleeps between tests of an MPI call (`Fusion._settle`).
+THREAD_PAUSE = 1e-4
 
 
 class Router:
@@ -56,6 +59,10 @@ class Router:
         one, on the communication thread when `offload` (and there is one)."""
         self.fusion = self.base if joined or self.private is None else self.private
         self.threaded = offload and not joined and self.thread is not None
+        # On the thread, an engine that progresses only inside its calls (MPI) is tested with
+        # pauses rather than waited in, which would spin a core backward needs (`Fusion._settle`).
+        spins = self.threaded and not self.fusion.backend.progresses
+        self.fusion.pause = THREAD_PAUSE if spins else 0.0
 
     def send(
         self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None
