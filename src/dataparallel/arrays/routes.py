@@ -4,11 +4,13 @@ A step's buckets travel on a private duplicate of the caller's engine (`World.pr
 collectives the program makes meanwhile on the world's engine never meet them, whichever thread
 makes each. They are made either on the caller's thread (non-blocking, one in flight: the hooks
 make them as backward goes, or all at its end), or on the communication thread
-(`arrays/worker.py`), which waits in the engine with the GIL released while autograd computes:
-Horovod's overlap. The choice is made per step and may differ between ranks (the private engine
-is the same, and each bucket is one non-blocking call either way), except for a step that a rank
-has joined (`dp.join`): the joined rank answers it on the world's engine, so every rank makes it
-there, on its caller's thread.
+(`arrays/worker.py`), which waits with the GIL released while autograd computes (Horovod's
+overlap): on an engine that progresses only inside its calls (MPI) by testing each call with
+pauses (`THREAD_PAUSE`), since waiting in MPICH spins a core that backward needs. The choice
+is made per step and may differ between ranks (the private engine is the same, and each bucket
+is one non-blocking call either way), except for a step that a rank has joined (`dp.join`): the
+joined rank answers it on the world's engine, so every rank makes it there, on its caller's
+thread.
 """
 
 from __future__ import annotations
