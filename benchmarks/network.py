@@ -1,7 +1,8 @@
 """Training across a real, shaped link: dataparallel beside Horovod and DDP, one rank per host.
 
 Run as root: `.venv/bin/python benchmarks/network.py [--rates none,10,2.5,1] [--d 256,512]`
-(`--backend gloo`: dataparallel on Gloo instead of MPI; Horovod then cannot run beside it).
+(`--backend gloo`: dataparallel on Gloo instead of MPI; Horovod then cannot run beside it;
+`--script thread_wait.py`: another MPI benchmark of this folder, run across the link instead).
 
 Builds two network namespaces joined by a veth pair (as `tests/test_multihost.py`), each with its
 own hostname, and shapes both directions with `tc qdisc add dev X root tbf rate R burst 1mb latency
@@ -164,7 +165,7 @@ def launch(args: argparse.Namespace, worker: list[str]) -> int:
             for name in args.rates.split(","):
                 link.shape(RATES[name])
                 print(f"\n## link: {RATES[name] or 'not shaped'}", flush=True)
-                script = [python, str(HERE / "network.py"), "--worker", *worker]
+                script = [python, *worker]
                 if args.backend == "mpi":
                     job = [str(bindir / "mpiexec"), "-hosts", ",".join(link.addresses),
                            "-launcher", "ssh", "-launcher-exec", str(launcher),
@@ -371,6 +372,9 @@ def main() -> int:
     parser.add_argument(
         "--variants", action="store_true", help="dp on the thread, waiting in MPI or not"
     )
+    parser.add_argument(
+        "--script", default="", help="run this benchmark of benchmarks/ (MPI) across the link"
+    )
     parser.add_argument("--hvd-venv", default="/work/hvdvenv", help="Horovod's own venv")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -382,7 +386,12 @@ def main() -> int:
         sys.path.insert(0, str(HERE))
         work(args)
         return 0
-    worker = ["--d", args.d, "--batch", str(args.batch), "--seq", str(args.seq)]
+    if args.script:  # another benchmark across the link (MPI), given the width
+        if args.backend != "mpi":
+            parser.error("--script runs an MPI benchmark: leave --backend at mpi")
+        return launch(args, [str(HERE / args.script), "--d", args.d])
+    worker = [str(HERE / "network.py"), "--worker", "--d", args.d]
+    worker += ["--batch", str(args.batch), "--seq", str(args.seq)]
     worker += ["--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
     worker += ["--variants"] if args.variants else []
