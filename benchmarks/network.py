@@ -333,6 +333,8 @@ def report(
 ) -> None:
     from train_step import ALONE
 
+    import dataparallel as dp
+
     alone = samples[ALONE]
     over = {}  # a step's overhead over the one process; a raw allreduce's own time
     for name, values in samples.items():
@@ -340,7 +342,8 @@ def report(
         over[name] = [s if raw else s - a for s, a in zip(values, alone, strict=True)]
     med = {name: statistics.median(values) for name, values in over.items()}
     print(
-        f"\nD={d}, {n / 1e6:.2f} M parameters, dp on {backend}; one process alone: "
+        f"\nD={d}, {n / 1e6:.2f} M parameters, dp on {backend} ({dp.local_size()} rank a "
+        f"node); one process alone: "
         f"{statistics.median(alone) * 1e3:.1f} ms a step, {len(alone)} rounds"
     )
     print("| case | overhead (median) | raw allreduce | hidden | rounds |")

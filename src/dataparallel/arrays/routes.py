@@ -6,11 +6,11 @@ makes each. They are made either on the caller's thread (non-blocking, one in fl
 make them as backward goes, or all at its end), or on the communication thread
 (`arrays/worker.py`), which waits with the GIL released while autograd computes (Horovod's
 overlap): on an engine that progresses only inside its calls (MPI) by testing each call with
-pauses (`THREAD_PAUSE`), since waiting in MPICH spins a core that backward needs. The choice
-is made per step and may differ between ranks (the private engine is the same, and each bucket
-is one non-blocking call either way), except for a step that a rank has joined (`dp.join`): the
-joined rank answers it on the world's engine, so every rank makes it there, on its caller's
-thread.
+pauses (`THREAD_PAUSE`) where some ranks are on other nodes, since waiting in MPICH spins a
+core that backward needs. The choice is made per step and may differ between ranks (the private
+engine is the same, and each bucket is one non-blocking call either way), except for a step that
+a rank has joined (`dp.join`): the joined rank answers it on the world's engine, so every rank
+makes it there, on its caller's thread.
 """
 
 from __future__ import annotations
@@ -62,9 +62,13 @@ class Router:
         self.fusion = self.base if joined or self.private is None else self.private
         self.threaded = offload and not joined and self.thread is not None
         # On the thread, an engine that progresses only inside its calls (MPI) is tested with
-        # pauses rather than waited in, which would spin a core backward needs (`Fusion._settle`).
-        spins = self.threaded and not self.fusion.backend.progresses
-        self.fusion.pause = THREAD_PAUSE if spins else 0.0
+        # pauses rather than waited in, which would spin a core backward needs (`Fusion._settle`),
+        # where some ranks are on other nodes: the wait is on the wire. On one node the waiting
+        # is shared-memory copying, which pauses only delay (DATAPARALLEL_OVERLAP=1 there, 2
+        # ranks: 9.2 ms of overhead a step with pauses, 6.9 without; benchmarks/NOTES.md).
+        engine = self.fusion.backend
+        wire = self.threaded and not engine.progresses and engine.local_size < engine.size
+        self.fusion.pause = THREAD_PAUSE if wire else 0.0
 
     def send(
         self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None
