@@ -64,8 +64,7 @@ class Router:
         # On the thread, an engine that progresses only inside its calls (MPI) is tested with
         # pauses rather than waited in, which would spin a core backward needs (`Fusion._settle`),
         # where some ranks are on other nodes: the wait is on the wire. On one node the waiting
-        # is shared-memory copying, which pauses only delay (DATAPARALLEL_OVERLAP=1 there, 2
-        # ranks: 9.2 ms of overhead a step with pauses, 6.9 without; benchmarks/NOTES.md).
+        # is shared-memory copying, which pauses can only delay: it is left as it was.
         engine = self.fusion.backend
         wire = self.threaded and not engine.progresses and engine.local_size < engine.size
         self.fusion.pause = THREAD_PAUSE if wire else 0.0
