@@ -275,15 +275,16 @@ def work(args: argparse.Namespace) -> None:
 def variants(
     base: Any, adam: Callable[[Any], Any], batch: Any, compression: Any, bits: str
 ) -> dict[str, tuple[Callable[[], None], None]]:
-    """dp's `DistributedOptimizer` held on the communication thread, tested with pauses (as
-    now) and waiting in MPI (before issue 24's fix), to compare the two in one run."""
+    """dp's `DistributedOptimizer` held on the communication thread as now, and as before issue
+    24's fixes (on MPI: waiting in MPI, not testing with pauses; on Gloo: one call in flight)."""
     from train_step import trainer
 
     import dataparallel as dp
     from dataparallel.arrays import routes
 
     cases: dict[str, tuple[Callable[[], None], None]] = {}
-    for name, pause in (("thread", routes.THREAD_PAUSE), ("thread, waits in MPI", 0.0)):
+    before = "waits in MPI" if dp.get_backend().name == "mpi" else "one call in flight"
+    for name, pause in (("thread", routes.THREAD_PAUSE), (f"thread, {before}", 0.0)):
         model = copy.deepcopy(base)
         opt = dp.DistributedOptimizer(adam(model), compression=compression)
         sync = opt.gradient_sync
@@ -292,11 +293,12 @@ def variants(
         step = trainer(model, opt, batch)
 
         def paused(step: Callable[[], None] = step, pause: float = pause) -> None:
-            kept, routes.THREAD_PAUSE = routes.THREAD_PAUSE, pause
+            kept = routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT
+            routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT = pause, pause > 0
             try:
                 step()
             finally:
-                routes.THREAD_PAUSE = kept
+                routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT = kept
 
         cases[f"dp DistributedOptimizer {bits} ({name})"] = (paused, None)
     return cases

@@ -29,6 +29,8 @@ __all__ = ["THREAD_PAUSE", "Router"]
 
 # Seconds the communication thread sleeps between tests of an MPI call (`Fusion._settle`).
 THREAD_PAUSE = 1e-4
+# Whether the thread leaves calls in flight on engines that progress by themselves (`_land`).
+LEAVE_IN_FLIGHT = True
 
 
 class Router:
@@ -87,12 +89,20 @@ class Router:
             fusion.add(extra, "float32", HOST_KEY)
 
     def _land(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
-        """On the thread: send, wait in the engine (GIL released), write the results."""
+        """On the thread: send, wait in the engine (GIL released), write the results.
+
+        On an engine that moves calls on by itself (Gloo, NCCL) the call is left in flight, as
+        DDP leaves its buckets: the next bucket's launch lands it (`fusion.MAX_IN_FLIGHT`),
+        `finish` the last, so the link never waits for a bucket's results to be written.
+        """
         if self._failed:  # the other ranks' calls no longer line up with this rank's
             raise RuntimeError("an earlier bucket of this step failed")  # finish() raises that
         try:
             self._add(leaves, extra)
-            self.fusion.wait()
+            if LEAVE_IN_FLIGHT and self.fusion.backend.progresses:
+                self.fusion.flush()
+            else:
+                self.fusion.wait()
         except BaseException:
             self._failed = True
             raise
