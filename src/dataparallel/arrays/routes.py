@@ -25,7 +25,7 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.arrays.worker import CommThread, Job
 from dataparallel.backends.base import Backend
 
-__all__ = ["THREAD_PAUSE", "Router"]
+__all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "Router"]
 
 # Seconds the communication thread sleeps between tests of an MPI call (`Fusion._settle`).
 THREAD_PAUSE = 1e-4
