@@ -1,7 +1,8 @@
 """Training across a real, shaped link: dataparallel beside Horovod and DDP, one rank per host.
 
 Run as root: `.venv/bin/python benchmarks/network.py [--rates none,10,2.5,1] [--d 256,512]`
-(`--backend gloo`: dataparallel on Gloo instead of MPI; Horovod then cannot run beside it).
+(`--backend gloo`: dataparallel on Gloo instead of MPI; Horovod then cannot run beside it;
+`--script thread_wait.py`: another MPI benchmark of this folder, run across the link instead).
 
 Builds two network namespaces joined by a veth pair (as `tests/test_multihost.py`), each with its
 own hostname, and shapes both directions with `tc qdisc add dev X root tbf rate R burst 1mb latency
@@ -142,26 +143,29 @@ def launch(args: argparse.Namespace, worker: list[str]) -> int:
     use_hvd = args.backend == "mpi" and (hvd / "python").exists()
     bindir = hvd if use_hvd else Path(sys.executable).parent
     python = str(bindir / "python")
+    link = Link()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT / "src"),
         "OMP_NUM_THREADS": "1",
         "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
         "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
+        # ... nor can torch.distributed's store, which dp makes beside MPI on rank 0's hostname
+        # unless told an address (without it rank 0 retried its own hostname for 30 minutes)
+        "MASTER_ADDR": link.addresses[0],
         "PYTHONUNBUFFERED": "1",
     }
     if args.backend != "mpi":
         print("Horovod not run: it runs beside dataparallel only when both use MPI")
     elif not use_hvd:
         print(f"Horovod not run: no venv at {args.hvd_venv} (../shared/peers/horovod/README.md)")
-    link = Link()
     try:
         with tempfile.TemporaryDirectory() as folder:
             launcher = link.launcher(Path(folder))
             for name in args.rates.split(","):
                 link.shape(RATES[name])
                 print(f"\n## link: {RATES[name] or 'not shaped'}", flush=True)
-                script = [python, str(HERE / "network.py"), "--worker", *worker]
+                script = [python, *worker]
                 if args.backend == "mpi":
                     job = [str(bindir / "mpiexec"), "-hosts", ",".join(link.addresses),
                            "-launcher", "ssh", "-launcher-exec", str(launcher),
@@ -237,6 +241,8 @@ def work(args: argparse.Namespace) -> None:
             )
             warm += [(f"dp DistributedOptimizer {bits}", opt.gradient_sync)]
             warm += [(f"dp DataParallelModel {bits}", wrapped.gradient_sync)]
+            if args.variants:
+                cases |= variants(base, adam, batch, compression, bits)
             if horovod.hvd is not None:
                 theirs = copy.deepcopy(base)
                 with horovod:
@@ -264,6 +270,38 @@ def work(args: argparse.Namespace) -> None:
     if mpi:
         dist.destroy_process_group()
     dp.finalize()
+
+
+def variants(
+    base: Any, adam: Callable[[Any], Any], batch: Any, compression: Any, bits: str
+) -> dict[str, tuple[Callable[[], None], None]]:
+    """dp's `DistributedOptimizer` held on the communication thread as now, and as before issue
+    24's fixes (on MPI: waiting in MPI, not testing with pauses; on Gloo: one call in flight)."""
+    from train_step import trainer
+
+    import dataparallel as dp
+    from dataparallel.arrays import routes
+
+    cases: dict[str, tuple[Callable[[], None], None]] = {}
+    before = "waits in MPI" if dp.get_backend().name == "mpi" else "one call in flight"
+    for name, pause in (("thread", routes.THREAD_PAUSE), (f"thread, {before}", 0.0)):
+        model = copy.deepcopy(base)
+        opt = dp.DistributedOptimizer(adam(model), compression=compression)
+        sync = opt.gradient_sync
+        sync._trial = None  # no trial: the thread at every step
+        sync._switch(True)
+        step = trainer(model, opt, batch)
+
+        def paused(step: Callable[[], None] = step, pause: float = pause) -> None:
+            kept = routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT
+            routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT = pause, pause > 0
+            try:
+                step()
+            finally:
+                routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT = kept
+
+        cases[f"dp DistributedOptimizer {bits} ({name})"] = (paused, None)
+    return cases
 
 
 def raw_cases(n: int, mpi: bool) -> dict[str, tuple[Callable[[], None], None]]:
@@ -297,6 +335,8 @@ def report(
 ) -> None:
     from train_step import ALONE
 
+    import dataparallel as dp
+
     alone = samples[ALONE]
     over = {}  # a step's overhead over the one process; a raw allreduce's own time
     for name, values in samples.items():
@@ -304,7 +344,8 @@ def report(
         over[name] = [s if raw else s - a for s, a in zip(values, alone, strict=True)]
     med = {name: statistics.median(values) for name, values in over.items()}
     print(
-        f"\nD={d}, {n / 1e6:.2f} M parameters, dp on {backend}; one process alone: "
+        f"\nD={d}, {n / 1e6:.2f} M parameters, dp on {backend} ({dp.local_size()} rank a "
+        f"node); one process alone: "
         f"{statistics.median(alone) * 1e3:.1f} ms a step, {len(alone)} rounds"
     )
     print("| case | overhead (median) | raw allreduce | hidden | rounds |")
@@ -333,6 +374,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per case per round")
     parser.add_argument("--tolerance", type=float, default=0.25, help="see train_step.measure")
+    parser.add_argument(
+        "--variants", action="store_true", help="dp on the thread, waiting in MPI or not"
+    )
+    parser.add_argument(
+        "--script", default="", help="run this benchmark of benchmarks/ (MPI) across the link"
+    )
     parser.add_argument("--hvd-venv", default="/work/hvdvenv", help="Horovod's own venv")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -344,9 +391,15 @@ def main() -> int:
         sys.path.insert(0, str(HERE))
         work(args)
         return 0
-    worker = ["--d", args.d, "--batch", str(args.batch), "--seq", str(args.seq)]
+    if args.script:  # another benchmark across the link (MPI), given the width
+        if args.backend != "mpi":
+            parser.error("--script runs an MPI benchmark: leave --backend at mpi")
+        return launch(args, [str(HERE / args.script), "--d", args.d])
+    worker = [str(HERE / "network.py"), "--worker", "--d", args.d]
+    worker += ["--batch", str(args.batch), "--seq", str(args.seq)]
     worker += ["--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
+    worker += ["--variants"] if args.variants else []
     return launch(args, worker)
 
 

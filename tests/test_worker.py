@@ -13,8 +13,11 @@ import torch
 from _torch_common import global_batch, loss_of, make_model, share, step_pair
 
 import dataparallel as dp
+from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.routes import THREAD_PAUSE
 from dataparallel.arrays.worker import CommThread
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.errors import CollectiveTimeoutError
 
 
@@ -93,3 +96,66 @@ def test_an_engine_error_on_the_thread_is_raised_by_step_and_the_next_step_works
     step_pair(model, opt, reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("nodes", ["one node", "several nodes"])
+def test_on_the_thread_mpi_calls_across_nodes_are_tested_with_pauses(
+    world: Backend, monkeypatch: pytest.MonkeyPatch, nodes: str
+) -> None:
+    # MPICH's wait spins a core of system calls, the core backward computes on (issue 24); over
+    # shared memory (one node) the waiting is copying, and the thread waits in MPI as before.
+    opt, model = overlapping_step(world)
+    engine = opt.gradient_sync.bucket_backend
+    if nodes == "several nodes":  # as if every rank were alone on its node
+        monkeypatch.setattr(engine, "local_size", 1)
+    settled: list[float] = []
+    settle = Fusion._settle
+
+    def recording(self: Fusion, request: Any) -> None:
+        settled.append(self.pause)
+        settle(self, request)
+
+    monkeypatch.setattr(Fusion, "_settle", recording)
+    reference = make_model(hidden=16)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        step_pair(model, opt, reference, reference_opt, *global_batch(step))
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    # Gloo's wait does not spin: its calls are waited for in Gloo on any number of nodes.
+    wire = world.size > 1 and world.name == "mpi" and nodes == "several nodes"
+    if wire:
+        assert settled == [THREAD_PAUSE] * len(settled)
+        assert len(settled) >= opt.gradient_sync.calls > 0
+    else:
+        assert settled == []
+
+
+class _Late:
+    """A call in flight that completes at its `after`-th test (never, for None)."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after, self.tests = after, 0
+
+    def test(self) -> bool:
+        self.tests += 1
+        return self.after is not None and self.tests >= self.after
+
+    def wait(self) -> None:  # pragma: no cover - _settle never waits
+        raise AssertionError("_settle waited in the engine")
+
+
+def test_a_call_is_tested_until_it_completes_or_the_engines_timeout_passes(
+    world: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fusion = Fusion(world, Reduction(ReduceOp.SUM), bucket_bytes=1024)
+    fusion.pause = 1e-6
+    late = _Late(3)
+    fusion._settle(late)
+    assert late.tests == 3
+    # With a timeout, a call that never completes is handed back to the engine's own wait
+    # (which raises CollectiveTimeoutError) instead of being tested forever.
+    monkeypatch.setattr(world, "timeout", 0.0, raising=False)
+    never = _Late(None)
+    fusion._settle(never)
+    assert never.tests >= 1

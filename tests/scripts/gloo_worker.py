@@ -12,6 +12,9 @@ Scenarios:
   timeout  the last rank sleeps past the timeout; the others report what their allreduce raised
   existing torch.distributed is initialized first (by "the user"); dp works beside it, and
            `dp.finalize()` leaves the user's group usable; prints `RESULT {json}`
+  train    3 steps of a DistributedOptimizer on the communication thread (run it with
+           DATAPARALLEL_OVERLAP=1), checked against one model trained on every rank's batch;
+           prints `RESULT {json}` with the largest difference and the thread's pause
 
 With --meet DIR (and --rank, --world-size), each rank imports torch.distributed, notes DIR/R, and
 waits for every rank's note before `dp.initialize()`: a short DATAPARALLEL_TIMEOUT then covers
@@ -35,7 +38,9 @@ BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=("basic", "engine", "abort", "timeout", "existing"))
+    parser.add_argument(
+        "scenario", choices=("basic", "engine", "abort", "timeout", "existing", "train")
+    )
     parser.add_argument("--init-method")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world-size", type=int)
@@ -66,6 +71,9 @@ def main() -> None:
         }
         sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: launchers may interleave
         sys.stdout.flush()
+    elif args.scenario == "train":
+        sys.stdout.write(f"RESULT {json.dumps(train(backend.rank, backend.size))}\n")
+        sys.stdout.flush()
     elif args.scenario == "engine":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from gloo_engine import check_engine
@@ -90,6 +98,32 @@ def main() -> None:
         os._exit(1)
     if not args.no_finalize:
         dp.finalize()
+
+
+def train(rank: int, size: int) -> dict[str, object]:
+    """Train one model on this rank's batches and one on all ranks' batches; compare them."""
+    import torch
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(32, 512), torch.nn.Tanh(), torch.nn.Linear(512, 4)]
+        return torch.nn.Sequential(*layers)
+
+    ours, whole = model(), model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), bucket_bytes=1 << 14)
+    reference = torch.optim.SGD(whole.parameters(), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * size, 32, generator=g), torch.randn(4 * size, 4, generator=g)
+        mine = slice(4 * rank, 4 * rank + 4)
+        for m, o, xs, ys in ((ours, opt, x[mine], y[mine]), (whole, reference, x, y)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(xs), ys).backward()
+            o.step()
+    pairs = zip(ours.parameters(), whole.parameters(), strict=True)
+    diff = max(float((a - b).abs().max()) for a, b in pairs)
+    sync = opt.gradient_sync
+    return {"rank": rank, "diff": diff, "overlap": sync.overlap, "pause": sync._router.fusion.pause}
 
 
 def meet(folder: str, rank: int, world_size: int) -> None:

@@ -21,6 +21,7 @@ The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducesca
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Hashable
 from typing import TypeAlias, cast
 
@@ -41,7 +42,7 @@ from dataparallel.arrays.flight import Deliver, Flight
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.segments import layout_of
 from dataparallel.arrays.trace import Timeline
-from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.types import WireDtype
 
 __all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion"]
@@ -112,6 +113,9 @@ class Fusion:
         self._leaves: list[Staged] = []
         self._read_only: dict[int, Deliver] = {}  # id of a read-only work packed -> its deliver
         self.calls = 0  # communication calls made (observable for tests and the timeline)
+        # Seconds between tests of a call in flight while waiting for it (`_settle`); 0: wait in
+        # the engine. Set by the communication thread's steps on MPI (`routes.Router.begin`).
+        self.pause = 0.0
         # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
         # array), so that a caller can check that every rank is about to make the same calls.
         self.before_launch: Callable[[list[tuple[str, int]]], None] | None = None
@@ -414,8 +418,26 @@ class Fusion:
             return rank != action.root
         return isinstance(action, (Scatter, Exchange)) or action.root is None or action.root == rank
 
+    def _settle(self, request: Handle) -> None:
+        """Wait for `request` by testing it every `pause` seconds, sleeping in between.
+
+        MPICH waits by polling its sockets without pause, a core's worth of system calls; on the
+        communication thread that core is the one backward computes on wherever a rank has no
+        spare core (issue 24). Each test moves the call along, and the kernel's socket buffers
+        keep the link busy between tests. Past the engine's timeout (`DATAPARALLEL_TIMEOUT`) it
+        waits in the engine, which raises after that timeout again.
+        """
+        limit = getattr(self.backend, "timeout", None)
+        deadline = None if limit is None else time.monotonic() + limit
+        while not request.test():
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            time.sleep(self.pause)
+
     def _land(self, flight: Flight) -> None:
         if flight.request is not None:
+            if self.pause:
+                self._settle(flight.request)
             flight.request.wait()
         timeline = self.timeline
         if timeline is not None:

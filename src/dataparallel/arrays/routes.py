@@ -4,11 +4,13 @@ A step's buckets travel on a private duplicate of the caller's engine (`World.pr
 collectives the program makes meanwhile on the world's engine never meet them, whichever thread
 makes each. They are made either on the caller's thread (non-blocking, one in flight: the hooks
 make them as backward goes, or all at its end), or on the communication thread
-(`arrays/worker.py`), which waits in the engine with the GIL released while autograd computes:
-Horovod's overlap. The choice is made per step and may differ between ranks (the private engine
-is the same, and each bucket is one non-blocking call either way), except for a step that a rank
-has joined (`dp.join`): the joined rank answers it on the world's engine, so every rank makes it
-there, on its caller's thread.
+(`arrays/worker.py`), which waits with the GIL released while autograd computes (Horovod's
+overlap): on an engine that progresses only inside its calls (MPI) by testing each call with
+pauses (`THREAD_PAUSE`) where some ranks are on other nodes, since waiting in MPICH spins a
+core that backward needs. The choice is made per step and may differ between ranks (the private
+engine is the same, and each bucket is one non-blocking call either way), except for a step that
+a rank has joined (`dp.join`): the joined rank answers it on the world's engine, so every rank
+makes it there, on its caller's thread.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.arrays.worker import CommThread, Job
 from dataparallel.backends.base import Backend
 
-__all__ = ["Router"]
+__all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "Router"]
+
+# Seconds the communication thread sleeps between tests of an MPI call (`Fusion._settle`).
+THREAD_PAUSE = 1e-4
+# Whether the thread leaves calls in flight on engines that progress by themselves (`_land`).
+LEAVE_IN_FLIGHT = True
 
 
 class Router:
@@ -56,6 +63,13 @@ class Router:
         one, on the communication thread when `offload` (and there is one)."""
         self.fusion = self.base if joined or self.private is None else self.private
         self.threaded = offload and not joined and self.thread is not None
+        # On the thread, an engine that progresses only inside its calls (MPI) is tested with
+        # pauses rather than waited in, which would spin a core backward needs (`Fusion._settle`),
+        # where some ranks are on other nodes: the wait is on the wire. On one node the waiting
+        # is shared-memory copying, which pauses can only delay: it is left as it was.
+        engine = self.fusion.backend
+        wire = self.threaded and not engine.progresses and engine.local_size < engine.size
+        self.fusion.pause = THREAD_PAUSE if wire else 0.0
 
     def send(
         self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None
@@ -75,12 +89,20 @@ class Router:
             fusion.add(extra, "float32", HOST_KEY)
 
     def _land(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
-        """On the thread: send, wait in the engine (GIL released), write the results."""
+        """On the thread: send, wait in the engine (GIL released), write the results.
+
+        On an engine that moves calls on by itself (Gloo, NCCL) the call is left in flight, as
+        DDP leaves its buckets: the next bucket's launch lands it (`fusion.MAX_IN_FLIGHT`),
+        `finish` the last, so the link never waits for a bucket's results to be written.
+        """
         if self._failed:  # the other ranks' calls no longer line up with this rank's
             raise RuntimeError("an earlier bucket of this step failed")  # finish() raises that
         try:
             self._add(leaves, extra)
-            self.fusion.wait()
+            if LEAVE_IN_FLIGHT and self.fusion.backend.progresses:
+                self.fusion.flush()
+            else:
+                self.fusion.wait()
         except BaseException:
             self._failed = True
             raise

@@ -3,9 +3,11 @@ the private engines such calls go on (`Privates`), closed by `dp.finalize()`.
 
 Horovod's background thread, reduced to what dataparallel needs: the gradient hooks of
 `GradientSync` hand each ready bucket over (`submit`) and return at once; the thread packs it,
-waits for the collective inside MPI or Gloo with the GIL released, and unpacks it, while
-autograd keeps computing. Every rank submits the same jobs in the same order, and the thread
-runs them in that order, so the calls stay aligned across ranks.
+waits for the collective with the GIL released (on MPI across nodes testing it with pauses,
+`Fusion._settle`; on Gloo leaving it in flight while the next one starts), and unpacks it,
+while autograd keeps computing. Every rank submits the
+same jobs in the same order, and the thread runs them in that order, so the calls stay aligned
+across ranks.
 
 What a job raises is kept on it and re-raised by `Job.wait()` on the caller's thread, so nothing
 is lost; the jobs after it still run (a caller whose later jobs depend on an earlier one skips
