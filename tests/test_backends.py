@@ -74,6 +74,28 @@ def test_allgatherv_uneven_counts(world: Backend, rank: int, size: int) -> None:
     np.testing.assert_array_equal(recv, np.concatenate([np.full(r, float(r)) for r in range(size)]))
 
 
+def test_several_nonblocking_allgathers_and_reduce_scatters_in_flight(
+    world: Backend, rank: int, size: int
+) -> None:
+    """Started one after another, waited in reverse: each lands in its own buffers."""
+    sends = [np.full(3, float(10 * k + rank), np.float32) for k in range(4)]
+    gathered = [np.zeros(3 * size, np.float32) for _ in sends]
+    counts = [2] * size
+    scattered = [np.zeros(2, np.float32) for _ in sends]
+    rows = [np.arange(2 * size, dtype=np.float32) + k for k in range(4)]
+    handles = [world.iallgather(s, g) for s, g in zip(sends, gathered, strict=True)]
+    handles += [
+        world.ireduce_scatter(r, s, counts, ReduceOp.SUM)
+        for r, s in zip(rows, scattered, strict=True)
+    ]
+    for handle in reversed(handles):
+        handle.wait()
+    for k in range(4):
+        want = np.repeat(np.arange(size, dtype=np.float32) + 10 * k, 3)
+        np.testing.assert_array_equal(gathered[k], want)
+        np.testing.assert_array_equal(scattered[k], size * (rows[k][2 * rank : 2 * rank + 2]))
+
+
 def test_objects(world: Backend, rank: int, size: int) -> None:
     for root in range(size):
         assert world.broadcast_object({"from": rank}, root) == {"from": root}

@@ -8,6 +8,8 @@ gathered before asserting, so a failure on one rank cannot leave the others wait
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,10 +19,13 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
 
+from _jobs import run_job  # noqa: E402
 from test_optax import OPTIMIZERS, STEPS, assert_same_on_every_rank, problem, share, train  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.jax import ShardedState, consolidate_state, shard_state  # noqa: E402
+
+RESUME = Path(__file__).parent / "scripts" / "optax_sharded_resume.py"
 
 
 def close(a: Any, b: Any, tol: float = 1e-5) -> None:
@@ -108,3 +113,30 @@ def _single() -> Any:
     from dataparallel.backends.single import SingleBackend
 
     return SingleBackend.create()
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_checkpoints_move_between_world_sizes(backend: str, tmp_path: Path) -> None:
+    """3 ranks save; 2 load and go on; then 1; then 4; the end matches one process throughout:
+    its parameters, and its consolidated state (a world of one's sharded state)."""
+    previous, steps = "-", 0
+    for ranks in (3, 2, 1, 4):
+        saved = tmp_path / f"after-{ranks}.pkl"
+        job = run_job(
+            [RESUME, previous, saved, "2"],
+            ranks=ranks,
+            backend=backend,
+            job_timeout=150,
+            timeout=200,
+        )
+        assert job.returncode == 0, job.stdout + job.stderr
+        previous, steps = str(saved), steps + 2
+    final = pickle.loads(Path(previous).read_bytes())
+    assert final["sizes"] == [3, 2, 1, 4]
+    params, x, y = problem()
+    want, _ = train(optax.adam(1e-2), params, x, y, steps, jit=True)
+    close(final["params"], want)
+    one = dp.DistributedOptimizer(optax.adam(1e-2), shard_state=True, backend=_single())
+    _, want_state = train(one, params, x, y, steps, jit=False)
+    close(final["state"], want_state)

@@ -250,6 +250,11 @@ class Backend(ABC):
         items = send.items if isinstance(send, DeviceBuffer) else len(send)
         self.allgatherv(send, recv, [items] * self.size)
 
+    def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
+        """Start `allgather` without blocking (default: it runs to completion at once)."""
+        self.allgather(send, recv)
+        return DoneHandle()
+
     def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
         """Reduce `send` across all ranks; this rank keeps its segment of the result in `recv`.
 

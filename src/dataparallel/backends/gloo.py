@@ -150,7 +150,7 @@ class GlooBackend(GlooExchange, Backend):
             hosts = self.allgather_object(socket.gethostname())
             local = (hosts[: self.rank].count(hosts[self.rank]), hosts.count(hosts[self.rank]))
         self.local_rank, self.local_size = local
-        self._ops = {
+        self._ops: dict[ReduceOp, object] = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
             ReduceOp.PROD: dist.ReduceOp.PRODUCT,
             ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -294,6 +294,37 @@ class GlooBackend(GlooExchange, Backend):
         tensor = self._torch.from_numpy(raw)
         work = self._start("ibroadcast", self._dist.broadcast, tensor, src=self._global(root))
         return _GlooHandle(self, work, (raw, tensor), None)
+
+    def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
+        """Equal counts: Gloo's flat allgather, straight into `recv`, on Gloo's threads."""
+        send, recv = flat(send, "iallgather"), writable(flat(recv, "iallgather"), "iallgather")
+        raw_send, raw_recv = send.view(np.uint8), recv.view(np.uint8)
+        if raw_recv.size < raw_send.size * self.size:
+            raise ValueError(
+                f"GlooBackend.iallgather on rank {self.rank}: recv holds {recv.size} items, "
+                f"fewer than {self.size} x the {send.size} items sent."
+            )
+        if raw_send.size == 0:
+            return DoneHandle()
+        torch = self._torch
+        source = torch.from_numpy(raw_send if raw_send.flags.writeable else raw_send.copy())
+        target = torch.from_numpy(raw_recv[: raw_send.size * self.size])
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        work = self._call_tensors("iallgather", gather, target, source, async_op=True)
+        return _GlooHandle(self, work, (source, target), None)
+
+    def ireduce_scatter(
+        self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
+    ) -> Handle:
+        """On Gloo's threads (`GlooExchange._scatter_plan`); dtypes Gloo cannot reduce are
+        reduced at once."""
+        plan = self._scatter_plan(send, recv, counts, op)
+        if plan is None:
+            return DoneHandle()
+        work = self._call_tensors(
+            "ireduce_scatter", self._dist.all_to_all_single, *plan.args, async_op=True
+        )
+        return _GlooHandle(self, work, plan.args, plan.finish)
 
     def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         send, recv = flat(send, "allgatherv"), writable(flat(recv, "allgatherv"), "allgatherv")

@@ -292,6 +292,10 @@ class MPIBackend(Backend):
         else:
             _wait(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
 
+    def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
+        self._board.tick()
+        return _MPIHandle(self.comm.Iallgather(send, recv), self.timeout, "iallgather", self.rank)
+
     def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
         self._board.tick()
         mpi_op, comm = self._ops[op], self.comm

@@ -272,19 +272,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _allgather(self) -> None:
-        """Bring every rank's updated segments to every rank: one allgather per bucket."""
+        """Bring every rank's updated segments to every rank: one allgather per bucket, all
+        started at once (Gloo's threads move them together), then all waited for."""
         size = self.backend.size
         if size == 1:
             return  # the pieces are views of the parameters: nothing to bring
+        flights = []
         for bucket in self._buckets:
             data = self._flats[bucket.flat].data
             item = data.element_size()
             raw = data.view(torch.uint8)  # any dtype, as bytes
             lo, hi = bucket.mine
             send = raw[lo * item : hi * item].clone()  # segments are equal: a plain allgather
-            self.backend.allgather(
-                send.numpy(), raw[bucket.start * item : bucket.stop * item].numpy()
-            )
+            recv = raw[bucket.start * item : bucket.stop * item]
+            flights.append((self.backend.iallgather(send.numpy(), recv.numpy()), send))
+        for handle, _ in flights:
+            handle.wait()
 
     def _end_step(self) -> None:
         for pieces in self._pieces:

@@ -273,8 +273,13 @@ class GradientShards:
         self.check()
         if self._queued:  # a pass still running: not expected between backward and step
             self._end_of_pass()
+        had = self.had.copy()  # final: every bucket has been launched
+        if self.backend.size > 1 and self.backend.progresses:  # travels beside the last buckets
+            flags = self.backend.iallreduce(had, ReduceOp.MAX)
+            self.land()
+            flags.wait()
+            return had
         self.land()
-        had = self.had.copy()
         if self.backend.size > 1:
             self.backend.allreduce(had, ReduceOp.MAX)
         return had
