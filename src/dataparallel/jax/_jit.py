@@ -50,14 +50,22 @@ from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
 from dataparallel.errors import CollectiveMismatchError
+from dataparallel.jax._ffi import Reduce, ffi_reason, reduce_ffi
 from dataparallel.protocol import digest, handshake
 from dataparallel.types import Op
 
-__all__ = ["Packed", "Route", "allreduce_traced", "general", "mpi4jax_reason", "reduce_tree_traced"]
+__all__ = [
+    "Packed",
+    "Route",
+    "allreduce_traced",
+    "general",
+    "mpi4jax_reason",
+    "reduce_tree_traced",
+]
 
-# Which reduction a packed step stages out: "auto" takes mpi4jax where `mpi4jax_reason` finds
-# nothing against it, else the callback.
-Route = Literal["auto", "callback", "mpi4jax"]
+# Which reduction a packed step stages out: "auto" takes the FFI call where `ffi_reason` finds
+# nothing against it, else mpi4jax where `mpi4jax_reason` finds nothing, else the callback.
+Route = Literal["auto", "callback", "ffi", "mpi4jax"]
 
 # The wire dtype of each dtype a packed step reduces (the others: `general`).
 WIRE = {
@@ -188,6 +196,8 @@ def allreduce_traced(
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
         reduced = _through_mpi4jax(flats, packed, private, details)
+    elif chosen == "ffi":
+        reduced = reduce_ffi(flats, _on_host(packed, private, details))
     else:
         reduced = _through_callback(flats, packed, private, details)
     return packed.unpack(reduced, size if average else 1)
@@ -212,13 +222,31 @@ def mpi4jax_reason(engine: Backend) -> str | None:
     return None
 
 
-def _route(route: Route, private: Backend) -> Literal["callback", "mpi4jax"]:
+def _route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
     if route == "callback":
         return "callback"
+    if route in ("auto", "ffi"):
+        reason = ffi_reason()
+        if route == "ffi" and reason is not None:
+            raise RuntimeError(f"route='ffi' cannot be used: {reason}.")
+        if reason is None:
+            return "ffi"
     reason = mpi4jax_reason(private)
     if route == "mpi4jax" and reason is not None:
         raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
     return "mpi4jax" if reason is None else "callback"
+
+
+def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:
+    """Each buffer reduced by one engine call from `sent` into `received`, then the order check."""
+
+    def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for buf, recv in zip(sent, received, strict=True):
+            private.allreduce_into(buf, recv, ReduceOp.SUM)
+        if not packed.order_holds(received[0], private.size):
+            _order_broken(private, describe)
+
+    return reduce
 
 
 def _through_callback(
@@ -227,14 +255,12 @@ def _through_callback(
     """One ordered host callback: each buffer reduced by one engine call, JAX's memory to ours."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats]
     received: list[np.ndarray] = []  # the arrays returned, reused: JAX copies them out at once
+    reduce = _on_host(packed, private, describe)
 
     def reduce_on_host(*buffers: jax.Array) -> list[np.ndarray]:
         if not received:
             received.extend(np.empty(s.shape, s.dtype) for s in shapes)
-        for buf, recv in zip(buffers, received, strict=True):
-            private.allreduce_into(np.asarray(buf), recv, ReduceOp.SUM)
-        if not packed.order_holds(received[0], private.size):
-            _order_broken(private, describe)
+        reduce([np.asarray(buf) for buf in buffers], received)
         return received
 
     return list(io_callback(reduce_on_host, shapes, *flats, ordered=True))
