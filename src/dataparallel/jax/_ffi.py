@@ -1,7 +1,8 @@
 """A jitted step's reduction as an XLA FFI call into Python: no host round trip, no copy.
 
-`reduce_ffi(flats, reduce)` stages out one custom call that hands XLA's own input and output
-buffers to `reduce` (NumPy views of them: the engine reads one and writes the other), with no
+`reduce_ffi(flats, reduce)` stages out one custom call that hands XLA's own buffers to `reduce`
+(NumPy views of them), each output aliasing its input (XLA copies an input first only where
+something else still reads it): the engine reduces in place, in memory XLA reuses, with no
 compiler at install time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
 (`xla/ffi/api/c_api.h`, shipped in jaxlib), registered once per process with
 `jax.ffi.register_ffi_target`. Where io_callback copies each buffer out of XLA and the result back
@@ -239,7 +240,8 @@ def _primitive() -> Primitive:
         with_token = ctx.replace(
             avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
         )
-        rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True)
+        aliases = {i: i for i in range(len(args))}  # in place: MPI_IN_PLACE, no new memory
+        rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True, operand_output_aliases=aliases)
         results = list(rule(with_token, *args, token, slot=np.int64(slot)))
         ctx.set_tokens_out(mlir.TokenSet({effect: results.pop()}))
         return results

@@ -238,11 +238,15 @@ def _route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4ja
 
 
 def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:
-    """Each buffer reduced by one engine call from `sent` into `received`, then the order check."""
+    """Each buffer reduced by one engine call from `sent` into `received` (in place where they
+    are the same memory, as the FFI call makes them), then the order check."""
 
     def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
         for buf, recv in zip(sent, received, strict=True):
-            private.allreduce_into(buf, recv, ReduceOp.SUM)
+            if buf.ctypes.data == recv.ctypes.data:
+                private.allreduce(recv, ReduceOp.SUM)
+            else:
+                private.allreduce_into(buf, recv, ReduceOp.SUM)
         if not packed.order_holds(received[0], private.size):
             _order_broken(private, describe)
 
