@@ -256,21 +256,28 @@ def test_mismatched_gradients_fail_on_every_rank_and_the_world_survives(
 
 @pytest.fixture
 def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the engine calls the callback route makes (one per dtype buffer and step): their
-    sizes, in items. A world of one reduces nothing, so nothing is counted there."""
+    """Count the engine calls the callback and FFI routes make (one per dtype buffer and step):
+    their sizes, in items. A world of one reduces nothing, so nothing is counted there."""
     calls: list[int] = []
     private = callback_backend(None)
-    real = private.allreduce_into
+    real_into, real_in_place = private.allreduce_into, private.allreduce
 
     def counting(send: np.ndarray, recv: np.ndarray, op: Any) -> None:
         calls.append(send.size)
-        real(send, recv, op)
+        real_into(send, recv, op)
+
+    def counting_in_place(buf: np.ndarray, op: Any) -> None:
+        calls.append(buf.size)
+        real_in_place(buf, op)
 
     monkeypatch.setattr(private, "allreduce_into", counting)
+    monkeypatch.setattr(private, "allreduce", counting_in_place)
     return calls
 
 
-ROUTES = ["callback", "mpi4jax"]
+ROUTES = ["callback", "ffi", "mpi4jax"]
+HOST = ("callback", "ffi")  # the routes whose engine calls `engine_calls` counts
+STAGED = {"callback": "io_callback", "ffi": "dataparallel_allreduce"}
 
 
 def route_or_skip(route: str, size: int) -> str:
@@ -320,9 +327,9 @@ def test_one_engine_call_per_jitted_step_and_ranks_stay_in_step(
         params, state, _ = jitted(params, state, sub)
 
     if size > 1:  # both leaves in one buffer, with the two items of the order check
-        if route == "callback":
+        if route in HOST:
             assert engine_calls == [6 + 5 + 2] * steps
-            assert staged.count("io_callback") == 1
+            assert staged.count(STAGED[route]) == 1
         else:
             assert engine_calls == [] and staged.count("allreduce_mpi") == 1
             assert "io_callback" in staged  # only inside the order check's failing branch
@@ -350,14 +357,16 @@ def test_engine_call_runs_once_per_iteration_inside_a_loop(
         return jax.lax.fori_loop(0, 7, body, x)
 
     out = loop(jnp.zeros(2))
-    if size > 1 and route == "callback":
+    if size > 1 and route in HOST:
         assert engine_calls == [2 + 2] * 7
     np.testing.assert_allclose(out, np.full(2, 7 * size * (size + 1) / 2))
 
 
-def test_results_of_earlier_steps_stay_as_they_were(rank: int, size: int) -> None:
-    """The callback hands JAX the same receive buffers every step: JAX must copy them out."""
-    opt = distributed_optax(optax.identity(), op="sum", route="callback")
+@pytest.mark.parametrize("route", HOST)
+def test_results_of_earlier_steps_stay_as_they_were(route: str, rank: int, size: int) -> None:
+    """The callback hands JAX the same receive buffers every step (JAX must copy them out); the
+    FFI call reduces in place in XLA's memory (XLA must not hand it a live result)."""
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
     update = jax.jit(opt.update)
     state = opt.init({"w": jnp.zeros(4)})
     first, _ = update({"w": jnp.full(4, rank + 1.0)}, state)
@@ -556,7 +565,7 @@ def test_multi_steps_communicates_once_per_real_update(
     reference, _ = train(optax.MultiSteps(optax.adam(1e-2), k), params, x, y, 2 * k, jit=True)
     opt = dp.jax.multi_steps(optax.adam(1e-2), k, route=route)
     mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), 2 * k, jit=True)
-    if size > 1 and route == "callback":
+    if size > 1 and route in HOST:
         assert len(engine_calls) == 2  # two real updates in 2k micro-steps
     assert int(state.gradient_step) == 2
     jax.tree.map(
@@ -622,4 +631,5 @@ def test_a_process_with_several_devices_reduces_through_the_callback() -> None:
         assert f"rank {rank}: one device ok" in job.stdout, job.stdout + job.stderr
         assert f"rank {rank}: sharded ok" in job.stdout, job.stdout + job.stderr
         assert f"rank {rank}: refused: route='mpi4jax' cannot be used: " in job.stdout
+        assert f"rank {rank}: refused: route='ffi' cannot be used: " in job.stdout
     assert "one rank per device" in job.stdout or "not installed" in job.stdout
