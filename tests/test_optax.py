@@ -376,6 +376,18 @@ def test_results_of_earlier_steps_stay_as_they_were(route: str, rank: int, size:
     np.testing.assert_allclose(second["w"], np.full(4, 10 * total))
 
 
+@pytest.mark.parametrize("route", HOST)
+def test_a_large_leaf_passed_to_the_step_is_not_written(route: str, rank: int, size: int) -> None:
+    """A leaf over the bucket size is its own buffer (a reshape of the step's argument): the FFI
+    call reduces in place, so XLA must copy the argument first, never write the caller's array."""
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    grads = {"w": jnp.full(100_000, rank + 1.0)}  # 400 kB: alone
+    before = np.array(grads["w"])
+    out, _ = jax.jit(opt.update)(grads, opt.init(grads))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.full(100_000, size * (size + 1) / 2))
+    np.testing.assert_array_equal(np.asarray(grads["w"]), before)
+
+
 def test_ranks_on_different_routes_are_told_when_tracing(rank: int, size: int) -> None:
     route_or_skip("mpi4jax", size)
     route = "callback" if rank == 0 else "mpi4jax"

@@ -1,8 +1,8 @@
 """A jitted step's reduction as an XLA FFI call into Python: no host round trip, no copy.
 
-`reduce_ffi(flats, reduce)` stages out one custom call that hands XLA's own buffers to `reduce`
-(NumPy views of them), each output aliasing its input (XLA copies an input first only where
-something else still reads it): the engine reduces in place, in memory XLA reuses, with no
+`reduce_ffi(flats, reduce, in_place)` stages out one custom call that hands XLA's own buffers to
+`reduce` (NumPy views of them), a packed buffer's output aliasing its input (the engine reduces
+in place, in memory XLA reuses), a large leaf's written by the engine from the leaf, with no
 compiler at install time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
 (`xla/ffi/api/c_api.h`, shipped in jaxlib), registered once per process with
 `jax.ffi.register_ffi_target`. Where io_callback copies each buffer out of XLA and the result back
@@ -232,15 +232,19 @@ def _primitive() -> Primitive:
     primitive.multiple_results = True
     primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
 
-    def abstract(*avals: jax.core.ShapedArray, slot: int) -> tuple[list[object], set[object]]:
+    def abstract(
+        *avals: jax.core.ShapedArray, slot: int, in_place: tuple[bool, ...]
+    ) -> tuple[list[object], set[object]]:
         return [jax.core.ShapedArray(a.shape, a.dtype) for a in avals], {effect}
 
-    def lower(ctx: mlir.LoweringRuleContext, *args: Any, slot: int) -> Any:
+    def lower(
+        ctx: mlir.LoweringRuleContext, *args: Any, slot: int, in_place: tuple[bool, ...]
+    ) -> Any:
         token = ctx.tokens_in.get(effect)
         with_token = ctx.replace(
             avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
         )
-        aliases = {i: i for i in range(len(args))}  # in place: MPI_IN_PLACE, no new memory
+        aliases = {i: i for i, alias in enumerate(in_place) if alias}
         rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True, operand_output_aliases=aliases)
         results = list(rule(with_token, *args, token, slot=np.int64(slot)))
         ctx.set_tokens_out(mlir.TokenSet({effect: results.pop()}))
@@ -267,11 +271,16 @@ def ffi_reason() -> str | None:
     return None
 
 
-def reduce_ffi(flats: Sequence[jax.Array], reduce: Reduce) -> list[jax.Array]:
+def reduce_ffi(
+    flats: Sequence[jax.Array], reduce: Reduce, in_place: Sequence[bool]
+) -> list[jax.Array]:
     """Stage out `reduce(inputs, outputs)` on the traced buffers `flats`; return the outputs
-    (each `flats[i]`'s shape and dtype, written by `reduce`)."""
+    (each `flats[i]`'s shape and dtype, written by `reduce`). Where `in_place[i]`, output `i`
+    is input `i`'s memory: for a buffer the step has just made (a concatenation); a view of a
+    value XLA made for something else (a gradient leaf reshaped) is not aliased, since XLA
+    would copy it first (measured: a copy of every large leaf per step)."""
     primitive = _primitive()
     with _lock:
         slot = next(_slots)
         _steps[slot] = reduce
-    return list(primitive.bind(*flats, slot=slot))
+    return list(primitive.bind(*flats, slot=slot, in_place=tuple(in_place)))

@@ -8,11 +8,12 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
    it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
    small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
-2. One reduction per step: by default one ordered host callback (`io_callback(ordered=True)`)
-   that reduces each buffer with one engine call, from JAX's memory (a zero-copy NumPy view of the
-   callback's argument) into the array it returns (`Backend.allreduce_into`: MPI reads one and
-   writes the other, no copy of ours); with mpi4jax installed, on MPI, its XLA custom call instead
-   (`mpi4jax.allreduce` on the same buffer: no host round trip at all).
+2. One reduction per step, each buffer by one engine call: by default (one JAX CPU device per
+   process) one XLA FFI call into Python (`_ffi.py`: the engine reduces in place in XLA's own
+   memory, no host round trip); else, with mpi4jax installed, on MPI, its XLA custom call
+   (`mpi4jax.allreduce` on the same buffer); else one ordered host callback
+   (`io_callback(ordered=True)`) from JAX's memory (a zero-copy NumPy view of the callback's
+   argument) into the array it returns (`Backend.allreduce_into`), which JAX copies out.
 3. The unpacking (slices, reshapes, casts back, the average's division) back inside the traced
    function, where XLA fuses it with what consumes the gradients.
 
@@ -137,6 +138,11 @@ class Packed:
             flats.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return flats
 
+    def concatenated(self) -> list[bool]:
+        """Whether each buffer is made by `pack` (several parts), not a leaf's reshape."""
+        checked = [bool(self.ticket) and index == 0 for index in range(len(self.buckets))]
+        return [len(b.members) + c > 1 for b, c in zip(self.buckets, checked, strict=True)]
+
     def unpack(self, flats: Sequence[jax.Array], divide: int) -> list[jax.Array]:
         """The leaves' results, traced, from the reduced buffers (divided by `divide` if not 1)."""
         out: list[jax.Array | None] = [None] * len(self.dtypes)
@@ -197,7 +203,7 @@ def allreduce_traced(
     if chosen == "mpi4jax":
         reduced = _through_mpi4jax(flats, packed, private, details)
     elif chosen == "ffi":
-        reduced = reduce_ffi(flats, _on_host(packed, private, details))
+        reduced = reduce_ffi(flats, _on_host(packed, private, details), packed.concatenated())
     else:
         reduced = _through_callback(flats, packed, private, details)
     return packed.unpack(reduced, size if average else 1)
