@@ -229,6 +229,34 @@ def test_a_jax_tree_past_the_plan_limit_is_one_engine_call(
         assert v == b + 64 and w == v + 1_200_000  # one buffer, adopted as it is
 
 
+def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
+    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over `WHOLE_BYTES`, packing costs more than the calls it saves: each leaf over the bucket
+    size is reduced from JAX's memory into its own lent buffer (`Fusion`), as before."""
+    from dataparallel import world
+    from dataparallel.collectives import _plans
+
+    monkeypatch.setattr(_plans, "WHOLE_BYTES", 2 << 20)
+    active = world.current()
+    calls: list[int] = []
+    real = active.backend.allreduce_into
+
+    def counting(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
+        calls.append(send.size)
+        real(send, recv, reduce_op)
+
+    monkeypatch.setattr(active.backend, "allreduce_into", counting)
+    tree = [jnp.full((1000, 300), rank + 1.0), jnp.ones((300, 1000))]  # 2.4 MB in all
+    out = dp.allreduce(tree)
+    np.testing.assert_array_equal(out[0], np.full((1000, 300), size * (size + 1) / 2))
+    np.testing.assert_array_equal(out[1], np.full((300, 1000), float(size)))
+    if size > 1:
+        assert calls == [300_000, 300_000]
+    kinds = [plan.kind for _, plan in active.plans.items() if isinstance(plan, CallPlan)]
+    assert "whole" not in kinds
+
+
 def test_ranks_mixing_jax_and_numpy_past_the_plan_limit_are_told(rank: int, size: int) -> None:
     """A JAX tree past the plan limit goes as one message, a NumPy tree in buckets: ranks that
     mix them raise `CollectiveMismatchError` naming how each rank's values travel."""

@@ -262,12 +262,19 @@ def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     private = callback_backend(None)
     real_into, real_in_place = private.allreduce_into, private.allreduce
 
+    inside: list[bool] = []  # an engine's `allreduce_into` may be a copy and `allreduce` (Gloo)
+
     def counting(send: np.ndarray, recv: np.ndarray, op: Any) -> None:
         calls.append(send.size)
-        real_into(send, recv, op)
+        inside.append(True)
+        try:
+            real_into(send, recv, op)
+        finally:
+            inside.pop()
 
     def counting_in_place(buf: np.ndarray, op: Any) -> None:
-        calls.append(buf.size)
+        if not inside:
+            calls.append(buf.size)
         real_in_place(buf, op)
 
     monkeypatch.setattr(private, "allreduce_into", counting)
