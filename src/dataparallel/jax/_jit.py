@@ -8,10 +8,10 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
    it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
    small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
-2. One reduction per step, each buffer by one engine call: by default (one JAX CPU device per
-   process) one XLA FFI call into Python (`_ffi.py`: the engine reduces in place in XLA's own
-   memory, no host round trip); else, with mpi4jax installed, on MPI, its XLA custom call
-   (`mpi4jax.allreduce` on the same buffer); else one ordered host callback
+2. One reduction per step, each buffer by one engine call: with mpi4jax installed, on MPI, its
+   XLA custom call (`mpi4jax.allreduce` on each buffer); else (one JAX CPU device per process)
+   one XLA FFI call into Python (`_ffi.py`: the engine reads and writes XLA's own memory, no
+   host round trip); else one ordered host callback
    (`io_callback(ordered=True)`) from JAX's memory (a zero-copy NumPy view of the callback's
    argument) into the array it returns (`Backend.allreduce_into`), which JAX copies out.
 3. The unpacking (slices, reshapes, casts back, the average's division) back inside the traced
@@ -64,8 +64,8 @@ __all__ = [
     "reduce_tree_traced",
 ]
 
-# Which reduction a packed step stages out: "auto" takes the FFI call where `ffi_reason` finds
-# nothing against it, else mpi4jax where `mpi4jax_reason` finds nothing, else the callback.
+# Which reduction a packed step stages out: "auto" takes mpi4jax where `mpi4jax_reason` finds
+# nothing against it, else the FFI call where `ffi_reason` finds nothing, else the callback.
 Route = Literal["auto", "callback", "ffi", "mpi4jax"]
 
 # The wire dtype of each dtype a packed step reduces (the others: `general`).
@@ -229,18 +229,20 @@ def mpi4jax_reason(engine: Backend) -> str | None:
 
 
 def _route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
+    """The route a step takes: the one asked for, or for "auto" the fastest available (measured,
+    benchmarks/jax_step.py: mpi4jax's custom call, then the FFI call, then the callback)."""
     if route == "callback":
         return "callback"
-    if route in ("auto", "ffi"):
-        reason = ffi_reason()
-        if route == "ffi" and reason is not None:
-            raise RuntimeError(f"route='ffi' cannot be used: {reason}.")
+    if route in ("auto", "mpi4jax"):
+        reason = mpi4jax_reason(private)
+        if route == "mpi4jax" and reason is not None:
+            raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
         if reason is None:
-            return "ffi"
-    reason = mpi4jax_reason(private)
-    if route == "mpi4jax" and reason is not None:
-        raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
-    return "mpi4jax" if reason is None else "callback"
+            return "mpi4jax"
+    reason = ffi_reason()
+    if route == "ffi" and reason is not None:
+        raise RuntimeError(f"route='ffi' cannot be used: {reason}.")
+    return "ffi" if reason is None else "callback"
 
 
 def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:

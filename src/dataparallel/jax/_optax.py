@@ -108,9 +108,9 @@ def distributed_optax(
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
             floats and come back in their dtype (default: none).
         route: how a jitted update reduces (see `dataparallel.jax._jit`): `"auto"` (default)
-            takes dataparallel's XLA FFI call where JAX runs on one CPU device per process,
-            else mpi4jax's custom call where it is installed and the engine is MPI on the CPU,
-            else one ordered host callback; `"ffi"`, `"callback"` or `"mpi4jax"` choose.
+            takes mpi4jax's custom call where it is installed and the engine is MPI on the CPU,
+            else dataparallel's XLA FFI call where JAX runs on one CPU device per process, else
+            one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"` choose.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
