@@ -35,6 +35,7 @@ before, with its per-call handshake.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -203,7 +204,7 @@ def allreduce_traced(
     if chosen == "mpi4jax":
         reduced = _through_mpi4jax(flats, packed, private, details)
     elif chosen == "ffi":
-        reduced = reduce_ffi(flats, _on_host(packed, private, details), packed.concatenated())
+        reduced = _through_ffi(flats, packed, private, details)
     else:
         reduced = _through_callback(flats, packed, private, details)
     return packed.unpack(reduced, size if average else 1)
@@ -259,6 +260,25 @@ def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:
             _order_broken(private, describe)
 
     return reduce
+
+
+FFI_SPLIT = False  # one FFI call per buffer (each as soon as its buffer is ready), not per step
+
+
+def _through_ffi(
+    flats: list[jax.Array], packed: Packed, private: Backend, describe: Details
+) -> list[jax.Array]:
+    """The buffers through the XLA FFI call (`_ffi.py`): one call per step, or per buffer."""
+    in_place = packed.concatenated()
+    if not FFI_SPLIT:
+        return reduce_ffi(flats, _on_host(packed, private, describe), in_place)
+    first = reduce_ffi(flats[:1], _on_host(packed, private, describe), in_place[:1])
+    unchecked = dataclasses.replace(packed, ticket=0.0)  # the check rides in the first buffer
+    rest = [
+        reduce_ffi([flat], _on_host(unchecked, private, describe), [alias])[0]
+        for flat, alias in zip(flats[1:], in_place[1:], strict=True)
+    ]
+    return first + rest
 
 
 def _through_callback(
