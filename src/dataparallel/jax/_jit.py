@@ -35,7 +35,6 @@ before, with its per-call handshake.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -262,23 +261,13 @@ def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:
     return reduce
 
 
-FFI_SPLIT = False  # one FFI call per buffer (each as soon as its buffer is ready), not per step
-
-
 def _through_ffi(
     flats: list[jax.Array], packed: Packed, private: Backend, describe: Details
 ) -> list[jax.Array]:
-    """The buffers through the XLA FFI call (`_ffi.py`): one call per step, or per buffer."""
-    in_place = packed.concatenated()
-    if not FFI_SPLIT:
-        return reduce_ffi(flats, _on_host(packed, private, describe), in_place)
-    first = reduce_ffi(flats[:1], _on_host(packed, private, describe), in_place[:1])
-    unchecked = dataclasses.replace(packed, ticket=0.0)  # the check rides in the first buffer
-    rest = [
-        reduce_ffi([flat], _on_host(unchecked, private, describe), [alias])[0]
-        for flat, alias in zip(flats[1:], in_place[1:], strict=True)
-    ]
-    return first + rest
+    """The buffers through one XLA FFI call per step (`_ffi.py`); packed buffers in place. (One
+    call per buffer was measured too: 5.1 ms overhead against 6.6 at 1.86 M, 24.7 against 22.2
+    at 8.40 M, one run; not kept.)"""
+    return reduce_ffi(flats, _on_host(packed, private, describe), packed.concatenated())
 
 
 def _through_callback(
