@@ -10,6 +10,8 @@ machine's drifts spread over all of them:
 - `local`: the jitted step of plain `optax.adam`, no communication (the floor);
 - `dp callback`: `dp.DistributedOptimizer(optax.adam(...), route="callback")` in the same jitted
   step (one ordered host callback per step, one `Allreduce` per dtype buffer);
+- `dp ffi`: the same with `route="ffi"` (dp's XLA FFI call: the engine reads and writes XLA's
+  buffers, no host round trip);
 - `dp mpi4jax`: the same with `route="mpi4jax"` (mpi4jax's custom call on dp's packed buffer);
 - `mpi4jax per leaf`: what an mpi4jax user writes: `mpi4jax.allreduce` on each gradient leaf
   inside `jit`, divided by the size, then Adam (the peer);
@@ -77,7 +79,7 @@ def cases_of(sizes: tuple[int, ...], comm: MPI.Comm, m4j: bool) -> dict[str, Cal
     adam = optax.adam(1e-3)
     cases: dict[str, Callable[[], Any]] = {}
     cases["local"] = looped(make_step(adam), params, adam.init(params))
-    routes = ["callback", "mpi4jax"] if m4j else ["callback"]
+    routes = ["callback", "ffi", "mpi4jax"] if m4j else ["callback", "ffi"]
     for route in routes:
         dist = dp.DistributedOptimizer(optax.adam(1e-3), route=route)  # type: ignore[arg-type]
         cases[f"dp {route}"] = looped(make_step(dist), params, dist.init(params))
@@ -126,7 +128,7 @@ def main() -> None:
             extra = f"{(seconds - local) * 1e3:12.3f}" if over else ""
             print(f"{case:28s} {seconds * 1e3:9.3f} {extra}")
         peer = times.get("mpi4jax per leaf")
-        for route in ("callback", "mpi4jax"):
+        for route in ("callback", "ffi", "mpi4jax"):
             mine = times.get(f"dp {route}")
             if mine is None:
                 continue

@@ -188,6 +188,88 @@ def test_a_few_floats_reduce_in_the_handshake_as_the_general_path(
         assert list(out) == ["c", "a", "b"]
 
 
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_a_jax_tree_past_the_plan_limit_is_one_engine_call(
+    rank: int, size: int, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JAX leaves of one dtype over `PLAN_BYTES` ("whole"): one pack, one engine call of every
+    item, and new JAX arrays that are views of one lent buffer (adopted without a copy where
+    64-byte aligned); a later call does not overwrite an earlier call's results."""
+    from dataparallel import world
+
+    active = world.current()
+    calls: list[int] = []
+    real = active.backend.allreduce
+
+    def counting(buf: np.ndarray, reduce_op: Any) -> None:
+        calls.append(buf.size)
+        real(buf, reduce_op)
+
+    monkeypatch.setattr(active.backend, "allreduce", counting)
+    if size > 1:  # (a world of one reduces nothing: its calls copy, leaf by leaf)
+        monkeypatch.setattr(active.backend, "allreduce_into", None)  # per-leaf calls would fail
+
+    def grads(step: int) -> dict[str, Any]:  # "b" (64 bytes) first, then "v", then "w"
+        v = float(rank + 1 + step)
+        return {"w": jnp.full((300, 1000), v), "b": jnp.full(16, -v), "v": jnp.ones((1000, 300))}
+
+    total = sum(float(r + 1) for r in range(size))
+    divide = size if op == "avg" else 1
+    first = dp.allreduce(grads(0), op=op)
+    second = dp.allreduce(grads(10), op=op)
+    for out, step in ((first, 0), (second, 10)):
+        assert all(isinstance(leaf, jax.Array) for leaf in out.values())
+        want = (total + step * size) / divide
+        np.testing.assert_allclose(out["w"], np.full((300, 1000), want), rtol=1e-6)
+        np.testing.assert_allclose(out["b"], np.full(16, -want), rtol=1e-6)
+        np.testing.assert_allclose(out["v"], np.full((1000, 300), size / divide), rtol=1e-6)
+    if size > 1:
+        assert calls == [16 + 2 * 300_000] * 2
+        b, v, w = (first[k].unsafe_buffer_pointer() for k in ("b", "v", "w"))
+        assert v == b + 64 and w == v + 1_200_000  # one buffer, adopted as it is
+
+
+def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
+    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over `WHOLE_BYTES`, packing costs more than the calls it saves: each leaf over the bucket
+    size is reduced from JAX's memory into its own lent buffer (`Fusion`), as before."""
+    from dataparallel import world
+    from dataparallel.collectives import _plans
+
+    monkeypatch.setattr(_plans, "WHOLE_BYTES", 2 << 20)
+    active = world.current()
+    calls: list[int] = []
+    real = active.backend.allreduce_into
+
+    def counting(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
+        calls.append(send.size)
+        real(send, recv, reduce_op)
+
+    monkeypatch.setattr(active.backend, "allreduce_into", counting)
+    tree = [jnp.full((1000, 300), rank + 1.0), jnp.ones((300, 1000))]  # 2.4 MB in all
+    out = dp.allreduce(tree)
+    np.testing.assert_array_equal(out[0], np.full((1000, 300), size * (size + 1) / 2))
+    np.testing.assert_array_equal(out[1], np.full((300, 1000), float(size)))
+    if size > 1:  # one call per leaf (a "whole" plan makes one in-place call, not counted here)
+        assert calls == [300_000, 300_000]
+
+
+def test_ranks_mixing_jax_and_numpy_past_the_plan_limit_are_told(rank: int, size: int) -> None:
+    """A JAX tree past the plan limit goes as one message, a NumPy tree in buckets: ranks that
+    mix them raise `CollectiveMismatchError` naming how each rank's values travel."""
+    if size == 1:
+        pytest.skip("needs peers")
+    shapes = [(600, 600), (16,)]
+    if rank == 0:
+        tree = [np.ones(shape, np.float32) for shape in shapes]
+    else:
+        tree = [jnp.ones(shape, jnp.float32) for shape in shapes]
+    with pytest.raises(dp.CollectiveMismatchError, match=r"messages: .*one message"):
+        dp.allreduce(tree)
+    np.testing.assert_array_equal(dp.allreduce(np.ones(3)), np.full(3, size))  # the world goes on
+
+
 @pytest.mark.parametrize("bucket", ["bucket-larger", "bucket-smaller"])
 def test_a_tree_past_the_plan_limit_takes_the_general_path(
     rank: int, size: int, bucket: str, monkeypatch: pytest.MonkeyPatch

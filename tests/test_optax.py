@@ -256,21 +256,35 @@ def test_mismatched_gradients_fail_on_every_rank_and_the_world_survives(
 
 @pytest.fixture
 def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the engine calls the callback route makes (one per dtype buffer and step): their
-    sizes, in items. A world of one reduces nothing, so nothing is counted there."""
+    """Count the engine calls the callback and FFI routes make (one per dtype buffer and step):
+    their sizes, in items. A world of one reduces nothing, so nothing is counted there."""
     calls: list[int] = []
     private = callback_backend(None)
-    real = private.allreduce_into
+    real_into, real_in_place = private.allreduce_into, private.allreduce
+
+    inside: list[bool] = []  # an engine's `allreduce_into` may be a copy and `allreduce` (Gloo)
 
     def counting(send: np.ndarray, recv: np.ndarray, op: Any) -> None:
         calls.append(send.size)
-        real(send, recv, op)
+        inside.append(True)
+        try:
+            real_into(send, recv, op)
+        finally:
+            inside.pop()
+
+    def counting_in_place(buf: np.ndarray, op: Any) -> None:
+        if not inside:
+            calls.append(buf.size)
+        real_in_place(buf, op)
 
     monkeypatch.setattr(private, "allreduce_into", counting)
+    monkeypatch.setattr(private, "allreduce", counting_in_place)
     return calls
 
 
-ROUTES = ["callback", "mpi4jax"]
+ROUTES = ["callback", "ffi", "mpi4jax"]
+HOST = ("callback", "ffi")  # the routes whose engine calls `engine_calls` counts
+STAGED = {"callback": "io_callback", "ffi": "dataparallel_allreduce"}
 
 
 def route_or_skip(route: str, size: int) -> str:
@@ -318,11 +332,11 @@ def test_one_engine_call_per_jitted_step_and_ranks_stay_in_step(
     for _ in range(steps):
         key, sub = jax.random.split(key)
         params, state, _ = jitted(params, state, sub)
-
+    jax.block_until_ready((params, state))  # the last step's call has run (dispatch is async)
     if size > 1:  # both leaves in one buffer, with the two items of the order check
-        if route == "callback":
+        if route in HOST:
             assert engine_calls == [6 + 5 + 2] * steps
-            assert staged.count("io_callback") == 1
+            assert staged.count(STAGED[route]) == 1
         else:
             assert engine_calls == [] and staged.count("allreduce_mpi") == 1
             assert "io_callback" in staged  # only inside the order check's failing branch
@@ -349,15 +363,17 @@ def test_engine_call_runs_once_per_iteration_inside_a_loop(
 
         return jax.lax.fori_loop(0, 7, body, x)
 
-    out = loop(jnp.zeros(2))
-    if size > 1 and route == "callback":
+    out = jax.block_until_ready(loop(jnp.zeros(2)))
+    if size > 1 and route in HOST:
         assert engine_calls == [2 + 2] * 7
     np.testing.assert_allclose(out, np.full(2, 7 * size * (size + 1) / 2))
 
 
-def test_results_of_earlier_steps_stay_as_they_were(rank: int, size: int) -> None:
-    """The callback hands JAX the same receive buffers every step: JAX must copy them out."""
-    opt = distributed_optax(optax.identity(), op="sum", route="callback")
+@pytest.mark.parametrize("route", HOST)
+def test_results_of_earlier_steps_stay_as_they_were(route: str, rank: int, size: int) -> None:
+    """The callback hands JAX the same receive buffers every step (JAX must copy them out); the
+    FFI call reduces in place in XLA's memory (XLA must not hand it a live result)."""
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
     update = jax.jit(opt.update)
     state = opt.init({"w": jnp.zeros(4)})
     first, _ = update({"w": jnp.full(4, rank + 1.0)}, state)
@@ -365,6 +381,18 @@ def test_results_of_earlier_steps_stay_as_they_were(rank: int, size: int) -> Non
     total = size * (size + 1) / 2
     np.testing.assert_allclose(first["w"], np.full(4, total))
     np.testing.assert_allclose(second["w"], np.full(4, 10 * total))
+
+
+@pytest.mark.parametrize("route", HOST)
+def test_a_large_leaf_passed_to_the_step_is_not_written(route: str, rank: int, size: int) -> None:
+    """A leaf over the bucket size is its own buffer (a reshape of the step's argument): the FFI
+    call reduces in place, so XLA must copy the argument first, never write the caller's array."""
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    grads = {"w": jnp.full(100_000, rank + 1.0)}  # 400 kB: alone
+    before = np.array(grads["w"])
+    out, _ = jax.jit(opt.update)(grads, opt.init(grads))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.full(100_000, size * (size + 1) / 2))
+    np.testing.assert_array_equal(np.asarray(grads["w"]), before)
 
 
 def test_ranks_on_different_routes_are_told_when_tracing(rank: int, size: int) -> None:
@@ -556,7 +584,8 @@ def test_multi_steps_communicates_once_per_real_update(
     reference, _ = train(optax.MultiSteps(optax.adam(1e-2), k), params, x, y, 2 * k, jit=True)
     opt = dp.jax.multi_steps(optax.adam(1e-2), k, route=route)
     mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), 2 * k, jit=True)
-    if size > 1 and route == "callback":
+    jax.block_until_ready((mine, state))  # the last step's call has run (dispatch is async)
+    if size > 1 and route in HOST:
         assert len(engine_calls) == 2  # two real updates in 2k micro-steps
     assert int(state.gradient_step) == 2
     jax.tree.map(
@@ -576,6 +605,7 @@ def test_multisteps_around_the_distributed_optimizer_is_right_but_reduces_every_
     reference, _ = train(optax.MultiSteps(optax.adam(1e-2), k), params, x, y, 2 * k, jit=True)
     opt = optax.MultiSteps(dp.DistributedOptimizer(optax.adam(1e-2), route="callback"), k)
     mine, state = train(opt, params, share(x, rank, size), share(y, rank, size), 2 * k, jit=True)
+    jax.block_until_ready((mine, state))  # the last step's call has run (dispatch is async)
     if size > 1:
         assert len(engine_calls) == 2 * k
     assert int(state.gradient_step) == 2
@@ -622,4 +652,5 @@ def test_a_process_with_several_devices_reduces_through_the_callback() -> None:
         assert f"rank {rank}: one device ok" in job.stdout, job.stdout + job.stderr
         assert f"rank {rank}: sharded ok" in job.stdout, job.stdout + job.stderr
         assert f"rank {rank}: refused: route='mpi4jax' cannot be used: " in job.stdout
+        assert f"rank {rank}: refused: route='ffi' cannot be used: " in job.stdout
     assert "one rank per device" in job.stdout or "not installed" in job.stdout

@@ -50,7 +50,7 @@ def DistributedOptimizer(
     group: Group | None = None,
     compression: Compressing = None,
     shard_state: bool = False,
-    route: Literal["auto", "callback", "mpi4jax"] = "auto",
+    route: Literal["auto", "callback", "ffi", "mpi4jax"] = "auto",
 ) -> optax.GradientTransformationExtraArgs: ...
 
 

@@ -1,8 +1,9 @@
 """A rank with two JAX CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2).
 
 Reduces a gradient on one device and one sharded over both, under jit, with the default route
-(the callback: mpi4jax's ordered effects take one device); asks for route="mpi4jax" and expects
-the refusal at trace time. Prints one line per check; exits non-zero on a wrong result.
+(the callback: the FFI call's and mpi4jax's ordered effects take one device); asks for
+route="mpi4jax" and route="ffi" and expects the refusals at trace time. Prints one line per
+check; exits non-zero on a wrong result.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ for name, tree in (("one device", grads), ("sharded", sharded)):
     out, _ = jax.jit(opt.update)(tree, opt.init(tree))
     np.testing.assert_array_equal(np.asarray(out["w"]), np.full(8, total))
     print(f"rank {rank}: {name} ok")
-explicit = dp.DistributedOptimizer(optax.identity(), op="sum", route="mpi4jax")
-try:
-    jax.jit(explicit.update)(grads, explicit.init(grads))
-except RuntimeError as error:
-    print(f"rank {rank}: refused: {error}")
-else:
-    raise SystemExit("route='mpi4jax' with two devices was not refused")
+for route in ("mpi4jax", "ffi"):
+    explicit = dp.DistributedOptimizer(optax.identity(), op="sum", route=route)
+    try:
+        jax.jit(explicit.update)(grads, explicit.init(grads))
+    except RuntimeError as error:
+        print(f"rank {rank}: refused: {error}")
+    else:
+        raise SystemExit(f"route={route!r} with two devices was not refused")
 dp.finalize()

@@ -248,14 +248,16 @@ def describe(
     args: dict[str, object],
     first_axis: bool = True,
     inline: bool = False,
+    messages: str | None = None,
 ) -> tuple[str, Callable[[], dict[str, object]]]:
     """Return the call's summary (equal on two ranks exactly when their calls are the same) and
-    the function that describes it field by field.
+    the function that describes it field by field (`messages`: how the values travel, when not
+    inline nor in buckets).
 
     With checks on, the summary covers the whole call; with `DATAPARALLEL_CHECK=0`, only what
     decides the messages that follow (each leaf's dtype, size and device).
     """
-    wire = "inline" if inline else f"buckets of {ctx.settings.bucket_bytes} B"
+    wire = messages or ("inline" if inline else f"buckets of {ctx.settings.bucket_bytes} B")
 
     def signature(leaf: Leaf) -> str:
         shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]

@@ -8,11 +8,12 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
    it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
    small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
-2. One reduction per step: by default one ordered host callback (`io_callback(ordered=True)`)
-   that reduces each buffer with one engine call, from JAX's memory (a zero-copy NumPy view of the
-   callback's argument) into the array it returns (`Backend.allreduce_into`: MPI reads one and
-   writes the other, no copy of ours); with mpi4jax installed, on MPI, its XLA custom call instead
-   (`mpi4jax.allreduce` on the same buffer: no host round trip at all).
+2. One reduction per step, each buffer by one engine call: with mpi4jax installed, on MPI, its
+   XLA custom call (`mpi4jax.allreduce` on each buffer); else (one JAX CPU device per process)
+   one XLA FFI call into Python (`_ffi.py`: the engine reads and writes XLA's own memory, no
+   host round trip); else one ordered host callback
+   (`io_callback(ordered=True)`) from JAX's memory (a zero-copy NumPy view of the callback's
+   argument) into the array it returns (`Backend.allreduce_into`), which JAX copies out.
 3. The unpacking (slices, reshapes, casts back, the average's division) back inside the traced
    function, where XLA fuses it with what consumes the gradients.
 
@@ -50,14 +51,22 @@ from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
 from dataparallel.errors import CollectiveMismatchError
+from dataparallel.jax._ffi import Reduce, ffi_reason, reduce_ffi
 from dataparallel.protocol import digest, handshake
 from dataparallel.types import Op
 
-__all__ = ["Packed", "Route", "allreduce_traced", "general", "mpi4jax_reason", "reduce_tree_traced"]
+__all__ = [
+    "Packed",
+    "Route",
+    "allreduce_traced",
+    "general",
+    "mpi4jax_reason",
+    "reduce_tree_traced",
+]
 
 # Which reduction a packed step stages out: "auto" takes mpi4jax where `mpi4jax_reason` finds
-# nothing against it, else the callback.
-Route = Literal["auto", "callback", "mpi4jax"]
+# nothing against it, else the FFI call where `ffi_reason` finds nothing, else the callback.
+Route = Literal["auto", "callback", "ffi", "mpi4jax"]
 
 # The wire dtype of each dtype a packed step reduces (the others: `general`).
 WIRE = {
@@ -129,6 +138,11 @@ class Packed:
             flats.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return flats
 
+    def concatenated(self) -> list[bool]:
+        """Whether each buffer is made by `pack` (several parts), not a leaf's reshape."""
+        checked = [bool(self.ticket) and index == 0 for index in range(len(self.buckets))]
+        return [len(b.members) + c > 1 for b, c in zip(self.buckets, checked, strict=True)]
+
     def unpack(self, flats: Sequence[jax.Array], divide: int) -> list[jax.Array]:
         """The leaves' results, traced, from the reduced buffers (divided by `divide` if not 1)."""
         out: list[jax.Array | None] = [None] * len(self.dtypes)
@@ -188,6 +202,8 @@ def allreduce_traced(
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
         reduced = _through_mpi4jax(flats, packed, private, details)
+    elif chosen == "ffi":
+        reduced = _through_ffi(flats, packed, private, details)
     else:
         reduced = _through_callback(flats, packed, private, details)
     return packed.unpack(reduced, size if average else 1)
@@ -212,13 +228,46 @@ def mpi4jax_reason(engine: Backend) -> str | None:
     return None
 
 
-def _route(route: Route, private: Backend) -> Literal["callback", "mpi4jax"]:
+def _route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
+    """The route a step takes: the one asked for, or for "auto" the fastest available (measured,
+    benchmarks/jax_step.py: mpi4jax's custom call, then the FFI call, then the callback)."""
     if route == "callback":
         return "callback"
-    reason = mpi4jax_reason(private)
-    if route == "mpi4jax" and reason is not None:
-        raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
-    return "mpi4jax" if reason is None else "callback"
+    if route in ("auto", "mpi4jax"):
+        reason = mpi4jax_reason(private)
+        if route == "mpi4jax" and reason is not None:
+            raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
+        if reason is None:
+            return "mpi4jax"
+    reason = ffi_reason()
+    if route == "ffi" and reason is not None:
+        raise RuntimeError(f"route='ffi' cannot be used: {reason}.")
+    return "ffi" if reason is None else "callback"
+
+
+def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:
+    """Each buffer reduced by one engine call from `sent` into `received` (in place where they
+    are the same memory, as the FFI call makes them), then the order check."""
+
+    def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for buf, recv in zip(sent, received, strict=True):
+            if buf.ctypes.data == recv.ctypes.data:
+                private.allreduce(recv, ReduceOp.SUM)
+            else:
+                private.allreduce_into(buf, recv, ReduceOp.SUM)
+        if not packed.order_holds(received[0], private.size):
+            _order_broken(private, describe)
+
+    return reduce
+
+
+def _through_ffi(
+    flats: list[jax.Array], packed: Packed, private: Backend, describe: Details
+) -> list[jax.Array]:
+    """The buffers through one XLA FFI call per step (`_ffi.py`); packed buffers in place. (One
+    call per buffer was measured too: 5.1 ms overhead against 6.6 at 1.86 M, 24.7 against 22.2
+    at 8.40 M, one run; not kept.)"""
+    return reduce_ffi(flats, _on_host(packed, private, describe), packed.concatenated())
 
 
 def _through_callback(
@@ -227,14 +276,12 @@ def _through_callback(
     """One ordered host callback: each buffer reduced by one engine call, JAX's memory to ours."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats]
     received: list[np.ndarray] = []  # the arrays returned, reused: JAX copies them out at once
+    reduce = _on_host(packed, private, describe)
 
     def reduce_on_host(*buffers: jax.Array) -> list[np.ndarray]:
         if not received:
             received.extend(np.empty(s.shape, s.dtype) for s in shapes)
-        for buf, recv in zip(buffers, received, strict=True):
-            private.allreduce_into(np.asarray(buf), recv, ReduceOp.SUM)
-        if not packed.order_holds(received[0], private.size):
-            _order_broken(private, describe)
+        reduce([np.asarray(buf) for buf in buffers], received)
         return received
 
     return list(io_callback(reduce_on_host, shapes, *flats, ordered=True))

@@ -108,8 +108,9 @@ def distributed_optax(
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
             floats and come back in their dtype (default: none).
         route: how a jitted update reduces (see `dataparallel.jax._jit`): `"auto"` (default)
-            takes mpi4jax's XLA custom call where mpi4jax is installed and the engine is MPI
-            on the CPU, else one ordered host callback; `"callback"` or `"mpi4jax"` choose.
+            takes mpi4jax's custom call where it is installed and the engine is MPI on the CPU,
+            else dataparallel's XLA FFI call where JAX runs on one CPU device per process, else
+            one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"` choose.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
@@ -137,8 +138,8 @@ def distributed_optax(
     ('DistributedState', [0.001, 0.001, 0.001])
     """
     parse_op(op)
-    if route not in ("auto", "callback", "mpi4jax"):
-        raise ValueError(f"route={route!r}: use 'auto', 'callback' or 'mpi4jax'.")
+    if route not in ("auto", "callback", "ffi", "mpi4jax"):
+        raise ValueError(f"route={route!r}: use 'auto', 'ffi', 'callback' or 'mpi4jax'.")
     wire_dtype(compression)  # a bad one raises here, not at the first update
     backend = backend_of(backend, group)
     inner = optax.with_extra_args_support(inner)

@@ -1,0 +1,286 @@
+"""A jitted step's reduction as an XLA FFI call into Python: no host round trip, no copy.
+
+`reduce_ffi(flats, reduce, in_place)` stages out one custom call that hands XLA's own buffers to
+`reduce` (NumPy views of them), a packed buffer's output aliasing its input (the engine reduces
+in place, in memory XLA reuses), a large leaf's written by the engine from the leaf, with no
+compiler at install time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
+(`xla/ffi/api/c_api.h`, shipped in jaxlib), registered once per process with
+`jax.ffi.register_ffi_target`. Where io_callback copies each buffer out of XLA and the result back
+in, XLA here runs the handler on the step's own memory.
+
+- Ordering: the call carries an ordered effect (as `io_callback(ordered=True)` and mpi4jax's
+  primitives do), so XLA threads a runtime token through it: the calls run once per executed
+  step, in program order, on every rank. This uses `jax._src.effects` (no public API registers
+  an ordered effect); where it is missing, `ffi_reason` says so and the callback route is used.
+- The GIL: `ctypes` takes it for the handler; JAX releases it while a computation runs.
+- Errors: an exception in `reduce` becomes an `XLA_FFI_Error` (JAX raises `JaxRuntimeError`
+  with its message); nothing crosses the C boundary.
+- Lifetimes: the handler's function pointer and each step's `reduce` stay referenced by this
+  module for the life of the process (compiled steps may call them until then); a step's
+  `reduce` is found by the integer attribute `slot` the call carries.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+
+__all__ = ["Reduce", "ffi_reason", "reduce_ffi"]
+
+Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]  # (inputs, outputs) as NumPy
+
+TARGET = "dataparallel_allreduce"
+_TOKEN = 17  # XLA_FFI_DataType_TOKEN: the ordered effect's token, an argument and a result
+_METADATA = 1  # XLA_FFI_Extension_Metadata: XLA asks the handler for its API version
+_UNKNOWN = 2  # XLA_FFI_Error_Code_UNKNOWN
+_TYPESTR = {  # XLA_FFI_DataType -> NumPy's typestr, for the wire dtypes of `_jit.WIRE`
+    11: "<f4",
+    12: "<f8",
+    4: "<i4",
+    5: "<i8",
+}
+
+
+class _ExtensionBase(C.Structure):
+    pass
+
+
+_ExtensionBase._fields_ = [
+    ("struct_size", C.c_size_t),
+    ("type", C.c_int),
+    ("next", C.POINTER(_ExtensionBase)),
+]
+
+
+class _ApiVersion(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("major", C.c_int),
+        ("minor", C.c_int),
+    ]
+
+
+class _Metadata(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("api_version", _ApiVersion),
+        ("traits", C.c_uint32),
+        ("state_type_id", C.c_int64),
+    ]
+
+
+class _MetadataExtension(C.Structure):
+    _fields_ = [("base", _ExtensionBase), ("metadata", C.POINTER(_Metadata))]
+
+
+class _List(C.Structure):  # XLA_FFI_Args and XLA_FFI_Rets
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("size", C.c_int64),
+        ("types", C.POINTER(C.c_int)),
+        ("items", C.POINTER(C.c_void_p)),
+    ]
+
+
+class _Attrs(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("size", C.c_int64),
+        ("types", C.POINTER(C.c_int)),
+        ("names", C.c_void_p),
+        ("attrs", C.POINTER(C.c_void_p)),
+    ]
+
+
+class _Scalar(C.Structure):
+    _fields_ = [("dtype", C.c_int), ("value", C.POINTER(C.c_int64))]
+
+
+class _Buffer(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("dtype", C.c_int),
+        ("data", C.c_void_p),
+        ("rank", C.c_int64),
+        ("dims", C.POINTER(C.c_int64)),
+    ]
+
+
+class _ErrorArgs(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("message", C.c_char_p),
+        ("errc", C.c_int),
+    ]
+
+
+_ErrorCreate = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorArgs))
+
+
+class _Api(C.Structure):  # the fields up to XLA_FFI_Error_Create, the one used here
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.c_void_p),
+        ("api_version", _ApiVersion),
+        ("internal_api", C.c_void_p),
+        ("error_create", _ErrorCreate),
+    ]
+
+
+class _CallFrame(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("extension_start", C.POINTER(_ExtensionBase)),
+        ("api", C.POINTER(_Api)),
+        ("ctx", C.c_void_p),
+        ("stage", C.c_int),
+        ("args", _List),
+        ("rets", _List),
+        ("attrs", _Attrs),
+        ("future", C.c_void_p),
+    ]
+
+
+_Handler = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))
+_steps: dict[int, Reduce] = {}  # slot -> the step's reduction, for the process's life
+_slots = itertools.count(1)
+_lock = threading.Lock()
+
+
+class _View:
+    """An XLA buffer as NumPy sees it (`__array_interface__`): no copy."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, buffer: _Buffer, writable: bool) -> None:
+        shape = tuple(buffer.dims[i] for i in range(buffer.rank))
+        self.__array_interface__ = {
+            "data": (buffer.data or 0, not writable),
+            "shape": shape,
+            "typestr": _TYPESTR[buffer.dtype],
+            "version": 3,
+        }
+
+
+def _arrays(items: _List, writable: bool) -> list[np.ndarray]:
+    out = []
+    for i in range(items.size):
+        buffer = C.cast(items.items[i], C.POINTER(_Buffer)).contents
+        if buffer.dtype != _TOKEN:
+            out.append(np.asarray(_View(buffer, writable)))
+    return out
+
+
+def _handle(frame_pointer: C._Pointer[_CallFrame]) -> int | None:
+    """XLA's entry: answer the metadata query, or run the step's reduction on its buffers."""
+    frame = frame_pointer.contents
+    try:
+        if frame.extension_start and frame.extension_start.contents.type == _METADATA:
+            extension = C.cast(frame.extension_start, C.POINTER(_MetadataExtension)).contents
+            metadata = extension.metadata.contents
+            version = frame.api.contents.api_version  # the ABI this process's XLA speaks
+            metadata.api_version = _ApiVersion(C.sizeof(_ApiVersion), None, version.major, 1)
+            metadata.traits = 0
+            metadata.state_type_id = 0
+            return None
+        slot = C.cast(frame.attrs.attrs[0], C.POINTER(_Scalar)).contents.value[0]
+        _steps[slot](_arrays(frame.args, False), _arrays(frame.rets, True))
+        return None
+    except BaseException as error:  # nothing may cross into XLA: an XLA_FFI_Error instead
+        message = f"{type(error).__name__}: {error}".encode(errors="replace")
+        args = _ErrorArgs(C.sizeof(_ErrorArgs), None, message, _UNKNOWN)
+        created: int | None = frame.api.contents.error_create(C.byref(args))
+        return created
+
+
+_HANDLER = _Handler(_handle)  # referenced for the process's life: XLA keeps its address
+
+
+@functools.cache
+def _primitive() -> Primitive:
+    """The primitive with an ordered effect, lowered to the FFI call; the target registered."""
+    from jax._src import dispatch, effects
+    from jax._src.core import abstract_token
+    from jax.interpreters import mlir
+
+    class Ordered(effects.Effect):
+        """dataparallel's engine calls: in program order, as io_callback(ordered=True)'s."""
+
+    effect = Ordered()
+    for kind in (
+        effects.lowerable_effects,
+        effects.ordered_effects,
+        effects.control_flow_allowed_effects,
+        effects.custom_derivatives_allowed_effects,
+    ):
+        kind.add_type(Ordered)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_HANDLER), platform="cpu")
+    primitive = Primitive("dataparallel_allreduce")
+    primitive.multiple_results = True
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+
+    def abstract(
+        *avals: jax.core.ShapedArray, slot: int, in_place: tuple[bool, ...]
+    ) -> tuple[list[object], set[object]]:
+        return [jax.core.ShapedArray(a.shape, a.dtype) for a in avals], {effect}
+
+    def lower(
+        ctx: mlir.LoweringRuleContext, *args: Any, slot: int, in_place: tuple[bool, ...]
+    ) -> Any:
+        token = ctx.tokens_in.get(effect)
+        with_token = ctx.replace(
+            avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
+        )
+        aliases = {i: i for i, alias in enumerate(in_place) if alias}
+        rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True, operand_output_aliases=aliases)
+        results = list(rule(with_token, *args, token, slot=np.int64(slot)))
+        ctx.set_tokens_out(mlir.TokenSet({effect: results.pop()}))
+        return results
+
+    primitive.def_effectful_abstract_eval(abstract)
+    mlir.register_lowering(primitive, lower, platform="cpu")
+    return primitive
+
+
+def ffi_reason() -> str | None:
+    """Return why the FFI route cannot be used in this process, or None when it can."""
+    if jax.default_backend() != "cpu":
+        return f"JAX runs on {jax.default_backend()}: the FFI handler is registered for the CPU"
+    if jax.local_device_count() > 1:
+        return (
+            f"this process has {jax.local_device_count()} JAX devices, and an ordered effect "
+            "runs on one (the callback gathers a sharded gradient onto one device)"
+        )
+    try:
+        _primitive()
+    except (ImportError, AttributeError) as error:  # JAX's private effects API has moved
+        return f"this JAX has no ordered effects for FFI calls ({error})"
+    return None
+
+
+def reduce_ffi(
+    flats: Sequence[jax.Array], reduce: Reduce, in_place: Sequence[bool]
+) -> list[jax.Array]:
+    """Stage out `reduce(inputs, outputs)` on the traced buffers `flats`; return the outputs
+    (each `flats[i]`'s shape and dtype, written by `reduce`). Where `in_place[i]`, output `i`
+    is input `i`'s memory: for a buffer the step has just made (a concatenation); a view of a
+    value XLA made for something else (a gradient leaf reshaped) is not aliased, since XLA
+    would copy it first (measured: a copy of every large leaf per step)."""
+    primitive = _primitive()
+    with _lock:
+        slot = next(_slots)
+        _steps[slot] = reduce
+    return list(primitive.bind(*flats, slot=slot, in_place=tuple(in_place)))

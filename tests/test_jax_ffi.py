@@ -1,0 +1,88 @@
+"""The XLA FFI call into Python (`dataparallel.jax._ffi`), on its own: buffers, errors, order.
+
+Each rank runs these alone (no engine): what the handler is given and what XLA gets back. The
+reductions through it, across ranks, are tests/test_optax.py's (route "ffi").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+from dataparallel.jax._ffi import ffi_reason, reduce_ffi  # noqa: E402
+
+pytestmark = pytest.mark.skipif(ffi_reason() is not None, reason=str(ffi_reason()))
+
+
+def test_the_handler_reads_and_writes_xlas_buffers() -> None:
+    seen: list[tuple[tuple[int, ...], str, bool]] = []
+
+    def double(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for s, r in zip(sent, received, strict=True):
+            seen.append((s.shape, str(s.dtype), s.ctypes.data == r.ctypes.data))
+            np.multiply(s, 2, out=r)
+
+    @jax.jit
+    def f(x: jax.Array, n: jax.Array) -> list[jax.Array]:
+        packed = jnp.concatenate([x, x + 1])  # made here: aliased, reduced in place
+        return reduce_ffi([packed, n.reshape(-1)], double, [True, False])
+
+    x, n = jnp.arange(4.0, dtype=jnp.float32), jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+    out = f(x, n)
+    np.testing.assert_array_equal(out[0], 2 * np.concatenate([np.arange(4.0), np.arange(4.0) + 1]))
+    np.testing.assert_array_equal(out[1], 2 * np.arange(6))
+    assert seen == [((8,), "float32", True), ((6,), "int32", False)]
+    np.testing.assert_array_equal(n, np.arange(6).reshape(2, 3))  # the argument is not written
+
+
+def test_an_exception_in_the_handler_is_raised_by_jax_with_its_message() -> None:
+    def refuse(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        if sent[0][0] < 0:
+            raise ValueError("a negative first item")
+        received[0][...] = sent[0]
+
+    f = jax.jit(lambda x: reduce_ffi([x * 1.0], refuse, [True])[0])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="ValueError: a negative first item"):
+        jax.block_until_ready(f(-jnp.ones(3)))
+    np.testing.assert_array_equal(f(jnp.ones(3)), np.ones(3))  # the process goes on
+
+
+def test_calls_run_once_each_in_program_order() -> None:
+    """Steps dispatched without waiting run their calls in the order they were dispatched (the
+    ordered effect), once per execution, inside loops too."""
+    order: list[float] = []
+
+    def record(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        order.append(float(sent[0][0]))
+        received[0][...] = sent[0]
+
+    def make(k: float) -> object:
+        @jax.jit
+        def step(x: jax.Array) -> jax.Array:
+            heavy = jnp.tanh(x @ x.T).sum() * 0  # work before the call, longer for some
+            return reduce_ffi([jnp.full(1, k) + heavy], record, [True])[0]
+
+        return step
+
+    small, large = jnp.ones((4, 4)), jnp.ones((300, 300))
+    first, second = make(1.0), make(2.0)
+    jax.block_until_ready((first(large), second(small)))
+    order.clear()
+    results = [first(large), second(small), first(large), second(small)]
+    jax.block_until_ready(results)
+    assert order == [1.0, 2.0, 1.0, 2.0]
+
+    order.clear()
+
+    @jax.jit
+    def loop(x: jax.Array) -> jax.Array:
+        def body(i: jax.Array, acc: jax.Array) -> jax.Array:
+            return acc + reduce_ffi([jnp.full(1, 1.0) * i], record, [True])[0]
+
+        return jax.lax.fori_loop(0, 5, body, x)
+
+    np.testing.assert_array_equal(loop(jnp.zeros(1)), np.full(1, 10.0))
+    assert order == [0.0, 1.0, 2.0, 3.0, 4.0]
