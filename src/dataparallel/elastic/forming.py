@@ -32,7 +32,7 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Any:
     dist = import_torch_distributed()
 
     class _Watched(dist.Store):  # type: ignore[name-defined]
-        """Delegates to the launcher's store; waits in slices, watching for a newer round."""
+        """Delegates to the launcher's store; its waits poll, watching for a newer round."""
 
         def __init__(self) -> None:
             super().__init__()
