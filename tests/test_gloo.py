@@ -187,6 +187,23 @@ def test_timeout_raises_collective_timeout_error(tmp_path: Path) -> None:
     assert 2.5 <= seconds < 60, out0
 
 
+@pytest.mark.spawns
+def test_a_closed_engine_closes_its_connections_though_a_handle_is_held(tmp_path: Path) -> None:
+    """torch keeps a Gloo group's sockets open while a work object of it lives: the last rank
+    closes its world holding one, and the others' next allreduce fails at once (RankFailedError),
+    not after the 60 s timeout (the elastic survivors' hang, docs/elastic.md)."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    commands = [
+        worker("leave", "--init-method", url, "--rank", str(r), "--world-size", "3")
+        for r in range(3)
+    ]
+    envs = [{"DATAPARALLEL_TIMEOUT": "60"}] * 3
+    runs = run_ranks(commands, envs, wait_for=2)
+    for status, out, err in runs[:2]:
+        assert status == 0, f"{out}\n{err}"
+        assert "RAISED RankFailedError" in out and "another rank failed or exited" in out, out
+
+
 # -- the engine on the active world --------------------------------------------------------------
 
 

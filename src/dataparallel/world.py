@@ -408,7 +408,8 @@ def finalize() -> None:
     (`dp.new_group`) and then the engine are closed; `sys.excepthook` is put back as it was
     before `initialize`, and every cache registered in `dataparallel.caches` is cleared, so that
     a world made next starts afresh (any engine can be made again; MPI only while `MPI.Finalize`
-    has not run, see `initialize`).
+    has not run, see `initialize`). A step that fails (a request whose peer died) does not stop
+    the others: the first error is raised once everything is closed.
 
     Under MPI, leaving is collective: it waits until every rank leaves (at `dp.finalize()` or at
     its end), and ends the job when another rank waits in a collective that this one will never
@@ -418,22 +419,30 @@ def finalize() -> None:
     if _world is None:
         return
     world, _world = _world, None
+    steps: list[Callable[[], object]] = [request.wait for request in world.pending]
+    steps.append(world.comm_thread.close)
+    if world.recording is not None:
+        steps.append(world.recording.close)
+    steps.append(world.private.close)
+    steps += [group.free for group in world.groups]
+    if world.torch_group is not None:
+        steps.append(world.torch_group)
+    steps.append(world.backend.close)
+    first: BaseException | None = None
     try:
-        for request in list(world.pending):
-            request.wait()
-        world.comm_thread.close()
-        if world.recording is not None:
-            world.recording.close()
-        world.private.close()
-        for group in world.groups:
-            group.free()
-        if world.torch_group is not None:
-            world.torch_group()
-        world.backend.close()
+        # Every step runs even when one fails (a request whose peer died): an engine left open
+        # would keep its connections, and a peer waiting on them would wait out the timeout.
+        for step in steps:
+            try:
+                step()
+            except Exception as error:
+                first = first or error
     finally:
         if world.restore_excepthook is not None:
             world.restore_excepthook()
         caches.clear_all()
+    if first is not None:
+        raise first
 
 
 def current() -> World:

@@ -1,6 +1,9 @@
 """A Horovod elastic script (Horovod's names only, its import changed): `hvd.elastic.run`,
 `hvd.elastic.TorchState` with a `hvd.DistributedOptimizer`, a reset callback, a commit per step.
 
+With `--ddp`, the model is a `dp.torch.DataParallelModel` and the optimizer a plain SGD: the
+model's gradient hooks are carried over to the re-formed world instead of the optimizer's.
+
 Worker `--die W` SIGKILLs itself in the middle of step `--at` (after its backward, before the
 optimizer's step). Rank 0 writes `--out`: the world size at the end, the steps, the resets seen,
 and whether every rank holds the same parameters.
@@ -15,6 +18,7 @@ import signal
 
 import torch
 
+import dataparallel as dp
 import dataparallel.horovod.torch as hvd
 
 parser = argparse.ArgumentParser()
@@ -22,16 +26,18 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--die", default="")
 parser.add_argument("--at", type=int, default=5)
 parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--ddp", action="store_true")
 args = parser.parse_args()
 me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER")
 
 hvd.init()
 torch.manual_seed(hvd.rank())  # different on each rank: the first sync must make them equal
-model = torch.nn.Linear(8, 1)
-optimizer = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size()),
-    named_parameters=model.named_parameters(),
-)
+model: torch.nn.Module = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size())
+if args.ddp:
+    model = dp.torch.DataParallelModel(model)
+else:
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 resets = []
 
 

@@ -10,8 +10,10 @@ Options:
     --die W:K           worker W (its id, `w0`...) kills itself with SIGKILL after its K-th
                         commit, in the middle of the next step (after computing its gradient)
     --skip W:K          worker W skips its K-th commit (a commit called by only some ranks)
-    --grow FILE:K:LINE  after its K-th commit, rank 0 writes LINE to FILE (what the discovery
-                        script prints), then commits until the launcher has added the workers
+    --die-forming W:G   worker W kills itself with SIGKILL once round G has formed, as it begins
+                        making the round's Gloo group (before the others can reach it)
+    --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
+                        script prints), then waits until the launcher has opened a new round
 """
 
 from __future__ import annotations
@@ -58,6 +60,20 @@ def replay(history: list[list[object]]) -> np.ndarray:
     return w
 
 
+def die_forming(generation: int) -> None:
+    """SIGKILL this worker when it begins making round `generation`'s Gloo group."""
+    from dataparallel.elastic import rounds
+
+    make = rounds._make_group
+
+    def dying(store: object, chosen: rounds.Round, settings: object) -> None:
+        if chosen.generation == generation:
+            os.kill(os.getpid(), signal.SIGKILL)
+        make(store, chosen, settings)  # type: ignore[arg-type]
+
+    rounds._make_group = dying  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=23)
@@ -67,12 +83,16 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--die", action="append", default=[])
     parser.add_argument("--skip")
-    parser.add_argument("--grow")
+    parser.add_argument("--die-forming", default="")
+    parser.add_argument("--slots")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
     skip_worker, _, skip_at = (args.skip or "").partition(":")
     tries = 0
+    forming_worker, _, forming_round = args.die_forming.partition(":")
+    if me == forming_worker:
+        die_forming(int(forming_round))
     dp.initialize()
     state = dp.elastic.ObjectState(
         w=np.zeros(DIM),
@@ -82,19 +102,19 @@ def main() -> None:
         sampler=dp.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=5),
     )
     commits = 0
-    grown = False
+    rediscovered = False
 
     def commit() -> None:
-        nonlocal commits, grown, tries
+        nonlocal commits, rediscovered, tries
         tries += 1
         if me == skip_worker and tries == int(skip_at):
             return
         state.commit()
         commits += 1
-        if args.grow and not grown and dp.rank() == 0:
-            path, k, line = args.grow.split(":", 2)
+        if args.slots and not rediscovered and dp.rank() == 0:
+            path, k, line = args.slots.split(":", 2)
             if commits >= int(k):
-                grown = True
+                rediscovered = True
                 with open(path, "w") as file:
                     file.write(line + "\n")
                 from dataparallel.config import Settings

@@ -10,6 +10,9 @@ Scenarios:
   engine   `gloo_engine.check_engine` on the backend; prints `ENGINE OK`
   abort    the last rank calls `abort(3)`; the others report what their next allreduce raised
   timeout  the last rank sleeps past the timeout; the others report what their allreduce raised
+  leave    every rank starts a non-blocking allreduce; the last rank keeps its handle without
+           waiting, calls `dp.finalize()` and stays; the others report what their next
+           allreduce raised (its closed engine must close the connections, held handle or not)
   existing torch.distributed is initialized first (by "the user"); dp works beside it, and
            `dp.finalize()` leaves the user's group usable; prints `RESULT {json}`
   train    3 steps of a DistributedOptimizer on the communication thread (run it with
@@ -32,6 +35,7 @@ import time
 import numpy as np
 
 import dataparallel as dp
+from dataparallel.backends.base import ReduceOp
 
 BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
 
@@ -39,7 +43,7 @@ BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "scenario", choices=("basic", "engine", "abort", "timeout", "existing", "train")
+        "scenario", choices=("basic", "engine", "abort", "timeout", "leave", "existing", "train")
     )
     parser.add_argument("--init-method")
     parser.add_argument("--rank", type=int)
@@ -82,11 +86,16 @@ def main() -> None:
         print(f"ENGINE OK rank={backend.rank}", flush=True)
     else:
         dp.barrier()
+        held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None
         if backend.rank == last:
             if args.scenario == "abort":
                 backend.abort(3)
+            if held is not None:
+                dp.finalize()  # the handle, never waited, still refers to a Gloo work object
             time.sleep(600)  # past the others' timeout: the test ends this rank once they report
             os._exit(0)
+        if held is not None:
+            held.wait()
         start = time.monotonic()
         try:
             dp.allreduce(np.ones(3))

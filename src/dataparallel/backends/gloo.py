@@ -13,7 +13,12 @@ all-to-all) fills them in exactly:
 - `abort`: Gloo has none. The failing rank prints why and leaves with `os._exit`; the other ranks
   see the connection close and raise `RankFailedError`.
 - teardown: the group is destroyed by `close()` (`dp.finalize()`) or, failing that, at interpreter
-  exit, so no Gloo thread outlives the interpreter.
+  exit, so no Gloo thread outlives the interpreter. torch's `destroy_process_group` (and Gloo's
+  `shutdown`/`abort`) leaves the group's connections open while anything holds the group or one
+  of its work objects; so `close()` also lets go of both (its handles in flight included: their
+  `wait()` then fails), and the connections close as the last reference goes. A peer still in a
+  collective with this process then fails at once (`RankFailedError`) instead of waiting out
+  the timeout: an elastic run's survivors rely on it (docs/elastic.md).
 - network interface: chosen toward rank 0 (`rendezvous.interface_toward`).
 - an existing `torch.distributed` default group (the user's own `init_process_group`) is left
   alone: the library works on a private Gloo group over the same processes.
@@ -30,6 +35,7 @@ import gc
 import os
 import socket
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -56,7 +62,7 @@ from dataparallel.backends.rendezvous import (
     rendezvous_store,
 )
 from dataparallel.config import Settings
-from dataparallel.errors import BackendUnavailableError
+from dataparallel.errors import BackendUnavailableError, RankFailedError
 from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
@@ -88,7 +94,7 @@ def import_torch_distributed() -> ModuleType:
 class _GlooHandle:
     """A Gloo work object in flight, with the buffers it needs kept alive until it completes."""
 
-    __slots__ = ("_backend", "_done", "_finish", "_keep", "_work")
+    __slots__ = ("__weakref__", "_backend", "_done", "_finish", "_keep", "_work")
 
     def __init__(
         self, backend: GlooBackend, work: Work, keep: object, finish: Callable[[], None] | None
@@ -98,8 +104,13 @@ class _GlooHandle:
         self._done = False
 
     def wait(self) -> None:
-        if self._done or self._work is None:
+        if self._done:
             return
+        if self._work is None:
+            raise RankFailedError(
+                f"a non-blocking Gloo collective on rank {self._backend.rank} was still in flight "
+                "when its world was finalized (dp.finalize(), or an elastic run re-forming it)."
+            )
         try:
             self._work.wait()
         except RuntimeError as exc:
@@ -109,8 +120,22 @@ class _GlooHandle:
             self._finish()
         self._work = self._keep = self._finish = None
 
-    def test(self) -> bool:
+    def forget(self) -> None:
+        """Let go of the work object (its engine is closing: it holds the group's connections).
+        One that completed is finished first, so that a later `wait()` returns as it would have."""
         if self._done or self._work is None:
+            return
+        if self._work.is_completed():
+            with contextlib.suppress(Exception):  # a failure: the later wait() says so
+                self.wait()
+        if not self._done:  # the buffers stay: Gloo may still be writing to them
+            self._work = self._finish = None
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._work is None:
+            self.wait()  # raises: the world was finalized first
             return True
         if not self._work.is_completed():
             return False
@@ -144,6 +169,7 @@ class GlooBackend(GlooExchange, Backend):
         self._torch, self._dist, self.group = torch, dist, group
         self._owns_default_group = owns_default_group
         self._closed = False
+        self._in_flight: weakref.WeakSet[_GlooHandle] = weakref.WeakSet()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if local is None:
@@ -250,7 +276,7 @@ class GlooBackend(GlooExchange, Backend):
         wire, finish = wire_for(buf, op)
         tensor = self._torch.from_numpy(wire)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return _GlooHandle(self, work, (wire, tensor), finish)
+        return self._handle(work, (wire, tensor), finish)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """Gloo reduces float16 and bfloat16 natively, about as fast as float32."""
@@ -259,7 +285,7 @@ class GlooBackend(GlooExchange, Backend):
         bits = writable(flat(buf, "iallreduce"), "iallreduce")
         tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return _GlooHandle(self, work, (bits, tensor), None)
+        return self._handle(work, (bits, tensor), None)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
@@ -293,7 +319,7 @@ class GlooBackend(GlooExchange, Backend):
         raw = writable(flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
         tensor = self._torch.from_numpy(raw)
         work = self._start("ibroadcast", self._dist.broadcast, tensor, src=self._global(root))
-        return _GlooHandle(self, work, (raw, tensor), None)
+        return self._handle(work, (raw, tensor), None)
 
     def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
         """Equal counts: Gloo's flat allgather, straight into `recv`, on Gloo's threads."""
@@ -408,11 +434,15 @@ class GlooBackend(GlooExchange, Backend):
         )
 
     def close(self) -> None:
-        """Destroy the Gloo group (safe to call twice; also run at interpreter exit)."""
+        """Destroy the Gloo group and let go of it and of the handles in flight, so that its
+        connections close (safe to call twice; also run at interpreter exit)."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        for handle in list(self._in_flight):
+            handle.forget()
+        group, self.group = self.group, None  # calls fail from now on: `_call_tensors`
         dist = self._dist
         if not dist.is_initialized():
             return
@@ -424,7 +454,13 @@ class GlooBackend(GlooExchange, Backend):
             gc.collect()
             return
         with contextlib.suppress(ValueError, RuntimeError):  # gone with the user's default group
-            dist.destroy_process_group(self.group)
+            dist.destroy_process_group(group)
+        del group  # the last reference, unless the user holds one: the connections close
+
+    def _handle(self, work: Work, keep: object, finish: Callable[[], None] | None) -> _GlooHandle:
+        handle = _GlooHandle(self, work, keep, finish)
+        self._in_flight.add(handle)
+        return handle
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -436,6 +472,10 @@ class GlooBackend(GlooExchange, Backend):
     def _call_tensors(
         self, what: str, fn: Callable[..., _R], *args: object, **kwargs: object
     ) -> _R:
+        if self._closed:  # its group is gone: None would name torch's default group
+            raise RuntimeError(
+                f"Gloo {what} on a closed engine (dp.finalize() ran): dp.initialize() again."
+            )
         try:
             return fn(*args, group=self.group, **kwargs)
         except RuntimeError as exc:

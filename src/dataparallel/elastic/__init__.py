@@ -8,6 +8,7 @@ See docs/elastic.md.
 """
 
 from dataparallel.elastic.retry import run
+from dataparallel.elastic.rounds import WorkerRemoved
 from dataparallel.elastic.sampler import ElasticSampler
 from dataparallel.elastic.state import (
     HostsUpdatedInterrupt,
@@ -26,5 +27,6 @@ __all__ = [
     "State",
     "TorchState",
     "TreeState",
+    "WorkerRemoved",
     "run",
 ]

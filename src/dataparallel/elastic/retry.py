@@ -56,9 +56,12 @@ def run_fn(
         elastic = rounds.current() is not None
         if elastic and not world.initialized():
             world.initialize()
-        skip_sync = False
+        skip_sync, reform = False, False
         while True:
             try:
+                if reform:  # a worker lost meanwhile fails this too: roll back, re-form again
+                    reset()
+                    state.on_reset()
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
@@ -71,8 +74,7 @@ def run_fn(
                 if not elastic:
                     raise
                 skip_sync = interrupt.skip_sync
-            reset()
-            state.on_reset()
+            reform = True
 
     return wrapper
 

@@ -13,6 +13,9 @@ the round's members, in rank order, under `round/G`, then `latest = G`. Rounds a
 4. making torch's default Gloo group of the round, under the key prefix `round/G/group/`,
    so groups of different rounds never see each other's keys.
 
+A worker left out of the newest round because discovery reported fewer slots finds the key
+`removed/ID` (the launcher writes it first) and leaves the run with status 0 (`WorkerRemoved`).
+
 `dp.initialize()` then makes the library's world over that group (`backends/registry.choose`).
 """
 
@@ -20,16 +23,19 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from dataparallel.config import Settings
+from dataparallel.elastic.forming import watching
 from dataparallel.errors import RankFailedError
 
 __all__ = [
     "LATEST",
     "Round",
+    "WorkerRemoved",
     "arrived_key",
     "connect",
     "current",
@@ -37,6 +43,7 @@ __all__ = [
     "leave",
     "newest",
     "ready_key",
+    "removed_key",
     "round_key",
     "supersede",
 ]
@@ -60,6 +67,31 @@ def ready_key(generation: int) -> str:
     return f"round/{generation}/ready"
 
 
+def removed_key(worker: str) -> str:
+    """The key the launcher sets before it leaves `worker` out of the next round (its slot was
+    removed: the discovery script reports fewer slots)."""
+    return f"removed/{worker}"
+
+
+class WorkerRemoved(SystemExit):
+    """This worker's slot was removed (discovery reports fewer slots): it leaves the run.
+
+    Raised by `join` (so by `elastic.run` at the commit where the others re-form); a
+    `SystemExit` with status 0, so the process ends cleanly unless the script catches it.
+    Horovod's workers on a removed host stop the same way.
+    """
+
+    def __init__(self, worker: str, generation: int) -> None:
+        super().__init__(0)
+        self.worker, self.generation = worker, generation
+
+    def __str__(self) -> str:
+        return (
+            f"worker {self.worker} was removed from the run (the host discovery script reports "
+            f"fewer slots; round {self.generation} goes on without it): leaving with status 0."
+        )
+
+
 @dataclass(frozen=True)
 class Round:
     """One world of an elastic run: its number, its members in rank order, and this worker."""
@@ -79,6 +111,7 @@ class Round:
 
 _client: Any = None  # the worker's connection to the launcher's store, for the process's life
 _current: Round | None = None  # the round this worker joined last (its membership, not a world)
+_watched: Any = None  # the store of the round's group (Python: torch calls back into it)
 
 
 def current() -> Round | None:
@@ -124,7 +157,8 @@ def join(after: int, settings: Settings | None = None) -> Round:
     Raises:
         RankFailedError: no round formed within `DATAPARALLEL_ELASTIC_TIMEOUT` seconds (the
             launcher ends such a run itself; this is the worker's own guard), or the launcher
-            left this worker out of the newest round.
+            left this worker out of the newest round (it was lost to the launcher).
+        WorkerRemoved: the launcher removed this worker's slot (status 0: it ends the process).
     """
     global _current
     settings = settings if settings is not None else Settings.from_env()
@@ -144,6 +178,10 @@ def join(after: int, settings: Settings | None = None) -> Round:
         generation = max(newest(store), after + 1)  # `latest` is written after the round
         members = tuple(json.loads(store.get(round_key(generation))))
         me = settings.elastic_worker
+        if me not in members and store.check([removed_key(me)]):
+            removed = WorkerRemoved(me, generation)
+            print(f"dataparallel: {removed}", file=sys.stderr, flush=True)
+            raise removed
         if me not in members:
             raise RankFailedError(
                 f"worker {me} is not a member of round {generation} ({', '.join(members)}): "
@@ -187,7 +225,9 @@ def _make_group(store: Any, chosen: Round, settings: Settings) -> None:
     from dataparallel.backends.gloo import import_torch_distributed
 
     dist = import_torch_distributed()
-    prefix = dist.PrefixStore(f"{round_key(chosen.generation)}/group/", store)
+    global _watched
+    _watched = watching(store, chosen.generation, chosen.members)
+    prefix = dist.PrefixStore(f"{round_key(chosen.generation)}/group/", _watched)
     timeout = datetime.timedelta(seconds=settings.timeout or settings.elastic_timeout)
     dist.init_process_group(
         "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
@@ -196,8 +236,6 @@ def _make_group(store: Any, chosen: Round, settings: Settings) -> None:
 
 def leave() -> None:
     """Destroy torch's default group (and every group made over it), if there is one."""
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

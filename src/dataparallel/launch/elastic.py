@@ -14,7 +14,9 @@ if discovery reports fewer slots), each the runner with the store's address and 
 - `--host-discovery-script S` is run every second; it prints Horovod's `HOST:SLOTS` lines (this
   launcher starts workers on this machine only: `localhost`, `127.0.0.1` or its hostname). When
   it reports more slots than are in use (up to `--max-np`), new workers start and a round with
-  them opens; the others see it at their next `commit()` (`HostsUpdatedInterrupt`);
+  them opens; the others see it at their next `commit()` (`HostsUpdatedInterrupt`). When it
+  reports fewer, the newest workers are *removed*: a round without them opens, and at that
+  commit they leave with status 0 (`rounds.WorkerRemoved`) while the others re-form;
 - fewer than `--min-np` workers for `--elastic-timeout` seconds ends the run (status 1) with the
   slots missing named; more than `--reset-limit` re-formed worlds end it too.
 
@@ -144,6 +146,7 @@ class _Run:
         )
         self.address = f"127.0.0.1:{self.store.port}"
         self.workers: dict[str, _Worker] = {}  # running and in the run, in joining order
+        self.removed: dict[str, _Worker] = {}  # left out of the run, not yet gone
         self.finished: list[str] = []
         self.lost: list[str] = []
         self.generation = -1
@@ -203,6 +206,19 @@ class _Run:
         self.store.set(round_key(self.generation), json.dumps(members))
         self.store.set(LATEST, str(self.generation))
 
+    def remove(self, count: int, slots: int) -> None:
+        """Leave the newest `count` workers out of the next round (discovery leaves the run
+        `slots`): told through the store, they leave at their next commit, with status 0."""
+        from dataparallel.elastic.rounds import removed_key
+
+        for worker_id in list(self.workers)[-count:]:
+            self.store.set(removed_key(worker_id), "1")
+            self.removed[worker_id] = self.workers.pop(worker_id)
+            warn(
+                f"worker {worker_id[1:]} is removed (the discovery script leaves the run {slots} "
+                "slot(s)): it leaves at its next commit."
+            )
+
     def drop_unformed(self) -> None:
         """Stop the workers of a round that cannot form any more (a member finished its script
         first): they never joined a world, and the run is ending."""
@@ -214,9 +230,9 @@ class _Run:
         stop([self.workers.pop(w).proc for w in newcomers])
 
     def close(self) -> None:
-        procs = [worker.proc for worker in self.workers.values()]
-        stop(procs)
-        for worker in self.workers.values():
+        everyone = [*self.workers.values(), *self.removed.values()]
+        stop([worker.proc for worker in everyone])
+        for worker in everyone:
             for thread in worker.pumps:
                 thread.join(timeout=5.0)
 
@@ -274,7 +290,11 @@ def _supervise(
         with contextlib.suppress(queue.Empty):
             worker_id = run.exits.get(timeout=0.1)
             worker = run.workers.pop(worker_id, None)
-            if worker is None:  # stopped by drop_unformed
+            if worker is None:  # removed, or stopped by drop_unformed
+                gone = run.removed.pop(worker_id, None)
+                status = None if gone is None else gone.proc.returncode
+                if status:
+                    warn(f"removed worker {worker_id[1:]} ended with status {status}.")
                 continue
             code = worker.proc.returncode
             if code == 0:
@@ -297,6 +317,10 @@ def _supervise(
             capacity = _capacity(options, len(run.lost))
             while len(run.workers) < capacity:
                 run.start_worker()
+                changed = True
+            keep = max(capacity, options.min_np)  # never below --min-np: see docs/elastic.md
+            if len(run.workers) > keep:
+                run.remove(len(run.workers) - keep, capacity)
                 changed = True
         if changed:
             if len(run.workers) >= options.min_np:

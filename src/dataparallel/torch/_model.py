@@ -126,6 +126,12 @@ class DataParallelModel(nn.Module):
         """The `GradientSync` that reduces this model's gradients."""
         return self._sync
 
+    def rebind_world(self) -> None:
+        """Reduce on the world made since this model was wrapped (after an elastic run
+        re-formed it: `dp.elastic.TorchState.sync` calls this, on every rank at the same point).
+        The parameters are not broadcast here: the state's sync does that next."""
+        self._sync = self._sync.remade()
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

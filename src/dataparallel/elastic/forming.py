@@ -1,0 +1,96 @@
+"""A round's Gloo group forming, watched: a member that dies meanwhile is noticed at once.
+
+torch makes a Gloo group by rendezvous in a store: each member writes its address and waits for
+the others'. A member that dies before writing its own leaves the others waiting in the store
+until its timeout (`--elastic-timeout` + 30 s). `watching(store, round)` wraps the launcher's
+store for that rendezvous: its waits poll the store (`SLICE` seconds apart at most) and read,
+between two polls, whether the launcher opened a newer round that leaves out one of this
+round's members (a worker lost or removed; one that only adds workers lets this group form).
+If so the wait fails with `RankFailedError`, and `rounds.join` goes on to the newer round. The
+wrapper must outlive the group (torch calls back into it): `rounds` keeps it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Any
+
+from dataparallel.errors import RankFailedError
+
+__all__ = ["SLICE", "watching"]
+
+# The longest pause between two polls of a waiting member (the store's round trip: ~0.1 ms).
+SLICE = 0.05
+
+
+def watching(store: Any, generation: int, members: tuple[str, ...]) -> Any:
+    """Return `store` wrapped so that its waits fail once round `generation` cannot form."""
+    from dataparallel.backends.gloo import import_torch_distributed
+
+    dist = import_torch_distributed()
+
+    class _Watched(dist.Store):  # type: ignore[name-defined]
+        """Delegates to the launcher's store; its waits poll, watching for a newer round."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._limit: datetime.timedelta = store.timeout
+
+        def set(self, key: str, value: str | bytes) -> None:
+            store.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            self.wait([key])
+            return bytes(store.get(key))
+
+        def add(self, key: str, amount: int) -> int:
+            return int(store.add(key, amount))
+
+        def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+            return bytes(store.compare_set(key, expected, desired))
+
+        def check(self, keys: list[str]) -> bool:
+            return bool(store.check(keys))
+
+        def delete_key(self, key: str) -> bool:
+            return bool(store.delete_key(key))
+
+        def num_keys(self) -> int:
+            return int(store.num_keys())
+
+        def set_timeout(self, timeout: datetime.timedelta) -> None:
+            self._limit = timeout
+
+        def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+            deadline = time.monotonic() + (timeout or self._limit).total_seconds()
+            pause = 0.001
+            while not store.check(keys):  # polled: a store's timed-out wait logs a warning
+                lost = _left_out(store, generation, members)
+                if lost:
+                    raise RankFailedError(
+                        f"round {generation}'s Gloo group cannot form: the launcher opened round "
+                        f"{generation + 1} without worker(s) {', '.join(lost)}."
+                    )
+                if time.monotonic() >= deadline:
+                    raise RankFailedError(
+                        f"round {generation}'s Gloo group did not form within "
+                        f"{(timeout or self._limit).total_seconds():g} s (waiting for "
+                        f"{', '.join(keys)})."
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, SLICE)
+
+    return _Watched()
+
+
+def _left_out(store: Any, generation: int, members: tuple[str, ...]) -> list[str]:
+    """The members of round `generation` that the next round leaves out (none: no next round)."""
+    from dataparallel.elastic.rounds import round_key
+
+    key = round_key(generation + 1)
+    if not store.check([key]):
+        return []
+    newer = set(json.loads(store.get(key)))
+    return [m for m in members if m not in newer]
