@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
 FRAMEWORKS = {"torch", "jax", "jaxlib", "optax", "cupy", "cupyx", "mpi4py"}
 BACKEND_FRAMEWORKS = {
     "dataparallel.backends.gloo": {"torch"},
+    "dataparallel.backends.gloo_exchange": {"torch"},  # the Gloo engine's all-to-all exchanges
     "dataparallel.backends.mpi": {"mpi4py"},
     "dataparallel.backends.mpi_half": {"mpi4py"},
     "dataparallel.backends.nccl": {"cupy"},

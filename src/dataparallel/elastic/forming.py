@@ -19,7 +19,7 @@ from typing import Any
 
 from dataparallel.errors import RankFailedError
 
-__all__ = ["SLICE", "watching"]
+__all__ = ["SLICE", "round_key", "watching"]
 
 # The longest pause between two polls of a waiting member (the store's round trip: ~0.1 ms).
 SLICE = 0.05
@@ -85,10 +85,13 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Any:
     return _Watched()
 
 
+def round_key(generation: int) -> str:
+    """The key under which the launcher writes round `generation`'s members (JSON list)."""
+    return f"round/{generation}"
+
+
 def _left_out(store: Any, generation: int, members: tuple[str, ...]) -> list[str]:
     """The members of round `generation` that the next round leaves out (none: no next round)."""
-    from dataparallel.elastic.rounds import round_key
-
     key = round_key(generation + 1)
     if not store.check([key]):
         return []

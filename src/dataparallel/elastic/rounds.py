@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataparallel.config import Settings
-from dataparallel.elastic.forming import watching
+from dataparallel.elastic.forming import round_key, watching
 from dataparallel.errors import RankFailedError
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "newest",
     "ready_key",
     "removed_key",
-    "round_key",
     "supersede",
 ]
 
@@ -52,11 +51,6 @@ LATEST = "latest"
 # The value of a round's `ready` key: every member arrived, or the launcher opened a newer one
 # first (a member died before the round formed). Whichever is written first stays.
 FORMED, SUPERSEDED = "formed", "superseded"
-
-
-def round_key(generation: int) -> str:
-    """The key under which the launcher writes round `generation`'s members (JSON list)."""
-    return f"round/{generation}"
 
 
 def arrived_key(generation: int) -> str:

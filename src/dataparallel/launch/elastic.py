@@ -196,7 +196,8 @@ class _Run:
 
     def open_round(self) -> None:
         """Publish a round of the workers in the run, in joining order (rank order)."""
-        from dataparallel.elastic.rounds import LATEST, round_key, supersede
+        from dataparallel.elastic.forming import round_key
+        from dataparallel.elastic.rounds import LATEST, supersede
 
         supersede(self.store, self.generation)
         self.generation += 1
