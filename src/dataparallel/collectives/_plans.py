@@ -45,9 +45,9 @@ from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.dtypes import prescale, scale_in_place
-from dataparallel.arrays.fusion import HOST_KEY, Fusion
+from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
-from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask, set_nan
+from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
@@ -65,6 +65,7 @@ from dataparallel.collectives._call import (
     run,
     stage,
 )
+from dataparallel.collectives._nans import local_nans, nan_preserving
 from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, payload_capacity
 
 __all__ = ["PLAN_BYTES", "WHOLE_BYTES", "CallPlan", "allreduce_scaled", "start"]
@@ -526,7 +527,7 @@ def _execute(
             leaf.work, leaf.is_view = np.array(leaf.work), False
     nans = None
     if plan.nans:
-        nans = prepared(ctx, collective, lambda: _local_nans(leaves))
+        nans = prepared(ctx, collective, lambda: local_nans(leaves))
     any_nan = False
     if backend.size > 1:
         _, any_nan = handshake(
@@ -538,77 +539,5 @@ def _execute(
             replay=plan.replay_of,
         )
     if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
-        return _nan_preserving(ctx, collective, flat, leaves, plan.action, async_op, plan.wire)
+        return nan_preserving(ctx, collective, flat, leaves, plan.action, async_op, plan.wire)
     return run(ctx, collective, flat, leaves, plan.action, async_op, None, plan.wire)
-
-
-def _host_values(leaf: Leaf) -> np.ndarray:
-    work = leaf.work
-    return work if type(work) is np.ndarray else leaf.family.to_host(leaf.value)
-
-
-def _local_nans(leaves: list[Leaf]) -> list[Leaf]:
-    """Return the floating leaves that hold a NaN on this rank."""
-    return [
-        leaf
-        for leaf in leaves
-        if leaf.dtype in FLOATING and has_nan(_host_values(leaf), leaf.dtype)
-    ]
-
-
-def _nan_preserving(
-    ctx: CallContext,
-    collective: str,
-    flat: tree.Flat,
-    leaves: list[Leaf],
-    action: Reduction,
-    async_op: bool,
-    wire: str | None,
-) -> tuple[Handle, Finish]:
-    """Run a min/max reduction, then write NaN wherever any rank had one (see `arrays.nan`)."""
-    floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
-    masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]
-    fusion, finish = run(ctx, collective, flat, leaves, action, async_op, compression=wire)
-    mask_fusion = _fuse_masks(ctx, masks, async_op)
-
-    def finish_with_nan() -> object:
-        mask_fusion.wait()
-        if action.root is None or action.root == ctx.backend.rank:
-            for leaf, mask in zip(floating, masks, strict=True):
-                if type(leaf.work) is np.ndarray:
-                    set_nan(leaf.work, leaf.dtype, mask)
-                else:  # a device leaf: its reduction has landed already
-                    host = leaf.family.to_host(leaf.value)
-                    set_nan(host, leaf.dtype, mask)
-                    leaf.family.from_host(leaf.value, host)
-        return finish()
-
-    return _Both(fusion, mask_fusion), finish_with_nan
-
-
-def _fuse_masks(ctx: CallContext, masks: list[np.ndarray], async_op: bool) -> Fusion:
-    fusion = Fusion(
-        ctx.backend,
-        Reduction(ReduceOp.MAX),
-        bucket_bytes=ctx.settings.bucket_bytes,
-        async_op=async_op,
-        pool=ctx.buffers,
-    )
-    for mask in masks:
-        fusion.add(mask, "uint8")
-    fusion.flush()
-    return fusion
-
-
-class _Both:
-    """Two collectives in flight, waited for together."""
-
-    def __init__(self, first: Handle, second: Handle) -> None:
-        self.first, self.second = first, second
-
-    def wait(self) -> None:
-        self.first.wait()
-        self.second.wait()
-
-    def test(self) -> bool:
-        return self.first.test() and self.second.test()
