@@ -431,17 +431,9 @@ def _packable(
     dtypes: list[str],
 ) -> bool:
     """Whether one `Allreduce` of one host bucket is what `Fusion` would make of these leaves."""
-    if collective != "allreduce" or wire is not None or action.op not in _PACKED_OPS:
-        return False
-    if not payload_capacity(ctx.backend.size):  # "packed" meets in records, as "inline" does
+    if not _one_sum(ctx, collective, action, wire, leaves, dtypes):
         return False
     works = [leaf.work for leaf in leaves]
-    if any(type(w) is not np.ndarray for w in works) or len(set(dtypes)) != 1:
-        return False
-    if dtypes[0] not in _PACKED_DTYPES:
-        return False
-    if dtypes[0] in ("int32", "int64") and action.scale is not None:
-        return False  # integer scales: `Fusion`'s rules
     if len(works) == 1:
         return True  # a bucket of itself, whatever its size
     total = sum(cast(np.ndarray, w).nbytes for w in works)
@@ -462,16 +454,30 @@ def _whole(
     """Whether these leaves make a "whole" plan: read-only host arrays (JAX's), several, of one
     dtype that `Fusion` reduces as it is, up to `WHOLE_BYTES`, summed or multiplied, every rank
     answering (records)."""
+    if len(leaves) < 2 or not _one_sum(ctx, collective, action, wire, leaves, dtypes):
+        return False
+    works = [cast(np.ndarray, leaf.work) for leaf in leaves]
+    return not any(w.flags.writeable for w in works) and sum(w.nbytes for w in works) <= WHOLE_BYTES
+
+
+def _one_sum(
+    ctx: CallContext,
+    collective: str,
+    action: Reduction,
+    wire: str | None,
+    leaves: list[Leaf],
+    dtypes: list[str],
+) -> bool:
+    """Whether these leaves may be reduced as one host buffer with one `Allreduce` ("packed",
+    "whole"): host arrays of one dtype that `Fusion` reduces as it is, summed or multiplied, no
+    integer scale (`Fusion`'s rules), every rank answering in records as "inline" does."""
     if collective != "allreduce" or wire is not None or action.op not in _PACKED_OPS:
         return False
-    if len(leaves) < 2 or len(set(dtypes)) != 1 or dtypes[0] not in _PACKED_DTYPES:
+    if len(set(dtypes)) != 1 or dtypes[0] not in _PACKED_DTYPES:
         return False
     if dtypes[0] in ("int32", "int64") and action.scale is not None:
-        return False  # integer scales: `Fusion`'s rules
-    works = [leaf.work for leaf in leaves]
-    if any(type(w) is not np.ndarray or w.flags.writeable for w in works):
         return False
-    if sum(cast(np.ndarray, w).nbytes for w in works) > WHOLE_BYTES:
+    if any(type(leaf.work) is not np.ndarray for leaf in leaves):
         return False
     return bool(payload_capacity(ctx.backend.size))
 
