@@ -102,6 +102,7 @@ class _GlooHandle:
         self._backend, self._keep, self._finish = backend, keep, finish
         self._work: Work | None = work
         self._done = False
+        backend._in_flight.add(self)  # `close()` lets go of its work object
 
     def wait(self) -> None:
         if self._done:
@@ -276,7 +277,7 @@ class GlooBackend(GlooExchange, Backend):
         wire, finish = wire_for(buf, op)
         tensor = self._torch.from_numpy(wire)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return self._handle(work, (wire, tensor), finish)
+        return _GlooHandle(self, work, (wire, tensor), finish)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """Gloo reduces float16 and bfloat16 natively, about as fast as float32."""
@@ -285,7 +286,7 @@ class GlooBackend(GlooExchange, Backend):
         bits = writable(flat(buf, "iallreduce"), "iallreduce")
         tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return self._handle(work, (bits, tensor), None)
+        return _GlooHandle(self, work, (bits, tensor), None)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
@@ -319,7 +320,7 @@ class GlooBackend(GlooExchange, Backend):
         raw = writable(flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
         tensor = self._torch.from_numpy(raw)
         work = self._start("ibroadcast", self._dist.broadcast, tensor, src=self._global(root))
-        return self._handle(work, (raw, tensor), None)
+        return _GlooHandle(self, work, (raw, tensor), None)
 
     def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
         """Equal counts: Gloo's flat allgather, straight into `recv`, on Gloo's threads."""
@@ -456,11 +457,6 @@ class GlooBackend(GlooExchange, Backend):
         with contextlib.suppress(ValueError, RuntimeError):  # gone with the user's default group
             dist.destroy_process_group(group)
         del group  # the last reference, unless the user holds one: the connections close
-
-    def _handle(self, work: Work, keep: object, finish: Callable[[], None] | None) -> _GlooHandle:
-        handle = _GlooHandle(self, work, keep, finish)
-        self._in_flight.add(handle)
-        return handle
 
     # -- helpers -----------------------------------------------------------------------------
 
