@@ -150,7 +150,8 @@ class Settings:
     timeout: float | None = None
     # Gradients reduced during backward (True), after it (False), or chosen per machine (None).
     overlap: bool | None = None
-    # Launcher-provided topology (torchrun / dataparallel run --backend gloo).
+    # Launcher-provided topology (torchrun / dataparallel run --backend gloo), or Slurm's step
+    # where it stands in for torchrun's variables (`ranks_from_slurm`).
     rank: int | None = None
     world_size: int | None = None
     local_rank: int | None = None
@@ -180,6 +181,8 @@ class Settings:
     agent_store: bool = False
     # The Slurm job this process runs in (None outside Slurm).
     slurm: SlurmJob | None = None
+    # Whether rank, world size and the local ones were read from Slurm's step (no torchrun's).
+    ranks_from_slurm: bool = False
 
     @property
     def torchrun_launched(self) -> bool:
@@ -234,6 +237,7 @@ class Settings:
             torch_distributed=bool(_flag(env, "DATAPARALLEL_TORCH_DISTRIBUTED", True)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             slurm=slurm,
+            ranks_from_slurm=by_slurm,
         )
 
 

@@ -281,7 +281,7 @@ def _probe_launchers(report: Report) -> None:
     if settings.mpi_launched:
         started = f"rank {settings.mpi_rank} of {settings.mpi_size}, started by an MPI launcher"
     elif settings.rank is not None:
-        by = "Slurm's step" if "RANK" not in os.environ else "RANK and WORLD_SIZE (torchrun's)"
+        by = "Slurm's step" if settings.ranks_from_slurm else "RANK and WORLD_SIZE (torchrun's)"
         started = f"rank {settings.rank} of {settings.world_size}, from {by}"
     else:
         started = "not started as a rank (a world of one)"
