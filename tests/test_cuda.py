@@ -38,7 +38,7 @@ from _families import (
 from _jobs import run_job
 
 import dataparallel as dp
-from dataparallel import world
+from dataparallel import gpus, world
 from dataparallel.arrays import families
 from dataparallel.arrays.device import DeviceWork
 from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
@@ -424,7 +424,7 @@ def test_frameworks_are_pointed_at_the_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     set_to: list[int] = []
     monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
-    world._point_frameworks_at(1)
+    gpus.point_frameworks_at(1)
     assert used == [1]
     assert set_to == ([1] if torch.cuda.is_available() else [])  # a CPU torch is left alone
 

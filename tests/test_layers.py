@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
         "dataparallel.caches",
         "dataparallel.version",
         "dataparallel.slurm",
+        "dataparallel.gpus",
     ),
     ("dataparallel.backends",),
     ("dataparallel.arrays",),

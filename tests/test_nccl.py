@@ -161,9 +161,9 @@ def nccl_of_world(world: Backend) -> Any:
 
 
 def world_gpus() -> int:
-    from dataparallel.world import _cuda_device_count
+    from dataparallel.gpus import cuda_device_count
 
-    return _cuda_device_count()
+    return cuda_device_count()
 
 
 @needs_nccl

@@ -250,7 +250,7 @@ def _probe_engines(report: Report) -> None:
         return ", ".join(found) if found else "not available"
 
     def gpus() -> str:
-        from dataparallel.world import cuda_device_count
+        from dataparallel.gpus import cuda_device_count
 
         count = cuda_device_count()
         facts["gpus"] = count
