@@ -97,3 +97,19 @@ def test_ranks_time_both_modes_and_the_slowest_rank_decides(
     assert sizes == [after if not m else thread for m in modes]
     everyone = gathered([torch.tensor([float(m) for m in modes])])
     assert all((theirs[0] == everyone[0][0]).all() for theirs in everyone)
+
+
+def test_a_load_that_rises_during_the_trial_does_not_hide_the_faster_mode() -> None:
+    """The machine's load doubles halfway through the trial: the modes' medians would pick
+    after backward (its steps came earlier), the pairs of adjacent steps see the thread faster."""
+    trial = ModeTrial()
+    for _ in range(ModeTrial.SKIP):
+        trial.record(1.0, _One())  # type: ignore[arg-type]
+    for k in range(2 * ModeTrial.TRIALS):
+        load = 1.0 if k < ModeTrial.TRIALS else 3.0
+        cost = 0.0 if trial.mode else 0.2  # the thread is faster by 0.2 at any load
+        trial.record(load + cost, _One())  # type: ignore[arg-type]
+    assert trial.medians is not None
+    after, thread = trial.medians
+    assert after < thread  # what the medians alone would have chosen
+    assert trial.chosen is True

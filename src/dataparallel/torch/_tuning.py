@@ -6,15 +6,16 @@ cost, benchmarks/NOTES.md); over a network most of a reduction is waiting on the
 backward can fill. So a reduction that could do either (host parameters, a private engine, no
 `DATAPARALLEL_OVERLAP`) times itself: after `SKIP` steps (the first rebuilds the buckets), it
 alternates the two modes for `2 * TRIALS` steps, each timed from its first gradient to the end
-of its reduction (backward and communication, what the mode changes), then keeps the mode whose
-median is lower. The slowest rank's medians decide (one allreduce of two floats, at a step
-boundary, on every rank alike): the mode changes the bucket layout, which is part of every
-step's handshake.
+of its reduction (backward and communication, what the mode changes), and keeps the thread if
+it was faster in the median of the pairs (each step on the thread minus the step after
+backward just before it). A step costs what its slowest rank took (one allreduce of the times,
+at a step boundary, on every rank alike: the mode changes the bucket layout, which is part of
+every step's handshake). Pairs, not each mode's median: the load of a shared machine drifts
+over the trial's steps, and two adjacent steps see the same load (issue 24: the modes' medians,
+a millisecond apart at 2.5 Gbit/s, chose after backward where the thread was faster).
 """
 
 from __future__ import annotations
-
-import statistics
 
 import numpy as np
 
@@ -32,8 +33,9 @@ class ModeTrial:
 
     def __init__(self) -> None:
         self.steps = 0  # steps completed (those a rank had joined are not counted)
-        self.times: dict[bool, list[float]] = {False: [], True: []}
+        self.times: list[float] = []  # the trial's steps, after backward first, alternating
         self.chosen: bool | None = None
+        self.medians: tuple[float, float] | None = None  # (after backward, thread), slowest rank
 
     @property
     def mode(self) -> bool:
@@ -55,11 +57,13 @@ class ModeTrial:
         """
         before = self.mode
         if self.timing:
-            self.times[before].append(seconds)
+            self.times.append(seconds)
         self.steps += 1
         if self.chosen is None and self.steps == self.SKIP + 2 * self.TRIALS:
-            medians = np.array([statistics.median(self.times[m]) for m in (False, True)])
+            times = np.array(self.times)
             if backend.size > 1:
-                medians = collectives.allreduce(medians, op="max", backend=backend)
-            self.chosen = bool(medians[1] < medians[0])
+                times = collectives.allreduce(times, op="max", backend=backend)
+            after, thread = times[0::2], times[1::2]  # the trial starts after backward
+            self.medians = (float(np.median(after)), float(np.median(thread)))
+            self.chosen = bool(np.median(thread - after) < 0)
         return self.mode != before
