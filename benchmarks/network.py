@@ -276,11 +276,17 @@ def variants(
     from train_step import trainer
 
     import dataparallel as dp
+    from dataparallel.torch._buckets import bucket_bytes_for
 
     cases: dict[str, tuple[Callable[[], None], None]] = {}
-    for name, overlap in (("thread", True), ("after backward", False)):
+    held = [("thread", True, 1), ("after backward", False, 1)]
+    if compression is not None:  # buckets of as many wire bytes as float32's (twice the values)
+        held.append(("thread, 2x buckets", True, 2))
+    for name, overlap, times in held:
         model = copy.deepcopy(base)
-        opt = dp.DistributedOptimizer(adam(model), compression=compression)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        size = times * bucket_bytes_for(overlap, total, dp.world.current().settings)
+        opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=size)
         sync = opt.gradient_sync
         sync._trial = None  # no trial: this mode at every step
         sync._switch(overlap)

@@ -39,7 +39,13 @@ def test_thread_buckets_are_an_eighth_of_the_model_within_limits() -> None:
 
 
 class _One:
-    size = 1
+    size = local_size = 1
+
+
+class _Across:
+    """What the trial reads of a world whose ranks are on two nodes (one rank each)."""
+
+    size, local_size = 2, 1
 
 
 def test_the_trial_alternates_the_modes_then_keeps_the_faster() -> None:
@@ -113,3 +119,19 @@ def test_a_load_that_rises_during_the_trial_does_not_hide_the_faster_mode() -> N
     after, thread = trial.medians
     assert after < thread  # what the medians alone would have chosen
     assert trial.chosen is True
+
+
+@pytest.mark.parametrize(
+    ("world", "after_faster_by", "thread_kept"),
+    [(_Across, 0.03, True), (_Across, 0.10, False), (_One, 0.03, False)],
+    ids=["across-nodes-within-margin", "across-nodes-beyond-margin", "one-node"],
+)
+def test_across_nodes_after_backward_must_win_by_the_margin(
+    world: type, after_faster_by: float, thread_kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dp.collectives, "allreduce", lambda x, **_: x)  # the world is pretended
+    trial = ModeTrial()
+    while trial.chosen is None:
+        cost = 1.0 if not trial.mode or trial.steps < ModeTrial.SKIP else 1.0 + after_faster_by
+        trial.record(cost, world())  # type: ignore[arg-type]
+    assert trial.chosen is thread_kept
