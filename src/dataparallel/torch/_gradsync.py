@@ -143,7 +143,7 @@ class GradientSync:
         }
         wire, self._sparse = wire_dtype(compression, stateful=True), SparseGrads(sparse_as_dense)
         feedback = wire is not None and getattr(compression, "error_feedback", False)
-        self._feedback = ErrorFeedback(wire) if wire is not None and feedback else None
+        self._feedback = ErrorFeedback(wire) if feedback and wire is not None else None
         active = world.current()
         self._on_world = backend is None or backend is active.backend
         self._world = weakref.ref(active)

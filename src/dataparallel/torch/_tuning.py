@@ -17,8 +17,9 @@ Where ranks span nodes the thread is kept unless after backward wins by more tha
 its time. There the thread's gain is structural (the wire's time runs beside backward), and
 within a few percent the trial's ten steps cannot tell the modes apart: at 2.5 Gbit/s (D=256,
 issue 24, benchmarks/NOTES.md) the trial's medians came 0.2-1% apart and chose after backward,
-where the same step held in each mode, side by side, cost 2-21 ms less on the thread in all
-four comparisons (fp32 and fp16, two runs). On one node, where after backward wins, it wins by 13-33%.
+where the same step held in each mode, side by side, cost 2-21 ms less on the thread in all six
+comparisons (fp32 and fp16, three runs). On one node, where after backward wins, it wins by
+13-33%.
 """
 
 from __future__ import annotations
