@@ -261,11 +261,7 @@ def work(args: argparse.Namespace) -> None:
         # measure warms every case up until dp's mode trial has chosen
         samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
-            chosen = {
-                name: f"{'thread' if s.overlap else 'after backward'}, "
-                f"{s.bucket_bytes / 2**20:.2f} MiB buckets"
-                for name, s in warm
-            }
+            chosen = {name: described(s) for name, s in warm}
             report(d, n, samples, chosen, dp.get_backend().name)
     if mpi:
         dist.destroy_process_group()
@@ -275,33 +271,36 @@ def work(args: argparse.Namespace) -> None:
 def variants(
     base: Any, adam: Callable[[Any], Any], batch: Any, compression: Any, bits: str
 ) -> dict[str, tuple[Callable[[], None], None]]:
-    """dp's `DistributedOptimizer` held on the communication thread as now, and as before issue
-    24's fixes (on MPI: waiting in MPI, not testing with pauses; on Gloo: one call in flight)."""
+    """dp's `DistributedOptimizer` held in each mode, with no trial: on the communication thread,
+    and reduced after backward (what the trial chooses between, side by side)."""
     from train_step import trainer
 
     import dataparallel as dp
-    from dataparallel.arrays import routes
+    from dataparallel.torch._buckets import bucket_bytes_for
 
     cases: dict[str, tuple[Callable[[], None], None]] = {}
-    before = "waits in MPI" if dp.get_backend().name == "mpi" else "one call in flight"
-    for name, pause in (("thread", routes.THREAD_PAUSE), (f"thread, {before}", 0.0)):
+    held = [("thread", True, 1), ("after backward", False, 1)]
+    if compression is not None:  # buckets of as many wire bytes as float32's (twice the values)
+        held.append(("thread, 2x buckets", True, 2))
+    for name, overlap, times in held:
         model = copy.deepcopy(base)
-        opt = dp.DistributedOptimizer(adam(model), compression=compression)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        size = times * bucket_bytes_for(overlap, total, dp.world.current().settings)
+        opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=size)
         sync = opt.gradient_sync
-        sync._trial = None  # no trial: the thread at every step
-        sync._switch(True)
-        step = trainer(model, opt, batch)
-
-        def paused(step: Callable[[], None] = step, pause: float = pause) -> None:
-            kept = routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT
-            routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT = pause, pause > 0
-            try:
-                step()
-            finally:
-                routes.THREAD_PAUSE, routes.LEAVE_IN_FLIGHT = kept
-
-        cases[f"dp DistributedOptimizer {bits} ({name})"] = (paused, None)
+        sync._trial = None  # no trial: this mode at every step
+        sync._switch(overlap)
+        cases[f"dp DistributedOptimizer {bits} ({name})"] = (trainer(model, opt, batch), None)
     return cases
+
+
+def described(sync: Any) -> str:
+    """What a `GradientSync`'s trial chose, and the medians it chose from (slowest rank)."""
+    text = f"{'thread' if sync.overlap else 'after backward'}, {sync.bucket_bytes / 2**20:.2f} MiB"
+    medians = sync._trial.medians if sync._trial is not None else None
+    if medians is not None:
+        text += f"; trial: after {medians[0] * 1e3:.1f} / thread {medians[1] * 1e3:.1f} ms"
+    return text
 
 
 def raw_cases(n: int, mpi: bool) -> dict[str, tuple[Callable[[], None], None]]:
@@ -375,7 +374,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per case per round")
     parser.add_argument("--tolerance", type=float, default=0.25, help="see train_step.measure")
     parser.add_argument(
-        "--variants", action="store_true", help="dp on the thread, waiting in MPI or not"
+        "--variants", action="store_true", help="dp held on the thread and after backward"
     )
     parser.add_argument(
         "--script", default="", help="run this benchmark of benchmarks/ (MPI) across the link"

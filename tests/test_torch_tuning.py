@@ -39,7 +39,13 @@ def test_thread_buckets_are_an_eighth_of_the_model_within_limits() -> None:
 
 
 class _One:
-    size = 1
+    size = local_size = 1
+
+
+class _Across:
+    """What the trial reads of a world whose ranks are on two nodes (one rank each)."""
+
+    size, local_size = 2, 1
 
 
 def test_the_trial_alternates_the_modes_then_keeps_the_faster() -> None:
@@ -97,3 +103,35 @@ def test_ranks_time_both_modes_and_the_slowest_rank_decides(
     assert sizes == [after if not m else thread for m in modes]
     everyone = gathered([torch.tensor([float(m) for m in modes])])
     assert all((theirs[0] == everyone[0][0]).all() for theirs in everyone)
+
+
+def test_a_load_that_rises_during_the_trial_does_not_hide_the_faster_mode() -> None:
+    """The machine's load doubles halfway through the trial: the modes' medians would pick
+    after backward (its steps came earlier), the pairs of adjacent steps see the thread faster."""
+    trial = ModeTrial()
+    for _ in range(ModeTrial.SKIP):
+        trial.record(1.0, _One())  # type: ignore[arg-type]
+    for k in range(2 * ModeTrial.TRIALS):
+        load = 1.0 if k < ModeTrial.TRIALS else 3.0
+        cost = 0.0 if trial.mode else 0.2  # the thread is faster by 0.2 at any load
+        trial.record(load + cost, _One())  # type: ignore[arg-type]
+    assert trial.medians is not None
+    after, thread = trial.medians
+    assert after < thread  # what the medians alone would have chosen
+    assert trial.chosen is True
+
+
+@pytest.mark.parametrize(
+    ("world", "after_faster_by", "thread_kept"),
+    [(_Across, 0.03, True), (_Across, 0.10, False), (_One, 0.03, False)],
+    ids=["across-nodes-within-margin", "across-nodes-beyond-margin", "one-node"],
+)
+def test_across_nodes_after_backward_must_win_by_the_margin(
+    world: type, after_faster_by: float, thread_kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dp.collectives, "allreduce", lambda x, **_: x)  # the world is pretended
+    trial = ModeTrial()
+    while trial.chosen is None:
+        cost = 1.0 if not trial.mode or trial.steps < ModeTrial.SKIP else 1.0 + after_faster_by
+        trial.record(cost, world())  # type: ignore[arg-type]
+    assert trial.chosen is thread_kept

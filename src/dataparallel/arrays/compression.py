@@ -35,9 +35,11 @@ __all__ = [
     "COMPRESSIBLE",
     "WIRE_DTYPES",
     "BF16Compressor",
+    "BF16FeedbackCompressor",
     "Compression",
     "Compressor",
     "FP16Compressor",
+    "FP16FeedbackCompressor",
     "NoneCompressor",
     "from_wire",
     "to_wire",
@@ -55,9 +57,12 @@ class Compressor:
 
     Attributes:
         wire: the dtype name floating values travel as (`"float16"`, `"bfloat16"`), or None.
+        error_feedback: whether each rank keeps what rounding to `wire` took from each gradient
+            and adds it to that gradient at the next step (`torch/_feedback.py`).
     """
 
     wire: ClassVar[WireDtype | None] = None
+    error_feedback: ClassVar[bool] = False
 
     @classmethod
     def compress(cls, tensor: Any) -> tuple[Any, object]:
@@ -97,8 +102,22 @@ class BF16Compressor(Compressor):
     wire = "bfloat16"
 
 
+class FP16FeedbackCompressor(FP16Compressor):
+    """float16 on the wire, with error feedback: the rounding residual of each gradient is kept
+    and added to it at the next step (torch `DistributedOptimizer` and `DataParallelModel`)."""
+
+    error_feedback = True
+
+
+class BF16FeedbackCompressor(BF16Compressor):
+    """bfloat16 on the wire, with error feedback (as `FP16FeedbackCompressor`)."""
+
+    error_feedback = True
+
+
 class Compression:
-    """The compressors, by Horovod's names: `none`, `fp16`, and `bf16`.
+    """The compressors, by Horovod's names: `none`, `fp16`, and `bf16`; and `fp16_feedback`,
+    `bf16_feedback`: the same with error feedback, for gradient reductions that keep state.
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -109,18 +128,31 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    fp16_feedback = FP16FeedbackCompressor
+    bf16_feedback = BF16FeedbackCompressor
 
 
-def wire_dtype(compression: object) -> WireDtype | None:
+def wire_dtype(compression: object, *, stateful: bool = False) -> WireDtype | None:
     """Return the wire dtype of `compression` (a `Compressor` class or instance, or None).
 
+    `stateful`: whether the caller keeps per-parameter state across steps, which error feedback
+    needs (torch's gradient reductions); other callers refuse a compressor with feedback.
+
     Raises:
-        TypeError: `compression` is not one of dataparallel's compressors.
+        TypeError: `compression` is not one of dataparallel's compressors, or has error
+            feedback where no state is kept.
     """
     if compression is None:
         return None
     kind = compression if isinstance(compression, type) else type(compression)
     if issubclass(kind, Compressor):
+        if kind.error_feedback and not stateful:
+            raise TypeError(
+                f"compression={kind.__name__} keeps each gradient's rounding residual from "
+                "step to step, which only torch's dp.DistributedOptimizer and "
+                "dp.torch.DataParallelModel can (they hold the parameters); here use "
+                f"dp.Compression.{'fp16' if kind.wire == 'float16' else 'bf16'} (no feedback)."
+            )
         return kind.wire
     raise TypeError(
         f"compression={compression!r} is not a compressor: use dp.Compression.none, "

@@ -67,6 +67,7 @@ from dataparallel.torch._buckets import (
     signature,
     step_flags,
 )
+from dataparallel.torch._feedback import ErrorFeedback
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._sparse import SparseGrads
@@ -140,7 +141,9 @@ class GradientSync:
             "compression": compression,
             "sparse_as_dense": sparse_as_dense,
         }
-        wire, self._sparse = wire_dtype(compression), SparseGrads(sparse_as_dense)
+        wire, self._sparse = wire_dtype(compression, stateful=True), SparseGrads(sparse_as_dense)
+        feedback = wire is not None and getattr(compression, "error_feedback", False)
+        self._feedback = ErrorFeedback(wire) if feedback and wire is not None else None
         active = world.current()
         self._on_world = backend is None or backend is active.backend
         self._world = weakref.ref(active)
@@ -245,6 +248,8 @@ class GradientSync:
                     displaced.add(old)
                 self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, index)))
             self._rebuilt = False
+            if self._feedback is not None:
+                self._feedback.clear()  # residuals are kept by index
             for old in displaced:
                 old.refresh()
         if order is None:
@@ -411,10 +416,13 @@ class GradientSync:
         leaves = []
         for i in self._buckets[b].members:
             name, p = self._params[i]
+            computed = p.grad is not None
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
                 self._filled.append(i)
             self._sparse.densify(i, p)
+            if computed and self._feedback is not None:
+                self._feedback.apply(i, p.grad)
             leaves.append((grad_family(self.owner, name, p.grad), p.grad))
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)

@@ -53,7 +53,8 @@ class DataParallelModel(nn.Module):
         root: the rank whose initial parameters win (default 0).
         backend: the engine to use (default: the active one).
         group: average among the ranks of this `dp.new_group` group (default: the world).
-        compression: `dp.Compression.fp16` or `.bf16`: gradients travel as 16-bit floats.
+        compression: `dp.Compression.fp16` or `.bf16`: gradients travel as 16-bit floats
+            (`.fp16_feedback`/`.bf16_feedback`: with error feedback).
         sparse_as_dense: reduce sparse gradients as dense ones (default: gathered, kept sparse).
 
     >>> import torch, dataparallel as dp

@@ -194,7 +194,9 @@ def distributed_torch_optimizer(
         backend: the engine to use (default: the active one).
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel (and are
-            reduced) as 16-bit floats, and come back in their dtype (default: none).
+            reduced) as 16-bit floats, and come back in their dtype (default: none);
+            `.fp16_feedback`/`.bf16_feedback` also carry each gradient's rounding residual
+            to the next step (error feedback, docs/compression.md).
         sparse_as_dense: make sparse gradients (`nn.Embedding(sparse=True)`) dense and reduce
             them in the buckets (Horovod's option); by default they are gathered (indices and
             values from every rank, then coalesced) and stay sparse, averaged as dense ones.
