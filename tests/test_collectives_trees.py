@@ -248,6 +248,34 @@ def test_a_jax_tree_past_the_plan_limit_makes_one_buffer(
         assert c == b + 64 and v == b + 128 and w == v + 1_200_000  # one buffer, adopted
 
 
+def test_a_whole_plan_with_one_small_leaf_packs_nothing(
+    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One small leaf has nothing to be packed with: every leaf is reduced from JAX's memory
+    into its place, each starting 64-byte aligned (JAX adopts it) though the first is 12 bytes."""
+    from dataparallel import world
+
+    active = world.current()
+    alone: list[int] = []
+    real_into = active.backend.allreduce_into
+
+    def counting_into(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
+        alone.append(send.size)
+        real_into(send, recv, reduce_op)
+
+    monkeypatch.setattr(active.backend, "allreduce_into", counting_into)
+    tree = [jnp.full(3, rank + 1, jnp.int32)]
+    big = [jnp.full((700, 300), rank + 1, jnp.int32), jnp.ones((300, 500), jnp.int32)]
+    out = dp.allreduce(tree + big)
+    total = size * (size + 1) // 2
+    np.testing.assert_array_equal(out[0], np.full(3, total))
+    np.testing.assert_array_equal(out[1], np.full((700, 300), total))
+    np.testing.assert_array_equal(out[2], np.full((300, 500), size))
+    if size > 1:
+        assert alone == [3, 210_000, 150_000]
+        assert all(leaf.unsafe_buffer_pointer() % 64 == 0 for leaf in out)
+
+
 def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
     rank: int, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

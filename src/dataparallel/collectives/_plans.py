@@ -475,7 +475,7 @@ def _whole_layout(works: list[np.ndarray], alone_over: int) -> Layout:
     offsets = [0] * len(works)
     offset, align = 0, max(1, _ALIGN // works[0].itemsize)
     for i in front + alone:
-        if i in alone:
+        if i not in chosen:
             offset = -(-offset // align) * align
         offsets[i] = offset
         offset += works[i].size
