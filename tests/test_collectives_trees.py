@@ -189,29 +189,46 @@ def test_a_few_floats_reduce_in_the_handshake_as_the_general_path(
 
 
 @pytest.mark.parametrize("op", ["sum", "avg"])
-def test_a_jax_tree_past_the_plan_limit_is_one_engine_call(
+def test_a_jax_tree_past_the_plan_limit_makes_one_buffer(
     rank: int, size: int, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """JAX leaves of one dtype over `PLAN_BYTES` ("whole"): one pack, one engine call of every
-    item, and new JAX arrays that are views of one lent buffer (adopted without a copy where
-    64-byte aligned); a later call does not overwrite an earlier call's results."""
+    """JAX leaves of one dtype over `PLAN_BYTES` ("whole"): the small leaves packed and reduced
+    by one engine call, each large leaf by one call from JAX's memory (no copy of ours), all
+    into one lent buffer whose views JAX adopts without a copy (each large leaf 64-byte
+    aligned); a later call does not overwrite an earlier call's results."""
     from dataparallel import world
 
     active = world.current()
-    calls: list[int] = []
-    real = active.backend.allreduce
+    packed: list[int] = []
+    alone: list[int] = []
+    inside: list[bool] = []  # Gloo's allreduce_into copies, then calls allreduce: not counted
+    real, real_into = active.backend.allreduce, active.backend.allreduce_into
 
     def counting(buf: np.ndarray, reduce_op: Any) -> None:
-        calls.append(buf.size)
+        if not inside:
+            packed.append(buf.size)
         real(buf, reduce_op)
 
-    monkeypatch.setattr(active.backend, "allreduce", counting)
-    if size > 1:  # (a world of one reduces nothing: its calls copy, leaf by leaf)
-        monkeypatch.setattr(active.backend, "allreduce_into", None)  # per-leaf calls would fail
+    def counting_into(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
+        assert not send.flags.writeable  # JAX's own memory, read where it lies
+        alone.append(send.size)
+        inside.append(True)
+        try:
+            real_into(send, recv, reduce_op)
+        finally:
+            inside.pop()
 
-    def grads(step: int) -> dict[str, Any]:  # "b" (64 bytes) first, then "v", then "w"
+    monkeypatch.setattr(active.backend, "allreduce", counting)
+    monkeypatch.setattr(active.backend, "allreduce_into", counting_into)
+
+    def grads(step: int) -> dict[str, Any]:  # "b" (64 bytes), "c" (20), then "v", then "w"
         v = float(rank + 1 + step)
-        return {"w": jnp.full((300, 1000), v), "b": jnp.full(16, -v), "v": jnp.ones((1000, 300))}
+        return {
+            "w": jnp.full((300, 1000), v),
+            "b": jnp.full(16, -v),
+            "c": jnp.full(5, 2 * v),
+            "v": jnp.ones((1000, 300)),
+        }
 
     total = sum(float(r + 1) for r in range(size))
     divide = size if op == "avg" else 1
@@ -222,18 +239,48 @@ def test_a_jax_tree_past_the_plan_limit_is_one_engine_call(
         want = (total + step * size) / divide
         np.testing.assert_allclose(out["w"], np.full((300, 1000), want), rtol=1e-6)
         np.testing.assert_allclose(out["b"], np.full(16, -want), rtol=1e-6)
+        np.testing.assert_allclose(out["c"], np.full(5, 2 * want), rtol=1e-6)
         np.testing.assert_allclose(out["v"], np.full((1000, 300), size / divide), rtol=1e-6)
     if size > 1:
-        assert calls == [16 + 2 * 300_000] * 2
-        b, v, w = (first[k].unsafe_buffer_pointer() for k in ("b", "v", "w"))
-        assert v == b + 64 and w == v + 1_200_000  # one buffer, adopted as it is
+        assert packed == [16 + 5] * 2
+        assert alone == [300_000, 300_000] * 2
+        b, c, v, w = (first[k].unsafe_buffer_pointer() for k in ("b", "c", "v", "w"))
+        assert c == b + 64 and v == b + 128 and w == v + 1_200_000  # one buffer, adopted
+
+
+def test_a_whole_plan_with_one_small_leaf_packs_nothing(
+    rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One small leaf has nothing to be packed with: every leaf is reduced from JAX's memory
+    into its place, each starting 64-byte aligned (JAX adopts it) though the first is 12 bytes."""
+    from dataparallel import world
+
+    active = world.current()
+    alone: list[int] = []
+    real_into = active.backend.allreduce_into
+
+    def counting_into(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
+        alone.append(send.size)
+        real_into(send, recv, reduce_op)
+
+    monkeypatch.setattr(active.backend, "allreduce_into", counting_into)
+    tree = [jnp.full(3, rank + 1, jnp.int32)]
+    big = [jnp.full((700, 300), rank + 1, jnp.int32), jnp.ones((300, 500), jnp.int32)]
+    out = dp.allreduce(tree + big)
+    total = size * (size + 1) // 2
+    np.testing.assert_array_equal(out[0], np.full(3, total))
+    np.testing.assert_array_equal(out[1], np.full((700, 300), total))
+    np.testing.assert_array_equal(out[2], np.full((300, 500), size))
+    if size > 1:
+        assert alone == [3, 210_000, 150_000]
+        assert all(leaf.unsafe_buffer_pointer() % 64 == 0 for leaf in out)
 
 
 def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
     rank: int, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Over `WHOLE_BYTES`, packing costs more than the calls it saves: each leaf over the bucket
-    size is reduced from JAX's memory into its own lent buffer (`Fusion`), as before."""
+    """Over `WHOLE_BYTES` (256 MiB; 2 MiB here), `Fusion`: each leaf over the bucket size is
+    reduced from JAX's memory into its own lent buffer."""
     from dataparallel import world
     from dataparallel.collectives import _plans
 
@@ -251,7 +298,7 @@ def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
     out = dp.allreduce(tree)
     np.testing.assert_array_equal(out[0], np.full((1000, 300), size * (size + 1) / 2))
     np.testing.assert_array_equal(out[1], np.full((300, 1000), float(size)))
-    if size > 1:  # one call per leaf (a "whole" plan makes one in-place call, not counted here)
+    if size > 1:  # one call per leaf
         assert calls == [300_000, 300_000]
 
 
@@ -265,7 +312,7 @@ def test_ranks_mixing_jax_and_numpy_past_the_plan_limit_are_told(rank: int, size
         tree = [np.ones(shape, np.float32) for shape in shapes]
     else:
         tree = [jnp.ones(shape, jnp.float32) for shape in shapes]
-    with pytest.raises(dp.CollectiveMismatchError, match=r"messages: .*one message"):
+    with pytest.raises(dp.CollectiveMismatchError, match=r"messages: .*one message of the small"):
         dp.allreduce(tree)
     np.testing.assert_array_equal(dp.allreduce(np.ones(3)), np.full(3, size))  # the world goes on
 

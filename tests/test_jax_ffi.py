@@ -12,6 +12,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from dataparallel import caches  # noqa: E402
+from dataparallel.jax import _ffi  # noqa: E402
 from dataparallel.jax._ffi import ffi_reason, reduce_ffi  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ffi_reason() is not None, reason=str(ffi_reason()))
@@ -28,7 +30,7 @@ def test_the_handler_reads_and_writes_xlas_buffers() -> None:
     @jax.jit
     def f(x: jax.Array, n: jax.Array) -> list[jax.Array]:
         packed = jnp.concatenate([x, x + 1])  # made here: aliased, reduced in place
-        return reduce_ffi([packed, n.reshape(-1)], double, [True, False])
+        return reduce_ffi([packed, n.reshape(-1)], double, [True, False], key="double")
 
     x, n = jnp.arange(4.0, dtype=jnp.float32), jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
     out = f(x, n)
@@ -44,7 +46,7 @@ def test_an_exception_in_the_handler_is_raised_by_jax_with_its_message() -> None
             raise ValueError("a negative first item")
         received[0][...] = sent[0]
 
-    f = jax.jit(lambda x: reduce_ffi([x * 1.0], refuse, [True])[0])
+    f = jax.jit(lambda x: reduce_ffi([x * 1.0], refuse, [True], key="refuse")[0])
     with pytest.raises(jax.errors.JaxRuntimeError, match="ValueError: a negative first item"):
         jax.block_until_ready(f(-jnp.ones(3)))
     np.testing.assert_array_equal(f(jnp.ones(3)), np.ones(3))  # the process goes on
@@ -63,7 +65,7 @@ def test_calls_run_once_each_in_program_order() -> None:
         @jax.jit
         def step(x: jax.Array) -> jax.Array:
             heavy = jnp.tanh(x @ x.T).sum() * 0  # work before the call, longer for some
-            return reduce_ffi([jnp.full(1, k) + heavy], record, [True])[0]
+            return reduce_ffi([jnp.full(1, k) + heavy], record, [True], key=("record", k))[0]
 
         return step
 
@@ -80,9 +82,49 @@ def test_calls_run_once_each_in_program_order() -> None:
     @jax.jit
     def loop(x: jax.Array) -> jax.Array:
         def body(i: jax.Array, acc: jax.Array) -> jax.Array:
-            return acc + reduce_ffi([jnp.full(1, 1.0) * i], record, [True])[0]
+            return acc + reduce_ffi([jnp.full(1, 1.0) * i], record, [True], key="loop")[0]
 
         return jax.lax.fori_loop(0, 5, body, x)
 
     np.testing.assert_array_equal(loop(jnp.zeros(1)), np.full(1, 10.0))
     assert order == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_retracing_a_step_reuses_its_slot() -> None:
+    """Tracing the same step again (a new jax.jit of it) keeps one table entry per step key, and
+    the compiled steps of both traces call the latest reduction."""
+    calls: list[str] = []
+
+    def traced(tag: str) -> object:
+        def copy(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+            calls.append(tag)
+            received[0][...] = sent[0]
+
+        return jax.jit(lambda x: reduce_ffi([x + 0.0], copy, [True], key="retraced")[0])
+
+    first = traced("first")
+    np.testing.assert_array_equal(first(jnp.ones(2)), np.ones(2))
+    entries = len(_ffi._steps)
+    for tag in ("second", "third"):
+        np.testing.assert_array_equal(traced(tag)(jnp.ones(2)), np.ones(2))
+    assert len(_ffi._steps) == entries
+    np.testing.assert_array_equal(first(jnp.ones(2)), np.ones(2))
+    assert calls == ["first", "second", "third", "third"]
+    other = jax.jit(lambda x: reduce_ffi([x + 0.0], lambda s, r: None, [True], key="another")[0])
+    jax.block_until_ready(other(jnp.ones(2)))
+    assert len(_ffi._steps) == entries + 1
+
+
+def test_a_step_whose_reduction_was_dropped_says_to_trace_it_again() -> None:
+    """dp.finalize() empties the table (registered with `caches`); a step compiled before
+    raises with the fix instead of calling into a world that has ended."""
+    assert _ffi._forget_steps in caches.registered()
+
+    def copy(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        received[0][...] = sent[0]
+
+    f = jax.jit(lambda x: reduce_ffi([x + 0.0], copy, [True], key="dropped")[0])
+    np.testing.assert_array_equal(f(jnp.ones(2)), np.ones(2))
+    del _ffi._steps[_ffi._slot_of["dropped"]]  # as finalize() drops every step's
+    with pytest.raises(jax.errors.JaxRuntimeError, match="trace the step again in this world"):
+        jax.block_until_ready(f(jnp.ones(2)))

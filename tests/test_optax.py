@@ -395,6 +395,29 @@ def test_a_large_leaf_passed_to_the_step_is_not_written(route: str, rank: int, s
     np.testing.assert_array_equal(np.asarray(grads["w"]), before)
 
 
+def test_retracing_an_ffi_step_adds_no_table_entry(rank: int, size: int) -> None:
+    """Each trace of a step used to add an entry to the FFI call's table for the process's life;
+    now a step traced again (a new jax.jit, jax.clear_caches()) reuses its entry."""
+    from dataparallel.jax import _ffi
+
+    if size == 1 or _ffi.ffi_reason() is not None:
+        pytest.skip(f"the ffi route: {_ffi.ffi_reason() or 'a world of one reduces nothing'}")
+    opt = distributed_optax(optax.identity(), op="sum", route="ffi")
+    grads = {"retraced": jnp.full(3, rank + 1.0)}  # a tree no other test's step has
+    state = opt.init(grads)
+    jax.block_until_ready(jax.jit(opt.update)(grads, state))
+    entries = len(_ffi._steps)
+    for _ in range(3):
+        out, _ = jax.jit(opt.update)(grads, state)  # a new jit: traced again
+        np.testing.assert_array_equal(out["retraced"], np.full(3, size * (size + 1) / 2))
+    jax.clear_caches()
+    jax.block_until_ready(jax.jit(opt.update)(grads, state))
+    assert len(_ffi._steps) == entries
+    longer = {"retraced": jnp.full(4, rank + 1.0)}  # another signature: a step of its own
+    jax.block_until_ready(jax.jit(opt.update)(longer, opt.init(longer)))
+    assert len(_ffi._steps) == entries + 1
+
+
 def test_ranks_on_different_routes_are_told_when_tracing(rank: int, size: int) -> None:
     route_or_skip("mpi4jax", size)
     route = "callback" if rank == 0 else "mpi4jax"

@@ -14,12 +14,18 @@ the first included, executes its plan (`start`) in one of three ways:
   the plan's buffer, packed and unpacked), scaled as `Fusion` scales a bucket.
 - "fused": the leaves through `Fusion` (`_call.run`), with the NaN masks of min and max.
 - "whole": a sum or product of read-only host leaves of one dtype (JAX's CPU arrays) over the
-  "packed" limit and up to `WHOLE_BYTES`: packed into one buffer lent by the pool, one
-  `Allreduce` in place, and each leaf's result a view of it, which JAX adopts without a copy
-  where it is 64-byte aligned. Ranks must all execute it (the summary says "one message").
-  `Fusion` makes one call per leaf over `bucket_bytes`; for a 7.4 MB tree one call was faster
-  (2 ranks: 2.1-2.5 ms against 2.7-2.9), for 32 MB the pack cost more than the calls it saved
-  (17.4 ms against 11.4: MPICH reduces from a send buffer without copying it first).
+  "packed" limit and up to `WHOLE_BYTES`, into one buffer lent by the pool: the leaves of at
+  most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each larger
+  leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the
+  leaf, nothing copies it); each leaf's result is a view of the buffer, which JAX adopts
+  without a copy where it is 64-byte aligned. One handshake per call; ranks must all execute
+  it (the summary says how the values travel). Packing the large leaves too (one call of
+  everything) was measured slower: writing 7 MB just before the `Allreduce` that reads it
+  made the call 1.6-1.9x a raw one, where reading the leaves where they lie costs 1.3-1.5x
+  (2 ranks, 1.86 M float32 parameters). With the large leaves unpacked a "whole" plan makes
+  `Fusion`'s calls for less Python: 32 MiB (8.40 M parameters) took 0.71-0.80x a raw in-place
+  `Allreduce`, `Fusion` 0.92-1.06x, hence the limit of 256 MiB (once 16 MiB, when everything
+  was packed).
 
 "packed" sends exactly what "fused" sends for the same call (`Fusion` makes one bucket of those
 leaves), so ranks may differ in which they execute: a rank that records a timeline or logs each
@@ -71,13 +77,14 @@ from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, pay
 __all__ = ["PLAN_BYTES", "WHOLE_BYTES", "CallPlan", "allreduce_scaled", "start"]
 
 PLAN_BYTES = 1 << 20  # a bucket of several leaves up to this size is kept in its plan
-WHOLE_BYTES = 16 << 20  # a "whole" plan's most bytes (above, `Fusion`'s calls cost less)
+WHOLE_BYTES = 256 << 20  # a "whole" plan's most bytes (its buffer is lent whole)
 Kind = Literal["inline", "packed", "fused", "whole"]
 Finish = Callable[[], Any]  # builds the call's result: the type of the tree it was given
 
 _PACKED_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
 _PACKED_OPS = frozenset({ReduceOp.SUM, ReduceOp.PROD})  # min and max: the NaN rules of "fused"
 _DONE = DoneHandle()
+_ALIGN = 64  # bytes: where a "whole" plan's large leaves start, for JAX to adopt them
 
 
 @dataclass(slots=True, eq=False)
@@ -99,6 +106,10 @@ class CallPlan:
     records: Records | None = None  # "inline", "packed": the handshake's buffers
     slots: list[Slot] = field(default_factory=list)  # "inline": each leaf's place in the records
     form_slots: list[Slot] = field(default_factory=list)  # ... as a `_Form` lays its values
+    offsets: tuple[int, ...] = ()  # "whole": each leaf's place in the lent buffer
+    front: tuple[int, ...] = ()  # "whole": the leaves packed at its front (one call)
+    alone: tuple[int, ...] = ()  # "whole": the leaves reduced into their places, one call each
+    items: int = 0  # "whole": the lent buffer's length
 
     @property
     def nbytes(self) -> int:
@@ -379,9 +390,14 @@ def _plan(
     replay = _replays.fused(
         ctx, action, leaves, collective.startswith("i"), inline, compression=wire
     )
-    if whole:  # one call of every leaf's items
-        total = (HOST_KEY, dtypes[0], (sum(w.size for w in host_works(leaves)),))
-        replay = Replay.of(action, [[total]], bucket_bytes=ctx.settings.bucket_bytes)
+    layout: Layout = ((), (), (), 0)
+    if whole:  # one call of the packed front, then one per larger leaf
+        layout = _whole_layout(host_works(leaves), ctx.settings.bucket_bytes)
+        _, front, alone, _ = layout
+        sizes = [w.size for w in host_works(leaves)]
+        calls = ([sum(sizes[i] for i in front)] if front else []) + [sizes[i] for i in alone]
+        flushes = [[(HOST_KEY, dtypes[0], (n,))] for n in calls]
+        replay = Replay.of(action, flushes, bucket_bytes=ctx.settings.bucket_bytes)
     replay_nan = replay
     if nans:
         floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
@@ -402,6 +418,7 @@ def _plan(
         buf,
         views,
     )
+    plan.offsets, plan.front, plan.alone, plan.items = layout
     if payload_capacity(size):  # the handshake's buffers, and where each leaf's values land
         records = plan.records = Records(size, call_digest)
         if inline:
@@ -440,7 +457,29 @@ def _packable(
     return total <= min(PLAN_BYTES, ctx.settings.bucket_bytes)
 
 
-_ONE_MESSAGE = "one message"
+_ONE_MESSAGE = "one message of the small leaves, each larger leaf from its own memory"
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
+
+
+def _whole_layout(works: list[np.ndarray], alone_over: int) -> Layout:
+    """A "whole" plan's layout: each leaf's offset in the buffer, the leaves packed at its front
+    (those of at most `alone_over` bytes, when there are several), the leaves reduced alone
+    (each starting 64-byte aligned, so that JAX adopts it), and the buffer's length."""
+    front = [i for i, w in enumerate(works) if w.nbytes <= alone_over]
+    if len(front) < 2:  # nothing to pack with: reduced from its own memory too
+        front = []
+    chosen = set(front)
+    alone = [i for i in range(len(works)) if i not in chosen]
+    offsets = [0] * len(works)
+    offset, align = 0, max(1, _ALIGN // works[0].itemsize)
+    for i in front + alone:
+        if i not in chosen:
+            offset = -(-offset // align) * align
+        offsets[i] = offset
+        offset += works[i].size
+    return tuple(offsets), tuple(front), tuple(alone), offset
 
 
 def _whole(
@@ -483,22 +522,31 @@ def _one_sum(
 
 
 def _execute_whole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
-    """The handshake, then one allreduce of every leaf packed into a buffer lent by the pool;
-    each leaf's work becomes its view of the result (adopted by JAX, not copied)."""
-    works = host_works(leaves)
+    """The handshake, then the "whole" plan's calls into a buffer lent by the pool: the small
+    leaves packed at its front (scaled as they are packed, where `prescale` may) and reduced in
+    place, each larger leaf from its memory into its place; each leaf's work becomes its view of
+    the result (adopted by JAX, not copied)."""
+    works, backend, action = host_works(leaves), ctx.backend, plan.action
     started = ctx.timeline.now() if ctx.timeline is not None else 0.0
-    buf = ctx.buffers.lend(works[0].dtype, (sum(w.size for w in works),))
-    np.concatenate(works, axis=None, out=buf)
+    buf = ctx.buffers.lend(works[0].dtype, (plan.items,))
+    places = [buf[o : o + w.size] for o, w in zip(plan.offsets, works, strict=True)]
+    front = buf[: sum(works[i].size for i in plan.front)]
+    if plan.front:
+        np.concatenate([works[i] for i in plan.front], axis=None, out=front)
     records = plan.records
     assert records is not None  # "whole" plans have their records
-    records.exchange(ctx.backend, plan.describe, plan.replay_of)
-    allreduce_scaled(ctx.backend, buf, plan.action)
-    offset = 0
-    for leaf, work in zip(leaves, works, strict=True):
-        leaf.work, leaf.is_view = buf[offset : offset + work.size].reshape(work.shape), False
-        offset += work.size
+    records.exchange(backend, plan.describe, plan.replay_of)
+    if plan.front:
+        allreduce_scaled(backend, front, action)
+    for i in plan.alone:
+        backend.allreduce_into(works[i].reshape(-1), places[i], action.op)
+        if action.scale is not None:
+            scale_in_place(places[i], action.scale)
+    for leaf, work, place in zip(leaves, works, places, strict=True):
+        leaf.work, leaf.is_view = place.reshape(work.shape), False
     if ctx.timeline is not None:
-        ctx.timeline.complete("allreduce", started, leaves=len(leaves), calls=1)
+        calls = len(plan.alone) + bool(plan.front)
+        ctx.timeline.complete("allreduce", started, leaves=len(leaves), calls=calls)
 
 
 def _execute(

@@ -15,9 +15,12 @@ in, XLA here runs the handler on the step's own memory.
 - The GIL: `ctypes` takes it for the handler; JAX releases it while a computation runs.
 - Errors: an exception in `reduce` becomes an `XLA_FFI_Error` (JAX raises `JaxRuntimeError`
   with its message); nothing crosses the C boundary.
-- Lifetimes: the handler's function pointer and each step's `reduce` stay referenced by this
-  module for the life of the process (compiled steps may call them until then); a step's
-  `reduce` is found by the integer attribute `slot` the call carries.
+- Lifetimes: the handler's function pointer stays referenced for the life of the process (XLA
+  keeps its address). A step's `reduce` is found by the integer attribute `slot` the call
+  carries, one slot per step `key` (the traced signature and engine): retracing the same step
+  (a new `jax.jit`, `jax.clear_caches()`) reuses its slot, so the table holds one entry per
+  distinct step, and `dp.finalize()` empties it (`caches`): a step compiled before then and
+  called after raises, saying to trace it again.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import ctypes as C
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.extend.core import Primitive
+
+from dataparallel import caches
 
 __all__ = ["Reduce", "ffi_reason", "reduce_ffi"]
 
@@ -155,9 +160,29 @@ class _CallFrame(C.Structure):
 
 
 _Handler = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))
-_steps: dict[int, Reduce] = {}  # slot -> the step's reduction, for the process's life
-_slots = itertools.count(1)
+_steps: dict[int, Reduce] = {}  # slot -> the step's reduction, until `dp.finalize()`
+_slot_of: dict[Hashable, int] = {}  # a step's key -> its slot
+_slots = itertools.count(1)  # never reused: a slot cleared by finalize() stays unknown
 _lock = threading.Lock()
+
+
+@caches.register
+def _forget_steps() -> None:
+    """Drop every step's reduction (`dp.finalize()`: they reduce on the world it ends)."""
+    with _lock:
+        _steps.clear()
+        _slot_of.clear()
+
+
+def _step(slot: int) -> Reduce:
+    reduce = _steps.get(slot)
+    if reduce is None:
+        raise RuntimeError(
+            "this jitted step was traced in a world that dp.finalize() has ended (its reduction "
+            "went with it); trace the step again in this world: call jax.clear_caches(), or "
+            "jax.jit the step function anew"
+        )
+    return reduce
 
 
 class _View:
@@ -197,7 +222,7 @@ def _handle(frame_pointer: C._Pointer[_CallFrame]) -> int | None:
             metadata.state_type_id = 0
             return None
         slot = C.cast(frame.attrs.attrs[0], C.POINTER(_Scalar)).contents.value[0]
-        _steps[slot](_arrays(frame.args, False), _arrays(frame.rets, True))
+        _step(slot)(_arrays(frame.args, False), _arrays(frame.rets, True))
         return None
     except BaseException as error:  # nothing may cross into XLA: an XLA_FFI_Error instead
         message = f"{type(error).__name__}: {error}".encode(errors="replace")
@@ -272,15 +297,20 @@ def ffi_reason() -> str | None:
 
 
 def reduce_ffi(
-    flats: Sequence[jax.Array], reduce: Reduce, in_place: Sequence[bool]
+    flats: Sequence[jax.Array], reduce: Reduce, in_place: Sequence[bool], *, key: Hashable
 ) -> list[jax.Array]:
     """Stage out `reduce(inputs, outputs)` on the traced buffers `flats`; return the outputs
     (each `flats[i]`'s shape and dtype, written by `reduce`). Where `in_place[i]`, output `i`
     is input `i`'s memory: for a buffer the step has just made (a concatenation); a view of a
     value XLA made for something else (a gradient leaf reshaped) is not aliased, since XLA
-    would copy it first (measured: a copy of every large leaf per step)."""
+    would copy it first (measured: a copy of every large leaf per step).
+
+    `key` names the step: steps traced with equal keys must reduce alike (they share a slot,
+    whose `reduce` becomes the latest one traced)."""
     primitive = _primitive()
     with _lock:
-        slot = next(_slots)
+        slot = _slot_of.get(key)
+        if slot is None:
+            slot = _slot_of[key] = next(_slots)
         _steps[slot] = reduce
     return list(primitive.bind(*flats, slot=slot, in_place=tuple(in_place)))
