@@ -151,16 +151,14 @@ class GradientSync:
         trainable = [(n, p) for n, p in params() if p.requires_grad]
         offload = offloadable(self.backend, private, on_host(trainable))
         forced = active.settings.overlap
-        # Thread or after backward: timed by the steps themselves where either can be (_tuning).
-        self._trial = ModeTrial() if offload and forced is None and self.backend.size > 1 else None
-        self.overlap = (
-            self._trial.mode if self._trial else overlaps(self.backend.local_size, forced)
-        )
+        # Thread or after backward: timed by the steps themselves where either can be and some
+        # rank is on another node (_tuning); on one node the cores tell (`_buckets.overlaps`).
+        spans = self.backend.local_size < self.backend.size
+        self._trial = ModeTrial() if offload and forced is None and spans else None
+        self.overlap = self._trial.mode if self._trial else self._overlaps(forced)
         self._given, self._settings = bucket_bytes, active.settings
         self._model_bytes = sum(p.numel() * p.element_size() for _, p in trainable)
-        self.bucket_bytes = bucket_bytes or bucket_bytes_for(
-            self.overlap and offload, self._model_bytes, active.settings
-        )
+        self.bucket_bytes = bucket_bytes or self._bucket_bytes_for(self.overlap, offload)
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
@@ -465,12 +463,25 @@ class GradientSync:
         with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
         self.overlap = overlap
         if self._given is None:
-            self.bucket_bytes = bucket_bytes_for(overlap, self._model_bytes, self._settings)
+            self.bucket_bytes = self._bucket_bytes_for(overlap, True)
             self._options["bucket_bytes"] = self.bucket_bytes
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._replan(self._params, [i for b in self._buckets for i in b.members])
+
+    def _overlaps(self, forced: bool | None) -> bool:
+        """`_buckets.overlaps`, the same on every rank (the mode sets the bucket layout)."""
+        overlap = overlaps(self.backend.local_size, forced)
+        if forced is None and self.backend.size > 1:
+            overlap = bool(collectives.allreduce(int(overlap), op="min", backend=self.backend))
+        return overlap
+
+    def _bucket_bytes_for(self, overlap: bool, offload: bool) -> int:
+        """The bucket size of a mode (`_buckets.bucket_bytes_for`)."""
+        whole = not overlap and self.backend.progresses  # one rendezvous per call: DDP's size
+        total, settings = self._model_bytes, self._settings
+        return bucket_bytes_for(overlap and offload, total, settings, whole=whole)
 
     def _rebuild(self) -> None:
         """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
