@@ -49,7 +49,7 @@ from dataparallel.arrays.replay import Replay
 from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import handshake
+from dataparallel.protocol import Started, handshake, start_handshake
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
@@ -254,6 +254,10 @@ class GradientSync:
         )
         self._signature = signature(self._params)
         self._host = on_host(self._params)  # only host buckets go to the communication thread
+        # Where the engine moves calls on by itself (Gloo), the step's handshake begins at its
+        # first gradient, so that its rendezvous overlaps backward (issue 21: at 3 Gloo ranks
+        # on 2 cores a blocking one made the step 1.16x DDP's, 1.02x without it).
+        self._begins_early = self._host and self.backend.progresses and self.backend.size > 1
 
     def refresh(self) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
@@ -273,7 +277,7 @@ class GradientSync:
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
         flagged abandoned, so every rank's messages still line up)."""
-        if self._state == _OPEN and self._arrival:
+        if self._state == _OPEN and (self._arrival or self._early is not None):
             self._abandoned = True
             self.wait()
         if not self.refresh():
@@ -291,6 +295,7 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
+        self._early: Started | None = None  # this step's handshake, begun at its first gradient
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
@@ -330,6 +335,8 @@ class GradientSync:
             self._router.progress()
         self._ready[index] = True
         self._arrival.append(index)
+        if not self._arrival[1:] and self._begins_early:
+            self._early = start_handshake(self.backend, self._summary)
         b = self._bucket_of[index]
         if b < 0:  # a gathered sparse gradient: reduced in wait()
             return
@@ -390,6 +397,7 @@ class GradientSync:
                 partial(describe, self.owner, self._options, self._params),
                 replay=self._replay,
                 on_joined=partial(setattr, self, "_joined", True),  # no rebuild this step
+                started=self._early,
             )
         except CollectiveMismatchError:
             self._state = _FAILED
