@@ -8,10 +8,13 @@ samples per rank. Cases, each on its own copy, in the same processes:
   backward (256 KiB: the size MPI keeps; 25 MiB: DDP's, what Gloo now takes);
 - `thread, 1 MiB`: buckets handed to the communication thread during backward (an eighth of the
   model, at least 1 MiB);
+- `after backward, 25 MiB, blocking handshake`: the step's handshake made before the first bucket
+  (as before issue 21) instead of begun at the first gradient (Gloo only: MPI always blocks);
 - `torch DDP (gloo)` (the reference) and `one process` (no communication).
 
-The mode is set on each copy's `GradientSync` (private methods: this is a probe of the engine's
-choices, not an API). Rounds take the cases in turn, each a batch of
+The mode and the handshake are set on each copy's `GradientSync` (private attributes: this is a
+probe of the engine's choices, not an API; the handshake's after the first step, whose rebuild
+plans it again). Rounds take the cases in turn, each a batch of
 `--steps` steps timed as the slowest rank's; printed: per case, the median over rounds of its
 batch time over DDP's batch time in the same round, and the medians of forward, backward and
 `step()` (each rank's median, the largest over ranks).
@@ -35,11 +38,13 @@ import dataparallel as dp
 
 KiB, MiB = 1 << 10, 1 << 20
 DDP = "torch DDP (gloo)"
+BLOCKING = "after backward, 25 MiB, blocking handshake"
 # name: (on the communication thread, bucket bytes)
 MODES = {
     "after backward, 256 KiB": (False, 256 * KiB),
     "after backward, 25 MiB": (False, 25 * MiB),
     "thread, 1 MiB": (True, MiB),
+    BLOCKING: (False, 25 * MiB),
 }
 
 
@@ -97,6 +102,8 @@ def main() -> None:
 
     for name in models:  # the first step rebuilds the buckets
         step(name)
+    sync: Any = models[BLOCKING].gradient_sync  # type: ignore[union-attr]
+    sync._begins_early = False
     for _ in range(args.rounds):
         for name in models:
             dp.barrier()
@@ -109,11 +116,11 @@ def main() -> None:
     if not dp.is_main():
         return
     print(f"{dp.size()} ranks, engine {dp.get_backend().name}, {args.rounds} rounds")
-    print(f"{'case':24} {'vs DDP':>7} {'forward':>8} {'backward':>9} {'step()':>8}")
+    print(f"{'case':44} {'vs DDP':>7} {'forward':>8} {'backward':>9} {'step()':>8}")
     for name in models:
         ratio = statistics.median(a / b for a, b in zip(rounds[name], rounds[DDP], strict=True))
         f, b, s = (1e3 * max(r[name][i] for r in every) for i in range(3))  # type: ignore[index]
-        print(f"{name:24} {ratio:7.2f} {f:6.2f}ms {b:7.2f}ms {s:6.2f}ms")
+        print(f"{name:44} {ratio:7.2f} {f:6.2f}ms {b:7.2f}ms {s:6.2f}ms")
 
 
 if __name__ == "__main__":
