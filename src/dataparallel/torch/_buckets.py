@@ -212,7 +212,7 @@ def bucket_bytes_for(offload: bool, total: int, settings: Settings, *, whole: bo
     packing with sending over MPI's shared memory); `whole`, reduced after backward on an engine
     that carries calls in its own threads (Gloo, NCCL): `Settings.thread_bucket_bytes`, DDP's
     size, as each call there is a rendezvous of the ranks' threads (Gloo, 3 ranks on 2 cores, a
-    1.6 M parameter MLP: 25 MiB buckets 0.72-0.87x the step of 256 KiB ones; issue 21). On the
+    1.6 M parameter MLP: 25 MiB buckets 0.72-0.90x the step of 256 KiB ones; issue 21). On the
     communication thread: about an eighth of the model, between 1 MiB and
     `Settings.thread_bucket_bytes`, so that any model sends several buckets while backward runs
     (one 25 MiB bucket held a 14.7 MB model whole: nothing left before backward ended; issue 24).
