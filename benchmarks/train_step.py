@@ -342,7 +342,8 @@ def main() -> None:
         mode = overlaps(dp.local_size(), current().settings.overlap)
         print(
             f"dp's gradient buckets go out {'during' if mode else 'after'} backward by the core "
-            "count; where both can run, dp times both in its first steps and keeps the faster"
+            "count on one node; across nodes, where both can run, dp times both in its first "
+            "steps and keeps the faster"
         )
         if horovod.hvd is None:
             print(f"Horovod case skipped: {horovod.reason}")

@@ -100,6 +100,14 @@ def grad_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
 
 
+def mode(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """How a dp case's `GradientSync` reduces, after its mode trial (`torch/_tuning.py`)."""
+    holder = model if isinstance(model, dp.torch.DataParallelModel) else opt
+    sync = holder.gradient_sync  # type: ignore[union-attr]
+    where = "on the communication thread" if sync.overlap else "after backward"
+    return f"{where}, buckets of {sync.bucket_bytes / 2**20:g} MiB"
+
+
 def timed(steps: dict[str, Step], batches: int, budget: float) -> dict[str, float]:
     """Median seconds per step of each case, over `batches` batches taken in turn."""
     counts = {}
@@ -195,6 +203,9 @@ def main() -> None:
         )
     print(f"unsharded state / N = {unsharded_state / size / 2**20:.2f} MB; ", end="")
     print(f"parameters {4 * n / 2**20:.2f} MB")
+    for name in (UNSHARDED, STAGE1):
+        sync = mode(*made[name])
+        print(f"{name}: gradients reduced {sync}")
     for name, diff in parity.items():
         print(f"{name}: max |param - unsharded| after {args.steps} Adam steps = {diff:.2e}")
 

@@ -440,6 +440,42 @@ def test_different_models_raise_a_mismatch_on_every_rank(world: Backend) -> None
     assert dp.allreduce(1) == world.size  # the world is still usable
 
 
+@pytest.mark.parametrize("mismatch", [False, True], ids=["same", "different"])
+def test_the_handshake_begins_at_the_first_gradient_where_the_engine_moves_calls_on(
+    mismatch: bool, world: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo: the step's handshake is an `iallgather` begun by the first gradient's hook, so it
+    overlaps backward; it is finished before the first bucket, and a mismatch still raises on
+    every rank. MPI (moves calls on only inside its calls) and a world of one: not begun early."""
+    if mismatch and world.size == 1:
+        pytest.skip("a mismatch needs two ranks")
+    model = make_model(hidden=4 + (mismatch and world.rank == world.size - 1))
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sync = opt.gradient_sync
+    begun: list[int] = []  # the buckets sent so far, at each iallgather on the world's engine
+    start = world.iallgather
+
+    def iallgather(send: Any, recv: Any) -> Any:
+        begun.append(sync.calls)
+        return start(send, recv)
+
+    monkeypatch.setattr(world, "iallgather", iallgather)
+    early = world.progresses and world.size > 1
+    x, y, before = *global_batch(0), []
+    for _ in range(2):
+        opt.zero_grad()
+        before.append(sync.calls)
+        if mismatch:
+            with pytest.raises(CollectiveMismatchError, match=r"gradient reduction"):
+                loss_of(model, share(x), share(y)).backward()
+            break
+        loss_of(model, share(x), share(y)).backward()
+        opt.step()
+        assert begun == (before if early else [])  # begun before the step's first bucket
+    del opt
+    assert dp.allreduce(1) == world.size  # the world is still usable
+
+
 # -- synchronize(optimizer) ---------------------------------------------------------------------
 
 

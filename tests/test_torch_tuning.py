@@ -12,7 +12,7 @@ from _torch_common import gathered, global_batch, make_model, step_pair
 
 import dataparallel as dp
 from dataparallel.config import Settings
-from dataparallel.torch._buckets import FIRST_BUCKET_BYTES, assign, bucket_bytes_for
+from dataparallel.torch._buckets import FIRST_BUCKET_BYTES, assign, bucket_bytes_for, overlaps
 from dataparallel.torch._tuning import ModeTrial
 
 MiB = 1 << 20
@@ -36,6 +36,39 @@ def test_thread_buckets_are_an_eighth_of_the_model_within_limits() -> None:
     assert bucket_bytes_for(True, 1000 * MiB, settings) == settings.thread_bucket_bytes
     small = Settings(bucket_bytes=4096, thread_bucket_bytes=4096)  # DATAPARALLEL_BUCKET_BYTES
     assert bucket_bytes_for(True, 1000 * MiB, small) == 4096
+    # After backward on an engine that carries its calls in its own threads: DDP's size.
+    assert bucket_bytes_for(False, MiB, settings, whole=True) == settings.thread_bucket_bytes
+    assert bucket_bytes_for(False, MiB, small, whole=True) == 4096
+
+
+@pytest.mark.parametrize("wait_after_backward", [False, True], ids=["optimizer", "model"])
+def test_on_one_node_the_cores_choose_the_mode_and_the_engine_the_size(
+    wait_after_backward: bool, world: Any
+) -> None:
+    """Every rank on this node: no trial, the mode `overlaps` gives (agreed by every rank), and
+    after backward on Gloo buckets of DDP's 25 MiB (one call less than 256 KiB's per step)."""
+    model = make_model(hidden=16)
+    if wait_after_backward:
+        sync = dp.torch.DataParallelModel(model).gradient_sync
+    else:
+        sync = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).gradient_sync
+    settings = dp.world.current().settings
+    if world.local_size < world.size or settings.overlap is not None:
+        pytest.skip("ranks on other nodes, or DATAPARALLEL_OVERLAP set: not this rule")
+    assert sync._trial is None
+    assert sync.overlap is overlaps_everywhere(world)
+    if sync.overlap:
+        return  # the thread's size: test_thread_buckets_are_an_eighth_of_the_model_within_limits
+    expected = settings.thread_bucket_bytes if world.progresses else settings.bucket_bytes
+    assert sync.bucket_bytes == expected
+    given = dp.torch.DataParallelModel(make_model(hidden=16), bucket_bytes=4096).gradient_sync
+    assert given.bucket_bytes == 4096
+
+
+def overlaps_everywhere(world: Any) -> bool:
+    """Whether `overlaps` says so on every rank (any rank without a spare core: after backward)."""
+    mine = torch.tensor([float(overlaps(world.local_size, None))])
+    return all(bool(theirs[0][0]) for theirs in gathered([mine]))
 
 
 class _One:
@@ -64,11 +97,13 @@ def test_the_trial_alternates_the_modes_then_keeps_the_faster() -> None:
 
 @pytest.mark.parametrize("wait_after_backward", [False, True], ids=["optimizer", "model"])
 def test_ranks_time_both_modes_and_the_slowest_rank_decides(
-    wait_after_backward: bool, rank: int, monkeypatch: pytest.MonkeyPatch
+    wait_after_backward: bool, rank: int, world: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0 alone would keep reducing after backward, every other rank on the thread; the
     slowest rank's medians decide, so every rank takes the thread, at the same step; the
-    gradients are averaged right in both modes and across the switches."""
+    gradients are averaged right in both modes and across the switches. The trial runs where
+    some rank is on another node: each rank here is told it is alone on its node."""
+    monkeypatch.setattr(world, "local_size", 1)
     model, reference = make_model(hidden=16), make_model(hidden=16)
     if wait_after_backward:
         wrapped: Any = dp.torch.DataParallelModel(model)
@@ -99,7 +134,9 @@ def test_ranks_time_both_modes_and_the_slowest_rank_decides(
     trial_steps = [True] * ModeTrial.SKIP + [False, True] * ModeTrial.TRIALS
     assert modes == [*trial_steps, True, True]
     assert sync._trial.chosen is True
-    after, thread = dp.world.current().settings.bucket_bytes, sizes[0]
+    settings = dp.world.current().settings
+    after = settings.thread_bucket_bytes if world.progresses else settings.bucket_bytes
+    thread = sizes[0]
     assert sizes == [after if not m else thread for m in modes]
     everyone = gathered([torch.tensor([float(m) for m in modes])])
     assert all((theirs[0] == everyone[0][0]).all() for theirs in everyone)

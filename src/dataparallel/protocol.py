@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from dataparallel.arrays.replay import Replay
-from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError, RankJoinedError
 
 __all__ = [
@@ -52,12 +52,14 @@ __all__ = [
     "Flag",
     "Records",
     "ReplayOf",
+    "Started",
     "digest",
     "fail_together",
     "handshake",
     "joined_round",
     "new_record",
     "payload_capacity",
+    "start_handshake",
     "verify_same_call",
 ]
 
@@ -99,6 +101,8 @@ _NAN = int(Flag.NAN)  # as a plain int: NumPy's `&` with an IntFlag goes through
 ReplayOf = Callable[[bool], Replay | None] | None
 # The call field by field (or a function that makes it), to explain a mismatch.
 Describe = dict[str, Any] | Callable[[], dict[str, Any]]
+# A handshake begun early (`start_handshake`): its records and the gather in flight.
+Started = tuple["Records", Handle]
 
 _MAX_DIFFERENCES = 8
 
@@ -130,6 +134,7 @@ def handshake(
     flag: bool | None = None,
     replay: ReplayOf = None,
     on_joined: Callable[[], None] | None = None,
+    started: Started | None = None,
 ) -> tuple[np.ndarray | None, bool]:
     """Exchange this rank's call with every rank; raise `CollectiveMismatchError` unless all agree.
 
@@ -145,11 +150,15 @@ def handshake(
             ranks that have joined to answer with zeros (None: the call cannot be answered so,
             and raises `RankJoinedError` if some rank has joined).
         on_joined: called when some rank has joined (before the call goes on).
+        started: the exchange `start_handshake` began for this call (`summary`'s); finished here.
 
     Returns:
         Every rank's record (`RECORD`, one per rank; None in worlds over `GATHER_LIMIT` ranks),
         and whether any rank raised `flag`.
     """
+    if started is not None:
+        records, gather = started
+        return records.exchange(backend, call, replay, on_joined, gather), False
     h = summary if isinstance(summary, int) else digest(summary)
     if backend.size > GATHER_LIMIT:
         bounds = np.zeros(1, BOUNDS)
@@ -170,6 +179,17 @@ def handshake(
     records.flags[0] = _NAN if flag else 0
     rows = records.exchange(backend, call, replay, on_joined)
     return rows, (flag is not None and bool((rows["flags"] & _NAN).any()))
+
+
+def start_handshake(backend: Backend, summary: str | int) -> Started | None:
+    """Begin the handshake of a call that comes later (`Backend.iallgather`, no flag), so that
+    its rendezvous overlaps the caller's work; `handshake(started=...)` finishes it, and must,
+    on every rank alike. None where it cannot begin early (a world of one or over `GATHER_LIMIT`).
+    """
+    if not 1 < backend.size <= GATHER_LIMIT:
+        return None
+    records = Records(backend.size, summary if isinstance(summary, int) else digest(summary))
+    return records, backend.iallgather(records.sent, records.received)
 
 
 def _timed_out(backend: Backend, call: Describe) -> CollectiveTimeoutError:
@@ -204,12 +224,17 @@ class Records:
         call: Describe,
         replay: ReplayOf = None,
         on_joined: Callable[[], None] | None = None,
+        started: Handle | None = None,
     ) -> np.ndarray:
         """Gather every rank's record (this one's payload and flags filled in); return them,
         unless the digests differ: then answer the ranks that have joined, or raise on every
-        rank (`CollectiveMismatchError`). The one exchange of records."""
+        rank (`CollectiveMismatchError`). The one exchange of records (`started`: the gather
+        began already, `start_handshake`)."""
         try:
-            backend.allgather(self.sent, self.received)
+            if started is None:
+                backend.allgather(self.sent, self.received)
+            else:
+                started.wait()
         except CollectiveTimeoutError as error:  # zero cost unless raised (Python 3.11+)
             raise _timed_out(backend, call) from error
         rows = self.rows

@@ -49,7 +49,7 @@ from dataparallel.arrays.replay import Replay
 from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import handshake
+from dataparallel.protocol import Started, handshake, start_handshake
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
@@ -154,16 +154,14 @@ class GradientSync:
         trainable = [(n, p) for n, p in params() if p.requires_grad]
         offload = offloadable(self.backend, private, on_host(trainable))
         forced = active.settings.overlap
-        # Thread or after backward: timed by the steps themselves where either can be (_tuning).
-        self._trial = ModeTrial() if offload and forced is None and self.backend.size > 1 else None
-        self.overlap = (
-            self._trial.mode if self._trial else overlaps(self.backend.local_size, forced)
-        )
+        # Thread or after backward: timed by the steps themselves where either can be and some
+        # rank is on another node (_tuning); on one node the cores tell (`_buckets.overlaps`).
+        spans = self.backend.local_size < self.backend.size
+        self._trial = ModeTrial() if offload and forced is None and spans else None
+        self.overlap = self._trial.mode if self._trial else self._overlaps(forced)
         self._given, self._settings = bucket_bytes, active.settings
         self._model_bytes = sum(p.numel() * p.element_size() for _, p in trainable)
-        self.bucket_bytes = bucket_bytes or bucket_bytes_for(
-            self.overlap and offload, self._model_bytes, active.settings
-        )
+        self.bucket_bytes = bucket_bytes or self._bucket_bytes_for(self.overlap, offload)
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
@@ -261,6 +259,10 @@ class GradientSync:
         )
         self._signature = signature(self._params)
         self._host = on_host(self._params)  # only host buckets go to the communication thread
+        # Where the engine moves calls on by itself (Gloo), the step's handshake begins at its
+        # first gradient, so that its rendezvous overlaps backward (issue 21: at 3 Gloo ranks
+        # on 2 cores a blocking one made the step 1.16x DDP's, 1.02x without it).
+        self._begins_early = self._host and self.backend.progresses and self.backend.size > 1
 
     def refresh(self) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
@@ -280,7 +282,7 @@ class GradientSync:
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
         flagged abandoned, so every rank's messages still line up)."""
-        if self._state == _OPEN and self._arrival:
+        if self._state == _OPEN and (self._arrival or self._early is not None):
             self._abandoned = True
             self.wait()
         if not self.refresh():
@@ -298,6 +300,7 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
+        self._early: Started | None = None  # this step's handshake, begun at its first gradient
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
@@ -337,6 +340,8 @@ class GradientSync:
             self._router.progress()
         self._ready[index] = True
         self._arrival.append(index)
+        if not self._arrival[1:] and self._begins_early:
+            self._early = start_handshake(self.backend, self._summary)
         b = self._bucket_of[index]
         if b < 0:  # a gathered sparse gradient: reduced in wait()
             return
@@ -397,6 +402,7 @@ class GradientSync:
                 partial(describe, self.owner, self._options, self._params),
                 replay=self._replay,
                 on_joined=partial(setattr, self, "_joined", True),  # no rebuild this step
+                started=self._early,
             )
         except CollectiveMismatchError:
             self._state = _FAILED
@@ -473,12 +479,25 @@ class GradientSync:
         with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
         self.overlap = overlap
         if self._given is None:
-            self.bucket_bytes = bucket_bytes_for(overlap, self._model_bytes, self._settings)
+            self.bucket_bytes = self._bucket_bytes_for(overlap, True)
             self._options["bucket_bytes"] = self.bucket_bytes
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._replan(self._params, [i for b in self._buckets for i in b.members])
+
+    def _overlaps(self, forced: bool | None) -> bool:
+        """`_buckets.overlaps`, the same on every rank (the mode sets the bucket layout)."""
+        overlap = overlaps(self.backend.local_size, forced)
+        if forced is None and self.backend.size > 1:
+            overlap = bool(collectives.allreduce(int(overlap), op="min", backend=self.backend))
+        return overlap
+
+    def _bucket_bytes_for(self, overlap: bool, offload: bool) -> int:
+        """The bucket size of a mode (`_buckets.bucket_bytes_for`)."""
+        whole = not overlap and self.backend.progresses  # one rendezvous per call: DDP's size
+        total, settings = self._model_bytes, self._settings
+        return bucket_bytes_for(overlap and offload, total, settings, whole=whole)
 
     def _rebuild(self) -> None:
         """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
