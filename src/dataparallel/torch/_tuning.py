@@ -4,22 +4,24 @@ Which mode is faster depends on what the core count cannot tell: over shared mem
 spare core, reducing during backward steals the core backward runs on (after it: 0.67-0.87x the
 cost, benchmarks/NOTES.md); over a network most of a reduction is waiting on the wire, which
 backward can fill. So a reduction that could do either (host parameters, a private engine, no
-`DATAPARALLEL_OVERLAP`) times itself: after `SKIP` steps (the first rebuilds the buckets), it
-alternates the two modes for `2 * TRIALS` steps, each timed from its first gradient to the end
-of its reduction (backward and communication, what the mode changes), and keeps the thread if
-it was faster in the median of the pairs (each step on the thread minus the step after
-backward just before it). A step costs what its slowest rank took (one allreduce of the times,
-at a step boundary, on every rank alike: the mode changes the bucket layout, which is part of
-every step's handshake). Pairs, not each mode's median: the load of a shared machine drifts
-over the trial's steps, and two adjacent steps see the same load.
+`DATAPARALLEL_OVERLAP`) and whose ranks span nodes times itself (on one node the cores choose,
+`_buckets.overlaps`: the trial's ten steps picked the thread there by noise, issue 21): after
+`SKIP` steps (the first rebuilds the buckets), it alternates the two modes for `2 * TRIALS`
+steps, each timed from its first gradient to the end of its reduction (backward and
+communication, what the mode changes), and keeps the thread if it was faster in the median of
+the pairs (each step on the thread minus the step after backward just before it). A step costs
+what its slowest rank took (one allreduce of the times, at a step boundary, on every rank alike:
+the mode changes the bucket layout, which is part of every step's handshake). Pairs, not each
+mode's median: the load of a shared machine drifts over the trial's steps, and two adjacent
+steps see the same load.
 
 Where ranks span nodes the thread is kept unless after backward wins by more than `MARGIN` of
 its time. There the thread's gain is structural (the wire's time runs beside backward), and
 within a few percent the trial's ten steps cannot tell the modes apart: at 2.5 Gbit/s (D=256,
 issue 24, benchmarks/NOTES.md) the trial's medians came 0.2-1% apart and chose after backward,
 where the same step held in each mode, side by side, cost 2-21 ms less on the thread in all six
-comparisons (fp32 and fp16, three runs). On one node, where after backward wins, it wins by
-13-33%.
+comparisons (fp32 and fp16, three runs). Without ranks on other nodes (a trial made directly)
+there is no margin.
 """
 
 from __future__ import annotations
