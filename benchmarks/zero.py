@@ -38,6 +38,7 @@ Step = Callable[[], None]
 UNSHARDED = "dp.DistributedOptimizer (unsharded)"
 STAGE1 = "ZeRO stage 1 + DataParallelModel"
 STAGE2 = "ZeRO stage 2"
+UNMERGED = "ZeRO stage 2, allgather per bucket"
 TORCH = "torch ZeRO + DDP (gloo)"
 WIDTHS = (11, 6, 11, 8, 12, 9)
 
@@ -66,10 +67,14 @@ def make(
             model.parameters(), torch.optim.Adam, lr=lr, bucket_bytes=bucket_bytes
         )
         return dp.torch.DataParallelModel(model), opt
-    if name == STAGE2:
+    if name.startswith(STAGE2):
+        if " @ " in name:  # an extra case: "ZeRO stage 2 @ <bytes>"
+            bucket_bytes = int(name.rsplit(" ", 1)[1])
         opt = dp.torch.ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.Adam, stage=2, lr=lr, bucket_bytes=bucket_bytes
         )
+        if name == UNMERGED:  # the extra case of `--unmerged`: no buckets merged
+            opt._merge_bytes = 0
         return model, opt
     ddp = nn.parallel.DistributedDataParallel(model)
     return ddp, TorchZero(ddp.parameters(), torch.optim.Adam, lr=lr)
@@ -137,6 +142,18 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per timed batch")
     parser.add_argument("--steps", type=int, default=30, help="Adam steps of the parity check")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="ZeRO's (default: its own)")
+    parser.add_argument(
+        "--unmerged",
+        action="store_true",
+        help="an extra stage-2 case with one allgather per bucket (none merged)",
+    )
+    parser.add_argument(
+        "--stage2-also",
+        type=int,
+        nargs="*",
+        default=[],
+        help="extra stage-2 cases with these bucket sizes (bytes), timed in the same run",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dp.initialize()
@@ -151,21 +168,22 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=address, rank=dp.rank(), world_size=dp.size())
     base = mlp()
     n = sum(p.numel() for p in base.parameters())
-    names = [UNSHARDED, STAGE1, STAGE2, TORCH]
+    extra = [*([UNMERGED] if args.unmerged else []), *(f"{STAGE2} @ {b}" for b in args.stage2_also)]
+    names = [UNSHARDED, STAGE1, STAGE2, *extra, TORCH]
     made = {name: make(name, base, 1e-3, args.bucket_bytes) for name in names}
     steps = {name: trainer(model, opt, args.batch) for name, (model, opt) in made.items()}
     for step in steps.values():
         step()  # state exists, buckets rebuilt
     memory = {}
     for name, (model, opt) in made.items():
-        if name == STAGE2:  # between backward and step: what stage 2 holds at its peak
+        if name.startswith(STAGE2):  # between backward and step: what stage 2 holds at its peak
             opt.zero_grad()
             nn.CrossEntropyLoss()(
                 model(batch(0, args.batch)[0]), batch(0, args.batch)[1]
             ).backward()
         mine = (state_bytes(opt), grad_bytes(model, opt))
         memory[name] = [max(v) for v in zip(*dp.allgather_object(mine), strict=True)]
-        if name == STAGE2:
+        if name.startswith(STAGE2):
             opt.step()
     times = timed(steps, args.batches, args.budget)
 
