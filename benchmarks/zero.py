@@ -11,6 +11,8 @@ per rank. Cases, in the same processes, each on its own copy of the model:
 - `ZeRO stage 2`: `ZeroRedundancyOptimizer(stage=2)` on the bare model;
 - `torch ZeRO + DDP (gloo)`: torch's `ZeroRedundancyOptimizer` under `DistributedDataParallel`, on
   the Gloo group that `dataparallel run` sets up beside the engine (or one made here).
+- extra stage-2 cases in the same run: `--unmerged` (one allgather per bucket, as on MPI, where
+  Gloo merges them into one call) and `--stage2-also BYTES ...` (other bucket sizes).
 
 Printed: optimizer state bytes per rank and gradient bytes per rank between steps (each rank's,
 the largest shown), the step times (median over interleaved batches of steps: the cases take turns,

@@ -3,9 +3,10 @@
 torch's class and signature (`torch.distributed.optim.ZeroRedundancyOptimizer`), over this
 library's engines, with slices instead of whole parameters: every rank steps a contiguous
 segment of every bucket (`_zero_layout.py`), so shards are balanced whatever the parameters'
-sizes, and the updated segments come back with one allgather per bucket (torch's: one broadcast
-per rank). `stage=2` reduce-scatters the gradients itself during backward (`_zero_grads.py`).
-Checkpoints: `_zero_state.py`. Usage, semantics and departures: docs/zero.md.
+sizes, and the updated segments come back with one allgather per bucket, merged into one call
+on Gloo (`_zero_gather.py`; torch's: one broadcast per rank). `stage=2` reduce-scatters the
+gradients itself during backward (`_zero_grads.py`). Checkpoints: `_zero_state.py`. Usage,
+semantics and departures: docs/zero.md.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     the r-th of `size` equal contiguous segments of every bucket. `.optim` is this rank's
     `optimizer_class` over its pieces (1-D views of the flat buffers, one parameter each), so
     its state is about `1 / size` of the unsharded state. `step()` steps them, then allgathers
-    the updated segments (one call per bucket): every rank ends the step with all parameters.
+    the updated segments (one call per bucket; on Gloo buckets merged into one call up to
+    25 MiB): every rank ends the step with all parameters.
 
     - `stage=1`: gradients are reduced by a model wrapper (`dp.torch.DataParallelModel`, DDP,
       or `dp.allreduce_gradients`) before `step()`, which reads `param.grad`.
