@@ -11,6 +11,8 @@ per rank. Cases, in the same processes, each on its own copy of the model:
 - `ZeRO stage 2`: `ZeroRedundancyOptimizer(stage=2)` on the bare model;
 - `torch ZeRO + DDP (gloo)`: torch's `ZeroRedundancyOptimizer` under `DistributedDataParallel`, on
   the Gloo group that `dataparallel run` sets up beside the engine (or one made here).
+- extra stage-2 cases in the same run: `--unmerged` (one allgather per bucket, as on MPI, where
+  Gloo merges them into one call) and `--stage2-also BYTES ...` (other bucket sizes).
 
 Printed: optimizer state bytes per rank and gradient bytes per rank between steps (each rank's,
 the largest shown), the step times (median over interleaved batches of steps: the cases take turns,
@@ -38,6 +40,7 @@ Step = Callable[[], None]
 UNSHARDED = "dp.DistributedOptimizer (unsharded)"
 STAGE1 = "ZeRO stage 1 + DataParallelModel"
 STAGE2 = "ZeRO stage 2"
+UNMERGED = "ZeRO stage 2, allgather per bucket"
 TORCH = "torch ZeRO + DDP (gloo)"
 WIDTHS = (11, 6, 11, 8, 12, 9)
 
@@ -66,10 +69,14 @@ def make(
             model.parameters(), torch.optim.Adam, lr=lr, bucket_bytes=bucket_bytes
         )
         return dp.torch.DataParallelModel(model), opt
-    if name == STAGE2:
+    if name.startswith(STAGE2):
+        if " @ " in name:  # an extra case: "ZeRO stage 2 @ <bytes>"
+            bucket_bytes = int(name.rsplit(" ", 1)[1])
         opt = dp.torch.ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.Adam, stage=2, lr=lr, bucket_bytes=bucket_bytes
         )
+        if name == UNMERGED:  # the extra case of `--unmerged`: no buckets merged
+            opt._merge_bytes = 0
         return model, opt
     ddp = nn.parallel.DistributedDataParallel(model)
     return ddp, TorchZero(ddp.parameters(), torch.optim.Adam, lr=lr)
@@ -137,6 +144,18 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per timed batch")
     parser.add_argument("--steps", type=int, default=30, help="Adam steps of the parity check")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="ZeRO's (default: its own)")
+    parser.add_argument(
+        "--unmerged",
+        action="store_true",
+        help="an extra stage-2 case with one allgather per bucket (none merged)",
+    )
+    parser.add_argument(
+        "--stage2-also",
+        type=int,
+        nargs="*",
+        default=[],
+        help="extra stage-2 cases with these bucket sizes (bytes), timed in the same run",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dp.initialize()
@@ -151,21 +170,22 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=address, rank=dp.rank(), world_size=dp.size())
     base = mlp()
     n = sum(p.numel() for p in base.parameters())
-    names = [UNSHARDED, STAGE1, STAGE2, TORCH]
+    extra = [*([UNMERGED] if args.unmerged else []), *(f"{STAGE2} @ {b}" for b in args.stage2_also)]
+    names = [UNSHARDED, STAGE1, STAGE2, *extra, TORCH]
     made = {name: make(name, base, 1e-3, args.bucket_bytes) for name in names}
     steps = {name: trainer(model, opt, args.batch) for name, (model, opt) in made.items()}
     for step in steps.values():
         step()  # state exists, buckets rebuilt
     memory = {}
     for name, (model, opt) in made.items():
-        if name == STAGE2:  # between backward and step: what stage 2 holds at its peak
+        if name.startswith(STAGE2):  # between backward and step: what stage 2 holds at its peak
             opt.zero_grad()
             nn.CrossEntropyLoss()(
                 model(batch(0, args.batch)[0]), batch(0, args.batch)[1]
             ).backward()
         mine = (state_bytes(opt), grad_bytes(model, opt))
         memory[name] = [max(v) for v in zip(*dp.allgather_object(mine), strict=True)]
-        if name == STAGE2:
+        if name.startswith(STAGE2):
             opt.step()
     times = timed(steps, args.batches, args.budget)
 

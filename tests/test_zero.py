@@ -33,6 +33,8 @@ import dataparallel as dp
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch import ZeroRedundancyOptimizer
+from dataparallel.torch._zero_gather import SliceGather
+from dataparallel.torch._zero_layout import plan_group
 
 CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -100,6 +102,33 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(
     assert_same_on_every_rank(list(model.parameters()))
     if bucket_bytes == 64:
         assert len(opt._buckets) >= 4
+
+
+@pytest.mark.parametrize("merge_bytes", [0, 200, 1 << 20], ids=["alone", "some", "all"])
+def test_updated_segments_come_back_whatever_the_buckets_merged(
+    merge_bytes: int, world: Backend
+) -> None:
+    """Each rank writes its rank into its segments; after the gather every bucket holds every
+    rank's segment in order, whether buckets went alone (in place) or merged into one call."""
+    params = [torch.zeros(n, dtype=d) for n, d in ((7, torch.float32), (30, torch.float64))]
+    params += [torch.zeros(n) for n in (5, 40, 3)]
+    flats, buckets, _ = plan_group(0, list(enumerate(params)), dp.rank(), dp.size(), 32, 0)
+    for bucket in buckets:
+        lo, hi = bucket.mine
+        flats[bucket.flat].data[lo:hi] = dp.rank() + 1
+    gather = SliceGather(flats, buckets, world, merge_bytes)
+    calls = [len(call.buckets) for call in gather.calls]
+    assert sum(calls) == len(buckets) >= 4
+    assert max(calls) == 1 if merge_bytes == 0 else max(calls) > 1
+    if merge_bytes == 200:
+        assert min(calls) < max(calls)  # some alone (in place), some merged
+    for _ in range(2):  # the buffers are reused
+        gather.run()
+        for bucket in buckets:
+            got = flats[bucket.flat].data[bucket.start : bucket.stop]
+            part = bucket.counts[0]
+            want = torch.arange(dp.size(), dtype=got.dtype).repeat_interleave(part) + 1
+            torch.testing.assert_close(got, want)
 
 
 def test_mixed_dtypes_and_param_groups(world: Backend) -> None:
