@@ -54,7 +54,7 @@ try:
         for _ in range(3):
             stepped(np.nan)  # never: it raises
 except Exception as error:  # JAX wraps the step's error (JaxRuntimeError); its message is kept
-    saw = f"{type(error).__name__}: {error}"
+    saw = f"{type(error).__name__}: {error}".replace("\n", " | ")  # the callback's traceback
 print(f"rank {rank}: case 1: {saw}", flush=True)
 assert "RankJoinedError" in saw and "joined (dp.join)" in saw, saw
 total = dp.allreduce(np.ones(1), op="sum")
