@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import context
+from dataparallel.collectives._jitted import Answer, Refusal, step_of
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import joined_round
 
@@ -39,6 +40,10 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
         The rank that joined last (the same on every rank; the highest of those that joined
         last together).
 
+    Raises:
+        RankJoinedError: another rank ran a jitted `DistributedOptimizer` step after this one
+            joined (a jitted step cannot be answered; it raises there too, `_jitted.py`).
+
     >>> import dataparallel as dp
     >>> _ = dp.initialize("single")
     >>> dp.join()
@@ -48,11 +53,17 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
     b = ctx.backend
     if b.size == 1:
         return 0
+    step = step_of(b)  # jitted steps were traced: answer them too (`_jitted.py`)
+    answer = Answer(step) if step is not None else None
     newcomer = True
     while True:
         done, last, replay = joined_round(b, newcomer)
         newcomer = False
+        if isinstance(replay, Refusal):  # a jitted step met this rank's answer
+            raise replay.error(b.rank)
         if done:
+            if answer is not None:
+                answer.finish()
             return last
         if replay is not None:
             replay.run(b, ctx.buffers)

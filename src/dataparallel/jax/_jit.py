@@ -50,6 +50,7 @@ from dataparallel.arrays.actions import parse_op
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
+from dataparallel.collectives._jitted import JittedStep, refuse, register_step
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.jax._ffi import Reduce, ffi_reason, reduce_ffi
 from dataparallel.protocol import digest, handshake
@@ -165,6 +166,31 @@ class Packed:
         t = self.ticket
         return not t or (float(first[-2]) == size * t and float(first[-1]) == size * t * t)
 
+    def joined(self, first: np.ndarray, size: int) -> int:
+        """How many ranks answered the order check with zeros (ranks that have joined,
+        `collectives/_jitted.py`): `k` working ranks sum to `k * t` and `k * t * t`."""
+        t = self.ticket
+        k = float(first[-2]) / t if t else size
+        if k == int(k) and 0 <= k < size and float(first[-1]) == k * t * t:
+            return size - int(k)
+        return 0
+
+    def first_call(self, private: Backend, route: str) -> JittedStep:
+        """The step's first engine call (its first buffer), for ranks that join to answer."""
+        first = self.buckets[0]
+        n = sum(int(np.prod(self.shapes[i], dtype=np.int64)) for i in first.members)
+
+        def call(buf: np.ndarray) -> None:
+            if route == "mpi4jax":  # as mpi4jax's custom call: the engine does not count it
+                from mpi4py import MPI
+
+                assert isinstance(private, MPIBackend)
+                private.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            else:
+                private.allreduce(buf, ReduceOp.SUM)
+
+        return JittedStep(private, n + 2, first.wire, call)
+
 
 def allreduce_traced(
     leaves: list[jax.Array],
@@ -199,13 +225,15 @@ def allreduce_traced(
         return {**describe(), "route": chosen, "packed": f"leaves of at most {alone} B"}
 
     handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
+    if packed.ticket:  # ranks that join later answer its first call (`collectives/_jitted.py`)
+        register_step(engine, packed.first_call(private, chosen))
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
-        reduced = _through_mpi4jax(flats, packed, private, details)
+        reduced = _through_mpi4jax(flats, packed, engine, private, details)
     elif chosen == "ffi":
-        reduced = _through_ffi(flats, packed, private, details, summary)
+        reduced = _through_ffi(flats, packed, engine, private, details, summary)
     else:
-        reduced = _through_callback(flats, packed, private, details)
+        reduced = _through_callback(flats, packed, engine, private, details)
     return packed.unpack(reduced, size if average else 1)
 
 
@@ -245,40 +273,45 @@ def _route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4ja
     return "ffi" if reason is None else "callback"
 
 
-def _on_host(packed: Packed, private: Backend, describe: Details) -> Reduce:
+def _on_host(packed: Packed, engine: Backend, private: Backend, describe: Details) -> Reduce:
     """Each buffer reduced by one engine call from `sent` into `received` (in place where they
-    are the same memory, as the FFI call makes them), then the order check."""
+    are the same memory, as the FFI call makes them); the order check after the first."""
 
     def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
-        for buf, recv in zip(sent, received, strict=True):
+        for index, (buf, recv) in enumerate(zip(sent, received, strict=True)):
             if buf.ctypes.data == recv.ctypes.data:
                 private.allreduce(recv, ReduceOp.SUM)
             else:
                 private.allreduce_into(buf, recv, ReduceOp.SUM)
-        if not packed.order_holds(received[0], private.size):
-            _order_broken(private, describe)
+            if index == 0 and not packed.order_holds(recv, private.size):
+                _order_broken(engine, private, describe, packed.joined(recv, private.size))
 
     return reduce
 
 
 def _through_ffi(
-    flats: list[jax.Array], packed: Packed, private: Backend, describe: Details, summary: str
+    flats: list[jax.Array],
+    packed: Packed,
+    engine: Backend,
+    private: Backend,
+    describe: Details,
+    summary: str,
 ) -> list[jax.Array]:
     """The buffers through one XLA FFI call per step (`_ffi.py`); packed buffers in place. (One
     call per buffer was measured too: 5.1 ms overhead against 6.6 at 1.86 M, 24.7 against 22.2
     at 8.40 M, one run; not kept.) The step's slot is keyed by its signature (`summary`) and
     engine, so retracing it does not add one."""
-    reduce = _on_host(packed, private, describe)
+    reduce = _on_host(packed, engine, private, describe)
     return reduce_ffi(flats, reduce, packed.concatenated(), key=(id(private), summary))
 
 
 def _through_callback(
-    flats: list[jax.Array], packed: Packed, private: Backend, describe: Details
+    flats: list[jax.Array], packed: Packed, engine: Backend, private: Backend, describe: Details
 ) -> list[jax.Array]:
     """One ordered host callback: each buffer reduced by one engine call, JAX's memory to ours."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats]
     received: list[np.ndarray] = []  # the arrays returned, reused: JAX copies them out at once
-    reduce = _on_host(packed, private, describe)
+    reduce = _on_host(packed, engine, private, describe)
 
     def reduce_on_host(*buffers: jax.Array) -> list[np.ndarray]:
         if not received:
@@ -290,7 +323,7 @@ def _through_callback(
 
 
 def _through_mpi4jax(
-    flats: list[jax.Array], packed: Packed, private: Backend, describe: Details
+    flats: list[jax.Array], packed: Packed, engine: Backend, private: Backend, describe: Details
 ) -> list[jax.Array]:
     """mpi4jax's XLA custom call on each buffer, on the private communicator; the order check
     calls back to the host only when it fails."""
@@ -306,15 +339,19 @@ def _through_mpi4jax(
         tail = reduced[0][-2:]
         broken = (tail[0] != n * t) | (tail[1] != n * t * t)
 
-        def fail() -> None:
-            _order_broken(private, describe)
+        def fail(tail: np.ndarray) -> None:
+            _order_broken(engine, private, describe, packed.joined(np.asarray(tail), n))
 
-        jax.lax.cond(broken, lambda: io_callback(fail, None, ordered=False), lambda: None)
+        jax.lax.cond(broken, lambda: io_callback(fail, None, tail, ordered=False), lambda: None)
     return reduced
 
 
-def _order_broken(private: Backend, describe: Details) -> None:
-    """Every rank saw the order check fail: tell each rank what every rank ran, and raise."""
+def _order_broken(engine: Backend, private: Backend, describe: Details, joined: int) -> None:
+    """Every rank saw the order check fail: where `joined` ranks answered it with zeros (they
+    have joined, `collectives/_jitted.py`) tell them and raise `RankJoinedError`; else tell each
+    rank what every rank ran, and raise."""
+    if joined:
+        raise refuse(engine, joined, describe)
     every = private.allgather_object(describe())
     lines = [f"  rank {rank}: {call}" for rank, call in enumerate(every)]
     raise CollectiveMismatchError(
