@@ -3,7 +3,7 @@
 A jitted step cannot answer a rank that has joined: every rank raises `RankJoinedError` (the
 working ranks from the step, the joined rank from `dp.join`) instead of hanging, and the world
 stays usable; ranks that all join after their last jitted step (an eager uneven tail between)
-join as usual (`collectives/_jitted.py`). Each case is a job (`scripts/jax_join.py`) under a
+join as usual (`collectives/jitted.py`). Each case is a job (`scripts/jax_join.py`) under a
 hard limit, on MPI and Gloo, at 2 and 3 ranks, on each route.
 """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import context
-from dataparallel.collectives._jitted import Answer, Refusal, step_of
+from dataparallel.collectives.jitted import Answer, Refusal, step_of
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import joined_round
 
@@ -42,7 +42,7 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
 
     Raises:
         RankJoinedError: another rank ran a jitted `DistributedOptimizer` step after this one
-            joined (a jitted step cannot be answered; it raises there too, `_jitted.py`).
+            joined (a jitted step cannot be answered; it raises there too, `jitted.py`).
 
     >>> import dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -53,7 +53,7 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
     b = ctx.backend
     if b.size == 1:
         return 0
-    step = step_of(b)  # jitted steps were traced: answer them too (`_jitted.py`)
+    step = step_of(b)  # jitted steps were traced: answer them too (`jitted.py`)
     answer = Answer(step) if step is not None else None
     newcomer = True
     while True:

@@ -50,7 +50,7 @@ from dataparallel.arrays.actions import parse_op
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
-from dataparallel.collectives._jitted import JittedStep, refuse, register_step
+from dataparallel.collectives.jitted import JittedStep, refuse, register_step
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.jax._ffi import Reduce, ffi_reason, reduce_ffi
 from dataparallel.protocol import digest, handshake
@@ -168,7 +168,7 @@ class Packed:
 
     def joined(self, first: np.ndarray, size: int) -> int:
         """How many ranks answered the order check with zeros (ranks that have joined,
-        `collectives/_jitted.py`): `k` working ranks sum to `k * t` and `k * t * t`."""
+        `collectives/jitted.py`): `k` working ranks sum to `k * t` and `k * t * t`."""
         t = self.ticket
         k = float(first[-2]) / t if t else size
         if k == int(k) and 0 <= k < size and float(first[-1]) == k * t * t:
@@ -225,7 +225,7 @@ def allreduce_traced(
         return {**describe(), "route": chosen, "packed": f"leaves of at most {alone} B"}
 
     handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
-    if packed.ticket:  # ranks that join later answer its first call (`collectives/_jitted.py`)
+    if packed.ticket:  # ranks that join later answer its first call (`collectives/jitted.py`)
         register_step(engine, packed.first_call(private, chosen))
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
@@ -348,7 +348,7 @@ def _through_mpi4jax(
 
 def _order_broken(engine: Backend, private: Backend, describe: Details, joined: int) -> None:
     """Every rank saw the order check fail: where `joined` ranks answered it with zeros (they
-    have joined, `collectives/_jitted.py`) tell them and raise `RankJoinedError`; else tell each
+    have joined, `collectives/jitted.py`) tell them and raise `RankJoinedError`; else tell each
     rank what every rank ran, and raise."""
     if joined:
         raise refuse(engine, joined, describe)
