@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import socket
 import statistics
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from train_step import init_gloo
 from zero import batch, mlp
 
 import dataparallel as dp
@@ -46,20 +45,6 @@ MODES = {
     "thread, 1 MiB": (True, MiB),
     BLOCKING: (False, 25 * MiB),
 }
-
-
-def gloo_group() -> None:
-    """A Gloo group for DDP where `dataparallel run` made none (under mpiexec)."""
-    if dist.is_initialized():
-        return
-    port = None
-    if dp.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = dp.broadcast_object(port)
-    address = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=address, rank=dp.rank(), world_size=dp.size())
 
 
 def forced(base: nn.Module, thread: bool, size: int) -> nn.Module:
@@ -79,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dp.initialize()
-    gloo_group()
+    init_gloo()
     base = mlp()
     models: dict[str, nn.Module] = {n: forced(base, *m) for n, m in MODES.items()}
     models[DDP] = nn.parallel.DistributedDataParallel(copy.deepcopy(base))

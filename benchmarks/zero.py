@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import socket
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from train_step import init_gloo
 
 import dataparallel as dp
 
@@ -159,15 +158,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dp.initialize()
-    if not dist.is_initialized():  # under mpiexec: a Gloo group for torch's case
-        port = None
-        if dp.rank() == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = dp.broadcast_object(port)
-        address = f"tcp://127.0.0.1:{port}"
-        dist.init_process_group("gloo", init_method=address, rank=dp.rank(), world_size=dp.size())
+    init_gloo()  # torch's case needs a default group (dp.initialize made one with torch)
     base = mlp()
     n = sum(p.numel() for p in base.parameters())
     extra = [*([UNMERGED] if args.unmerged else []), *(f"{STAGE2} @ {b}" for b in args.stage2_also)]
