@@ -282,9 +282,9 @@ def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
     """Over `WHOLE_BYTES` (256 MiB; 2 MiB here), `Fusion`: each leaf over the bucket size is
     reduced from JAX's memory into its own lent buffer."""
     from dataparallel import world
-    from dataparallel.collectives import _plans
+    from dataparallel.collectives import _onebuffer
 
-    monkeypatch.setattr(_plans, "WHOLE_BYTES", 2 << 20)
+    monkeypatch.setattr(_onebuffer, "WHOLE_BYTES", 2 << 20)
     active = world.current()
     calls: list[int] = []
     real = active.backend.allreduce_into
@@ -323,7 +323,7 @@ def test_a_tree_past_the_plan_limit_takes_the_general_path(
 ) -> None:
     """A "packed" plan is one bucket of at most `PLAN_BYTES`: larger trees go through `Fusion`."""
     from dataparallel import world
-    from dataparallel.collectives._plans import PLAN_BYTES
+    from dataparallel.collectives._onebuffer import PLAN_BYTES
 
     active = world.current()
     limit = 4 * PLAN_BYTES if bucket == "bucket-larger" else PLAN_BYTES // 4

@@ -14,18 +14,17 @@ the first included, executes its plan (`start`) in one of three ways:
   the plan's buffer, packed and unpacked), scaled as `Fusion` scales a bucket.
 - "fused": the leaves through `Fusion` (`_call.run`), with the NaN masks of min and max.
 - "whole": a sum or product of read-only host leaves of one dtype (JAX's CPU arrays) over the
-  "packed" limit and up to `WHOLE_BYTES`, into one buffer lent by the pool: the leaves of at
-  most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each larger
-  leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the
-  leaf, nothing copies it); each leaf's result is a view of the buffer, which JAX adopts
-  without a copy where it is 64-byte aligned. One handshake per call; ranks must all execute
-  it (the summary says how the values travel). Packing the large leaves too (one call of
-  everything) was measured slower: writing 7 MB just before the `Allreduce` that reads it
-  made the call 1.6-1.9x a raw one, where reading the leaves where they lie costs 1.3-1.5x
-  (2 ranks, 1.86 M float32 parameters). With the large leaves unpacked a "whole" plan makes
-  `Fusion`'s calls for less Python: 32 MiB (8.40 M parameters) took 0.71-0.80x a raw in-place
-  `Allreduce`, `Fusion` 0.92-1.06x, hence the limit of 256 MiB (once 16 MiB, when everything
-  was packed).
+  "packed" limit and up to `_onebuffer.WHOLE_BYTES`, into one buffer lent by the pool: the leaves
+  of at most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each
+  larger leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the
+  leaf, nothing copies it); each leaf's result is a view of the buffer, which JAX adopts without a
+  copy where it is 64-byte aligned. One handshake per call; ranks must all execute it (the summary
+  says how the values travel). Packing the large leaves too (one call of everything) was measured
+  slower: writing 7 MB just before the `Allreduce` that reads it made the call 1.6-1.9x a raw one,
+  where reading the leaves where they lie costs 1.3-1.5x (2 ranks, 1.86 M float32 parameters).
+  With the large leaves unpacked a "whole" plan makes `Fusion`'s calls for less Python: 32 MiB
+  (8.40 M parameters) took 0.71-0.80x a raw in-place `Allreduce`, `Fusion` 0.92-1.06x, hence the
+  limit of 256 MiB (once 16 MiB, when everything was packed).
 
 "packed" sends exactly what "fused" sends for the same call (`Fusion` makes one bucket of those
 leaves), so ranks may differ in which they execute: a rank that records a timeline or logs each
@@ -72,19 +71,21 @@ from dataparallel.collectives._call import (
     stage,
 )
 from dataparallel.collectives._nans import local_nans, nan_preserving
+from dataparallel.collectives._onebuffer import (
+    ONE_MESSAGE,
+    Layout,
+    is_packable,
+    is_whole,
+    whole_layout,
+)
 from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, payload_capacity
 
-__all__ = ["PLAN_BYTES", "WHOLE_BYTES", "CallPlan", "allreduce_scaled", "start"]
+__all__ = ["CallPlan", "allreduce_scaled", "start"]
 
-PLAN_BYTES = 1 << 20  # a bucket of several leaves up to this size is kept in its plan
-WHOLE_BYTES = 256 << 20  # a "whole" plan's most bytes (its buffer is lent whole)
 Kind = Literal["inline", "packed", "fused", "whole"]
 Finish = Callable[[], Any]  # builds the call's result: the type of the tree it was given
 
-_PACKED_DTYPES = frozenset({"float32", "float64", "int32", "int64"})
-_PACKED_OPS = frozenset({ReduceOp.SUM, ReduceOp.PROD})  # min and max: the NaN rules of "fused"
 _DONE = DoneHandle()
-_ALIGN = 64  # bytes: where a "whole" plan's large leaves start, for JAX to adopt them
 
 
 @dataclass(slots=True, eq=False)
@@ -370,9 +371,9 @@ def _plan(
     size = ctx.backend.size
     inline = wire is None and inline_fits(ctx, leaves)  # compressed values never go inline
     dtypes = [leaf.dtype for leaf in leaves]
-    packable = not inline and _packable(ctx, collective, action, wire, leaves, dtypes)
-    whole = not inline and not packable and _whole(ctx, collective, action, wire, leaves, dtypes)
-    messages = _ONE_MESSAGE if whole else None
+    packable = not inline and is_packable(ctx, collective, action, wire, leaves, dtypes)
+    whole = not inline and not packable and is_whole(ctx, collective, action, wire, leaves, dtypes)
+    messages = ONE_MESSAGE if whole else None
     summary, details = describe(ctx, collective, flat, leaves, args, True, inline, messages)
     call_digest = digest(summary)
     kind: Kind = "inline" if inline else "whole" if whole else "fused"
@@ -392,7 +393,7 @@ def _plan(
     )
     layout: Layout = ((), (), (), 0)
     if whole:  # one call of the packed front, then one per larger leaf
-        layout = _whole_layout(host_works(leaves), ctx.settings.bucket_bytes)
+        layout = whole_layout(host_works(leaves), ctx.settings.bucket_bytes)
         _, front, alone, _ = layout
         sizes = [w.size for w in host_works(leaves)]
         calls = ([sum(sizes[i] for i in front)] if front else []) + [sizes[i] for i in alone]
@@ -439,89 +440,7 @@ def _one_flight(ctx: CallContext, leaves: list[Leaf]) -> bool:
     return sum(cast(np.ndarray, w).nbytes for w in works) <= ctx.settings.bucket_bytes
 
 
-def _packable(
-    ctx: CallContext,
-    collective: str,
-    action: Reduction,
-    wire: str | None,
-    leaves: list[Leaf],
-    dtypes: list[str],
-) -> bool:
-    """Whether one `Allreduce` of one host bucket is what `Fusion` would make of these leaves."""
-    if not _one_sum(ctx, collective, action, wire, leaves, dtypes):
-        return False
-    works = [leaf.work for leaf in leaves]
-    if len(works) == 1:
-        return True  # a bucket of itself, whatever its size
-    total = sum(cast(np.ndarray, w).nbytes for w in works)
-    return total <= min(PLAN_BYTES, ctx.settings.bucket_bytes)
-
-
-_ONE_MESSAGE = "one message of the small leaves, each larger leaf from its own memory"
-
-
-Layout = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
-
-
-def _whole_layout(works: list[np.ndarray], alone_over: int) -> Layout:
-    """A "whole" plan's layout: each leaf's offset in the buffer, the leaves packed at its front
-    (those of at most `alone_over` bytes, when there are several), the leaves reduced alone
-    (each starting 64-byte aligned, so that JAX adopts it), and the buffer's length."""
-    front = [i for i, w in enumerate(works) if w.nbytes <= alone_over]
-    if len(front) < 2:  # nothing to pack with: reduced from its own memory too
-        front = []
-    chosen = set(front)
-    alone = [i for i in range(len(works)) if i not in chosen]
-    offsets = [0] * len(works)
-    offset, align = 0, max(1, _ALIGN // works[0].itemsize)
-    for i in front + alone:
-        if i not in chosen:
-            offset = -(-offset // align) * align
-        offsets[i] = offset
-        offset += works[i].size
-    return tuple(offsets), tuple(front), tuple(alone), offset
-
-
-def _whole(
-    ctx: CallContext,
-    collective: str,
-    action: Reduction,
-    wire: str | None,
-    leaves: list[Leaf],
-    dtypes: list[str],
-) -> bool:
-    """Whether these leaves make a "whole" plan: read-only host arrays (JAX's), several, of one
-    dtype that `Fusion` reduces as it is, up to `WHOLE_BYTES`, summed or multiplied, every rank
-    answering (records)."""
-    if len(leaves) < 2 or not _one_sum(ctx, collective, action, wire, leaves, dtypes):
-        return False
-    works = [cast(np.ndarray, leaf.work) for leaf in leaves]
-    return not any(w.flags.writeable for w in works) and sum(w.nbytes for w in works) <= WHOLE_BYTES
-
-
-def _one_sum(
-    ctx: CallContext,
-    collective: str,
-    action: Reduction,
-    wire: str | None,
-    leaves: list[Leaf],
-    dtypes: list[str],
-) -> bool:
-    """Whether these leaves may be reduced as one host buffer with one `Allreduce` ("packed",
-    "whole"): host arrays of one dtype that `Fusion` reduces as it is, summed or multiplied, no
-    integer scale (`Fusion`'s rules), every rank answering in records as "inline" does."""
-    if collective != "allreduce" or wire is not None or action.op not in _PACKED_OPS:
-        return False
-    if len(set(dtypes)) != 1 or dtypes[0] not in _PACKED_DTYPES:
-        return False
-    if dtypes[0] in ("int32", "int64") and action.scale is not None:
-        return False
-    if any(type(leaf.work) is not np.ndarray for leaf in leaves):
-        return False
-    return bool(payload_capacity(ctx.backend.size))
-
-
-def _execute_whole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
+def _executewhole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
     """The handshake, then the "whole" plan's calls into a buffer lent by the pool: the small
     leaves packed at its front (scaled as they are packed, where `prescale` may) and reduced in
     place, each larger leaf from its memory into its place; each leaf's work becomes its view of
@@ -567,7 +486,7 @@ def _execute(
                 leaf.work, leaf.is_view = work, False
         return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
     if plan.kind == "whole":  # every rank executes it, with a timeline or not
-        _execute_whole(ctx, plan, leaves)
+        _executewhole(ctx, plan, leaves)
         return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
     if plan.kind == "inline":
         records = plan.records
