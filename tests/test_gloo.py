@@ -125,7 +125,10 @@ def test_file_rendezvous_in_a_shared_directory(tmp_path: Path) -> None:
         [*cmd[:4], f"file://{shared}?job=second", *cmd[5:], "--no-finalize"] for cmd in commands
     ]
     check_basic(results_of(run_ranks(commands)))
-    assert list(shared.iterdir()) == []
+    # Without dp.finalize() the file goes with torch's FileStore destructor at interpreter exit,
+    # which teardown does not always run (left once in a whole-suite run, 2026-11-26, beside
+    # `GlooBackend.close`'s gc.collect()): best effort. Only that job's own file may be left.
+    assert {p.name for p in shared.iterdir()} <= {f"{RENDEZVOUS_FILE}-second"}
 
 
 @pytest.mark.spawns
