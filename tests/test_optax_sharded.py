@@ -19,7 +19,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
 
-from _jobs import run_job  # noqa: E402
+from _jobs import relaunch_through  # noqa: E402
 from test_optax import OPTIMIZERS, STEPS, assert_same_on_every_rank, problem, share, train  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
@@ -120,19 +120,15 @@ def _single() -> Any:
 def test_checkpoints_move_between_world_sizes(backend: str, tmp_path: Path) -> None:
     """3 ranks save; 2 load and go on; then 1; then 4; the end matches one process throughout:
     its parameters, and its consolidated state (a world of one's sharded state)."""
-    previous, steps = "-", 0
-    for ranks in (3, 2, 1, 4):
-        saved = tmp_path / f"after-{ranks}.pkl"
-        job = run_job(
-            [RESUME, previous, saved, "2"],
-            ranks=ranks,
-            backend=backend,
-            job_timeout=150,
-            timeout=200,
-        )
-        assert job.returncode == 0, job.stdout + job.stderr
-        previous, steps = str(saved), steps + 2
-    final = pickle.loads(Path(previous).read_bytes())
+    previous, steps = relaunch_through(
+        (3, 2, 1, 4),
+        lambda before, saved, _: [RESUME, before, saved, "2"],
+        tmp_path,
+        ".pkl",
+        backend=backend,
+        steps_per_job=2,
+    )
+    final = pickle.loads(previous.read_bytes())
     assert final["sizes"] == [3, 2, 1, 4]
     params, x, y = problem()
     want, _ = train(optax.adam(1e-2), params, x, y, steps, jit=True)

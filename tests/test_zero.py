@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _jobs import run_job
+from _jobs import relaunch_through
 from _torch_common import (
     OPTIMIZERS,
     Branchy,
@@ -412,19 +412,14 @@ def test_a_plain_optimizers_state_dict_loads_into_the_sharded_one(world: Backend
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_checkpoints_move_between_world_sizes(backend: str, tmp_path: Path) -> None:
     """3 ranks save; 2 load and go on; then 1; then 4; the end matches one process throughout."""
-    previous = "-"
-    steps = 0
-    for ranks in (3, 2, 1, 4):
-        saved = tmp_path / f"after-{ranks}.pt"
-        job = run_job(
-            [SCRIPT, previous, saved, str(steps), "2"],
-            ranks=ranks,
-            backend=backend,
-            job_timeout=150,
-            timeout=200,
-        )
-        assert job.returncode == 0, job.stdout + job.stderr
-        previous, steps = str(saved), steps + 2
+    previous, steps = relaunch_through(
+        (3, 2, 1, 4),
+        lambda before, saved, done: [SCRIPT, before, saved, str(done), "2"],
+        tmp_path,
+        ".pt",
+        backend=backend,
+        steps_per_job=2,
+    )
     final = torch.load(previous, weights_only=False)
     model = make_model()
     ref_opt = torch.optim.Adam(model.parameters(), lr=0.01)
