@@ -11,15 +11,19 @@ Rows (each the median of batches taken in turn, `_timing.compare`; every case en
     writes it for CUDA tensors;
   - `raw packed`: `torch.cat` on the GPU, one copy into a pinned buffer made once, one Allreduce,
     one copy back, the slices copied into the tensors (the best hand-written staging);
-  - `dp.allreduce`: the tree as it is.
+  - `dp.allreduce`: the tree as it is; `dp, 256 KiB`: with the host bucket size for device
+    buckets too (what dp did before device buckets took DDP's 25 MiB).
 - the same tree as CuPy arrays: raw packed (CuPy) against `dp.allreduce`, when CuPy is there.
 - a training step (transformer, Adam, on the GPU): one process, `dp.torch.DataParallelModel`,
-  `dp.DistributedOptimizer`, torch DDP on a Gloo group (`--steps-d`; skipped with `--no-step`).
+  `dp.DistributedOptimizer` (also with 256 KiB buckets), torch DDP on a Gloo group (`--d`;
+  skipped with `--no-step`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -27,9 +31,13 @@ import torch
 from _timing import compare
 from collectives import resnet50_shapes
 from mpi4py import MPI
-from train_step import Horovod, cases_for, init_gloo, measure, report, transformer
+from torch import nn
+from train_step import Horovod, cases_for, init_gloo, measure, report, trainer, transformer
 
 import dataparallel as dp
+from dataparallel.world import current
+
+SMALL = 256 << 10  # the host bucket size, which device buckets used before
 
 
 def synchronized(fn: Callable[[], object]) -> Callable[[], None]:
@@ -59,10 +67,21 @@ def tree_rows(comm: MPI.Comm, device: torch.device) -> None:
         parts = flat.split([t.numel() for t in tree])
         torch._foreach_copy_(tree, [p.view(t.shape) for p, t in zip(parts, tree, strict=True)])
 
+    world = current()
+    usual, small = world.settings, dataclasses.replace(world.settings, thread_bucket_bytes=SMALL)
+
+    def small_buckets() -> None:  # what dp did before device buckets took DDP's size
+        world.settings = small
+        try:
+            dp.allreduce(tree)
+        finally:
+            world.settings = usual
+
     cases = {
         "raw per tensor": per_tensor,
         "raw packed": packed,
         "dp.allreduce": lambda: dp.allreduce(tree),
+        "dp, 256 KiB": small_buckets,
     }
     times = compare({k: synchronized(v) for k, v in cases.items()}, comm, batches=15)
     if dp.is_main():
@@ -109,6 +128,10 @@ def cupy_rows(comm: MPI.Comm) -> None:
         print(f"  dp / raw packed = {times['dp.allreduce'] / times['raw packed']:.2f}")
 
 
+def adam(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(m.parameters(), lr=1e-4)
+
+
 def step_rows(device: torch.device, widths: list[int], rounds: int) -> None:
     init_gloo()
     g = torch.Generator().manual_seed(dp.rank())
@@ -117,9 +140,10 @@ def step_rows(device: torch.device, widths: list[int], rounds: int) -> None:
     for d in widths:
         base = transformer(d).to(device)
         n = sum(p.numel() for p in base.parameters())
-        cases = cases_for(
-            base, lambda m: torch.optim.Adam(m.parameters(), lr=1e-4), batch, Horovod()
-        )
+        cases = cases_for(base, adam, batch, Horovod())
+        small = copy.deepcopy(base)
+        opt = dp.DistributedOptimizer(adam(small), bucket_bytes=SMALL)
+        cases["dp.DistributedOptimizer, 256 KiB buckets"] = (trainer(small, opt, batch), None)
         timed = {name: (synchronized(step), ctx) for name, (step, ctx) in cases.items()}
         samples = measure(timed, rounds, budget=0.3, tolerance=0.15)
         if dp.is_main():

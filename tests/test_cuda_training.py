@@ -32,14 +32,6 @@ SETUPS: dict[str, Setup] = {
     "DistributedOptimizer": lambda m: (m, dp.DistributedOptimizer(adam(m))),
     "DataParallelModel": lambda m: (dp.torch.DataParallelModel(m), adam(m)),
     "allreduce_gradients": lambda m: (m, adam(m)),
-    "zero-1": lambda m: (
-        dp.torch.DataParallelModel(m),
-        dp.torch.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=0.01),
-    ),
-    "zero-2": lambda m: (
-        m,
-        dp.torch.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, stage=2, lr=0.01),
-    ),
 }
 
 
@@ -67,3 +59,10 @@ def test_gpu_training_matches_one_process_on_the_whole_batch(name: str) -> None:
     for theirs in dp.allgather_object(mine):
         for a, b in zip(mine, theirs, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_refuses_gpu_parameters_and_names_the_fix(stage: int) -> None:
+    model = make_model().to(torch.device("cuda", dp.device() or 0))
+    with pytest.raises(ValueError, match=r"on cuda:\d+; it shards host \(CPU\) parameters only"):
+        dp.torch.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage)

@@ -148,7 +148,9 @@ class _NCCLHandle:
 
     def wait(self) -> None:
         """Make the consumer's current stream wait for the call (the host does not block)."""
-        self._backend._current_stream(self._buffer).wait_event(self._done)
+        runtime, buffer = self._backend._cupy.cuda.runtime, self._buffer
+        with self._backend._cupy.cuda.Device(buffer.device):
+            runtime.streamWaitEvent(buffer.stream, self._done.ptr, 0)
 
 
 class NCCLBackend(Backend):
@@ -239,10 +241,6 @@ class NCCLBackend(Backend):
 
     # -- streams -----------------------------------------------------------------------------
 
-    def _current_stream(self, buffer: DeviceBuffer) -> Stream:
-        """Return the producer's (and consumer's) stream of `buffer`, as a CuPy stream."""
-        return self._cupy.cuda.ExternalStream(buffer.stream, buffer.device)
-
     def _enqueue(self, buffer: DeviceBuffer, call: Call) -> _NCCLHandle:
         """Run `call(comm, stream_pointer)` on the communication stream, after the producer."""
         self.bind_device(buffer.device)
@@ -250,8 +248,10 @@ class NCCLBackend(Backend):
         if comm is None or stream is None:  # bind_device made both, or raised
             raise RuntimeError("NCCLBackend: no communicator after bind_device.")
         with cupy.cuda.Device(buffer.device):
+            # The producer's stream is `buffer.stream`, a bare handle: the CUDA runtime's calls
+            # take it as it is (CuPy 14 deprecates wrapping it in `ExternalStream`).
             ready = cupy.cuda.Event(disable_timing=True)
-            ready.record(self._current_stream(buffer))
+            cupy.cuda.runtime.eventRecord(ready.ptr, buffer.stream)
             stream.wait_event(ready)
             call(comm, stream.ptr)
             done = cupy.cuda.Event(disable_timing=True)
@@ -266,7 +266,7 @@ class NCCLBackend(Backend):
         memory = cupy.cuda.UnownedMemory(buffer.ptr, buffer.nbytes, buffer.owner, buffer.device)
         with cupy.cuda.Device(buffer.device):
             array = cupy.ndarray((buffer.items,), buffer.dtype, cupy.cuda.MemoryPointer(memory, 0))
-            self._current_stream(buffer).synchronize()  # the producer's values are written
+            cupy.cuda.runtime.streamSynchronize(buffer.stream)  # the producer's values are written
             host = array.get()
             run(host)
             array.set(host)

@@ -70,7 +70,7 @@ class Communicator(Protocol):
 
 
 class Stream(Protocol):
-    """`cupy.cuda.Stream` (and `ExternalStream`)."""
+    """`cupy.cuda.Stream`: the backend's own communication stream."""
 
     @property
     def ptr(self) -> int: ...
@@ -82,6 +82,9 @@ class Stream(Protocol):
 
 class Event(Protocol):
     """`cupy.cuda.Event`."""
+
+    @property
+    def ptr(self) -> int: ...
 
     @property
     def done(self) -> bool: ...

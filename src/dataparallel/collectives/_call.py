@@ -362,27 +362,33 @@ def fuse(
     compression: str | None = None,
 ) -> Fusion:
     """Send the leaves (`stage`d) through `Fusion`; return it, flushed."""
+    for leaf in leaves:
+        if leaf.work is None:
+            leaf.work, leaf.is_view = leaf.family.work(leaf.value)
+    # Device buckets are packed, staged or launched one at a time, nothing to pipeline as MPI's
+    # small host buckets do: DDP's size (a 25.6 M-float tree, benchmarks/gpu.py).
+    on_device = any(type(leaf.work) is not np.ndarray for leaf in leaves)
+    settings = ctx.settings
     fusion = Fusion(
         ctx.backend,
         action,
-        bucket_bytes=ctx.settings.bucket_bytes,
+        bucket_bytes=settings.thread_bucket_bytes if on_device else settings.bucket_bytes,
         async_op=async_op,
         pool=ctx.buffers,
         timeline=ctx.timeline,
         compression=compression,
     )
     for leaf in leaves:
-        if leaf.work is None:
-            leaf.work, leaf.is_view = leaf.family.work(leaf.value)
         work = leaf.work
+        assert work is not None
         if type(work) is np.ndarray and not work.flags.writeable:  # `stage(read_only=True)`
             if isinstance(action, Reduction) and action.root is None and compression is None:
                 fusion.add(work, leaf.dtype, HOST_KEY, deliver=_into(leaf))  # read, not written
                 continue
-            leaf.work = work.copy()
+            leaf.work = work = work.copy()
         # Host buffers are packed alike whatever their family, so ranks may mix families.
-        key = HOST_KEY if type(leaf.work) is np.ndarray else (leaf.family.name, leaf.device)
-        fusion.add(leaf.work, leaf.dtype, key)
+        key = HOST_KEY if type(work) is np.ndarray else (leaf.family.name, leaf.device)
+        fusion.add(work, leaf.dtype, key)
     fusion.flush()
     return fusion
 

@@ -161,6 +161,7 @@ class GradientSync:
         self.overlap = self._trial.mode if self._trial else self._overlaps(forced)
         self._given, self._settings = bucket_bytes, active.settings
         self._model_bytes = sum(p.numel() * p.element_size() for _, p in trainable)
+        self._on_device = not on_host(trainable)
         self.bucket_bytes = bucket_bytes or self._bucket_bytes_for(self.overlap, offload)
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
@@ -495,7 +496,9 @@ class GradientSync:
 
     def _bucket_bytes_for(self, overlap: bool, offload: bool) -> int:
         """The bucket size of a mode (`_buckets.bucket_bytes_for`)."""
-        whole = not overlap and self.backend.progresses  # one rendezvous per call: DDP's size
+        # DDP's size where each call costs the most: a rendezvous of threads (Gloo, NCCL), or
+        # device buckets staged one at a time (benchmarks/gpu.py).
+        whole = not overlap and (self.backend.progresses or self._on_device)
         total, settings = self._model_bytes, self._settings
         return bucket_bytes_for(overlap and offload, total, settings, whole=whole)
 
