@@ -35,6 +35,11 @@ from dataparallel.backends.base import Backend
 
 SPAWNS_REASON = "launches its own processes; runs in the world-of-one pass"
 
+# On a GPU, JAX multiplies float32 matrices in TF32 by default (errors near 1e-3): the tests
+# compare sharded and one-process training at 1e-5, so they ask for full precision (launched
+# jobs inherit it). Seen on an H200: test_optax_sharded's checkpoint runs off by 3.6e-4.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
 # Set in pytest_configure: the backend, and a private copy of the real stderr (pytest redirects
 # file descriptor 2 while it captures, and a dying rank's report must reach the terminal).
 _state: dict[str, Any] = {}
