@@ -104,20 +104,24 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(
         assert len(opt._buckets) >= 4
 
 
+@pytest.mark.parametrize("broadcasts", [False, True], ids=["allgather", "broadcasts"])
 @pytest.mark.parametrize("merge_bytes", [0, 200, 1 << 20], ids=["alone", "some", "all"])
 def test_updated_segments_come_back_whatever_the_buckets_merged(
-    merge_bytes: int, world: Backend
+    merge_bytes: int, broadcasts: bool, world: Backend
 ) -> None:
     """Each rank writes its rank into its segments; after the gather every bucket holds every
-    rank's segment in order, whether buckets went alone (in place) or merged into one call."""
+    rank's segment in order, whether buckets went alone (in place) or merged into one call,
+    as one allgather or as one broadcast per rank."""
     params = [torch.zeros(n, dtype=d) for n, d in ((7, torch.float32), (30, torch.float64))]
     params += [torch.zeros(n) for n in (5, 40, 3)]
     flats, buckets, _ = plan_group(0, list(enumerate(params)), dp.rank(), dp.size(), 32, 0)
     for bucket in buckets:
         lo, hi = bucket.mine
         flats[bucket.flat].data[lo:hi] = dp.rank() + 1
-    gather = SliceGather(flats, buckets, world, merge_bytes)
+    gather = SliceGather(flats, buckets, world, merge_bytes, broadcasts)
     calls = [len(call.buckets) for call in gather.calls]
+    alone = [call for call in gather.calls if len(call.buckets) == 1]
+    assert all((call.send is None) == broadcasts for call in alone)  # broadcast from the bucket
     assert sum(calls) == len(buckets) >= 4
     assert max(calls) == 1 if merge_bytes == 0 else max(calls) > 1
     if merge_bytes == 200:

@@ -8,6 +8,11 @@ rank's segments are packed end to end, gathered into one receive buffer (rank af
 copied back into their buckets. A bucket of `merge_bytes` or more goes alone, in place. The
 buffers are made once: a send buffer of this rank's segments (1/N of the parameters) and one
 receive buffer per merged call (at most `merge_bytes`).
+
+`broadcasts` (Gloo): each call is `size` broadcasts, rank r's segments from rank r, all in
+flight at once on Gloo's threads, instead of Gloo's ring allgather (3 ranks on 2 cores, 6 MB:
+3.5-3.9 ms against 4.4-4.8; benchmarks/NOTES.md). A bucket alone is then broadcast straight from
+and into the flat buffer: no send buffer, no copy.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, Handle
 from dataparallel.torch._zero_layout import Bucket, Flat
 
 __all__ = ["SliceGather"]
@@ -27,7 +32,8 @@ class _Call:
     """One allgather: its buckets, this rank's segments packed, where they land if merged."""
 
     buckets: list[int]
-    send: torch.Tensor  # uint8: this rank's segments of `buckets`, end to end
+    send: torch.Tensor | None  # uint8: this rank's segments of `buckets`, end to end (None:
+    # broadcast in place, from the bucket itself)
     recv: torch.Tensor | None  # uint8: every rank's `send`, rank after rank (None: in place)
 
 
@@ -39,12 +45,20 @@ class SliceGather:
         backend: the engine.
         merge_bytes: the most bytes (the whole of the buckets) that one merged call gathers;
             0 makes one call per bucket.
+        broadcasts: make each allgather as `size` broadcasts, rank r's segments from rank r
+            (a bucket alone: straight from and into the flat buffer, no send buffer).
     """
 
     def __init__(
-        self, flats: list[Flat], buckets: list[Bucket], backend: Backend, merge_bytes: int
+        self,
+        flats: list[Flat],
+        buckets: list[Bucket],
+        backend: Backend,
+        merge_bytes: int,
+        broadcasts: bool = False,
     ) -> None:
         self.flats, self.buckets, self.backend = flats, buckets, backend
+        self.broadcasts = broadcasts
         groups: list[list[int]] = []
         total = 0
         for b, bucket in enumerate(buckets):
@@ -57,8 +71,9 @@ class SliceGather:
         self.calls: list[_Call] = []
         for group in groups:
             part = sum(self._bytes(buckets[b], buckets[b].counts[0]) for b in group)
-            send = torch.empty(part, dtype=torch.uint8)
-            recv = torch.empty(part * backend.size, dtype=torch.uint8) if len(group) > 1 else None
+            alone = len(group) == 1
+            send = None if alone and broadcasts else torch.empty(part, dtype=torch.uint8)
+            recv = None if alone else torch.empty(part * backend.size, dtype=torch.uint8)
             self.calls.append(_Call(group, send, recv))
 
     def _bytes(self, bucket: Bucket, items: int) -> int:
@@ -67,7 +82,7 @@ class SliceGather:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers held (send and receive)."""
-        return sum(c.send.nbytes + (c.recv.nbytes if c.recv is not None else 0) for c in self.calls)
+        return sum(sum(t.nbytes for t in (c.send, c.recv) if t is not None) for c in self.calls)
 
     def _raw(self, b: int) -> torch.Tensor:
         """Bucket `b` of its flat buffer, as bytes."""
@@ -78,19 +93,26 @@ class SliceGather:
 
     def run(self) -> None:
         """Every rank's segments to every rank: all calls started, then all waited for."""
-        flights = []
+        flights: list[tuple[_Call, list[Handle]]] = []
         for call in self.calls:
-            at = 0
-            for b in call.buckets:
-                bucket, raw = self.buckets[b], self._raw(b)
-                n = self._bytes(bucket, bucket.counts[0])
-                lo = self._bytes(bucket, bucket.mine[0] - bucket.start)
-                call.send[at : at + n].copy_(raw[lo : lo + n])
-                at += n
-            recv = call.recv if call.recv is not None else self._raw(call.buckets[0])
-            flights.append((call, self.backend.iallgather(call.send.numpy(), recv.numpy())))
-        for call, handle in flights:
-            handle.wait()
+            send = self._pack(call)
+            if call.recv is None and send is None:  # one bucket, broadcast in place
+                flights.append((call, self._broadcast(self._raw(call.buckets[0]))))
+            elif call.recv is None:
+                assert send is not None
+                raw = self._raw(call.buckets[0])
+                flights.append((call, [self.backend.iallgather(send.numpy(), raw.numpy())]))
+            elif self.broadcasts:
+                assert send is not None
+                rows = call.recv.view(self.backend.size, -1)
+                rows[self.backend.rank].copy_(send)
+                flights.append((call, self._broadcast(call.recv)))
+            else:
+                assert send is not None
+                flights.append((call, [self.backend.iallgather(send.numpy(), call.recv.numpy())]))
+        for call, handles in flights:
+            for handle in handles:
+                handle.wait()
             if call.recv is None:
                 continue
             rows = call.recv.view(self.backend.size, -1)
@@ -100,3 +122,23 @@ class SliceGather:
                 n = self._bytes(bucket, bucket.counts[0])
                 raw.view(self.backend.size, n).copy_(rows[:, at : at + n])
                 at += n
+
+    def _pack(self, call: _Call) -> torch.Tensor | None:
+        """This rank's segments of `call`'s buckets, end to end, in its send buffer (if any)."""
+        if call.send is None:
+            return None
+        at = 0
+        for b in call.buckets:
+            bucket, raw = self.buckets[b], self._raw(b)
+            n = self._bytes(bucket, bucket.counts[0])
+            lo = self._bytes(bucket, bucket.mine[0] - bucket.start)
+            call.send[at : at + n].copy_(raw[lo : lo + n])
+            at += n
+        return call.send
+
+    def _broadcast(self, rows: torch.Tensor) -> list[Handle]:
+        """Broadcast row r of `rows` (`size` equal rows, bytes) from rank r, all in flight."""
+        if rows.numel() == 0:
+            return []
+        split = rows.view(self.backend.size, -1)
+        return [self.backend.ibroadcast(split[r].numpy(), r) for r in range(self.backend.size)]
