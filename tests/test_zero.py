@@ -460,6 +460,34 @@ def test_parameters_that_differ_between_ranks_are_named(world: Backend) -> None:
         ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_stage_2_a_rank_running_another_backward_pass_raises_on_every_rank(
+    passes: int, world: Backend
+) -> None:
+    """The last rank runs one backward pass more than the others before step(): it raises at
+    that pass, the others at step(), all CollectiveMismatchError naming the ranks; after
+    zero_grad() on every rank the next steps agree."""
+    if dp.size() == 1:
+        pytest.skip("needs two ranks")
+    model = make_model()
+    opt = zero(model, "adam", 2, bucket_bytes=64)
+    x, y = global_batch(0)
+    xs, ys = share(x), share(y)
+    for _ in range(passes):
+        loss_of(model, xs, ys).backward()
+    last = dp.size() - 1
+    others = "rank 0" if last == 1 else f"ranks {', '.join(map(str, range(last)))}"
+    expected = rf"rank {last} began another pass where {others} called step\(\)"
+    with pytest.raises(CollectiveMismatchError, match=expected):
+        if dp.rank() == last:
+            loss_of(model, xs, ys).backward()
+        else:
+            opt.step()
+    opt.zero_grad()
+    train(model, opt, range(1, 3), on_share=True)
+    assert_same_on_every_rank(list(model.parameters()))
+
+
 def test_a_state_dict_from_another_model_is_refused(world: Backend) -> None:
     model = make_model()
     opt = zero(model)
