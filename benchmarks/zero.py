@@ -34,12 +34,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from train_step import init_gloo
 
 import dataparallel as dp
-from dataparallel.torch._buckets import FIRST_BUCKET_BYTES
 
 Step = Callable[[], None]
 UNSHARDED = "dp.DistributedOptimizer (unsharded)"
 STAGE1 = "ZeRO stage 1 + DataParallelModel"
-STAGE1_CAPPED = "ZeRO stage 1, first bucket 1 MiB"
 STAGE2 = "ZeRO stage 2"
 GATHERED = ", one allgather a call"  # the extra cases of `--allgather`
 UNMERGED = "ZeRO stage 2, allgather per bucket"
@@ -73,11 +71,6 @@ def make(
         wrapped = dp.torch.DataParallelModel(model)
         if name.endswith(GATHERED):
             opt._broadcasts = False
-        if name == STAGE1_CAPPED:  # the extra case of `--capped`: DDP's 1 MiB first bucket
-            sync = wrapped.gradient_sync
-            sync.first_bytes = lambda: FIRST_BUCKET_BYTES  # type: ignore[method-assign]
-            sync._replan(sync._params, None)
-            sync._clear()
         return wrapped, opt
     if name.startswith(STAGE2):
         if " @ " in name:  # an extra case: "ZeRO stage 2 @ <bytes>"
@@ -162,11 +155,6 @@ def main() -> None:
         help="an extra stage-2 case with one allgather per bucket (none merged)",
     )
     parser.add_argument(
-        "--capped",
-        action="store_true",
-        help="an extra stage-1 case whose wrapper caps its first bucket at 1 MiB after backward",
-    )
-    parser.add_argument(
         "--allgather",
         action="store_true",
         help="extra stage-1 and stage-2 cases whose slices come back by allgathers, not "
@@ -188,7 +176,6 @@ def main() -> None:
     gathered = [STAGE1 + GATHERED, STAGE2 + GATHERED] if args.allgather else []
     extra = [
         *gathered,
-        *([STAGE1_CAPPED] if args.capped else []),
         *([UNMERGED] if args.unmerged else []),
         *(f"{STAGE2} @ {b}" for b in args.stage2_also),
     ]
@@ -244,7 +231,7 @@ def main() -> None:
         )
     print(f"unsharded state / N = {unsharded_state / size / 2**20:.2f} MB; ", end="")
     print(f"parameters {4 * n / 2**20:.2f} MB")
-    for name in (UNSHARDED, STAGE1, *([STAGE1_CAPPED] if args.capped else [])):
+    for name in (UNSHARDED, STAGE1):
         sync = mode(*made[name])
         print(f"{name}: gradients reduced {sync}")
     for name, diff in parity.items():

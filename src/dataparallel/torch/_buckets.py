@@ -120,17 +120,13 @@ def layout(
     order: list[int],
     bucket_bytes: int,
     full: bool,
-    first_bytes: int | None = FIRST_BUCKET_BYTES,
 ) -> tuple[list[Bucket], list[int], str]:
-    """Return the buckets, each parameter's bucket, and the reduction's summary (`summarize`).
-
-    `first_bytes`: the first bucket's limit (`assign`; None: `bucket_bytes`, as for buckets that
-    all go out after backward, where a small first one only adds a call)."""
+    """Return the buckets, each parameter's bucket, and the reduction's summary (`summarize`)."""
     # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
     # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket (-1).
     flags = 4 * (2 * len(params) + 1)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
-    buckets = assign(params, order, budget, first_bytes)
+    buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
     bucket_of = [-1] * len(params)
     for b, bucket in enumerate(buckets):
         for i in bucket.members:

@@ -51,7 +51,6 @@ from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
 from dataparallel.protocol import Started, handshake, start_handshake
 from dataparallel.torch._buckets import (
-    FIRST_BUCKET_BYTES,
     Bucket,
     NamedParams,
     arrival_order,
@@ -256,13 +255,7 @@ class GradientSync:
         order = self._sparse.dense_order(order)
         full = world.current().settings.check if world.initialized() else True
         self._buckets, self._bucket_of, self._summary = layout(
-            self.owner,
-            self._options,
-            self._params,
-            order,
-            self.bucket_bytes,
-            full,
-            self.first_bytes(),
+            self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
         self._signature = signature(self._params)
         self._host = on_host(self._params)  # only host buckets go to the communication thread
@@ -270,12 +263,6 @@ class GradientSync:
         # first gradient, so that its rendezvous overlaps backward (issue 21: at 3 Gloo ranks
         # on 2 cores a blocking one made the step 1.16x DDP's, 1.02x without it).
         self._begins_early = self._host and self.backend.progresses and self.backend.size > 1
-
-    def first_bytes(self) -> int | None:
-        """The first bucket's limit: DDP's 1 MiB where buckets go out during backward (so that
-        the first leaves early), none after it: there all go at once and a small first bucket
-        is only one call more (issue 21: one Gloo rendezvous fewer a step)."""
-        return FIRST_BUCKET_BYTES if self.overlap else None
 
     def refresh(self) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
