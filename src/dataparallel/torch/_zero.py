@@ -147,7 +147,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # per-bucket calls were faster there (0.64x against 0.67x merged).
         self._merge_bytes = active.settings.thread_bucket_bytes if self.backend.progresses else 0
         # ... and each of those allgathers made as `size` broadcasts, which Gloo's threads carry
-        # at once (3 ranks, 6 MB: 3.5-3.9 ms against 4.4-4.8 for Gloo's allgather).
+        # at once (3 ranks, 6 MB: 3.3-3.9 ms against 4.3-4.6 for Gloo's allgather).
         self._broadcasts = self.backend.progresses
         self._gather: SliceGather | None = None  # planned at the first step after a layout
         self._consolidated: dict[str, Any] | None = None

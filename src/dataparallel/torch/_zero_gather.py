@@ -11,7 +11,7 @@ receive buffer per merged call (at most `merge_bytes`).
 
 `broadcasts` (Gloo): each call is `size` broadcasts, rank r's segments from rank r, all in
 flight at once on Gloo's threads, instead of Gloo's ring allgather (3 ranks on 2 cores, 6 MB:
-3.5-3.9 ms against 4.4-4.8; benchmarks/NOTES.md). A bucket alone is then broadcast straight from
+3.3-3.9 ms against 4.3-4.6; benchmarks/NOTES.md). A bucket alone is then broadcast straight from
 and into the flat buffer: no send buffer, no copy.
 """
 
