@@ -300,7 +300,13 @@ class GradientShards:
             )
 
     def wait(self) -> np.ndarray:
-        """Complete this step's reductions; return which parameters had a gradient on any rank."""
+        """Complete this step's reductions; return which parameters had a gradient on any rank
+        (by parameter index; the `size` entries after them are the ranks' slots).
+
+        Raises:
+            CollectiveMismatchError: some rank began another backward pass instead (on every
+                rank: that rank raises at its pass).
+        """
         self.check()
         if self._queued:  # a pass still running: not expected between backward and step
             self._end_of_pass()
