@@ -39,6 +39,7 @@ Step = Callable[[], None]
 UNSHARDED = "dp.DistributedOptimizer (unsharded)"
 STAGE1 = "ZeRO stage 1 + DataParallelModel"
 STAGE2 = "ZeRO stage 2"
+GATHERED = ", one allgather a call"  # the extra cases of `--allgather`
 UNMERGED = "ZeRO stage 2, allgather per bucket"
 TORCH = "torch ZeRO + DDP (gloo)"
 WIDTHS = (11, 6, 11, 8, 12, 9)
@@ -63,11 +64,14 @@ def make(
     model = copy.deepcopy(base)
     if name == UNSHARDED:
         return model, dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr))
-    if name == STAGE1:
+    if name.startswith("ZeRO stage 1"):
         opt = dp.torch.ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.Adam, lr=lr, bucket_bytes=bucket_bytes
         )
-        return dp.torch.DataParallelModel(model), opt
+        wrapped = dp.torch.DataParallelModel(model)
+        if name.endswith(GATHERED):
+            opt._broadcasts = False
+        return wrapped, opt
     if name.startswith(STAGE2):
         if " @ " in name:  # an extra case: "ZeRO stage 2 @ <bytes>"
             bucket_bytes = int(name.rsplit(" ", 1)[1])
@@ -76,6 +80,8 @@ def make(
         )
         if name == UNMERGED:  # the extra case of `--unmerged`: no buckets merged
             opt._merge_bytes = 0
+        if name.endswith(GATHERED):
+            opt._broadcasts = False
         return model, opt
     ddp = nn.parallel.DistributedDataParallel(model)
     return ddp, TorchZero(ddp.parameters(), torch.optim.Adam, lr=lr)
@@ -111,7 +117,7 @@ def mode(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     holder = model if isinstance(model, dp.torch.DataParallelModel) else opt
     sync = holder.gradient_sync  # type: ignore[union-attr]
     where = "on the communication thread" if sync.overlap else "after backward"
-    return f"{where}, buckets of {sync.bucket_bytes / 2**20:g} MiB"
+    return f"{where}, buckets of {sync.bucket_bytes / 2**20:g} MiB ({len(sync.buckets)} a step)"
 
 
 def timed(steps: dict[str, Step], batches: int, budget: float) -> dict[str, float]:
@@ -149,6 +155,12 @@ def main() -> None:
         help="an extra stage-2 case with one allgather per bucket (none merged)",
     )
     parser.add_argument(
+        "--allgather",
+        action="store_true",
+        help="extra stage-1 and stage-2 cases whose slices come back by allgathers, not "
+        "broadcasts (Gloo)",
+    )
+    parser.add_argument(
         "--stage2-also",
         type=int,
         nargs="*",
@@ -161,7 +173,12 @@ def main() -> None:
     init_gloo()  # torch's case needs a default group (dp.initialize made one with torch)
     base = mlp()
     n = sum(p.numel() for p in base.parameters())
-    extra = [*([UNMERGED] if args.unmerged else []), *(f"{STAGE2} @ {b}" for b in args.stage2_also)]
+    gathered = [STAGE1 + GATHERED, STAGE2 + GATHERED] if args.allgather else []
+    extra = [
+        *gathered,
+        *([UNMERGED] if args.unmerged else []),
+        *(f"{STAGE2} @ {b}" for b in args.stage2_also),
+    ]
     names = [UNSHARDED, STAGE1, STAGE2, *extra, TORCH]
     made = {name: make(name, base, 1e-3, args.bucket_bytes) for name in names}
     steps = {name: trainer(model, opt, args.batch) for name, (model, opt) in made.items()}

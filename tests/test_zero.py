@@ -104,20 +104,23 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(
         assert len(opt._buckets) >= 4
 
 
+@pytest.mark.parametrize("broadcasts", [False, True], ids=["allgather", "broadcasts"])
 @pytest.mark.parametrize("merge_bytes", [0, 200, 1 << 20], ids=["alone", "some", "all"])
 def test_updated_segments_come_back_whatever_the_buckets_merged(
-    merge_bytes: int, world: Backend
+    merge_bytes: int, broadcasts: bool, world: Backend
 ) -> None:
     """Each rank writes its rank into its segments; after the gather every bucket holds every
-    rank's segment in order, whether buckets went alone (in place) or merged into one call."""
+    rank's segment in order, whether buckets went alone (in place) or merged into one call,
+    as one allgather or as one broadcast per rank."""
     params = [torch.zeros(n, dtype=d) for n, d in ((7, torch.float32), (30, torch.float64))]
     params += [torch.zeros(n) for n in (5, 40, 3)]
     flats, buckets, _ = plan_group(0, list(enumerate(params)), dp.rank(), dp.size(), 32, 0)
     for bucket in buckets:
         lo, hi = bucket.mine
         flats[bucket.flat].data[lo:hi] = dp.rank() + 1
-    gather = SliceGather(flats, buckets, world, merge_bytes)
+    gather = SliceGather(flats, buckets, world, merge_bytes, broadcasts)
     calls = [len(call.buckets) for call in gather.calls]
+    assert all((call.send is None) == broadcasts for call in gather.calls)  # sent from the rows
     assert sum(calls) == len(buckets) >= 4
     assert max(calls) == 1 if merge_bytes == 0 else max(calls) > 1
     if merge_bytes == 200:
@@ -454,6 +457,34 @@ def test_parameters_that_differ_between_ranks_are_named(world: Backend) -> None:
     model = make_model(hidden=8 + (dp.rank() == 1))
     with pytest.raises(CollectiveMismatchError, match=r"param_groups\[0\]\['params'\]\[0\]"):
         ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_stage_2_a_rank_running_another_backward_pass_raises_on_every_rank(
+    passes: int, world: Backend
+) -> None:
+    """The last rank runs one backward pass more than the others before step(): it raises at
+    that pass, the others at step(), all CollectiveMismatchError naming the ranks; after
+    zero_grad() on every rank the next steps agree."""
+    if dp.size() == 1:
+        pytest.skip("needs two ranks")
+    model = make_model()
+    opt = zero(model, "adam", 2, bucket_bytes=64)
+    x, y = global_batch(0)
+    xs, ys = share(x), share(y)
+    for _ in range(passes):
+        loss_of(model, xs, ys).backward()
+    last = dp.size() - 1
+    others = "rank 0" if last == 1 else f"ranks {', '.join(map(str, range(last)))}"
+    expected = rf"rank {last} began another pass where {others} called step\(\)"
+    with pytest.raises(CollectiveMismatchError, match=expected):
+        if dp.rank() == last:
+            loss_of(model, xs, ys).backward()
+        else:
+            opt.step()
+    opt.zero_grad()
+    train(model, opt, range(1, 3), on_share=True)
+    assert_same_on_every_rank(list(model.parameters()))
 
 
 def test_a_state_dict_from_another_model_is_refused(world: Backend) -> None:

@@ -8,6 +8,12 @@ rank's segments are packed end to end, gathered into one receive buffer (rank af
 copied back into their buckets. A bucket of `merge_bytes` or more goes alone, in place. The
 buffers are made once: a send buffer of this rank's segments (1/N of the parameters) and one
 receive buffer per merged call (at most `merge_bytes`).
+
+`broadcasts` (Gloo): each call is `size` broadcasts, rank r's segments from rank r, all in
+flight at once on Gloo's threads, instead of Gloo's ring allgather (3 ranks on 2 cores, 6 MB:
+3.3-3.9 ms against 4.3-4.6; benchmarks/NOTES.md). No send buffer then: a bucket alone is
+broadcast straight from and into the flat buffer, merged buckets packed into this rank's row of
+the receive buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, Handle
 from dataparallel.torch._zero_layout import Bucket, Flat
 
 __all__ = ["SliceGather"]
@@ -24,27 +30,37 @@ __all__ = ["SliceGather"]
 
 @dataclass
 class _Call:
-    """One allgather: its buckets, this rank's segments packed, where they land if merged."""
+    """One exchange: its buckets, and where this rank's segments go and every rank's land."""
 
     buckets: list[int]
-    send: torch.Tensor  # uint8: this rank's segments of `buckets`, end to end
-    recv: torch.Tensor | None  # uint8: every rank's `send`, rank after rank (None: in place)
+    rows: torch.Tensor  # uint8, `size` equal rows: row r is rank r's segments end to end
+    send: torch.Tensor | None  # uint8: this rank's segments packed (None: its row is sent)
+    merged: bool  # whether `rows` is a receive buffer (else: the one bucket, in place)
 
 
 class SliceGather:
-    """The allgathers of the updated segments, planned once over a layout.
+    """The exchanges of the updated segments, planned once over a layout.
 
     Args:
         flats, buckets: the layout (`_zero_layout.plan_group`).
         backend: the engine.
         merge_bytes: the most bytes (the whole of the buckets) that one merged call gathers;
             0 makes one call per bucket.
+        broadcasts: make each exchange `size` broadcasts, rank r's row from rank r, instead of
+            one allgather: no send buffer (a bucket alone goes straight from and into the flat
+            buffer; merged buckets are packed into this rank's row of the receive buffer).
     """
 
     def __init__(
-        self, flats: list[Flat], buckets: list[Bucket], backend: Backend, merge_bytes: int
+        self,
+        flats: list[Flat],
+        buckets: list[Bucket],
+        backend: Backend,
+        merge_bytes: int,
+        broadcasts: bool = False,
     ) -> None:
         self.flats, self.buckets, self.backend = flats, buckets, backend
+        self.broadcasts = broadcasts
         groups: list[list[int]] = []
         total = 0
         for b, bucket in enumerate(buckets):
@@ -57,9 +73,13 @@ class SliceGather:
         self.calls: list[_Call] = []
         for group in groups:
             part = sum(self._bytes(buckets[b], buckets[b].counts[0]) for b in group)
-            send = torch.empty(part, dtype=torch.uint8)
-            recv = torch.empty(part * backend.size, dtype=torch.uint8) if len(group) > 1 else None
-            self.calls.append(_Call(group, send, recv))
+            merged = len(group) > 1
+            if merged:
+                rows = torch.empty(part * backend.size, dtype=torch.uint8)
+            else:
+                rows = self._raw(group[0])
+            send = None if broadcasts else torch.empty(part, dtype=torch.uint8)
+            self.calls.append(_Call(group, rows.view(backend.size, part), send, merged))
 
     def _bytes(self, bucket: Bucket, items: int) -> int:
         return items * self.flats[bucket.flat].data.element_size()
@@ -67,7 +87,8 @@ class SliceGather:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers held (send and receive)."""
-        return sum(c.send.nbytes + (c.recv.nbytes if c.recv is not None else 0) for c in self.calls)
+        held = [(c.send, c.rows if c.merged else None) for c in self.calls]
+        return sum(t.nbytes for pair in held for t in pair if t is not None)
 
     def _raw(self, b: int) -> torch.Tensor:
         """Bucket `b` of its flat buffer, as bytes."""
@@ -78,25 +99,41 @@ class SliceGather:
 
     def run(self) -> None:
         """Every rank's segments to every rank: all calls started, then all waited for."""
-        flights = []
+        flights: list[tuple[_Call, list[Handle]]] = []
         for call in self.calls:
-            at = 0
-            for b in call.buckets:
-                bucket, raw = self.buckets[b], self._raw(b)
-                n = self._bytes(bucket, bucket.counts[0])
-                lo = self._bytes(bucket, bucket.mine[0] - bucket.start)
-                call.send[at : at + n].copy_(raw[lo : lo + n])
-                at += n
-            recv = call.recv if call.recv is not None else self._raw(call.buckets[0])
-            flights.append((call, self.backend.iallgather(call.send.numpy(), recv.numpy())))
-        for call, handle in flights:
-            handle.wait()
-            if call.recv is None:
+            mine = call.rows[self.backend.rank]
+            if call.send is not None:  # an allgather: from the send buffer into the rows
+                self._pack(call, call.send)
+                handle = self.backend.iallgather(call.send.numpy(), call.rows.numpy())
+                flights.append((call, [handle]))
                 continue
-            rows = call.recv.view(self.backend.size, -1)
+            if call.merged:
+                self._pack(call, mine)
+            flights.append((call, self._broadcast(call.rows)))
+        for call, handles in flights:
+            for handle in handles:
+                handle.wait()
+            if not call.merged:
+                continue
             at = 0
             for b in call.buckets:
                 bucket, raw = self.buckets[b], self._raw(b)
                 n = self._bytes(bucket, bucket.counts[0])
-                raw.view(self.backend.size, n).copy_(rows[:, at : at + n])
+                raw.view(self.backend.size, n).copy_(call.rows[:, at : at + n])
                 at += n
+
+    def _pack(self, call: _Call, into: torch.Tensor) -> None:
+        """This rank's segments of `call`'s buckets, end to end, into `into`."""
+        at = 0
+        for b in call.buckets:
+            bucket, raw = self.buckets[b], self._raw(b)
+            n = self._bytes(bucket, bucket.counts[0])
+            lo = self._bytes(bucket, bucket.mine[0] - bucket.start)
+            into[at : at + n].copy_(raw[lo : lo + n])
+            at += n
+
+    def _broadcast(self, rows: torch.Tensor) -> list[Handle]:
+        """Broadcast row r of `rows` (`size` equal rows, bytes) from rank r, all in flight."""
+        if rows.numel() == 0:
+            return []
+        return [self.backend.ibroadcast(rows[r].numpy(), r) for r in range(self.backend.size)]

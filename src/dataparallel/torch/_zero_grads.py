@@ -12,6 +12,13 @@ ever holds more than its shard and the buckets in flight. Whether a parameter ha
 some rank travels once per step (an allreduce of one flag per parameter), so that a parameter
 no rank used keeps no gradient, as in one process.
 
+Every rank must run as many passes before each `step()`. A rank that runs one more than another
+would pair its pass's first reduce-scatter with the other's flags, so a pass after the first of
+a step begins with an exchange of the flags' shape (started at its first gradient, waited before
+its first bucket), and both end in one slot per rank saying what that rank is doing (`_PASS` or
+`_STEP`): where the slots differ, every rank raises `CollectiveMismatchError` before sending
+anything else. A step of one pass costs nothing more (its slots ride on the flags).
+
 Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
 parameter (one of `bucket_bytes` or more) sends its gradient in place.
 """
@@ -25,6 +32,7 @@ import numpy as np
 import torch
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._zero_layout import Bucket, Flat
@@ -36,6 +44,8 @@ __all__ = ["GradientShards", "launch_order", "wire_dtype"]
 
 # Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
 MAX_IN_FLIGHT = 1
+# What a rank's slot in the flags' exchange says it is doing (`GradientShards.wait`, `_probe`).
+_PASS, _STEP = 1.0, 2.0
 
 # A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
 # parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
@@ -98,6 +108,7 @@ class GradientShards:
     # This pass's state (`_new_pass`): a callback queued, parameters ready, their buckets'
     # parameters not ready yet, buckets each parameter has left to be packed in, the next bucket.
     _queued: bool
+    _probing: Handle | None  # this pass's check, begun at its first gradient (passes after one)
     _ready: list[bool]
     _pending: list[int]
     _left: list[int]
@@ -133,7 +144,10 @@ class GradientShards:
             if p.requires_grad:
                 claim(p, self)
                 self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, k)))
-        self.had = np.zeros(len(params), np.float32)
+        # Whether each parameter had a gradient, then one slot per rank (`_PASS`/`_STEP`).
+        self.had = np.zeros(len(params) + backend.size, np.float32)
+        self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
+        self._passes = 0  # passes ended since the last step
         self._fresh = [True] * len(buckets)
         self._new_pass()
 
@@ -157,6 +171,14 @@ class GradientShards:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._queued = True
+            if self._passes and self.backend.size > 1:  # another pass: check before sending
+                if not self.backend.progresses:
+                    self.land()  # MPI: one call in flight at a time
+                self._probe[:] = 0
+                self._probe[len(self.params) + self.backend.rank] = _PASS
+                # Non-blocking on every engine, as the step's flags: MPI matches no blocking
+                # collective with a non-blocking one.
+                self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
         if self._ready[k]:
             return
         self._ready[k] = True
@@ -167,6 +189,7 @@ class GradientShards:
 
     def _new_pass(self) -> None:
         self._queued = False
+        self._probing = None
         self._ready = [False] * len(self.params)
         self._pending = [len(self.buckets[b].params) for b in self.order]
         self._left = [len(positions) for positions in self.buckets_of]
@@ -176,6 +199,10 @@ class GradientShards:
         self.check()
         self._pending = [0] * len(self.order)
         self._launch_ready()
+        if self._probing is not None:  # no bucket to send (no trainable parameter)
+            self._probing.wait()
+            self._agree(self._probe, _PASS)
+        self._passes += 1
         self._new_pass()
 
     def _launch_ready(self) -> None:
@@ -184,6 +211,10 @@ class GradientShards:
             self._next += 1
 
     def _launch(self, b: int) -> None:
+        if self._probing is not None:  # this pass's check, before its first bucket
+            probing, self._probing = self._probing, None
+            probing.wait()
+            self._agree(self._probe, _PASS)
         bucket, rank = self.buckets[b], self.backend.rank
         flat, wire = self.flats[bucket.flat], self._wires[bucket.flat]
         if not self.backend.progresses:  # MPI: one call in flight at a time (`fusion.py`)
@@ -269,20 +300,47 @@ class GradientShards:
             )
 
     def wait(self) -> np.ndarray:
-        """Complete this step's reductions; return which parameters had a gradient on any rank."""
+        """Complete this step's reductions; return which parameters had a gradient on any rank
+        (by parameter index; the `size` entries after them are the ranks' slots).
+
+        Raises:
+            CollectiveMismatchError: some rank began another backward pass instead (on every
+                rank: that rank raises at its pass).
+        """
         self.check()
         if self._queued:  # a pass still running: not expected between backward and step
             self._end_of_pass()
         had = self.had.copy()  # final: every bucket has been launched
-        if self.backend.size > 1 and self.backend.progresses:  # travels beside the last buckets
+        if self.backend.size == 1:
+            self.land()
+            return had
+        had[len(self.params) + self.backend.rank] = _STEP
+        if self.backend.progresses:  # travels beside the last buckets
             flags = self.backend.iallreduce(had, ReduceOp.MAX)
             self.land()
-            flags.wait()
-            return had
-        self.land()
-        if self.backend.size > 1:
-            self.backend.allreduce(had, ReduceOp.MAX)
+        else:
+            self.land()
+            flags = self.backend.iallreduce(had, ReduceOp.MAX)  # as a later pass's check
+        flags.wait()
+        self._agree(had, _STEP)
         return had
+
+    def _agree(self, slots: np.ndarray, doing: float) -> None:
+        """Raise `CollectiveMismatchError` unless every rank's slot says `doing` (every rank
+        exchanged the same slots, so every rank raises alike)."""
+        kinds = slots[len(self.params) :]
+        if (kinds == doing).all():
+            return
+        self._passes = 0  # the step is void on every rank: zero_grad() begins the next
+        passing = [r for r, kind in enumerate(kinds) if kind == _PASS]
+        stepping = [r for r, kind in enumerate(kinds) if kind == _STEP]
+        raise CollectiveMismatchError(
+            "ZeroRedundancyOptimizer(stage=2): the ranks ran different numbers of backward "
+            f"passes before step(): {_ranks(passing)} began another pass where "
+            f"{_ranks(stepping)} called step(). Every rank must run as many backward passes "
+            "(and as many steps); this step's gradients are discarded: call zero_grad() on "
+            "every rank to go on."
+        )
 
     def reset(self) -> None:
         """Begin a new step: reductions in flight complete (every rank started them), then the
@@ -290,7 +348,12 @@ class GradientShards:
         self.land()
         self._fresh = [True] * len(self.buckets)
         self.had[:] = 0
+        self._passes = 0
         self._new_pass()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def refuse_reduced(params: list[tuple[str, torch.Tensor]]) -> None:
