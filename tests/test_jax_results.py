@@ -17,6 +17,7 @@ import pytest
 
 import dataparallel as dp
 from dataparallel import world as world_module
+from dataparallel.backends.base import Backend
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -41,13 +42,14 @@ def check(out: Any, size: int, step: int) -> None:
 
 @pytest.mark.parametrize("reduce", ["allreduce", "allreduce_gradients"])
 def test_results_dropped_before_the_next_call_come_back_in_the_same_memory(
-    rank: int, size: int, reduce: str
+    world: Backend, rank: int, size: int, reduce: str
 ) -> None:
     """The steady state of a training loop: each call's results are dropped before the next
     call, so every call writes into the memory of the one before. JAX releases the memory of an
     array it adopted only at its next garbage collection, which the reduction runs first: here
     nothing else calls JAX between the calls (the same tree each time), so without that the
-    results would alternate between two buffers."""
+    results would alternate between two buffers. Gloo's worker thread lets go of a call's
+    tensors (over the buffer) a moment after the call returns: two buffers in turn there."""
     lent = ("w", "v", "b") if size > 1 else ("w", "v")  # one rank: `Fusion` packs "b", copied
     tree = grads(rank, 0)
     where: set[tuple[int, ...]] = set()
@@ -59,7 +61,7 @@ def test_results_dropped_before_the_next_call_come_back_in_the_same_memory(
         check(out, size, 0)
         where.add(tuple(out[k].unsafe_buffer_pointer() for k in lent))
         del out
-    assert len(where) == 1, where
+    assert len(where) <= (2 if world.name == "gloo" else 1), where
 
 
 def test_results_that_are_kept_are_never_written_again(rank: int, size: int) -> None:
