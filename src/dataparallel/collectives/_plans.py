@@ -49,8 +49,8 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.dtypes import prescale, prescaled_copy, scale_in_place
-from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.dtypes import prescale, scale_in_place
+from dataparallel.arrays.fusion import HOST_KEY, allreduce_into_scaled
 from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.pool import BufferPool
@@ -80,7 +80,7 @@ from dataparallel.collectives._onebuffer import (
 )
 from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, payload_capacity
 
-__all__ = ["CallPlan", "allreduce_into_scaled", "allreduce_scaled", "start"]
+__all__ = ["CallPlan", "allreduce_scaled", "start"]
 
 Kind = Literal["inline", "packed", "fused", "whole"]
 Finish = Callable[[], Any]  # builds the call's result: the type of the tree it was given
@@ -302,22 +302,6 @@ def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> No
     backend.allreduce(buf, action.op)
     if action.scale is not None and not prescaled:
         scale_in_place(buf, action.scale)
-
-
-def allreduce_into_scaled(
-    backend: Backend, send: np.ndarray, recv: np.ndarray, action: Reduction
-) -> None:
-    """Allreduce read-only `send` into `recv`, scaled as `allreduce_scaled` scales: where the
-    shares may be scaled first, written scaled into `recv` and reduced there in place (one pass
-    over the memory, the engine's own copy of `send` included), else reduced into `recv` and
-    the result scaled (measured, 2 ranks, the 1.86 M tree's two large leaves averaged: 1.20 ms
-    against 1.43; the sum alone 1.19)."""
-    if action.op is ReduceOp.SUM and prescaled_copy(send, recv, action.scale):
-        backend.allreduce(recv, action.op)
-        return
-    backend.allreduce_into(send, recv, action.op)
-    if action.scale is not None:
-        scale_in_place(recv, action.scale)
 
 
 def _general(
