@@ -103,3 +103,23 @@ def test_finalize_drops_the_pool_and_kept_results_stay(no_world: None) -> None:
     gc.collect()
     assert gone() is None
     check(kept, 1, 0)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_the_values_of_a_large_tree_of_any_values(rank: int, size: int, op: str) -> None:
+    """Random values, each rank's own: the results match the sum (or mean) of every rank's
+    values in float64, the average's shares scaled as they are written into place (2, 4, ...
+    ranks) or the result scaled (other sizes)."""
+
+    def values(r: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(r)
+        shapes = {"w": (400, 700), "v": (700, 400), "b": (33,)}
+        return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+    out = dp.allreduce({k: jnp.asarray(v) for k, v in values(rank).items()}, op=op)
+    every = [values(r) for r in range(size)]
+    for key, got in out.items():
+        want = np.sum([v[key].astype(np.float64) for v in every], axis=0)
+        if op == "avg":
+            want /= size
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
