@@ -81,6 +81,27 @@ def test_results_that_are_kept_are_never_written_again(rank: int, size: int) -> 
     assert len(set(pointers)) == len(pointers)
 
 
+def test_a_result_still_read_by_a_jax_computation_is_not_written(rank: int, size: int) -> None:
+    """A computation dispatched on a result (JAX runs it asynchronously) holds its memory: the
+    result dropped right after, the next call writes elsewhere until the computation is done."""
+    tree = grads(rank, 0)
+    other = grads(rank, 50)
+
+    @jax.jit
+    def reads(w: Any) -> Any:
+        for _ in range(8):
+            w = jnp.tanh(w @ w.T @ w * 1e-6)
+        return w
+
+    out = dp.allreduce(tree)
+    want = np.asarray(reads(jnp.array(np.asarray(out["w"]))))  # a copy of its own, computed
+    pending = reads(out["w"])
+    del out
+    again = dp.allreduce(other)  # the same tree's shapes: the pool's buffer is asked for
+    check(again, size, 50)
+    np.testing.assert_array_equal(np.asarray(pending), want)
+
+
 @pytest.fixture
 def no_world(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hide the session's world for the test (restored afterwards)."""
