@@ -14,17 +14,18 @@ the first included, executes its plan (`start`) in one of three ways:
   the plan's buffer, packed and unpacked), scaled as `Fusion` scales a bucket.
 - "fused": the leaves through `Fusion` (`_call.run`), with the NaN masks of min and max.
 - "whole": a sum or product of read-only host leaves of one dtype (JAX's CPU arrays) over the
-  "packed" limit and up to `_onebuffer.WHOLE_BYTES`, into one buffer lent by the pool: the leaves
-  of at most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each
-  larger leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the
-  leaf, nothing copies it); each leaf's result is a view of the buffer, which JAX adopts without a
+  "packed" limit and up to `_onebuffer.WHOLE_BYTES`, into one buffer lent by the pool: the leaves of
+  at most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each larger
+  leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the leaf,
+  nothing copies it; an exact average's shares are written scaled into place and reduced there,
+  `allreduce_into_scaled`); each leaf's result is a view of the buffer, which JAX adopts without a
   copy where it is 64-byte aligned. One handshake per call; ranks must all execute it (the summary
   says how the values travel). Packing the large leaves too (one call of everything) was measured
   slower: writing 7 MB just before the `Allreduce` that reads it made the call 1.6-1.9x a raw one,
-  where reading the leaves where they lie costs 1.3-1.5x (2 ranks, 1.86 M float32 parameters).
-  With the large leaves unpacked a "whole" plan makes `Fusion`'s calls for less Python: 32 MiB
-  (8.40 M parameters) took 0.71-0.80x a raw in-place `Allreduce`, `Fusion` 0.92-1.06x, hence the
-  limit of 256 MiB (once 16 MiB, when everything was packed).
+  where reading the leaves where they lie costs 1.3-1.5x (2 ranks, 1.86 M float32 parameters). With
+  the large leaves unpacked a "whole" plan makes `Fusion`'s calls for less Python: 32 MiB (8.40 M
+  parameters) took 0.71-0.80x a raw in-place `Allreduce`, `Fusion` 0.92-1.06x, hence the limit of
+  256 MiB (once 16 MiB, when everything was packed).
 
 "packed" sends exactly what "fused" sends for the same call (`Fusion` makes one bucket of those
 leaves), so ranks may differ in which they execute: a rank that records a timeline or logs each
