@@ -193,9 +193,10 @@ def test_a_jax_tree_past_the_plan_limit_makes_one_buffer(
     rank: int, size: int, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """JAX leaves of one dtype over `PLAN_BYTES` ("whole"): the small leaves packed and reduced
-    by one engine call, each large leaf by one call from JAX's memory (no copy of ours), all
-    into one lent buffer whose views JAX adopts without a copy (each large leaf 64-byte
-    aligned); a later call does not overwrite an earlier call's results."""
+    by one engine call, each large leaf by one call from JAX's memory (no copy of ours; an
+    average over 2, 4, ... ranks writes its scaled shares into place first), all into one lent
+    buffer whose views JAX adopts without a copy (each large leaf 64-byte aligned); a later call
+    does not overwrite an earlier call's results."""
     from dataparallel import world
 
     active = world.current()
@@ -241,9 +242,13 @@ def test_a_jax_tree_past_the_plan_limit_makes_one_buffer(
         np.testing.assert_allclose(out["b"], np.full(16, -want), rtol=1e-6)
         np.testing.assert_allclose(out["c"], np.full(5, 2 * want), rtol=1e-6)
         np.testing.assert_allclose(out["v"], np.full((1000, 300), size / divide), rtol=1e-6)
-    if size > 1:
+    if size > 1 and op == "avg" and size & (size - 1) == 0:  # shares scaled exactly, first:
+        assert packed == [16 + 5, 300_000, 300_000] * 2  # each large leaf's written scaled
+        assert alone == []  # into its place, then reduced there in place
+    elif size > 1:
         assert packed == [16 + 5] * 2
         assert alone == [300_000, 300_000] * 2
+    if size > 1:
         b, c, v, w = (first[k].unsafe_buffer_pointer() for k in ("b", "c", "v", "w"))
         assert c == b + 64 and v == b + 128 and w == v + 1_200_000  # one buffer, adopted
 

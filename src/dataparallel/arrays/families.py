@@ -8,8 +8,10 @@ written back (in place for mutable families, as new arrays for immutable ones).
 
 from __future__ import annotations
 
+import functools
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeAlias, TypeVar, cast
 
 import numpy as np
@@ -72,6 +74,10 @@ class Family(ABC, Generic[L]):
     @abstractmethod
     def from_host(self, x: L, host: np.ndarray) -> L:
         """Return `host`'s values as an array like `x` (written into `x` when it is mutable)."""
+
+    def from_hosts(self, xs: list[L], hosts: list[np.ndarray]) -> list[L]:
+        """`from_host` of each pair, in one framework call where the family has one."""
+        return [self.from_host(x, host) for x, host in zip(xs, hosts, strict=True)]
 
     @abstractmethod
     def new(self, like: L, host: np.ndarray) -> L | np.ndarray:
@@ -261,6 +267,7 @@ class JaxFamily(Family["jax.Array"]):
         devices = x.devices()
         if len(devices) != 1 or next(iter(devices)).platform != "cpu":
             return None
+        _release_adopted()  # before this call's results are lent their memory
         return np.asarray(x).view(storage_dtype(self.dtype(x)))  # JAX's own memory, read-only
 
     def to_host(self, x: jax.Array) -> np.ndarray:
@@ -270,10 +277,48 @@ class JaxFamily(Family["jax.Array"]):
     def from_host(self, x: jax.Array, host: np.ndarray) -> jax.Array:
         return self.new(x, host.reshape(x.shape))
 
+    def from_hosts(self, xs: list[jax.Array], hosts: list[np.ndarray]) -> list[jax.Array]:
+        import jax
+
+        if len(xs) < 2:
+            return [self.from_host(x, host) for x, host in zip(xs, hosts, strict=True)]
+        values = [h.reshape(x.shape).view(x.dtype) for x, h in zip(xs, hosts, strict=True)]
+        # One `device_put` of the list (6 leaves: 0.09-0.10 ms, one by one 0.12-0.16 ms).
+        return list(jax.device_put(values, [next(iter(x.devices())) for x in xs]))
+
     def new(self, like: jax.Array, host: np.ndarray) -> jax.Array:
         import jax
 
         return jax.device_put(np.asarray(host).view(like.dtype), next(iter(like.devices())))
+
+
+def _release_adopted() -> None:
+    """Let JAX drop now the NumPy memory of the arrays it adopted (`BufferPool.lend`'s buffers)
+    that nothing uses any more.
+
+    JAX frees an array made from NumPy memory without a copy at once, but releases its reference
+    to that memory only at its next garbage collection (a `device_put`, ...), so a buffer lent
+    to the last call's results looked taken to the next call, which then wrote into another one:
+    two buffers in turn, each call writing memory that had left the cache (measured: 1.86 M
+    float32 on 2 ranks, 1.04 ms into one buffer, 1.49 ms alternating between two).
+    `collect_garbage` is jaxlib's, private (0.04 us): where it is missing, results alternate
+    between two buffers as before."""
+    _collect_garbage()()
+
+
+@functools.cache
+def _collect_garbage() -> Callable[[], object]:
+    try:
+        from jax._src.lib import _jax
+
+        collect = getattr(_jax, "collect_garbage", None)
+    except ImportError:  # pragma: no cover - another jaxlib
+        collect = None
+    return collect if callable(collect) else _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 class CupyFamily(Family["cupy.ndarray"]):
@@ -393,13 +438,18 @@ def write_back(staged: list[Staged]) -> list[object]:
     """
     out: list[object] = []
     written: dict[Family, list[object]] = {}
-    for family, x, work, is_view in staged:
+    copied: dict[Family, list[int]] = {}  # per family, the leaves made from their host arrays
+    for i, (family, x, work, is_view) in enumerate(staged):
+        out.append(x)
         if is_view or not isinstance(work, np.ndarray):  # a view, a GPU leaf, or nothing
-            out.append(x)
             if family.tracks_writes:
                 written.setdefault(family, []).append(x)
         else:
-            out.append(family.from_host(x, work))
+            copied.setdefault(family, []).append(i)
+    for family, at in copied.items():
+        hosts = [cast(np.ndarray, staged[i][2]) for i in at]
+        for i, value in zip(at, family.from_hosts([out[i] for i in at], hosts), strict=True):
+            out[i] = value
     for family, xs in written.items():
         family.mark_written(xs)
     return out

@@ -34,6 +34,7 @@ from dataparallel.arrays.dtypes import (
     bf16_to_f32,
     f32_to_bf16,
     prescale,
+    prescaled_copy,
     scale_in_place,
     storage_dtype,
 )
@@ -45,7 +46,7 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.types import WireDtype
 
-__all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion"]
+__all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion", "allreduce_into_scaled"]
 
 # What a caller buckets arrays by (the dtype is added to it): (array family, device) for GPU leaves.
 BucketKey: TypeAlias = tuple[Hashable, ...]
@@ -217,11 +218,8 @@ class Fusion:
         # twice as slow into new memory (4 MiB on 2 ranks: 18-21 ms into a new array each call,
         # 9-11 ms into the same one), and the lent buffer comes back once the result is gone.
         result = self.pool.lend(work.dtype, work.shape)
-        self.backend.allreduce_into(work.reshape(-1), result.reshape(-1), self.action.op)
+        allreduce_into_scaled(self.backend, work.reshape(-1), result.reshape(-1), self.action)
         self.calls += 1
-        scale = self.action.scale
-        if scale is not None and scale != 1:
-            scale_in_place(result, scale)
         if timeline is not None:
             timeline.complete("communicate", started, dtype=dtype, bytes=work.nbytes)
         deliver(result)
@@ -488,3 +486,19 @@ class Fusion:
             self.pool.give(buf)
         if timeline is not None:
             timeline.complete("unpack", unpacking, arrays=len(flight.slots) or len(flight.deliver))
+
+
+def allreduce_into_scaled(
+    backend: Backend, send: np.ndarray, recv: np.ndarray, action: Reduction
+) -> None:
+    """Allreduce read-only `send` into `recv`, scaled as a bucket is: where the shares may be
+    scaled first (`prescale`), written scaled into `recv` and reduced there in place (one pass
+    over the memory, the engine's own copy of `send` included), else reduced into `recv` and
+    the result scaled (measured, 2 ranks, the 1.86 M tree's two large leaves averaged: 1.20 ms
+    against 1.43; the sum alone 1.19)."""
+    if action.op is ReduceOp.SUM and prescaled_copy(send, recv, action.scale):
+        backend.allreduce(recv, action.op)
+        return
+    backend.allreduce_into(send, recv, action.op)
+    if action.scale is not None and action.scale != 1:
+        scale_in_place(recv, action.scale)

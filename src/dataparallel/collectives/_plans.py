@@ -14,17 +14,18 @@ the first included, executes its plan (`start`) in one of three ways:
   the plan's buffer, packed and unpacked), scaled as `Fusion` scales a bucket.
 - "fused": the leaves through `Fusion` (`_call.run`), with the NaN masks of min and max.
 - "whole": a sum or product of read-only host leaves of one dtype (JAX's CPU arrays) over the
-  "packed" limit and up to `_onebuffer.WHOLE_BYTES`, into one buffer lent by the pool: the leaves
-  of at most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each
-  larger leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the
-  leaf, nothing copies it); each leaf's result is a view of the buffer, which JAX adopts without a
+  "packed" limit and up to `_onebuffer.WHOLE_BYTES`, into one buffer lent by the pool: the leaves of
+  at most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each larger
+  leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the leaf,
+  nothing copies it; an exact average's shares are written scaled into place and reduced there,
+  `allreduce_into_scaled`); each leaf's result is a view of the buffer, which JAX adopts without a
   copy where it is 64-byte aligned. One handshake per call; ranks must all execute it (the summary
   says how the values travel). Packing the large leaves too (one call of everything) was measured
   slower: writing 7 MB just before the `Allreduce` that reads it made the call 1.6-1.9x a raw one,
-  where reading the leaves where they lie costs 1.3-1.5x (2 ranks, 1.86 M float32 parameters).
-  With the large leaves unpacked a "whole" plan makes `Fusion`'s calls for less Python: 32 MiB
-  (8.40 M parameters) took 0.71-0.80x a raw in-place `Allreduce`, `Fusion` 0.92-1.06x, hence the
-  limit of 256 MiB (once 16 MiB, when everything was packed).
+  where reading the leaves where they lie costs 1.3-1.5x (2 ranks, 1.86 M float32 parameters). With
+  the large leaves unpacked a "whole" plan makes `Fusion`'s calls for less Python: 32 MiB (8.40 M
+  parameters) took 0.71-0.80x a raw in-place `Allreduce`, `Fusion` 0.92-1.06x, hence the limit of
+  256 MiB (once 16 MiB, when everything was packed).
 
 "packed" sends exactly what "fused" sends for the same call (`Fusion` makes one bucket of those
 leaves), so ranks may differ in which they execute: a rank that records a timeline or logs each
@@ -50,7 +51,7 @@ from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.dtypes import prescale, scale_in_place
-from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.fusion import HOST_KEY, allreduce_into_scaled
 from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.pool import BufferPool
@@ -291,9 +292,7 @@ def _into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPo
     assert records is not None  # "packed" plans have their records
     result = pool.lend(work.dtype, work.shape)
     records.exchange(backend, plan.describe, plan.replay_of)
-    backend.allreduce_into(work.reshape(-1), result.reshape(-1), plan.action.op)
-    if plan.action.scale is not None:
-        scale_in_place(result, plan.action.scale)
+    allreduce_into_scaled(backend, work.reshape(-1), result.reshape(-1), plan.action)
     return result
 
 
@@ -458,9 +457,7 @@ def _executewhole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
     if plan.front:
         allreduce_scaled(backend, front, action)
     for i in plan.alone:
-        backend.allreduce_into(works[i].reshape(-1), places[i], action.op)
-        if action.scale is not None:
-            scale_in_place(places[i], action.scale)
+        allreduce_into_scaled(backend, works[i].reshape(-1), places[i], action)
     for leaf, work, place in zip(leaves, works, places, strict=True):
         leaf.work, leaf.is_view = place.reshape(work.shape), False
     if ctx.timeline is not None:
