@@ -4,14 +4,14 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
 
 1. Inside the traced function, the leaves of at most `bucket_bytes` are packed into one flat
    buffer per wire dtype (`jnp.concatenate` of the ravelled leaves, which XLA fuses with the
-   gradient's computation); a larger leaf is a buffer of its own (a reshape, no copy: packing
-   it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
+   gradient's computation); a larger leaf is a buffer of its own, in its own shape (no copy:
+   packing it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
    small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
 2. One reduction per step, each buffer by one engine call: with mpi4jax installed, on MPI, its
    XLA custom call (`mpi4jax.allreduce` on each buffer); else (one JAX CPU device per process)
-   one XLA FFI call into Python (`_ffi.py`: the engine reads and writes XLA's own memory, no
-   host round trip); else one ordered host callback
+   one XLA FFI call into Python (`_ffi.py`: the engine reduces every buffer in place in XLA's
+   own memory, no host round trip); else one ordered host callback
    (`io_callback(ordered=True)`) from JAX's memory (a zero-copy NumPy view of the callback's
    argument) into the array it returns (`Backend.allreduce_into`), which JAX copies out.
 3. The unpacking (slices, reshapes, casts back, the average's division) back inside the traced
