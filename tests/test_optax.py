@@ -385,13 +385,13 @@ def test_results_of_earlier_steps_stay_as_they_were(route: str, rank: int, size:
 
 @pytest.mark.parametrize("route", HOST)
 def test_a_large_leaf_passed_to_the_step_is_not_written(route: str, rank: int, size: int) -> None:
-    """A leaf over the bucket size is its own buffer (a reshape of the step's argument): the FFI
-    call reduces in place, so XLA must copy the argument first, never write the caller's array."""
+    """A leaf over the bucket size is its own buffer (the step's argument, in its own shape): the
+    FFI call reduces in place, so XLA must copy the argument first, never write the caller's."""
     opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
-    grads = {"w": jnp.full(100_000, rank + 1.0)}  # 400 kB: alone
+    grads = {"w": jnp.full((200, 500), rank + 1.0)}  # 400 kB: alone
     before = np.array(grads["w"])
     out, _ = jax.jit(opt.update)(grads, opt.init(grads))
-    np.testing.assert_array_equal(np.asarray(out["w"]), np.full(100_000, size * (size + 1) / 2))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.full((200, 500), size * (size + 1) / 2))
     np.testing.assert_array_equal(np.asarray(grads["w"]), before)
 
 
