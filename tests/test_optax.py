@@ -385,13 +385,13 @@ def test_results_of_earlier_steps_stay_as_they_were(route: str, rank: int, size:
 
 @pytest.mark.parametrize("route", HOST)
 def test_a_large_leaf_passed_to_the_step_is_not_written(route: str, rank: int, size: int) -> None:
-    """A leaf over the bucket size is its own buffer (a reshape of the step's argument): the FFI
-    call reduces in place, so XLA must copy the argument first, never write the caller's array."""
+    """A leaf over the bucket size is its own buffer (the step's argument, in its own shape): the
+    FFI call reduces in place, so XLA must copy the argument first, never write the caller's."""
     opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
-    grads = {"w": jnp.full(100_000, rank + 1.0)}  # 400 kB: alone
+    grads = {"w": jnp.full((200, 500), rank + 1.0)}  # 400 kB: alone
     before = np.array(grads["w"])
     out, _ = jax.jit(opt.update)(grads, opt.init(grads))
-    np.testing.assert_array_equal(np.asarray(out["w"]), np.full(100_000, size * (size + 1) / 2))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.full((200, 500), size * (size + 1) / 2))
     np.testing.assert_array_equal(np.asarray(grads["w"]), before)
 
 
@@ -416,6 +416,37 @@ def test_retracing_an_ffi_step_adds_no_table_entry(rank: int, size: int) -> None
     longer = {"retraced": jnp.full(4, rank + 1.0)}  # another signature: a step of its own
     jax.block_until_ready(jax.jit(opt.update)(longer, opt.init(longer)))
     assert len(_ffi._steps) == entries + 1
+
+
+def test_the_ffi_step_reduces_every_buffer_in_place_with_no_copy(rank: int, size: int) -> None:
+    """The FFI call's outputs alias its inputs: the packed buffer and a leaf over the bucket size
+    in its own shape, straight from backward's matrix product. (A reshaped leaf made XLA copy it
+    before the call, a whole gradient's worth of memory per step.)"""
+    from dataparallel.jax import _ffi
+
+    if size == 1 or _ffi.ffi_reason() is not None:
+        pytest.skip(f"the ffi route: {_ffi.ffi_reason() or 'a world of one reduces nothing'}")
+    opt = distributed_optax(optax.sgd(1.0), op="sum", route="ffi")
+    params = {"w": jnp.zeros((160, 512)), "b": jnp.zeros(512)}  # w: 320 KiB, over 256 KiB
+    x = jnp.full((4, 160), rank + 1.0)
+
+    def step(p: Any, s: Any) -> Any:
+        grads = jax.grad(lambda q: jnp.sum(x @ q["w"] + q["b"]))(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    compiled = jax.jit(step).lower(params, opt.init(params)).compile()
+    call = next(line for line in compiled.as_text().splitlines() if "custom-call(" in line)
+    operands = re.search(r"custom-call\(([^)]*)\)", call)
+    assert operands is not None and "dataparallel_allreduce" in call, call
+    names = [name.strip() for name in operands.group(1).split(",")][:-1]  # the token last
+    assert len(names) == 2 and "dot" in names[1] and "copy" not in names[1], call
+    aliased = re.search(r"output_to_operand_aliasing=\{(.*?)\}\s*(,|$)", call)
+    assert aliased is not None and all(f"({i}, {{}})" in aliased.group(1) for i in (0, 1)), call
+    new, _ = jax.jit(step)(params, opt.init(params))
+    ones = size * (size + 1) / 2  # each row of x sums to 160 * (rank + 1); 4 rows
+    np.testing.assert_allclose(new["w"], np.full((160, 512), -4.0 * ones))
+    np.testing.assert_allclose(new["b"], np.full(512, -4.0 * size))
 
 
 def test_ranks_on_different_routes_are_told_when_tracing(rank: int, size: int) -> None:

@@ -1,9 +1,9 @@
 """A jitted step's reduction as an XLA FFI call into Python: no host round trip, no copy.
 
 `reduce_ffi(flats, reduce, in_place)` stages out one custom call that hands XLA's own buffers to
-`reduce` (NumPy views of them), a packed buffer's output aliasing its input (the engine reduces
-in place, in memory XLA reuses), a large leaf's written by the engine from the leaf, with no
-compiler at install time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
+`reduce` (NumPy views of them), an output aliasing its input where asked (the engine reduces in
+place, in memory XLA reuses: `_jit.py` asks it for every buffer), with no compiler at install
+time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
 (`xla/ffi/api/c_api.h`, shipped in jaxlib), registered once per process with
 `jax.ffi.register_ffi_target`. Where io_callback copies each buffer out of XLA and the result back
 in, XLA here runs the handler on the step's own memory.
@@ -301,9 +301,9 @@ def reduce_ffi(
 ) -> list[jax.Array]:
     """Stage out `reduce(inputs, outputs)` on the traced buffers `flats`; return the outputs
     (each `flats[i]`'s shape and dtype, written by `reduce`). Where `in_place[i]`, output `i`
-    is input `i`'s memory: for a buffer the step has just made (a concatenation); a view of a
-    value XLA made for something else (a gradient leaf reshaped) is not aliased, since XLA
-    would copy it first (measured: a copy of every large leaf per step).
+    is input `i`'s memory. Alias a value as XLA made it (a concatenation, a gradient leaf in its
+    own shape): aliasing a reshape of a leaf made XLA copy the leaf first (seen in the HLO), and
+    XLA copies any aliased value still read elsewhere, or a parameter of the computation.
 
     `key` names the step: steps traced with equal keys must reduce alike (they share a slot,
     whose `reduce` becomes the latest one traced)."""

@@ -4,14 +4,14 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
 
 1. Inside the traced function, the leaves of at most `bucket_bytes` are packed into one flat
    buffer per wire dtype (`jnp.concatenate` of the ravelled leaves, which XLA fuses with the
-   gradient's computation); a larger leaf is a buffer of its own (a reshape, no copy: packing
-   it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
+   gradient's computation); a larger leaf is a buffer of its own, in its own shape (no copy:
+   packing it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
    small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
 2. One reduction per step, each buffer by one engine call: with mpi4jax installed, on MPI, its
    XLA custom call (`mpi4jax.allreduce` on each buffer); else (one JAX CPU device per process)
-   one XLA FFI call into Python (`_ffi.py`: the engine reads and writes XLA's own memory, no
-   host round trip); else one ordered host callback
+   one XLA FFI call into Python (`_ffi.py`: the engine reduces every buffer in place in XLA's
+   own memory, no host round trip); else one ordered host callback
    (`io_callback(ordered=True)`) from JAX's memory (a zero-copy NumPy view of the callback's
    argument) into the array it returns (`Backend.allreduce_into`), which JAX copies out.
 3. The unpacking (slices, reshapes, casts back, the average's division) back inside the traced
@@ -130,25 +130,25 @@ class Packed:
         return cls(buckets, dtypes, tuple(tuple(x.shape) for x in leaves), ticket)
 
     def pack(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
-        """The flat buffers, traced: one per bucket; the first one ends with the order check."""
+        """The buffers, traced: one per bucket; the first one ends with the order check. A
+        bucket of one leaf is that leaf in its own shape (not ravelled: a reshape between the
+        gradient and the FFI call made XLA copy the leaf to alias it, seen in the HLO)."""
         flats = []
         for index, bucket in enumerate(self.buckets):
+            if len(bucket.members) == 1 and not (index == 0 and self.ticket):
+                flats.append(leaves[bucket.members[0]].astype(bucket.wire))
+                continue
             parts = [jnp.ravel(leaves[i]).astype(bucket.wire) for i in bucket.members]
             if index == 0 and self.ticket:
                 parts.append(jnp.asarray([self.ticket, self.ticket**2], bucket.wire))
             flats.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return flats
 
-    def concatenated(self) -> list[bool]:
-        """Whether each buffer is made by `pack` (several parts), not a leaf's reshape."""
-        checked = [bool(self.ticket) and index == 0 for index in range(len(self.buckets))]
-        return [len(b.members) + c > 1 for b, c in zip(self.buckets, checked, strict=True)]
-
     def unpack(self, flats: Sequence[jax.Array], divide: int) -> list[jax.Array]:
         """The leaves' results, traced, from the reduced buffers (divided by `divide` if not 1)."""
         out: list[jax.Array | None] = [None] * len(self.dtypes)
-        for bucket, flat in zip(self.buckets, flats, strict=True):
-            offset = 0
+        for bucket, shaped in zip(self.buckets, flats, strict=True):
+            flat, offset = jnp.ravel(shaped), 0
             for i in bucket.members:
                 n = int(np.prod(self.shapes[i], dtype=np.int64))
                 piece = jax.lax.slice(flat, (offset,), (offset + n,)).reshape(self.shapes[i])
@@ -278,7 +278,8 @@ def _on_host(packed: Packed, engine: Backend, private: Backend, describe: Detail
     are the same memory, as the FFI call makes them); the order check after the first."""
 
     def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
-        for index, (buf, recv) in enumerate(zip(sent, received, strict=True)):
+        for index, (shaped, into) in enumerate(zip(sent, received, strict=True)):
+            buf, recv = shaped.reshape(-1), into.reshape(-1)  # views: a leaf keeps its shape
             if buf.ctypes.data == recv.ctypes.data:
                 private.allreduce(recv, ReduceOp.SUM)
             else:
@@ -297,12 +298,14 @@ def _through_ffi(
     describe: Details,
     summary: str,
 ) -> list[jax.Array]:
-    """The buffers through one XLA FFI call per step (`_ffi.py`); packed buffers in place. (One
-    call per buffer was measured too: 5.1 ms overhead against 6.6 at 1.86 M, 24.7 against 22.2
-    at 8.40 M, one run; not kept.) The step's slot is keyed by its signature (`summary`) and
-    engine, so retracing it does not add one."""
+    """The buffers through one XLA FFI call per step (`_ffi.py`), every one reduced in place in
+    XLA's memory (its output aliases its input: a large leaf is reduced where backward wrote it,
+    no output allocated; measured 0.79x / 1.09x mpi4jax per leaf's overhead at 1.86 / 8.40 M
+    against 1.31x / 1.45x with large leaves reduced into new outputs, benchmarks/NOTES.md).
+    The step's slot is keyed by its signature (`summary`) and engine, so retracing it does not
+    add one."""
     reduce = _on_host(packed, engine, private, describe)
-    return reduce_ffi(flats, reduce, packed.concatenated(), key=(id(private), summary))
+    return reduce_ffi(flats, reduce, [True] * len(flats), key=(id(private), summary))
 
 
 def _through_callback(
