@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import dataparallel as dp
-from dataparallel.collectives._plans import CallPlan
+from dataparallel.collectives._callplan import CallPlan
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

@@ -1,5 +1,5 @@
-"""Which reductions go as one host buffer and one `Allreduce` ("packed", "whole"), and where a
-"whole" plan puts each leaf (`_plans.py` decides and executes; this says what qualifies)."""
+"""The reductions that go as one host buffer and one `Allreduce` ("packed", "whole"): which
+qualify, where a "whole" plan puts each leaf, and how both run (`_plans.py` plans and picks)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from typing import cast
 import numpy as np
 
 from dataparallel.arrays.actions import Reduction
-from dataparallel.backends.base import ReduceOp
-from dataparallel.collectives._call import CallContext, Leaf
+from dataparallel.arrays.dtypes import prescale, scale_in_place
+from dataparallel.arrays.fusion import allreduce_into_scaled
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.collectives._call import CallContext, Leaf, host_works
+from dataparallel.collectives._callplan import CallPlan
 from dataparallel.protocol import payload_capacity
 
 __all__ = [
@@ -18,9 +22,12 @@ __all__ = [
     "PLAN_BYTES",
     "WHOLE_BYTES",
     "Layout",
+    "allreduce_scaled",
     "is_packable",
     "is_whole",
     "one_sum",
+    "run_packed",
+    "run_whole",
     "whole_layout",
 ]
 
@@ -111,3 +118,86 @@ def one_sum(
     if any(type(leaf.work) is not np.ndarray for leaf in leaves):
         return False
     return bool(payload_capacity(ctx.backend.size))
+
+
+def run_packed(
+    backend: Backend, plan: CallPlan, works: list[np.ndarray], pool: BufferPool
+) -> list[np.ndarray]:
+    """The handshake, then one allreduce of the plan's bucket; return the leaves' results (read-only
+    arrays come back new)."""
+    buf = plan.buf
+    if buf is None:  # one leaf: its own bucket
+        work = works[0]
+        if not work.flags.writeable and work.flags.c_contiguous:  # a JAX array's memory
+            return [into_new(backend, plan, work, pool)]
+        mine = work.flags.c_contiguous and work.flags.writeable
+        target = work if mine else np.array(work, order="C")
+    else:
+        np.concatenate(works, axis=None, out=buf)
+        target = buf
+    records = plan.records
+    assert records is not None  # "packed" plans have their records
+    records.exchange(backend, plan.describe, plan.replay_of)
+    allreduce_scaled(backend, target.reshape(-1), plan.action)  # after the handshake
+    if buf is None:
+        if target is not work:
+            if not work.flags.writeable:
+                return [target]
+            work[...] = target
+        return works
+    try:
+        for work, view in zip(works, plan.views, strict=True):
+            work[...] = view
+    except ValueError:  # a read-only array (asked only then): a new one, as `Fusion` gives
+        pairs = zip(works, plan.views, strict=True)
+        out = [work if work.flags.writeable else view.copy() for work, view in pairs]
+        for work, view in zip(out, plan.views, strict=True):
+            work[...] = view
+        return out
+    return works
+
+
+def into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPool) -> np.ndarray:
+    """The handshake, then one allreduce from read-only `work` into a buffer lent by `pool`
+    (`Fusion._reduce_into`); return it."""
+    records = plan.records
+    assert records is not None  # "packed" plans have their records
+    result = pool.lend(work.dtype, work.shape)
+    records.exchange(backend, plan.describe, plan.replay_of)
+    allreduce_into_scaled(backend, work.reshape(-1), result.reshape(-1), plan.action)
+    return result
+
+
+def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
+    """Allreduce `buf` in place, scaled as `Fusion` scales a bucket: a sum's shares before the
+    sum where that is exact (`dtypes.prescale`), else the result."""
+    prescaled = action.op is ReduceOp.SUM and prescale(buf, action.scale)
+    backend.allreduce(buf, action.op)
+    if action.scale is not None and not prescaled:
+        scale_in_place(buf, action.scale)
+
+
+def run_whole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
+    """The handshake, then the "whole" plan's calls into a buffer lent by the pool: the small
+    leaves packed at its front (scaled as they are packed, where `prescale` may) and reduced in
+    place, each larger leaf from its memory into its place; each leaf's work becomes its view of
+    the result (adopted by JAX, not copied)."""
+    works, backend, action = host_works(leaves), ctx.backend, plan.action
+    started = ctx.timeline.now() if ctx.timeline is not None else 0.0
+    buf = ctx.buffers.lend(works[0].dtype, (plan.items,))
+    places = [buf[o : o + w.size] for o, w in zip(plan.offsets, works, strict=True)]
+    front = buf[: sum(works[i].size for i in plan.front)]
+    if plan.front:
+        np.concatenate([works[i] for i in plan.front], axis=None, out=front)
+    records = plan.records
+    assert records is not None  # "whole" plans have their records
+    records.exchange(backend, plan.describe, plan.replay_of)
+    if plan.front:
+        allreduce_scaled(backend, front, action)
+    for i in plan.alone:
+        allreduce_into_scaled(backend, works[i].reshape(-1), places[i], action)
+    for leaf, work, place in zip(leaves, works, places, strict=True):
+        leaf.work, leaf.is_view = place.reshape(work.shape), False
+    if ctx.timeline is not None:
+        calls = len(plan.alone) + bool(plan.front)
+        ctx.timeline.complete("allreduce", started, leaves=len(leaves), calls=calls)

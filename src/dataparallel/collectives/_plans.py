@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import optree
@@ -50,13 +49,11 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.dtypes import prescale, scale_in_place
-from dataparallel.arrays.fusion import HOST_KEY, allreduce_into_scaled
-from dataparallel.arrays.inline import Slot, land_inline, pack_slots, slots_of
+from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.inline import land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
-from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
-from dataparallel.backends.base import Backend, DoneHandle, Handle, ReduceOp
+from dataparallel.backends.base import DoneHandle, Handle, ReduceOp
 from dataparallel.collectives import _replays
 from dataparallel.collectives._call import (
     CallContext,
@@ -71,56 +68,25 @@ from dataparallel.collectives._call import (
     run,
     stage,
 )
+from dataparallel.collectives._callplan import CallPlan, Kind
 from dataparallel.collectives._nans import local_nans, nan_preserving
 from dataparallel.collectives._onebuffer import (
     ONE_MESSAGE,
     Layout,
+    allreduce_scaled,
     is_packable,
     is_whole,
+    run_packed,
+    run_whole,
     whole_layout,
 )
 from dataparallel.protocol import PAYLOAD_BYTES, Records, digest, handshake, payload_capacity
 
-__all__ = ["CallPlan", "allreduce_scaled", "start"]
+__all__ = ["start"]
 
-Kind = Literal["inline", "packed", "fused", "whole"]
 Finish = Callable[[], Any]  # builds the call's result: the type of the tree it was given
 
 _DONE = DoneHandle()
-
-
-@dataclass(slots=True, eq=False)
-class CallPlan:
-    """How every call of one signature runs: made once by `_plan`, executed by `start`."""
-
-    kind: Kind
-    digest: int  # the call's summary hashed, what the handshake compares
-    describe: Callable[[], dict[str, object]]  # the call field by field, for a mismatch
-    action: Reduction
-    dtypes: list[str]  # each leaf's dtype ("inline": how its bytes are combined)
-    wire: str | None  # the 16-bit wire dtype of `compression=`
-    nans: bool  # "fused" min/max: ranks flag their NaNs in the handshake
-    apart: bool  # "fused" leaves may land in different flights: aliases are copied (`aliases`)
-    replay: Replay  # what a rank that has joined (`dp.join`) makes instead
-    replay_nan: Replay  # ... when some rank flagged a NaN (the masks follow)
-    buf: np.ndarray | None = None  # "packed" over several leaves: the bucket
-    views: list[np.ndarray] = field(default_factory=list)  # each leaf's place in `buf`
-    records: Records | None = None  # "inline", "packed": the handshake's buffers
-    slots: list[Slot] = field(default_factory=list)  # "inline": each leaf's place in the records
-    form_slots: list[Slot] = field(default_factory=list)  # ... as a `_Form` lays its values
-    offsets: tuple[int, ...] = ()  # "whole": each leaf's place in the lent buffer
-    front: tuple[int, ...] = ()  # "whole": the leaves packed at its front (one call)
-    alone: tuple[int, ...] = ()  # "whole": the leaves reduced into their places, one call each
-    items: int = 0  # "whole": the lent buffer's length
-
-    @property
-    def nbytes(self) -> int:
-        return (0 if self.buf is None else self.buf.nbytes) + (
-            0 if self.records is None else self.records.rows.nbytes
-        )
-
-    def replay_of(self, flagged: bool) -> Replay:
-        return self.replay_nan if flagged else self.replay
 
 
 def start(
@@ -230,7 +196,7 @@ def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
         records.exchange(backend, plan.describe, plan.replay_of)
         allreduce_scaled(backend, works[0].reshape(-1), plan.action)
     else:
-        works = _packed(backend, plan, works, ctx.buffers)
+        works = run_packed(backend, plan, works, ctx.buffers)
     if form.numbers:
         values = works[0].tolist()
         if form.kind is float:
@@ -246,63 +212,6 @@ def _rebuilt(form: _Form, leaves: Sequence[object]) -> object:
     if form.spec is not None:
         return tree.unflatten(form.spec, list(leaves))
     return form.kind(leaves)
-
-
-def _packed(
-    backend: Backend, plan: CallPlan, works: list[np.ndarray], pool: BufferPool
-) -> list[np.ndarray]:
-    """The handshake, then one allreduce of the plan's bucket; return the leaves' results (read-only
-    arrays come back new)."""
-    buf = plan.buf
-    if buf is None:  # one leaf: its own bucket
-        work = works[0]
-        if not work.flags.writeable and work.flags.c_contiguous:  # a JAX array's memory
-            return [_into_new(backend, plan, work, pool)]
-        mine = work.flags.c_contiguous and work.flags.writeable
-        target = work if mine else np.array(work, order="C")
-    else:
-        np.concatenate(works, axis=None, out=buf)
-        target = buf
-    records = plan.records
-    assert records is not None  # "packed" plans have their records
-    records.exchange(backend, plan.describe, plan.replay_of)
-    allreduce_scaled(backend, target.reshape(-1), plan.action)  # after the handshake
-    if buf is None:
-        if target is not work:
-            if not work.flags.writeable:
-                return [target]
-            work[...] = target
-        return works
-    try:
-        for work, view in zip(works, plan.views, strict=True):
-            work[...] = view
-    except ValueError:  # a read-only array (asked only then): a new one, as `Fusion` gives
-        pairs = zip(works, plan.views, strict=True)
-        out = [work if work.flags.writeable else view.copy() for work, view in pairs]
-        for work, view in zip(out, plan.views, strict=True):
-            work[...] = view
-        return out
-    return works
-
-
-def _into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPool) -> np.ndarray:
-    """The handshake, then one allreduce from read-only `work` into a buffer lent by `pool`
-    (`Fusion._reduce_into`); return it."""
-    records = plan.records
-    assert records is not None  # "packed" plans have their records
-    result = pool.lend(work.dtype, work.shape)
-    records.exchange(backend, plan.describe, plan.replay_of)
-    allreduce_into_scaled(backend, work.reshape(-1), result.reshape(-1), plan.action)
-    return result
-
-
-def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
-    """Allreduce `buf` in place, scaled as `Fusion` scales a bucket: a sum's shares before the
-    sum where that is exact (`dtypes.prescale`), else the result."""
-    prescaled = action.op is ReduceOp.SUM and prescale(buf, action.scale)
-    backend.allreduce(buf, action.op)
-    if action.scale is not None and not prescaled:
-        scale_in_place(buf, action.scale)
 
 
 def _general(
@@ -439,32 +348,6 @@ def _one_flight(ctx: CallContext, leaves: list[Leaf]) -> bool:
     return sum(cast(np.ndarray, w).nbytes for w in works) <= ctx.settings.bucket_bytes
 
 
-def _executewhole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
-    """The handshake, then the "whole" plan's calls into a buffer lent by the pool: the small
-    leaves packed at its front (scaled as they are packed, where `prescale` may) and reduced in
-    place, each larger leaf from its memory into its place; each leaf's work becomes its view of
-    the result (adopted by JAX, not copied)."""
-    works, backend, action = host_works(leaves), ctx.backend, plan.action
-    started = ctx.timeline.now() if ctx.timeline is not None else 0.0
-    buf = ctx.buffers.lend(works[0].dtype, (plan.items,))
-    places = [buf[o : o + w.size] for o, w in zip(plan.offsets, works, strict=True)]
-    front = buf[: sum(works[i].size for i in plan.front)]
-    if plan.front:
-        np.concatenate([works[i] for i in plan.front], axis=None, out=front)
-    records = plan.records
-    assert records is not None  # "whole" plans have their records
-    records.exchange(backend, plan.describe, plan.replay_of)
-    if plan.front:
-        allreduce_scaled(backend, front, action)
-    for i in plan.alone:
-        allreduce_into_scaled(backend, works[i].reshape(-1), places[i], action)
-    for leaf, work, place in zip(leaves, works, places, strict=True):
-        leaf.work, leaf.is_view = place.reshape(work.shape), False
-    if ctx.timeline is not None:
-        calls = len(plan.alone) + bool(plan.front)
-        ctx.timeline.complete("allreduce", started, leaves=len(leaves), calls=calls)
-
-
 def _execute(
     ctx: CallContext,
     collective: str,
@@ -477,13 +360,13 @@ def _execute(
     backend = ctx.backend
     plain = ctx.timeline is None and not ctx.settings.debug
     if plan.kind == "packed" and plain:
-        works = _packed(backend, plan, host_works(leaves), ctx.buffers)
+        works = run_packed(backend, plan, host_works(leaves), ctx.buffers)
         for leaf, work in zip(leaves, works, strict=True):
             if work is not leaf.work:
                 leaf.work, leaf.is_view = work, False
         return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
     if plan.kind == "whole":  # every rank executes it, with a timeline or not
-        _executewhole(ctx, plan, leaves)
+        run_whole(ctx, plan, leaves)
         return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
     if plan.kind == "inline":
         records = plan.records
