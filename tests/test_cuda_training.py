@@ -2,8 +2,10 @@
 
 Each rank trains a CUDA copy of the model on its share of a global batch; a reference trains on all
 of it, on the same GPU. With a GPU per rank (NCCL) or ranks sharing one (MPI or Gloo staging through
-pinned host memory), the parameters must agree with the reference and across ranks. Skipped where
-torch sees no CUDA device.
+pinned host memory), the parameters must agree with the reference and across ranks; so must
+`ZeroRedundancyOptimizer`'s at stages 1 and 2, whose shards and state stay on the GPU (its engine
+calls staged through pinned host buffers), and its consolidated checkpoint must load into a plain
+Adam. Skipped where torch sees no CUDA device.
 """
 
 from __future__ import annotations
@@ -28,10 +30,21 @@ def adam(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(m.parameters(), lr=0.01)
 
 
+def zero(m: nn.Module, stage: int) -> dp.torch.ZeroRedundancyOptimizer:
+    return dp.torch.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
+
+
+def zero_stage_1(m: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    opt = zero(m, 1)  # first: it moves the parameters into its flat buffers
+    return dp.torch.DataParallelModel(m), opt
+
+
 SETUPS: dict[str, Setup] = {
     "DistributedOptimizer": lambda m: (m, dp.DistributedOptimizer(adam(m))),
     "DataParallelModel": lambda m: (dp.torch.DataParallelModel(m), adam(m)),
     "allreduce_gradients": lambda m: (m, adam(m)),
+    "ZeRO stage 1 + DataParallelModel": zero_stage_1,
+    "ZeRO stage 2": lambda m: (m, zero(m, 2)),
 }
 
 
@@ -61,8 +74,52 @@ def test_gpu_training_matches_one_process_on_the_whole_batch(name: str) -> None:
             np.testing.assert_array_equal(a, b)
 
 
+def assert_on(opt: dp.torch.ZeroRedundancyOptimizer, device: torch.device) -> None:
+    """The shards, the flat buffers and the inner optimizer's state stay on the GPU."""
+    assert all(piece.tensor.device == device for piece in opt.pieces)
+    assert all(flat.data.device == device for flat in opt._flats)
+    for state in opt.optim.state.values():
+        for key, value in state.items():
+            if key != "step":
+                assert value.device == device, key
+    if opt._shards is not None:
+        assert all(shard.device == device for shard in opt._shards.shards)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_refuses_gpu_parameters_and_names_the_fix(stage: int) -> None:
-    model = make_model().to(torch.device("cuda", dp.device() or 0))
-    with pytest.raises(ValueError, match=r"on cuda:\d+; it shards host \(CPU\) parameters only"):
-        dp.torch.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage)
+def test_zero_on_the_gpu_keeps_its_state_there_and_consolidates(stage: int) -> None:
+    device = torch.device("cuda", dp.device() or 0)
+    model = make_model(hidden=64).to(device)
+    reference = copy.deepcopy(model)
+    ref_opt = adam(reference)
+    net, opt = (zero_stage_1 if stage == 1 else SETUPS["ZeRO stage 2"])(model)
+    assert isinstance(opt, dp.torch.ZeroRedundancyOptimizer)
+    for step in range(3):
+        x, y = (t.to(device) for t in global_batch(step))
+        opt.zero_grad()
+        loss_of(net, share(x.cpu()).to(device), share(y.cpu()).to(device)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of(reference, x, y).backward()
+        ref_opt.step()
+    assert_on(opt, device)
+    opt.consolidate_state_dict(to=0)
+    state = opt.state_dict() if dp.rank() == 0 else None
+    state = dp.broadcast_object(state, root=0)
+    plain = adam(copy.deepcopy(reference))  # a plain Adam on the GPU takes it
+    plain.load_state_dict(state)
+    for k, entry in ref_opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(
+                plain.state_dict()["state"][k][key], value, atol=1e-5, rtol=1e-4
+            )
+    fresh_model = copy.deepcopy(model)
+    fresh = zero(fresh_model, stage)
+    fresh.load_state_dict(state)
+    assert_on(fresh, device)
+
+
+def test_zero_refuses_parameters_on_two_devices_and_names_one() -> None:
+    params = [nn.Parameter(torch.zeros(3, device="cuda")), nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"\[1\] is on cpu, the parameters before it on cuda"):
+        dp.torch.ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=0.1)

@@ -83,12 +83,21 @@ def assert_params_close(a: nn.Module, b: nn.Module, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("bucket_bytes", [64, None], ids=["small-buckets", "default-buckets"])
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
 def test_shares_of_a_global_batch_match_one_process_on_the_whole(
-    name: str, stage: int, dtype: torch.dtype, bucket_bytes: int | None, world: Backend
+    name: str,
+    stage: int,
+    dtype: torch.dtype,
+    bucket_bytes: int | None,
+    staged: bool,
+    world: Backend,
 ) -> None:
+    """`staged`: the device path (host buffers for every engine call, copies each way), forced
+    for host parameters: what a CUDA model takes (tests/test_cuda_training.py)."""
     model = make_model().to(dtype)
     reference, ref_opt = reference_of(model, name)
-    opt = zero(model, name, stage, bucket_bytes=bucket_bytes)
+    opt = zero(model, name, stage, bucket_bytes=bucket_bytes, _staged=staged)
+    assert (opt._shards is not None and opt._shards._staging is not None) == (staged and stage == 2)
     net = wrapped(model, stage)
     for step in range(5):
         x, y = global_batch(step)
@@ -106,20 +115,28 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(
 
 @pytest.mark.parametrize("broadcasts", [False, True], ids=["allgather", "broadcasts"])
 @pytest.mark.parametrize("merge_bytes", [0, 200, 1 << 20], ids=["alone", "some", "all"])
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
 def test_updated_segments_come_back_whatever_the_buckets_merged(
-    merge_bytes: int, broadcasts: bool, world: Backend
+    merge_bytes: int, broadcasts: bool, staged: bool, world: Backend
 ) -> None:
     """Each rank writes its rank into its segments; after the gather every bucket holds every
     rank's segment in order, whether buckets went alone (in place) or merged into one call,
-    as one allgather or as one broadcast per rank."""
+    as one allgather or as one broadcast per rank, or (`staged`) through host buffers apart
+    from the flat buffers, as for parameters on a device."""
     params = [torch.zeros(n, dtype=d) for n, d in ((7, torch.float32), (30, torch.float64))]
     params += [torch.zeros(n) for n in (5, 40, 3)]
     flats, buckets, _ = plan_group(0, list(enumerate(params)), dp.rank(), dp.size(), 32, 0)
     for bucket in buckets:
         lo, hi = bucket.mine
         flats[bucket.flat].data[lo:hi] = dp.rank() + 1
-    gather = SliceGather(flats, buckets, world, merge_bytes, broadcasts)
+    gather = SliceGather(flats, buckets, world, merge_bytes, broadcasts, staged)
     calls = [len(call.buckets) for call in gather.calls]
+    if staged:  # every call lands in its own host buffer, never in the flat buffers
+        flat_spans = [(f.data.data_ptr(), f.data.data_ptr() + f.data.nbytes) for f in flats]
+        for call in gather.calls:
+            assert call.merged
+            at = call.rows.data_ptr()
+            assert not any(lo <= at < hi for lo, hi in flat_spans)
     assert all((call.send is None) == broadcasts for call in gather.calls)  # sent from the rows
     assert sum(calls) == len(buckets) >= 4
     assert max(calls) == 1 if merge_bytes == 0 else max(calls) > 1
@@ -166,11 +183,12 @@ def test_mixed_dtypes_and_param_groups(world: Backend) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
 def test_parameters_without_gradients_match_the_unsharded_optimizer(
-    stage: int, world: Backend
+    stage: int, staged: bool, world: Backend
 ) -> None:
     model, unsharded = Branchy(), Branchy()
-    opt = zero(model, "adam", stage, bucket_bytes=32)
+    opt = zero(model, "adam", stage, bucket_bytes=32, _staged=staged)
     plain = dp.DistributedOptimizer(torch.optim.Adam(unsharded.parameters(), lr=0.01))
     before = [p.detach().clone() for p in model.unused.parameters()]
     for net, o in ((wrapped(model, stage), opt), (unsharded, plain)):
@@ -274,10 +292,14 @@ def test_stage_2_keeps_only_its_slice_of_the_gradients(world: Backend) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_gradient_accumulation_matches_one_process(stage: int, world: Backend) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
+def test_gradient_accumulation_matches_one_process(
+    stage: int, staged: bool, world: Backend
+) -> None:
+    """Staged, the passes after the first add what lands to the shard on the "device"."""
     model = make_model()
     reference, ref_opt = reference_of(model)
-    opt = zero(model, "adam", stage, bucket_bytes=64)
+    opt = zero(model, "adam", stage, bucket_bytes=64, _staged=staged)
     net = wrapped(model, stage)
     for step in range(3):
         x, y = global_batch(step)
@@ -365,12 +387,13 @@ def test_pieces_are_whole_parameters_in_a_world_of_one(world: Backend) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
 def test_consolidated_state_is_a_plain_optimizers_and_loads_back(
-    stage: int, world: Backend
+    stage: int, staged: bool, world: Backend
 ) -> None:
     model = make_model()
     reference, ref_opt = reference_of(model)
-    opt = zero(model, "adam", stage, bucket_bytes=64)
+    opt = zero(model, "adam", stage, bucket_bytes=64, _staged=staged)
     net = wrapped(model, stage)
     train(net, opt, range(3), on_share=True)
     train(reference, ref_opt, range(3), on_share=False)
@@ -392,7 +415,7 @@ def test_consolidated_state_is_a_plain_optimizers_and_loads_back(
         state = None
     state = dp.broadcast_object(state, root=dp.size() - 1)
     fresh_model = copy.deepcopy(model)
-    fresh = zero(fresh_model, "adam", stage, bucket_bytes=48)  # other buckets, other slices
+    fresh = zero(fresh_model, "adam", stage, bucket_bytes=48, _staged=staged)  # other slices
     fresh.load_state_dict(state)
     train(wrapped(fresh_model, stage), fresh, range(3, 6), on_share=True)
     train(reference, ref_opt, range(3, 6), on_share=False)
@@ -449,6 +472,17 @@ def test_optimizer_class_must_be_an_optimizer_class(world: Backend) -> None:
         ZeroRedundancyOptimizer(model.parameters(), dict)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stage=3 must be 1 or 2"):
         ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=3, lr=0.1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_on_two_devices_are_refused_and_named(stage: int, world: Backend) -> None:
+    """One optimizer shards one device's parameters ("meta" stands in for a GPU here)."""
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, device="meta"))]
+    with pytest.raises(
+        ValueError,
+        match=r"param_groups\[0\]\['params'\]\[1\] is on meta, the parameters before it on cpu",
+    ):
+        ZeroRedundancyOptimizer(params, torch.optim.Adam, stage=stage, lr=0.1)
 
 
 def test_parameters_that_differ_between_ranks_are_named(world: Backend) -> None:

@@ -5,8 +5,9 @@ library's engines, with slices instead of whole parameters: every rank steps a c
 segment of every bucket (`_zero_layout.py`), so shards are balanced whatever the parameters'
 sizes, and the updated segments come back with one allgather per bucket, merged into one call
 on Gloo (`_zero_gather.py`; torch's: one broadcast per rank). `stage=2` reduce-scatters the
-gradients itself during backward (`_zero_grads.py`). Checkpoints: `_zero_state.py`. Usage,
-semantics and departures: docs/zero.md.
+gradients itself during backward (`_zero_grads.py`). Checkpoints: `_zero_state.py`. Parameters
+on a device (CUDA) keep their buffers, shards and state there; every engine call is staged
+through host buffers. Usage, semantics and departures: docs/zero.md.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     `clip_grad_norm_` (the norm over every rank's slice), learning-rate schedulers (they set
     `param_groups`, copied into `.optim` at each step), `add_param_group` (on every rank).
     The inner optimizer must be element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): it sees
-    slices, not whole parameters. Host (CPU) parameters only.
+    slices, not whole parameters. Parameters on one device: the host, or a GPU, where the flat
+    buffers, the shards and the inner optimizer's state stay, and every engine call goes through
+    host buffers (pinned), one copy each way per bucket (MPI and Gloo are not CUDA-aware).
 
     Checkpoints: `consolidate_state_dict(to=0)` on every rank, then `state_dict()` on rank
     `to`: the state of a plain `optimizer_class` over the same parameters (torch's format),
@@ -116,6 +119,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         group: Group | None = None,
         bucket_bytes: int | None = None,
         backend: Backend | None = None,
+        _staged: bool = False,
         **defaults: Any,
     ) -> None:
         self._class = _optimizer_class(optimizer_class)
@@ -128,6 +132,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 f"ZeroRedundancyOptimizer: bucket_bytes={bucket_bytes!r} must be a positive int."
             )
         self._initialized = False
+        # The parameters' device (set by the first), and whether engine calls go through host
+        # buffers: for device parameters, or forced for host ones (`_staged`: the tests' way to
+        # run the device path without a device).
+        self._device: torch.device | None = None
+        self._staged = _staged
         super().__init__(params, defaults)
         active = world.current()
         chosen = backend_of(backend, group)
@@ -168,10 +177,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         first = len(self._params)
         named = [(f"param_groups[{g}]['params'][{i}]", p) for i, p in enumerate(group["params"])]
         for name, p in named:
-            if p.device.type != "cpu":
+            if self._device is None:
+                self._device = p.device
+                self._staged = self._staged or p.device.type != "cpu"
+            elif p.device != self._device:
                 raise ValueError(
-                    f"ZeroRedundancyOptimizer: {name} is on {p.device}; it shards host "
-                    "(CPU) parameters only. Use DistributedOptimizer for device parameters."
+                    f"ZeroRedundancyOptimizer: {name} is on {p.device}, the parameters before "
+                    f"it on {self._device}; it shards the parameters of one device. Move the "
+                    "model to one device first, or use one optimizer per device."
                 )
         if self.stage == 2:
             refuse_reduced(named)
@@ -193,6 +206,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.backend.size,
             self.bucket_bytes,
             len(self._flats),
+            self._device if self._device is not None else torch.device("cpu"),
         )
         for flat in flats:
             flat.buckets = [b + len(self._buckets) for b in flat.buckets]
@@ -219,6 +233,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.backend,
             average=True,
             overlap=self._overlap,
+            staged=self._staged,
         )
 
     @property
@@ -291,7 +306,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return  # the pieces are views of the parameters: nothing to bring
         if self._gather is None:
             self._gather = SliceGather(
-                self._flats, self._buckets, self.backend, self._merge_bytes, self._broadcasts
+                self._flats,
+                self._buckets,
+                self.backend,
+                self._merge_bytes,
+                self._broadcasts,
+                self._staged,
             )
         self._gather.run()
 
@@ -345,7 +365,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if coefficient < 1.0:
             for g in grads:
                 g.mul_(coefficient)
-        return torch.tensor(norm)
+        return torch.tensor(norm, device=self._device)
 
     # -- memory figures ------------------------------------------------------------------------
 

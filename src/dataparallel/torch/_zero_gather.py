@@ -14,6 +14,11 @@ flight at once on Gloo's threads, instead of Gloo's ring allgather (3 ranks on 2
 3.3-3.9 ms against 4.3-4.6; benchmarks/NOTES.md). No send buffer then: a bucket alone is
 broadcast straight from and into the flat buffer, merged buckets packed into this rank's row of
 the receive buffer.
+
+`staged` (parameters on a device, which the engines cannot read: MPI and Gloo are not CUDA-aware):
+every call has its own host buffers (pinned where torch has CUDA), as a merged one has; this
+rank's segment of each bucket is copied to the host once before the call (packing it), and each
+bucket comes back with one host-to-device copy after it. The host case makes no such copy.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from dataparallel.backends.base import Backend, Handle
-from dataparallel.torch._zero_layout import Bucket, Flat
+from dataparallel.torch._zero_layout import Bucket, Flat, host_buffer
 
 __all__ = ["SliceGather"]
 
@@ -36,6 +41,7 @@ class _Call:
     rows: torch.Tensor  # uint8, `size` equal rows: row r is rank r's segments end to end
     send: torch.Tensor | None  # uint8: this rank's segments packed (None: its row is sent)
     merged: bool  # whether `rows` is a receive buffer (else: the one bucket, in place)
+    # (always, when staged: the buckets are on a device)
 
 
 class SliceGather:
@@ -49,6 +55,7 @@ class SliceGather:
         broadcasts: make each exchange `size` broadcasts, rank r's row from rank r, instead of
             one allgather: no send buffer (a bucket alone goes straight from and into the flat
             buffer; merged buckets are packed into this rank's row of the receive buffer).
+        staged: the flat buffers are on a device: every call goes through host buffers.
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class SliceGather:
         backend: Backend,
         merge_bytes: int,
         broadcasts: bool = False,
+        staged: bool = False,
     ) -> None:
         self.flats, self.buckets, self.backend = flats, buckets, backend
         self.broadcasts = broadcasts
@@ -73,12 +81,20 @@ class SliceGather:
         self.calls: list[_Call] = []
         for group in groups:
             part = sum(self._bytes(buckets[b], buckets[b].counts[0]) for b in group)
-            merged = len(group) > 1
-            if merged:
+            merged = len(group) > 1 or staged
+            if staged:
+                rows = host_buffer(part * backend.size, torch.uint8)
+            elif merged:
                 rows = torch.empty(part * backend.size, dtype=torch.uint8)
             else:
                 rows = self._raw(group[0])
-            send = None if broadcasts else torch.empty(part, dtype=torch.uint8)
+            send = None
+            if not broadcasts:
+                send = (
+                    host_buffer(part, torch.uint8)
+                    if staged
+                    else torch.empty(part, dtype=torch.uint8)
+                )
             self.calls.append(_Call(group, rows.view(backend.size, part), send, merged))
 
     def _bytes(self, bucket: Bucket, items: int) -> int:
@@ -91,7 +107,7 @@ class SliceGather:
         return sum(t.nbytes for pair in held for t in pair if t is not None)
 
     def _raw(self, b: int) -> torch.Tensor:
-        """Bucket `b` of its flat buffer, as bytes."""
+        """Bucket `b` of its flat buffer, as bytes (on the parameters' device)."""
         bucket = self.buckets[b]
         data = self.flats[bucket.flat].data
         item = data.element_size()
@@ -119,11 +135,17 @@ class SliceGather:
             for b in call.buckets:
                 bucket, raw = self.buckets[b], self._raw(b)
                 n = self._bytes(bucket, bucket.counts[0])
+                # Staged: one host-to-device copy per bucket (blocking: the step's next kernels
+                # see the whole bucket).
                 raw.view(self.backend.size, n).copy_(call.rows[:, at : at + n])
                 at += n
 
     def _pack(self, call: _Call, into: torch.Tensor) -> None:
-        """This rank's segments of `call`'s buckets, end to end, into `into`."""
+        """This rank's segments of `call`'s buckets, end to end, into `into`.
+
+        Staged, each is one device-to-host copy into pinned memory: a blocking `copy_`, which
+        waits for the stream that produced the segment (the inner optimizer's step) before the
+        engine reads the bytes."""
         at = 0
         for b in call.buckets:
             bucket, raw = self.buckets[b], self._raw(b)

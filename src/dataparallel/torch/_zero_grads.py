@@ -21,6 +21,11 @@ anything else. A step of one pass costs nothing more (its slots ride on the flag
 
 Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
 parameter (one of `bucket_bytes` or more) sends its gradient in place.
+
+`staged` (parameters on a device, which the engines cannot read): the shards stay on the device;
+a bucket is packed into a device buffer, copied to a host send buffer (pinned where torch has
+CUDA) in one device-to-host copy, and what this rank receives goes back in one host-to-device
+copy before it is scaled and added to the shard. Nothing is sent in place then.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
-from dataparallel.torch._zero_layout import Bucket, Flat
+from dataparallel.torch._zero_layout import Bucket, Flat, host_buffer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -75,7 +80,8 @@ def sent_counts(bucket: Bucket) -> list[int]:
 class _Pool:
     """Buffers taken and given back: a buffer is reused by any later request it can hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device  # None: host buffers (pinned where torch has CUDA)
         self._free = dict[torch.dtype, list[torch.Tensor]]()
         self.allocated = 0  # bytes of the buffers alive (given out or free)
 
@@ -86,7 +92,10 @@ class _Pool:
                 return free.pop(i)
         if free:  # too small: dropped, so that no more buffers live than are in use at once
             self.allocated -= free.pop().nbytes
-        buf = torch.empty(items, dtype=dtype)
+        if self.device is None:
+            buf = host_buffer(items, dtype)
+        else:
+            buf = torch.empty(items, dtype=dtype, device=self.device)
         self.allocated += buf.nbytes
         return buf
 
@@ -103,6 +112,7 @@ class GradientShards:
         backend: the engine.
         average: divide the sums by the world's size.
         overlap: launch buckets while backward runs (else at the end of each pass).
+        staged: the parameters are on a device: stage every bucket through host buffers.
     """
 
     # This pass's state (`_new_pass`): a callback queued, parameters ready, their buckets'
@@ -123,6 +133,7 @@ class GradientShards:
         *,
         average: bool,
         overlap: bool,
+        staged: bool = False,
     ) -> None:
         self.params, self.flats, self.buckets, self.backend = params, flats, buckets, backend
         self.scale = 1.0 / backend.size if average else 1.0
@@ -133,9 +144,13 @@ class GradientShards:
         for b in self.order:
             for k in buckets[b].params:
                 self.buckets_of[k].append(position[b])
-        self.shards = [torch.zeros(f.shard_items, dtype=f.dtype) for f in flats]
+        self.shards = [
+            torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in flats
+        ]
         self._wires = [wire_dtype(f.dtype, backend) for f in flats]
-        self._pool = _Pool()
+        self._pool = _Pool()  # what the engine reads and writes: host buffers
+        # Staged: buffers on the parameters' device, that buckets are packed in and land in.
+        self._staging = _Pool(flats[0].data.device) if staged and flats else None
         self._flights: list[_Flight] = []
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
@@ -153,8 +168,10 @@ class GradientShards:
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes this rank holds for gradients between steps: its shards and the send pool."""
-        return sum(s.nbytes for s in self.shards) + self._pool.allocated
+        """Bytes this rank holds for gradients between steps: its shards and the send pool
+        (and, staged, the device buffers the buckets pass through)."""
+        staging = self._staging.allocated if self._staging is not None else 0
+        return sum(s.nbytes for s in self.shards) + self._pool.allocated + staging
 
     def close(self) -> None:
         """Remove the hooks (the layout changed: a new `GradientShards` takes over)."""
@@ -221,20 +238,28 @@ class GradientShards:
             self.land()
         elif len(self._flights) > MAX_IN_FLIGHT:
             self._land(self._flights.pop(0))
-        base, send = None, self._alone(bucket, wire)
+        base, send = None, None if self._staging is not None else self._alone(bucket, wire)
         if send is not None:  # one parameter: its gradient goes as it is
             self.had[bucket.params[0]] = 1
         else:
-            base = self._pool.take(wire, bucket.filled - bucket.start)
-            send = base[: bucket.filled - bucket.start]
+            items = bucket.filled - bucket.start
+            base = self._pool.take(wire, items)
+            send = base[:items]
+            packed = send if self._staging is None else self._staging.take(wire, items)
             for k in bucket.params:
                 p, at = self.params[k], flat.offsets[k] - bucket.start
-                target = send[at : at + p.numel()]
+                target = packed[at : at + p.numel()]
                 if p.grad is None:
                     target.zero_()
                 else:
                     target.copy_(p.grad.reshape(-1))
                     self.had[k] = 1
+            if self._staging is not None:
+                # One device-to-host copy per bucket. Blocking into pinned memory: it waits for
+                # the stream that produced the gradients (and packed them) before the engine
+                # reads `send`.
+                send.copy_(packed[:items])
+                self._staging.give(packed)
         for k in bucket.params:
             self._left[k] -= 1
             if self._left[k] == 0:  # packed (or in flight, holding it): this rank keeps its shard
@@ -243,7 +268,7 @@ class GradientShards:
         mine = counts[rank]
         shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
         spare = None
-        if self._fresh[b] and wire == flat.dtype:
+        if self._fresh[b] and wire == flat.dtype and self._staging is None:
             recv = shard
         else:
             spare = self._pool.take(wire, mine)
@@ -271,13 +296,18 @@ class GradientShards:
                 shard.mul_(self.scale)
         else:
             received = spare[:mine]
+            if self._staging is not None:  # one host-to-device copy, then as on the host
+                landed = self._staging.take(received.dtype, mine)
+                landed[:mine].copy_(received)
+                self._pool.give(spare)
+                spare, received = landed, landed[:mine]
             if self.scale != 1.0:
                 received.mul_(self.scale)  # in the wire dtype, before any narrowing
             if self._fresh[b]:
                 shard.copy_(received)
             else:
                 shard.add_(received)
-            self._pool.give(spare)
+            (self._pool if self._staging is None else self._staging).give(spare)
         self._fresh[b] = False
         if not in_place:
             self._pool.give(base)

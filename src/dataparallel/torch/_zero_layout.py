@@ -15,6 +15,10 @@ What a rank's inner optimizer steps are `Piece`s: its segments cut at parameter 
 each a 1-D view of the flat buffer. A piece belongs to one parameter, so an optimizer skips it
 exactly when it would skip the parameter (no gradient on any rank); in a world of one the pieces
 are the whole parameters.
+
+The flat buffers live on the parameters' device (a CUDA device too): the pieces, and so the inner
+optimizer's state, are slices of them there. What crosses to the host for the engines is the
+business of `_zero_gather.py` and `_zero_grads.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ import torch
 
 from dataparallel.torch._buckets import assign
 
-__all__ = ["Bucket", "Flat", "Piece", "plan_group"]
+__all__ = ["Bucket", "Flat", "Piece", "host_buffer", "plan_group"]
+
+
+def host_buffer(items: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer that device data is staged through: pinned where torch has CUDA, so that
+    the copies to and from the device are plain DMA (made once, kept)."""
+    return torch.empty(items, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 @dataclass
@@ -73,9 +83,11 @@ def plan_group(
     size: int,
     bucket_bytes: int,
     first_flat: int,
+    device: torch.device | str = "cpu",
 ) -> tuple[list[Flat], list[Bucket], list[Piece]]:
     """Lay out one param group: move its parameters into flat buffers; return them, their
-    buckets and this rank's pieces. `params` are (index among all parameters, parameter)."""
+    buckets and this rank's pieces. `params` are (index among all parameters, parameter), all on
+    `device`, where the flat buffers are made."""
     by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
     for k, p in reversed(params):
         by_dtype.setdefault(p.dtype, []).append((k, p))
@@ -94,7 +106,7 @@ def plan_group(
             filled, at = at, start + -(-(at - start) // size) * size
             if at > start:
                 ranges.append((start, filled, at, [members[j][0] for j in cut.members]))
-        data = torch.zeros(at, dtype=dtype)
+        data = torch.zeros(at, dtype=dtype, device=device)
         with torch.no_grad():
             for k, p in members:
                 view = data[offsets[k] : offsets[k] + p.numel()]

@@ -6,7 +6,9 @@ in its shape), so that it loads into the wrapped class in one process. It goes b
 bucket: the receiving rank holds the state it builds (one full copy) and one bucket's gather,
 never every rank's whole shard at once. Element-wise state (a tensor of the piece's shape:
 `exp_avg`, `momentum_buffer`) is gathered; anything else (`step`) is taken from the first rank
-that holds a piece of the parameter (every piece of a parameter steps together).
+that holds a piece of the parameter (every piece of a parameter steps together). With parameters
+on a device, each bucket's slices are packed there and cross to the host in one copy; the
+consolidated state is on the host (torch's `load_state_dict` moves it to the parameters' device).
 
 `load` takes such a dict (from this optimizer at any world size, or from a plain optimizer) and
 keeps this rank's slices; a dict whose parameters do not match raises `ValueError`.
@@ -98,13 +100,14 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
         mine = [p for p in zero.pieces if p.flat == bucket.flat]
         lo, hi = bucket.mine
         for key, dtype in keys.items():
-            send = torch.zeros(hi - lo, dtype=dtype)
+            send = torch.zeros(hi - lo, dtype=dtype, device=flat.data.device)
             for piece in mine:
                 a, z = _flat_range(zero, piece)
                 start, stop = max(a, lo), min(z, hi)
                 state = zero.optim.state.get(piece.tensor, {})
                 if start < stop and key in state:
                     send[start - lo : stop - lo] = state[key][start - a : stop - a]
+            send = send.cpu()  # one device-to-host copy (blocking: the packing is done)
             if backend.size > 1:
                 whole = torch.empty(bucket.stop - bucket.start, dtype=dtype)
                 backend.allgather(send.view(torch.uint8).numpy(), whole.view(torch.uint8).numpy())
@@ -180,7 +183,7 @@ def load(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 if value.dim() > 0:
-                    value = value.reshape(-1)[piece.start : piece.stop]
+                    value = value.reshape(-1)[piece.start : piece.stop].to(piece.tensor.device)
                 if key != "step" and value.is_floating_point():
                     value = value.to(dtype=p.dtype)
                 mine[key] = value.detach().clone()
