@@ -60,7 +60,7 @@ class Family(ABC, Generic[L]):
         """Return the leaf's shape."""
 
     def device(self, x: L) -> str:
-        """Return `"cpu"` or `"cuda:N"`."""
+        """Return `"cpu"`, or the device: `"cuda:N"` (torch, CuPy), JAX's `"gpu:N"`."""
         return "cpu"
 
     def host_view(self, x: L) -> np.ndarray | None:
