@@ -13,6 +13,7 @@ import numpy as np
 import optree
 import pytest
 import torch
+from _engine_calls import count_engine_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -199,28 +200,8 @@ def test_a_jax_tree_past_the_plan_limit_makes_one_buffer(
     does not overwrite an earlier call's results."""
     from dataparallel import world
 
-    active = world.current()
-    packed: list[int] = []
-    alone: list[int] = []
-    inside: list[bool] = []  # Gloo's allreduce_into copies, then calls allreduce: not counted
-    real, real_into = active.backend.allreduce, active.backend.allreduce_into
-
-    def counting(buf: np.ndarray, reduce_op: Any) -> None:
-        if not inside:
-            packed.append(buf.size)
-        real(buf, reduce_op)
-
-    def counting_into(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
-        assert not send.flags.writeable  # JAX's own memory, read where it lies
-        alone.append(send.size)
-        inside.append(True)
-        try:
-            real_into(send, recv, reduce_op)
-        finally:
-            inside.pop()
-
-    monkeypatch.setattr(active.backend, "allreduce", counting)
-    monkeypatch.setattr(active.backend, "allreduce_into", counting_into)
+    counts = count_engine_calls(monkeypatch, world.current().backend)
+    packed, alone = counts.in_place, counts.into
 
     def grads(step: int) -> dict[str, Any]:  # "b" (64 bytes), "c" (20), then "v", then "w"
         v = float(rank + 1 + step)
@@ -248,6 +229,7 @@ def test_a_jax_tree_past_the_plan_limit_makes_one_buffer(
     elif size > 1:
         assert packed == [16 + 5] * 2
         assert alone == [300_000, 300_000] * 2
+        assert not any(counts.into_writable)  # JAX's own memory, read where it lies
     if size > 1:
         b, c, v, w = (first[k].unsafe_buffer_pointer() for k in ("b", "c", "v", "w"))
         assert c == b + 64 and v == b + 128 and w == v + 1_200_000  # one buffer, adopted
@@ -260,15 +242,7 @@ def test_a_whole_plan_with_one_small_leaf_packs_nothing(
     into its place, each starting 64-byte aligned (JAX adopts it) though the first is 12 bytes."""
     from dataparallel import world
 
-    active = world.current()
-    alone: list[int] = []
-    real_into = active.backend.allreduce_into
-
-    def counting_into(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
-        alone.append(send.size)
-        real_into(send, recv, reduce_op)
-
-    monkeypatch.setattr(active.backend, "allreduce_into", counting_into)
+    alone = count_engine_calls(monkeypatch, world.current().backend).into
     tree = [jnp.full(3, rank + 1, jnp.int32)]
     big = [jnp.full((700, 300), rank + 1, jnp.int32), jnp.ones((300, 500), jnp.int32)]
     out = dp.allreduce(tree + big)
@@ -290,15 +264,7 @@ def test_a_jax_tree_past_the_whole_limit_goes_leaf_by_leaf(
     from dataparallel.collectives import _onebuffer
 
     monkeypatch.setattr(_onebuffer, "WHOLE_BYTES", 2 << 20)
-    active = world.current()
-    calls: list[int] = []
-    real = active.backend.allreduce_into
-
-    def counting(send: np.ndarray, recv: np.ndarray, reduce_op: Any) -> None:
-        calls.append(send.size)
-        real(send, recv, reduce_op)
-
-    monkeypatch.setattr(active.backend, "allreduce_into", counting)
+    calls = count_engine_calls(monkeypatch, world.current().backend).into
     tree = [jnp.full((1000, 300), rank + 1.0), jnp.ones((300, 1000))]  # 2.4 MB in all
     out = dp.allreduce(tree)
     np.testing.assert_array_equal(out[0], np.full((1000, 300), size * (size + 1) / 2))

@@ -21,6 +21,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
 import jax.extend.core  # noqa: E402
+from _engine_calls import count_engine_calls  # noqa: E402
 from _jobs import run_job  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
@@ -258,28 +259,7 @@ def test_mismatched_gradients_fail_on_every_rank_and_the_world_survives(
 def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the engine calls the callback and FFI routes make (one per dtype buffer and step):
     their sizes, in items. A world of one reduces nothing, so nothing is counted there."""
-    calls: list[int] = []
-    private = callback_backend(None)
-    real_into, real_in_place = private.allreduce_into, private.allreduce
-
-    inside: list[bool] = []  # an engine's `allreduce_into` may be a copy and `allreduce` (Gloo)
-
-    def counting(send: np.ndarray, recv: np.ndarray, op: Any) -> None:
-        calls.append(send.size)
-        inside.append(True)
-        try:
-            real_into(send, recv, op)
-        finally:
-            inside.pop()
-
-    def counting_in_place(buf: np.ndarray, op: Any) -> None:
-        if not inside:
-            calls.append(buf.size)
-        real_in_place(buf, op)
-
-    monkeypatch.setattr(private, "allreduce_into", counting)
-    monkeypatch.setattr(private, "allreduce", counting_in_place)
-    return calls
+    return count_engine_calls(monkeypatch, callback_backend(None)).calls
 
 
 ROUTES = ["callback", "ffi", "mpi4jax"]
