@@ -46,7 +46,7 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.types import WireDtype
 
-__all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion", "allreduce_into_scaled"]
+__all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion", "allreduce_into_scaled", "allreduce_scaled"]
 
 # What a caller buckets arrays by (the dtype is added to it): (array family, device) for GPU leaves.
 BucketKey: TypeAlias = tuple[Hashable, ...]
@@ -502,3 +502,12 @@ def allreduce_into_scaled(
     backend.allreduce_into(send, recv, action.op)
     if action.scale is not None and action.scale != 1:
         scale_in_place(recv, action.scale)
+
+
+def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
+    """Allreduce `buf` in place, scaled as `Fusion` scales a bucket: a sum's shares before the
+    sum where that is exact (`dtypes.prescale`), else the result."""
+    prescaled = action.op is ReduceOp.SUM and prescale(buf, action.scale)
+    backend.allreduce(buf, action.op)
+    if action.scale is not None and not prescaled:
+        scale_in_place(buf, action.scale)

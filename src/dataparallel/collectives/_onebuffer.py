@@ -8,8 +8,7 @@ from typing import cast
 import numpy as np
 
 from dataparallel.arrays.actions import Reduction
-from dataparallel.arrays.dtypes import prescale, scale_in_place
-from dataparallel.arrays.fusion import allreduce_into_scaled
+from dataparallel.arrays.fusion import allreduce_into_scaled, allreduce_scaled
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf, host_works
@@ -22,7 +21,6 @@ __all__ = [
     "PLAN_BYTES",
     "WHOLE_BYTES",
     "Layout",
-    "allreduce_scaled",
     "is_packable",
     "is_whole",
     "one_sum",
@@ -166,15 +164,6 @@ def into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPoo
     records.exchange(backend, plan.describe, plan.replay_of)
     allreduce_into_scaled(backend, work.reshape(-1), result.reshape(-1), plan.action)
     return result
-
-
-def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
-    """Allreduce `buf` in place, scaled as `Fusion` scales a bucket: a sum's shares before the
-    sum where that is exact (`dtypes.prescale`), else the result."""
-    prescaled = action.op is ReduceOp.SUM and prescale(buf, action.scale)
-    backend.allreduce(buf, action.op)
-    if action.scale is not None and not prescaled:
-        scale_in_place(buf, action.scale)
 
 
 def run_whole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
