@@ -82,19 +82,11 @@ class SliceGather:
         for group in groups:
             part = sum(self._bytes(buckets[b], buckets[b].counts[0]) for b in group)
             merged = len(group) > 1 or staged
-            if staged:
-                rows = host_buffer(part * backend.size, torch.uint8)
-            elif merged:
-                rows = torch.empty(part * backend.size, dtype=torch.uint8)
+            if merged:
+                rows = host_buffer(part * backend.size, torch.uint8, staged)
             else:
                 rows = self._raw(group[0])
-            send = None
-            if not broadcasts:
-                send = (
-                    host_buffer(part, torch.uint8)
-                    if staged
-                    else torch.empty(part, dtype=torch.uint8)
-                )
+            send = None if broadcasts else host_buffer(part, torch.uint8, staged)
             self.calls.append(_Call(group, rows.view(backend.size, part), send, merged))
 
     def _bytes(self, bucket: Bucket, items: int) -> int:

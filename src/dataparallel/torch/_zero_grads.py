@@ -80,8 +80,9 @@ def sent_counts(bucket: Bucket) -> list[int]:
 class _Pool:
     """Buffers taken and given back: a buffer is reused by any later request it can hold."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device  # None: host buffers (pinned where torch has CUDA)
+    def __init__(self, device: torch.device | None = None, staged: bool = False) -> None:
+        self.device = device  # None: host buffers (`host_buffer`: pinned if `staged`)
+        self.staged = staged
         self._free = dict[torch.dtype, list[torch.Tensor]]()
         self.allocated = 0  # bytes of the buffers alive (given out or free)
 
@@ -93,7 +94,7 @@ class _Pool:
         if free:  # too small: dropped, so that no more buffers live than are in use at once
             self.allocated -= free.pop().nbytes
         if self.device is None:
-            buf = host_buffer(items, dtype)
+            buf = host_buffer(items, dtype, self.staged)
         else:
             buf = torch.empty(items, dtype=dtype, device=self.device)
         self.allocated += buf.nbytes
@@ -148,7 +149,7 @@ class GradientShards:
             torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in flats
         ]
         self._wires = [wire_dtype(f.dtype, backend) for f in flats]
-        self._pool = _Pool()  # what the engine reads and writes: host buffers
+        self._pool = _Pool(staged=staged)  # what the engine reads and writes: host buffers
         # Staged: buffers on the parameters' device, that buckets are packed in and land in.
         self._staging = _Pool(flats[0].data.device) if staged and flats else None
         self._flights: list[_Flight] = []

@@ -32,10 +32,10 @@ from dataparallel.torch._buckets import assign
 __all__ = ["Bucket", "Flat", "Piece", "host_buffer", "plan_group"]
 
 
-def host_buffer(items: int, dtype: torch.dtype) -> torch.Tensor:
-    """A host buffer that device data is staged through: pinned where torch has CUDA, so that
-    the copies to and from the device are plain DMA (made once, kept)."""
-    return torch.empty(items, dtype=dtype, pin_memory=torch.cuda.is_available())
+def host_buffer(items: int, dtype: torch.dtype, staged: bool) -> torch.Tensor:
+    """A host buffer for the engines, made once and kept. `staged` (device data passes through
+    it): pinned where torch has CUDA, so that the copies to and from the device are plain DMA."""
+    return torch.empty(items, dtype=dtype, pin_memory=staged and torch.cuda.is_available())
 
 
 @dataclass
