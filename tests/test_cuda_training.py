@@ -48,6 +48,29 @@ SETUPS: dict[str, Setup] = {
 }
 
 
+def train(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    device: torch.device,
+    steps: int,
+    reduce_grads_of: nn.Module | None = None,
+) -> None:
+    """`steps` steps of `net` on this rank's share of each global batch, of `reference` on all
+    of it; `reduce_grads_of`: its gradients reduced by `dp.allreduce_gradients` after backward."""
+    for step in range(steps):
+        x, y = (t.to(device) for t in global_batch(step))
+        opt.zero_grad()
+        loss_of(net, share(x.cpu()).to(device), share(y.cpu()).to(device)).backward()
+        if reduce_grads_of is not None:
+            dp.allreduce_gradients([p.grad for p in reduce_grads_of.parameters()])
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of(reference, x, y).backward()
+        ref_opt.step()
+
+
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_gpu_training_matches_one_process_on_the_whole_batch(name: str) -> None:
     device = torch.device("cuda", dp.device() or 0)
@@ -55,16 +78,8 @@ def test_gpu_training_matches_one_process_on_the_whole_batch(name: str) -> None:
     reference = copy.deepcopy(model)
     ref_opt = adam(reference)
     net, opt = SETUPS[name](model)
-    for step in range(5):
-        x, y = (t.to(device) for t in global_batch(step))
-        opt.zero_grad()
-        loss_of(net, share(x.cpu()).to(device), share(y.cpu()).to(device)).backward()
-        if name == "allreduce_gradients":
-            dp.allreduce_gradients([p.grad for p in model.parameters()])
-        opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference, x, y).backward()
-        ref_opt.step()
+    reduce = name == "allreduce_gradients"
+    train(net, opt, reference, ref_opt, device, 5, model if reduce else None)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         assert got.device == device
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
@@ -94,14 +109,7 @@ def test_zero_on_the_gpu_keeps_its_state_there_and_consolidates(stage: int) -> N
     ref_opt = adam(reference)
     net, opt = (zero_stage_1 if stage == 1 else SETUPS["ZeRO stage 2"])(model)
     assert isinstance(opt, dp.torch.ZeroRedundancyOptimizer)
-    for step in range(3):
-        x, y = (t.to(device) for t in global_batch(step))
-        opt.zero_grad()
-        loss_of(net, share(x.cpu()).to(device), share(y.cpu()).to(device)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_of(reference, x, y).backward()
-        ref_opt.step()
+    train(net, opt, reference, ref_opt, device, 3)
     assert_on(opt, device)
     opt.consolidate_state_dict(to=0)
     state = opt.state_dict() if dp.rank() == 0 else None
