@@ -217,9 +217,7 @@ class GradientShards:
         self.check()
         self._pending = [0] * len(self.order)
         self._launch_ready()
-        if self._probing is not None:  # no bucket to send (no trainable parameter)
-            self._probing.wait()
-            self._agree(self._probe, _PASS)
+        self._settle_probe()  # where no bucket was sent (no trainable parameter)
         self._passes += 1
         self._new_pass()
 
@@ -228,11 +226,15 @@ class GradientShards:
             self._launch(self.order[self._next])
             self._next += 1
 
-    def _launch(self, b: int) -> None:
-        if self._probing is not None:  # this pass's check, before its first bucket
-            probing, self._probing = self._probing, None
+    def _settle_probe(self) -> None:
+        """Wait for this pass's check, if one is in flight; raise where the ranks disagree."""
+        probing, self._probing = self._probing, None
+        if probing is not None:
             probing.wait()
             self._agree(self._probe, _PASS)
+
+    def _launch(self, b: int) -> None:
+        self._settle_probe()  # this pass's check, before its first bucket
         bucket, rank = self.buckets[b], self.backend.rank
         flat, wire = self.flats[bucket.flat], self._wires[bucket.flat]
         if not self.backend.progresses:  # MPI: one call in flight at a time (`fusion.py`)
