@@ -225,3 +225,18 @@ def test_compression_and_sparse_as_dense(rank: int, size: int) -> None:
         expected[r % 6] += 1 / size
     expected[5] += 1.0
     torch.testing.assert_close(grad.to_dense(), expected)
+
+
+def test_sparse_allreduce_gathers_rows_without_a_warning(rank: int, size: int) -> None:
+    """Horovod's sparse allreduce: every rank's rows, averaged; no sparse-invariants warning."""
+    rows = torch.tensor([[rank % 4, 3]])
+    mine = torch.sparse_coo_tensor(rows, torch.tensor([1.0, 2.0]), (4,), check_invariants=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when invariant checks are implicitly off
+        got = hvd.sparse_allreduce_async(mine, name="sparse.rows", op=hvd.Average)()
+    assert got.layout == torch.sparse_coo and got._indices().shape == (1, 2 * size)
+    expected = torch.zeros(4)
+    for r in range(size):
+        expected[r % 4] += 1 / size
+        expected[3] += 2 / size
+    torch.testing.assert_close(got.coalesce().to_dense(), expected)

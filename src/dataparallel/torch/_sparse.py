@@ -95,9 +95,10 @@ class SparseGrads:
                 p.grad = None  # no rank had a gradient: as one process would
                 continue
             total = got["values"] / backend.size if average else got["values"]
-            p.grad = torch.sparse_coo_tensor(
-                got["rows"][None], total, p.shape, check_invariants=True
-            ).coalesce()
+            # The context, not check_invariants=True alone: torch 2.11-2.12 warn unless the global
+            # setting is explicit (pytorch#184610).
+            with torch.sparse.check_sparse_tensor_invariants(enable=True):
+                p.grad = torch.sparse_coo_tensor(got["rows"][None], total, p.shape).coalesce()
 
 
 def _rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,9 +128,11 @@ def sparse_allreduce_async(
         gathered_indices = _handles.synchronize(indices)
         if op == Average:
             gathered_values = gathered_values / (process_set.size() or 1)
-        return torch.sparse_coo_tensor(
-            gathered_indices.transpose(0, 1), gathered_values, tensor.size()
-        )
+        # An explicit setting: torch warns when the invariant checks are implicitly off.
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):
+            return torch.sparse_coo_tensor(
+                gathered_indices.transpose(0, 1), gathered_values, tensor.size()
+            )
 
     return handle
 
