@@ -38,7 +38,12 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("dataparallel.backends",),
     ("dataparallel.arrays",),
-    ("dataparallel.world", "dataparallel.groups", "dataparallel.torch_distributed"),
+    (
+        "dataparallel.world",
+        "dataparallel.startup",
+        "dataparallel.groups",
+        "dataparallel.torch_distributed",
+    ),
     ("dataparallel.protocol", "dataparallel.collectives", "dataparallel.reducers"),
     (
         "dataparallel.torch",
