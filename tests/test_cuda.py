@@ -41,6 +41,7 @@ import dataparallel as dp
 from dataparallel import gpus, world
 from dataparallel.arrays import families
 from dataparallel.arrays.device import DeviceWork
+from dataparallel.arrays.family_torch import TorchFamily
 from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
@@ -118,10 +119,10 @@ class Handing(Backend):
 def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send every torch tensor down the device path, CPU memory standing in for a GPU's."""
 
-    def work(self: families.TorchFamily, x: Any) -> tuple[Any, bool]:
+    def work(self: TorchFamily, x: Any) -> tuple[Any, bool]:
         return DeviceWork(self, x), True
 
-    monkeypatch.setattr(families.TorchFamily, "work", work)
+    monkeypatch.setattr(TorchFamily, "work", work)
 
 
 def make(family: Family, values: np.ndarray, dtype: str) -> Any:
