@@ -56,13 +56,12 @@ from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import DoneHandle, Handle, ReduceOp
 from dataparallel.collectives import _replays
+from dataparallel.collectives._agree import describe, inline_fits
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
     check_root,
-    describe,
     host_works,
-    inline_fits,
     leaves_of,
     prepared,
     results,
