@@ -66,6 +66,7 @@ BACKEND_FRAMEWORKS = {
     "dataparallel.backends.mpi": {"mpi4py"},
     "dataparallel.backends.mpi_half": {"mpi4py"},
     "dataparallel.backends.nccl": {"cupy"},
+    "dataparallel.backends.nccl_support": {"cupy"},  # whether NCCL is usable here
 }
 
 
