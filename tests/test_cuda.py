@@ -453,9 +453,9 @@ def mpi() -> Any:
 
 
 def test_detection_asks_the_mpi_library_itself(mpi: Any) -> None:
-    from dataparallel.backends.mpi import _mpix_query, detect_cuda_aware
+    from dataparallel.backends.mpi_library import detect_cuda_aware, mpix_query
 
-    query = _mpix_query(mpi)
+    query = mpix_query(mpi)
     version = mpi.Get_library_version()
     if "MPICH" in version or "Open MPI" in version:
         assert query is not None, "MPICH 4+ and Open MPI export MPIX_Query_cuda_support"

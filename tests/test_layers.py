@@ -65,6 +65,8 @@ BACKEND_FRAMEWORKS = {
     "dataparallel.backends.gloo_setup": {"torch"},  # joining a Gloo group
     "dataparallel.backends.mpi": {"mpi4py"},
     "dataparallel.backends.mpi_half": {"mpi4py"},
+    "dataparallel.backends.mpi_handle": {"mpi4py"},  # a request in flight
+    "dataparallel.backends.mpi_library": {"mpi4py"},  # the MPI library: imported, CUDA-aware
     "dataparallel.backends.nccl": {"cupy"},
     "dataparallel.backends.nccl_support": {"cupy"},  # whether NCCL is usable here
 }
