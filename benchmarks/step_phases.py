@@ -37,7 +37,7 @@ from train_step import VOCAB, Horovod, init_gloo, transformer
 
 import dataparallel as dp
 from dataparallel.arrays import fusion
-from dataparallel.backends import mpi as dp_mpi
+from dataparallel.backends.mpi_handle import MPIHandle
 from dataparallel.torch import _gradsync
 
 PHASE = ["idle"]
@@ -61,7 +61,7 @@ def timed_method(cls: Any, name: str, key: str) -> None:
 def instrument() -> None:
     timed_method(_gradsync.GradientSync, "on_grad", "hooks")
     timed_method(_gradsync.GradientSync, "_end_of_pass", "hooks")
-    timed_method(dp_mpi._MPIHandle, "wait", "wait")
+    timed_method(MPIHandle, "wait", "wait")
     timed_method(fusion.Fusion, "_pack", "pack")
     timed_method(fusion.Fusion, "_land", "land")
     start = fusion.Fusion._start

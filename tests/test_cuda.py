@@ -41,6 +41,7 @@ import dataparallel as dp
 from dataparallel import gpus, world
 from dataparallel.arrays import families
 from dataparallel.arrays.device import DeviceWork
+from dataparallel.arrays.family_torch import TorchFamily
 from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
@@ -118,10 +119,10 @@ class Handing(Backend):
 def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send every torch tensor down the device path, CPU memory standing in for a GPU's."""
 
-    def work(self: families.TorchFamily, x: Any) -> tuple[Any, bool]:
+    def work(self: TorchFamily, x: Any) -> tuple[Any, bool]:
         return DeviceWork(self, x), True
 
-    monkeypatch.setattr(families.TorchFamily, "work", work)
+    monkeypatch.setattr(TorchFamily, "work", work)
 
 
 def make(family: Family, values: np.ndarray, dtype: str) -> Any:
@@ -452,9 +453,9 @@ def mpi() -> Any:
 
 
 def test_detection_asks_the_mpi_library_itself(mpi: Any) -> None:
-    from dataparallel.backends.mpi import _mpix_query, detect_cuda_aware
+    from dataparallel.backends.mpi_library import detect_cuda_aware, mpix_query
 
-    query = _mpix_query(mpi)
+    query = mpix_query(mpi)
     version = mpi.Get_library_version()
     if "MPICH" in version or "Open MPI" in version:
         assert query is not None, "MPICH 4+ and Open MPI export MPIX_Query_cuda_support"

@@ -21,7 +21,7 @@ import pytest
 from _jobs import require_mpiexec, run_job, run_ranks
 
 import dataparallel as dp
-from dataparallel import caches
+from dataparallel import caches, startup
 from dataparallel import world as world_module
 from dataparallel.arrays import dtypes
 from dataparallel.arrays.worker import Privates
@@ -129,7 +129,7 @@ def test_finalize_puts_the_excepthook_back(no_world: None, monkeypatch: pytest.M
     world = world_module.World(backend=fake, settings=Settings(), device=None)
     monkeypatch.setattr(world_module, "_world", world)
     world_module._abort_on_uncaught_exceptions(fake)
-    world.restore_excepthook = world_module._excepthook_restorer(mine)
+    world.restore_excepthook = startup.excepthook_restorer(mine)
     assert sys.excepthook is not mine
     dp.finalize()
     assert sys.excepthook is mine
@@ -137,7 +137,7 @@ def test_finalize_puts_the_excepthook_back(no_world: None, monkeypatch: pytest.M
     world = world_module.World(backend=fake, settings=Settings(), device=None)
     monkeypatch.setattr(world_module, "_world", world)
     world_module._abort_on_uncaught_exceptions(fake)
-    world.restore_excepthook = world_module._excepthook_restorer(mine)
+    world.restore_excepthook = startup.excepthook_restorer(mine)
     sys.excepthook = later
     dp.finalize()
     assert sys.excepthook is later

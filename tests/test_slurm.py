@@ -11,7 +11,7 @@ from typing import NoReturn
 import pytest
 
 import dataparallel as dp
-from dataparallel import world as world_module
+from dataparallel import startup
 from dataparallel.config import Settings
 from dataparallel.launch import slurm as in_slurm
 from dataparallel.slurm import SlurmJob, expand_hostlist, rendezvous_port, tasks_per_node
@@ -128,9 +128,9 @@ def test_a_batch_script_is_in_the_job_but_not_in_a_step() -> None:
 def test_a_world_of_one_in_a_job_of_several_tasks_is_refused() -> None:
     message = r"Slurm job 4242 of 4 tasks \(SLURM_NTASKS=4\) but was not started as one of them"
     with pytest.raises(dp.BackendUnavailableError, match=message):
-        world_module._check_slurm_step(Settings.from_env(BATCH))
-    world_module._check_slurm_step(Settings.from_env({**BATCH, "SLURM_NTASKS": "1"}))
-    world_module._check_slurm_step(Settings.from_env(STEP))  # a step: Gloo forms the world
+        startup.check_slurm_step(Settings.from_env(BATCH))
+    startup.check_slurm_step(Settings.from_env({**BATCH, "SLURM_NTASKS": "1"}))
+    startup.check_slurm_step(Settings.from_env(STEP))  # a step: Gloo forms the world
 
 
 class _UsageError(Exception):

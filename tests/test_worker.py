@@ -13,11 +13,11 @@ import torch
 from _torch_common import global_batch, loss_of, make_model, share, step_pair
 
 import dataparallel as dp
-from dataparallel.arrays.actions import Reduction
-from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays import fusion as fusion_module
+from dataparallel.arrays.landing import settle
 from dataparallel.arrays.routes import THREAD_PAUSE
 from dataparallel.arrays.worker import CommThread
-from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveTimeoutError
 
 
@@ -109,13 +109,14 @@ def test_on_the_thread_mpi_calls_across_nodes_are_tested_with_pauses(
     if nodes == "several nodes":  # as if every rank were alone on its node
         monkeypatch.setattr(engine, "local_size", 1)
     settled: list[float] = []
-    settle = Fusion._settle
+    limits: set[float | None] = set()
 
-    def recording(self: Fusion, request: Any) -> None:
-        settled.append(self.pause)
-        settle(self, request)
+    def recording(request: Any, pause: float, limit: float | None) -> None:
+        settled.append(pause)
+        limits.add(limit)
+        settle(request, pause, limit)
 
-    monkeypatch.setattr(Fusion, "_settle", recording)
+    monkeypatch.setattr(fusion_module, "settle", recording)
     reference = make_model(hidden=16)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(2):
@@ -127,6 +128,7 @@ def test_on_the_thread_mpi_calls_across_nodes_are_tested_with_pauses(
     if wire:
         assert settled == [THREAD_PAUSE] * len(settled)
         assert len(settled) >= opt.gradient_sync.calls > 0
+        assert limits == {getattr(engine, "timeout", None)}  # then the engine's own wait raises
     else:
         assert settled == []
 
@@ -141,21 +143,16 @@ class _Late:
         self.tests += 1
         return self.after is not None and self.tests >= self.after
 
-    def wait(self) -> None:  # pragma: no cover - _settle never waits
-        raise AssertionError("_settle waited in the engine")
+    def wait(self) -> None:  # pragma: no cover - settle never waits
+        raise AssertionError("settle waited in the engine")
 
 
-def test_a_call_is_tested_until_it_completes_or_the_engines_timeout_passes(
-    world: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fusion = Fusion(world, Reduction(ReduceOp.SUM), bucket_bytes=1024)
-    fusion.pause = 1e-6
+def test_a_call_is_tested_until_it_completes_or_the_engines_timeout_passes() -> None:
     late = _Late(3)
-    fusion._settle(late)
+    settle(late, 1e-6, None)
     assert late.tests == 3
     # With a timeout, a call that never completes is handed back to the engine's own wait
     # (which raises CollectiveTimeoutError) instead of being tested forever.
-    monkeypatch.setattr(world, "timeout", 0.0, raising=False)
     never = _Late(None)
-    fusion._settle(never)
+    settle(never, 1e-6, 0.0)
     assert never.tests >= 1

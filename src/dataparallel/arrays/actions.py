@@ -10,6 +10,7 @@ from dataparallel.arrays.dtypes import INTEGER_DTYPES
 from dataparallel.backends.base import ReduceOp
 
 __all__ = [
+    "Action",
     "Broadcast",
     "Exchange",
     "Reduction",
@@ -70,6 +71,9 @@ class Exchange:
 
     def __str__(self) -> str:
         return f"splits={list(self.splits)} received={list(self.received)}"
+
+
+Action = Reduction | Broadcast | Scatter | Exchange
 
 
 _OPS = ("sum", "prod", "min", "max", "avg")

@@ -27,7 +27,7 @@ from dataparallel.backends.base import Backend
 
 __all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "Router"]
 
-# Seconds the communication thread sleeps between tests of an MPI call (`Fusion._settle`).
+# Seconds the communication thread sleeps between tests of an MPI call (`landing.settle`).
 THREAD_PAUSE = 1e-4
 # Whether the thread leaves calls in flight on engines that progress by themselves (`_land`).
 LEAVE_IN_FLIGHT = True
@@ -64,7 +64,7 @@ class Router:
         self.fusion = self.base if joined or self.private is None else self.private
         self.threaded = offload and not joined and self.thread is not None
         # On the thread, an engine that progresses only inside its calls (MPI) is tested with
-        # pauses rather than waited in, which would spin a core backward needs (`Fusion._settle`),
+        # pauses rather than waited in, which would spin a core backward needs (`landing.settle`),
         # where some ranks are on other nodes: the wait is on the wire. On one node the waiting
         # is shared-memory copying, which pauses can only delay: it is left as it was.
         engine = self.fusion.backend

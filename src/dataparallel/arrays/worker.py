@@ -4,7 +4,7 @@ the private engines such calls go on (`Privates`), closed by `dp.finalize()`.
 Horovod's background thread, reduced to what dataparallel needs: the gradient hooks of
 `GradientSync` hand each ready bucket over (`submit`) and return at once; the thread packs it,
 waits for the collective with the GIL released (on MPI across nodes testing it with pauses,
-`Fusion._settle`; on Gloo leaving it in flight while the next one starts), and unpacks it,
+`landing.settle`; on Gloo leaving it in flight while the next one starts), and unpacks it,
 while autograd keeps computing. Every rank submits the
 same jobs in the same order, and the thread runs them in that order, so the calls stay aligned
 across ranks.

@@ -19,18 +19,15 @@ all-to-all) fills them in exactly:
   `wait()` then fails), and the connections close as the last reference goes. A peer still in a
   collective with this process then fails at once (`RankFailedError`) instead of waiting out
   the timeout: an elastic run's survivors rely on it (docs/elastic.md).
-- network interface: chosen toward rank 0 (`rendezvous.interface_toward`).
-- an existing `torch.distributed` default group (the user's own `init_process_group`) is left
-  alone: the library works on a private Gloo group over the same processes.
 
-Rendezvous (`init_method`): see `rendezvous.py`.
+Joining the group (rendezvous, the network interface, a user's existing default group): see
+`gloo_setup.py`; a non-blocking call in flight: `gloo_handle.py`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import gc
 import os
 import socket
@@ -53,95 +50,19 @@ from dataparallel.backends.base import (
 )
 from dataparallel.backends.gloo_errors import translate_error
 from dataparallel.backends.gloo_exchange import GlooExchange
+from dataparallel.backends.gloo_handle import GlooHandle
+from dataparallel.backends.gloo_setup import join_group
 from dataparallel.backends.gloo_wire import flat, wire_for, writable
-from dataparallel.backends.rendezvous import (
-    gloo_interface,
-    interface_toward,
-    parse_init_method,
-    rendezvous_error,
-    rendezvous_store,
-)
 from dataparallel.config import Settings
-from dataparallel.errors import BackendUnavailableError, RankFailedError
 from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup, Work
 
-__all__ = ["GlooBackend", "import_torch_distributed"]
+__all__ = ["GlooBackend"]
 
 _R = TypeVar("_R")
-
-
-def import_torch_distributed() -> ModuleType:
-    """Import `torch.distributed`, or raise `BackendUnavailableError` saying what to install."""
-    try:
-        import torch.distributed as dist
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "The 'gloo' backend needs PyTorch: pip install 'dataparallel[torch]' "
-            "(or pip install torch)."
-        ) from exc
-    if not dist.is_available() or not dist.is_gloo_available():
-        raise BackendUnavailableError(
-            "This PyTorch build has no torch.distributed with Gloo: install a standard build "
-            "(pip install torch), or use backend='mpi'."
-        )
-    return dist
-
-
-class _GlooHandle:
-    """A Gloo work object in flight, with the buffers it needs kept alive until it completes."""
-
-    __slots__ = ("__weakref__", "_backend", "_done", "_finish", "_keep", "_work")
-
-    def __init__(
-        self, backend: GlooBackend, work: Work, keep: object, finish: Callable[[], None] | None
-    ) -> None:
-        self._backend, self._keep, self._finish = backend, keep, finish
-        self._work: Work | None = work
-        self._done = False
-        backend._in_flight.add(self)  # `close()` lets go of its work object
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        if self._work is None:
-            raise RankFailedError(
-                f"a non-blocking Gloo collective on rank {self._backend.rank} was still in flight "
-                "when its world was finalized (dp.finalize(), or an elastic run re-forming it)."
-            )
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise translate_error(exc, "non-blocking collective", self._backend.rank) from exc
-        self._done = True
-        if self._finish is not None:
-            self._finish()
-        self._work = self._keep = self._finish = None
-
-    def forget(self) -> None:
-        """Let go of the work object (its engine is closing: it holds the group's connections).
-        One that completed is finished first, so that a later `wait()` returns as it would have."""
-        if self._done or self._work is None:
-            return
-        if self._work.is_completed():
-            with contextlib.suppress(Exception):  # a failure: the later wait() says so
-                self.wait()
-        if not self._done:  # the buffers stay: Gloo may still be writing to them
-            self._work = self._finish = None
-
-    def test(self) -> bool:
-        if self._done:
-            return True
-        if self._work is None:
-            self.wait()  # raises: the world was finalized first
-            return True
-        if not self._work.is_completed():
-            return False
-        self.wait()  # completes the unpacking, or raises the error it completed with
-        return True
 
 
 class GlooBackend(GlooExchange, Backend):
@@ -170,7 +91,7 @@ class GlooBackend(GlooExchange, Backend):
         self._torch, self._dist, self.group = torch, dist, group
         self._owns_default_group = owns_default_group
         self._closed = False
-        self._in_flight: weakref.WeakSet[_GlooHandle] = weakref.WeakSet()
+        self._in_flight: weakref.WeakSet[GlooHandle] = weakref.WeakSet()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if local is None:
@@ -194,7 +115,7 @@ class GlooBackend(GlooExchange, Backend):
         world_size: int | None = None,
         settings: Settings | None = None,
     ) -> GlooBackend:
-        """Join the Gloo group through `init_method` (see the module's notes); called by initialize.
+        """Join the Gloo group through `init_method` (`gloo_setup.join_group`), for initialize.
 
         When `torch.distributed` is already initialized, its processes are used as they are (a
         private Gloo group over them), and `init_method` is not consulted.
@@ -206,56 +127,13 @@ class GlooBackend(GlooExchange, Backend):
                 minutes; `DATAPARALLEL_TIMEOUT` / `dp.initialize(timeout=...)`).
         """
         settings = settings if settings is not None else Settings.from_env()
-        dist = import_torch_distributed()
-        if dist.is_initialized():
-            return cls._over_existing_group(dist, rank, world_size, settings)
-        rendezvous = parse_init_method(init_method, rank, world_size, settings)
-        if rendezvous.file is not None:
-            rendezvous.file.parent.mkdir(parents=True, exist_ok=True)
-        timeout = (
-            datetime.timedelta(seconds=settings.timeout) if settings.timeout is not None else None
+        joined = join_group(init_method, rank, world_size, settings)
+        return cls(
+            joined.dist,
+            joined.group,
+            owns_default_group=joined.owns_default_group,
+            local=joined.local,
         )
-        interface = None
-        if settings.gloo_socket_ifname is None and rendezvous.master is not None:
-            interface = interface_toward(*rendezvous.master)
-        try:
-            with gloo_interface(interface):
-                agent = settings.agent_store and rendezvous.url == "env://"
-                store = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
-                dist.init_process_group(
-                    "gloo",
-                    init_method=None if store is not None else rendezvous.url,
-                    store=store,
-                    rank=rendezvous.rank,
-                    world_size=rendezvous.world_size,
-                    timeout=timeout,
-                )
-        except (RuntimeError, TimeoutError) as exc:
-            raise rendezvous_error(exc, rendezvous) from exc
-        local = None
-        if rendezvous.url == "env://" or (
-            settings.rank == rendezvous.rank and settings.world_size == rendezvous.world_size
-        ):
-            local = _launcher_local(settings)
-        return cls(dist, None, owns_default_group=True, local=local)
-
-    @classmethod
-    def _over_existing_group(
-        cls, dist: ModuleType, rank: int | None, world_size: int | None, settings: Settings
-    ) -> GlooBackend:
-        actual = (dist.get_rank(), dist.get_world_size())
-        for given, value, what in (
-            (rank, actual[0], "rank"),
-            (world_size, actual[1], "world_size"),
-        ):
-            if given is not None and given != value:
-                raise ValueError(
-                    f"{what}={given} was given, but torch.distributed is already initialized "
-                    f"with {what} {value}: drop the argument."
-                )
-        group = dist.new_group(backend="gloo")
-        local = _launcher_local(settings) if settings.world_size == actual[1] else None
-        return cls(dist, group, owns_default_group=False, local=local)
 
     # -- reductions --------------------------------------------------------------------------
 
@@ -277,7 +155,7 @@ class GlooBackend(GlooExchange, Backend):
         wire, finish = wire_for(buf, op)
         tensor = self._torch.from_numpy(wire)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return _GlooHandle(self, work, (wire, tensor), finish)
+        return GlooHandle(self, work, (wire, tensor), finish)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """Gloo reduces float16 and bfloat16 natively, about as fast as float32."""
@@ -286,7 +164,7 @@ class GlooBackend(GlooExchange, Backend):
         bits = writable(flat(buf, "iallreduce"), "iallreduce")
         tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
         work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
-        return _GlooHandle(self, work, (bits, tensor), None)
+        return GlooHandle(self, work, (bits, tensor), None)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
@@ -320,7 +198,7 @@ class GlooBackend(GlooExchange, Backend):
         raw = writable(flat(buf, "ibroadcast"), "ibroadcast").view(np.uint8)
         tensor = self._torch.from_numpy(raw)
         work = self._start("ibroadcast", self._dist.broadcast, tensor, src=self._global(root))
-        return _GlooHandle(self, work, (raw, tensor), None)
+        return GlooHandle(self, work, (raw, tensor), None)
 
     def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
         """Equal counts: Gloo's flat allgather, straight into `recv`, on Gloo's threads."""
@@ -338,7 +216,7 @@ class GlooBackend(GlooExchange, Backend):
         target = torch.from_numpy(raw_recv[: raw_send.size * self.size])
         gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
         work = self._call_tensors("iallgather", gather, target, source, async_op=True)
-        return _GlooHandle(self, work, (source, target), None)
+        return GlooHandle(self, work, (source, target), None)
 
     def ireduce_scatter(
         self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
@@ -351,7 +229,7 @@ class GlooBackend(GlooExchange, Backend):
         work = self._call_tensors(
             "ireduce_scatter", self._dist.all_to_all_single, *plan.args, async_op=True
         )
-        return _GlooHandle(self, work, plan.args, plan.finish)
+        return GlooHandle(self, work, plan.args, plan.finish)
 
     def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         send, recv = flat(send, "allgatherv"), writable(flat(recv, "allgatherv"), "allgatherv")
@@ -481,11 +359,3 @@ class GlooBackend(GlooExchange, Backend):
         self, what: str, fn: Callable[..., Work], tensor: torch.Tensor, **kwargs: object
     ) -> Work:
         return self._call_tensors(what, fn, tensor, async_op=True, **kwargs)
-
-
-def _launcher_local(settings: Settings) -> tuple[int, int] | None:
-    """Return (LOCAL_RANK, LOCAL_WORLD_SIZE) when the launcher set both consistently."""
-    lr, ls = settings.local_rank, settings.local_world_size
-    if lr is None or ls is None or not 0 <= lr < ls:
-        return None
-    return lr, ls

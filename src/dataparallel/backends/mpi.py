@@ -1,4 +1,9 @@
-"""MPI through mpi4py's buffer interface: upper-case calls only, arrays never go through pickle."""
+"""MPI through mpi4py's buffer interface: upper-case calls only, arrays never go through pickle.
+
+The library itself (imported, CUDA-aware or not): `mpi_library.py`; a request in flight and
+waiting for one against the timeout: `mpi_handle.py`; the count of calls that makes leaving
+collective: `mpi_board.py`; the 16-bit sum: `mpi_half.py`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,80 +21,16 @@ from dataparallel.backends.base import Backend, Buffer, Handle, HostBuffer, Rece
 from dataparallel.backends.half import TwoPhase
 from dataparallel.backends.mpi_board import CallBoard
 from dataparallel.backends.mpi_half import half_sum
+from dataparallel.backends.mpi_handle import MPIHandle, wait_request
+from dataparallel.backends.mpi_library import detect_cuda_aware, import_mpi
 from dataparallel.backends.mpi_pmi import check_pmi
 from dataparallel.config import Settings
-from dataparallel.errors import BackendUnavailableError, CollectiveTimeoutError
 from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["MPIBackend", "detect_cuda_aware", "import_mpi"]
-
-
-def import_mpi() -> ModuleType:
-    """Import `mpi4py.MPI`, or raise `BackendUnavailableError` saying what to install."""
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "The 'mpi' backend needs mpi4py and an MPI library: "
-            "pip install 'dataparallel[mpi]' (mpi4py and the mpich wheel, mpiexec included)."
-        ) from exc
-    return MPI
-
-
-# Version strings of MPI libraries that take CUDA buffers but may lack MPIX_Query_cuda_support.
-_CUDA_AWARE_HINTS = ("MVAPICH2-GDR", "MVAPICH-Plus")
-
-
-def detect_cuda_aware(mpi: ModuleType) -> bool:
-    """Return whether the MPI library behind `mpi` (`mpi4py.MPI`) accepts CUDA device buffers.
-
-    Asks, in order: `MPI.Query_cuda_support()` where mpi4py offers it; the library's own
-    `MPIX_Query_cuda_support()` (MPICH 4+, Open MPI, and their derivatives export it; it answers for
-    the running process, GPU support enabled or not); else the library's version string, for the
-    few CUDA-aware builds known by name. Unknown means no: staging through the host is always
-    correct. `DATAPARALLEL_CUDA_AWARE_MPI=0/1` overrides the answer (`Settings.cuda_aware_mpi`).
-    """
-    query = getattr(mpi, "Query_cuda_support", None)
-    if query is None:
-        query = _mpix_query(mpi)
-    if query is not None:
-        return bool(query())
-    version = str(mpi.Get_library_version())
-    return any(hint in version for hint in _CUDA_AWARE_HINTS)
-
-
-def _mpix_query(mpi: ModuleType) -> Callable[[], object] | None:
-    """Return the MPI library's `MPIX_Query_cuda_support` function, or None where it has none."""
-    import ctypes
-
-    try:
-        # dlsym on mpi4py's extension module searches the MPI library it is linked with.
-        function = ctypes.CDLL(mpi.__file__).MPIX_Query_cuda_support
-    except (AttributeError, OSError, TypeError):
-        return None
-    function.restype = ctypes.c_int
-    function.argtypes = []
-    return function
-
-
-def _wait(request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
-    """Wait for an MPI request; past `timeout` seconds raise `CollectiveTimeoutError`."""
-    if timeout is None:
-        request.Wait()
-        return
-    deadline = time.monotonic() + timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise CollectiveTimeoutError(
-                f"rank {rank}: {what} did not complete within {timeout:g} s. Another rank is not "
-                "making the same call: it is stuck, has died, or called a different collective. "
-                "Every rank must make the same collective calls in the same order; raise the "
-                "limit with DATAPARALLEL_TIMEOUT or dp.initialize(timeout=...) if it is too short."
-            )
-        time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
 
 def _by_rank(buf: Buffer, counts: list[int]) -> list[object]:
@@ -100,19 +40,6 @@ def _by_rank(buf: Buffer, counts: list[int]) -> list[object]:
 
 # Seconds a rank about to abort gives mpiexec to forward its last words (they can be lost else).
 _ABORT_GRACE_S = 0.3
-
-
-class _MPIHandle:
-    __slots__ = ("_rank", "_request", "_timeout", "_what")
-
-    def __init__(self, request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
-        self._request, self._timeout, self._what, self._rank = request, timeout, what, rank
-
-    def wait(self) -> None:
-        _wait(self._request, self._timeout, self._what, self._rank)
-
-    def test(self) -> bool:
-        return bool(self._request.Test())
 
 
 class MPIBackend(Backend):
@@ -209,7 +136,7 @@ class MPIBackend(Backend):
         if self.timeout is None:
             blocking()
         else:
-            _wait(start(), self.timeout, what, self.rank)
+            wait_request(start(), self.timeout, what, self.rank)
 
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         self._board.tick()
@@ -238,7 +165,7 @@ class MPIBackend(Backend):
     def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
         self._board.tick()
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
-        return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
+        return MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """A sum is one `Iallreduce` with this module's own 16-bit sum (`mpi_half.py`): MPI has
@@ -248,7 +175,7 @@ class MPIBackend(Backend):
         self._board.tick()
         typed = [buf, self._mpi.UINT16_T]
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, typed, half_sum(self._mpi, dtype))
-        return _MPIHandle(request, self.timeout, "iallreduce", self.rank)
+        return MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         self._board.tick()
@@ -270,7 +197,7 @@ class MPIBackend(Backend):
 
     def ibroadcast(self, buf: Buffer, root: int) -> Handle:
         self._board.tick()
-        return _MPIHandle(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
+        return MPIHandle(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
 
     def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         self._board.tick()
@@ -290,11 +217,11 @@ class MPIBackend(Backend):
         if self.timeout is None:  # the handshake of every call: no closures on its way
             self.comm.Allgather(send, recv)
         else:
-            _wait(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
+            wait_request(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
 
     def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
         self._board.tick()
-        return _MPIHandle(self.comm.Iallgather(send, recv), self.timeout, "iallgather", self.rank)
+        return MPIHandle(self.comm.Iallgather(send, recv), self.timeout, "iallgather", self.rank)
 
     def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
         self._board.tick()
@@ -310,7 +237,7 @@ class MPIBackend(Backend):
     ) -> Handle:
         self._board.tick()
         request = self.comm.Ireduce_scatter(send, recv, counts, self._ops[op])
-        return _MPIHandle(request, self.timeout, "ireduce_scatter", self.rank)
+        return MPIHandle(request, self.timeout, "ireduce_scatter", self.rank)
 
     def alltoallv(
         self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
@@ -328,7 +255,7 @@ class MPIBackend(Backend):
     ) -> Handle:
         self._board.tick()
         request = self.comm.Ialltoallv(_by_rank(send, send_counts), _by_rank(recv, recv_counts))
-        return _MPIHandle(request, self.timeout, "ialltoall", self.rank)
+        return MPIHandle(request, self.timeout, "ialltoall", self.rank)
 
     def broadcast_object(self, obj: object, root: int) -> Received:
         self._board.tick()

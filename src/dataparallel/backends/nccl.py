@@ -37,7 +37,7 @@ Reduce-scatter and all-to-all: `nccl_exchange.py` (untested here without a GPU; 
 
 Requirements: an NVIDIA GPU, CuPy for its CUDA (`pip install cupy-cuda12x`), and NCCL where CuPy
 loads it. `unavailable_reason()` says what is missing; `create` raises `BackendUnavailableError`
-with it.
+with it. Both, and the dtypes NCCL reduces (`nccl_reduction`), are in `nccl_support.py`.
 """
 
 from __future__ import annotations
@@ -67,72 +67,18 @@ from dataparallel.backends.nccl_exchange import (
     device_pair,
     scatter_call,
 )
+from dataparallel.backends.nccl_support import (
+    INSTALL_HINT,
+    NCCL_BYTES,
+    NCCL_OPS,
+    nccl_reduction,
+    unavailable_reason,
+)
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 from dataparallel.types import WireDtype
 
 __all__ = ["INSTALL_HINT", "NCCLBackend", "unavailable_reason"]
-
-INSTALL_HINT = (
-    "The 'nccl' backend needs an NVIDIA GPU with its driver, CuPy built for its CUDA "
-    "(pip install cupy-cuda12x, or cupy-cuda11x) and the NCCL library where CuPy loads it "
-    "(python -m cupyx.tools.install_library --library nccl --cuda 12.x, or a system libnccl2); "
-    "torch tensors are reduced through CuPy too. Without a GPU, use backend='mpi' or 'gloo'."
-)
-
-# ncclDataType_t and ncclRedOp_t values (nccl.h), stable since NCCL 2.0 (bfloat16 since 2.10).
-_NCCL_TYPES = {
-    "int8": 0,
-    "uint8": 1,
-    "int32": 2,
-    "uint32": 3,
-    "int64": 4,
-    "uint64": 5,
-    "float16": 6,
-    "float32": 7,
-    "float64": 8,
-    "bfloat16": 9,
-}
-_NCCL_BYTES = _NCCL_TYPES["uint8"]
-_NCCL_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
-_COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}
-
-
-def nccl_reduction(dtype: str, op: ReduceOp) -> tuple[int, int] | None:
-    """Return (NCCL datatype, items per element) to reduce `dtype` with `op`, or None.
-
-    None means NCCL cannot do it (int16, uint16, bool, complex products): the backend then takes a
-    host round trip through its fallback engine.
-
-    >>> nccl_reduction("bfloat16", ReduceOp.MAX), nccl_reduction("complex64", ReduceOp.SUM)
-    ((9, 1), (7, 2))
-    """
-    if dtype in _NCCL_TYPES:
-        return _NCCL_TYPES[dtype], 1
-    if dtype in _COMPLEX_PARTS and op is ReduceOp.SUM:
-        return _NCCL_TYPES[_COMPLEX_PARTS[dtype]], 2
-    return None
-
-
-def unavailable_reason() -> str | None:
-    """Return why NCCL cannot be used by this process (with what to install), or None if it can."""
-    try:
-        cupy = importlib.import_module("cupy")
-    except ImportError:
-        return f"CuPy is not installed. {INSTALL_HINT}"
-    try:
-        nccl = importlib.import_module("cupy.cuda.nccl")
-    except ImportError as exc:
-        return f"CuPy cannot load NCCL ({exc}). {INSTALL_HINT}"
-    if not getattr(nccl, "available", False):
-        return f"CuPy cannot load the NCCL library. {INSTALL_HINT}"
-    try:
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as exc:  # any CUDA failure means: no usable GPU here
-        return f"CUDA is not usable here ({type(exc).__name__}: {exc}). {INSTALL_HINT}"
-    if count < 1:
-        return f"No CUDA GPU is visible to this process. {INSTALL_HINT}"
-    return None
 
 
 class _NCCLHandle:
@@ -286,7 +232,7 @@ class NCCLBackend(Backend):
 
         def call(comm: Communicator, stream: int) -> None:
             count = buffer.items * parts
-            comm.allReduce(buffer.ptr, buffer.ptr, count, kind, _NCCL_OPS[op], stream)
+            comm.allReduce(buffer.ptr, buffer.ptr, count, kind, NCCL_OPS[op], stream)
 
         return self._enqueue(buffer, call)
 
@@ -309,7 +255,7 @@ class NCCLBackend(Backend):
 
         def call(comm: Communicator, stream: int) -> None:
             count = buffer.items * parts
-            comm.reduce(buffer.ptr, buffer.ptr, count, kind, _NCCL_OPS[op], root, stream)
+            comm.reduce(buffer.ptr, buffer.ptr, count, kind, NCCL_OPS[op], root, stream)
 
         self._enqueue(buffer, call).wait()
 
@@ -320,7 +266,7 @@ class NCCLBackend(Backend):
 
         def call(comm: Communicator, stream: int) -> None:
             nbytes = buffer.items * buffer.itemsize
-            comm.bcast(buffer.ptr, nbytes, _NCCL_BYTES, root, stream)
+            comm.bcast(buffer.ptr, nbytes, NCCL_BYTES, root, stream)
 
         return self._enqueue(buffer, call)
 
@@ -351,7 +297,7 @@ class NCCLBackend(Backend):
                     nbytes = count * target.itemsize
                     into = target.ptr + offset
                     comm.broadcast(
-                        source.ptr if r == rank else into, into, nbytes, _NCCL_BYTES, r, stream
+                        source.ptr if r == rank else into, into, nbytes, NCCL_BYTES, r, stream
                     )
                     offset += nbytes
             finally:
@@ -370,7 +316,7 @@ class NCCLBackend(Backend):
                 f"reduce_scatter: NCCL cannot reduce {pair[0].dtype} with op={op.value!r} on the "
                 "GPU; pass host buffers, which the fallback engine reduces."
             )
-        call = scatter_call(*pair, counts, how, _NCCL_OPS[op], self.rank, self._nccl)
+        call = scatter_call(*pair, counts, how, NCCL_OPS[op], self.rank, self._nccl)
         self._enqueue(pair[1], call).wait()
 
     def alltoallv(
@@ -380,7 +326,7 @@ class NCCLBackend(Backend):
         if pair is None:
             self.fallback.alltoallv(send, send_counts, recv, recv_counts)
             return
-        call = alltoall_call(*pair, send_counts, recv_counts, self._nccl, _NCCL_BYTES)
+        call = alltoall_call(*pair, send_counts, recv_counts, self._nccl, NCCL_BYTES)
         self._enqueue(pair[1], call).wait()
 
     # -- the rest goes to the fallback -----------------------------------------------------------

@@ -49,19 +49,19 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.fusion import HOST_KEY, allreduce_scaled
+from dataparallel.arrays.engine import allreduce_scaled
+from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.inline import land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import DoneHandle, Handle, ReduceOp
 from dataparallel.collectives import _replays
+from dataparallel.collectives._agree import describe, inline_fits
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
     check_root,
-    describe,
     host_works,
-    inline_fits,
     leaves_of,
     prepared,
     results,

@@ -8,13 +8,12 @@ from typing import Any, cast
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend, Handle
+from dataparallel.collectives._agree import agree, inline_fits
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
-    agree,
     check_root,
     context,
-    inline_fits,
     leaves_of,
     prepared,
     run,

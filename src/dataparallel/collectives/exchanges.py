@@ -10,13 +10,8 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Exchange
 from dataparallel.backends.base import Backend
-from dataparallel.collectives._call import (
-    Leaf,
-    agree,
-    context,
-    leaves_of,
-    prepared,
-)
+from dataparallel.collectives._agree import agree
+from dataparallel.collectives._call import Leaf, context, leaves_of, prepared
 from dataparallel.collectives._split import check_rows, run_split
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Tree

@@ -7,7 +7,8 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.dtypes import storage_dtype
 from dataparallel.backends.base import Backend
-from dataparallel.collectives._call import Leaf, agree, context, leaves_of, log, prepared
+from dataparallel.collectives._agree import agree
+from dataparallel.collectives._call import Leaf, context, leaves_of, log, prepared
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Tree
 

@@ -10,13 +10,8 @@ from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives import _replays
-from dataparallel.collectives._call import (
-    Leaf,
-    agree,
-    context,
-    leaves_of,
-    prepared,
-)
+from dataparallel.collectives._agree import agree
+from dataparallel.collectives._call import Leaf, context, leaves_of, prepared
 from dataparallel.collectives._split import check_rows, host_work, run_split, scatter_masks
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Op, Tree

@@ -8,12 +8,11 @@ from typing import Any
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend
+from dataparallel.collectives._agree import agree, inline_fits
 from dataparallel.collectives._call import (
     Leaf,
-    agree,
     check_root,
     context,
-    inline_fits,
     leaf_of,
     log,
     prepared,

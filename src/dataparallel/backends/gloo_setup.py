@@ -1,0 +1,126 @@
+"""Joining a Gloo process group of `torch.distributed`, for `GlooBackend.create`.
+
+- `torch.distributed` is imported here, or the error says what to install.
+- rendezvous (`init_method`): see `rendezvous.py`; the network interface is chosen toward rank 0
+  (`rendezvous.interface_toward`).
+- an existing `torch.distributed` default group (the user's own `init_process_group`) is left
+  alone: the library works on a private Gloo group over the same processes.
+- the local rank and size are the launcher's where it set them consistently, else found by
+  the engine from the host names.
+"""
+
+from __future__ import annotations
+
+import datetime
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
+
+from dataparallel.backends.rendezvous import (
+    gloo_interface,
+    interface_toward,
+    parse_init_method,
+    rendezvous_error,
+    rendezvous_store,
+)
+from dataparallel.config import Settings
+from dataparallel.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Joined", "import_torch_distributed", "join_group"]
+
+
+class Joined(NamedTuple):
+    """A Gloo group joined: what `GlooBackend` is made from."""
+
+    dist: ModuleType  # torch.distributed
+    group: ProcessGroup | None  # None: torch's default group, which this process made
+    owns_default_group: bool
+    local: tuple[int, int] | None  # (local rank, local size) from the launcher, if it set them
+
+
+def import_torch_distributed() -> ModuleType:
+    """Import `torch.distributed`, or raise `BackendUnavailableError` saying what to install."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "The 'gloo' backend needs PyTorch: pip install 'dataparallel[torch]' "
+            "(or pip install torch)."
+        ) from exc
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise BackendUnavailableError(
+            "This PyTorch build has no torch.distributed with Gloo: install a standard build "
+            "(pip install torch), or use backend='mpi'."
+        )
+    return dist
+
+
+def join_group(
+    init_method: str | None, rank: int | None, world_size: int | None, settings: Settings
+) -> Joined:
+    """Join the Gloo group through `init_method`; over an initialized `torch.distributed`, make
+    a private Gloo group over its processes instead (`init_method` is not consulted).
+
+    Raises:
+        BackendUnavailableError: PyTorch, or its Gloo, is missing.
+        ValueError: a malformed `init_method`, or a rank or size missing or out of range.
+        CollectiveTimeoutError: not every rank arrived within `settings.timeout`.
+    """
+    dist = import_torch_distributed()
+    if dist.is_initialized():
+        return _over_existing_group(dist, rank, world_size, settings)
+    rendezvous = parse_init_method(init_method, rank, world_size, settings)
+    if rendezvous.file is not None:
+        rendezvous.file.parent.mkdir(parents=True, exist_ok=True)
+    timeout = datetime.timedelta(seconds=settings.timeout) if settings.timeout is not None else None
+    interface = None
+    if settings.gloo_socket_ifname is None and rendezvous.master is not None:
+        interface = interface_toward(*rendezvous.master)
+    try:
+        with gloo_interface(interface):
+            agent = settings.agent_store and rendezvous.url == "env://"
+            store = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
+            dist.init_process_group(
+                "gloo",
+                init_method=None if store is not None else rendezvous.url,
+                store=store,
+                rank=rendezvous.rank,
+                world_size=rendezvous.world_size,
+                timeout=timeout,
+            )
+    except (RuntimeError, TimeoutError) as exc:
+        raise rendezvous_error(exc, rendezvous) from exc
+    local = None
+    if rendezvous.url == "env://" or (
+        settings.rank == rendezvous.rank and settings.world_size == rendezvous.world_size
+    ):
+        local = _launcher_local(settings)
+    return Joined(dist, None, owns_default_group=True, local=local)
+
+
+def _over_existing_group(
+    dist: ModuleType, rank: int | None, world_size: int | None, settings: Settings
+) -> Joined:
+    actual = (dist.get_rank(), dist.get_world_size())
+    for given, value, what in (
+        (rank, actual[0], "rank"),
+        (world_size, actual[1], "world_size"),
+    ):
+        if given is not None and given != value:
+            raise ValueError(
+                f"{what}={given} was given, but torch.distributed is already initialized "
+                f"with {what} {value}: drop the argument."
+            )
+    group = dist.new_group(backend="gloo")
+    local = _launcher_local(settings) if settings.world_size == actual[1] else None
+    return Joined(dist, group, owns_default_group=False, local=local)
+
+
+def _launcher_local(settings: Settings) -> tuple[int, int] | None:
+    """Return (LOCAL_RANK, LOCAL_WORLD_SIZE) when the launcher set both consistently."""
+    lr, ls = settings.local_rank, settings.local_world_size
+    if lr is None or ls is None or not 0 <= lr < ls:
+        return None
+    return lr, ls

@@ -1,0 +1,131 @@
+"""The handshake of a collective call (`agree`): the call's summary, equal on two ranks exactly
+when their calls are the same, and its description field by field for a mismatch's message
+(`describe`); the digest kept by the world's plans; small payloads carried in the records
+(`inline_fits`). `protocol.handshake` exchanges the records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import prod
+
+import numpy as np
+
+from dataparallel.arrays import tree
+from dataparallel.arrays.inline import pack_inline, padded
+from dataparallel.collectives._call import CallContext, Leaf, host_works
+from dataparallel.protocol import Records, ReplayOf, digest, handshake, payload_capacity
+
+__all__ = ["agree", "describe", "inline_fits"]
+
+
+def inline_fits(ctx: CallContext, leaves: list[Leaf]) -> bool:
+    """Whether the leaves' values travel in the handshake (host leaves, few bytes in all)."""
+    room = payload_capacity(ctx.backend.size)
+    if room == 0:
+        return False
+    for leaf in leaves:
+        work = leaf.work
+        if type(work) is not np.ndarray:
+            return False
+        room -= padded(work.nbytes)
+        if room < 0:
+            return False
+    return True
+
+
+def agree(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    args: dict[str, object],
+    *,
+    first_axis: bool = True,
+    inline: bool = False,
+    flag: bool | None = None,
+    replay: ReplayOf = None,
+) -> tuple[np.ndarray | None, bool]:
+    """Make the handshake (`protocol.handshake`); return the records (when `inline`), the flag.
+
+    With `inline`, the leaves' values travel in the records (`run` then reduces them there).
+    `replay` describes the calls that follow, for ranks that have joined (`dp.join`) to make
+    them too; without one, the call raises `RankJoinedError` while some rank has joined.
+    """
+    if ctx.backend.size == 1:
+        return None, False
+    settings = ctx.settings
+    key = (
+        "digest",
+        collective,
+        tuple(args.items()),
+        flat.spec,
+        tuple([(leaf.dtype, leaf.shape, leaf.device) for leaf in leaves]),
+        first_axis,
+        inline,
+        settings.check,
+        settings.bucket_bytes,
+        ctx.backend.size,
+    )
+    h: int | None = ctx.plans.get(key)
+
+    def details() -> dict[str, object]:
+        return describe(ctx, collective, flat, leaves, args, first_axis, inline)[1]()
+
+    if h is None:  # the world keeps the digests of calls seen: a call repeated is described once
+        h = digest(describe(ctx, collective, flat, leaves, args, first_axis, inline)[0])
+        ctx.plans.put(key, h)
+    records = None
+    if inline:
+        records = Records(ctx.backend.size, h)
+        pack_inline(records.payload, 0, host_works(leaves))
+    rows, flagged = handshake(ctx.backend, h, details, records=records, flag=flag, replay=replay)
+    return (rows["payload"] if inline and rows is not None else None), flagged
+
+
+def describe(
+    ctx: CallContext,
+    collective: str,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    args: dict[str, object],
+    first_axis: bool = True,
+    inline: bool = False,
+    messages: str | None = None,
+) -> tuple[str, Callable[[], dict[str, object]]]:
+    """Return the call's summary (equal on two ranks exactly when their calls are the same) and
+    the function that describes it field by field (`messages`: how the values travel, when not
+    inline nor in buckets).
+
+    With checks on, the summary covers the whole call; with `DATAPARALLEL_CHECK=0`, only what
+    decides the messages that follow (each leaf's dtype, size and device).
+    """
+    wire = messages or ("inline" if inline else f"buckets of {ctx.settings.bucket_bytes} B")
+
+    def signature(leaf: Leaf) -> str:
+        shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]
+        # The device's kind, not its index: rank r's GPU is cuda:r, yet CPU against GPU differs.
+        where = "" if leaf.device == "cpu" else f" on {leaf.device.partition(':')[0]}"
+        return f"{leaf.dtype}{shape}{where}"
+
+    signatures = [signature(leaf) for leaf in leaves]
+    if ctx.settings.check:
+        structure = flat.structure()
+        summary = f"{collective}|{sorted(args.items())}|{structure}|{'|'.join(signatures)}"
+    else:
+        structure = ""
+        sizes = [
+            f"{leaf.dtype}:{prod(leaf.shape[0 if first_axis else 1 :])}:{leaf.device[:2]}"
+            for leaf in leaves
+        ]
+        summary = f"{collective}|{sorted(args.items())}|{'|'.join(sizes)}"
+    bare = tree.Flat([], flat.spec, flat.name)  # the structure without the leaves, kept by plans
+    indices = [leaf.index for leaf in leaves]
+
+    def details() -> dict[str, object]:
+        call: dict[str, object] = {"collective": collective, **args, "messages": wire}
+        call["tree structure"] = structure or bare.structure()
+        for index, sig in zip(indices, signatures, strict=True):
+            call[bare.path(index)] = sig
+        return call
+
+    return f"{summary}|{wire}", details
