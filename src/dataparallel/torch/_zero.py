@@ -35,17 +35,13 @@ __all__ = ["ZeroRedundancyOptimizer"]
 Stage = Literal[1, 2]
 
 
-def default_bucket_bytes(stage: Stage, settings: Settings, overlap: bool = False) -> int:
+def default_bucket_bytes(stage: Stage, settings: Settings) -> int:
     """Stage 1: `Settings.thread_bucket_bytes` (25 MiB, DDP's size): its buckets cost no buffer
     (the allgathers land in the parameters), and every bucket is two calls (a reduce by the
     wrapper, an allgather), each about as dear whatever its size on a busy node. Stage 2: 4 x
     `Settings.bucket_bytes` (1 MiB): each bucket in flight is a send buffer of its size, which
-    counts against the gradient memory stage 2 saves (benchmarks/zero.py, docs/zero.md).
-    `overlap` (`overlap_with_forward=`): 1 MiB at either stage, so that the first layers'
-    buckets can land while later ones are still in flight (one bucket cannot overlap)."""
-    if stage == 1 and not overlap:
-        return settings.thread_bucket_bytes
-    return 4 * settings.bucket_bytes
+    counts against the gradient memory stage 2 saves (benchmarks/zero.py, docs/zero.md)."""
+    return settings.thread_bucket_bytes if stage == 1 else 4 * settings.bucket_bytes
 
 
 def _optimizer_class(cls: object) -> type[torch.optim.Optimizer]:
@@ -106,15 +102,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             stage 2).
         backend: the engine (default: the active one).
         overlap_with_forward: the model (or its wrapper) whose forward runs after `step()`:
-            `step()` then only starts the exchange of the updated slices (one call per bucket,
-            1 MiB buckets by default), and each bucket is waited for just before the first
-            module holding its parameters runs (forward pre-hooks), the rest at the end of the
-            forward; the model's `state_dict()`/`load_state_dict()`, this optimizer's methods
-            (but `zero_grad`, which reads no parameter) and `dp.finalize()` wait too. A
-            parameter read anywhere else between `step()` and the end of the next forward (a
-            norm logged, a parent's forward reading a child's weight) may be the old value:
-            the limit of the opt-in (docs/zero.md). Unlike torch's `overlap_with_ddp`, which
-            steps inside DDP's communication hook.
+            `step()` then only starts the exchange of the updated slices (its calls as without
+            it), and each call is waited for just before the first module holding parameters
+            of its buckets runs (forward pre-hooks), the rest at the end of the forward. The
+            model's `state_dict()` and `load_state_dict()`, this optimizer's methods (but
+            `zero_grad`, which reads no parameter) and `dp.finalize()` wait too. A parameter
+            read anywhere else between `step()` and the end of the next forward (a norm
+            logged, a parent's forward reading a child's weight) may be the old value: the
+            limit of the opt-in (docs/zero.md). Not torch's `overlap_with_ddp`, which steps
+            inside DDP's communication hook.
         **defaults: `optimizer_class`'s options (`lr=1e-3`, ...).
 
     >>> import torch, dataparallel as dp
@@ -158,9 +154,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         chosen = backend_of(backend, group)
         self.backend: Backend = chosen if chosen is not None else active.backend
         self.stage: Stage = stage
-        self.bucket_bytes = bucket_bytes or default_bucket_bytes(
-            stage, active.settings, overlap_with_forward is not None
-        )
+        self.bucket_bytes = bucket_bytes or default_bucket_bytes(stage, active.settings)
         self._overlap = overlaps(self.backend.local_size, active.settings.overlap)
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
@@ -172,9 +166,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # engines that move calls on their own threads (Gloo), where each call is a rendezvous
         # (stage 2 on Gloo 0.97-0.99x torch's ZeRO + DDP merged, 1.01-1.07x not); MPI's
         # per-bucket calls were faster there (0.64x against 0.67x merged).
-        # Not with `overlap_with_forward`: each bucket is waited for on its own.
-        merge = self.backend.progresses and overlap_with_forward is None
-        self._merge_bytes = active.settings.thread_bucket_bytes if merge else 0
+        self._merge_bytes = active.settings.thread_bucket_bytes if self.backend.progresses else 0
         # ... and each of those allgathers made as `size` broadcasts, which Gloo's threads carry
         # at once (3 ranks, 6 MB: 3.3-3.9 ms against 4.3-4.6 for Gloo's allgather).
         self._broadcasts = self.backend.progresses
