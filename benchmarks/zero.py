@@ -145,6 +145,38 @@ def mode(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return f"{where}, buckets of {sync.bucket_bytes / 2**20:g} MiB ({len(sync.buckets)} a step)"
 
 
+def waits(made: dict[str, tuple[nn.Module, torch.optim.Optimizer]], steps: int) -> dict[str, float]:
+    """Median milliseconds a step spends waiting for the updated slices (the largest over the
+    ranks): in `step()` for the blocking cases (`SliceGather.finish` after the start), in the
+    forward's hooks for the overlapped ones. Equal figures: the exchange did not move while the
+    rank computed (no asynchronous progress); smaller overlapped ones: it did."""
+    found: dict[str, float] = {}
+    for name in (STAGE1, STAGE2, STAGE1 + OVERLAPPED, STAGE2 + OVERLAPPED):
+        model, opt = made[name]
+        assert isinstance(opt, dp.torch.ZeroRedundancyOptimizer)
+        gather = opt._gather
+        assert gather is not None
+        spent = [0.0]
+        finish = gather.finish
+
+        def timed_finish(
+            calls: list[int] | None = None, finish: Callable = finish, spent: list = spent
+        ) -> None:
+            start = time.perf_counter()
+            finish(calls)
+            spent[0] += time.perf_counter() - start
+
+        gather.finish = timed_finish  # type: ignore[method-assign]
+        step, per = trainer(model, opt, 32), []
+        for _ in range(steps):  # overlapped: a step's forward lands the step before's exchange
+            spent[0] = 0.0
+            step()
+            per.append(spent[0])
+        gather.finish = finish  # type: ignore[method-assign]
+        found[name] = 1e3 * float(dp.allreduce(statistics.median(per), op="max"))
+    return found
+
+
 def timed(steps: dict[str, Step], batches: int, budget: float) -> dict[str, float]:
     """Median seconds per step of each case, over `batches` batches taken in turn."""
     counts = {}
@@ -193,6 +225,12 @@ def main() -> None:
         help="extra stage-2 cases with these bucket sizes (bytes), timed in the same run",
     )
     parser.add_argument(
+        "--waits",
+        action="store_true",
+        help="also time the waits for the updated slices (blocking: in step(); overlapped: "
+        "in the next forward)",
+    )
+    parser.add_argument(
         "--stage1-also",
         type=int,
         nargs="*",
@@ -239,6 +277,7 @@ def main() -> None:
         if name.startswith(STAGE2):
             opt.step()
     times = timed(steps, args.batches, args.budget)
+    waited = waits(made, 40) if args.waits else {}
 
     # Parity: the same start, the same batches, `--steps` Adam steps.
     finals = {}
@@ -281,6 +320,8 @@ def main() -> None:
         print(f"{name}: gradients reduced {sync}")
     for name, diff in parity.items():
         print(f"{name}: max |param - unsharded| after {args.steps} Adam steps = {diff:.2e}")
+    for name, ms in waited.items():
+        print(f"{name}: waited {ms:.2f} ms a step for the updated slices")
 
 
 if __name__ == "__main__":
