@@ -9,16 +9,20 @@ buckets. At any world size; in a world of one nothing is exchanged and the hooks
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _jobs import run_job
 from _torch_common import assert_same_on_every_rank, global_batch, loss_of, make_model, share
 from torch import nn
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
 from dataparallel.torch import ZeroRedundancyOptimizer
+
+SCRIPT = Path(__file__).parent / "scripts" / "zero_overlap_finalize.py"
 
 
 class Reordered(nn.Module):
@@ -272,3 +276,13 @@ def test_a_model_without_the_optimizers_parameters_is_refused(world: Backend) ->
             torch.optim.Adam,
             overlap_with_forward=model.parameters(),  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_finalize_lands_the_exchange_in_flight(backend: str) -> None:
+    """`dp.finalize()` right after `step()`: the parameters are the updated ones afterwards."""
+    result = run_job([SCRIPT], ranks=3, backend=backend, job_timeout=240, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for case in ("1 False", "1 True", "2 False", "2 True"):
+        assert result.stdout.count(f"landed {case}") == 3, result.stdout + result.stderr
