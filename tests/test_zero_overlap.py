@@ -12,6 +12,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _jobs import run_job
@@ -234,6 +235,21 @@ def test_every_entry_point_of_the_optimizer_lands_the_exchange(stage: int, world
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)
     assert not [r for r in dp.world.current().pending if type(r).__name__ == "ForwardOverlap"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_collectives_between_step_and_the_forward(stage: int, world: Backend) -> None:
+    """The user's own collectives while the exchange is in flight (every rank makes them in the
+    same order after the same `step()`): both complete, the training is unchanged."""
+    model, net, opt, plain, plain_net, plain_opt = pair(make_model, stage, bucket_bytes=64)
+    for step in range(3):
+        one_step(net, opt, step)
+        assert_in_flight(opt)
+        total = dp.allreduce(np.full(3, float(dp.rank())), op="sum")
+        np.testing.assert_array_equal(total, np.full(3, dp.size() * (dp.size() - 1) / 2))
+        dp.barrier()
+        one_step(plain_net, plain_opt, step)
+    assert_same(model.state_dict(), plain.state_dict(), stage)
 
 
 def test_clip_grad_norm_after_an_overlapped_step(world: Backend) -> None:
