@@ -9,6 +9,10 @@ per rank. Cases, in the same processes, each on its own copy of the model:
 - `dp.DistributedOptimizer` (unsharded: every rank holds the whole Adam state): the reference;
 - `ZeRO stage 1 + DataParallelModel`: `ZeroRedundancyOptimizer(stage=1)` under the wrapper;
 - `ZeRO stage 2`: `ZeroRedundancyOptimizer(stage=2)` on the bare model;
+- `..., overlapped`: the same with `overlap_with_forward=model` (the updated slices' exchange
+  started by `step()` and waited for per bucket in the next forward; 1 MiB buckets at stage 1);
+- `ZeRO stage 1 + torch DDP`: `ZeroRedundancyOptimizer(stage=1)` under torch's DDP, the wrapper
+  torch's class runs under (it tells our optimizer apart from our wrapper's per-step handshake);
 - `torch ZeRO + DDP (gloo)`: torch's `ZeroRedundancyOptimizer` under `DistributedDataParallel`, on
   the Gloo group that `dataparallel run` sets up beside the engine (or one made here).
 - extra stage-2 cases in the same run: `--unmerged` (one allgather per bucket, as on MPI, where
@@ -42,6 +46,8 @@ STAGE2 = "ZeRO stage 2"
 GATHERED = ", one allgather a call"  # the extra cases of `--allgather`
 UNMERGED = "ZeRO stage 2, allgather per bucket"
 TORCH = "torch ZeRO + DDP (gloo)"
+OVERLAPPED = ", overlapped"
+STAGE1_DDP = "ZeRO stage 1 + torch DDP"
 WIDTHS = (11, 6, 11, 8, 12, 9)
 
 
@@ -62,21 +68,40 @@ def make(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Return the module to call and the optimizer to step for case `name`."""
     model = copy.deepcopy(base)
+    overlap = model if OVERLAPPED in name else None
+    if " @ " in name:  # an extra case: "<case> @ <bytes>"
+        bucket_bytes = int(name.rsplit(" ", 1)[1])
+    if name.startswith(STAGE1_DDP):
+        opt = dp.torch.ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.Adam,
+            lr=lr,
+            bucket_bytes=bucket_bytes,
+            overlap_with_forward=overlap,
+        )
+        return nn.parallel.DistributedDataParallel(model), opt
     if name == UNSHARDED:
         return model, dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr))
     if name.startswith("ZeRO stage 1"):
         opt = dp.torch.ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.Adam, lr=lr, bucket_bytes=bucket_bytes
+            model.parameters(),
+            torch.optim.Adam,
+            lr=lr,
+            bucket_bytes=bucket_bytes,
+            overlap_with_forward=overlap,
         )
         wrapped = dp.torch.DataParallelModel(model)
         if name.endswith(GATHERED):
             opt._broadcasts = False
         return wrapped, opt
     if name.startswith(STAGE2):
-        if " @ " in name:  # an extra case: "ZeRO stage 2 @ <bytes>"
-            bucket_bytes = int(name.rsplit(" ", 1)[1])
         opt = dp.torch.ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.Adam, stage=2, lr=lr, bucket_bytes=bucket_bytes
+            model.parameters(),
+            torch.optim.Adam,
+            stage=2,
+            lr=lr,
+            bucket_bytes=bucket_bytes,
+            overlap_with_forward=overlap,
         )
         if name == UNMERGED:  # the extra case of `--unmerged`: no buckets merged
             opt._merge_bytes = 0
@@ -118,6 +143,38 @@ def mode(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     sync = holder.gradient_sync  # type: ignore[union-attr]
     where = "on the communication thread" if sync.overlap else "after backward"
     return f"{where}, buckets of {sync.bucket_bytes / 2**20:g} MiB ({len(sync.buckets)} a step)"
+
+
+def waits(made: dict[str, tuple[nn.Module, torch.optim.Optimizer]], steps: int) -> dict[str, float]:
+    """Median milliseconds a step spends waiting for the updated slices (the largest over the
+    ranks): in `step()` for the blocking cases (`SliceGather.finish` after the start), in the
+    forward's hooks for the overlapped ones. Equal figures: the exchange did not move while the
+    rank computed (no asynchronous progress); smaller overlapped ones: it did."""
+    found: dict[str, float] = {}
+    for name in (STAGE1, STAGE2, STAGE1 + OVERLAPPED, STAGE2 + OVERLAPPED):
+        model, opt = made[name]
+        assert isinstance(opt, dp.torch.ZeroRedundancyOptimizer)
+        gather = opt._gather
+        assert gather is not None
+        spent = [0.0]
+        finish = gather.finish
+
+        def timed_finish(
+            calls: list[int] | None = None, finish: Callable = finish, spent: list = spent
+        ) -> None:
+            start = time.perf_counter()
+            finish(calls)
+            spent[0] += time.perf_counter() - start
+
+        gather.finish = timed_finish  # type: ignore[method-assign]
+        step, per = trainer(model, opt, 32), []
+        for _ in range(steps):  # overlapped: a step's forward lands the step before's exchange
+            spent[0] = 0.0
+            step()
+            per.append(spent[0])
+        gather.finish = finish  # type: ignore[method-assign]
+        found[name] = 1e3 * float(dp.allreduce(statistics.median(per), op="max"))
+    return found
 
 
 def timed(steps: dict[str, Step], batches: int, budget: float) -> dict[str, float]:
@@ -167,6 +224,26 @@ def main() -> None:
         default=[],
         help="extra stage-2 cases with these bucket sizes (bytes), timed in the same run",
     )
+    parser.add_argument(
+        "--waits",
+        action="store_true",
+        help="also time the waits for the updated slices (blocking: in step(); overlapped: "
+        "in the next forward)",
+    )
+    parser.add_argument(
+        "--stage1-also",
+        type=int,
+        nargs="*",
+        default=[],
+        help="extra stage-1 cases (not overlapped) with these bucket sizes (bytes)",
+    )
+    parser.add_argument(
+        "--overlap-also",
+        type=int,
+        nargs="*",
+        default=[],
+        help="extra overlapped stage-1 cases with these bucket sizes (bytes), in the same run",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dp.initialize()
@@ -178,8 +255,12 @@ def main() -> None:
         *gathered,
         *([UNMERGED] if args.unmerged else []),
         *(f"{STAGE2} @ {b}" for b in args.stage2_also),
+        *(f"{STAGE1} @ {b}" for b in args.stage1_also),
+        *(f"{STAGE1}{OVERLAPPED} @ {b}" for b in args.overlap_also),
     ]
-    names = [UNSHARDED, STAGE1, STAGE2, *extra, TORCH]
+    overlapped = [STAGE1 + OVERLAPPED, STAGE2 + OVERLAPPED]
+    ddp = [STAGE1_DDP, STAGE1_DDP + OVERLAPPED]
+    names = [UNSHARDED, STAGE1, STAGE2, *overlapped, *ddp, *extra, TORCH]
     made = {name: make(name, base, 1e-3, args.bucket_bytes) for name in names}
     steps = {name: trainer(model, opt, args.batch) for name, (model, opt) in made.items()}
     for step in steps.values():
@@ -196,22 +277,25 @@ def main() -> None:
         if name.startswith(STAGE2):
             opt.step()
     times = timed(steps, args.batches, args.budget)
+    waited = waits(made, 40) if args.waits else {}
 
     # Parity: the same start, the same batches, `--steps` Adam steps.
     finals = {}
-    for name in (UNSHARDED, STAGE1, STAGE2):
+    checked = (STAGE1, STAGE2, *overlapped)
+    for name in (UNSHARDED, *checked):
         model, opt = make(name, base, 1e-3, args.bucket_bytes)
         for s in range(args.steps):
             x, y = batch(s + 1, args.batch)
             opt.zero_grad()
             nn.CrossEntropyLoss()(model(x), y).backward()
             opt.step()
-        finals[name] = [p.detach().clone() for p in model.parameters()]
+        # The model's state dict: what the overlapped cases' hooks make current.
+        finals[name] = [v.clone() for v in model.state_dict().values()]
     parity = {
         name: max(
             float((a - b).abs().max()) for a, b in zip(finals[name], finals[UNSHARDED], strict=True)
         )
-        for name in (STAGE1, STAGE2)
+        for name in checked
     }
     if not dp.is_main():
         return
@@ -220,12 +304,12 @@ def main() -> None:
     print(f"batch {args.batch}/rank, ZeRO buckets {args.bucket_bytes or 'default'}")
     unsharded_state = memory[UNSHARDED][0]
     heads = ("state/rank", "x 1/N", "grads/rank", "step ms", "vs unsharded", "vs torch")
-    print(f"{'case':38} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, WIDTHS, strict=True)))
+    print(f"{'case':50} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, WIDTHS, strict=True)))
     for name in names:
         state, grads = memory[name]
         share = state / (unsharded_state / size)
         print(
-            f"{name:38} {state / 2**20:9.2f}MB {share:6.2f} {grads / 2**20:9.2f}MB "
+            f"{name:50} {state / 2**20:9.2f}MB {share:6.2f} {grads / 2**20:9.2f}MB "
             f"{times[name] * 1e3:8.2f} {times[name] / times[UNSHARDED]:12.2f} "
             f"{times[name] / times[TORCH]:9.2f}"
         )
@@ -236,6 +320,8 @@ def main() -> None:
         print(f"{name}: gradients reduced {sync}")
     for name, diff in parity.items():
         print(f"{name}: max |param - unsharded| after {args.steps} Adam steps = {diff:.2e}")
+    for name, ms in waited.items():
+        print(f"{name}: waited {ms:.2f} ms a step for the updated slices")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from dataparallel.torch._buckets import overlaps
 from dataparallel.torch._zero_gather import SliceGather
 from dataparallel.torch._zero_grads import GradientShards, refuse_reduced
 from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
+from dataparallel.torch._zero_overlap import ForwardOverlap
 from dataparallel.torch._zero_state import consolidate, load
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -100,6 +101,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         bucket_bytes: bucket size (default: `default_bucket_bytes`, 25 MiB at stage 1, 1 MiB at
             stage 2).
         backend: the engine (default: the active one).
+        overlap_with_forward: the model (or its wrapper) whose forward runs after `step()`:
+            `step()` then only starts the exchange of the updated slices (its calls as without
+            it), and each call is waited for just before the first module holding parameters
+            of its buckets runs (forward pre-hooks), the rest at the end of the forward. The
+            model's `state_dict()` and `load_state_dict()`, this optimizer's methods (but
+            `zero_grad`, which reads no parameter) and `dp.finalize()` wait too. A parameter
+            read anywhere else between `step()` and the end of the next forward (a norm
+            logged, a parent's forward reading a child's weight) may be the old value: the
+            limit of the opt-in (docs/zero.md). Not torch's `overlap_with_ddp`, which steps
+            inside DDP's communication hook.
         **defaults: `optimizer_class`'s options (`lr=1e-3`, ...).
 
     >>> import torch, dataparallel as dp
@@ -119,6 +130,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         group: Group | None = None,
         bucket_bytes: int | None = None,
         backend: Backend | None = None,
+        overlap_with_forward: torch.nn.Module | None = None,
         _staged: bool = False,
         **defaults: Any,
     ) -> None:
@@ -167,6 +179,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optim: torch.optim.Optimizer = self._class(inner, **defaults)
         _copy_options(self.optim.param_groups, self.param_groups)
         self._reshard()
+        # `overlap_with_forward`: the exchange lands in the model's forward (`_zero_overlap.py`).
+        self._model = overlap_with_forward
+        self._forward: ForwardOverlap | None = None
+        self._hook_forward()
         self._initialized = True
 
     # -- layout --------------------------------------------------------------------------------
@@ -236,6 +252,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             staged=self._staged,
         )
 
+    def _hook_forward(self) -> None:
+        """(Re)place the hooks that land the exchange in the model's forward, over the layout."""
+        if self._model is None:
+            return
+        if self._forward is not None:
+            self._forward.close()
+        self._forward = ForwardOverlap(self._model, self._params, self._buckets)
+
+    def _settle(self) -> None:
+        """Wait for the exchange of the last step's slices, if it is still in flight."""
+        if self._forward is not None:
+            self._forward.land()
+
     @property
     def pieces(self) -> list[Piece]:
         """This rank's pieces, over all param groups (what `.optim` steps)."""
@@ -246,11 +275,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if not self._initialized:
             return  # torch's Optimizer.__init__ adds the groups; __init__ lays them out
+        self._settle()
         g = len(self.param_groups) - 1
         self._plan(g)
         self.optim.add_param_group(self._inner_group(g))
         _copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
         self._reshard()
+        self._hook_forward()
 
     # -- a step ---------------------------------------------------------------------------------
 
@@ -288,6 +319,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         A `closure` is evaluated once, with gradients enabled, before the step (optimizers that
         evaluate it several times, as LBFGS, are not supported: they are not element-wise).
         """
+        self._settle()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -313,7 +345,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._broadcasts,
                 self._staged,
             )
-        self._gather.run()
+        if self._forward is not None:
+            self._forward.start(self._gather)  # lands in the next forward
+        else:
+            self._gather.run()
 
     def _end_step(self) -> None:
         for pieces in self._pieces:
@@ -341,6 +376,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         across shards, scales this rank's slice, and returns the total norm. Call it after
         backward and before `step()`, on every rank.
         """
+        self._settle()
         self._gradients()
         grads = [p.tensor.grad for p in self.pieces if p.tensor.grad is not None]
         norm_type = float(norm_type)
@@ -372,6 +408,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @property
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (tensors of `.optim.state`)."""
+        self._settle()
         return sum(
             v.nbytes
             for state in self.optim.state.values()
@@ -383,6 +420,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def gradient_bytes(self) -> int:
         """Bytes of gradients this rank keeps between steps: with `stage=2` its shards and the
         send buffers; with `stage=1` every parameter's `.grad`."""
+        self._settle()
         if self._shards is not None:
             return self._shards.gradient_bytes
         return sum(p.grad.nbytes for p in self._params if p.grad is not None)
@@ -394,6 +432,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         Rank `to` then holds one full copy (`state_dict()` returns it); the others nothing.
         """
+        self._settle()
         self._consolidated = consolidate(self, to)
 
     def state_dict(self) -> dict[str, Any]:
@@ -407,6 +446,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "Optimizer state has not been consolidated on this rank. Call "
                 f"consolidate_state_dict(to={self.backend.rank}) on every rank first."
             )
+        self._settle()
         groups = []
         saved = self._consolidated["param_groups"]
         for group, indices in zip(self.param_groups, saved, strict=True):
@@ -422,6 +462,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: the state dict belongs to an optimizer over other parameters.
         """
+        self._settle()
         load(self, state_dict)
         self._consolidated = None
 

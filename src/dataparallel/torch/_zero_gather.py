@@ -88,9 +88,16 @@ class SliceGather:
                 rows = self._raw(group[0])
             send = None if broadcasts else host_buffer(part, torch.uint8, staged)
             self.calls.append(_Call(group, rows.view(backend.size, part), send, merged))
+        self._call_of = {b: c for c, call in enumerate(self.calls) for b in call.buckets}
+        # The calls started and not landed: their index in `calls` -> their handles.
+        self._flights: dict[int, list[Handle]] = {}
 
     def _bytes(self, bucket: Bucket, items: int) -> int:
         return items * self.flats[bucket.flat].data.element_size()
+
+    def call_of(self, bucket: int) -> int:
+        """The index in `calls` of the call that carries `bucket`."""
+        return self._call_of[bucket]
 
     @property
     def nbytes(self) -> int:
@@ -107,20 +114,39 @@ class SliceGather:
 
     def run(self) -> None:
         """Every rank's segments to every rank: all calls started, then all waited for."""
-        flights: list[tuple[_Call, list[Handle]]] = []
-        for call in self.calls:
+        self.start()
+        self.finish()
+
+    def start(self, order: list[int] | None = None) -> None:
+        """Start every call (in `order`, indices into `calls`: the same on every rank); each
+        lands at `finish` (that call's) or `finish()` (all of them)."""
+        for c in range(len(self.calls)) if order is None else order:
+            call = self.calls[c]
             mine = call.rows[self.backend.rank]
             if call.send is not None:  # an allgather: from the send buffer into the rows
                 self._pack(call, call.send)
                 handle = self.backend.iallgather(call.send.numpy(), call.rows.numpy())
-                flights.append((call, [handle]))
+                self._flights[c] = [handle]
                 continue
             if call.merged:
                 self._pack(call, mine)
-            flights.append((call, self._broadcast(call.rows)))
-        for call, handles in flights:
+            self._flights[c] = self._broadcast(call.rows)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some call started has not landed yet."""
+        return bool(self._flights)
+
+    def finish(self, calls: list[int] | None = None) -> None:
+        """Wait for `calls` (default: every call in flight) and copy merged ones back; a call
+        not in flight is skipped."""
+        for c in list(self._flights) if calls is None else calls:
+            handles = self._flights.pop(c, None)
+            if handles is None:
+                continue
             for handle in handles:
                 handle.wait()
+            call = self.calls[c]
             if not call.merged:
                 continue
             at = 0
