@@ -44,7 +44,12 @@ LAYERS: list[tuple[str, ...]] = [
         "dataparallel.groups",
         "dataparallel.torch_distributed",
     ),
-    ("dataparallel.protocol", "dataparallel.collectives", "dataparallel.reducers"),
+    (
+        "dataparallel.protocol",
+        "dataparallel.protocol_report",
+        "dataparallel.collectives",
+        "dataparallel.reducers",
+    ),
     (
         "dataparallel.torch",
         "dataparallel.jax",

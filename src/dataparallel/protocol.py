@@ -10,7 +10,8 @@ record. Since every rank sees the same records, every rank reaches the same verd
   metrics) has then already travelled: the ranks reduce it locally, and the call costs one
   message.
 - digests differ: the ranks exchange pickled descriptions of their calls (only now), and every
-  rank raises `CollectiveMismatchError` naming the ranks and what differs; the world stays usable.
+  rank raises `CollectiveMismatchError` naming the ranks and what differs (`protocol_report.py`);
+  the world stays usable.
 
 A rank whose call fails before communicating (a `TypeError` for a bad leaf) still takes part in
 the handshake, with its failure as its call (`fail_together`), so its next call can never be
@@ -35,13 +36,13 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Callable
-from typing import Any, NoReturn
 
 import numpy as np
 
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError, RankJoinedError
+from dataparallel.protocol_report import Describe, mismatch, timed_out
 
 __all__ = [
     "BOUNDS",
@@ -99,12 +100,8 @@ _NAN = int(Flag.NAN)  # as a plain int: NumPy's `&` with an IntFlag goes through
 # What a call will send after its handshake, for ranks that joined to answer (None: it cannot);
 # given whether some rank raised `Flag.NAN`.
 ReplayOf = Callable[[bool], Replay | None] | None
-# The call field by field (or a function that makes it), to explain a mismatch.
-Describe = dict[str, Any] | Callable[[], dict[str, Any]]
 # A handshake begun early (`start_handshake`): its records and the gather in flight.
 Started = tuple["Records", Handle]
-
-_MAX_DIFFERENCES = 8
 
 
 def digest(description: str) -> int:
@@ -166,10 +163,10 @@ def handshake(
         try:
             backend.allreduce(bounds.view(np.int64), ReduceOp.MAX)
         except CollectiveTimeoutError as error:
-            raise _timed_out(backend, call) from error
+            raise timed_out(backend, call) from error
         seen = bounds[0]
         if seen["high"] != -seen["neg_low"]:
-            _mismatch(backend, call)
+            mismatch(backend, call)
         if seen["joined"]:
             root = int(-seen["neg_first_working"])
             _answer(backend, root, call, replay, on_joined, bool(seen["flagged"]))
@@ -190,19 +187,6 @@ def start_handshake(backend: Backend, summary: str | int) -> Started | None:
         return None
     records = Records(backend.size, summary if isinstance(summary, int) else digest(summary))
     return records, backend.iallgather(records.sent, records.received)
-
-
-def _timed_out(backend: Backend, call: Describe) -> CollectiveTimeoutError:
-    """Name the call the user made, not the engine's exchange that carried the handshake."""
-    name = (call if isinstance(call, dict) else call()).get("collective", "a collective")
-    limit = getattr(backend, "timeout", None)
-    within = f" (did not complete within {limit:g} s)" if isinstance(limit, int | float) else ""
-    return CollectiveTimeoutError(
-        f"rank {backend.rank}: {name} timed out{within}: the other ranks did not make "
-        "the same call (one is stuck, has died, or called another collective). Every rank "
-        "must make the same collective calls in the same order; raise the limit with "
-        "dp.initialize(timeout=...) or DATAPARALLEL_TIMEOUT if it is just slow."
-    )
 
 
 class Records:
@@ -236,7 +220,7 @@ class Records:
             else:
                 started.wait()
         except CollectiveTimeoutError as error:  # zero cost unless raised (Python 3.11+)
-            raise _timed_out(backend, call) from error
+            raise timed_out(backend, call) from error
         rows = self.rows
         digests = rows["digest"].tobytes()
         if digests != digests[:8] * backend.size:
@@ -259,7 +243,7 @@ def _disagree(
     joined = (flags & Flag.JOINED) != 0
     digests = rows["digest"][~joined]
     if not joined.any() or (digests != digests[0]).any():
-        _mismatch(backend, call)
+        mismatch(backend, call)
     root = int(np.flatnonzero(~joined)[0])
     _answer(backend, root, call, replay, on_joined, bool((flags & Flag.NAN).any()))
 
@@ -324,15 +308,6 @@ def joined_round(backend: Backend, newcomer: bool) -> tuple[bool, int, Replay | 
     return False, -1, b.broadcast_object(None, int(np.flatnonzero(~joined)[0]))
 
 
-def _mismatch(backend: Backend, call: Describe) -> NoReturn:
-    """Exchange the calls' descriptions (every rank saw the mismatch) and raise on every rank.
-
-    Ranks that have joined take part with None (`dp.join`), and are left out of the report.
-    """
-    calls = backend.allgather_object(call if isinstance(call, dict) else call())
-    raise CollectiveMismatchError(_explain(calls))
-
-
 def verify_same_call(
     backend: Backend,
     call: Describe,
@@ -378,53 +353,3 @@ def fail_together(backend: Backend, collective: str, error: BaseException) -> No
             f"dataparallel: {collective} raised CollectiveMismatchError on the other ranks, "
             "which did not fail alike: every rank's call failed, and the ranks stay in step."
         )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _explain(every: list[dict[str, Any] | None]) -> str:
-    """Describe, field by field, how the ranks' calls differ (None: a rank that has joined)."""
-    calls = {rank: call for rank, call in enumerate(every) if call is not None}
-    failed: dict[str, list[int]] = {}
-    for rank, call in calls.items():
-        if "failed" in call:
-            failed.setdefault(str(call["failed"]), []).append(rank)
-    if failed:
-        collective = calls[min(min(ranks) for ranks in failed.values())].get("collective")
-        return (
-            f"{collective} failed on some ranks before the ranks communicated, so it fails on "
-            "every rank:\n"
-            + "\n".join(f"  {_ranks(ranks)}: {reason}" for reason, ranks in failed.items())
-            + "\nFix the call on the ranks named (their own traceback shows where); the next "
-            "collective works as usual."
-        )
-    keys = sorted({k for c in calls.values() for k in c}, key=lambda k: (k != "collective", k))
-    lines = []
-    for key in keys:
-        groups: dict[str, list[int]] = {}
-        for rank, call in calls.items():
-            value = call.get(key, "<absent>")
-            groups.setdefault(value if isinstance(value, str) else repr(value), []).append(rank)
-        if len(groups) > 1:
-            parts = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in groups.items())
-            lines.append(f"  {key}: {parts}")
-    shown = lines[:_MAX_DIFFERENCES]
-    if len(lines) > len(shown):
-        shown.append(f"  ... and {len(lines) - len(shown)} more differences")
-    collectives = sorted({str(c.get("collective")) for c in calls.values()})
-    head = (
-        f"Ranks called different collectives ({', '.join(collectives)})"
-        if len(collectives) > 1
-        else f"Ranks called {collectives[0]} with different arguments"
-    )
-    return (
-        head
-        + ":\n"
-        + "\n".join(shown)
-        + (
-            "\nEvery rank must make the same collective calls, in the same order, with the same "
-            "tree structure, shapes (first axis excepted for allgather), dtypes, ops and roots."
-        )
-    )

@@ -2,7 +2,7 @@
 
 `reduce_ffi(flats, reduce, in_place)` stages out one custom call that hands XLA's own buffers to
 `reduce` (NumPy views of them), an output aliasing its input where asked (the engine reduces in
-place, in memory XLA reuses: `_jit.py` asks it for every buffer), with no compiler at install
+place, in memory XLA reuses: `_routes.py` asks it for every buffer), with no compiler at install
 time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
 (`xla/ffi/api/c_api.h`, shipped in jaxlib), registered once per process with
 `jax.ffi.register_ffi_target`. Where io_callback copies each buffer out of XLA and the result back
@@ -46,7 +46,7 @@ TARGET = "dataparallel_allreduce"
 _TOKEN = 17  # XLA_FFI_DataType_TOKEN: the ordered effect's token, an argument and a result
 _METADATA = 1  # XLA_FFI_Extension_Metadata: XLA asks the handler for its API version
 _UNKNOWN = 2  # XLA_FFI_Error_Code_UNKNOWN
-_TYPESTR = {  # XLA_FFI_DataType -> NumPy's typestr, for the wire dtypes of `_jit.WIRE`
+_TYPESTR = {  # XLA_FFI_DataType -> NumPy's typestr, for the wire dtypes of `_packed.WIRE`
     11: "<f4",
     12: "<f8",
     4: "<i4",

@@ -70,6 +70,7 @@ from dataparallel.arrays.compression import Compressor, wire_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
 from dataparallel.jax import _jit
+from dataparallel.jax._routes import Route
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
@@ -91,7 +92,7 @@ def distributed_optax(
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressing = None,
-    route: _jit.Route = "auto",
+    route: Route = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -107,7 +108,7 @@ def distributed_optax(
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
             floats and come back in their dtype (default: none).
-        route: how a jitted update reduces (see `dataparallel.jax._jit`): `"auto"` (default)
+        route: how a jitted update reduces (see `dataparallel.jax._routes`): `"auto"` (default)
             takes mpi4jax's custom call where it is installed and the engine is MPI on the CPU,
             else dataparallel's XLA FFI call where JAX runs on one CPU device per process, else
             one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"` choose.
@@ -173,7 +174,7 @@ def _allreduce_tree(
     op: Op,
     backend: Backend | None,
     compression: Compressing,
-    route: _jit.Route,
+    route: Route,
 ) -> optax.Updates:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
