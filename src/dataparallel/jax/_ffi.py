@@ -38,7 +38,7 @@ from jax.extend.core import Primitive
 
 from dataparallel import caches
 
-__all__ = ["Reduce", "ffi_reason", "reduce_ffi"]
+__all__ = ["Reduce", "ffi_reason", "host_device_reason", "reduce_ffi"]
 
 Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]  # (inputs, outputs) as NumPy
 
@@ -280,15 +280,27 @@ def _primitive() -> Primitive:
     return primitive
 
 
-def ffi_reason() -> str | None:
-    """Return why the FFI route cannot be used in this process, or None when it can."""
+def host_device_reason(off_cpu: str, what: str, fix: str = "") -> str | None:
+    """Return why a route of ordered effects on the host cannot run in this process (JAX not on
+    the CPU: `off_cpu` says what then; several devices: `what` runs on one, `fix` the remedy),
+    or None when it can."""
     if jax.default_backend() != "cpu":
-        return f"JAX runs on {jax.default_backend()}: the FFI handler is registered for the CPU"
+        return f"JAX runs on {jax.default_backend()}: {off_cpu}"
     if jax.local_device_count() > 1:
         return (
-            f"this process has {jax.local_device_count()} JAX devices, and an ordered effect "
-            "runs on one (the callback gathers a sharded gradient onto one device)"
+            f"this process has {jax.local_device_count()} JAX devices, and {what} on one (the "
+            f"callback gathers a sharded gradient onto one device){fix}"
         )
+    return None
+
+
+def ffi_reason() -> str | None:
+    """Return why the FFI route cannot be used in this process, or None when it can."""
+    reason = host_device_reason(
+        "the FFI handler is registered for the CPU", "an ordered effect runs"
+    )
+    if reason is not None:
+        return reason
     try:
         _primitive()
     except (ImportError, AttributeError) as error:  # JAX's private effects API has moved

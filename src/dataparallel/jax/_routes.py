@@ -22,7 +22,7 @@ from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
 from dataparallel.collectives.jitted import refuse
 from dataparallel.errors import CollectiveMismatchError
-from dataparallel.jax._ffi import Reduce, ffi_reason, reduce_ffi
+from dataparallel.jax._ffi import Reduce, ffi_reason, host_device_reason, reduce_ffi
 from dataparallel.jax._packed import Packed
 
 __all__ = [
@@ -50,15 +50,11 @@ def mpi4jax_reason(engine: Backend) -> str | None:
         return f"the engine is {engine.name}, not MPI"
     if engine.timeout is not None:
         return "a timeout is set: only the callback can keep a deadline"
-    if jax.default_backend() != "cpu":
-        return f"JAX runs on {jax.default_backend()}: the callback stages through the host"
-    if jax.local_device_count() > 1:
-        return (
-            f"this process has {jax.local_device_count()} JAX devices, and mpi4jax's ordered "
-            "effects run on one (the callback gathers a sharded gradient onto one device); "
-            "give each process one device (one rank per device) to use mpi4jax"
-        )
-    return None
+    return host_device_reason(
+        "the callback stages through the host",
+        "mpi4jax's ordered effects run",
+        "; give each process one device (one rank per device) to use mpi4jax",
+    )
 
 
 def choose_route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
