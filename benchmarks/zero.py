@@ -71,18 +71,9 @@ def make(
     overlap = model if OVERLAPPED in name else None
     if " @ " in name:  # an extra case: "<case> @ <bytes>"
         bucket_bytes = int(name.rsplit(" ", 1)[1])
-    if name.startswith(STAGE1_DDP):
-        opt = dp.torch.ZeroRedundancyOptimizer(
-            model.parameters(),
-            torch.optim.Adam,
-            lr=lr,
-            bucket_bytes=bucket_bytes,
-            overlap_with_forward=overlap,
-        )
-        return nn.parallel.DistributedDataParallel(model), opt
     if name == UNSHARDED:
         return model, dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr))
-    if name.startswith("ZeRO stage 1"):
+    if name.startswith("ZeRO stage 1"):  # under DataParallelModel, or torch DDP
         opt = dp.torch.ZeroRedundancyOptimizer(
             model.parameters(),
             torch.optim.Adam,
@@ -90,6 +81,8 @@ def make(
             bucket_bytes=bucket_bytes,
             overlap_with_forward=overlap,
         )
+        if name.startswith(STAGE1_DDP):
+            return nn.parallel.DistributedDataParallel(model), opt
         wrapped = dp.torch.DataParallelModel(model)
         if name.endswith(GATHERED):
             opt._broadcasts = False
