@@ -31,6 +31,7 @@ copy before it is scaled and added to the shard. Nothing is sent in place then.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -165,6 +166,8 @@ class GradientShards:
         self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
         self._passes = 0  # passes ended since the last step
         self._fresh = [True] * len(buckets)
+        # Set inside a `dp.torch.join` block: a pass's handshake, made at its first gradient.
+        self.join_pass: Callable[[], None] | None = None
         self._new_pass()
 
     @property
@@ -189,14 +192,11 @@ class GradientShards:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._queued = True
-            if self._passes and self.backend.size > 1:  # another pass: check before sending
+            if self.join_pass is not None and self.backend.size > 1:
                 if not self.backend.progresses:
                     self.land()  # MPI: one call in flight at a time
-                self._probe[:] = 0
-                self._probe[len(self.params) + self.backend.rank] = _PASS
-                # Non-blocking on every engine, as the step's flags: MPI matches no blocking
-                # collective with a non-blocking one.
-                self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
+                self.join_pass()
+            self._begin_pass()
         if self._ready[k]:
             return
         self._ready[k] = True
@@ -204,6 +204,23 @@ class GradientShards:
             self._pending[position] -= 1
         if self.overlap:
             self._launch_ready()
+
+    def _begin_pass(self) -> None:
+        """A pass's first gradient: after a step's first pass, begin its check."""
+        if self._passes and self.backend.size > 1:  # another pass: check before sending
+            if not self.backend.progresses:
+                self.land()  # MPI: one call in flight at a time
+            self._probe[:] = 0
+            self._probe[len(self.params) + self.backend.rank] = _PASS
+            # Non-blocking on every engine, as the step's flags: MPI matches no blocking
+            # collective with a non-blocking one.
+            self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
+
+    def shadow_pass(self) -> None:
+        """A pass without gradients, by a rank that has joined (`_zero_join.py`): the same
+        calls as the others' pass, sending zeros; no parameter had a gradient here."""
+        self._begin_pass()
+        self._end_of_pass()
 
     def _new_pass(self) -> None:
         self._queued = False
@@ -271,7 +288,10 @@ class GradientShards:
         mine = counts[rank]
         shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
         spare = None
-        if self._fresh[b] and wire == flat.dtype and self._staging is None:
+        # Into the shard only for the step's first reduction of the bucket: a later pass's
+        # must not overwrite the shard while the first is still in flight (it adds on landing).
+        first = self._fresh[b] and all(flight[0] != b for flight in self._flights)
+        if first and wire == flat.dtype and self._staging is None:
             recv = shard
         else:
             spare = self._pool.take(wire, mine)
