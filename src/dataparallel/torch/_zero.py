@@ -26,6 +26,7 @@ from dataparallel.protocol import verify_same_call
 from dataparallel.torch._buckets import overlaps
 from dataparallel.torch._zero_gather import SliceGather
 from dataparallel.torch._zero_grads import GradientShards, refuse_reduced
+from dataparallel.torch._zero_join import ZeroJoin, refuse_unjoined
 from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
 from dataparallel.torch._zero_state import consolidate, load
 
@@ -161,6 +162,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._gather: SliceGather | None = None  # planned at the first step after a layout
         self._consolidated: dict[str, Any] | None = None
         self._have_grads = False
+        self._join: ZeroJoin | None = None  # inside a `dp.torch.join` block (`_zero_join.py`)
         for g in range(len(self.param_groups)):
             self._plan(g)
         inner = [self._inner_group(g) for g in range(len(self.param_groups))]
@@ -223,9 +225,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """(Re)make the stage-2 reducer over the current layout."""
         if self.stage != 2:
             return
+        joining = None
         if self._shards is not None:
             self._shards.land()
             self._shards.close()
+            joining = self._shards.join_pass
         self._shards = GradientShards(
             self._params,
             self._flats,
@@ -235,6 +239,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             overlap=self._overlap,
             staged=self._staged,
         )
+        self._shards.join_pass = joining
 
     @property
     def pieces(self) -> list[Piece]:
@@ -292,6 +297,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._join is not None:
+            self._join.tell("step")
+        elif self.stage == 1:
+            refuse_unjoined(self)
         self._gradients()
         _copy_options(self.param_groups, self.optim.param_groups)
         self.optim.step()
@@ -328,6 +337,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         With `stage=2`, reduce-scatters in flight complete first (every rank started them).
         """
+        if self._join is not None:
+            self._join.tell("discard")
         self._end_step()
         super().zero_grad(set_to_none)
 
@@ -341,6 +352,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         across shards, scales this rank's slice, and returns the total norm. Call it after
         backward and before `step()`, on every rank.
         """
+        if self._join is not None:
+            self._join.tell("clip", (float(max_norm), float(norm_type), error_if_nonfinite))
         self._gradients()
         grads = [p.tensor.grad for p in self.pieces if p.tensor.grad is not None]
         norm_type = float(norm_type)
