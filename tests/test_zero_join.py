@@ -40,11 +40,15 @@ def train(
     passes: int = 1,
     clip: bool = False,
 ) -> None:
-    """This rank's steps (`passes` backward passes each, the loss scaled by 1 / passes)."""
+    """This rank's steps (`passes` backward passes each, the loss scaled by 1 / passes), with a
+    metric reduced between backward and the step (joined ranks answer it with zeros)."""
     for step in range(counts(dp.size())[rank]):
         opt.zero_grad()
         for part in range(passes):
-            (loss_of(model, *batch(rank, step, part)) / passes).backward()
+            loss = loss_of(model, *batch(rank, step, part)) / passes
+            loss.backward()
+        live = sum(step < c for c in counts(dp.size()))
+        assert dp.allreduce(1.0) == live  # the joined ranks give 0
         if clip:
             assert isinstance(opt, ZeroRedundancyOptimizer)
             opt.clip_grad_norm_(MAX_NORM)
