@@ -121,6 +121,7 @@ class GradientShards:
     # parameters not ready yet, buckets each parameter has left to be packed in, the next bucket.
     _queued: bool
     _probing: Handle | None  # this pass's check, begun at its first gradient (passes after one)
+    _joining: Callable[[], None] | None  # this pass's join handshake, to finish (`join_pass`)
     _ready: list[bool]
     _pending: list[int]
     _left: list[int]
@@ -166,8 +167,9 @@ class GradientShards:
         self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
         self._passes = 0  # passes ended since the last step
         self._fresh = [True] * len(buckets)
-        # Set inside a `dp.torch.join` block: a pass's handshake, made at its first gradient.
-        self.join_pass: Callable[[], None] | None = None
+        # Set inside a `dp.torch.join` block: a pass's handshake, begun at its first gradient;
+        # what it returns (if anything) finishes it, before the pass's first bucket.
+        self.join_pass: Callable[[], Callable[[], None] | None] | None = None
         self._new_pass()
 
     @property
@@ -195,8 +197,9 @@ class GradientShards:
             if self.join_pass is not None and self.backend.size > 1:
                 if not self.backend.progresses:
                     self.land()  # MPI: one call in flight at a time
-                self.join_pass()
-            self._begin_pass()
+                self._joining = self.join_pass()
+            if self._joining is None:
+                self._begin_pass()  # else once the handshake is done (`_settle_probe`)
         if self._ready[k]:
             return
         self._ready[k] = True
@@ -225,6 +228,7 @@ class GradientShards:
     def _new_pass(self) -> None:
         self._queued = False
         self._probing = None
+        self._joining = None
         self._ready = [False] * len(self.params)
         self._pending = [len(self.buckets[b].params) for b in self.order]
         self._left = [len(positions) for positions in self.buckets_of]
@@ -244,7 +248,12 @@ class GradientShards:
             self._next += 1
 
     def _settle_probe(self) -> None:
-        """Wait for this pass's check, if one is in flight; raise where the ranks disagree."""
+        """Wait for this pass's check, if one is in flight; raise where the ranks disagree.
+        In a join block, finish the pass's handshake first, then begin the check."""
+        joining, self._joining = self._joining, None
+        if joining is not None:
+            joining()
+            self._begin_pass()
         probing, self._probing = self._probing, None
         if probing is not None:
             probing.wait()

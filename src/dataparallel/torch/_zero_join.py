@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Protocol
 
 import numpy as np
@@ -39,7 +40,7 @@ from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives.jitted import Refusal
 from dataparallel.errors import RankJoinedError
-from dataparallel.protocol import handshake
+from dataparallel.protocol import Started, digest, handshake, start_handshake
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._hooks import owner
 from dataparallel.torch._zero_grads import GradientShards
@@ -193,9 +194,16 @@ class ZeroJoin:
             None, optimizer=self.index, what="grads", reduction=reduction, names=names, late=late
         )
 
-    def _pass(self) -> None:
-        """Stage 2, a pass's first gradient: tell the joined ranks (and learn of them)."""
-        self._tell("pass", always=True)
+    def _pass(self) -> Callable[[], None] | None:
+        """Stage 2, a pass's first gradient: tell the joined ranks (and learn of them). Begun
+        here and finished (the returned call) before the pass's first bucket on engines that
+        progress alone (Gloo); made at once on MPI (one call in flight at a time)."""
+        b = self.opt.backend
+        started = start_handshake(b, _summary("pass", self.index)) if b.progresses else None
+        if started is None:
+            self._tell("pass", always=True)
+            return None
+        return partial(self._tell, "pass", always=True, started=started)
 
     def tell(self, what: What, clip: tuple[float, float, bool] = (0.0, 2.0, False)) -> None:
         """Before `clip_grad_norm_`, `step()`, `zero_grad()`: have the joined ranks make it."""
@@ -204,14 +212,25 @@ class ZeroJoin:
             self.pending = False
 
     def _tell(
-        self, what: What, clip: tuple[float, float, bool] = (0, 2, False), *, always: bool = False
+        self,
+        what: What,
+        clip: tuple[float, float, bool] = (0, 2, False),
+        *,
+        always: bool = False,
+        started: Started | None = None,
     ) -> None:
         if not (self.pending or always) or self.opt.backend.size == 1:
             return
         replay = ZeroReplay(None, optimizer=self.index, what=what, clip=clip)
         call = {"collective": f"ZeroRedundancyOptimizer {what}", "optimizer": self.index}
-        summary = f"ZeroRedundancyOptimizer|{what}|{self.index}"
-        handshake(self.opt.backend, summary, call, replay=lambda _: replay, on_joined=self._joined)
+        handshake(
+            self.opt.backend,
+            _summary(what, self.index),
+            call,
+            replay=lambda _: replay,
+            on_joined=self._joined,
+            started=started,
+        )
 
     # -- a rank that has joined -------------------------------------------------------------
 
@@ -250,6 +269,10 @@ class ZeroJoin:
             if grad.dtype != p.dtype:
                 grad = grad.view(p.dtype)  # bfloat16 travels as its bits
             p.grad = grad.reshape(p.shape).to(p.device)
+
+
+def _summary(what: What, index: int) -> int:
+    return digest(f"ZeroRedundancyOptimizer|{what}|{index}")
 
 
 def kept(replay: Replay, backend: Backend, pool: BufferPool | None) -> list[np.ndarray]:
