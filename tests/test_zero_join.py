@@ -76,10 +76,12 @@ def reference(size: int, *, passes: int = 1, clip: bool = False) -> list[torch.T
 
 
 def zero_run(
-    rank: int, stage: int, *, passes: int = 1, clip: bool = False
+    rank: int, stage: int, *, passes: int = 1, clip: bool = False, staged: bool = False
 ) -> tuple[nn.Module, ZeroRedundancyOptimizer, int | None]:
     model = make_model()
-    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, stage=stage, lr=0.01, _staged=staged
+    )
     if stage == 1:
         net: nn.Module = dp.torch.DataParallelModel(model)
         block = dp.torch.join(net, opt)
@@ -92,14 +94,29 @@ def zero_run(
 
 
 @pytest.mark.parametrize(
-    ("stage", "passes", "clip"),
-    [(1, 1, False), (1, 1, True), (2, 1, False), (2, 2, True)],
-    ids=["stage1", "stage1-clip", "stage2", "stage2-accumulate-clip"],
+    ("stage", "passes", "clip", "staged"),
+    [
+        (1, 1, False, False),
+        (1, 1, True, False),
+        (2, 1, False, False),
+        (2, 2, True, False),
+        (1, 1, False, True),
+        (2, 2, False, True),
+    ],
+    ids=[
+        "stage1",
+        "stage1-clip",
+        "stage2",
+        "stage2-accumulate-clip",
+        "stage1-staged",
+        "stage2-accumulate-staged",
+    ],
 )
 def test_joined_ranks_shadow_every_step(
-    rank: int, size: int, stage: int, passes: int, clip: bool
+    rank: int, size: int, stage: int, passes: int, clip: bool, staged: bool
 ) -> None:
-    model, opt, last = zero_run(rank, stage, passes=passes, clip=clip)
+    """`staged`: the GPU path (every engine call through host buffers), on CPU parameters."""
+    model, opt, last = zero_run(rank, stage, passes=passes, clip=clip, staged=staged)
     params = list(model.parameters())
     assert_same_on_every_rank(params)
     tol = 1e-6 if stage == 1 else 1e-5
