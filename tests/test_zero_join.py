@@ -13,7 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _torch_common import assert_same_on_every_rank, global_batch, loss_of, make_model
+from _torch_common import (
+    Branchy,
+    assert_same_on_every_rank,
+    global_batch,
+    loss_of,
+    make_model,
+)
 from torch import nn
 
 import dataparallel as dp
@@ -173,3 +179,39 @@ def test_stage_one_alone_in_a_block_is_refused(rank: int, size: int) -> None:
     other = dp.torch.DataParallelModel(make_model(seed=1))
     with pytest.raises(ValueError, match="DataParallelModel over its parameters"):
         dp.torch.join(other, opt)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_some_or_no_rank_uses_match_the_unsharded_optimizer(
+    rank: int, size: int, stage: int
+) -> None:
+    """`Branchy`: `b` gets gradients on rank 0 only (the first to join), `unused` on none; a
+    parameter no working rank gave a gradient is skipped (Adam keeps it), as unsharded."""
+
+    def run(opt: torch.optim.Optimizer, net: nn.Module, *joinables: object) -> int | None:
+        with dp.torch.join(*joinables) as joined:  # type: ignore[arg-type]
+            for step in range(counts(size)[rank]):
+                opt.zero_grad()
+                x = batch(rank, step, 0)[0][:, :4]
+                net(x).square().mean().backward()
+                opt.step()
+        return joined.last
+
+    model = Branchy()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
+    if stage == 1:
+        net: nn.Module = dp.torch.DataParallelModel(model)
+        run(opt, net, net, opt)
+    else:
+        run(opt, model, opt)
+    plain = Branchy()
+    unsharded = dp.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01))
+    last = run(unsharded, plain, unsharded)
+    assert last is not None
+    want = dp.broadcast_object([p.detach() for p in plain.parameters()], root=last)
+    params = list(model.parameters())
+    assert_same_on_every_rank(params)
+    tol = 0.0 if stage == 1 else 1e-5
+    for got, expected in zip(params, want, strict=True):
+        torch.testing.assert_close(got.detach(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(model.unused.weight.detach(), Branchy().unused.weight.detach())

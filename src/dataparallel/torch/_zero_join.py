@@ -121,7 +121,7 @@ def refuse_unjoined(opt: Sharded) -> None:
     """At a stage-1 `step()` outside a block: raise `RankJoinedError` on every rank if the
     wrapper that reduced the gradients met a rank that has joined (which could not answer the
     exchange of slices); nothing otherwise (one dictionary look-up)."""
-    sync = next((s for s in map(owner, opt._params) if s is not None), None)
+    sync = next((owner(p) for p in opt._params if p.requires_grad), None)
     if not isinstance(sync, GradientSync) or not sync.met_joined:
         return
     call = {"collective": "ZeroRedundancyOptimizer.step", "joined": "not in dp.torch.join"}
@@ -256,10 +256,11 @@ class ZeroJoin:
         assert self.sync is not None and replay.reduction is not None
         arrays = kept(replay.reduction, backend, pool)
         named = dict(self.sync._params) | dict(self.sync._current())
-        k = len(replay.names)
-        flags = arrays[k] if len(arrays) > k else None
+        k = len(replay.names)  # then the flag vector, if any bucket was planned, then the late
+        flags = arrays[k] if k else None
+        late = arrays[k + 1 :] if k else arrays
         given = [(name, i, arrays[j]) for j, (name, i) in enumerate(replay.names)]
-        given += [(name, -1, a) for name, a in zip(replay.late, arrays[k + 1 :], strict=True)]
+        given += [(name, -1, a) for name, a in zip(replay.late, late, strict=True)]
         for name, i, values in given:
             p = named[name]
             if i >= 0 and flags is not None and flags[i] == 0:
