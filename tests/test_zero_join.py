@@ -23,7 +23,7 @@ from _torch_common import (
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.errors import RankJoinedError
+from dataparallel.errors import CollectiveMismatchError, RankJoinedError
 from dataparallel.torch import ZeroRedundancyOptimizer
 
 BASE = 2  # batches of rank 0; rank r has BASE + r
@@ -215,3 +215,31 @@ def test_parameters_some_or_no_rank_uses_match_the_unsharded_optimizer(
     for got, expected in zip(params, want, strict=True):
         torch.testing.assert_close(got.detach(), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(model.unused.weight.detach(), Branchy().unused.weight.detach())
+
+
+def test_a_pass_too_many_while_a_rank_has_joined_fails_on_the_working_ranks(
+    rank: int, size: int
+) -> None:
+    """Rank 0 has joined; at the same step rank 2 runs two passes where rank 1 steps: both get
+    `CollectiveMismatchError` (their handshakes differ), the joined rank keeps answering, and
+    after `zero_grad()` everyone goes on to the end with the same parameters."""
+    if size != 3:
+        pytest.skip("needs a joined rank and two working ones: 3 ranks")
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=2, lr=0.01)
+    errors = []
+    with dp.torch.join(opt) as joined:
+        for step in range(counts(size)[rank]):
+            opt.zero_grad()
+            try:
+                for part in range(2 if (rank, step) == (2, BASE) else 1):
+                    loss_of(model, *batch(rank, step, part)).backward()
+                opt.step()
+            except CollectiveMismatchError as error:
+                errors.append((step, str(error)))
+                opt.zero_grad()
+    assert joined.last == 2
+    assert [step for step, _ in errors] == ([BASE] if rank > 0 else [])
+    for _, message in errors:
+        assert "pass" in message and "step" in message
+    assert_same_on_every_rank(list(model.parameters()))

@@ -236,6 +236,7 @@ class ZeroJoin:
 
     def answer(self, replay: ZeroReplay, backend: Backend, pool: BufferPool) -> None:
         """Make `replay`'s action on this rank's optimizer (it has joined: no gradient)."""
+        self.pending = False  # it tells no one: its calls answer the working ranks' handshakes
         opt = self.opt
         if replay.what == "grads":
             self._take(replay, backend, pool)
