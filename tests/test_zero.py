@@ -293,13 +293,15 @@ def test_stage_2_keeps_only_its_slice_of_the_gradients(world: Backend) -> None:
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
+@pytest.mark.parametrize("bucket_bytes", [64, None], ids=["small-buckets", "one-bucket"])
 def test_gradient_accumulation_matches_one_process(
-    stage: int, staged: bool, world: Backend
+    stage: int, staged: bool, bucket_bytes: int | None, world: Backend
 ) -> None:
-    """Staged, the passes after the first add what lands to the shard on the "device"."""
+    """Staged, the passes after the first add what lands to the shard on the "device". With one
+    bucket, the second pass's reduce-scatter of it starts while the first's is in flight."""
     model = make_model()
     reference, ref_opt = reference_of(model)
-    opt = zero(model, "adam", stage, bucket_bytes=64, _staged=staged)
+    opt = zero(model, "adam", stage, bucket_bytes=bucket_bytes, _staged=staged)
     net = wrapped(model, stage)
     for step in range(3):
         x, y = global_batch(step)

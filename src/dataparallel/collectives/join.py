@@ -13,13 +13,21 @@ the rank that joined last.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import context
 from dataparallel.collectives.jitted import Answer, Refusal, step_of
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import joined_round
 
-__all__ = ["join"]
+__all__ = ["answer", "join"]
+
+# How a joined rank makes what the working ranks described (`Replay.run`, or a caller's own
+# answer for replays it knows: `dp.torch.join`'s ZeRO steps).
+Run = Callable[[Replay, Backend, BufferPool], None]
 
 
 def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
@@ -49,12 +57,18 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
     >>> dp.join()
     0
     """
-    ctx = context(backend_of(backend, group))
+    return answer(backend_of(backend, group))
+
+
+def answer(backend: Backend | None, run: Run | None = None) -> int:
+    """`join`'s loop on `backend` (None: the active one): answer every handshake, making each
+    replay with `run` (default: `Replay.run`), until every rank has joined."""
+    ctx = context(backend)
     b = ctx.backend
     if b.size == 1:
         return 0
     step = step_of(b)  # jitted steps were traced: answer them too (`jitted.py`)
-    answer = Answer(step) if step is not None else None
+    jitted = Answer(step) if step is not None else None
     newcomer = True
     while True:
         done, last, replay = joined_round(b, newcomer)
@@ -62,8 +76,11 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
         if isinstance(replay, Refusal):  # a jitted step met this rank's answer
             raise replay.error(b.rank)
         if done:
-            if answer is not None:
-                answer.finish()
+            if jitted is not None:
+                jitted.finish()
             return last
         if replay is not None:
-            replay.run(b, ctx.buffers)
+            if run is None:
+                replay.run(b, ctx.buffers)
+            else:
+                run(replay, b, ctx.buffers)

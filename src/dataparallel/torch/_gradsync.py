@@ -171,6 +171,12 @@ class GradientSync:
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
+        # Set by `dp.torch.join` for a ZeroRedundancyOptimizer stepping with these gradients
+        # (`_zero_join.py`): what its joined ranks do after the reduction, and a call when some
+        # rank has joined.
+        self.then_replay: Callable[[Replay], Replay] | None = None
+        self.on_join: Callable[[], None] | None = None
+        self.met_joined = False  # whether the last step's handshake met a rank that has joined
         action, pool = reduction(op, None, self.backend.size), active.buffers
         self._action, self._wire = action, wire  # replayed by ranks that have joined
         fusion_on = partial(
@@ -396,13 +402,14 @@ class GradientSync:
         self._agreed = True
         if self.backend.size == 1:
             return
+        self.met_joined = False
         try:
             handshake(
                 self.backend,
                 self._summary,
                 partial(describe, self.owner, self._options, self._params),
                 replay=self._replay,
-                on_joined=partial(setattr, self, "_joined", True),  # no rebuild this step
+                on_joined=self._note_joined,
                 started=self._early,
             )
         except CollectiveMismatchError:
@@ -410,10 +417,17 @@ class GradientSync:
             raise
         self._router.begin(joined=self._joined, offload=self.overlap and self._host)
 
+    def _note_joined(self) -> None:
+        self._joined = True  # no rebuild this step
+        self.met_joined = True
+        if self.on_join is not None:
+            self.on_join()
+
     def _replay(self, _: bool) -> Replay:
         """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
         params, action, wire = self._params, self._action, self._wire
-        return replay_of(params, self._buckets, self._current(), action, self.bucket_bytes, wire)
+        made = replay_of(params, self._buckets, self._current(), action, self.bucket_bytes, wire)
+        return made if self.then_replay is None else self.then_replay(made)
 
     def _launch(self, b: int) -> None:
         self._agree()

@@ -11,9 +11,13 @@ from types import TracebackType
 
 from torch import nn, optim
 
-from dataparallel import collectives
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
+from dataparallel.collectives.join import answer
 from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._zero import ZeroRedundancyOptimizer
+from dataparallel.torch._zero_join import ZeroJoin, ZeroReplay
 
 __all__ = ["Join", "join"]
 
@@ -23,8 +27,8 @@ def _gradient_sync(joinable: object) -> GradientSync:
     if not isinstance(sync, GradientSync):
         raise TypeError(
             "dp.torch.join takes the dp.torch.DataParallelModel or dp.DistributedOptimizer whose "
-            f"gradients the loop reduces, got {type(joinable).__module__}."
-            f"{type(joinable).__qualname__}."
+            "gradients the loop reduces, and dp.torch.ZeroRedundancyOptimizer, got "
+            f"{type(joinable).__module__}.{type(joinable).__qualname__}."
         )
     return sync
 
@@ -35,12 +39,16 @@ class Join:
     On a normal exit from the block, the step still in flight (if any) is completed, then this
     rank joins (`dp.join`): until every rank has left its block, it takes part in the others'
     gradient steps with zeros (the average still divides by the whole world's size, as with
-    Horovod's `join`), reductions and barriers. An exception leaving the block is not held back.
+    Horovod's `join`), reductions and barriers, and steps its slice of each ZeRO optimizer
+    given (`_zero_join.py`). An exception leaving the block is not held back.
     """
 
     def __init__(self, *joinables: nn.Module | optim.Optimizer, enable: bool = True) -> None:
-        self._syncs = [_gradient_sync(j) for j in joinables]
+        zeros = [j for j in joinables if isinstance(j, ZeroRedundancyOptimizer)]
+        self._syncs = [_gradient_sync(j) for j in joinables if j not in zeros]
+        self._zeros = [ZeroJoin(z, i, self._syncs) for i, z in enumerate(zeros)]
         backends = {id(s.backend): s.backend for s in self._syncs}
+        backends |= {id(z.backend): z.backend for z in zeros}
         if len(backends) > 1:
             raise ValueError(
                 "dp.torch.join: the model and optimizers given reduce over different groups; "
@@ -51,6 +59,9 @@ class Join:
         self.last: int | None = None
 
     def __enter__(self) -> Join:
+        if self.enable:
+            for z in self._zeros:
+                z.attach()
         return self
 
     def __exit__(
@@ -59,13 +70,27 @@ class Join:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if error is not None or not self.enable:
+        if not self.enable:
             return
-        for sync in self._syncs:
-            if sync.in_flight:
-                sync.wait()
-                sync.reset()
-        self.last = collectives.join(backend=self._backend)
+        try:
+            if error is not None:
+                return
+            for sync in self._syncs:
+                if sync.in_flight:
+                    sync.wait()
+                    sync.reset()
+            self.last = answer(self._backend, self._answer if self._zeros else None)
+            for z in self._zeros:
+                z.settle()
+        finally:
+            for z in self._zeros:
+                z.detach()
+
+    def _answer(self, replay: Replay, backend: Backend, pool: BufferPool) -> None:
+        if isinstance(replay, ZeroReplay) and replay.optimizer < len(self._zeros):
+            self._zeros[replay.optimizer].answer(replay, backend, pool)
+        else:
+            replay.run(backend, pool)
 
 
 def join(*joinables: nn.Module | optim.Optimizer, enable: bool = True) -> Join:
@@ -73,7 +98,9 @@ def join(*joinables: nn.Module | optim.Optimizer, enable: bool = True) -> Join:
 
     Args:
         joinables: the `dp.torch.DataParallelModel` and/or `dp.DistributedOptimizer` whose
-            gradients the loop reduces (their group is the one joined).
+            gradients the loop reduces (their group is the one joined), and any
+            `dp.torch.ZeroRedundancyOptimizer` the loop steps (stage 1 with the wrapper that
+            reduces its gradients: `join(model, optimizer)`; stage 2 alone: `join(optimizer)`).
         enable: join at the end of the block (False: a plain block, for even data).
 
     Returns:

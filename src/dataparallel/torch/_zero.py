@@ -26,6 +26,7 @@ from dataparallel.protocol import verify_same_call
 from dataparallel.torch._buckets import overlaps
 from dataparallel.torch._zero_gather import SliceGather
 from dataparallel.torch._zero_grads import GradientShards, refuse_reduced
+from dataparallel.torch._zero_join import ZeroJoin, refuse_unjoined
 from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
 from dataparallel.torch._zero_overlap import ForwardOverlap
 from dataparallel.torch._zero_state import consolidate, load
@@ -173,6 +174,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._gather: SliceGather | None = None  # planned at the first step after a layout
         self._consolidated: dict[str, Any] | None = None
         self._have_grads = False
+        self._join: ZeroJoin | None = None  # inside a `dp.torch.join` block (`_zero_join.py`)
         for g in range(len(self.param_groups)):
             self._plan(g)
         inner = [self._inner_group(g) for g in range(len(self.param_groups))]
@@ -239,9 +241,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """(Re)make the stage-2 reducer over the current layout."""
         if self.stage != 2:
             return
+        joining = None
         if self._shards is not None:
             self._shards.land()
             self._shards.close()
+            joining = self._shards.join_pass
         self._shards = GradientShards(
             self._params,
             self._flats,
@@ -251,6 +255,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             overlap=self._overlap,
             staged=self._staged,
         )
+        self._shards.join_pass = joining
 
     def _hook_forward(self) -> None:
         """(Re)place the hooks that land the exchange in the model's forward, over the layout."""
@@ -324,6 +329,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._join is not None:
+            self._join.tell("step")
+        elif self.stage == 1:
+            refuse_unjoined(self)
         self._gradients()
         _copy_options(self.param_groups, self.optim.param_groups)
         self.optim.step()
@@ -363,6 +372,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
         With `stage=2`, reduce-scatters in flight complete first (every rank started them).
         """
+        if self._join is not None:
+            self._join.tell("discard")
         self._end_step()
         super().zero_grad(set_to_none)
 
@@ -377,6 +388,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         backward and before `step()`, on every rank.
         """
         self._settle()
+        if self._join is not None:
+            self._join.tell("clip", (float(max_norm), float(norm_type), error_if_nonfinite))
         self._gradients()
         grads = [p.tensor.grad for p in self.pieces if p.tensor.grad is not None]
         norm_type = float(norm_type)

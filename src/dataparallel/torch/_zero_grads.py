@@ -31,6 +31,7 @@ copy before it is scaled and added to the shard. Nothing is sent in place then.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -120,6 +121,7 @@ class GradientShards:
     # parameters not ready yet, buckets each parameter has left to be packed in, the next bucket.
     _queued: bool
     _probing: Handle | None  # this pass's check, begun at its first gradient (passes after one)
+    _joining: Callable[[], None] | None  # this pass's join handshake, to finish (`join_pass`)
     _ready: list[bool]
     _pending: list[int]
     _left: list[int]
@@ -165,6 +167,9 @@ class GradientShards:
         self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
         self._passes = 0  # passes ended since the last step
         self._fresh = [True] * len(buckets)
+        # Set inside a `dp.torch.join` block: a pass's handshake, begun at its first gradient;
+        # what it returns (if anything) finishes it, before the pass's first bucket.
+        self.join_pass: Callable[[], Callable[[], None] | None] | None = None
         self._new_pass()
 
     @property
@@ -189,14 +194,12 @@ class GradientShards:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._queued = True
-            if self._passes and self.backend.size > 1:  # another pass: check before sending
+            if self.join_pass is not None and self.backend.size > 1:
                 if not self.backend.progresses:
                     self.land()  # MPI: one call in flight at a time
-                self._probe[:] = 0
-                self._probe[len(self.params) + self.backend.rank] = _PASS
-                # Non-blocking on every engine, as the step's flags: MPI matches no blocking
-                # collective with a non-blocking one.
-                self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
+                self._joining = self.join_pass()
+            if self._joining is None:
+                self._begin_pass()  # else once the handshake is done (`_settle_probe`)
         if self._ready[k]:
             return
         self._ready[k] = True
@@ -205,9 +208,27 @@ class GradientShards:
         if self.overlap:
             self._launch_ready()
 
+    def _begin_pass(self) -> None:
+        """A pass's first gradient: after a step's first pass, begin its check."""
+        if self._passes and self.backend.size > 1:  # another pass: check before sending
+            if not self.backend.progresses:
+                self.land()  # MPI: one call in flight at a time
+            self._probe[:] = 0
+            self._probe[len(self.params) + self.backend.rank] = _PASS
+            # Non-blocking on every engine, as the step's flags: MPI matches no blocking
+            # collective with a non-blocking one.
+            self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
+
+    def shadow_pass(self) -> None:
+        """A pass without gradients, by a rank that has joined (`_zero_join.py`): the same
+        calls as the others' pass, sending zeros; no parameter had a gradient here."""
+        self._begin_pass()
+        self._end_of_pass()
+
     def _new_pass(self) -> None:
         self._queued = False
         self._probing = None
+        self._joining = None
         self._ready = [False] * len(self.params)
         self._pending = [len(self.buckets[b].params) for b in self.order]
         self._left = [len(positions) for positions in self.buckets_of]
@@ -227,7 +248,12 @@ class GradientShards:
             self._next += 1
 
     def _settle_probe(self) -> None:
-        """Wait for this pass's check, if one is in flight; raise where the ranks disagree."""
+        """Wait for this pass's check, if one is in flight; raise where the ranks disagree.
+        In a join block, finish the pass's handshake first, then begin the check."""
+        joining, self._joining = self._joining, None
+        if joining is not None:
+            joining()
+            self._begin_pass()
         probing, self._probing = self._probing, None
         if probing is not None:
             probing.wait()
@@ -271,7 +297,10 @@ class GradientShards:
         mine = counts[rank]
         shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
         spare = None
-        if self._fresh[b] and wire == flat.dtype and self._staging is None:
+        # Into the shard only for the step's first reduction of the bucket: a later pass's
+        # must not overwrite the shard while the first is still in flight (it adds on landing).
+        first = self._fresh[b] and all(flight[0] != b for flight in self._flights)
+        if first and wire == flat.dtype and self._staging is None:
             recv = shard
         else:
             spare = self._pool.take(wire, mine)
