@@ -15,12 +15,14 @@ no rank used keeps no gradient, as in one process.
 Every rank must run as many passes before each `step()`. A rank that runs one more than another
 would pair its pass's first reduce-scatter with the other's flags, so a pass after the first of
 a step begins with an exchange of the flags' shape (started at its first gradient, waited before
-its first bucket), and both end in one slot per rank saying what that rank is doing (`_PASS` or
-`_STEP`): where the slots differ, every rank raises `CollectiveMismatchError` before sending
-anything else. A step of one pass costs nothing more (its slots ride on the flags).
+its first bucket), and both end in one slot per rank saying what that rank is doing (`PASS` or
+`STEP`, `_zero_passes.py`): where the slots differ, every rank raises `CollectiveMismatchError`
+before sending anything else. A step of one pass costs nothing more (its slots ride on the
+flags).
 
-Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
-parameter (one of `bucket_bytes` or more) sends its gradient in place.
+Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once; it, the buckets'
+order and their wire dtype: `_zero_buffers.py`); a bucket of one parameter (one of
+`bucket_bytes` or more) sends its gradient in place.
 
 `staged` (parameters on a device, which the engines cannot read): the shards stay on the device;
 a bucket is packed into a device buffer, copied to a host send buffer (pinned where torch has
@@ -38,71 +40,24 @@ import numpy as np
 import torch
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
-from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
-from dataparallel.torch._zero_layout import Bucket, Flat, host_buffer
+from dataparallel.torch._zero_buffers import Pool, launch_order, sent_counts, wire_dtype
+from dataparallel.torch._zero_layout import Bucket, Flat
+from dataparallel.torch._zero_passes import PASS, STEP, pass_mismatch
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradientShards", "launch_order", "wire_dtype"]
+__all__ = ["GradientShards", "refuse_reduced"]
 
 # Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
 MAX_IN_FLIGHT = 1
-# What a rank's slot in the flags' exchange says it is doing (`GradientShards.wait`, `_probe`).
-_PASS, _STEP = 1.0, 2.0
 
 # A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
 # parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
 # and whether it sends in place.
 _Flight = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
-
-
-def launch_order(buckets: list[Bucket]) -> list[int]:
-    """Buckets in the order backward usually completes them: latest parameters first."""
-    return sorted(range(len(buckets)), key=lambda b: (-max(buckets[b].params), buckets[b].start))
-
-
-def wire_dtype(dtype: torch.dtype, backend: Backend) -> torch.dtype:
-    """The dtype a gradient bucket is reduced in: its own where the engine reduces it natively,
-    else float32 (bfloat16)."""
-    name = str(dtype).removeprefix("torch.")
-    return dtype if name in backend.native_dtypes else torch.float32
-
-
-def sent_counts(bucket: Bucket) -> list[int]:
-    """Items per rank of a bucket's reduce-scatter: its padding (which ends the last ranks'
-    segments) is not sent, so that a bucket of one parameter sends its gradient as it is."""
-    part, items = bucket.counts[0], bucket.filled - bucket.start
-    return [min(part, max(0, items - r * part)) for r in range(len(bucket.counts))]
-
-
-class _Pool:
-    """Buffers taken and given back: a buffer is reused by any later request it can hold."""
-
-    def __init__(self, device: torch.device | None = None, staged: bool = False) -> None:
-        self.device = device  # None: host buffers (`host_buffer`: pinned if `staged`)
-        self.staged = staged
-        self._free = dict[torch.dtype, list[torch.Tensor]]()
-        self.allocated = 0  # bytes of the buffers alive (given out or free)
-
-    def take(self, dtype: torch.dtype, items: int) -> torch.Tensor:
-        free = self._free.setdefault(dtype, [])
-        for i, buf in enumerate(free):
-            if buf.numel() >= items:
-                return free.pop(i)
-        if free:  # too small: dropped, so that no more buffers live than are in use at once
-            self.allocated -= free.pop().nbytes
-        if self.device is None:
-            buf = host_buffer(items, dtype, self.staged)
-        else:
-            buf = torch.empty(items, dtype=dtype, device=self.device)
-        self.allocated += buf.nbytes
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        self._free[buf.dtype].append(buf)
 
 
 class GradientShards:
@@ -151,9 +106,9 @@ class GradientShards:
             torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in flats
         ]
         self._wires = [wire_dtype(f.dtype, backend) for f in flats]
-        self._pool = _Pool(staged=staged)  # what the engine reads and writes: host buffers
+        self._pool = Pool(staged=staged)  # what the engine reads and writes: host buffers
         # Staged: buffers on the parameters' device, that buckets are packed in and land in.
-        self._staging = _Pool(flats[0].data.device) if staged and flats else None
+        self._staging = Pool(flats[0].data.device) if staged and flats else None
         self._flights: list[_Flight] = []
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
@@ -162,7 +117,7 @@ class GradientShards:
             if p.requires_grad:
                 claim(p, self)
                 self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, k)))
-        # Whether each parameter had a gradient, then one slot per rank (`_PASS`/`_STEP`).
+        # Whether each parameter had a gradient, then one slot per rank (`PASS`/`STEP`).
         self.had = np.zeros(len(params) + backend.size, np.float32)
         self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
         self._passes = 0  # passes ended since the last step
@@ -214,7 +169,7 @@ class GradientShards:
             if not self.backend.progresses:
                 self.land()  # MPI: one call in flight at a time
             self._probe[:] = 0
-            self._probe[len(self.params) + self.backend.rank] = _PASS
+            self._probe[len(self.params) + self.backend.rank] = PASS
             # Non-blocking on every engine, as the step's flags: MPI matches no blocking
             # collective with a non-blocking one.
             self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
@@ -257,7 +212,7 @@ class GradientShards:
         probing, self._probing = self._probing, None
         if probing is not None:
             probing.wait()
-            self._agree(self._probe, _PASS)
+            self._agree(self._probe, PASS)
 
     def _launch(self, b: int) -> None:
         self._settle_probe()  # this pass's check, before its first bucket
@@ -376,7 +331,7 @@ class GradientShards:
         if self.backend.size == 1:
             self.land()
             return had
-        had[len(self.params) + self.backend.rank] = _STEP
+        had[len(self.params) + self.backend.rank] = STEP
         if self.backend.progresses:  # travels beside the last buckets
             flags = self.backend.iallreduce(had, ReduceOp.MAX)
             self.land()
@@ -384,25 +339,16 @@ class GradientShards:
             self.land()
             flags = self.backend.iallreduce(had, ReduceOp.MAX)  # as a later pass's check
         flags.wait()
-        self._agree(had, _STEP)
+        self._agree(had, STEP)
         return had
 
     def _agree(self, slots: np.ndarray, doing: float) -> None:
         """Raise `CollectiveMismatchError` unless every rank's slot says `doing` (every rank
         exchanged the same slots, so every rank raises alike)."""
-        kinds = slots[len(self.params) :]
-        if (kinds == doing).all():
-            return
-        self._passes = 0  # the step is void on every rank: zero_grad() begins the next
-        passing = [r for r, kind in enumerate(kinds) if kind == _PASS]
-        stepping = [r for r, kind in enumerate(kinds) if kind == _STEP]
-        raise CollectiveMismatchError(
-            "ZeroRedundancyOptimizer(stage=2): the ranks ran different numbers of backward "
-            f"passes before step(): {_ranks(passing)} began another pass where "
-            f"{_ranks(stepping)} called step(). Every rank must run as many backward passes "
-            "(and as many steps); this step's gradients are discarded: call zero_grad() on "
-            "every rank to go on."
-        )
+        error = pass_mismatch(slots[len(self.params) :], doing)
+        if error is not None:
+            self._passes = 0  # the step is void on every rank: zero_grad() begins the next
+            raise error
 
     def reset(self) -> None:
         """Begin a new step: reductions in flight complete (every rank started them), then the
@@ -412,10 +358,6 @@ class GradientShards:
         self.had[:] = 0
         self._passes = 0
         self._new_pass()
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def refuse_reduced(params: list[tuple[str, torch.Tensor]]) -> None:
