@@ -5,59 +5,41 @@ library's engines, with slices instead of whole parameters: every rank steps a c
 segment of every bucket (`_zero_layout.py`), so shards are balanced whatever the parameters'
 sizes, and the updated segments come back with one allgather per bucket, merged into one call
 on Gloo (`_zero_gather.py`; torch's: one broadcast per rank). `stage=2` reduce-scatters the
-gradients itself during backward (`_zero_grads.py`). Checkpoints: `_zero_state.py`. Parameters
-on a device (CUDA) keep their buffers, shards and state there; every engine call is staged
-through host buffers. Usage, semantics and departures: docs/zero.md.
+gradients itself during backward (`_zero_grads.py`). Checkpoints: `_zero_state.py`. What it is
+made with, checked: `_zero_args.py`; the norm `clip_grad_norm_` clips by: `_zero_clip.py`.
+Parameters on a device (CUDA) keep their buffers, shards and state there; every engine call is
+staged through host buffers. Usage, semantics and departures: docs/zero.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, NoReturn, SupportsIndex
+from typing import Any, NoReturn, SupportsIndex
 
-import numpy as np
 import torch
 
 from dataparallel import world
-from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.config import Settings
+from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
-from dataparallel.protocol import verify_same_call
 from dataparallel.torch._buckets import overlaps
+from dataparallel.torch._zero_args import (
+    Stage,
+    check_options,
+    default_bucket_bytes,
+    inner_class,
+    one_device,
+    refuse_reduced,
+    verify_params,
+)
+from dataparallel.torch._zero_clip import clip_slices
 from dataparallel.torch._zero_gather import SliceGather
-from dataparallel.torch._zero_grads import GradientShards, refuse_reduced
+from dataparallel.torch._zero_grads import GradientShards
 from dataparallel.torch._zero_join import ZeroJoin, refuse_unjoined
 from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
 from dataparallel.torch._zero_overlap import ForwardOverlap
-from dataparallel.torch._zero_state import consolidate, load
+from dataparallel.torch._zero_state import consolidate, load, with_options
 
 __all__ = ["ZeroRedundancyOptimizer"]
-
-Stage = Literal[1, 2]
-
-
-def default_bucket_bytes(stage: Stage, settings: Settings) -> int:
-    """Stage 1: `Settings.thread_bucket_bytes` (25 MiB, DDP's size): its buckets cost no buffer
-    (the allgathers land in the parameters), and every bucket is two calls (a reduce by the
-    wrapper, an allgather), each about as dear whatever its size on a busy node. Stage 2: 4 x
-    `Settings.bucket_bytes` (1 MiB): each bucket in flight is a send buffer of its size, which
-    counts against the gradient memory stage 2 saves (benchmarks/zero.py, docs/zero.md)."""
-    return settings.thread_bucket_bytes if stage == 1 else 4 * settings.bucket_bytes
-
-
-def _optimizer_class(cls: object) -> type[torch.optim.Optimizer]:
-    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
-        return cls
-    if isinstance(cls, torch.optim.Optimizer):
-        raise TypeError(
-            "ZeroRedundancyOptimizer(params, optimizer_class, ...) takes the optimizer's class "
-            f"and its options, not an optimizer: give {type(cls).__name__}, lr=... instead of "
-            f"{type(cls).__name__}(params, lr=...)."
-        )
-    raise TypeError(
-        "ZeroRedundancyOptimizer: optimizer_class must be a subclass of torch.optim.Optimizer "
-        f"(torch.optim.Adam, ...), got {cls!r}."
-    )
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -135,15 +117,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         _staged: bool = False,
         **defaults: Any,
     ) -> None:
-        self._class = _optimizer_class(optimizer_class)
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroRedundancyOptimizer: stage={stage!r} must be 1 or 2.")
-        if bucket_bytes is not None and (
-            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
-        ):
-            raise ValueError(
-                f"ZeroRedundancyOptimizer: bucket_bytes={bucket_bytes!r} must be a positive int."
-            )
+        self._class = inner_class(optimizer_class)
+        check_options(stage, bucket_bytes)
         self._initialized = False
         # The parameters' device (set by the first), and whether engine calls go through host
         # buffers: for device parameters, or forced for host ones (`_staged`: the tests' way to
@@ -194,27 +169,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         group = self.param_groups[g]
         first = len(self._params)
         named = [(f"param_groups[{g}]['params'][{i}]", p) for i, p in enumerate(group["params"])]
-        for name, p in named:
-            if self._device is None:
-                self._device = p.device
-                self._staged = self._staged or p.device.type != "cpu"
-            elif p.device != self._device:
-                raise ValueError(
-                    f"ZeroRedundancyOptimizer: {name} is on {p.device}, the parameters before "
-                    f"it on {self._device}; it shards the parameters of one device. Move the "
-                    "model to one device first, or use one optimizer per device."
-                )
+        if self._device is None and named:  # the first parameter's: every engine call staged?
+            self._staged = self._staged or named[0][1].device.type != "cpu"
+        self._device = one_device(named, self._device)
         if self.stage == 2:
             refuse_reduced(named)
-        call: dict[str, object] = {
-            "collective": "ZeroRedundancyOptimizer parameters",
-            "optimizer_class": f"{self._class.__module__}.{self._class.__qualname__}",
-            "stage": self.stage,
-            "bucket_bytes": self.bucket_bytes,
-        }
-        for name, p in named:
-            call[name] = f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
-        verify_same_call(self.backend, call)
+        verify_params(self.backend, self._class, self.stage, self.bucket_bytes, named)
         self._names += [name for name, _ in named]
         self._params += [p for _, p in named]
         flats, buckets, pieces = plan_group(
@@ -392,28 +352,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._join.tell("clip", (float(max_norm), float(norm_type), error_if_nonfinite))
         self._gradients()
         grads = [p.tensor.grad for p in self.pieces if p.tensor.grad is not None]
-        norm_type = float(norm_type)
-        if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-            total = np.array([local], np.float64)
-            if self.backend.size > 1:
-                self.backend.allreduce(total, ReduceOp.MAX)
-            norm = float(total[0])
-        else:
-            local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
-            total = np.array([local], np.float64)
-            if self.backend.size > 1:
-                self.backend.allreduce(total, ReduceOp.SUM)
-            norm = float(total[0]) ** (1.0 / norm_type)
-        if error_if_nonfinite and not np.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} of the gradients is {norm}: not finite, "
-                "so they cannot be clipped (error_if_nonfinite=True)."
-            )
-        coefficient = max_norm / (norm + 1e-6)
-        if coefficient < 1.0:
-            for g in grads:
-                g.mul_(coefficient)
+        norm = clip_slices(grads, max_norm, float(norm_type), error_if_nonfinite, self.backend)
         return torch.tensor(norm, device=self._device)
 
     # -- memory figures ------------------------------------------------------------------------
@@ -460,12 +399,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 f"consolidate_state_dict(to={self.backend.rank}) on every rank first."
             )
         self._settle()
-        groups = []
-        saved = self._consolidated["param_groups"]
-        for group, indices in zip(self.param_groups, saved, strict=True):
-            options = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**options, "params": indices["params"]})
-        return {"state": self._consolidated["state"], "param_groups": groups}
+        return with_options(self._consolidated, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state (this optimizer's, at any world size, or a plain

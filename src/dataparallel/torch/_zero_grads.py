@@ -41,7 +41,6 @@ import torch
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
-from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._zero_buffers import Pool, launch_order, sent_counts, wire_dtype
 from dataparallel.torch._zero_layout import Bucket, Flat
 from dataparallel.torch._zero_passes import PASS, STEP, pass_mismatch
@@ -49,7 +48,7 @@ from dataparallel.torch._zero_passes import PASS, STEP, pass_mismatch
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradientShards", "refuse_reduced"]
+__all__ = ["GradientShards"]
 
 # Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
 MAX_IN_FLIGHT = 1
@@ -358,17 +357,3 @@ class GradientShards:
         self.had[:] = 0
         self._passes = 0
         self._new_pass()
-
-
-def refuse_reduced(params: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise `ValueError` for a parameter whose gradients a model wrapper already reduces."""
-    for name, p in params:
-        reducer = owner_of(p)
-        if reducer is not None and not isinstance(reducer, GradientShards):
-            who = getattr(reducer, "owner", type(reducer).__name__)
-            raise ValueError(
-                f"ZeroRedundancyOptimizer(stage=2): {name} is already reduced by a {who}; "
-                "stage 2 reduce-scatters the gradients itself, so they would be reduced twice. "
-                "Give stage=2 the unwrapped model's parameters, or use stage=1 under the "
-                "wrapper."
-            )

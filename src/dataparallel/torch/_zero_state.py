@@ -9,6 +9,7 @@ never every rank's whole shard at once. Element-wise state (a tensor of the piec
 that holds a piece of the parameter (every piece of a parameter steps together). With parameters
 on a device, each bucket's slices are packed there and cross to the host in one copy; the
 consolidated state is on the host (torch's `load_state_dict` moves it to the parameters' device).
+`with_options` gives it each param group's options as they are at `state_dict()`.
 
 `load` takes such a dict (from this optimizer at any world size, or from a plain optimizer) and
 keeps this rank's slices; a dict whose parameters do not match raises `ValueError`.
@@ -40,7 +41,7 @@ class ZeroRedundancyOptimizer(Protocol):
     def pieces(self) -> list[Piece]: ...
 
 
-__all__ = ["consolidate", "load"]
+__all__ = ["consolidate", "load", "with_options"]
 
 # What a rank knows of a parameter's state: key -> ("slice", dtype) or ("value", the value).
 Schema = dict[str, tuple[str, Any]]
@@ -130,6 +131,15 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
         groups.append({"params": list(range(first, first + n))})
         first += n
     return {"state": out, "param_groups": groups}
+
+
+def with_options(consolidated: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """A consolidated state with each param group's options as they are now (`state_dict()`)."""
+    out = []
+    for group, indices in zip(groups, consolidated["param_groups"], strict=True):
+        options = {k: v for k, v in group.items() if k != "params"}
+        out.append({**options, "params": indices["params"]})
+    return {"state": consolidated["state"], "param_groups": out}
 
 
 def _mismatch(zero: ZeroRedundancyOptimizer, what: str) -> ValueError:
