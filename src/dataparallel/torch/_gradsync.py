@@ -3,9 +3,8 @@
 `DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
 post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
 ready buckets go out while backward keeps running, handed to the communication thread, or all at
-its end (`overlap`: timed by the first steps where both can be, `_tuning.ModeTrial`; else
-`_buckets.overlaps`; `arrays/routes.py`). The first bucket holds at most 1 MiB, so the first
-message leaves early in backward (`_buckets.assign`).
+its end (`overlap`, and each mode's bucket size: `_modes.py`; `arrays/routes.py`). The first
+bucket holds at most 1 MiB, so the first message leaves early in backward (`_buckets.assign`).
 
 How buckets are made, and why every rank makes the same calls:
 
@@ -54,15 +53,12 @@ from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
     arrival_order,
-    bucket_bytes_for,
     check_options,
     describe,
     grad_family,
     layout,
     message,
-    offloadable,
     on_host,
-    overlaps,
     replay_of,
     signature,
     step_flags,
@@ -70,6 +66,7 @@ from dataparallel.torch._buckets import (
 from dataparallel.torch._feedback import ErrorFeedback
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._modes import Modes
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.torch._tuning import ModeTrial
 from dataparallel.types import Op
@@ -152,17 +149,12 @@ class GradientSync:
         # Collective (World.private, offloadable): every rank makes it at the same point.
         private = active.private(self.backend)
         trainable = [(n, p) for n, p in params() if p.requires_grad]
-        offload = offloadable(self.backend, private, on_host(trainable))
-        forced = active.settings.overlap
-        # Thread or after backward: timed by the steps themselves where either can be and some
-        # rank is on another node (_tuning); on one node the cores tell (`_buckets.overlaps`).
-        spans = self.backend.local_size < self.backend.size
-        self._trial = ModeTrial() if offload and forced is None and spans else None
-        self.overlap = self._trial.mode if self._trial else self._overlaps(forced)
-        self._given, self._settings = bucket_bytes, active.settings
-        self._model_bytes = sum(p.numel() * p.element_size() for _, p in trainable)
-        self._on_device = not on_host(trainable)
-        self.bucket_bytes = bucket_bytes or self._bucket_bytes_for(self.overlap, offload)
+        self._modes = Modes(self.backend, private, trainable, active.settings)  # `_modes.py`
+        self.overlap = self._modes.first()
+        self._given = bucket_bytes
+        self.bucket_bytes = bucket_bytes or self._modes.bucket_bytes(
+            self.overlap, self._modes.offload
+        )
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
         self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
@@ -192,6 +184,11 @@ class GradientSync:
         self._rebuilt = False
         self._replan(trainable, None)
         self._clear()
+
+    @property
+    def _trial(self) -> ModeTrial | None:
+        """The trial timing the modes, if this reduction times them (`_modes.py`)."""
+        return self._modes.trial
 
     @property
     def outlived(self) -> bool:
@@ -482,10 +479,10 @@ class GradientSync:
             )
         if not self._rebuilt and not self._joined:
             self._rebuild()
-        if self._trial is not None and not self._joined:  # on every rank alike: collective
-            took = time.perf_counter() - self._began if self._began else 0.0
-            if self._trial.record(took, self.backend):
-                self._switch(self._trial.mode)
+        if not self._joined:  # on every rank alike: collective
+            mode = self._modes.switch(self._began)
+            if mode is not None:
+                self._switch(mode)
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
 
@@ -494,27 +491,12 @@ class GradientSync:
         with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
         self.overlap = overlap
         if self._given is None:
-            self.bucket_bytes = self._bucket_bytes_for(overlap, True)
+            self.bucket_bytes = self._modes.bucket_bytes(overlap, True)
             self._options["bucket_bytes"] = self.bucket_bytes
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._replan(self._params, [i for b in self._buckets for i in b.members])
-
-    def _overlaps(self, forced: bool | None) -> bool:
-        """`_buckets.overlaps`, the same on every rank (the mode sets the bucket layout)."""
-        overlap = overlaps(self.backend.local_size, forced)
-        if forced is None and self.backend.size > 1:
-            overlap = bool(collectives.allreduce(int(overlap), op="min", backend=self.backend))
-        return overlap
-
-    def _bucket_bytes_for(self, overlap: bool, offload: bool) -> int:
-        """The bucket size of a mode (`_buckets.bucket_bytes_for`)."""
-        # DDP's size where each call costs the most: a rendezvous of threads (Gloo, NCCL), or
-        # device buckets staged one at a time (benchmarks/gpu.py).
-        whole = not overlap and (self.backend.progresses or self._on_device)
-        total, settings = self._model_bytes, self._settings
-        return bucket_bytes_for(overlap and offload, total, settings, whole=whole)
 
     def _rebuild(self) -> None:
         """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
