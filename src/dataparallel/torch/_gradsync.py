@@ -8,7 +8,8 @@ bucket holds at most 1 MiB, so the first message leaves early in backward (`_buc
 
 How buckets are made, and why every rank makes the same calls:
 
-- Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`).
+- Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`;
+  the parameters, their hooks and buckets: `_gradplan.py`).
 - Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it. So
   ranks whose hooks fire in different orders still make the same calls in the same order.
 - At the end of the pass that completes a step (a callback queued on the autograd engine), every
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.arrays.actions import reduction
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
@@ -52,20 +53,16 @@ from dataparallel.protocol import Started, handshake, start_handshake
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
-    arrival_order,
     check_options,
     describe,
     grad_family,
-    layout,
     message,
-    on_host,
     replay_of,
-    signature,
     step_flags,
 )
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._hooks import claim, make_hook, remove_hooks
-from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._gradplan import GradientPlan
+from dataparallel.torch._hooks import remove_hooks
 from dataparallel.torch._modes import Modes
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.torch._tuning import ModeTrial
@@ -91,7 +88,7 @@ class _State(Enum):
 _OPEN, _LAUNCHED, _DONE, _FAILED = _State.OPEN, _State.LAUNCHED, _State.DONE, _State.FAILED
 
 
-class GradientSync:
+class GradientSync(GradientPlan):
     """Reduce the gradients of a set of parameters across ranks while `backward()` runs.
 
     The engine under `DataParallelModel` and `DistributedOptimizer`; use those. A step's
@@ -219,67 +216,6 @@ class GradientSync:
     def bucket_backend(self) -> Backend:
         """The engine this step's buckets travel on (`arrays/routes.py`)."""
         return self._router.fusion.backend
-
-    @property
-    def parameters(self) -> list[torch.Tensor]:
-        """The parameters this object reduces, in registration order."""
-        return [p for _, p in self._params]
-
-    @property
-    def buckets(self) -> list[list[torch.Tensor]]:
-        """The parameters of each bucket, in the order the buckets are launched."""
-        return [[self._params[i][1] for i in b.members] for b in self._buckets]
-
-    # -- planning ----------------------------------------------------------------------------
-
-    def _current(self) -> NamedParams:
-        """The parameters to reduce now: trainable ones that no newer GradientSync has claimed."""
-        mine = (None, self)
-        return [(n, p) for n, p in self._source() if p.requires_grad and owner_of(p) in mine]
-
-    def _replan(self, params: NamedParams, order: list[int] | None) -> None:
-        """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
-        if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
-            remove_hooks(self._handles)
-            self._params = list(params)
-            ref = weakref.ref(self)
-            displaced = set()
-            for index, (_, p) in enumerate(self._params):
-                old = claim(p, self)
-                if old is not None:
-                    displaced.add(old)
-                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, index)))
-            self._rebuilt = False
-            if self._feedback is not None:
-                self._feedback.clear()  # residuals are kept by index
-            for old in displaced:
-                old.refresh()
-        if order is None:
-            order = list(range(len(self._params)))[::-1]
-        order = self._sparse.dense_order(order)
-        full = world.current().settings.check if world.initialized() else True
-        self._buckets, self._bucket_of, self._summary = layout(
-            self.owner, self._options, self._params, order, self.bucket_bytes, full
-        )
-        self._signature = signature(self._params)
-        self._host = on_host(self._params)  # only host buckets go to the communication thread
-        # Where the engine moves calls on by itself (Gloo), the step's handshake begins at its
-        # first gradient, so that its rendezvous overlaps backward (issue 21: at 3 Gloo ranks
-        # on 2 cores a blocking one made the step 1.16x DDP's, 1.02x without it).
-        self._begins_early = self._host and self.backend.progresses and self.backend.size > 1
-
-    def refresh(self) -> bool:
-        """Take parameters added, removed, frozen, unfrozen or converted since into account.
-
-        Called at the start of every step (`reset`); call it on every rank alike. Returns whether
-        the plan changed (the current step then starts over).
-        """
-        current = self._current()
-        if signature(current) == self._signature:
-            return False
-        self._replan(current, None)
-        self._clear()
-        return True
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -497,12 +433,3 @@ class GradientSync:
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._replan(self._params, [i for b in self._buckets for i in b.members])
-
-    def _rebuild(self) -> None:
-        """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
-        self._rebuilt = True
-        order = arrival_order(self._arrival, len(self._params))
-        if self.backend.size > 1:
-            order = collectives.broadcast_object(order, root=0, backend=self.backend)
-        if sorted(order) == list(range(len(self._params))):
-            self._replan(self._params, order)
