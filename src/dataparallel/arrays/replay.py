@@ -86,11 +86,13 @@ class Replay:
         if self.action is None:
             backend.barrier()
         elif self.flushes:
-            self._run_fusion(backend, pool)
+            self.reduce_zeros(backend, pool)
         if self.then is not None:
             self.then.run(backend, pool)
 
-    def _run_fusion(self, backend: Backend, pool: BufferPool | None) -> None:
+    def reduce_zeros(self, backend: Backend, pool: BufferPool | None) -> list[np.ndarray]:
+        """Make the described fused calls with zeros and wait; return the arrays given, in
+        order (an in-place reduction's arrays hold its results)."""
         assert self.action is not None
         fusion = Fusion(
             backend,
@@ -102,12 +104,15 @@ class Replay:
             compression=self.compression,
         )
         scatter = isinstance(self.action, Scatter)
+        given = []
         for arrays in self.flushes:
             for key, dtype, shape in arrays:
                 zeros = np.zeros(shape, storage_dtype(dtype))
                 fusion.add(zeros, dtype, key, _discard if scatter else None)
+                given.append(zeros)
             fusion.flush()
         fusion.wait()
+        return given
 
 
 def _discard(_: np.ndarray) -> None:

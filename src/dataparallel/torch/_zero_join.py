@@ -30,11 +30,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Protocol
 
-import numpy as np
 import torch
 
-from dataparallel.arrays.dtypes import storage_dtype
-from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
@@ -262,7 +259,8 @@ class ZeroJoin:
         """Stage 1: make the wrapper's reduction on zeros; its results (the world's average of
         the working ranks' gradients) become this rank's `.grad`, as the wrapper's would."""
         assert self.sync is not None and replay.reduction is not None
-        arrays = kept(replay.reduction, backend, pool)
+        assert replay.reduction.action is not None and replay.reduction.then is None
+        arrays = replay.reduction.reduce_zeros(backend, pool)
         named = dict(self.sync._params) | dict(self.sync._current())
         k = len(replay.names)  # then the flag vector, if any bucket was planned, then the late
         flags = arrays[k] if k else None
@@ -282,27 +280,3 @@ class ZeroJoin:
 
 def _summary(what: What, index: int) -> int:
     return digest(f"ZeroRedundancyOptimizer|{what}|{index}")
-
-
-def kept(replay: Replay, backend: Backend, pool: BufferPool | None) -> list[np.ndarray]:
-    """Make `replay`'s reduction on zeros, as `Replay.run` does, and return its arrays (each
-    holding its result), in the order they were given."""
-    assert replay.action is not None and replay.then is None
-    fusion = Fusion(
-        backend,
-        replay.action,
-        bucket_bytes=replay.bucket_bytes,
-        async_op=replay.async_op,
-        contiguous=replay.contiguous,
-        pool=pool,
-        compression=replay.compression,
-    )
-    arrays = []
-    for flush in replay.flushes:
-        for key, dtype, shape in flush:
-            zeros = np.zeros(shape, storage_dtype(dtype))
-            fusion.add(zeros, dtype, key)
-            arrays.append(zeros)
-        fusion.flush()
-    fusion.wait()
-    return arrays
