@@ -2,13 +2,18 @@
 
     .venv/bin/mpiexec -n 2 .venv/bin/python examples/torch_digits.py
     dataparallel run -n 2 examples/torch_digits.py --mode model
+    dataparallel run -n 3 examples/torch_digits.py --mode zero2
 
 Every rank trains on its share of each epoch's shuffled batches (`dp.DistributedDataLoader`);
 gradients are averaged across ranks during `backward()`, by `dp.DistributedOptimizer` (default)
-or by `dp.torch.DataParallelModel` (`--mode model`). Rank 0 draws the progress bar, prints the
-logs and writes the checkpoint; the held-out accuracy is computed by every rank on its share of
-the test set and summed with one allreduce. It runs in a few seconds on a laptop; the digits
-ship with scikit-learn, so nothing is downloaded.
+or by `dp.torch.DataParallelModel` (`--mode model`). With `--mode zero1` / `zero2` each rank
+keeps the Adam state of its slice of the parameters only (`dp.torch.ZeroRedundancyOptimizer`,
+stage 1 under `DataParallelModel`, stage 2 on the bare model, which also keeps only its slice of
+the gradients), and the checkpoint's optimizer state is consolidated on rank 0 in torch's plain
+format (it loads into `torch.optim.Adam`, or into ZeRO at any world size). Rank 0 draws the
+progress bar, prints the logs and writes the checkpoint; the held-out accuracy is computed by
+every rank on its share of the test set and summed with one allreduce. It runs in a few
+seconds on a laptop; the digits ship with scikit-learn, so nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--mode", choices=["optimizer", "model"], default="optimizer")
+    parser.add_argument(
+        "--mode", choices=["optimizer", "model", "zero1", "zero2"], default="optimizer"
+    )
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/torch_digits.pt"))
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -82,9 +89,18 @@ def main() -> int:
     net = nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
     )
+    opt: torch.optim.Optimizer
     if args.mode == "model":
         model: nn.Module = dp.torch.DataParallelModel(net)  # broadcasts rank 0's weights
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    elif args.mode == "zero1":  # the wrapper reduces the gradients, ZeRO shards Adam's state
+        model = dp.torch.DataParallelModel(net)
+        opt = dp.torch.ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=args.lr)
+    elif args.mode == "zero2":  # ZeRO reduce-scatters the gradients itself: the bare model
+        model = dp.synchronize(net)
+        opt = dp.torch.ZeroRedundancyOptimizer(
+            net.parameters(), torch.optim.Adam, stage=2, lr=args.lr
+        )
     else:
         model = dp.synchronize(net)  # every rank starts from rank 0's weights
         opt = dp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=args.lr))
@@ -121,6 +137,8 @@ def main() -> int:
             )
 
     accuracy = evaluate(model, x_test, y_test)
+    if isinstance(opt, dp.torch.ZeroRedundancyOptimizer):
+        opt.consolidate_state_dict(to=0)  # collective: every rank's slices, gathered on rank 0
     if dp.is_main():
         args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         torch.save(

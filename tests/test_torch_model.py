@@ -212,6 +212,37 @@ def test_the_digits_example_trains_to_95_percent_on_two_ranks(tmp_path: Path) ->
     bare.load_state_dict(state["model"])  # no `module.` prefix
 
 
+@pytest.mark.spawns
+@pytest.mark.parametrize(("mode", "backend"), [("zero1", "mpi"), ("zero2", "gloo")])
+def test_the_digits_example_trains_with_zero_at_three_ranks(
+    mode: str, backend: str, tmp_path: Path
+) -> None:
+    """`--mode zero1`/`zero2`: sharded Adam state; the checkpoint loads into a plain Adam."""
+    checkpoint = tmp_path / "digits.pt"
+    done = run_job(
+        [EXAMPLES / "torch_digits.py", "--mode", mode, "--checkpoint", checkpoint],
+        ranks=3,
+        backend=backend,
+        job_timeout=240,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if "final test accuracy" in line]
+    assert len(lines) == 1, done.stdout  # printed by rank 0 only
+    assert float(lines[0].split("accuracy ")[1].split("%")[0]) >= 95.0
+    state = torch.load(checkpoint, weights_only=True)
+    bare = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+    bare.load_state_dict(state["model"])
+    adam = torch.optim.Adam(bare.parameters())
+    adam.load_state_dict(state["optimizer"])  # consolidated: torch's plain format
+    steps = {float(s["step"]) for s in adam.state_dict()["state"].values()}
+    assert len(adam.state_dict()["state"]) == 6 and len(steps) == 1 and steps.pop() > 100
+    for p in bare.parameters():
+        assert adam.state[p]["exp_avg_sq"].shape == p.shape
+
+
 def test_dp_torch_without_pytorch_says_what_to_install() -> None:
     code = (
         "import sys\n"
