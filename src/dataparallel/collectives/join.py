@@ -60,7 +60,7 @@ def join(*, backend: Backend | None = None, group: Group | None = None) -> int:
     return answer(backend_of(backend, group))
 
 
-def answer(backend: Backend | None, run: Run | None = None) -> int:
+def answer(backend: Backend | None, run: Run = Replay.run) -> int:
     """`join`'s loop on `backend` (None: the active one): answer every handshake, making each
     replay with `run` (default: `Replay.run`), until every rank has joined."""
     ctx = context(backend)
@@ -80,7 +80,4 @@ def answer(backend: Backend | None, run: Run | None = None) -> int:
                 jitted.finish()
             return last
         if replay is not None:
-            if run is None:
-                replay.run(b, ctx.buffers)
-            else:
-                run(replay, b, ctx.buffers)
+            run(replay, b, ctx.buffers)

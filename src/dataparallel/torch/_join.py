@@ -79,7 +79,7 @@ class Join:
                 if sync.in_flight:
                     sync.wait()
                     sync.reset()
-            self.last = answer(self._backend, self._answer if self._zeros else None)
+            self.last = answer(self._backend, self._answer)
             for z in self._zeros:
                 z.settle()
         finally:

@@ -45,6 +45,8 @@ from dataparallel.torch._zero_grads import GradientShards
 __all__ = ["Sharded", "ZeroJoin", "ZeroRefusal", "ZeroReplay", "refuse_unjoined"]
 
 What = Literal["grads", "pass", "clip", "step", "discard"]
+Clip = tuple[float, float, bool]  # clip_grad_norm_'s max_norm, norm_type, error_if_nonfinite
+_NO_CLIP: Clip = (0.0, 2.0, False)
 
 
 class Sharded(Protocol):
@@ -84,7 +86,7 @@ class ZeroReplay(Replay):
 
     optimizer: int = 0
     what: What = "step"
-    clip: tuple[float, float, bool] = (0.0, 2.0, False)
+    clip: Clip = _NO_CLIP
     reduction: Replay | None = None
     names: tuple[tuple[str, int], ...] = ()
     late: tuple[str, ...] = ()
@@ -209,7 +211,7 @@ class ZeroJoin:
             return None
         return partial(self._tell, "pass", always=True, started=started)
 
-    def tell(self, what: What, clip: tuple[float, float, bool] = (0.0, 2.0, False)) -> None:
+    def tell(self, what: What, clip: Clip = _NO_CLIP) -> None:
         """Before `clip_grad_norm_`, `step()`, `zero_grad()`: have the joined ranks make it."""
         self._tell(what, clip)
         if what in ("step", "discard"):
@@ -218,7 +220,7 @@ class ZeroJoin:
     def _tell(
         self,
         what: What,
-        clip: tuple[float, float, bool] = (0, 2, False),
+        clip: Clip = _NO_CLIP,
         *,
         always: bool = False,
         started: Started | None = None,
