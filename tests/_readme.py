@@ -52,7 +52,10 @@ def main(path: str) -> None:
             exec(compile(block.source, f"{path}:{where}", "exec"), namespace)
             verdict = "ok"
         if not dp.initialized() or dp.rank() == 0:
-            print(f"{where}: {verdict}", flush=True)
+            # One write, newline included: under PYTHONUNBUFFERED (the launchers set it) print
+            # writes the text and its newline apart, and another rank's line can land between.
+            sys.stdout.write(f"{where}: {verdict}\n")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":
