@@ -23,6 +23,7 @@ from dataparallel.config import Settings
 
 pytest.importorskip("torch.distributed")
 
+from dataparallel.backends.file_store import remove_if_every_store_left
 from dataparallel.backends.gloo import GlooBackend
 from dataparallel.backends.rendezvous import RENDEZVOUS_FILE, parse_init_method
 
@@ -129,6 +130,29 @@ def test_file_rendezvous_in_a_shared_directory(tmp_path: Path) -> None:
     # which teardown does not always run (left once in a whole-suite run, 2026-11-26, beside
     # `GlooBackend.close`'s gc.collect()): best effort. Only that job's own file may be left.
     assert {p.name for p in shared.iterdir()} <= {f"{RENDEZVOUS_FILE}-second"}
+
+
+def test_a_rendezvous_file_goes_once_every_store_has_left(tmp_path: Path) -> None:
+    """`remove_if_every_store_left` on files torch's own FileStore wrote: the state two ranks
+    finishing at once leave (every worker finished, no reference left, file kept) is made here
+    by stores that expect one worker more than the world has."""
+    import torch.distributed as dist
+
+    path = tmp_path / RENDEZVOUS_FILE
+    first, second = dist.FileStore(str(path), 3), dist.FileStore(str(path), 3)
+    first.set("key", "value")
+    del first
+    assert not remove_if_every_store_left(path, 2), "a store still holds the file"
+    assert path.exists()
+    del second
+    assert path.exists(), "torch's destructor saw 2 of 3 workers finish: the file stays"
+    assert not remove_if_every_store_left(path, 3), "a third worker has not finished"
+    assert remove_if_every_store_left(path, 2)
+    assert not path.exists()
+    assert not remove_if_every_store_left(path, 2), "nothing to remove"
+    path.write_bytes(b"not a store")
+    assert not remove_if_every_store_left(path, 1)
+    assert path.exists(), "a file that is not a FileStore's is left alone"
 
 
 @pytest.mark.spawns

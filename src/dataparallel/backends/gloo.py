@@ -34,6 +34,7 @@ import socket
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
@@ -48,6 +49,7 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
+from dataparallel.backends.file_store import remove_if_every_store_left
 from dataparallel.backends.gloo_errors import translate_error
 from dataparallel.backends.gloo_exchange import GlooExchange
 from dataparallel.backends.gloo_handle import GlooHandle
@@ -85,11 +87,13 @@ class GlooBackend(GlooExchange, Backend):
         *,
         owns_default_group: bool,
         local: tuple[int, int] | None,
+        store_file: Path | None = None,
     ) -> None:
         import torch
 
         self._torch, self._dist, self.group = torch, dist, group
         self._owns_default_group = owns_default_group
+        self._store_file = store_file
         self._closed = False
         self._in_flight: weakref.WeakSet[GlooHandle] = weakref.WeakSet()
         self.rank = dist.get_rank(group)
@@ -133,6 +137,7 @@ class GlooBackend(GlooExchange, Backend):
             joined.group,
             owns_default_group=joined.owns_default_group,
             local=joined.local,
+            store_file=joined.store_file,
         )
 
     # -- reductions --------------------------------------------------------------------------
@@ -328,9 +333,11 @@ class GlooBackend(GlooExchange, Backend):
         if self._owns_default_group:
             dist.destroy_process_group()
             # Free the group's store now, while the interpreter is whole: a file:// store removes
-            # its file in its destructor, which interpreter teardown does not always run (a file
-            # left once in about five runs of `test_file_rendezvous_in_a_shared_directory`).
+            # its file in its destructor, which interpreter teardown does not always run, and
+            # which two ranks finishing at once can both skip (`file_store.py`).
             gc.collect()
+            if self._store_file is not None:
+                remove_if_every_store_left(self._store_file, self.size)
             return
         with contextlib.suppress(ValueError, RuntimeError):  # gone with the user's default group
             dist.destroy_process_group(group)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -38,6 +39,7 @@ class Joined(NamedTuple):
     group: ProcessGroup | None  # None: torch's default group, which this process made
     owns_default_group: bool
     local: tuple[int, int] | None  # (local rank, local size) from the launcher, if it set them
+    store_file: Path | None = None  # file:// rendezvous: the file the ranks met in
 
 
 def import_torch_distributed() -> ModuleType:
@@ -81,11 +83,10 @@ def join_group(
     try:
         with gloo_interface(interface):
             agent = settings.agent_store and rendezvous.url == "env://"
-            store = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
+            meeting = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
             dist.init_process_group(
                 "gloo",
-                init_method=None if store is not None else rendezvous.url,
-                store=store,
+                store=meeting.store,
                 rank=rendezvous.rank,
                 world_size=rendezvous.world_size,
                 timeout=timeout,
@@ -97,7 +98,7 @@ def join_group(
         settings.rank == rendezvous.rank and settings.world_size == rendezvous.world_size
     ):
         local = _launcher_local(settings)
-    return Joined(dist, None, owns_default_group=True, local=local)
+    return Joined(dist, None, owns_default_group=True, local=local, store_file=meeting.file)
 
 
 def _over_existing_group(

@@ -28,13 +28,14 @@ import struct
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError
 
 __all__ = [
     "RENDEZVOUS_FILE",
+    "Meeting",
     "Rendezvous",
     "gloo_interface",
     "interface_toward",
@@ -247,13 +248,20 @@ _STORES: dict[tuple[str, int, int], Any] = {}
 _GENERATIONS = itertools.count()
 
 
+class Meeting(NamedTuple):
+    """The store a world's ranks meet through, and its file for file:// (None otherwise)."""
+
+    store: Any  # torch.distributed.PrefixStore
+    file: Path | None
+
+
 def rendezvous_store(
     dist: Any,
     rendezvous: Rendezvous,
     timeout: datetime.timedelta | None,
     *,
     agent_store: bool = False,
-) -> Any:
+) -> Meeting:
     """Return the store this world's ranks meet through, under a key prefix of its own.
 
     With `agent_store` (torchrun's agent serves a store on `MASTER_PORT` already:
@@ -269,6 +277,7 @@ def rendezvous_store(
     """
     wait = timeout if timeout is not None else datetime.timedelta(minutes=30)  # torch's default
     generation = next(_GENERATIONS)
+    file = None
     if rendezvous.master is None:
         assert rendezvous.file is not None
         file = rendezvous.file
@@ -285,4 +294,4 @@ def rendezvous_store(
             base = _STORES[key] = dist.TCPStore(
                 host, port, rendezvous.world_size, serve, timeout=wait
             )
-    return dist.PrefixStore(f"dataparallel/{generation}/", base)
+    return Meeting(dist.PrefixStore(f"dataparallel/{generation}/", base), file)
