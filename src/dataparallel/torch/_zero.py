@@ -37,7 +37,7 @@ from dataparallel.torch._zero_grads import GradientShards
 from dataparallel.torch._zero_join import ZeroJoin, refuse_unjoined
 from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
 from dataparallel.torch._zero_overlap import ForwardOverlap
-from dataparallel.torch._zero_state import consolidate, load, with_options
+from dataparallel.torch._zero_state import consolidate, copy_options, load, with_options
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -154,7 +154,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._plan(g)
         inner = [self._inner_group(g) for g in range(len(self.param_groups))]
         self.optim: torch.optim.Optimizer = self._class(inner, **defaults)
-        _copy_options(self.optim.param_groups, self.param_groups)
+        copy_options(self.optim.param_groups, self.param_groups)
         self._reshard()
         # `overlap_with_forward`: the exchange lands in the model's forward (`_zero_overlap.py`).
         self._model = overlap_with_forward
@@ -244,7 +244,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         g = len(self.param_groups) - 1
         self._plan(g)
         self.optim.add_param_group(self._inner_group(g))
-        _copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
+        copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
         self._reshard()
         self._hook_forward()
 
@@ -294,7 +294,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         elif self.stage == 1:
             refuse_unjoined(self)
         self._gradients()
-        _copy_options(self.param_groups, self.optim.param_groups)
+        copy_options(self.param_groups, self.optim.param_groups)
         self.optim.step()
         self._allgather()
         self._end_step()
@@ -424,11 +424,3 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             "A ZeroRedundancyOptimizer cannot be pickled (it holds a shard); save "
             "consolidate_state_dict() + state_dict() instead."
         )
-
-
-def _copy_options(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
-    """Copy every option but the parameters, group by group (torch's `_sync_param_groups`)."""
-    for src, dst in zip(source, target, strict=True):
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value

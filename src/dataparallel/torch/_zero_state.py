@@ -9,7 +9,8 @@ never every rank's whole shard at once. Element-wise state (a tensor of the piec
 that holds a piece of the parameter (every piece of a parameter steps together). With parameters
 on a device, each bucket's slices are packed there and cross to the host in one copy; the
 consolidated state is on the host (torch's `load_state_dict` moves it to the parameters' device).
-`with_options` gives it each param group's options as they are at `state_dict()`.
+`with_options` gives it each param group's options as they are at `state_dict()` (`copy_options`,
+as the optimizer copies them into its inner one's).
 
 `load` takes such a dict (from this optimizer at any world size, or from a plain optimizer) and
 keeps this rank's slices; a dict whose parameters do not match raises `ValueError`.
@@ -41,7 +42,7 @@ class ZeroRedundancyOptimizer(Protocol):
     def pieces(self) -> list[Piece]: ...
 
 
-__all__ = ["consolidate", "load", "with_options"]
+__all__ = ["consolidate", "copy_options", "load", "with_options"]
 
 # What a rank knows of a parameter's state: key -> ("slice", dtype) or ("value", the value).
 Schema = dict[str, tuple[str, Any]]
@@ -133,12 +134,21 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
     return {"state": out, "param_groups": groups}
 
 
+def copy_options(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Copy every option but the parameters, group by group (torch's `_sync_param_groups`):
+    between the optimizer's param groups and its inner optimizer's, and into a checkpoint's."""
+    for src, dst in zip(source, target, strict=True):
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value
+
+
 def with_options(consolidated: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
     """A consolidated state with each param group's options as they are now (`state_dict()`)."""
-    out = []
-    for group, indices in zip(groups, consolidated["param_groups"], strict=True):
-        options = {k: v for k, v in group.items() if k != "params"}
-        out.append({**options, "params": indices["params"]})
+    out: list[dict[str, Any]] = [{} for _ in groups]
+    copy_options(groups, out)
+    for group, indices in zip(out, consolidated["param_groups"], strict=True):
+        group["params"] = indices["params"]  # last, as in torch's state_dict()
     return {"state": consolidated["state"], "param_groups": out}
 
 
