@@ -32,6 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from dataparallel.arrays.family_torch import TorchFamily
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
@@ -47,6 +48,7 @@ __all__ = ["Sharded", "ZeroJoin", "ZeroRefusal", "ZeroReplay", "refuse_unjoined"
 What = Literal["grads", "pass", "clip", "step", "discard"]
 Clip = tuple[float, float, bool]  # clip_grad_norm_'s max_norm, norm_type, error_if_nonfinite
 _NO_CLIP: Clip = (0.0, 2.0, False)
+_TORCH = TorchFamily()  # how a result becomes a tensor like its parameter
 
 
 class Sharded(Protocol):
@@ -274,10 +276,8 @@ class ZeroJoin:
             if i >= 0 and flags is not None and flags[i] == 0:
                 p.grad = None  # no rank had a gradient: None, as the wrapper leaves it
                 continue
-            grad = torch.from_numpy(values)
-            if grad.dtype != p.dtype:
-                grad = grad.view(p.dtype)  # bfloat16 travels as its bits
-            p.grad = grad.reshape(p.shape).to(p.device)
+            # The zeros' memory itself on the host, bfloat16 read from its bits (`TorchFamily`).
+            p.grad = _TORCH.adopt(p, values).reshape(p.shape)
 
 
 def _summary(what: What, index: int) -> int:
