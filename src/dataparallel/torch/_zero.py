@@ -5,8 +5,9 @@ library's engines, with slices instead of whole parameters: every rank steps a c
 segment of every bucket (`_zero_layout.py`), so shards are balanced whatever the parameters'
 sizes, and the updated segments come back with one allgather per bucket, merged into one call
 on Gloo (`_zero_gather.py`; torch's: one broadcast per rank). `stage=2` reduce-scatters the
-gradients itself during backward (`_zero_grads.py`). Checkpoints: `_zero_state.py`. What it is
-made with, checked: `_zero_args.py`; the norm `clip_grad_norm_` clips by: `_zero_clip.py`.
+gradients itself during backward (`_zero_grads.py`). Its parameters' layout, group by group, and
+what stands over it: `_zero_plan.py`. Checkpoints: `_zero_state.py`. What it is made with,
+checked: `_zero_args.py`; the norm `clip_grad_norm_` clips by: `_zero_clip.py`.
 Parameters on a device (CUDA) keep their buffers, shards and state there; every engine call is
 staged through host buffers. Usage, semantics and departures: docs/zero.md.
 """
@@ -22,27 +23,20 @@ from dataparallel import world
 from dataparallel.backends.base import Backend
 from dataparallel.groups import Group, backend_of
 from dataparallel.torch._buckets import overlaps
-from dataparallel.torch._zero_args import (
-    Stage,
-    check_options,
-    default_bucket_bytes,
-    inner_class,
-    one_device,
-    refuse_reduced,
-    verify_params,
-)
+from dataparallel.torch._zero_args import Stage, check_options, default_bucket_bytes, inner_class
 from dataparallel.torch._zero_clip import clip_slices
 from dataparallel.torch._zero_gather import SliceGather
 from dataparallel.torch._zero_grads import GradientShards
 from dataparallel.torch._zero_join import ZeroJoin, refuse_unjoined
-from dataparallel.torch._zero_layout import Bucket, Flat, Piece, plan_group
+from dataparallel.torch._zero_layout import Bucket, Flat, Piece
 from dataparallel.torch._zero_overlap import ForwardOverlap
+from dataparallel.torch._zero_plan import ZeroPlan
 from dataparallel.torch._zero_state import consolidate, copy_options, load, with_options
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(ZeroPlan):
     """Shard `optimizer_class`'s state across ranks: each rank steps its slice of the parameters.
 
     The parameters of each (param group, dtype) are laid end to end in one flat buffer (each
@@ -161,92 +155,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._forward: ForwardOverlap | None = None
         self._hook_forward()
         self._initialized = True
-
-    # -- layout --------------------------------------------------------------------------------
-
-    def _plan(self, g: int) -> None:
-        """Check group `g` against every rank's, and lay it out (collective)."""
-        group = self.param_groups[g]
-        first = len(self._params)
-        named = [(f"param_groups[{g}]['params'][{i}]", p) for i, p in enumerate(group["params"])]
-        if self._device is None and named:  # the first parameter's: every engine call staged?
-            self._staged = self._staged or named[0][1].device.type != "cpu"
-        self._device = one_device(named, self._device)
-        if self.stage == 2:
-            refuse_reduced(named)
-        verify_params(self.backend, self._class, self.stage, self.bucket_bytes, named)
-        self._names += [name for name, _ in named]
-        self._params += [p for _, p in named]
-        flats, buckets, pieces = plan_group(
-            g,
-            list(enumerate(group["params"], start=first)),
-            self.backend.rank,
-            self.backend.size,
-            self.bucket_bytes,
-            len(self._flats),
-            self._device if self._device is not None else torch.device("cpu"),
-        )
-        for flat in flats:
-            flat.buckets = [b + len(self._buckets) for b in flat.buckets]
-        self._flats += flats
-        self._buckets += buckets
-        self._pieces.append(pieces)
-        self._gather = None
-
-    def _inner_group(self, g: int) -> dict[str, Any]:
-        options = {k: v for k, v in self.param_groups[g].items() if k != "params"}
-        return {**options, "params": [piece.tensor for piece in self._pieces[g]]}
-
-    def _reshard(self) -> None:
-        """(Re)make the stage-2 reducer over the current layout."""
-        if self.stage != 2:
-            return
-        joining = None
-        if self._shards is not None:
-            self._shards.land()
-            self._shards.close()
-            joining = self._shards.join_pass
-        self._shards = GradientShards(
-            self._params,
-            self._flats,
-            self._buckets,
-            self.backend,
-            average=True,
-            overlap=self._overlap,
-            staged=self._staged,
-        )
-        self._shards.join_pass = joining
-
-    def _hook_forward(self) -> None:
-        """(Re)place the hooks that land the exchange in the model's forward, over the layout."""
-        if self._model is None:
-            return
-        if self._forward is not None:
-            self._forward.close()
-        self._forward = ForwardOverlap(self._model, self._params, self._buckets)
-
-    def _settle(self) -> None:
-        """Wait for the exchange of the last step's slices, if it is still in flight."""
-        if self._forward is not None:
-            self._forward.land()
-
-    @property
-    def pieces(self) -> list[Piece]:
-        """This rank's pieces, over all param groups (what `.optim` steps)."""
-        return [piece for pieces in self._pieces for piece in pieces]
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, sharded as the others (on every rank alike: it is collective)."""
-        super().add_param_group(param_group)
-        if not self._initialized:
-            return  # torch's Optimizer.__init__ adds the groups; __init__ lays them out
-        self._settle()
-        g = len(self.param_groups) - 1
-        self._plan(g)
-        self.optim.add_param_group(self._inner_group(g))
-        copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
-        self._reshard()
-        self._hook_forward()
 
     # -- a step ---------------------------------------------------------------------------------
 
