@@ -5,7 +5,8 @@ The parameters are those its source returns that require gradients and that no n
 made again when they change (`refresh`, at the start of every step, on every rank alike), and
 once after the first step, in the order rank 0's gradients arrived (`_rebuild`, as DDP). The
 layout itself (buckets, the summary every step's handshake compares) is `_buckets.layout`'s.
-`GradientSync` (`_gradsync.py`) is a `GradientPlan` that reduces a step's gradients over it.
+`GradientSync` (`_gradsync.py`) is a `GradientPlan` that reduces a step's gradients over it
+(launched as they come: `_gradlaunch.GradientLaunch`, between the two).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class GradientPlan:
     _rebuilt: bool  # rebucketed in the order of a first step's arrivals
     _arrival: list[int]  # this step's parameters, in the order their gradients came
 
-    if TYPE_CHECKING:  # `GradientSync`'s: a hook's call, and a new step's state
+    if TYPE_CHECKING:  # `GradientLaunch`'s (`_gradlaunch.py`): a hook's call, a new step's state
 
         def on_grad(self, index: int) -> None: ...
 

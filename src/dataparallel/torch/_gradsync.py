@@ -6,24 +6,12 @@ ready buckets go out while backward keeps running, handed to the communication t
 its end (`overlap`, and each mode's bucket size: `_modes.py`; `arrays/routes.py`). The first
 bucket holds at most 1 MiB, so the first message leaves early in backward (`_buckets.assign`).
 
-How buckets are made, and why every rank makes the same calls:
-
-- Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`;
-  the parameters, their hooks and buckets: `_gradplan.py`).
-- Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it. So
-  ranks whose hooks fire in different orders still make the same calls in the same order.
-- At the end of the pass that completes a step (a callback queued on the autograd engine), every
-  parameter whose hook did not fire (unused in this step on this rank) contributes its current
-  gradient, or zeros when it has none, and the remaining buckets are launched. Every rank has
-  then started every bucket before `backward()` returns, so collectives the user makes between
-  `backward()` and `step()` stay in the same order on every rank. A parameter no rank used keeps
-  `grad=None` (flags travel with the last bucket): optimizers skip it, as in one process.
-- Every step's reduction begins with a handshake (`protocol.handshake`) before its first bucket,
-  so a step that does not line up with the other ranks' (a rank skipped one) raises
-  `CollectiveMismatchError` on every rank instead of hanging or mixing buffers. A rank whose
-  backward failed after its gradients began to go out completes the step's messages at its next
-  `zero_grad()`/`step()`, flagging it abandoned: the other ranks' `step()` raises
-  `RankFailedError` instead of applying an incomplete average.
+Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`; the
+parameters, their hooks and buckets: `_gradplan.py`). How a step's buckets go out, in the same
+calls on every rank, each step beginning with a handshake: `_gradlaunch.py`. A rank whose
+backward failed after its gradients began to go out completes the step's messages at its next
+`zero_grad()`/`step()`, flagging it abandoned: the other ranks' `step()` raises
+`RankFailedError` instead of applying an incomplete average.
 
 One `GradientSync` reduces a parameter: the last made over it (`_hooks.py`). Sparse gradients:
 `_sparse.py`. Sharp bits: docs/sharp-bits.md.
@@ -31,37 +19,21 @@ One `GradientSync` reduces a parameter: the last made over it (`_hooks.py`). Spa
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
-from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING
-
-import numpy as np
-import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import reduction
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
-from dataparallel.arrays.replay import Replay
 from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
-from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import Started, handshake, start_handshake
-from dataparallel.torch._buckets import (
-    Bucket,
-    NamedParams,
-    check_options,
-    describe,
-    grad_family,
-    message,
-    replay_of,
-    step_flags,
-)
+from dataparallel.errors import RankFailedError
+from dataparallel.torch._buckets import Bucket, NamedParams, check_options, message
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._gradplan import GradientPlan
+from dataparallel.torch._gradlaunch import GradientLaunch, State
 from dataparallel.torch._hooks import remove_hooks
 from dataparallel.torch._modes import Modes
 from dataparallel.torch._sparse import SparseGrads
@@ -76,19 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["GradientSync"]
 
 
-class _State(Enum):
-    """Where a step's reduction is: open to gradients, launched, done, or failed its handshake."""
-
-    OPEN = "open"
-    LAUNCHED = "launched"
-    DONE = "done"
-    FAILED = "failed"
-
-
-_OPEN, _LAUNCHED, _DONE, _FAILED = _State.OPEN, _State.LAUNCHED, _State.DONE, _State.FAILED
-
-
-class GradientSync(GradientPlan):
+class GradientSync(GradientLaunch):
     """Reduce the gradients of a set of parameters across ranks while `backward()` runs.
 
     The engine under `DataParallelModel` and `DistributedOptimizer`; use those. A step's
@@ -160,12 +120,8 @@ class GradientSync(GradientPlan):
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
-        # Set by `dp.torch.join` for a ZeroRedundancyOptimizer stepping with these gradients
-        # (`_zero_join.py`): what its joined ranks do after the reduction, and a call when some
-        # rank has joined.
-        self.then_replay: Callable[[Replay], Replay] | None = None
-        self.on_join: Callable[[], None] | None = None
-        self.met_joined = False  # whether the last step's handshake met a rank that has joined
+        self.then_replay = self.on_join = None  # set by `dp.torch.join` (`_gradlaunch.py`)
+        self.met_joined = False
         action, pool = reduction(op, None, self.backend.size), active.buffers
         self._action, self._wire = action, wire  # replayed by ranks that have joined
         fusion_on = partial(
@@ -222,166 +178,11 @@ class GradientSync(GradientPlan):
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
         flagged abandoned, so every rank's messages still line up)."""
-        if self._state == _OPEN and (self._arrival or self._early is not None):
+        if self._state == State.OPEN and (self._arrival or self._early is not None):
             self._abandoned = True
             self.wait()
         if not self.refresh():
             self._clear()
-
-    def _clear(self) -> None:
-        self._state: _State = _OPEN
-        self._passes = 0
-        self._queued = False
-        self._ready = [False] * len(self._params)
-        self._pending = [len(b.members) for b in self._buckets]
-        self._next = 0
-        self._filled: list[int] = []
-        self._arrival: list[int] = []
-        self._flags: np.ndarray | None = None
-        self._sparse.seen.clear()
-        self._agreed = self._abandoned = self._joined = False
-        self._early: Started | None = None  # this step's handshake, begun at its first gradient
-        self._router.discard()  # left by a step that failed; nothing otherwise
-        self._router.trace(world.current().timeline if world.initialized() else None)
-        self._started_at = 0.0
-        self._began = 0.0  # when this step's first gradient came (for ModeTrial)
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether this step's reduction has started and not finished."""
-        return self._state == _LAUNCHED
-
-    @property
-    def done(self) -> bool:
-        """Whether this step's reduction has completed (`wait()` ran, `reset()` did not yet)."""
-        return self._state == _DONE
-
-    @property
-    def started(self) -> bool:
-        """Whether a backward pass of this step has run (or its reduction has started)."""
-        return self._state != _OPEN or self._passes > 0 or self._queued
-
-    def on_grad(self, index: int) -> None:
-        """Take note that parameter `index`'s gradient is final for this pass (its hook fired)."""
-        if not self.enabled:
-            return
-        if self._state == _FAILED:  # the last step's handshake failed: this is a new step
-            self._clear()
-        if self._state != _OPEN:
-            raise RuntimeError(message("late gradient", self.owner, self.passes))
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
-            self._queued = True
-            if not self._began:
-                self._began = time.perf_counter()
-        if self._passes + 1 < self.passes or self._ready[index]:
-            return
-        if self._next > 0:
-            self._router.progress()
-        self._ready[index] = True
-        self._arrival.append(index)
-        if not self._arrival[1:] and self._begins_early:
-            self._early = start_handshake(self.backend, self._summary)
-        b = self._bucket_of[index]
-        if b < 0:  # a gathered sparse gradient: reduced in wait()
-            return
-        self._pending[b] -= 1
-        if b == self._next and self._pending[b] == 0 and self.overlap:
-            self._launch_ready()
-
-    def _end_of_pass(self) -> None:
-        self._queued = False
-        self._passes += 1
-        if self._passes >= self.passes:
-            self._launch_rest()
-            if self.wait_after_backward:
-                try:
-                    self.wait()
-                finally:
-                    self.reset()
-
-    def _launch_ready(self) -> None:
-        while self._next < len(self._buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
-            self._next += 1
-
-    def _launch_rest(self) -> None:
-        """Launch every bucket not launched yet; parameters without a gradient send zeros."""
-        if self._state != _OPEN:
-            return
-        for index, ready in enumerate(self._ready):
-            if not ready:
-                self._ready[index] = True
-                if self._bucket_of[index] >= 0:
-                    self._pending[self._bucket_of[index]] -= 1
-        self._launch_ready()
-        self._state = _LAUNCHED
-        # Parameters that became trainable after this step's plan (identical on every rank).
-        planned = {id(p) for _, p in self._params}
-        late = [(n, p) for n, p in self._current() if id(p) not in planned]
-        if late:
-            self._agree()
-            leaves = []
-            for name, p in late:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                leaves.append((grad_family(self.owner, name, p.grad), p.grad))
-            self._router.send(leaves)
-
-    def _agree(self) -> None:
-        """Make this step's handshake: every rank reduces the same parameters, now."""
-        if self._agreed:
-            return
-        self._agreed = True
-        if self.backend.size == 1:
-            return
-        self.met_joined = False
-        try:
-            handshake(
-                self.backend,
-                self._summary,
-                partial(describe, self.owner, self._options, self._params),
-                replay=self._replay,
-                on_joined=self._note_joined,
-                started=self._early,
-            )
-        except CollectiveMismatchError:
-            self._state = _FAILED
-            raise
-        self._router.begin(joined=self._joined, offload=self.overlap and self._host)
-
-    def _note_joined(self) -> None:
-        self._joined = True  # no rebuild this step
-        self.met_joined = True
-        if self.on_join is not None:
-            self.on_join()
-
-    def _replay(self, _: bool) -> Replay:
-        """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
-        params, action, wire = self._params, self._action, self._wire
-        made = replay_of(params, self._buckets, self._current(), action, self.bucket_bytes, wire)
-        return made if self.then_replay is None else self.then_replay(made)
-
-    def _launch(self, b: int) -> None:
-        self._agree()
-        timeline = self._router.fusion.timeline
-        if b == 0 and timeline is not None:
-            self._started_at = timeline.now()
-        leaves = []
-        for i in self._buckets[b].members:
-            name, p = self._params[i]
-            computed = p.grad is not None
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-                self._filled.append(i)
-            self._sparse.densify(i, p)
-            if computed and self._feedback is not None:
-                self._feedback.apply(i, p.grad)
-            leaves.append((grad_family(self.owner, name, p.grad), p.grad))
-        if b == len(self._buckets) - 1:  # the flags travel with the last bucket
-            n = len(self._params)
-            self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
-        self._router.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
 
     def wait(self) -> None:
         """Complete this step's reduction: launch what is left, wait, and write the results.
@@ -390,9 +191,9 @@ class GradientSync(GradientPlan):
         had no gradient on any rank keeps `grad=None`. Calling it again before `reset()` does
         nothing.
         """
-        if self._state == _DONE:
+        if self._state == State.DONE:
             return
-        if self._state == _FAILED:
+        if self._state == State.FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
         self._launch_rest()
         self._router.finish()
@@ -406,7 +207,7 @@ class GradientSync(GradientPlan):
             if self._sparse.learn(self._params, self._flags[len(self._params) + 1 :]):
                 self._options["sparse"] = sorted(self._sparse.members)
                 self._replan(self._params, [i for b in self._buckets for i in b.members])
-        self._state = _DONE
+        self._state = State.DONE
         self.steps += 1
         timeline = self._router.fusion.timeline
         if timeline is not None and self._started_at:
