@@ -1,11 +1,12 @@
 """The handshake of a collective call (`agree`): the call's summary, equal on two ranks exactly
 when their calls are the same, and its description field by field for a mismatch's message
-(`describe`); the digest kept by the world's plans; small payloads carried in the records
-(`inline_fits`). `protocol.handshake` exchanges the records."""
+(`describe`), both of one `Call`; the digest kept by the world's plans; small payloads carried
+in the records (`inline_fits`). `protocol.handshake` exchanges the records."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from math import prod
 
 import numpy as np
@@ -15,7 +16,20 @@ from dataparallel.arrays.inline import pack_inline, padded
 from dataparallel.collectives._call import CallContext, Leaf, host_works
 from dataparallel.protocol import Records, ReplayOf, digest, handshake, payload_capacity
 
-__all__ = ["agree", "describe", "inline_fits"]
+__all__ = ["Call", "agree", "describe", "inline_fits"]
+
+
+@dataclass(slots=True)
+class Call:
+    """A collective call as its handshake sees it: what `agree` compares, `describe` tells."""
+
+    ctx: CallContext
+    collective: str
+    flat: tree.Flat
+    leaves: list[Leaf]
+    args: dict[str, object]  # the call's arguments that every rank must give alike
+    first_axis: bool = True  # False: the leaves' first axes may differ (gathers, alltoall)
+    inline: bool = False  # the leaves' values travel in the handshake's records
 
 
 def inline_fits(ctx: CallContext, leaves: list[Leaf]) -> bool:
@@ -34,16 +48,7 @@ def inline_fits(ctx: CallContext, leaves: list[Leaf]) -> bool:
 
 
 def agree(
-    ctx: CallContext,
-    collective: str,
-    flat: tree.Flat,
-    leaves: list[Leaf],
-    args: dict[str, object],
-    *,
-    first_axis: bool = True,
-    inline: bool = False,
-    flag: bool | None = None,
-    replay: ReplayOf = None,
+    call: Call, *, flag: bool | None = None, replay: ReplayOf = None
 ) -> tuple[np.ndarray | None, bool]:
     """Make the handshake (`protocol.handshake`); return the records (when `inline`), the flag.
 
@@ -51,16 +56,17 @@ def agree(
     `replay` describes the calls that follow, for ranks that have joined (`dp.join`) to make
     them too; without one, the call raises `RankJoinedError` while some rank has joined.
     """
+    ctx, leaves, inline = call.ctx, call.leaves, call.inline
     if ctx.backend.size == 1:
         return None, False
     settings = ctx.settings
     key = (
         "digest",
-        collective,
-        tuple(args.items()),
-        flat.spec,
+        call.collective,
+        tuple(call.args.items()),
+        call.flat.spec,
         tuple([(leaf.dtype, leaf.shape, leaf.device) for leaf in leaves]),
-        first_axis,
+        call.first_axis,
         inline,
         settings.check,
         settings.bucket_bytes,
@@ -69,10 +75,10 @@ def agree(
     h: int | None = ctx.plans.get(key)
 
     def details() -> dict[str, object]:
-        return describe(ctx, collective, flat, leaves, args, first_axis, inline)[1]()
+        return describe(call)[1]()
 
     if h is None:  # the world keeps the digests of calls seen: a call repeated is described once
-        h = digest(describe(ctx, collective, flat, leaves, args, first_axis, inline)[0])
+        h = digest(describe(call)[0])
         ctx.plans.put(key, h)
     records = None
     if inline:
@@ -83,14 +89,7 @@ def agree(
 
 
 def describe(
-    ctx: CallContext,
-    collective: str,
-    flat: tree.Flat,
-    leaves: list[Leaf],
-    args: dict[str, object],
-    first_axis: bool = True,
-    inline: bool = False,
-    messages: str | None = None,
+    call: Call, messages: str | None = None
 ) -> tuple[str, Callable[[], dict[str, object]]]:
     """Return the call's summary (equal on two ranks exactly when their calls are the same) and
     the function that describes it field by field (`messages`: how the values travel, when not
@@ -99,7 +98,9 @@ def describe(
     With checks on, the summary covers the whole call; with `DATAPARALLEL_CHECK=0`, only what
     decides the messages that follow (each leaf's dtype, size and device).
     """
-    wire = messages or ("inline" if inline else f"buckets of {ctx.settings.bucket_bytes} B")
+    ctx, flat, leaves, first_axis = call.ctx, call.flat, call.leaves, call.first_axis
+    collective, args = call.collective, call.args  # what `details` keeps (plans keep it: no leaf)
+    wire = messages or ("inline" if call.inline else f"buckets of {ctx.settings.bucket_bytes} B")
 
     def signature(leaf: Leaf) -> str:
         shape = list(leaf.shape) if first_axis else ["*", *leaf.shape[1:]]
@@ -122,10 +123,10 @@ def describe(
     indices = [leaf.index for leaf in leaves]
 
     def details() -> dict[str, object]:
-        call: dict[str, object] = {"collective": collective, **args, "messages": wire}
-        call["tree structure"] = structure or bare.structure()
+        told: dict[str, object] = {"collective": collective, **args, "messages": wire}
+        told["tree structure"] = structure or bare.structure()
         for index, sig in zip(indices, signatures, strict=True):
-            call[bare.path(index)] = sig
-        return call
+            told[bare.path(index)] = sig
+        return told
 
     return f"{summary}|{wire}", details

@@ -56,7 +56,7 @@ from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import DoneHandle, Handle, ReduceOp
 from dataparallel.collectives import _replays
-from dataparallel.collectives._agree import describe, inline_fits
+from dataparallel.collectives._agree import Call, describe, inline_fits
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
@@ -281,7 +281,7 @@ def _plan(
     packable = not inline and is_packable(ctx, collective, action, wire, leaves, dtypes)
     whole = not inline and not packable and is_whole(ctx, collective, action, wire, leaves, dtypes)
     messages = ONE_MESSAGE if whole else None
-    summary, details = describe(ctx, collective, flat, leaves, args, True, inline, messages)
+    summary, details = describe(Call(ctx, collective, flat, leaves, args, inline=inline), messages)
     call_digest = digest(summary)
     kind: Kind = "inline" if inline else "whole" if whole else "fused"
     buf, views = None, []

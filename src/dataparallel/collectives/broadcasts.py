@@ -8,7 +8,7 @@ from typing import Any, cast
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend, Handle
-from dataparallel.collectives._agree import agree, inline_fits
+from dataparallel.collectives._agree import Call, agree, inline_fits
 from dataparallel.collectives._call import (
     CallContext,
     Leaf,
@@ -41,7 +41,7 @@ def _start_broadcast(
 
     rank, flat, leaves = prepared(ctx, collective, prepare)
     inline = inline_fits(ctx, leaves)
-    rows, _ = agree(ctx, collective, flat, leaves, {"root": rank}, inline=inline)
+    rows, _ = agree(Call(ctx, collective, flat, leaves, {"root": rank}, inline=inline))
     return (*run(ctx, collective, flat, leaves, Broadcast(rank), async_op, rows), ctx)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Exchange
 from dataparallel.backends.base import Backend
-from dataparallel.collectives._agree import agree
+from dataparallel.collectives._agree import Call, agree
 from dataparallel.collectives._call import Leaf, context, leaves_of, prepared
 from dataparallel.collectives._split import check_rows, run_split
 from dataparallel.groups import Group, backend_of
@@ -72,7 +72,7 @@ def alltoall(
         return flat, leaves, _parse_splits(splits, _common_rows(flat, leaves), b.size)
 
     flat, leaves, sends = prepared(ctx, "alltoall", prepare)
-    agree(ctx, "alltoall", flat, leaves, {}, first_axis=False)
+    agree(Call(ctx, "alltoall", flat, leaves, {}, first_axis=False))
     received = np.empty(b.size, np.int64)
     b.alltoallv(np.array(sends, np.int64), [1] * b.size, received, [1] * b.size)
     got = [int(n) for n in received]

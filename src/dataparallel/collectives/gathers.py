@@ -7,7 +7,7 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.dtypes import storage_dtype
 from dataparallel.backends.base import Backend
-from dataparallel.collectives._agree import agree
+from dataparallel.collectives._agree import Call, agree
 from dataparallel.collectives._call import Leaf, context, leaves_of, log, prepared
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Tree
@@ -35,7 +35,7 @@ def allgather(x: Tree, *, backend: Backend | None = None, group: Group | None = 
 
     flat, leaves, hosts = prepared(ctx, "allgather", prepare)
     rows = [leaf.shape[0] if leaf.shape else 1 for leaf in leaves]
-    agree(ctx, "allgather", flat, leaves, {}, first_axis=False)
+    agree(Call(ctx, "allgather", flat, leaves, {}, first_axis=False))
     log(ctx, f"allgather leaves={len(leaves)}")
     gathered_rows = np.empty(b.size * len(leaves), np.int64)
     if leaves:

@@ -10,7 +10,7 @@ from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives import _replays
-from dataparallel.collectives._agree import agree
+from dataparallel.collectives._agree import Call, agree
 from dataparallel.collectives._call import Leaf, context, leaves_of, prepared
 from dataparallel.collectives._split import check_rows, host_work, run_split, scatter_masks
 from dataparallel.groups import Group, backend_of
@@ -83,11 +83,7 @@ def reducescatter(
         return _replays.nan_scatter(ctx, floating, then=split) if flagged else split
 
     _, flagged = agree(
-        ctx,
-        "reducescatter",
-        flat,
-        leaves,
-        {"op": op, "scale": scale_arg},
+        Call(ctx, "reducescatter", flat, leaves, {"op": op, "scale": scale_arg}),
         flag=None if masks is None else masks[0],
         replay=replay,
     )

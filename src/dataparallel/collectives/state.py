@@ -8,7 +8,7 @@ from typing import Any
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend
-from dataparallel.collectives._agree import agree, inline_fits
+from dataparallel.collectives._agree import Call, agree, inline_fits
 from dataparallel.collectives._call import (
     Leaf,
     check_root,
@@ -72,7 +72,7 @@ def synchronize_tree(
     values: list[Any] = list(flat.leaves)
     args = {"root": rank, "objects": objects, "object leaves": tuple(others)}
     inline = inline_fits(ctx, arrays)
-    rows, _ = agree(ctx, "synchronize", flat, arrays, args, inline=inline)
+    rows, _ = agree(Call(ctx, "synchronize", flat, arrays, args, inline=inline))
     log(ctx, f"synchronize root={rank} arrays={len(arrays)} objects={len(others)}")
     waitable, _ = run(ctx, "synchronize", flat, arrays, Broadcast(rank), False, rows)
     waitable.wait()
