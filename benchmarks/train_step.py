@@ -47,7 +47,6 @@ import argparse
 import copy
 import gc
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -58,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.launch._process import free_port
 from dataparallel.torch._buckets import overlaps
 from dataparallel.torch._tuning import ModeTrial
 from dataparallel.world import current
@@ -118,12 +118,7 @@ def transformer(d: int, layers: int = 4) -> nn.Module:
 def init_gloo() -> None:
     if dist.is_initialized():  # dp.initialize() made torch's group alongside (torch imported)
         return
-    port = None
-    if dp.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = dp.broadcast_object(port)
+    port = dp.broadcast_object(free_port() if dp.rank() == 0 else None)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=dp.rank(), world_size=dp.size()
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _jobs import run_ranks
+from _jobs import free_port, run_ranks
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
@@ -37,13 +37,6 @@ def _engine_checks() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    """Return a TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(scenario: str, *args: str) -> list[str]:

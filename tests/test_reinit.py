@@ -11,14 +11,13 @@ on a world of one of their own (the session's is hidden meanwhile).
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _jobs import require_mpiexec, run_job, run_ranks
+from _jobs import free_port, require_mpiexec, run_job, run_ranks
 
 import dataparallel as dp
 from dataparallel import caches, startup
@@ -235,19 +234,13 @@ def test_gloo_again_under_dataparallel_run(ranks: int) -> None:
     _check_rounds(_results(job.stdout), "gloo", ranks, 3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.spawns
 @pytest.mark.parametrize(("scheme", "ranks"), [("tcp", 2), ("file", 3)])
 def test_gloo_again_through_tcp_and_file_rendezvous(
     scheme: str, ranks: int, tmp_path: Path
 ) -> None:
     shared = tmp_path / "shared"
-    url = f"tcp://127.0.0.1:{_free_port()}" if scheme == "tcp" else f"file://{shared}"
+    url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{shared}"
     meet = ["--init-method", url, "--world-size", str(ranks)]
     commands = [
         [sys.executable, str(SCRIPT), "gloo", "--rounds", "3", *meet, "--rank", str(r)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _jobs import free_port
 from _torch_common import (
     OPTIMIZERS,
     Branchy,
@@ -76,12 +76,7 @@ def torch_distributed(world: Backend) -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = dp.broadcast_object(port)
+    port = dp.broadcast_object(free_port() if world.rank == 0 else None)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size
     )
