@@ -173,6 +173,52 @@ def test_stage_one_matches_the_unsharded_optimizer_under_join_exactly(rank: int,
         np.testing.assert_array_equal(got.detach().numpy(), expected.numpy())
 
 
+class Mixed(nn.Module):
+    """A bfloat16 layer between float32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 8), nn.Linear(8, 8).bfloat16(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)).bfloat16())).float())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bfloat16_parameters_beside_float32_ones(rank: int, size: int, stage: int) -> None:
+    """The joined ranks' zero gradients take each parameter's dtype (`TorchFamily.adopt`), and
+    the result is the unsharded optimizer's under join."""
+
+    def run(opt: torch.optim.Optimizer, net: nn.Module, *joinables: object) -> int | None:
+        with dp.torch.join(*joinables) as joined:  # type: ignore[arg-type]
+            for step in range(counts(size)[rank]):
+                opt.zero_grad()
+                x, y = batch(rank, step, 0)
+                (net(x) - y).square().mean().backward()
+                opt.step()
+        return joined.last
+
+    model = Mixed()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
+    if stage == 1:
+        net = dp.torch.DataParallelModel(model)
+        run(opt, net, net, opt)
+    else:
+        run(opt, model, opt)
+    plain = Mixed()
+    unsharded = dp.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01))
+    last = run(unsharded, plain, unsharded)
+    assert last is not None
+    want = dp.broadcast_object([p.detach() for p in plain.parameters()], root=last)
+    params = list(model.parameters())
+    assert_same_on_every_rank([p.detach().float() for p in params])  # NumPy has no bfloat16
+    assert model.b.weight.dtype == torch.bfloat16
+    for got, expected in zip(params, want, strict=True):
+        tol = 1e-2 if got.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.detach(), expected, atol=tol, rtol=tol)
+
+
 def test_a_stage_one_optimizer_left_out_of_the_block_fails_on_every_rank(
     rank: int, size: int
 ) -> None:
