@@ -10,6 +10,8 @@ other ranks are gathered with `dp.allgather_object` before asserting.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -173,6 +175,38 @@ def test_stage_one_matches_the_unsharded_optimizer_under_join_exactly(rank: int,
         np.testing.assert_array_equal(got.detach().numpy(), expected.numpy())
 
 
+def against_unsharded(
+    make: Callable[[], nn.Module],
+    rank: int,
+    stage: int,
+    loss: Callable[[nn.Module, int], torch.Tensor],
+) -> tuple[nn.Module, list[torch.Tensor]]:
+    """Train `make()` sharded at `stage` under `dp.torch.join` (`loss(net, step)` each step),
+    then unsharded (`dp.DistributedOptimizer`): return the sharded model and the unsharded
+    result of the rank that joined last (the joined ranks of the unsharded run stop stepping)."""
+
+    def run(opt: torch.optim.Optimizer, net: nn.Module, *joinables: object) -> int | None:
+        with dp.torch.join(*joinables) as joined:  # type: ignore[arg-type]
+            for step in range(counts(dp.size())[rank]):
+                opt.zero_grad()
+                loss(net, step).backward()
+                opt.step()
+        return joined.last
+
+    model = make()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
+    if stage == 1:
+        net = dp.torch.DataParallelModel(model)
+        run(opt, net, net, opt)
+    else:
+        run(opt, model, opt)
+    plain = make()
+    unsharded = dp.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01))
+    last = run(unsharded, plain, unsharded)
+    assert last is not None
+    return model, dp.broadcast_object([p.detach() for p in plain.parameters()], root=last)
+
+
 class Mixed(nn.Module):
     """A bfloat16 layer between float32 ones."""
 
@@ -190,27 +224,11 @@ def test_bfloat16_parameters_beside_float32_ones(rank: int, size: int, stage: in
     """The joined ranks' zero gradients take each parameter's dtype (`TorchFamily.adopt`), and
     the result is the unsharded optimizer's under join."""
 
-    def run(opt: torch.optim.Optimizer, net: nn.Module, *joinables: object) -> int | None:
-        with dp.torch.join(*joinables) as joined:  # type: ignore[arg-type]
-            for step in range(counts(size)[rank]):
-                opt.zero_grad()
-                x, y = batch(rank, step, 0)
-                (net(x) - y).square().mean().backward()
-                opt.step()
-        return joined.last
+    def loss(net: nn.Module, step: int) -> torch.Tensor:
+        x, y = batch(rank, step, 0)
+        return (net(x) - y).square().mean()
 
-    model = Mixed()
-    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
-    if stage == 1:
-        net = dp.torch.DataParallelModel(model)
-        run(opt, net, net, opt)
-    else:
-        run(opt, model, opt)
-    plain = Mixed()
-    unsharded = dp.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01))
-    last = run(unsharded, plain, unsharded)
-    assert last is not None
-    want = dp.broadcast_object([p.detach() for p in plain.parameters()], root=last)
+    model, want = against_unsharded(Mixed, rank, stage, loss)
     params = list(model.parameters())
     assert_same_on_every_rank([p.detach().float() for p in params])  # NumPy has no bfloat16
     assert model.b.weight.dtype == torch.bfloat16
@@ -255,27 +273,10 @@ def test_parameters_some_or_no_rank_uses_match_the_unsharded_optimizer(
     """`Branchy`: `b` gets gradients on rank 0 only (the first to join), `unused` on none; a
     parameter no working rank gave a gradient is skipped (Adam keeps it), as unsharded."""
 
-    def run(opt: torch.optim.Optimizer, net: nn.Module, *joinables: object) -> int | None:
-        with dp.torch.join(*joinables) as joined:  # type: ignore[arg-type]
-            for step in range(counts(size)[rank]):
-                opt.zero_grad()
-                x = batch(rank, step, 0)[0][:, :4]
-                net(x).square().mean().backward()
-                opt.step()
-        return joined.last
+    def loss(net: nn.Module, step: int) -> torch.Tensor:
+        return net(batch(rank, step, 0)[0][:, :4]).square().mean()
 
-    model = Branchy()
-    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=0.01)
-    if stage == 1:
-        net: nn.Module = dp.torch.DataParallelModel(model)
-        run(opt, net, net, opt)
-    else:
-        run(opt, model, opt)
-    plain = Branchy()
-    unsharded = dp.DistributedOptimizer(torch.optim.Adam(plain.parameters(), lr=0.01))
-    last = run(unsharded, plain, unsharded)
-    assert last is not None
-    want = dp.broadcast_object([p.detach() for p in plain.parameters()], root=last)
+    model, want = against_unsharded(Branchy, rank, stage, loss)
     params = list(model.parameters())
     assert_same_on_every_rank(params)
     tol = 0.0 if stage == 1 else 1e-5
