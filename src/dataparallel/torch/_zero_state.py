@@ -9,8 +9,8 @@ never every rank's whole shard at once. Element-wise state (a tensor of the piec
 that holds a piece of the parameter (every piece of a parameter steps together). With parameters
 on a device, each bucket's slices are packed there and cross to the host in one copy; the
 consolidated state is on the host (torch's `load_state_dict` moves it to the parameters' device).
-`with_options` gives it each param group's options as they are at `state_dict()` (`copy_options`,
-as the optimizer copies them into its inner one's).
+`with_options` gives it each param group's options as they are at `state_dict()`, by the rule
+`copy_options` copies them into the inner optimizer's with (`_options`).
 
 `load` takes such a dict (from this optimizer at any world size, or from a plain optimizer) and
 keeps this rank's slices; a dict whose parameters do not match raises `ValueError`.
@@ -134,21 +134,25 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
     return {"state": out, "param_groups": groups}
 
 
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's options: every entry but its parameters."""
+    return {key: value for key, value in group.items() if key != "params"}
+
+
 def copy_options(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
     """Copy every option but the parameters, group by group (torch's `_sync_param_groups`):
-    between the optimizer's param groups and its inner optimizer's, and into a checkpoint's."""
+    between the optimizer's param groups and its inner optimizer's."""
     for src, dst in zip(source, target, strict=True):
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value
+        dst.update(_options(src))
 
 
 def with_options(consolidated: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """A consolidated state with each param group's options as they are now (`state_dict()`)."""
-    out: list[dict[str, Any]] = [{} for _ in groups]
-    copy_options(groups, out)
-    for group, indices in zip(out, consolidated["param_groups"], strict=True):
-        group["params"] = indices["params"]  # last, as in torch's state_dict()
+    """A consolidated state with each param group's options as they are now (`state_dict()`),
+    the parameters last, as in torch's."""
+    out = [
+        {**_options(group), "params": indices["params"]}
+        for group, indices in zip(groups, consolidated["param_groups"], strict=True)
+    ]
     return {"state": consolidated["state"], "param_groups": out}
 
 
