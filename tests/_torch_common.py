@@ -77,6 +77,20 @@ def assert_same_on_every_rank(tensors: list[torch.Tensor]) -> None:
             np.testing.assert_array_equal(a, b)
 
 
+class Reversed(nn.Module):
+    """Registers its layers last to first; its forward runs them first to last."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = nn.Linear(8, 3)
+        self.middle = nn.Linear(8, 8)
+        self.stem = nn.Linear(5, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.middle(torch.tanh(self.stem(x)))))
+
+
 class Branchy(nn.Module):
     """`b` is used on rank 0 only; `unused` on no rank."""
 

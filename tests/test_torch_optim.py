@@ -23,6 +23,7 @@ from _jobs import free_port
 from _torch_common import (
     OPTIMIZERS,
     Branchy,
+    Reversed,
     assert_same_on_every_rank,
     global_batch,
     loss_of,
@@ -174,19 +175,6 @@ def test_small_parameters_share_buckets_across_large_ones() -> None:
 
 
 def test_buckets_are_the_same_on_every_rank_and_follow_backward_order(world: Backend) -> None:
-    class Reversed(nn.Module):
-        """Registers its layers in the opposite order from the one they run in."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.head = nn.Linear(8, 3)
-            self.middle = nn.Linear(8, 8)
-            self.stem = nn.Linear(5, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.tanh(self.middle(torch.tanh(self.stem(x)))))
-
     model = Reversed()
     # One bucket (every parameter below the bucket size): its members show the order.
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=4096)

@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 from _jobs import run_job
-from _torch_common import assert_same_on_every_rank, global_batch, loss_of, make_model, share
+from _torch_common import (
+    Reversed,
+    assert_same_on_every_rank,
+    global_batch,
+    loss_of,
+    make_model,
+    share,
+)
 from torch import nn
 
 import dataparallel as dp
@@ -24,20 +31,6 @@ from dataparallel.backends.base import Backend
 from dataparallel.torch import ZeroRedundancyOptimizer
 
 SCRIPT = Path(__file__).parent / "scripts" / "zero_overlap_finalize.py"
-
-
-class Reordered(nn.Module):
-    """Registers its layers last to first; its forward runs them first to last."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.out = nn.Linear(8, 3)
-        self.mid = nn.Linear(8, 8)
-        self.inp = nn.Linear(5, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
 class Tied(nn.Module):
@@ -65,7 +58,7 @@ def frozen_middle() -> nn.Module:
 
 MODELS = {
     "sequential": make_model,
-    "reordered": Reordered,
+    "reordered": lambda: Reversed(seed=3),
     "tied": Tied,
     "module-outside": frozen_middle,
 }
