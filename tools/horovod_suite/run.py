@@ -77,7 +77,18 @@ def verdict(per_rank: dict[int, tuple[str, str]], ranks: int) -> tuple[str, str]
     return "passed", ""
 
 
-def run_one(kind: str, n: int, args: argparse.Namespace) -> tuple[dict[str, int], bool]:
+# Tests that time one process's wait against another's clock: rank 0 sleeps 5 s before a barrier
+# and rank 1 asserts it waited 5 s from its own start, so rank 1 starting a few microseconds behind
+# rank 0 fails it (raw mpi4py does the same under load: 1 in 200 with two CPU burners beside).
+# One that fails is run again alone, on every rank, up to RERUNS times, and the summary says so.
+CLOCK_TESTS = ("test_global_barrier_op", "test_process_set_barrier_op")
+RERUNS = 2
+
+
+def job(
+    kind: str, n: int, args: argparse.Namespace, pytest_args: list[str]
+) -> tuple[dict[str, tuple[str, str]], int, float]:
+    """Run the suite (or the tests `pytest_args` select) as one job; return results, code, time."""
     test_file = Path(args.tests) / "parallel" / "test_torch.py"
     with tempfile.TemporaryDirectory(prefix="horovod-suite-") as tmp:
         outdir = Path(tmp)
@@ -86,7 +97,7 @@ def run_one(kind: str, n: int, args: argparse.Namespace) -> tuple[dict[str, int]
             str(HERE / "_rank.py"),
             str(test_file),
             str(outdir),
-            *args.pytest,
+            *pytest_args,
         ]
         env = dict(os.environ, MPIEXEC_TIMEOUT=str(args.timeout), OMP_NUM_THREADS="1")
         print(f"\n=== {kind} at {n} ranks: {' '.join(command)}", flush=True)
@@ -100,10 +111,27 @@ def run_one(kind: str, n: int, args: argparse.Namespace) -> tuple[dict[str, int]
         for log in sorted(outdir.glob("rank-*.log")):
             if code != 0 and not results:
                 print(f"--- {log.name}\n{log.read_text()[-4000:]}")
+    timed_out = code == -1 or elapsed >= args.timeout
+    return results, (-1 if timed_out else code), elapsed
+
+
+def run_one(kind: str, n: int, args: argparse.Namespace) -> tuple[dict[str, int], bool, list[str]]:
+    """Run the suite once on `n` ranks; return the counts, whether it timed out, what failed."""
+    results, code, elapsed = job(kind, n, args, args.pytest)
+    timed_out = code == -1
+    reran: dict[str, int] = {}
+    for test in CLOCK_TESTS:
+        for attempt in range(1, RERUNS + 1):
+            if timed_out or results.get(test, ("passed", ""))[0] != "failed":
+                break
+            again, again_code, _ = job(kind, n, args, [*args.pytest, "-k", test])
+            timed_out = again_code == -1
+            if test in again:
+                results[test] = again[test]
+                reran[test] = attempt
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     for outcome, _ in results.values():
         counts[outcome] += 1
-    timed_out = code == -1 or elapsed >= args.timeout
     print(
         f"\n--- {kind} at {n} ranks: "
         + ", ".join(f"{v} {k}" for k, v in counts.items())
@@ -111,9 +139,10 @@ def run_one(kind: str, n: int, args: argparse.Namespace) -> tuple[dict[str, int]
         + (" (TIMED OUT)" if timed_out else "")
     )
     for test, (outcome, message) in sorted(results.items()):
-        if outcome != "passed":
-            print(f"  {outcome.upper():8} {test}: {message[:160]}")
-    return counts, timed_out
+        if outcome != "passed" or test in reran:
+            again = f" (clock-based: run {reran[test] + 1} times)" if test in reran else ""
+            print(f"  {outcome.upper():8} {test}{again}: {message[:160]}")
+    return counts, timed_out, sorted(t for t, (o, _) in results.items() if o == "failed")
 
 
 def main() -> int:
@@ -133,13 +162,14 @@ def main() -> int:
     summary = []
     for item in args.runs.split(","):
         kind, n = item.split(":")
-        counts, timed_out = run_one(kind, int(n), args)
+        counts, timed_out, failed = run_one(kind, int(n), args)
         floor = floors.get((kind, n), 0)
         good = not timed_out and counts["passed"] >= floor
         ok &= good
         summary.append(
             f"{kind} -n {n}: {counts['passed']} passed, {counts['failed']} failed, "
-            f"{counts['skipped']} skipped" + ("" if good else f"  (below {floor} or timed out)")
+            f"{counts['skipped']} skipped"
+            + ("" if good else f"  (below {floor} or timed out; failed: {', '.join(failed)})")
         )
     print("\n=== Horovod's suite against dataparallel.horovod.torch\n" + "\n".join(summary))
     return 0 if ok else 1
