@@ -136,20 +136,19 @@ def run_job(
 
 
 def relaunch_through(
-    sizes: Sequence[int],
+    jobs: Sequence[tuple[int, str]],
     command: Callable[[str, Path, int], Sequence[Arg]],
     folder: Path,
     suffix: str,
     *,
-    backend: str,
     steps_per_job: int,
 ) -> tuple[Path, int]:
-    """Run one job per world size in `sizes`, each resuming from the file the job before saved:
-    `command(previous, saved, steps)` ("-" for the first job's previous; `steps` done so far).
-    Returns the last file and the steps taken in all."""
+    """Run one job per (ranks, backend) in `jobs`, each resuming from the file the job before
+    saved: `command(previous, saved, steps)` ("-" for the first job's previous; `steps` done so
+    far). Returns the last file and the steps taken in all."""
     previous, steps = "-", 0
-    for ranks in sizes:
-        saved = folder / f"after-{ranks}{suffix}"
+    for i, (ranks, backend) in enumerate(jobs):
+        saved = folder / f"after-{i}-{ranks}-{backend}{suffix}"
         job = run_job(
             command(previous, saved, steps),
             ranks=ranks,
