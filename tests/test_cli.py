@@ -242,6 +242,61 @@ def test_ctrl_c_ends_the_job_with_status_130_and_no_mpiexec_noise(
     _assert_gone(tmp_path)
 
 
+# A real-time busy loop on one CPU: while it runs, nothing else that may only use that CPU runs.
+_HOG = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50))
+print("holding", flush=True)
+start = time.monotonic()
+while time.monotonic() - start < float(sys.argv[2]):
+    pass
+"""
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Let every thread of process `pid` run on `cpus` only (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_keeps_what_a_rank_slow_to_leave_prints(backend: str, tmp_path: Path) -> None:
+    """Ctrl-C while rank 1 cannot run for half a second (a loaded machine, made on purpose: rank
+    1 alone on a CPU that a real-time loop holds): the launcher waits for it to report its
+    KeyboardInterrupt instead of stopping it first, which lost the line (seen once in CI-like
+    load, and every time here before the launcher waited)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one held, one for the launcher")
+    held, rest = max(cpus), cpus - {max(cpus)}
+    os.sched_setaffinity(0, rest)  # the launcher and rank 0 inherit it
+    try:
+        with spawn(
+            ["ctrl_c.py", tmp_path], ranks=2, backend=backend, cwd=SCRIPTS, capture=True
+        ) as launcher:
+            _wait_for_pids(tmp_path, launcher)
+            _pin(int((tmp_path / "1.pid").read_text()), {held})
+            with subprocess.Popen(
+                [sys.executable, "-c", _HOG, str(held), "0.5"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ) as hog:
+                assert hog.stdout is not None
+                if hog.stdout.readline() != "holding\n":
+                    launcher.kill()
+                    pytest.skip(f"no real-time scheduling here: {hog.communicate()[1].strip()}")
+                os.killpg(launcher.pid, signal.SIGINT)
+                hog.communicate(timeout=LIMIT)
+            stdout, stderr = launcher.communicate(timeout=LIMIT)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert launcher.returncode == 128 + signal.SIGINT, stdout + stderr
+    assert "[rank 1] KeyboardInterrupt" in stderr, stdout + stderr
+    _assert_gone(tmp_path)
+
+
 def _wait_for_pids(piddir: Path, launcher: subprocess.Popen[str], ranks: int = 2) -> None:
     """Wait until each of `ranks` ranks has written its pid to `piddir` (a hang guard: LIMIT)."""
     deadline = time.monotonic() + LIMIT

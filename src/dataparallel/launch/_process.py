@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import queue
 import signal
 import socket
 import subprocess
@@ -10,8 +11,20 @@ import sys
 import time
 from collections.abc import Iterable
 from types import FrameType
+from typing import TypeVar
 
-__all__ = ["EXIT_TIMEOUT", "GRACE_SECONDS", "Signals", "exit_status", "free_port", "stop", "warn"]
+T = TypeVar("T")
+
+__all__ = [
+    "EXIT_TIMEOUT",
+    "GRACE_SECONDS",
+    "Signals",
+    "exit_status",
+    "free_port",
+    "let_leave",
+    "stop",
+    "warn",
+]
 
 # The exit status of a job that ran past `--timeout`, as coreutils' `timeout` uses.
 EXIT_TIMEOUT = 124
@@ -42,6 +55,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def let_leave(exits: queue.Queue[T], remaining: int, grace: float = GRACE_SECONDS) -> None:
+    """After Ctrl-C, wait up to `grace` seconds for `remaining` children to exit by themselves.
+
+    A terminal's Ctrl-C reaches the children with the launcher (one process group): each rank
+    prints `[rank R] KeyboardInterrupt` and exits 130. Stopping them at once (`stop`) would lose
+    what a rank slow to get there had yet to print. `exits` gets an item as each child exits.
+    """
+    deadline = time.monotonic() + grace
+    while remaining and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            exits.get(timeout=max(0.0, deadline - time.monotonic()))
+            remaining -= 1
 
 
 def stop(procs: Iterable[subprocess.Popen[bytes]], grace: float = GRACE_SECONDS) -> None:

@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -46,7 +47,14 @@ from dataparallel.config import (
 )
 from dataparallel.errors import DataParallelError
 from dataparallel.launch._output import Output, pump
-from dataparallel.launch._process import EXIT_TIMEOUT, Signals, exit_status, stop, warn
+from dataparallel.launch._process import (
+    EXIT_TIMEOUT,
+    Signals,
+    exit_status,
+    let_leave,
+    stop,
+    warn,
+)
 from dataparallel.launch._rundir import signal_name
 
 __all__ = ["DiscoveryError", "ElasticOptions", "discover", "run_elastic"]
@@ -282,6 +290,8 @@ def _supervise(
         below_since = time.monotonic()
     while run.workers:
         if signals.received is not None:
+            if signals.received == signal.SIGINT:
+                let_leave(run.exits, len(run.workers))
             return 128 + signals.received
         now = time.monotonic()
         if deadline is not None and now >= deadline:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from dataparallel.launch._process import (
     Signals,
     exit_status,
     free_port,
+    let_leave,
     stop,
     warn,
 )
@@ -159,6 +161,8 @@ def _supervise(
     remaining = len(procs)
     while remaining:
         if signals.received is not None:
+            if signals.received == signal.SIGINT:
+                let_leave(exited, remaining)
             return 128 + signals.received
         if deadline is not None and time.monotonic() >= deadline:
             warn(f"the job ran past --timeout {timeout:g}s; stopping every rank.")
