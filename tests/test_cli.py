@@ -260,12 +260,21 @@ def _pin(pid: int, cpus: set[int]) -> None:
         os.sched_setaffinity(int(tid), cpus)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ctrl_c_keeps_what_a_rank_slow_to_leave_prints(backend: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "options", "name"),
+    [
+        pytest.param("mpi", [], "rank", marks=needs_mpi, id="mpi"),
+        pytest.param("gloo", [], "rank", marks=needs_torch, id="gloo"),
+        pytest.param("gloo", ["--min-np", "1"], "worker", marks=needs_torch, id="gloo-elastic"),
+    ],
+)
+def test_ctrl_c_keeps_what_a_rank_slow_to_leave_prints(
+    backend: str, options: list[str], name: str, tmp_path: Path
+) -> None:
     """Ctrl-C while rank 1 cannot run for half a second (a loaded machine, made on purpose: rank
     1 alone on a CPU that a real-time loop holds): the launcher waits for it to report its
     KeyboardInterrupt instead of stopping it first, which lost the line (seen once in CI-like
-    load, and every time here before the launcher waited)."""
+    load, and every time here before the Gloo and elastic launchers waited)."""
     cpus = os.sched_getaffinity(0)
     if len(cpus) < 2:
         pytest.skip("needs two CPUs: one held, one for the launcher")
@@ -273,7 +282,12 @@ def test_ctrl_c_keeps_what_a_rank_slow_to_leave_prints(backend: str, tmp_path: P
     os.sched_setaffinity(0, rest)  # the launcher and rank 0 inherit it
     try:
         with spawn(
-            ["ctrl_c.py", tmp_path], ranks=2, backend=backend, cwd=SCRIPTS, capture=True
+            ["ctrl_c.py", tmp_path],
+            ranks=2,
+            backend=backend,
+            options=options,
+            cwd=SCRIPTS,
+            capture=True,
         ) as launcher:
             _wait_for_pids(tmp_path, launcher)
             _pin(int((tmp_path / "1.pid").read_text()), {held})
@@ -293,7 +307,7 @@ def test_ctrl_c_keeps_what_a_rank_slow_to_leave_prints(backend: str, tmp_path: P
     finally:
         os.sched_setaffinity(0, cpus)
     assert launcher.returncode == 128 + signal.SIGINT, stdout + stderr
-    assert "[rank 1] KeyboardInterrupt" in stderr, stdout + stderr
+    assert f"[{name} 1] KeyboardInterrupt" in stderr, stdout + stderr
     _assert_gone(tmp_path)
 
 
