@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import queue
 import signal
 import socket
 import subprocess
@@ -11,9 +10,6 @@ import sys
 import time
 from collections.abc import Iterable
 from types import FrameType
-from typing import TypeVar
-
-T = TypeVar("T")
 
 __all__ = [
     "EXIT_TIMEOUT",
@@ -57,18 +53,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def let_leave(exits: queue.Queue[T], remaining: int, grace: float = GRACE_SECONDS) -> None:
-    """After Ctrl-C, wait up to `grace` seconds for `remaining` children to exit by themselves.
+def let_leave(procs: Iterable[subprocess.Popen[bytes]], grace: float = GRACE_SECONDS) -> None:
+    """After Ctrl-C, wait up to `grace` seconds for `procs` to exit by themselves.
 
     A terminal's Ctrl-C reaches the children with the launcher (one process group): each rank
     prints `[rank R] KeyboardInterrupt` and exits 130. Stopping them at once (`stop`) would lose
-    what a rank slow to get there had yet to print. `exits` gets an item as each child exits.
+    what a rank slow to get there had yet to print.
     """
     deadline = time.monotonic() + grace
-    while remaining and time.monotonic() < deadline:
-        with contextlib.suppress(queue.Empty):
-            exits.get(timeout=max(0.0, deadline - time.monotonic()))
-            remaining -= 1
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def stop(procs: Iterable[subprocess.Popen[bytes]], grace: float = GRACE_SECONDS) -> None:

@@ -291,7 +291,7 @@ def _supervise(
     while run.workers:
         if signals.received is not None:
             if signals.received == signal.SIGINT:
-                let_leave(run.exits, len(run.workers))
+                let_leave([worker.proc for worker in run.workers.values()])
             return 128 + signals.received
         now = time.monotonic()
         if deadline is not None and now >= deadline:

@@ -162,7 +162,7 @@ def _supervise(
     while remaining:
         if signals.received is not None:
             if signals.received == signal.SIGINT:
-                let_leave(exited, remaining)
+                let_leave(procs)
             return 128 + signals.received
         if deadline is not None and time.monotonic() >= deadline:
             warn(f"the job ran past --timeout {timeout:g}s; stopping every rank.")
