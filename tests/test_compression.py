@@ -73,6 +73,7 @@ def wires(world: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tupl
 # -- the collectives ----------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", ARRAY_FAMILIES, ids=repr)
 @pytest.mark.parametrize("dtype", FLOATING)
 @pytest.mark.parametrize("name", sorted(COMPRESSIONS))
