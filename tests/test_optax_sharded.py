@@ -32,6 +32,7 @@ def close(a: Any, b: Any, tol: float = 1e-5) -> None:
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=tol, atol=tol), a, b)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_sharded_state_matches_the_unsharded_optimizer(

@@ -79,6 +79,7 @@ def assert_params_close(a: nn.Module, b: nn.Module, dtype: torch.dtype) -> None:
 # -- parity ---------------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", sorted(CLASSES))
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

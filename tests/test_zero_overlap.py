@@ -118,6 +118,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], sta
             torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("make", sorted(MODELS))
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("bucket_bytes", [64, None], ids=["small-buckets", "default-buckets"])
