@@ -14,14 +14,10 @@ When the world has several ranks:
 - tests marked `spawns` (they launch their own processes) are skipped; they run in the world of one;
 - hypothesis draws the same examples on every rank (`derandomize=True`).
 
-Tests marked `matrix` (a product of families, dtypes and ops, say) run every case in one world,
-MPI at two ranks (`FULL_MATRIX`: the cheapest world where an engine really reduces), and a covering
-sample in the others: every pair of parameter values that the matrix holds appears in some case
-(`matrix(strength=1)`: every value once). An engine sees a dtype and an op, never a family, so each
-world still puts every dtype-op pair through its engine. The sample is chosen greedily in
-collection order, the same on every rank; a case whose value cannot run here (a family with a
-`skip_reason()`) covers only pairs no runnable case holds. The rest are deselected.
-`--matrix=full` (or `sample`) chooses for every world.
+A test marked `matrix` (a product: families x dtypes x ops, say) runs every case at MPI with two
+ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in every other world,
+a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
+deselected; `--matrix=full` or `--matrix=sample` decides for every world.
 
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
@@ -177,7 +173,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _value_key(value: object) -> Hashable:
     """Return a key equal for equal parameter values (by identity for unhashable ones)."""
-    return value if isinstance(value, Hashable) else ("id", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
 
 
 def _runnable(item: pytest.Item) -> bool:
@@ -192,8 +192,11 @@ def _runnable(item: pytest.Item) -> bool:
 def covering_sample(items: list[pytest.Item], strength: int) -> list[pytest.Item]:
     """Return the cases of one matrix test that together hold every `strength`-tuple of values.
 
-    Greedy, in collection order: take the case holding the most tuples not yet held (the first
-    such); runnable cases first, then those that will skip here for what they alone hold.
+    Pairs by default (`matrix(strength=1)`: every value once). An engine sees a dtype and an op,
+    never a family, so every world still puts every dtype-op pair through its engine. Greedy, in
+    collection order, so the same on every rank: take the case holding the most tuples not yet
+    held (the first such); runnable cases first, then those that will skip here (a value with a
+    `skip_reason()`, such as a family this machine lacks) for what they alone hold.
     """
 
     def tuples(item: pytest.Item) -> set[tuple[tuple[str, Hashable], ...]]:
