@@ -17,7 +17,7 @@ When the world has several ranks:
 A test marked `matrix` (a product: families x dtypes x ops, say) runs every case at MPI with two
 ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in every other world,
 a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
-deselected; `--matrix=full` or `--matrix=sample` decides for every world.
+deselected, unless named on the command line; `--matrix=full` or `sample` decides for every world.
 
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
@@ -226,6 +226,15 @@ def _matrices(items: Iterable[pytest.Item]) -> dict[str, list[pytest.Item]]:
     return groups
 
 
+def _named(config: pytest.Config, item: pytest.Item) -> bool:
+    """Return whether the command line names this case itself (`test_x[numpy-int8-sum]`)."""
+    for arg in config.args:
+        path, _, name = arg.partition("::")
+        if "[" in name and item.nodeid.endswith(f"::{name}") and Path(path).resolve() == item.path:
+            return True
+    return False
+
+
 def _full_matrix(config: pytest.Config) -> bool:
     choice = config.getoption("matrix")
     if choice != "auto":
@@ -243,7 +252,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             assert marker is not None
             sample = covering_sample(group, int(marker.kwargs.get("strength", 2)))
             keep -= {id(item) for item in group} - {id(item) for item in sample}
-        dropped = [item for item in items if id(item) not in keep]
+        dropped = [item for item in items if id(item) not in keep and not _named(config, item)]
+        keep |= {id(item) for item in items} - {id(item) for item in dropped}
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if id(item) in keep]
