@@ -356,27 +356,51 @@ def _assert_gone(piddir: Path) -> None:
         ("launch", "invalid choice: 'launch'"),
     ],
 )
-def test_bad_input_is_a_usage_error(args: str, message: str) -> None:
-    done = run_job([*CLI, *args.split()], launcher="python", cwd=SCRIPTS)
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr
-    assert "usage: dataparallel" in done.stderr
+def test_bad_input_is_a_usage_error(
+    args: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _command_line(monkeypatch, capsys, *args.split())
+    assert code == 2, err
+    assert message in err
+    assert "usage: dataparallel" in err
 
 
-def test_help_explains_the_commands() -> None:
-    top = run_job([*CLI, "--help"], launcher="python", cwd=SCRIPTS)
-    assert top.returncode == 0
-    assert "run" in top.stdout and "info" in top.stdout
-    run = run_job([*CLI, "run", "--help"], launcher="python", cwd=SCRIPTS)
-    assert run.returncode == 0
+def test_help_explains_the_commands(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _command_line(monkeypatch, capsys, "--help")
+    assert code == 0
+    assert "run" in out and "info" in out
+    code, out, _ = _command_line(monkeypatch, capsys, "run", "--help")
+    assert code == 0
     for needle in ("--backend", "--timeout", "--hostfile", "--nnodes", "-m", "examples:", "124"):
-        assert needle in run.stdout, needle
+        assert needle in out, needle
 
 
 def test_version() -> None:
+    # A real process: `python -m dataparallel` itself (the tests above call its main()).
     done = run_job([*CLI, "--version"], launcher="python", cwd=SCRIPTS)
     assert done.returncode == 0
     assert re.fullmatch(r"dataparallel \S+\n", done.stdout), done.stdout
+
+
+def _command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """Run `dataparallel ARGS` in this process, from tests/scripts; return (status, out, err).
+
+    For what ends before any job starts (usage errors, --help): the same `main` that
+    `python -m dataparallel` calls, without a process start-up each.
+    """
+    from dataparallel.launch.cli import main
+
+    monkeypatch.chdir(SCRIPTS)
+    try:
+        code = main(list(args))
+    except SystemExit as stop:  # argparse's errors and --help
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 # --- info ------------------------------------------------------------------------------------
