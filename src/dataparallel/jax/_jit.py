@@ -30,7 +30,7 @@ fail in the engine (MPI's truncation error) before the check can run; worlds ove
 skip the check (`n * t * t` would not be exact in float32).
 
 Everything else (min, max, prod, compression, uint32, uint64 and complex leaves) goes through
-`collectives.allreduce` inside one ordered callback per step (`general`), as every call did
+`dp.allreduce` inside one ordered callback per step (`general`), as every call did
 before, with its per-call handshake.
 """
 
@@ -41,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.arrays.actions import parse_op
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.collectives import reductions
 from dataparallel.collectives.jitted import register_step
 from dataparallel.jax._packed import Packed
 from dataparallel.jax._routes import (
@@ -117,7 +118,7 @@ def general(
     def reduce_on_host(*arrays: jax.Array) -> list[np.ndarray]:
         # JAX hands over CPU jax.Arrays; writable NumPy copies are reduced in place by the engine.
         work = [np.array(a, copy=True) for a in arrays]
-        reduced = collectives.allreduce(work, op=op, backend=private, compression=compression)
+        reduced = reductions.allreduce(work, op=op, backend=private, compression=compression)
         return [np.asarray(a) for a in reduced]
 
     return list(io_callback(reduce_on_host, shapes, *leaves, ordered=True))

@@ -64,10 +64,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
         "dp.DistributedOptimizer for optax needs JAX and optax: pip install 'dataparallel[jax]'."
     ) from exc
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.arrays.actions import parse_op, validate_reduction
 from dataparallel.arrays.compression import Compressor, wire_dtype
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 from dataparallel.groups import Group, backend_of
 from dataparallel.jax import _jit
 from dataparallel.jax._routes import Route
@@ -189,7 +190,7 @@ def _allreduce_tree(
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
-        reduced = collectives.allreduce(leaves, op=op, backend=backend, compression=compression)
+        reduced = reductions.allreduce(leaves, op=op, backend=backend, compression=compression)
     return jax.tree_util.tree_unflatten(treedef, reduced)
 
 

@@ -16,7 +16,6 @@ from typing import TypeAlias, TypedDict
 import numpy as np
 import torch
 
-from dataparallel import collectives
 from dataparallel.arrays.actions import Reduction, Scatter
 from dataparallel.arrays.compression import Compressor
 from dataparallel.arrays.dtypes import dtype_name
@@ -24,6 +23,7 @@ from dataparallel.arrays.families import Family, family_of
 from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 from dataparallel.config import Settings
 from dataparallel.types import Op
 
@@ -201,7 +201,7 @@ def offloadable(backend: Backend, private: Backend, host: bool) -> bool:
     private engine (collective in a world of several: a minimum over ranks)."""
     offload = host and private is not backend
     if backend.size > 1:
-        offload = bool(collectives.allreduce(int(offload), op="min", backend=backend))
+        offload = bool(reductions.allreduce(int(offload), op="min", backend=backend))
     return offload
 
 

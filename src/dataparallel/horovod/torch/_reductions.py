@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from dataparallel import collectives
 from dataparallel.arrays.aliases import clusters
+from dataparallel.collectives import reductions
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
@@ -138,9 +138,9 @@ def _start_allreduce(
         return outputs
 
     if wait:
-        collectives.allreduce(outputs, op=how.op, scale=how.scale, group=group)
+        reductions.allreduce(outputs, op=how.op, scale=how.scale, group=group)
         return _handles.Done(after(None))
-    request = collectives.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
+    request = reductions.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
     return _handles.Then(request, after)
 
 

@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from dataparallel import collectives
+from dataparallel.collectives import scatters
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Average, Sum
@@ -42,7 +42,7 @@ def _start_reducescatter(
     group = group_of(ps)
     how = scaling(inputs, op, pre, post, ps.size() or 1)
     copies = [scaled(copy_of(t), how.pre) if how.pre else t.detach() for t in inputs]
-    results = collectives.reducescatter(copies, op=how.op, scale=how.scale, group=group)
+    results = scatters.reducescatter(copies, op=how.op, scale=how.scale, group=group)
     return _handles.Done([scaled(r, how.post) for r in results])
 
 
