@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import optax
     import torch
 
-    from dataparallel.torch import Compressing
+    from dataparallel.arrays.compression import Compressing
 
 __all__ = ["DistributedOptimizer", "synchronize"]
 

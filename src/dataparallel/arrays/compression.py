@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
 
@@ -36,6 +36,7 @@ __all__ = [
     "WIRE_DTYPES",
     "BF16Compressor",
     "BF16FeedbackCompressor",
+    "Compressing",
     "Compression",
     "Compressor",
     "FP16Compressor",
@@ -130,6 +131,10 @@ class Compression:
     bf16 = BF16Compressor
     fp16_feedback = FP16FeedbackCompressor
     bf16_feedback = BF16FeedbackCompressor
+
+
+# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
+Compressing: TypeAlias = type[Compressor] | Compressor | None
 
 
 def wire_dtype(compression: object, *, stateful: bool = False) -> WireDtype | None:

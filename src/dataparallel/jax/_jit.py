@@ -9,7 +9,7 @@ What a traced `DistributedOptimizer.update` stages out, for a sum or an average 
    packing it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
    small integers and bool as int32 (exact: a sum is computed at least as
    precisely as the engine's native half sum would).
-2. One reduction per step, each buffer by one engine call (`_routes.py`): with mpi4jax
+2. One reduction per step, each buffer by one engine call (`_bridges.py`): with mpi4jax
    installed, on MPI, its XLA custom call (`mpi4jax.allreduce` on each buffer); else (one JAX
    CPU device per process) one XLA FFI call into Python (`_ffi.py`: the engine reduces every
    buffer in place in XLA's own memory, no host round trip); else one ordered host callback
@@ -43,25 +43,23 @@ from jax.experimental import io_callback
 
 from dataparallel import world
 from dataparallel.arrays.actions import parse_op
-from dataparallel.arrays.compression import Compressor
+from dataparallel.arrays.compression import Compressing
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives import reductions
 from dataparallel.collectives.jitted import register_step
-from dataparallel.jax._packed import Packed
-from dataparallel.jax._routes import (
+from dataparallel.jax._bridges import (
+    Bridge,
     Details,
-    Route,
-    choose_route,
+    choose_bridge,
     through_callback,
     through_ffi,
     through_mpi4jax,
 )
+from dataparallel.jax._packed import Packed
 from dataparallel.protocol import handshake
 from dataparallel.types import Op
 
 __all__ = ["allreduce_traced", "general", "reduce_tree_traced"]
-
-Compressing = type[Compressor] | Compressor | None  # `compression=`: dp.Compression.fp16, ...
 
 
 def allreduce_traced(
@@ -71,7 +69,7 @@ def allreduce_traced(
     op: Op,
     engine: Backend,
     private: Backend,
-    route: Route = "auto",
+    bridge: Bridge = "auto",
 ) -> list[jax.Array] | None:
     """Stage out the sum or average of traced `leaves` across ranks; None: not packable.
 
@@ -85,7 +83,7 @@ def allreduce_traced(
     size = engine.size
     if size == 1:  # nothing to reduce; an average over one rank is the value
         return list(leaves)
-    chosen = choose_route(route, private)
+    chosen = choose_bridge(bridge, private)
     summary = f"jit allreduce|{op}|{chosen}|{summary}"
     alone = world.current().settings.bucket_bytes
     summary = f"{summary}|alone over {alone} B"
@@ -130,7 +128,7 @@ def reduce_tree_traced(
     op: Op,
     backend: Backend | None,
     compression: Compressing,
-    route: Route = "auto",
+    bridge: Bridge = "auto",
 ) -> list[jax.Array]:
     """Reduce the traced leaves of a gradient tree (`(path, leaf)` pairs): packed where it can
     (`allreduce_traced`), else through `general`. `backend`: None for the world's engine."""
@@ -148,7 +146,7 @@ def reduce_tree_traced(
             return call
 
         summary = f"{structure}|{'|'.join(signatures)}"
-        reduced = allreduce_traced(leaves, describe, summary, op, engine, private, route)
+        reduced = allreduce_traced(leaves, describe, summary, op, engine, private, bridge)
         if reduced is not None:
             return reduced
     return general(leaves, op, private, compression)

@@ -52,7 +52,7 @@ Sharp bits:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -66,18 +66,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 
 from dataparallel import world
 from dataparallel.arrays.actions import parse_op, validate_reduction
-from dataparallel.arrays.compression import Compressor, wire_dtype
+from dataparallel.arrays.compression import Compressing, wire_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import reductions
 from dataparallel.groups import Group, backend_of
 from dataparallel.jax import _jit
-from dataparallel.jax._routes import Route
+from dataparallel.jax._bridges import Bridge
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
-
-# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
-Compressing: TypeAlias = type[Compressor] | Compressor | None
 
 
 class DistributedState(NamedTuple):
@@ -93,7 +90,7 @@ def distributed_optax(
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressing = None,
-    route: Route = "auto",
+    route: Bridge = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -109,10 +106,11 @@ def distributed_optax(
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
             floats and come back in their dtype (default: none).
-        route: how a jitted update reduces (see `dataparallel.jax._routes`): `"auto"` (default)
-            takes mpi4jax's custom call where it is installed and the engine is MPI on the CPU,
-            else dataparallel's XLA FFI call where JAX runs on one CPU device per process, else
-            one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"` choose.
+        route: the bridge by which a jitted update reaches the engine (docs/jax.md):
+            `"auto"` (default) takes mpi4jax's custom call where it is installed and the engine
+            is MPI on the CPU, else dataparallel's XLA FFI call where JAX runs on one CPU device
+            per process, else one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"`
+            choose.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
@@ -175,7 +173,7 @@ def _allreduce_tree(
     op: Op,
     backend: Backend | None,
     compression: Compressing,
-    route: Route,
+    bridge: Bridge,
 ) -> optax.Updates:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -186,7 +184,7 @@ def _allreduce_tree(
     leaves = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
-        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, route)
+        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, bridge)
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]

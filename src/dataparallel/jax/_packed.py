@@ -129,13 +129,13 @@ class Packed:
             return size - int(k)
         return 0
 
-    def first_call(self, private: Backend, route: str) -> JittedStep:
+    def first_call(self, private: Backend, bridge: str) -> JittedStep:
         """The step's first engine call (its first buffer), for ranks that join to answer."""
         first = self.buckets[0]
         n = sum(int(np.prod(self.shapes[i], dtype=np.int64)) for i in first.members)
 
         def call(buf: np.ndarray) -> None:
-            if route == "mpi4jax":  # as mpi4jax's custom call: the engine does not count it
+            if bridge == "mpi4jax":  # as mpi4jax's custom call: the engine does not count it
                 from mpi4py import MPI
 
                 assert isinstance(private, MPIBackend)

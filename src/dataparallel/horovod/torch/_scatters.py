@@ -19,7 +19,7 @@ from dataparallel.horovod.torch._basics import Average, Sum
 from dataparallel.horovod.torch._movement import allgather
 from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 from dataparallel.horovod.torch._reductions import (
-    Compressor,
+    Codec,
     check_tensor,
     compress,
     copy_of,
@@ -67,7 +67,7 @@ def reducescatter_async(
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
-    compression: Compressor | None = None,
+    compression: Codec | None = None,
     op: int = Average,
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
@@ -114,7 +114,7 @@ def grouped_reducescatter_async(
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
-    compression: Compressor | None = None,
+    compression: Codec | None = None,
     op: int = Average,
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
