@@ -21,7 +21,8 @@ from dataparallel.errors import RankFailedError
 
 __all__ = ["SLICE", "round_key", "watching"]
 
-# The longest pause between two polls of a waiting member (the store's round trip: ~0.1 ms).
+# The longest pause between two polls of a waiting member: long against the store's round trip,
+# short against a person waiting.
 SLICE = 0.05
 
 

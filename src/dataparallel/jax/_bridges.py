@@ -104,8 +104,8 @@ def through_ffi(
 ) -> list[jax.Array]:
     """The buffers through one XLA FFI call per step (`_ffi.py`), every one reduced in place in
     XLA's memory (its output aliases its input: a large leaf is reduced where backward wrote it,
-    no output allocated; measured 0.79x / 1.09x mpi4jax per leaf's overhead at 1.86 / 8.40 M
-    against 1.31x / 1.45x with large leaves reduced into new outputs, benchmarks/NOTES.md).
+    and no output is allocated, which the benchmarks found to cost well under new outputs:
+    benchmarks/NOTES.md, "The FFI bridge reduces in place").
     The step's slot is keyed by its signature (`summary`) and engine, so retracing it does not
     add one."""
     reduce = on_host(packed, engine, private, describe)

@@ -3,42 +3,14 @@
 The optax face of `dp.DistributedOptimizer` (Lux's `DistributedOptimizer`, FluxMPI's
 `DistributedOptimizer`): a wrapper transformation in the shape of `optax.apply_if_finite`, whose
 state is a NamedTuple carrying the wrapped one's `inner_state`. Each `update` reduces the gradient
-tree across ranks (averaging by default) with one fused allreduce per dtype bucket, then calls the
-wrapped transformation on the result.
+tree across ranks (averaging by default), then calls the wrapped transformation on the result:
+eagerly through `dp.allreduce`, under `jax.jit` staged out by `_jit.py`.
 
-It works eagerly and inside `jax.jit`:
-
-- Eagerly, the gradient leaves go through `dataparallel.collectives.allreduce` directly.
-- Under `jax.jit` (or any trace), `_jit.py` stages the reduction out: the leaves packed into one
-  buffer per dtype by XLA (leaves over the bucket size alone), one engine call per buffer through
-  one *ordered* host callback per step (`io_callback(..., ordered=True)`: it runs exactly once
-  per executed step, in program order, so every rank makes the same calls in the same order) or
-  through mpi4jax's custom call where mpi4jax is installed, and the results unpacked in the
-  traced function. The ranks agree on the traced signature when tracing; per step only the call
-  order is checked (docs/jax.md).
-
-Sharp bits:
-
-- Every rank must run the same number of updates in the same order: each one is a collective. Do
-  not put the update in a branch that depends on rank-local data; in particular wrap as
-  `DistributedOptimizer(optax.apply_if_finite(opt, n))`, not the other way round, so the
-  finiteness test sees the averaged gradients and every rank takes the same branch.
-- Tracing the update is collective (the ranks agree on its signature then): every rank traces
-  it, as `jit` does on the first call of each signature everywhere alike.
-- With more than one rank, the callbacks run on a private duplicate of the backend
-  (`Backend.duplicate`: a duplicated MPI communicator, a second Gloo group), created collectively
-  when the first transformation is built (or, when the world is not initialized yet, when the
-  first update is traced). A GPU step still in flight thus never interleaves its reduction with
-  collectives that the main thread makes meanwhile (logging a loss with `dp.allreduce`, say).
-- A mismatch found when tracing (ranks tracing different trees, shapes, dtypes) raises
-  `CollectiveMismatchError` out of the jitted call; one found by a step's order check (ranks
-  running different compiled steps) reaches the caller wrapped in JAX's runtime error, with the
-  dataparallel message inside; dtype errors (`op="avg"` on integer gradients) are raised at
-  trace time, as a plain `TypeError`.
-- The update cannot be `vmap`ped (ordered effects do not batch). A process with several JAX
-  devices works through the callback (a sharded gradient is gathered onto one device for it);
-  the data-parallel layout is one device per process.
-- `benchmarks/jax_step.py` measures the jitted step against mpi4jax and raw MPI.
+Each update is a collective, so every rank must run the same updates in the same order, and
+tracing one is collective too (the ranks agree on its signature then): the sharp bits of
+docs/jax.md. The reductions of jitted steps run on a private duplicate of the backend, created
+collectively when the first transformation is built, so a step still in flight never interleaves
+with the collectives that the main thread makes meanwhile.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()  # a world of one here

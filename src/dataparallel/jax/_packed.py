@@ -39,6 +39,9 @@ WIRE = {
     "uint16": "int32",
     "bool": "int32",
 }
+# The order check cannot tell apart steps of different signatures with the same `t` (one chance in
+# TICKETS); steps whose buffers differ in size fail in the engine (MPI's truncation error) before
+# it can run.
 TICKETS = 251  # how many call-order values `t` there are
 CHECK_LIMIT = 256  # above this many ranks, n * t * t is not exact in float32: no order check
 
