@@ -320,7 +320,7 @@ def device() -> int | None:
     return current().device
 
 
-def print(*args: Any, **kwargs: Any) -> None:
+def print(*args: object, **kwargs: Any) -> None:
     """Print with a timestamp and a `[rank/size]` prefix, flushed at once.
 
     Under `dataparallel run --backend gloo`, which prefixes every line with `[rank R] ` already,

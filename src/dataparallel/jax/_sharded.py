@@ -59,7 +59,7 @@ def _counts(items: int, size: int) -> list[int]:
 class _Layout(NamedTuple):
     """The flat vectors of a tree: per dtype, its leaves (indices, sizes) and the segments."""
 
-    treedef: Any
+    treedef: jax.tree_util.PyTreeDef
     shapes: list[tuple[int, ...]]
     dtypes: dict[str, list[int]]  # dtype name -> leaf indices, in tree order
     counts: dict[str, list[int]]  # dtype name -> items per rank (equal: the vector is padded)
