@@ -289,7 +289,7 @@ def test_engine_alltoallv_uneven_counts(dtype: str, world: Backend, rank: int, s
 
 def test_nccl_alltoall_plan() -> None:
     from dataparallel.backends.base import DeviceBuffer
-    from dataparallel.backends.nccl_exchange import alltoall_call
+    from dataparallel.backends.nccl.backend import alltoall_call
 
     calls: list[tuple[Any, ...]] = []
 

@@ -330,7 +330,7 @@ def device(ptr: int, items: int, itemsize: int = 4, dtype: str = "float32") -> A
 
 
 def test_nccl_reduce_scatter_plan() -> None:
-    from dataparallel.backends.nccl_exchange import device_pair, scatter_call
+    from dataparallel.backends.nccl.backend import device_pair, scatter_call
 
     nccl = Recorder()
     send, recv = device(1000, 6), device(5000, 2)
