@@ -66,6 +66,8 @@ __all__ = ["GlooBackend", "GlooHandle", "ScatterSteps", "translate_error"]
 _R = TypeVar("_R")
 
 
+# -- Gloo's failures as dataparallel's errors ----------------------------------------------
+
 _PEER_GONE = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -92,6 +94,8 @@ def translate_error(exc: BaseException, what: str, rank: int) -> BaseException:
         )
     return exc
 
+
+# -- what Gloo is handed for a host buffer ---------------------------------------------------
 
 # Unsigned integers travel as the signed type of the same width (wrapping sums and products are
 # bit-identical); for min/max their sign bit is flipped first, which keeps their order.
@@ -144,6 +148,8 @@ def writable(array: np.ndarray, where: str) -> np.ndarray:
     return array
 
 
+# -- reduce-scatter in two steps ------------------------------------------------------------
+
 # What Gloo reduce-scatters natively (bool arrives as uint8, bfloat16 widened to float32).
 _SCATTERED = frozenset({"int8", "uint8", "int32", "int64", "float16", "float32", "float64"})
 
@@ -166,6 +172,9 @@ class ScatterSteps(NamedTuple):
 
 def _edges(counts: list[int]) -> list[int]:
     return [0, *itertools.accumulate(counts)]
+
+
+# -- a call in flight ------------------------------------------------------------------------
 
 
 class GlooHandle:
