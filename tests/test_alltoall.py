@@ -285,12 +285,12 @@ def test_engine_alltoallv_uneven_counts(dtype: str, world: Backend, rank: int, s
     assert Backend.ialltoallv(world, send, sends, recv, receives).test()
 
 
-# --- NCCL's call plan (no GPU needed: the calls are recorded, not made) ----------------------
+# --- NCCL's calls (no GPU needed: the calls are recorded, not made) ---------------------------
 
 
-def test_nccl_alltoall_plan() -> None:
+def test_nccl_alltoall_calls() -> None:
     from dataparallel.backends.base import DeviceBuffer
-    from dataparallel.backends.nccl_exchange import alltoall_call
+    from dataparallel.backends.nccl.backend import alltoall_call
 
     calls: list[tuple[Any, ...]] = []
 

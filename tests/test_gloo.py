@@ -24,9 +24,12 @@ from dataparallel.config import Settings
 
 pytest.importorskip("torch.distributed")
 
-from dataparallel.backends.file_store import remove_if_every_store_left
 from dataparallel.backends.gloo import GlooBackend
-from dataparallel.backends.rendezvous import RENDEZVOUS_FILE, parse_init_method
+from dataparallel.backends.rendezvous import (
+    RENDEZVOUS_FILE,
+    parse_init_method,
+    remove_if_every_store_left,
+)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKER = SCRIPTS / "gloo_worker.py"

@@ -233,7 +233,7 @@ def finalize() -> None:
 
     Under MPI, leaving is collective: it waits until every rank leaves (at `dp.finalize()` or at
     its end), and ends the job when another rank waits in a collective that this one will never
-    join (see `backends/mpi_board.py`), so that a rank that finishes early cannot hang the job.
+    join (see `backends/mpi/board.py`), so that a rank that finishes early cannot hang the job.
     """
     global _world
     if _world is None:

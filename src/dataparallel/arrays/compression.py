@@ -12,7 +12,7 @@ leaves' dtype (`from_wire`), applying `avg`'s or `scale`'s factor in the wide dt
 
 What travels is 16 bits on every engine (`Backend.iallreduce_half`): Gloo and NCCL reduce
 float16 and bfloat16 natively; MPI (no bfloat16, and a slow float16 sum in MPICH) sums with a
-16-bit op of its own (`backends/mpi_half.py`). The conversions use torch's vectorized casts
+16-bit op of its own (`backends/mpi/backend.py`). The conversions use torch's vectorized casts
 when torch is loaded, NumPy's (slower, benchmarks/NOTES.md "Compression's casts") otherwise.
 """
 

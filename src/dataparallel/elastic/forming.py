@@ -31,7 +31,7 @@ SLICE = 0.05
 
 def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
     """Return `store` wrapped so that its waits fail once round `generation` cannot form."""
-    from dataparallel.backends.gloo_setup import import_torch_distributed
+    from dataparallel.backends.gloo.group import import_torch_distributed
 
     dist = import_torch_distributed()
 

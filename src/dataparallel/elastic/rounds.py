@@ -122,7 +122,7 @@ def connect(settings: Settings) -> Store:
     """Return this worker's client of the launcher's store (made once per process)."""
     global _client
     if _client is None:
-        from dataparallel.backends.gloo_setup import import_torch_distributed
+        from dataparallel.backends.gloo.group import import_torch_distributed
 
         dist = import_torch_distributed()
         assert settings.elastic_store is not None
@@ -221,7 +221,7 @@ def _left(deadline: float) -> datetime.timedelta:
 
 
 def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
-    from dataparallel.backends.gloo_setup import import_torch_distributed
+    from dataparallel.backends.gloo.group import import_torch_distributed
 
     dist = import_torch_distributed()
     global _watched
