@@ -19,19 +19,19 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TypeAlias, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import torch
 
-from dataparallel import collectives
 from dataparallel.arrays.actions import Reduction, Scatter
-from dataparallel.arrays.compression import Compressor
+from dataparallel.arrays.compression import Compressing
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.arrays.families import Family, family_of
 from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 from dataparallel.config import Settings
 from dataparallel.types import Op
 
@@ -65,9 +65,6 @@ NamedParams = list[tuple[str, torch.Tensor]]
 FIRST_BUCKET_BYTES = 1 << 20
 # How many buckets a model's gradients make on the communication thread (`bucket_bytes_for`).
 THREAD_BUCKETS = 8
-
-# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
-Compressing: TypeAlias = type[Compressor] | Compressor | None
 
 
 class Options(TypedDict, total=False):
@@ -211,7 +208,7 @@ def offloadable(backend: Backend, private: Backend, host: bool) -> bool:
     private engine (collective in a world of several: a minimum over ranks)."""
     offload = host and private is not backend
     if backend.size > 1:
-        offload = bool(collectives.allreduce(int(offload), op="min", backend=backend))
+        offload = bool(reductions.allreduce(int(offload), op="min", backend=backend))
     return offload
 
 
@@ -365,7 +362,7 @@ class ModeTrial:
         if self.chosen is None and self.steps == self.SKIP + 2 * self.TRIALS:
             times = np.array(self.times)
             if backend.size > 1:
-                times = collectives.allreduce(times, op="max", backend=backend)
+                times = reductions.allreduce(times, op="max", backend=backend)
             after, thread = times[0::2], times[1::2]  # the trial starts after backward
             self.medians = (float(np.median(after)), float(np.median(thread)))
             across = backend.local_size < backend.size  # some ranks on other nodes
@@ -403,7 +400,7 @@ class Modes:
         forced = self.settings.overlap
         overlap = overlaps(self.backend.local_size, forced)
         if forced is None and self.backend.size > 1:
-            overlap = bool(collectives.allreduce(int(overlap), op="min", backend=self.backend))
+            overlap = bool(reductions.allreduce(int(overlap), op="min", backend=self.backend))
         return overlap
 
     def bucket_bytes(self, overlap: bool, offload: bool) -> int:

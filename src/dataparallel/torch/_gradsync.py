@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.replay import Replay
 from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import objects
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
 from dataparallel.protocol import Started, handshake, start_handshake
 from dataparallel.torch._buckets import (
@@ -269,7 +270,7 @@ class GradientSync:
         self._rebuilt = True
         order = arrival_order(self._arrival, len(self._params))
         if self.backend.size > 1:
-            order = collectives.broadcast_object(order, root=0, backend=self.backend)
+            order = objects.broadcast_object(order, root=0, backend=self.backend)
         if sorted(order) == list(range(len(self._params))):
             self._lay_out(self._params, order)
 

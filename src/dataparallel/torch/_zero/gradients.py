@@ -48,7 +48,7 @@ MAX_IN_FLIGHT = 1
 # A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
 # parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
 # and whether it sends in place.
-_Flight = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
+_Pending = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
 
 
 def launch_order(buckets: list[Bucket]) -> list[int]:
@@ -70,7 +70,7 @@ def sent_counts(bucket: Bucket) -> list[int]:
     return [min(part, max(0, items - r * part)) for r in range(len(bucket.counts))]
 
 
-class TensorPool:
+class SpareBuffers:
     """Tensors taken and given back: a buffer is reused by any later request it can hold.
 
     Beside `arrays.pool.BufferPool` (host NumPy buffers in power-of-two size classes) because
@@ -173,10 +173,10 @@ class GradientShards:
             torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in slabs
         ]
         self._wires = [reduced_dtype(f.dtype, backend) for f in slabs]
-        self._pool = TensorPool(staged=staged)  # what the engine reads and writes: host buffers
+        self._pool = SpareBuffers(staged=staged)  # what the engine reads and writes: host buffers
         # Staged: buffers on the parameters' device, that buckets are packed in and land in.
-        self._staging = TensorPool(slabs[0].data.device) if staged and slabs else None
-        self._flights: list[_Flight] = []
+        self._staging = SpareBuffers(slabs[0].data.device) if staged and slabs else None
+        self._flights: list[_Pending] = []
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         ref = weakref.ref(self)
@@ -339,7 +339,7 @@ class GradientShards:
             return None
         return grad.view(-1)
 
-    def _land(self, flight: _Flight) -> None:
+    def _land(self, flight: _Pending) -> None:
         b, handle, base, spare, in_place = flight
         handle.wait()
         bucket = self.buckets[b]
