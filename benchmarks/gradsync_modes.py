@@ -51,7 +51,7 @@ def forced(base: nn.Module, thread: bool, size: int) -> nn.Module:
     """A `DataParallelModel` whose reduction keeps the given mode and bucket size."""
     model = dp.torch.DataParallelModel(copy.deepcopy(base), bucket_bytes=size)
     sync: Any = model.gradient_sync
-    sync._trial = None
+    sync._modes.trial = None
     sync._switch(thread)
     sync._clear()
     return model

@@ -22,7 +22,7 @@ Gloo), `dp.DistributedOptimizer` and `dp.torch.DataParallelModel`, Horovod 0.28.
 run), and torch DDP over Gloo (fp16: `fp16_compress_hook`), each in fp32 and with fp16 compression.
 Printed per case: the step's overhead (step minus one process alone, median over rounds), the raw
 allreduce of the same bytes, and the share of it the case hides (1 - overhead / raw).
-dataparallel's cases first run until their mode trial has chosen (`torch/_tuning.py`).
+dataparallel's cases first run until their mode trial has chosen (`torch/_buckets.py`).
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def variants(
         size = times * bucket_bytes_for(overlap, total, dp.world.current().settings)
         opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=size)
         sync = opt.gradient_sync
-        sync._trial = None  # no trial: this mode at every step
+        sync._modes.trial = None  # no trial: this mode at every step
         sync._switch(overlap)
         cases[f"dp DistributedOptimizer {bits} ({name})"] = (trainer(model, opt, batch), None)
     return cases

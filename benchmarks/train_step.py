@@ -58,8 +58,7 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.launch._process import free_port
-from dataparallel.torch._buckets import overlaps
-from dataparallel.torch._tuning import ModeTrial
+from dataparallel.torch._buckets import ModeTrial, overlaps
 from dataparallel.world import current
 
 Step = Callable[[], None]
@@ -219,7 +218,7 @@ def measure(
     `tolerance` (the machine's load changed during it) is dropped; rounds are run until `rounds`
     are kept, or three times as many were tried. The one-process time of a kept round is the
     mean of its two. Each case first runs `warmup` untimed steps (by default until dp's mode
-    trial has chosen, `torch/_tuning.py`).
+    trial has chosen, `torch/_buckets.py`).
     """
     counts: dict[str, int] = {}
     for name, (step, context) in cases.items():  # warm up; size each case's timing to `budget`

@@ -131,7 +131,7 @@ def grad_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def mode(model: nn.Module, opt: torch.optim.Optimizer) -> str:
-    """How a dp case's `GradientSync` reduces, after its mode trial (`torch/_tuning.py`)."""
+    """How a dp case's `GradientSync` reduces, after its mode trial (`torch/_buckets.py`)."""
     holder = model if isinstance(model, dp.torch.DataParallelModel) else opt
     sync = holder.gradient_sync  # type: ignore[union-attr]
     where = "on the communication thread" if sync.overlap else "after backward"

@@ -1,6 +1,6 @@
 """How `GradientSync` plans for overlap: a small first bucket, bucket sizes from the model's size,
 and the mode (communication thread or after backward) timed by its first steps and agreed by all
-ranks (`torch/_tuning.py`, issue 24)."""
+ranks (`torch/_buckets.py`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ from _torch_common import gathered, global_batch, make_model, step_pair
 
 import dataparallel as dp
 from dataparallel.config import Settings
-from dataparallel.torch._buckets import FIRST_BUCKET_BYTES, assign, bucket_bytes_for, overlaps
-from dataparallel.torch._tuning import ModeTrial
+from dataparallel.torch._buckets import (
+    FIRST_BUCKET_BYTES,
+    ModeTrial,
+    assign,
+    bucket_bytes_for,
+    overlaps,
+)
 
 MiB = 1 << 20
 

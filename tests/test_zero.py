@@ -33,8 +33,8 @@ import dataparallel as dp
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch import ZeroRedundancyOptimizer
-from dataparallel.torch._zero_gather import SliceGather
-from dataparallel.torch._zero_layout import plan_group
+from dataparallel.torch._zero.gather import SliceGather
+from dataparallel.torch._zero.layout import lay_out_group
 
 CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -123,21 +123,21 @@ def test_updated_segments_come_back_whatever_the_buckets_merged(
     """Each rank writes its rank into its segments; after the gather every bucket holds every
     rank's segment in order, whether buckets went alone (in place) or merged into one call,
     as one allgather or as one broadcast per rank, or (`staged`) through host buffers apart
-    from the flat buffers, as for parameters on a device."""
+    from the slabs, as for parameters on a device."""
     params = [torch.zeros(n, dtype=d) for n, d in ((7, torch.float32), (30, torch.float64))]
     params += [torch.zeros(n) for n in (5, 40, 3)]
-    flats, buckets, _ = plan_group(0, list(enumerate(params)), dp.rank(), dp.size(), 32, 0)
+    slabs, buckets, _ = lay_out_group(0, list(enumerate(params)), dp.rank(), dp.size(), 32, 0)
     for bucket in buckets:
         lo, hi = bucket.mine
-        flats[bucket.flat].data[lo:hi] = dp.rank() + 1
-    gather = SliceGather(flats, buckets, world, merge_bytes, broadcasts, staged)
+        slabs[bucket.slab].data[lo:hi] = dp.rank() + 1
+    gather = SliceGather(slabs, buckets, world, merge_bytes, broadcasts, staged)
     calls = [len(call.buckets) for call in gather.calls]
-    if staged:  # every call lands in its own host buffer, never in the flat buffers
-        flat_spans = [(f.data.data_ptr(), f.data.data_ptr() + f.data.nbytes) for f in flats]
+    if staged:  # every call lands in its own host buffer, never in the slabs
+        slab_spans = [(f.data.data_ptr(), f.data.data_ptr() + f.data.nbytes) for f in slabs]
         for call in gather.calls:
             assert call.merged
             at = call.rows.data_ptr()
-            assert not any(lo <= at < hi for lo, hi in flat_spans)
+            assert not any(lo <= at < hi for lo, hi in slab_spans)
     assert all((call.send is None) == broadcasts for call in gather.calls)  # sent from the rows
     assert sum(calls) == len(buckets) >= 4
     assert max(calls) == 1 if merge_bytes == 0 else max(calls) > 1
@@ -146,7 +146,7 @@ def test_updated_segments_come_back_whatever_the_buckets_merged(
     for _ in range(2):  # the buffers are reused
         gather.run()
         for bucket in buckets:
-            got = flats[bucket.flat].data[bucket.start : bucket.stop]
+            got = slabs[bucket.slab].data[bucket.start : bucket.stop]
             part = bucket.counts[0]
             want = torch.arange(dp.size(), dtype=got.dtype).repeat_interleave(part) + 1
             torch.testing.assert_close(got, want)
@@ -175,7 +175,7 @@ def test_mixed_dtypes_and_param_groups(world: Backend) -> None:
         groups(model), torch.optim.Adam, stage=2, lr=0.01, bucket_bytes=48
     )
     ref_opt = torch.optim.Adam(groups(reference), lr=0.01)
-    assert len(opt._flats) == 2
+    assert len(opt._slabs) == 2
     train(Net(model), opt, range(4), on_share=True)
     train(Net(reference), ref_opt, range(4), on_share=False)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):

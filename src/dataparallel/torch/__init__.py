@@ -1,8 +1,8 @@
 """PyTorch integration: gradient reduction during `backward()`, model wrapping, state broadcast.
 
-- `GradientSync` (`_gradsync`): the one implementation of overlapped gradient reduction, under
-  `DataParallelModel` and `DistributedOptimizer`; its bucket plan (`_buckets`) and the registry of
-  which `GradientSync` reduces a parameter (`_hooks`).
+- `_gradsync`: the one implementation of overlapped gradient reduction, under
+  `DataParallelModel` and `DistributedOptimizer`; its buckets and modes (`_buckets`) and the
+  registry of which reducer owns a parameter (`_hooks`).
 - `DataParallelModel` (`_model`): a module wrapper that averages gradients during `backward()`.
 - `synchronize_torch` (`_synchronize`): broadcast a module's or an optimizer's state from a root.
 - `distributed_torch_optimizer` (`_optimizer`): the PyTorch face of `dp.DistributedOptimizer`.
@@ -11,8 +11,8 @@
 - `SyncBatchNorm` (`_syncbn`): batch normalization over every rank's batch.
 - Sparse gradients in `GradientSync` (`_sparse`): gathered and coalesced, or made dense.
 - `join` (`_join`): uneven data; a rank that leaves its loop first answers the others' steps.
-- `ZeroRedundancyOptimizer` (`_zero`): optimizer state (and gradients) sharded across ranks;
-  its layout (`_zero_layout`), stage-2 reduction (`_zero_grads`), checkpoints (`_zero_state`).
+- `ZeroRedundancyOptimizer` (`_zero`, a package): optimizer state (and gradients) sharded
+  across ranks.
 
 Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
 """
@@ -32,17 +32,15 @@ from dataparallel.torch._autograd import Splits as Splits
 from dataparallel.torch._autograd import allgather, allreduce, alltoall, broadcast, reducescatter
 from dataparallel.torch._buckets import Compressing as Compressing
 from dataparallel.torch._buckets import NamedParams as NamedParams
-from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._join import Join, join
 from dataparallel.torch._model import DataParallelModel
 from dataparallel.torch._optimizer import distributed_torch_optimizer
 from dataparallel.torch._syncbn import SyncBatchNorm
 from dataparallel.torch._synchronize import synchronize_torch
-from dataparallel.torch._zero import ZeroRedundancyOptimizer
+from dataparallel.torch._zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
     "DataParallelModel",
-    "GradientSync",
     "Join",
     "SyncBatchNorm",
     "ZeroRedundancyOptimizer",

@@ -1,15 +1,23 @@
-"""How `GradientSync` cuts its parameters into buckets: fixed members per (device, dtype).
+"""How `GradientSync` cuts its parameters into buckets, and when the buckets go out.
 
-Buckets have fixed members, as DDP's do: parameters in reverse registration order (the order
-backward usually produces them), grouped per (device, dtype), cut at `bucket_bytes`. After the
-first step the order is rebuilt once from the order in which rank 0's gradients actually
-arrived (broadcast from rank 0), again as DDP does, so a model whose layers are registered in
-another order than they run still overlaps.
+Layout: buckets have fixed members, as DDP's do: parameters in reverse registration order (the
+order backward usually produces them), grouped per (device, dtype), cut at `bucket_bytes`, the
+first at most 1 MiB so that the first message leaves early in backward. After the first step the
+order is rebuilt once from the order in which rank 0's gradients arrived, again as DDP does.
+
+Mode: the buckets go out on the communication thread while backward runs, or all after it, each
+mode with its own bucket size (`Modes`). Chosen alike on every rank, since the mode sets the
+layout that every step's handshake compares: `DATAPARALLEL_OVERLAP` where set; else timed by the
+first steps (`ModeTrial`) where either mode can run and some rank is on another node; else the
+node's cores (`overlaps`). With no spare core, reducing during backward steals the core backward
+runs on; over a network most of a reduction is waiting on the wire, which backward can fill, and
+only timing tells which wins. Figures: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -30,6 +38,8 @@ from dataparallel.types import Op
 __all__ = [
     "Bucket",
     "Compressing",
+    "ModeTrial",
+    "Modes",
     "NamedParams",
     "Options",
     "arrival_order",
@@ -175,12 +185,12 @@ def summarize(
 
 def overlaps(local_size: int, overlap: bool | None) -> bool:
     """Whether buckets go out during backward (True) or all after it (False), for a reduction
-    that cannot time both (`_tuning.ModeTrial` chooses for the others).
+    that cannot time both (`ModeTrial` chooses for the others).
 
     `overlap` (`DATAPARALLEL_OVERLAP`) decides when set. Otherwise overlap only when this node has
     a core to spare for it: with no idle core, reducing during backward slows backward by what
     the reduction costs and makes the ranks meet once per bucket inside it, while reducing after
-    it costs 0.67-0.87x as much (benchmarks/NOTES.md, 2 ranks on 2 cores, shared memory).
+    it costs less (benchmarks/NOTES.md).
     """
     if overlap is not None:
         return overlap
@@ -208,11 +218,10 @@ def bucket_bytes_for(offload: bool, total: int, settings: Settings, *, whole: bo
     Reduced after backward (`offload` False): `Settings.bucket_bytes` (small buckets pipeline
     packing with sending over MPI's shared memory); `whole`, reduced after backward on an engine
     that carries calls in its own threads (Gloo, NCCL): `Settings.thread_bucket_bytes`, DDP's
-    size, as each call there is a rendezvous of the ranks' threads (Gloo, 3 ranks on 2 cores, a
-    1.6 M parameter MLP: 25 MiB buckets 0.72-0.90x the step of 256 KiB ones; issue 21). On the
-    communication thread: about an eighth of the model, between 1 MiB and
-    `Settings.thread_bucket_bytes`, so that any model sends several buckets while backward runs
-    (one 25 MiB bucket held a 14.7 MB model whole: nothing left before backward ended; issue 24).
+    size, as each call there is a rendezvous of the ranks' threads. On the communication thread:
+    about an eighth of the model, between 1 MiB and `Settings.thread_bucket_bytes`, so that any
+    model sends several buckets while backward runs (a bucket that holds the whole model leaves
+    nothing to overlap). Figures: benchmarks/NOTES.md.
     A `DATAPARALLEL_BUCKET_BYTES` set by the user sets every limit.
     """
     if not offload:
@@ -282,7 +291,7 @@ def replay_of(
     """Describe a step's reduction for ranks that have joined (`dp.join`) to make it on zeros.
 
     Mirrors `GradientSync`: one flush per bucket (the flag vector with the last), then one for
-    the parameters of `current` that became trainable after the plan; with the step's wire dtype
+    the parameters of `current` that became trainable after the layout; with the step's wire dtype
     (`compression`), so that the zeros travel as the gradients do.
     """
 
@@ -294,10 +303,118 @@ def replay_of(
     if flushes:
         # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n).
         flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1,)))
-    planned = {id(p) for _, p in params}
-    late = [add(p) for _, p in current if id(p) not in planned]
+    laid_out = {id(p) for _, p in params}
+    late = [add(p) for _, p in current if id(p) not in laid_out]
     if late:
         flushes.append(late)
     return Replay.of(
         action, flushes, bucket_bytes=bucket_bytes, async_op=True, compression=compression
     )
+
+
+class ModeTrial:
+    """Time the two modes over a reduction's first steps; `mode` says the mode of the coming step.
+
+    After `SKIP` steps (the first rebuilds the buckets), the modes alternate for `2 * TRIALS`
+    steps, each timed from its first gradient to the end of its reduction (backward and
+    communication, what the mode changes); the thread is kept if it was faster in the median of
+    the pairs (each step on the thread minus the step after backward just before it). Pairs, not
+    each mode's median: the load of a shared machine drifts over the trial, and two adjacent
+    steps see the same load. A step costs what its slowest rank took (one allreduce of the times,
+    at a step boundary, on every rank alike). Where ranks span nodes the thread is kept unless
+    after backward wins by more than `MARGIN` of its time: there the thread's gain is structural
+    (the wire's time runs beside backward), and within a few percent ten steps cannot tell the
+    modes apart. Without ranks on other nodes there is no margin.
+    """
+
+    SKIP = 2  # steps before the trial: the first step's rebuild, warm caches
+    TRIALS = 5  # steps timed in each mode (fewer chose differently for two copies of one model)
+    MARGIN = 0.05  # across nodes, after backward must be this much faster to be kept
+
+    def __init__(self) -> None:
+        self.steps = 0  # steps completed (those a rank had joined are not counted)
+        self.times: list[float] = []  # the trial's steps, after backward first, alternating
+        self.chosen: bool | None = None
+        self.medians: tuple[float, float] | None = None  # (after backward, thread), slowest rank
+
+    @property
+    def mode(self) -> bool:
+        """Whether the coming step reduces on the communication thread (True) or after backward."""
+        if self.chosen is not None:
+            return self.chosen
+        trial = self.steps - self.SKIP
+        return trial < 0 or trial % 2 == 1
+
+    @property
+    def timing(self) -> bool:
+        """Whether the coming step's time is recorded."""
+        return self.chosen is None and self.steps >= self.SKIP
+
+    def record(self, seconds: float, backend: Backend) -> bool:
+        """Take the time of a completed step; return whether the mode of the next one changes.
+
+        Collective on the step that ends the trial: every rank records the same steps.
+        """
+        before = self.mode
+        if self.timing:
+            self.times.append(seconds)
+        self.steps += 1
+        if self.chosen is None and self.steps == self.SKIP + 2 * self.TRIALS:
+            times = np.array(self.times)
+            if backend.size > 1:
+                times = reductions.allreduce(times, op="max", backend=backend)
+            after, thread = times[0::2], times[1::2]  # the trial starts after backward
+            self.medians = (float(np.median(after)), float(np.median(thread)))
+            across = backend.local_size < backend.size  # some ranks on other nodes
+            margin = self.MARGIN * self.medians[0] if across else 0.0
+            self.chosen = bool(np.median(thread - after) < margin)
+        return self.mode != before
+
+
+class Modes:
+    """A `GradientSync`'s mode and bucket size, chosen from its parameters and engines, and its
+    trial if the mode is timed; a trial may switch the mode once, at a step's end on every rank
+    alike. A bucket size the user gave stays whatever the mode.
+
+    Collective, as `GradientSync`'s construction: every rank makes it at the same point.
+    """
+
+    def __init__(
+        self, backend: Backend, private: Backend, trainable: NamedParams, settings: Settings
+    ) -> None:
+        self.backend, self.settings = backend, settings
+        self.offload = offloadable(backend, private, on_host(trainable))
+        # Thread or after backward: timed by the steps themselves where either can be and some
+        # rank is on another node; on one node the cores tell (`overlaps`).
+        spans = backend.local_size < backend.size
+        forced = settings.overlap
+        self.trial = ModeTrial() if self.offload and forced is None and spans else None
+        self.model_bytes = sum(p.numel() * p.element_size() for _, p in trainable)
+        self.on_device = not on_host(trainable)
+
+    def first(self) -> bool:
+        """The mode of the first steps: the trial's, else `overlaps`, the same on every
+        rank (collective where the cores choose)."""
+        if self.trial is not None:
+            return self.trial.mode
+        forced = self.settings.overlap
+        overlap = overlaps(self.backend.local_size, forced)
+        if forced is None and self.backend.size > 1:
+            overlap = bool(reductions.allreduce(int(overlap), op="min", backend=self.backend))
+        return overlap
+
+    def bucket_bytes(self, overlap: bool, offload: bool) -> int:
+        """The bucket size of a mode (`bucket_bytes_for`)."""
+        # DDP's size where each call costs the most: a rendezvous of threads (Gloo, NCCL), or
+        # device buckets staged one at a time.
+        whole = not overlap and (self.backend.progresses or self.on_device)
+        return bucket_bytes_for(overlap and offload, self.model_bytes, self.settings, whole=whole)
+
+    def switch(self, began: float) -> bool | None:
+        """Time a step whose first gradient came at `began` (`time.perf_counter`; 0: none came)
+        and return the mode to switch to, when the trial switches (collective: on every rank
+        alike, at the same step)."""
+        if self.trial is None:
+            return None
+        took = time.perf_counter() - began if began else 0.0
+        return self.trial.mode if self.trial.record(took, self.backend) else None

@@ -1,59 +1,96 @@
-"""Gradient reduction during `backward()`: `GradientSync`.
+"""Gradient reduction during `backward()`: `GradientSync`, under `DataParallelModel` and
+`DistributedOptimizer` (`_model`, `_optimizer`).
 
-`DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
-post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
-ready buckets go out while backward keeps running, handed to the communication thread, or all at
-its end (`overlap`, and each mode's bucket size: `_modes.py`; `arrays/routes.py`). The first
-bucket holds at most 1 MiB, so the first message leaves early in backward (`_buckets.assign`).
+A post-accumulate-grad hook on every parameter (`_hooks`) tells `on_grad` when its gradient is
+final for the pass; its bucket (fixed members, as DDP's: `_buckets`) is ready once all its
+members are, and ready buckets go out while backward runs, on the communication thread, or all
+at its end (the mode, `_buckets.Modes`). Why every rank makes the same calls:
 
-Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`; the
-parameters, their hooks and buckets: `_gradplan.py`). How a step's buckets go out, in the same
-calls on every rank, each step beginning with a handshake: `_gradlaunch.py`. A rank whose
-backward failed after its gradients began to go out completes the step's messages at its next
-`zero_grad()`/`step()`, flagging it abandoned: the other ranks' `step()` raises
-`RankFailedError` instead of applying an incomplete average.
+- Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it, so
+  ranks whose hooks fire in different orders still make the same calls in the same order.
+- At the end of the pass that completes a step (a callback queued on the autograd engine), every
+  parameter whose hook did not fire contributes its gradient, or zeros, and the remaining buckets
+  are launched: every rank has started every bucket before `backward()` returns. A parameter no
+  rank used keeps `grad=None` (flags travel with the last bucket), as in one process.
+- Every step begins with a handshake (`protocol.handshake`) before its first bucket: a step that
+  does not line up with the other ranks' raises `CollectiveMismatchError` on every rank instead of
+  hanging. Ranks that have joined (`dp.join`) answer it by replaying the step's buckets with zeros.
+- A rank whose backward failed after its gradients began to go out completes the step's messages
+  at its next `zero_grad()`/`step()`, flagged abandoned: the other ranks' `step()` raises
+  `RankFailedError` instead of applying an incomplete average.
 
-One `GradientSync` reduces a parameter: the last made over it (`_hooks.py`). Sparse gradients:
-`_sparse.py`. Sharp bits: docs/sharp-bits.md.
+The parameters are re-read at every step (`refresh`) and rebucketed once after the first, in the
+order rank 0's gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
+docs/sharp-bits.md.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
+from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from dataparallel import world
-from dataparallel.arrays.actions import reduction
+from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.replay import Replay
 from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
-from dataparallel.errors import RankFailedError
-from dataparallel.torch._buckets import Bucket, NamedParams, check_options, message
+from dataparallel.collectives import objects
+from dataparallel.errors import CollectiveMismatchError, RankFailedError
+from dataparallel.protocol import Started, handshake, start_handshake
+from dataparallel.torch._buckets import (
+    Bucket,
+    Modes,
+    ModeTrial,
+    NamedParams,
+    arrival_order,
+    check_options,
+    describe,
+    grad_family,
+    layout,
+    message,
+    on_host,
+    replay_of,
+    signature,
+    step_flags,
+)
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._gradlaunch import GradientLaunch, State
-from dataparallel.torch._hooks import remove_hooks
-from dataparallel.torch._modes import Modes
+from dataparallel.torch._hooks import claim, make_hook, remove_hooks
+from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._sparse import SparseGrads
-from dataparallel.torch._tuning import ModeTrial
-from dataparallel.types import Op
+from dataparallel.types import Op, WireDtype
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from dataparallel.torch._buckets import Compressing, Options
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "State"]
 
 
-class GradientSync(GradientLaunch):
+class State(Enum):
+    """Where a step's reduction is: open to gradients, launched, done, or failed its handshake."""
+
+    OPEN = "open"
+    LAUNCHED = "launched"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class GradientSync:
     """Reduce the gradients of a set of parameters across ranks while `backward()` runs.
 
-    The engine under `DataParallelModel` and `DistributedOptimizer`; use those. A step's
-    reduction is started by the hooks of its last backward pass, completed by `wait()`, and a
-    new step begins with `reset()`.
+    What reduces the gradients of `DataParallelModel` and `DistributedOptimizer`: use those. A
+    step's reduction is started by the hooks of its last backward pass, completed by `wait()`,
+    and a new step begins with `reset()`.
 
     Args:
         params: returns the parameters to reduce, named, in registration order (those that do
@@ -70,6 +107,36 @@ class GradientSync(GradientLaunch):
         compression: `dp.Compression.fp16`/`.bf16`: floating gradients travel in 16 bits.
         sparse_as_dense: make sparse gradients dense (else gathered: `_sparse.py`).
     """
+
+    owner: str
+    backend: Backend
+    bucket_bytes: int
+    passes: int  # backward passes per step
+    overlap: bool  # buckets go to the communication thread as they are ready
+    wait_after_backward: bool  # the step completes at the end of its last pass
+    enabled: bool  # False for the backward of a forward run inside `no_sync()`
+    _source: Callable[[], NamedParams]  # the parameters, named, in registration order
+    _params: NamedParams  # those reduced, in registration order
+    _handles: list[RemovableHandle]  # their hooks
+    _feedback: ErrorFeedback | None  # residuals, kept by parameter index
+    _sparse: SparseGrads
+    _options: Options
+    _buckets: list[Bucket]
+    _bucket_of: list[int]  # each parameter's bucket (-1: none, a gathered sparse gradient)
+    _summary: str  # what every step's handshake compares (`_buckets.summarize`)
+    _signature: list[tuple[int, torch.dtype, torch.device]]
+    _host: bool  # every parameter on the host: buckets may go to the communication thread
+    _begins_early: bool  # a step's handshake begins at its first gradient
+    _rebuilt: bool  # rebucketed in the order of a first step's arrivals
+    _arrival: list[int]  # this step's parameters, in the order their gradients came
+    _router: Router
+    _action: Reduction  # what the buckets' calls do (replayed by ranks that have joined)
+    _wire: WireDtype | None  # their compression
+    # Set by `dp.torch.join` for a ZeroRedundancyOptimizer stepping with these gradients: what
+    # its joined ranks do after the reduction, and a call when some rank has joined.
+    then_replay: Callable[[Replay], Replay] | None
+    on_join: Callable[[], None] | None
+    met_joined: bool  # whether the last step's handshake met a rank that has joined
 
     def __init__(
         self,
@@ -106,7 +173,7 @@ class GradientSync(GradientLaunch):
         # Collective (World.private, offloadable): every rank makes it at the same point.
         private = active.private(self.backend)
         trainable = [(n, p) for n, p in params() if p.requires_grad]
-        self._modes = Modes(self.backend, private, trainable, active.settings)  # `_modes.py`
+        self._modes = Modes(self.backend, private, trainable, active.settings)
         self.overlap = self._modes.first()
         self._given = bucket_bytes
         self.bucket_bytes = bucket_bytes or self._modes.bucket_bytes(
@@ -120,7 +187,7 @@ class GradientSync(GradientLaunch):
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
-        self.then_replay = self.on_join = None  # set by `dp.torch.join` (`_gradlaunch.py`)
+        self.then_replay = self.on_join = None  # set by `dp.torch.join`
         self.met_joined = False
         action, pool = reduction(op, None, self.backend.size), active.buffers
         self._action, self._wire = action, wire  # replayed by ranks that have joined
@@ -135,12 +202,81 @@ class GradientSync(GradientLaunch):
         self._buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         self._rebuilt = False
-        self._replan(trainable, None)
+        self._lay_out(trainable, None)
         self._clear()
+
+    # -- the parameters, their hooks and buckets --------------------------------------------
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters this object reduces, in registration order."""
+        return [p for _, p in self._params]
+
+    @property
+    def buckets(self) -> list[list[torch.Tensor]]:
+        """The parameters of each bucket, in the order the buckets are launched."""
+        return [[self._params[i][1] for i in b.members] for b in self._buckets]
+
+    def _current(self) -> NamedParams:
+        """The parameters to reduce now: trainable ones that no newer GradientSync has claimed."""
+        mine = (None, self)
+        return [(n, p) for n, p in self._source() if p.requires_grad and owner_of(p) in mine]
+
+    def _lay_out(self, params: NamedParams, order: list[int] | None) -> None:
+        """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
+        if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
+            remove_hooks(self._handles)
+            self._params = list(params)
+            ref = weakref.ref(self)
+            displaced = set()
+            for index, (_, p) in enumerate(self._params):
+                old = claim(p, self)
+                if old is not None:
+                    displaced.add(old)
+                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, index)))
+            self._rebuilt = False
+            if self._feedback is not None:
+                self._feedback.clear()  # residuals are kept by index
+            for old in displaced:
+                old.refresh()
+        if order is None:
+            order = list(range(len(self._params)))[::-1]
+        order = self._sparse.dense_order(order)
+        full = world.current().settings.check if world.initialized() else True
+        self._buckets, self._bucket_of, self._summary = layout(
+            self.owner, self._options, self._params, order, self.bucket_bytes, full
+        )
+        self._signature = signature(self._params)
+        self._host = on_host(self._params)  # only host buckets go to the communication thread
+        # Where the engine moves calls on by itself (Gloo), the step's handshake begins at its
+        # first gradient, so that its rendezvous overlaps backward instead of adding to the step.
+        self._begins_early = self._host and self.backend.progresses and self.backend.size > 1
+
+    def refresh(self) -> bool:
+        """Take parameters added, removed, frozen, unfrozen or converted since into account.
+
+        Called at the start of every step (`reset`); call it on every rank alike. Returns whether
+        the buckets changed (the current step then starts over).
+        """
+        current = self._current()
+        if signature(current) == self._signature:
+            return False
+        self._lay_out(current, None)
+        self._clear()
+        return True
+
+    def _rebuild(self) -> None:
+        """Rebucket once, in the order rank 0's gradients arrived in its first step (as DDP)."""
+        self._rebuilt = True
+        order = arrival_order(self._arrival, len(self._params))
+        if self.backend.size > 1:
+            order = objects.broadcast_object(order, root=0, backend=self.backend)
+        if sorted(order) == list(range(len(self._params))):
+            self._lay_out(self._params, order)
 
     @property
     def _trial(self) -> ModeTrial | None:
-        """The trial timing the modes, if this reduction times them (`_modes.py`)."""
+        """The trial timing the modes, if this reduction times them (`_buckets.Modes`)."""
         return self._modes.trial
 
     @property
@@ -175,6 +311,162 @@ class GradientSync(GradientLaunch):
 
     # -- one step ----------------------------------------------------------------------------
 
+    def _clear(self) -> None:
+        """Begin a new step's state: no gradient yet, no bucket launched, no handshake made."""
+        self._state: State = State.OPEN
+        self._passes = 0
+        self._queued = False
+        self._ready = [False] * len(self._params)
+        self._pending = [len(b.members) for b in self._buckets]
+        self._next = 0
+        self._filled: list[int] = []
+        self._arrival: list[int] = []
+        self._flags: np.ndarray | None = None
+        self._sparse.seen.clear()
+        self._agreed = self._abandoned = self._joined = False
+        self._early: Started | None = None  # this step's handshake, begun at its first gradient
+        self._router.discard()  # left by a step that failed; nothing otherwise
+        self._router.trace(world.current().timeline if world.initialized() else None)
+        self._started_at = 0.0
+        self._began = 0.0  # when this step's first gradient came (for ModeTrial)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether this step's reduction has started and not finished."""
+        return self._state == State.LAUNCHED
+
+    @property
+    def done(self) -> bool:
+        """Whether this step's reduction has completed (`wait()` ran, `reset()` did not yet)."""
+        return self._state == State.DONE
+
+    @property
+    def started(self) -> bool:
+        """Whether a backward pass of this step has run (or its reduction has started)."""
+        return self._state != State.OPEN or self._passes > 0 or self._queued
+
+    def on_grad(self, index: int) -> None:
+        """Take note that parameter `index`'s gradient is final for this pass (its hook fired)."""
+        if not self.enabled:
+            return
+        if self._state == State.FAILED:  # the last step's handshake failed: this is a new step
+            self._clear()
+        if self._state != State.OPEN:
+            raise RuntimeError(message("late gradient", self.owner, self.passes))
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+            self._queued = True
+            if not self._began:
+                self._began = time.perf_counter()
+        if self._passes + 1 < self.passes or self._ready[index]:
+            return
+        if self._next > 0:
+            self._router.progress()
+        self._ready[index] = True
+        self._arrival.append(index)
+        if not self._arrival[1:] and self._begins_early:
+            self._early = start_handshake(self.backend, self._summary)
+        b = self._bucket_of[index]
+        if b < 0:  # a gathered sparse gradient: reduced in wait()
+            return
+        self._pending[b] -= 1
+        if b == self._next and self._pending[b] == 0 and self.overlap:
+            self._launch_ready()
+
+    def _end_of_pass(self) -> None:
+        self._queued = False
+        self._passes += 1
+        if self._passes >= self.passes:
+            self._launch_rest()
+            if self.wait_after_backward:
+                try:
+                    self.wait()
+                finally:
+                    self.reset()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket not launched yet; parameters without a gradient send zeros."""
+        if self._state != State.OPEN:
+            return
+        for index, ready in enumerate(self._ready):
+            if not ready:
+                self._ready[index] = True
+                if self._bucket_of[index] >= 0:
+                    self._pending[self._bucket_of[index]] -= 1
+        self._launch_ready()
+        self._state = State.LAUNCHED
+        # Parameters trainable since the buckets were laid out (identical on every rank).
+        laid_out = {id(p) for _, p in self._params}
+        late = [(n, p) for n, p in self._current() if id(p) not in laid_out]
+        if late:
+            self._agree()
+            leaves = []
+            for name, p in late:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                leaves.append((grad_family(self.owner, name, p.grad), p.grad))
+            self._router.send(leaves)
+
+    def _agree(self) -> None:
+        """Make this step's handshake: every rank reduces the same parameters, now."""
+        if self._agreed:
+            return
+        self._agreed = True
+        if self.backend.size == 1:
+            return
+        self.met_joined = False
+        try:
+            handshake(
+                self.backend,
+                self._summary,
+                partial(describe, self.owner, self._options, self._params),
+                replay=self._replay,
+                on_joined=self._note_joined,
+                started=self._early,
+            )
+        except CollectiveMismatchError:
+            self._state = State.FAILED
+            raise
+        self._router.begin(joined=self._joined, offload=self.overlap and self._host)
+
+    def _note_joined(self) -> None:
+        self._joined = True  # no rebuild this step
+        self.met_joined = True
+        if self.on_join is not None:
+            self.on_join()
+
+    def _replay(self, _: bool) -> Replay:
+        """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
+        params, action, wire = self._params, self._action, self._wire
+        made = replay_of(params, self._buckets, self._current(), action, self.bucket_bytes, wire)
+        return made if self.then_replay is None else self.then_replay(made)
+
+    def _launch(self, b: int) -> None:
+        self._agree()
+        timeline = self._router.fusion.timeline
+        if b == 0 and timeline is not None:
+            self._started_at = timeline.now()
+        leaves = []
+        for i in self._buckets[b].members:
+            name, p = self._params[i]
+            computed = p.grad is not None
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                self._filled.append(i)
+            self._sparse.densify(i, p)
+            if computed and self._feedback is not None:
+                self._feedback.apply(i, p.grad)
+            leaves.append((grad_family(self.owner, name, p.grad), p.grad))
+        if b == len(self._buckets) - 1:  # the flags travel with the last bucket
+            n = len(self._params)
+            self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
+        self._router.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
+
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
         flagged abandoned, so every rank's messages still line up)."""
@@ -206,7 +498,7 @@ class GradientSync(GradientLaunch):
                     self._params[i][1].grad = None
             if self._sparse.learn(self._params, self._flags[len(self._params) + 1 :]):
                 self._options["sparse"] = sorted(self._sparse.members)
-                self._replan(self._params, [i for b in self._buckets for i in b.members])
+                self._lay_out(self._params, [i for b in self._buckets for i in b.members])
         self._state = State.DONE
         self.steps += 1
         timeline = self._router.fusion.timeline
@@ -233,4 +525,4 @@ class GradientSync(GradientLaunch):
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
-        self._replan(self._params, [i for b in self._buckets for i in b.members])
+        self._lay_out(self._params, [i for b in self._buckets for i in b.members])

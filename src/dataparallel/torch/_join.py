@@ -16,8 +16,8 @@ from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives.join import answer
 from dataparallel.torch._gradsync import GradientSync
-from dataparallel.torch._zero import ZeroRedundancyOptimizer
-from dataparallel.torch._zero_join import ZeroJoin, ZeroReplay
+from dataparallel.torch._zero.join import ZeroJoin, ZeroReplay
+from dataparallel.torch._zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["Join", "join"]
 
@@ -40,7 +40,7 @@ class Join:
     rank joins (`dp.join`): until every rank has left its block, it takes part in the others'
     gradient steps with zeros (the average still divides by the whole world's size, as with
     Horovod's `join`), reductions and barriers, and steps its slice of each ZeRO optimizer
-    given (`_zero_join.py`). An exception leaving the block is not held back.
+    given (`_zero.join`). An exception leaving the block is not held back.
     """
 
     def __init__(self, *joinables: nn.Module | optim.Optimizer, enable: bool = True) -> None:

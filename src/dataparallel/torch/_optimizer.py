@@ -5,7 +5,7 @@ once per class, and it shares the wrapped optimizer's `__dict__`: `param_groups`
 `defaults` and step hooks are the same objects for both, so `isinstance`, `state_dict`,
 `load_state_dict`, `param_groups` edits and learning-rate schedulers behave exactly as on the
 wrapped optimizer. Only `step`, `zero_grad`, `add_param_group` and the new `synchronize` differ.
-The reduction itself is `dataparallel.torch.GradientSync`, shared with `DataParallelModel`.
+The reduction itself is `_gradsync.GradientSync`, shared with `DataParallelModel`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ gradient is sparse only when it arrives, and a rank that did not use the embeddi
   bucket, and the flag vector that travels with the last bucket says so (one float per
   parameter). After that step's reduction, every rank reads the same reduced flags: each such
   gradient is made sparse again (rows that are not all zero), and the parameter moves to the
-  gathered path for the next steps (the buckets are planned again without it). The first step
+  gathered path for the next steps (the buckets are laid out again without it). The first step
   is thus dense: correct values, one dense reduction.
 - A parameter on the gathered path contributes its rows, or none (a rank without a gradient, or
   with a dense one, which is made sparse first). Gathers run when the step completes

@@ -4,30 +4,23 @@ A post-accumulate-grad hook on every trainable parameter marks it ready; a bucke
 parameters are all ready is packed into a send buffer (its parameters' `.grad` freed once every
 bucket they overlap is packed) and reduce-scattered, so that this rank receives the sum of its
 segment only, into its gradient shard. Buckets are launched strictly in one order, the same on
-every rank (that of `launch_order`), while backward runs when the node has a core to spare
-(`_buckets.overlaps`), else all at the end of the pass; at the end of every pass the buckets not
-launched yet go out, their parameters without a gradient sending zeros. Every backward pass is
-reduced (as DeepSpeed's stage 2): accumulation adds each pass's shard into the last, so no rank
-ever holds more than its shard and the buckets in flight. Whether a parameter had a gradient on
-some rank travels once per step (an allreduce of one flag per parameter), so that a parameter
-no rank used keeps no gradient, as in one process.
+every rank (`launch_order`), while backward runs when the node has a core to spare, else all at
+the end of the pass; at the end of every pass the buckets not launched yet go out, parameters
+without a gradient sending zeros. Every backward pass is reduced (as DeepSpeed's stage 2): each
+pass's shard adds into the last, so no rank holds more than its shard and the buckets in flight.
+Whether a parameter had a gradient on some rank travels once per step (an allreduce of one flag
+per parameter), so that a parameter no rank used keeps no gradient, as in one process.
 
-Every rank must run as many passes before each `step()`. A rank that runs one more than another
-would pair its pass's first reduce-scatter with the other's flags, so a pass after the first of
-a step begins with an exchange of the flags' shape (started at its first gradient, waited before
-its first bucket), and both end in one slot per rank saying what that rank is doing (`PASS` or
-`STEP`, `_zero_passes.py`): where the slots differ, every rank raises `CollectiveMismatchError`
-before sending anything else. A step of one pass costs nothing more (its slots ride on the
-flags).
+Every rank must run as many passes before each `step()`: a pass after a step's first begins
+with an exchange of the flags' shape, and both end in one slot per rank saying what that rank is
+doing (`PASS` or `STEP`): where the slots differ, every rank raises `CollectiveMismatchError`
+before sending anything else. A step of one pass costs nothing more (its slots ride on the flags).
 
-Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once; it, the buckets'
-order and their wire dtype: `_zero_buffers.py`); a bucket of one parameter (one of
-`bucket_bytes` or more) sends its gradient in place.
-
-`staged` (parameters on a device, which the engines cannot read): the shards stay on the device;
-a bucket is packed into a device buffer, copied to a host send buffer (pinned where torch has
-CUDA) in one device-to-host copy, and what this rank receives goes back in one host-to-device
-copy before it is scaled and added to the shard. Nothing is sent in place then.
+Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
+parameter sends its gradient in place. `staged` (parameters on a device, which the engines
+cannot read): the shards stay on the device; a bucket is packed there, crosses to a pinned host
+buffer in one copy, and what this rank receives comes back in one copy before it is scaled and
+added to the shard.
 """
 
 from __future__ import annotations
@@ -40,10 +33,9 @@ import numpy as np
 import torch
 
 from dataparallel.backends.base import Backend, Handle, ReduceOp
+from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
-from dataparallel.torch._zero_buffers import Pool, launch_order, sent_counts, wire_dtype
-from dataparallel.torch._zero_layout import Bucket, Flat
-from dataparallel.torch._zero_passes import PASS, STEP, pass_mismatch
+from dataparallel.torch._zero.layout import Bucket, Slab, host_buffer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -56,7 +48,83 @@ MAX_IN_FLIGHT = 1
 # A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
 # parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
 # and whether it sends in place.
-_Flight = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
+_Pending = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
+
+
+def launch_order(buckets: list[Bucket]) -> list[int]:
+    """Buckets in the order backward usually completes them: latest parameters first."""
+    return sorted(range(len(buckets)), key=lambda b: (-max(buckets[b].params), buckets[b].start))
+
+
+def reduced_dtype(dtype: torch.dtype, backend: Backend) -> torch.dtype:
+    """The dtype a gradient bucket is reduced in: its own where the engine reduces it natively,
+    else float32 (bfloat16)."""
+    name = str(dtype).removeprefix("torch.")
+    return dtype if name in backend.native_dtypes else torch.float32
+
+
+def sent_counts(bucket: Bucket) -> list[int]:
+    """Items per rank of a bucket's reduce-scatter: its padding (which ends the last ranks'
+    segments) is not sent, so that a bucket of one parameter sends its gradient as it is."""
+    part, items = bucket.counts[0], bucket.filled - bucket.start
+    return [min(part, max(0, items - r * part)) for r in range(len(bucket.counts))]
+
+
+class SpareBuffers:
+    """Tensors taken and given back: a buffer is reused by any later request it can hold.
+
+    Beside `arrays.pool.BufferPool` (host NumPy buffers in power-of-two size classes) because
+    these are torch tensors, on a device or in pinned host memory, and exact in size: what they
+    hold counts in `ZeroRedundancyOptimizer.gradient_bytes`.
+    """
+
+    def __init__(self, device: torch.device | None = None, staged: bool = False) -> None:
+        self.device = device  # None: host buffers (`host_buffer`: pinned if `staged`)
+        self.staged = staged
+        self._free = dict[torch.dtype, list[torch.Tensor]]()
+        self.allocated = 0  # bytes of the buffers alive (given out or free)
+
+    def take(self, dtype: torch.dtype, items: int) -> torch.Tensor:
+        free = self._free.setdefault(dtype, [])
+        for i, buf in enumerate(free):
+            if buf.numel() >= items:
+                return free.pop(i)
+        if free:  # too small: dropped, so that no more buffers live than are in use at once
+            self.allocated -= free.pop().nbytes
+        if self.device is None:
+            buf = host_buffer(items, dtype, self.staged)
+        else:
+            buf = torch.empty(items, dtype=dtype, device=self.device)
+        self.allocated += buf.nbytes
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free[buf.dtype].append(buf)
+
+
+# What a rank is doing, in its slot of a step's flags (or of a later pass's check): it began
+# another backward pass, or it called `step()`. Every rank exchanged the same slots, so every
+# rank reaches the same verdict.
+PASS, STEP = 1.0, 2.0
+
+
+def pass_mismatch(kinds: np.ndarray, doing: float) -> CollectiveMismatchError | None:
+    """The error to raise unless every rank's slot in `kinds` says `doing`."""
+    if (kinds == doing).all():
+        return None
+    passing = [r for r, kind in enumerate(kinds) if kind == PASS]
+    stepping = [r for r, kind in enumerate(kinds) if kind == STEP]
+    return CollectiveMismatchError(
+        "ZeroRedundancyOptimizer(stage=2): the ranks ran different numbers of backward "
+        f"passes before step(): {_ranks(passing)} began another pass where "
+        f"{_ranks(stepping)} called step(). Every rank must run as many backward passes "
+        "(and as many steps); this step's gradients are discarded: call zero_grad() on "
+        "every rank to go on."
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 class GradientShards:
@@ -64,7 +132,7 @@ class GradientShards:
 
     Args:
         params: every parameter of the optimizer, by index.
-        flats, buckets: their layout (`_zero_layout.plan_group`).
+        slabs, buckets: their layout (`layout.lay_out_group`).
         backend: the engine.
         average: divide the sums by the world's size.
         overlap: launch buckets while backward runs (else at the end of each pass).
@@ -84,7 +152,7 @@ class GradientShards:
     def __init__(
         self,
         params: list[torch.Tensor],
-        flats: list[Flat],
+        slabs: list[Slab],
         buckets: list[Bucket],
         backend: Backend,
         *,
@@ -92,7 +160,7 @@ class GradientShards:
         overlap: bool,
         staged: bool = False,
     ) -> None:
-        self.params, self.flats, self.buckets, self.backend = params, flats, buckets, backend
+        self.params, self.slabs, self.buckets, self.backend = params, slabs, buckets, backend
         self.scale = 1.0 / backend.size if average else 1.0
         self.overlap, self.displaced = overlap, False
         self.order = launch_order(buckets)
@@ -102,13 +170,13 @@ class GradientShards:
             for k in buckets[b].params:
                 self.buckets_of[k].append(position[b])
         self.shards = [
-            torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in flats
+            torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in slabs
         ]
-        self._wires = [wire_dtype(f.dtype, backend) for f in flats]
-        self._pool = Pool(staged=staged)  # what the engine reads and writes: host buffers
+        self._wires = [reduced_dtype(f.dtype, backend) for f in slabs]
+        self._pool = SpareBuffers(staged=staged)  # what the engine reads and writes: host buffers
         # Staged: buffers on the parameters' device, that buckets are packed in and land in.
-        self._staging = Pool(flats[0].data.device) if staged and flats else None
-        self._flights: list[_Flight] = []
+        self._staging = SpareBuffers(slabs[0].data.device) if staged and slabs else None
+        self._flights: list[_Pending] = []
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         ref = weakref.ref(self)
@@ -174,7 +242,7 @@ class GradientShards:
             self._probing = self.backend.iallreduce(self._probe, ReduceOp.MAX)
 
     def shadow_pass(self) -> None:
-        """A pass without gradients, by a rank that has joined (`_zero_join.py`): the same
+        """A pass without gradients, by a rank that has joined (`join`): the same
         calls as the others' pass, sending zeros; no parameter had a gradient here."""
         self._begin_pass()
         self._end_of_pass()
@@ -216,7 +284,7 @@ class GradientShards:
     def _launch(self, b: int) -> None:
         self._settle_probe()  # this pass's check, before its first bucket
         bucket, rank = self.buckets[b], self.backend.rank
-        flat, wire = self.flats[bucket.flat], self._wires[bucket.flat]
+        slab, wire = self.slabs[bucket.slab], self._wires[bucket.slab]
         if not self.backend.progresses:  # MPI: one call in flight at a time (`fusion.py`)
             self.land()
         elif len(self._flights) > MAX_IN_FLIGHT:
@@ -230,7 +298,7 @@ class GradientShards:
             send = base[:items]
             packed = send if self._staging is None else self._staging.take(wire, items)
             for k in bucket.params:
-                p, at = self.params[k], flat.offsets[k] - bucket.start
+                p, at = self.params[k], slab.offsets[k] - bucket.start
                 target = packed[at : at + p.numel()]
                 if p.grad is None:
                     target.zero_()
@@ -249,12 +317,12 @@ class GradientShards:
                 self.params[k].grad = None
         counts = sent_counts(bucket)
         mine = counts[rank]
-        shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
+        shard = self.shards[bucket.slab][bucket.shard_at : bucket.shard_at + mine]
         spare = None
         # Into the shard only for the step's first reduction of the bucket: a later pass's
         # must not overwrite the shard while the first is still in flight (it adds on landing).
         first = self._fresh[b] and all(flight[0] != b for flight in self._flights)
-        if first and wire == flat.dtype and self._staging is None:
+        if first and wire == slab.dtype and self._staging is None:
             recv = shard
         else:
             spare = self._pool.take(wire, mine)
@@ -271,12 +339,12 @@ class GradientShards:
             return None
         return grad.view(-1)
 
-    def _land(self, flight: _Flight) -> None:
+    def _land(self, flight: _Pending) -> None:
         b, handle, base, spare, in_place = flight
         handle.wait()
         bucket = self.buckets[b]
         mine = sent_counts(bucket)[self.backend.rank]
-        shard = self.shards[bucket.flat][bucket.shard_at : bucket.shard_at + mine]
+        shard = self.shards[bucket.slab][bucket.shard_at : bucket.shard_at + mine]
         if spare is None:
             if self.scale != 1.0:
                 shard.mul_(self.scale)

@@ -24,16 +24,16 @@ from typing import Any, Protocol
 import torch
 
 from dataparallel.backends.base import Backend
-from dataparallel.torch._zero_layout import Bucket, Flat, Piece
+from dataparallel.torch._zero.layout import Bucket, Piece, Slab
 
 
 class ZeroRedundancyOptimizer(Protocol):
-    """What checkpoints read of `_zero.ZeroRedundancyOptimizer` (named so, without the import)."""
+    """What checkpoints read of `optimizer.ZeroRedundancyOptimizer` (without the import)."""
 
     backend: Backend
     optim: torch.optim.Optimizer
     param_groups: list[dict[str, Any]]
-    _flats: list[Flat]
+    _slabs: list[Slab]
     _buckets: list[Bucket]
     _params: list[torch.Tensor]
     _names: list[str]
@@ -52,8 +52,8 @@ def _sliced(value: object, piece: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.shape
 
 
-def _flat_range(zero: ZeroRedundancyOptimizer, piece: Piece) -> tuple[int, int]:
-    at = zero._flats[piece.flat].offsets[piece.param]
+def _slab_range(zero: ZeroRedundancyOptimizer, piece: Piece) -> tuple[int, int]:
+    at = zero._slabs[piece.slab].offsets[piece.param]
     return at + piece.start, at + piece.stop
 
 
@@ -93,18 +93,18 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
                 for key, how in schema[k].items()
             }
     for bucket in zero._buckets:
-        flat = zero._flats[bucket.flat]
+        slab = zero._slabs[bucket.slab]
         keys: dict[str, torch.dtype] = {}
         for k in bucket.params:
             for key, how in schema.get(k, {}).items():
                 if how[0] == "slice":
                     keys.setdefault(key, how[1])
-        mine = [p for p in zero.pieces if p.flat == bucket.flat]
+        mine = [p for p in zero.pieces if p.slab == bucket.slab]
         lo, hi = bucket.mine
         for key, dtype in keys.items():
-            send = torch.zeros(hi - lo, dtype=dtype, device=flat.data.device)
+            send = torch.zeros(hi - lo, dtype=dtype, device=slab.data.device)
             for piece in mine:
-                a, z = _flat_range(zero, piece)
+                a, z = _slab_range(zero, piece)
                 start, stop = max(a, lo), min(z, hi)
                 state = zero.optim.state.get(piece.tensor, {})
                 if start < stop and key in state:
@@ -120,7 +120,7 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
             for k in bucket.params:
                 if schema.get(k, {}).get(key, ("",))[0] != "slice":
                     continue
-                a, n = flat.offsets[k], zero._params[k].numel()
+                a, n = slab.offsets[k], zero._params[k].numel()
                 start, stop = max(a, bucket.start), min(a + n, bucket.stop)
                 target = out[k][key].view(-1)
                 target[start - a : stop - a] = whole[start - bucket.start : stop - bucket.start]

@@ -41,7 +41,7 @@ from dataparallel.errors import RankJoinedError
 from dataparallel.protocol import Started, digest, handshake, start_handshake
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._hooks import owner
-from dataparallel.torch._zero_grads import GradientShards
+from dataparallel.torch._zero.gradients import GradientShards
 
 __all__ = ["Sharded", "ZeroJoin", "ZeroRefusal", "ZeroReplay", "refuse_unjoined"]
 
@@ -52,7 +52,7 @@ _TORCH = TorchFamily()  # how a result becomes a tensor like its parameter
 
 
 class Sharded(Protocol):
-    """What this module uses of a `ZeroRedundancyOptimizer` (`_zero.py`, which imports this)."""
+    """What this module uses of a `ZeroRedundancyOptimizer` (`optimizer`, which imports this)."""
 
     backend: Backend
     _params: list[torch.Tensor]
@@ -83,7 +83,7 @@ class ZeroReplay(Replay):
         clip: `clip_grad_norm_`'s arguments (`"clip"`).
         reduction: the wrapper's reduction, made on zeros and kept (`"grads"`).
         names: the parameters it reduces, in its order: (name, index in its flag vector).
-        late: parameters reduced after the flag vector (trainable since the wrapper's plan).
+        late: parameters reduced after the flag vector (trainable since its buckets were made).
     """
 
     optimizer: int = 0
@@ -196,8 +196,8 @@ class ZeroJoin:
         assert self.sync is not None
         params, buckets = self.sync._params, self.sync._buckets
         names = tuple((params[i][0], i) for b in buckets for i in b.members)
-        planned = {id(p) for _, p in params}
-        late = tuple(n for n, p in self.sync._current() if id(p) not in planned)
+        laid_out = {id(p) for _, p in params}
+        late = tuple(n for n, p in self.sync._current() if id(p) not in laid_out)
         return ZeroReplay(
             None, optimizer=self.index, what="grads", reduction=reduction, names=names, late=late
         )
@@ -266,7 +266,7 @@ class ZeroJoin:
         assert replay.reduction.action is not None and replay.reduction.then is None
         arrays = replay.reduction.reduce_zeros(backend, pool)
         named = dict(self.sync._params) | dict(self.sync._current())
-        k = len(replay.names)  # then the flag vector, if any bucket was planned, then the late
+        k = len(replay.names)  # then the flag vector, if any bucket was laid out, then the late
         flags = arrays[k] if k else None
         late = arrays[k + 1 :] if k else arrays
         given = [(name, i, arrays[j]) for j, (name, i) in enumerate(replay.names)]

@@ -1,24 +1,20 @@
-"""How `ZeroRedundancyOptimizer` lays parameters out: flat buffers, buckets, segments, pieces.
+"""How `ZeroRedundancyOptimizer` lays parameters out: slabs, buckets, segments, pieces.
 
 Per (param group, dtype) the parameters are cut into buckets as `GradientSync` cuts them
 (`_buckets.assign`: reverse registration order, the order backward usually produces their
-gradients; a parameter of `bucket_bytes` or more is a bucket of its own) and live in one flat
-buffer, bucket after bucket; each parameter's `.data` becomes a view of it. Every bucket ends
-with fewer than `size` items of padding, so that it splits into `size` equal contiguous segments,
-one per rank: a parameter may span ranks. Equal segments make the allgathers plain ones (MPICH's
-`Allgatherv` took 10 to 80 times as long as its `Allgather` here, 3 ranks on 2 cores). Rank r
-owns segment r of every bucket, so one reduce-scatter per bucket leaves each rank its gradients
-and one allgather per bucket returns every rank's update; a rank holds `ceil(items / size)` of
-every bucket.
+gradients; a parameter of `bucket_bytes` or more is a bucket of its own) and live in one slab (a
+contiguous buffer), bucket after bucket; each parameter's `.data` becomes a view of it. Every
+bucket ends with fewer than `size` items of padding, so that it splits into `size` equal
+contiguous segments, one per rank: a parameter may span ranks. Equal segments make the
+allgathers plain ones (MPI's `Allgatherv` is far slower: benchmarks/NOTES.md). Rank r owns
+segment r of every bucket, so one reduce-scatter per bucket leaves each rank its gradients and
+one allgather per bucket returns every rank's update.
 
 What a rank's inner optimizer steps are `Piece`s: its segments cut at parameter boundaries,
-each a 1-D view of the flat buffer. A piece belongs to one parameter, so an optimizer skips it
-exactly when it would skip the parameter (no gradient on any rank); in a world of one the pieces
-are the whole parameters.
-
-The flat buffers live on the parameters' device (a CUDA device too): the pieces, and so the inner
-optimizer's state, are slices of them there. What crosses to the host for the engines is the
-business of `_zero_gather.py` and `_zero_grads.py`.
+each a 1-D view of the slab. A piece belongs to one parameter, so an optimizer skips it exactly
+when it would skip the parameter (no gradient on any rank); in a world of one the pieces are the
+whole parameters. The slabs live on the parameters' device (a CUDA device too); what crosses to
+the host for the engines is `gather`'s and `gradients`' business.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import torch
 
 from dataparallel.torch._buckets import assign
 
-__all__ = ["Bucket", "Flat", "Piece", "host_buffer", "plan_group"]
+__all__ = ["Bucket", "Piece", "Slab", "host_buffer", "lay_out_group"]
 
 
 def host_buffer(items: int, dtype: torch.dtype, staged: bool) -> torch.Tensor:
@@ -40,32 +36,32 @@ def host_buffer(items: int, dtype: torch.dtype, staged: bool) -> torch.Tensor:
 
 @dataclass
 class Piece:
-    """The part `[start, stop)` of parameter `param` (its flat index) that this rank steps."""
+    """The part `[start, stop)` of parameter `param` that this rank steps."""
 
     param: int  # the parameter's index among all of the optimizer's parameters
-    flat: int  # the index of its flat buffer
+    slab: int  # the index of its slab
     start: int
     stop: int
-    tensor: torch.Tensor  # a 1-D view of the flat buffer: what the inner optimizer steps
-    shard_at: int  # where its gradient lies in the flat's gradient shard (stage 2)
+    tensor: torch.Tensor  # a 1-D view of the slab: what the inner optimizer steps
+    shard_at: int  # where its gradient lies in the slab's gradient shard (stage 2)
 
 
 @dataclass
 class Bucket:
-    """Items `[start, stop)` of flat buffer `flat`: one reduce-scatter, one allgather."""
+    """Items `[start, stop)` of slab `slab`: one reduce-scatter, one allgather."""
 
-    flat: int
+    slab: int
     start: int
     stop: int
     filled: int  # the end of its parameters' items (padding up to `stop`)
     counts: list[int]  # items per rank (all equal)
-    shard_at: int  # where this rank's segment starts in the flat's gradient shard
-    mine: tuple[int, int]  # this rank's segment, in the flat buffer's coordinates
+    shard_at: int  # where this rank's segment starts in the slab's gradient shard
+    mine: tuple[int, int]  # this rank's segment, in the slab's coordinates
     params: list[int]  # its parameters (indices among the optimizer's parameters)
 
 
 @dataclass
-class Flat:
+class Slab:
     """One param group's parameters of one dtype, bucket after bucket."""
 
     group: int
@@ -76,26 +72,26 @@ class Flat:
     buckets: list[int] = field(default_factory=list)  # indices into the optimizer's buckets
 
 
-def plan_group(
+def lay_out_group(
     group: int,
     params: list[tuple[int, torch.Tensor]],
     rank: int,
     size: int,
     bucket_bytes: int,
-    first_flat: int,
+    first_slab: int,
     device: torch.device | str = "cpu",
-) -> tuple[list[Flat], list[Bucket], list[Piece]]:
-    """Lay out one param group: move its parameters into flat buffers; return them, their
+) -> tuple[list[Slab], list[Bucket], list[Piece]]:
+    """Lay out one param group: move its parameters into slabs; return them, their
     buckets and this rank's pieces. `params` are (index among all parameters, parameter), all on
-    `device`, where the flat buffers are made."""
+    `device`, where the slabs are made."""
     by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
     for k, p in reversed(params):
         by_dtype.setdefault(p.dtype, []).append((k, p))
-    flats: list[Flat] = []
+    slabs: list[Slab] = []
     buckets: list[Bucket] = []
     pieces: list[Piece] = []
     for dtype, members in by_dtype.items():
-        f = first_flat + len(flats)
+        f = first_slab + len(slabs)
         named = [(str(k), p) for k, p in members]
         ranges, offsets, at = [], {}, 0
         for cut in assign(named, list(range(len(members))), bucket_bytes):
@@ -112,20 +108,20 @@ def plan_group(
                 view = data[offsets[k] : offsets[k] + p.numel()]
                 view.copy_(p.reshape(-1))
                 p.data = view.view(p.shape)
-        flat = Flat(group, dtype, data, offsets)
+        slab = Slab(group, dtype, data, offsets)
         numel = {k: p.numel() for k, p in members}
         for start, filled, stop, ks in ranges:
             part = (stop - start) // size
             mine = (start + rank * part, start + (rank + 1) * part)
-            bucket = Bucket(f, start, stop, filled, [part] * size, flat.shard_items, mine, ks)
-            flat.buckets.append(len(buckets))
+            bucket = Bucket(f, start, stop, filled, [part] * size, slab.shard_items, mine, ks)
+            slab.buckets.append(len(buckets))
             buckets.append(bucket)
             for k in ks:
                 a = offsets[k]
                 lo, hi = max(a, mine[0]), min(a + numel[k], mine[1])
                 if lo < hi:
-                    shard_at = flat.shard_items + lo - mine[0]
+                    shard_at = slab.shard_items + lo - mine[0]
                     pieces.append(Piece(k, f, lo - a, hi - a, data[lo:hi], shard_at))
-            flat.shard_items += part
-        flats.append(flat)
-    return flats, buckets, pieces
+            slab.shard_items += part
+        slabs.append(slab)
+    return slabs, buckets, pieces

@@ -2,47 +2,51 @@
 
 torch's class and signature (`torch.distributed.optim.ZeroRedundancyOptimizer`), over this
 library's engines, with slices instead of whole parameters: every rank steps a contiguous
-segment of every bucket (`_zero_layout.py`), so shards are balanced whatever the parameters'
-sizes, and the updated segments come back with one allgather per bucket, merged into one call
-on Gloo (`_zero_gather.py`; torch's: one broadcast per rank). `stage=2` reduce-scatters the
-gradients itself during backward (`_zero_grads.py`). Its parameters' layout, group by group, and
-what stands over it: `_zero_plan.py`. Checkpoints: `_zero_state.py`. What it is made with,
-checked: `_zero_args.py`; the norm `clip_grad_norm_` clips by: `_zero_clip.py`.
-Parameters on a device (CUDA) keep their buffers, shards and state there; every engine call is
-staged through host buffers. Usage, semantics and departures: docs/zero.md.
+segment of every bucket (`layout`), so shards are balanced whatever the parameters' sizes, and
+the updated segments come back with one allgather per bucket, merged into one call on Gloo
+(`gather`; torch's: one broadcast per rank). `stage=2` reduce-scatters the gradients itself
+during backward (`gradients`). Each param group is checked against every rank's and laid out
+as it comes, at construction and at `add_param_group`, on every rank alike; what stands over the
+layout (the inner optimizer's group of pieces, stage 2's reducer, the forward hooks of
+`overlap_with_forward`) is made again with it. Checkpoints: `state`; under `dp.torch.join`:
+`join`. Parameters on a device (CUDA) keep their buffers, shards and state there; every engine
+call is staged through host buffers. Usage, semantics and departures: docs/zero.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, SupportsIndex
+from typing import Any, Literal, NoReturn, SupportsIndex
 
+import numpy as np
 import torch
 
 from dataparallel import world
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.config import Settings
 from dataparallel.groups import Group, backend_of
+from dataparallel.protocol import verify_same_call
 from dataparallel.torch._buckets import overlaps
-from dataparallel.torch._zero_args import Stage, check_options, default_bucket_bytes, inner_class
-from dataparallel.torch._zero_clip import clip_slices
-from dataparallel.torch._zero_gather import SliceGather
-from dataparallel.torch._zero_grads import GradientShards
-from dataparallel.torch._zero_join import ZeroJoin, refuse_unjoined
-from dataparallel.torch._zero_layout import Bucket, Flat, Piece
-from dataparallel.torch._zero_overlap import ForwardOverlap
-from dataparallel.torch._zero_plan import ZeroPlan
-from dataparallel.torch._zero_state import consolidate, copy_options, load, with_options
+from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._zero.gather import ForwardOverlap, SliceGather
+from dataparallel.torch._zero.gradients import GradientShards
+from dataparallel.torch._zero.join import ZeroJoin, refuse_unjoined
+from dataparallel.torch._zero.layout import Bucket, Piece, Slab, lay_out_group
+from dataparallel.torch._zero.state import consolidate, copy_options, load, with_options
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["Stage", "ZeroRedundancyOptimizer"]
+
+Stage = Literal[1, 2]
+Named = list[tuple[str, torch.Tensor]]
 
 
-class ZeroRedundancyOptimizer(ZeroPlan):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """Shard `optimizer_class`'s state across ranks: each rank steps its slice of the parameters.
 
-    The parameters of each (param group, dtype) are laid end to end in one flat buffer (each
+    The parameters of each (param group, dtype) are laid end to end in one slab (each
     parameter's `.data` becomes a view of it) cut into buckets of `bucket_bytes`; rank r owns
     the r-th of `size` equal contiguous segments of every bucket. `.optim` is this rank's
-    `optimizer_class` over its pieces (1-D views of the flat buffers, one parameter each), so
+    `optimizer_class` over its pieces (1-D views of the slabs, one parameter each), so
     its state is about `1 / size` of the unsharded state. `step()` steps them, then allgathers
     the updated segments (one call per bucket; on Gloo buckets merged into one call up to
     25 MiB): every rank ends the step with all parameters.
@@ -60,7 +64,7 @@ class ZeroRedundancyOptimizer(ZeroPlan):
     `clip_grad_norm_` (the norm over every rank's slice), learning-rate schedulers (they set
     `param_groups`, copied into `.optim` at each step), `add_param_group` (on every rank).
     The inner optimizer must be element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): it sees
-    slices, not whole parameters. Parameters on one device: the host, or a GPU, where the flat
+    slices, not whole parameters. Parameters on one device: the host, or a GPU, where the slab
     buffers, the shards and the inner optimizer's state stay, and every engine call goes through
     host buffers (pinned), one copy each way per bucket (MPI and Gloo are not CUDA-aware).
 
@@ -98,6 +102,25 @@ class ZeroRedundancyOptimizer(ZeroPlan):
     >>> opt.step()
     """
 
+    backend: Backend
+    stage: Stage
+    bucket_bytes: int
+    optim: torch.optim.Optimizer  # the inner optimizer, over this rank's pieces
+    _class: type[torch.optim.Optimizer]  # its class
+    _initialized: bool  # torch's Optimizer.__init__ has added the groups given
+    _device: torch.device | None  # the parameters' (set by the first)
+    _staged: bool  # every engine call goes through host buffers
+    _overlap: bool  # stage 2's buckets go to the communication thread
+    _params: list[torch.Tensor]  # every group's parameters, in order
+    _names: list[str]  # theirs in error messages
+    _slabs: list[Slab]
+    _buckets: list[Bucket]
+    _pieces: list[list[Piece]]  # this rank's, group by group
+    _shards: GradientShards | None  # stage 2's reducer
+    _gather: SliceGather | None  # the exchange of updated slices, made at the next step
+    _model: torch.nn.Module | None  # `overlap_with_forward`'s
+    _forward: ForwardOverlap | None  # its hooks
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -128,33 +151,119 @@ class ZeroRedundancyOptimizer(ZeroPlan):
         self._overlap = overlaps(self.backend.local_size, active.settings.overlap)
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
-        self._flats: list[Flat] = []
+        self._slabs: list[Slab] = []
         self._buckets: list[Bucket] = []
         self._pieces: list[list[Piece]] = []
         self._shards: GradientShards | None = None
-        # Buckets merged into one allgather up to this many bytes (`_zero_gather.py`): on
-        # engines that move calls on their own threads (Gloo), where each call is a rendezvous
-        # (stage 2 on Gloo 0.97-0.99x torch's ZeRO + DDP merged, 1.01-1.07x not); MPI's
-        # per-bucket calls were faster there (0.64x against 0.67x merged).
+        # Buckets merged into one allgather up to this many bytes (`gather`): on engines that
+        # move calls on their own threads (Gloo), where each call is a rendezvous; MPI's
+        # per-bucket calls are faster unmerged (benchmarks/NOTES.md).
         self._merge_bytes = active.settings.thread_bucket_bytes if self.backend.progresses else 0
         # ... and each of those allgathers made as `size` broadcasts, which Gloo's threads carry
-        # at once (3 ranks, 6 MB: 3.3-3.9 ms against 4.3-4.6 for Gloo's allgather).
+        # at once, faster than Gloo's ring allgather.
         self._broadcasts = self.backend.progresses
-        self._gather: SliceGather | None = None  # planned at the first step after a layout
+        self._gather: SliceGather | None = None  # made at the first step after a layout
         self._consolidated: dict[str, Any] | None = None
         self._have_grads = False
-        self._join: ZeroJoin | None = None  # inside a `dp.torch.join` block (`_zero_join.py`)
+        self._join: ZeroJoin | None = None  # inside a `dp.torch.join` block (`join`)
         for g in range(len(self.param_groups)):
-            self._plan(g)
+            self._lay_out(g)
         inner = [self._inner_group(g) for g in range(len(self.param_groups))]
         self.optim: torch.optim.Optimizer = self._class(inner, **defaults)
         copy_options(self.optim.param_groups, self.param_groups)
         self._reshard()
-        # `overlap_with_forward`: the exchange lands in the model's forward (`_zero_overlap.py`).
+        # `overlap_with_forward`: the exchange lands in the model's forward (`gather`).
         self._model = overlap_with_forward
         self._forward: ForwardOverlap | None = None
         self._hook_forward()
         self._initialized = True
+
+    # -- the layout -------------------------------------------------------------------------
+
+    def _lay_out(self, g: int) -> None:
+        """Check group `g` against every rank's, and lay it out (collective)."""
+        group = self.param_groups[g]
+        first = len(self._params)
+        named = [(f"param_groups[{g}]['params'][{i}]", p) for i, p in enumerate(group["params"])]
+        if self._device is None and named:  # the first parameter's: every engine call staged?
+            self._staged = self._staged or named[0][1].device.type != "cpu"
+        self._device = one_device(named, self._device)
+        if self.stage == 2:
+            refuse_reduced(named)
+        verify_params(self.backend, self._class, self.stage, self.bucket_bytes, named)
+        self._names += [name for name, _ in named]
+        self._params += [p for _, p in named]
+        slabs, buckets, pieces = lay_out_group(
+            g,
+            list(enumerate(group["params"], start=first)),
+            self.backend.rank,
+            self.backend.size,
+            self.bucket_bytes,
+            len(self._slabs),
+            self._device if self._device is not None else torch.device("cpu"),
+        )
+        for slab in slabs:
+            slab.buckets = [b + len(self._buckets) for b in slab.buckets]
+        self._slabs += slabs
+        self._buckets += buckets
+        self._pieces.append(pieces)
+        self._gather = None
+
+    def _inner_group(self, g: int) -> dict[str, Any]:
+        """Group `g` for the inner optimizer: its options, over this rank's pieces."""
+        options = {k: v for k, v in self.param_groups[g].items() if k != "params"}
+        return {**options, "params": [piece.tensor for piece in self._pieces[g]]}
+
+    def _reshard(self) -> None:
+        """(Re)make the stage-2 reducer over the current layout."""
+        if self.stage != 2:
+            return
+        joining = None
+        if self._shards is not None:
+            self._shards.land()
+            self._shards.close()
+            joining = self._shards.join_pass
+        self._shards = GradientShards(
+            self._params,
+            self._slabs,
+            self._buckets,
+            self.backend,
+            average=True,
+            overlap=self._overlap,
+            staged=self._staged,
+        )
+        self._shards.join_pass = joining
+
+    def _hook_forward(self) -> None:
+        """(Re)place the hooks that land the exchange in the model's forward, over the layout."""
+        if self._model is None:
+            return
+        if self._forward is not None:
+            self._forward.close()
+        self._forward = ForwardOverlap(self._model, self._params, self._buckets)
+
+    def _settle(self) -> None:
+        """Wait for the exchange of the last step's slices, if it is still in flight."""
+        if self._forward is not None:
+            self._forward.land()
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces, over all param groups (what `.optim` steps)."""
+        return [piece for pieces in self._pieces for piece in pieces]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, sharded as the others (on every rank alike: it is collective)."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return  # torch's Optimizer.__init__ adds the groups; __init__ lays them out
+        self._settle()
+        g = len(self.param_groups) - 1
+        self._lay_out(g)
+        self.optim.add_param_group(self._inner_group(g))
+        copy_options(self.optim.param_groups[-1:], self.param_groups[-1:])
+        self._reshard()
+        self._hook_forward()
 
     # -- a step ---------------------------------------------------------------------------------
 
@@ -167,7 +276,7 @@ class ZeroRedundancyOptimizer(ZeroPlan):
             for pieces in self._pieces:
                 for piece in pieces:
                     if had[piece.param]:
-                        shard = self._shards.shards[piece.flat]
+                        shard = self._shards.shards[piece.slab]
                         n = piece.stop - piece.start
                         piece.tensor.grad = shard[piece.shard_at : piece.shard_at + n]
                     else:
@@ -215,7 +324,7 @@ class ZeroRedundancyOptimizer(ZeroPlan):
             return  # the pieces are views of the parameters: nothing to bring
         if self._gather is None:
             self._gather = SliceGather(
-                self._flats,
+                self._slabs,
                 self._buckets,
                 self.backend,
                 self._merge_bytes,
@@ -332,3 +441,132 @@ class ZeroRedundancyOptimizer(ZeroPlan):
             "A ZeroRedundancyOptimizer cannot be pickled (it holds a shard); save "
             "consolidate_state_dict() + state_dict() instead."
         )
+
+
+# -- what it is made with, checked before anything is laid out ----------------------------------
+
+
+def default_bucket_bytes(stage: Stage, settings: Settings) -> int:
+    """Stage 1: `Settings.thread_bucket_bytes` (25 MiB, DDP's size): its buckets cost no buffer
+    (the allgathers land in the parameters), and every bucket is two calls (a reduce by the
+    wrapper, an allgather), each about as dear whatever its size on a busy node. Stage 2: 4 x
+    `Settings.bucket_bytes` (1 MiB): each bucket in flight is a send buffer of its size, which
+    counts against the gradient memory stage 2 saves (benchmarks/zero.py, docs/zero.md)."""
+    return settings.thread_bucket_bytes if stage == 1 else 4 * settings.bucket_bytes
+
+
+def inner_class(cls: object) -> type[torch.optim.Optimizer]:
+    """`cls`, a subclass of `torch.optim.Optimizer`; else `TypeError`."""
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        return cls
+    if isinstance(cls, torch.optim.Optimizer):
+        raise TypeError(
+            "ZeroRedundancyOptimizer(params, optimizer_class, ...) takes the optimizer's class "
+            f"and its options, not an optimizer: give {type(cls).__name__}, lr=... instead of "
+            f"{type(cls).__name__}(params, lr=...)."
+        )
+    raise TypeError(
+        "ZeroRedundancyOptimizer: optimizer_class must be a subclass of torch.optim.Optimizer "
+        f"(torch.optim.Adam, ...), got {cls!r}."
+    )
+
+
+def check_options(stage: object, bucket_bytes: object) -> None:
+    """Raise `ValueError` for a stage other than 1 or 2, or a bucket size not a positive int."""
+    if stage not in (1, 2):
+        raise ValueError(f"ZeroRedundancyOptimizer: stage={stage!r} must be 1 or 2.")
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+    ):
+        raise ValueError(
+            f"ZeroRedundancyOptimizer: bucket_bytes={bucket_bytes!r} must be a positive int."
+        )
+
+
+def one_device(named: Named, device: torch.device | None) -> torch.device | None:
+    """The device of every parameter in `named` and of those before (`device`, None if none
+    came before); `ValueError` names the first parameter on another."""
+    for name, p in named:
+        if device is None:
+            device = p.device
+        elif p.device != device:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: {name} is on {p.device}, the parameters before "
+                f"it on {device}; it shards the parameters of one device. Move the "
+                "model to one device first, or use one optimizer per device."
+            )
+    return device
+
+
+def verify_params(
+    backend: Backend,
+    cls: type[torch.optim.Optimizer],
+    stage: Stage,
+    bucket_bytes: int,
+    named: Named,
+) -> None:
+    """Check that every rank lays out the same parameters the same way (collective):
+    `CollectiveMismatchError` names the parameter that differs."""
+    call: dict[str, object] = {
+        "collective": "ZeroRedundancyOptimizer parameters",
+        "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
+        "stage": stage,
+        "bucket_bytes": bucket_bytes,
+    }
+    for name, p in named:
+        call[name] = f"{str(p.dtype).removeprefix('torch.')}{list(p.shape)}"
+    verify_same_call(backend, call)
+
+
+def refuse_reduced(params: Named) -> None:
+    """Raise `ValueError` for a parameter whose gradients a model wrapper already reduces."""
+    for name, p in params:
+        reducer = owner_of(p)
+        if reducer is not None and not isinstance(reducer, GradientShards):
+            who = getattr(reducer, "owner", type(reducer).__name__)
+            raise ValueError(
+                f"ZeroRedundancyOptimizer(stage=2): {name} is already reduced by a {who}; "
+                "stage 2 reduce-scatters the gradients itself, so they would be reduced twice. "
+                "Give stage=2 the unwrapped model's parameters, or use stage=1 under the "
+                "wrapper."
+            )
+
+
+# -- `clip_grad_norm_`: the norm over every rank's slice ---------------------------------------
+
+
+def clip_slices(
+    grads: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    backend: Backend,
+) -> float:
+    """Scale `grads` (this rank's slices) so that the norm of order `norm_type` over every
+    rank's is at most `max_norm`, and return that norm (collective).
+
+    Raises:
+        RuntimeError: the norm is not finite and `error_if_nonfinite`.
+    """
+    if norm_type == float("inf"):
+        local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+        total = np.array([local], np.float64)
+        if backend.size > 1:
+            backend.allreduce(total, ReduceOp.MAX)
+        norm = float(total[0])
+    else:
+        local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
+        total = np.array([local], np.float64)
+        if backend.size > 1:
+            backend.allreduce(total, ReduceOp.SUM)
+        norm = float(total[0]) ** (1.0 / norm_type)
+    if error_if_nonfinite and not np.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is {norm}: not finite, "
+            "so they cannot be clipped (error_if_nonfinite=True)."
+        )
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return norm
