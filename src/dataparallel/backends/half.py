@@ -43,7 +43,7 @@ class Waitable(Protocol):
     def test(self) -> bool: ...
 
 
-class Engine(Protocol):
+class Exchanger(Protocol):
     """What `TwoPhase` uses of a `Backend` (which this module serves, so cannot import)."""
 
     rank: int
@@ -138,12 +138,12 @@ def _torch_view(torch: ModuleType, values: np.ndarray, dtype: WireDtype) -> Any:
 # page faults). A wait runs to its end before the next on the same engine; a private duplicate
 # engine may run in another thread (the optax callbacks), hence one set per engine. The receive
 # buffer of the all-to-all is not scratch: several calls may be in flight at once.
-_SCRATCH: weakref.WeakKeyDictionary[Engine, dict[tuple[str, int], np.ndarray]]
+_SCRATCH: weakref.WeakKeyDictionary[Exchanger, dict[tuple[str, int], np.ndarray]]
 _SCRATCH = weakref.WeakKeyDictionary()
 caches.register(_SCRATCH.clear)  # dp.finalize(): the ended world's engines keep none
 
 
-def scratch(backend: Engine, dtype: npt.DTypeLike, items: int, slot: int) -> np.ndarray:
+def scratch(backend: Exchanger, dtype: npt.DTypeLike, items: int, slot: int) -> np.ndarray:
     """Return `items` items of `dtype`, `backend`'s own until its next wait (`slot`: which)."""
     mine = _SCRATCH.setdefault(backend, {})
     key = (np.dtype(dtype).str, slot)
@@ -168,7 +168,9 @@ class TwoPhase:
         dtype: `"float16"` or `"bfloat16"`.
     """
 
-    def __init__(self, backend: Engine, buf: np.ndarray, op: enum.Enum, dtype: WireDtype) -> None:
+    def __init__(
+        self, backend: Exchanger, buf: np.ndarray, op: enum.Enum, dtype: WireDtype
+    ) -> None:
         self.backend, self.buf, self.dtype = backend, buf, dtype
         self.ufunc = _UFUNCS[op.value]
         self.counts = parts(buf.size, backend.size)
