@@ -8,7 +8,7 @@ from typing import cast
 import numpy as np
 
 from dataparallel.arrays.actions import Reduction
-from dataparallel.arrays.engine import allreduce_into_scaled, allreduce_scaled
+from dataparallel.arrays.fusion import allreduce_into_scaled, allreduce_scaled
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf, host_works

@@ -49,8 +49,7 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.engine import allreduce_scaled
-from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.fusion import HOST_KEY, allreduce_scaled
 from dataparallel.arrays.inline import land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.replay import Replay

@@ -34,8 +34,8 @@ import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction
+from dataparallel.arrays.comm_thread import Router
 from dataparallel.arrays.replay import Replay
-from dataparallel.arrays.routes import Router
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.protocol import Started, handshake, start_handshake
 from dataparallel.torch._buckets import describe, grad_family, message, replay_of, step_flags

@@ -3,7 +3,7 @@
 `DataParallelModel` (`_model`) and `DistributedOptimizer` (`_optimizer`) are two faces of it. A
 post-accumulate-grad hook on every parameter marks its bucket ready when its gradient is final;
 ready buckets go out while backward keeps running, handed to the communication thread, or all at
-its end (`overlap`, and each mode's bucket size: `_modes.py`; `arrays/routes.py`). The first
+its end (`overlap`, and each mode's bucket size: `_modes.py`; `arrays/comm_thread.py`). The first
 bucket holds at most 1 MiB, so the first message leaves early in backward (`_buckets.assign`).
 
 Buckets have fixed members, as DDP's do, rebuilt once after the first step (`_buckets.py`; the
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 from dataparallel import world
 from dataparallel.arrays.actions import reduction
+from dataparallel.arrays.comm_thread import Router
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
-from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
 from dataparallel.errors import RankFailedError
 from dataparallel.torch._buckets import Bucket, NamedParams, check_options, message
@@ -170,7 +170,7 @@ class GradientSync(GradientLaunch):
 
     @property
     def bucket_backend(self) -> Backend:
-        """The engine this step's buckets travel on (`arrays/routes.py`)."""
+        """The engine this step's buckets travel on (`arrays/comm_thread.py`)."""
         return self._router.fusion.backend
 
     # -- one step ----------------------------------------------------------------------------
