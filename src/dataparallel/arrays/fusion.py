@@ -22,6 +22,7 @@ The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducesca
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ __all__ = [
     "SegmentFlight",
     "allreduce_into_scaled",
     "allreduce_scaled",
+    "bucket_views",
+    "pack_bucket",
     "settle",
     "start",
     "unpack",
@@ -390,7 +393,7 @@ class Fusion:
         else:
             buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
             pooled.append(buf)
-            np.concatenate([w.reshape(-1) for w in works], out=buf)  # one copy, in C
+            pack_bucket(works, buf)
             offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
             slots = tuple(zip(works, offsets, strict=True))
         compressed = self._compressed(dtype)
@@ -487,6 +490,22 @@ class Fusion:
                 else 0
             )
             timeline.complete("unpack", unpacking, arrays=arrays)
+
+
+def pack_bucket(works: list[np.ndarray], buf: np.ndarray) -> None:
+    """Write `works` one after the other into `buf`, in C order: a host bucket's layout, whoever
+    packs it (`Fusion`, or a call plan that keeps a bucket of its own). One copy, in C."""
+    np.concatenate(works, axis=None, out=buf)
+
+
+def bucket_views(buf: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Return each array's place in `buf` as `pack_bucket` lays arrays of `shapes` out."""
+    views, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        views.append(buf[offset : offset + size].reshape(shape))
+        offset += size
+    return views
 
 
 # The engine call that carries a bucket.
