@@ -73,8 +73,8 @@ BucketKey: TypeAlias = tuple[Hashable, ...]
 HOST_KEY: BucketKey = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
 # Calls left in flight after a new one starts, on an engine that moves them on by itself (Gloo,
-# NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`). Many in
-# flight slow MPICH down (50 arrays of 80 KB: 3.4 ms all in flight, 1.7-2.5 ms one at a time).
+# NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`), since
+# many calls in flight slow MPICH down (benchmarks/NOTES.md, "Fusion").
 MAX_IN_FLIGHT = 1
 
 
@@ -284,8 +284,8 @@ class Fusion:
         timeline = self.timeline
         started = timeline.now() if timeline is not None else 0.0
         # Into a buffer lent by the pool, adopted by the leaf's framework without a copy: MPI is
-        # twice as slow into new memory (4 MiB on 2 ranks: 18-21 ms into a new array each call,
-        # 9-11 ms into the same one), and the lent buffer comes back once the result is gone.
+        # about twice as slow into new memory as into memory it has written before, and the lent
+        # buffer comes back once the result is gone.
         result = self.pool.lend(work.dtype, work.shape)
         allreduce_into_scaled(self.backend, work.reshape(-1), result.reshape(-1), self.action)
         self.calls += 1
@@ -552,8 +552,7 @@ def allreduce_into_scaled(
     """Allreduce read-only `send` into `recv`, scaled as a bucket is: where the shares may be
     scaled first (`prescale`), written scaled into `recv` and reduced there in place (one pass
     over the memory, the engine's own copy of `send` included), else reduced into `recv` and
-    the result scaled (measured, 2 ranks, the 1.86 M tree's two large leaves averaged: 1.20 ms
-    against 1.43; the sum alone 1.19)."""
+    the result scaled (a second pass over memory the engine has just shared costs more)."""
     if action.op is ReduceOp.SUM and prescaled_copy(send, recv, action.scale):
         backend.allreduce(recv, action.op)
         return
@@ -579,7 +578,7 @@ def settle(request: Handle, pause: float, limit: float | None) -> None:
 
     MPICH waits by polling its sockets without pause, a core's worth of system calls; on the
     communication thread that core is the one backward computes on wherever a rank has no
-    spare core (issue 24). Each test moves the call along, and the kernel's socket buffers
+    spare core. Each test moves the call along, and the kernel's socket buffers
     keep the link busy between tests. Past the engine's timeout `limit` (`DATAPARALLEL_TIMEOUT`)
     it returns, for the caller to wait in the engine, which raises after that timeout again.
     """
