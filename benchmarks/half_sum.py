@@ -1,4 +1,5 @@
-"""MPI's 16-bit sum: one `Iallreduce` with `mpi_half.py`'s op, against the two-phase path.
+"""MPI's 16-bit sum: one `Iallreduce` with the `half_sum` op of the MPI backend, against the
+two-phase path.
 
 Run: `OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/half_sum.py [--numpy]`
 (`--numpy`: without torch loaded, so the op adds in NumPy's float32 blocks)

@@ -1,4 +1,4 @@
-"""What the MPI engine's call count costs (`backends/mpi_board.py`), measured side by side.
+"""What the MPI engine's call count costs (`backends/mpi/board.py`), measured side by side.
 
 Run: `OMP_NUM_THREADS=1 dataparallel run -n 2 benchmarks/leaving.py`
 

@@ -16,7 +16,7 @@ rank is started in its namespace with a tcp:// rendezvous on the first one's add
 Every case runs in the same processes, in interleaved rounds (`train_step.measure`): a transformer
 step (4 layers, width D, Adam, `train_step.transformer`) with one process alone (the floor), the
 raw allreduce of the same bytes (one `Allreduce` of the gradients' float32, and of their 16 bits
-with `mpi_half`'s op on MPI; `torch.distributed.all_reduce` of a float32 and a float16 tensor on
+with `half_sum`'s op on MPI; `torch.distributed.all_reduce` of a float32 and a float16 tensor on
 Gloo), `dp.DistributedOptimizer` and `dp.torch.DataParallelModel`, Horovod 0.28.1's
 `DistributedOptimizer` (MPI build, from the venv `--hvd-venv`, initialized only while its cases
 run), and torch DDP over Gloo (fp16: `fp16_compress_hook`), each in fp32 and with fp16 compression.
@@ -317,7 +317,7 @@ def raw_cases(n: int, mpi: bool) -> dict[str, tuple[Callable[[], None], None]]:
         }
     from mpi4py import MPI
 
-    from dataparallel.backends.mpi_half import half_sum
+    from dataparallel.backends.mpi.backend import half_sum
 
     comm, op16, bits = MPI.COMM_WORLD, half_sum(MPI, "float16"), half.numpy()
     return {

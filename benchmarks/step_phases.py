@@ -37,7 +37,7 @@ from train_step import VOCAB, Horovod, init_gloo, transformer
 
 import dataparallel as dp
 from dataparallel.arrays import fusion
-from dataparallel.backends.mpi_handle import MPIHandle
+from dataparallel.backends.mpi.backend import MPIHandle
 from dataparallel.torch import _gradsync
 
 PHASE = ["idle"]

@@ -58,6 +58,7 @@ def received_by(rank: int, size: int, dtype: str, rest: tuple[int, ...] = (2,)) 
     return np.concatenate(parts)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize(("family", "dtype"), BY_DTYPE)
 def test_every_dtype_and_family(family: Family, dtype: str, rank: int, size: int) -> None:
     usable(family)
@@ -284,12 +285,12 @@ def test_engine_alltoallv_uneven_counts(dtype: str, world: Backend, rank: int, s
     assert Backend.ialltoallv(world, send, sends, recv, receives).test()
 
 
-# --- NCCL's call plan (no GPU needed: the calls are recorded, not made) ----------------------
+# --- NCCL's calls (no GPU needed: the calls are recorded, not made) ---------------------------
 
 
-def test_nccl_alltoall_plan() -> None:
+def test_nccl_alltoall_calls() -> None:
     from dataparallel.backends.base import DeviceBuffer
-    from dataparallel.backends.nccl_exchange import alltoall_call
+    from dataparallel.backends.nccl.backend import alltoall_call
 
     calls: list[tuple[Any, ...]] = []
 

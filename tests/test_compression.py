@@ -73,6 +73,7 @@ def wires(world: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tupl
 # -- the collectives ----------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", ARRAY_FAMILIES, ids=repr)
 @pytest.mark.parametrize("dtype", FLOATING)
 @pytest.mark.parametrize("name", sorted(COMPRESSIONS))
@@ -309,6 +310,7 @@ def round16(wide: np.ndarray, dtype: str) -> np.ndarray:
 BOUNDARY_ITEMS = [1, 2, 7, N + 1, (1 << 14) - 1, (1 << 14) + 1, (1 << 15) + 3, 3 * (1 << 14)]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("torch_loaded", [True, False], ids=["torch", "numpy"])
 @pytest.mark.parametrize("items", BOUNDARY_ITEMS, ids=lambda n: f"{n}-items")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -340,7 +342,7 @@ def test_engines_reduce_16_bits_as_a_native_16_bit_sum(
     items: int, dtype: str, world: Backend, rank: int, size: int
 ) -> None:
     """Every rank ends with the same bits, each addition rounded once to 16 bits (the native
-    half sum of Gloo, NCCL, and MPI's op of `mpi_half.py`): at 3 ranks one of the pairings."""
+    half sum of Gloo, NCCL, and MPI's `half_sum` op): at 3 ranks one of the pairings."""
     values = [np.float32(0.1) * (1 + draw(r, 4, items)).astype(np.float32) for r in range(size)]
     buf = np.empty(items, np.float16 if dtype == "float16" else np.uint16)
     inputs = []

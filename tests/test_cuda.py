@@ -41,7 +41,7 @@ import dataparallel as dp
 from dataparallel import gpus, world
 from dataparallel.arrays import families
 from dataparallel.arrays.device import DeviceWork
-from dataparallel.arrays.family_torch import TorchFamily
+from dataparallel.arrays.families.torch import TorchFamily
 from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings
@@ -172,6 +172,7 @@ TORCH = FAMILY["torch"]
 PATHS = ("handed", "staged")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -453,7 +454,7 @@ def mpi() -> Any:
 
 
 def test_detection_asks_the_mpi_library_itself(mpi: Any) -> None:
-    from dataparallel.backends.mpi_library import detect_cuda_aware, mpix_query
+    from dataparallel.backends.mpi.library import detect_cuda_aware, mpix_query
 
     query = mpix_query(mpi)
     version = mpi.Get_library_version()

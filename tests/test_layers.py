@@ -65,15 +65,8 @@ LAYERS: list[tuple[str, ...]] = [
 FRAMEWORKS = {"torch", "jax", "jaxlib", "optax", "cupy", "cupyx", "mpi4py"}
 BACKEND_FRAMEWORKS = {
     "dataparallel.backends.gloo": {"torch"},
-    "dataparallel.backends.gloo_exchange": {"torch"},  # the Gloo engine's all-to-all exchanges
-    "dataparallel.backends.gloo_handle": {"torch"},  # a Gloo call in flight
-    "dataparallel.backends.gloo_setup": {"torch"},  # joining a Gloo group
     "dataparallel.backends.mpi": {"mpi4py"},
-    "dataparallel.backends.mpi_half": {"mpi4py"},
-    "dataparallel.backends.mpi_handle": {"mpi4py"},  # a request in flight
-    "dataparallel.backends.mpi_library": {"mpi4py"},  # the MPI library: imported, CUDA-aware
     "dataparallel.backends.nccl": {"cupy"},
-    "dataparallel.backends.nccl_support": {"cupy"},  # whether NCCL is usable here
 }
 
 

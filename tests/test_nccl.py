@@ -28,12 +28,8 @@ from _jobs import run_job
 import dataparallel as dp
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.backends.nccl import (
-    INSTALL_HINT,
-    NCCLBackend,
-    nccl_reduction,
-    unavailable_reason,
-)
+from dataparallel.backends.nccl import INSTALL_HINT, NCCLBackend, unavailable_reason
+from dataparallel.backends.nccl.support import nccl_reduction
 from dataparallel.backends.registry import choose
 from dataparallel.backends.single import SingleBackend
 from dataparallel.config import Settings

@@ -59,6 +59,7 @@ def check(family: Family, x: Any, out: Any, want: np.ndarray, dtype: str) -> Non
     assert_values(family, out, want, dtype)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(("family", "dtype", "op"), MATRIX)
 def test_every_op_dtype_and_family(
     family: Family, dtype: str, op: str, rank: int, size: int
@@ -310,7 +311,7 @@ def test_engine_reduce_scatter_defaults(world: Backend, rank: int, size: int) ->
     np.testing.assert_array_equal(recv, np.arange(start, start + counts[rank]) + size - 1.0)
 
 
-# --- NCCL's call plan (no GPU needed: the calls are recorded, not made) ----------------------
+# --- NCCL's calls (no GPU needed: the calls are recorded, not made) ---------------------------
 
 
 class Recorder:
@@ -329,8 +330,8 @@ def device(ptr: int, items: int, itemsize: int = 4, dtype: str = "float32") -> A
     return DeviceBuffer(ptr, items, itemsize, dtype, 0, 0, None)
 
 
-def test_nccl_reduce_scatter_plan() -> None:
-    from dataparallel.backends.nccl_exchange import device_pair, scatter_call
+def test_nccl_reduce_scatter_calls() -> None:
+    from dataparallel.backends.nccl.backend import device_pair, scatter_call
 
     nccl = Recorder()
     send, recv = device(1000, 6), device(5000, 2)

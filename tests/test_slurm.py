@@ -173,12 +173,12 @@ def test_srun_command_labels_lines_and_ends_the_step_on_a_failure() -> None:
 
 
 def test_pmix_is_refused_before_mpi_init_where_the_mpi_library_cannot_speak_it() -> None:
-    from dataparallel.backends import mpi_pmi
+    from dataparallel.backends.mpi import library
 
-    version = mpi_pmi.library_version()
+    version = library.library_version()
     if "MPICH" not in version or "pmix" in version.lower():
         pytest.skip(f"the MPI here can speak PMIx, or there is none: {version[:60]!r}")
     pmix = Settings.from_env({**STEP, "PMIX_RANK": "4", "PMIX_NAMESPACE": "slurm.pmix.4242.3"})
     with pytest.raises(dp.BackendUnavailableError, match=r"srun --mpi=pmi2 .*or without --mpi"):
-        mpi_pmi.check_pmi(pmix)
-    mpi_pmi.check_pmi(Settings.from_env({**STEP, "PMI_FD": "3", "PMI_RANK": "4"}))  # PMI-2: fine
+        library.check_pmi(pmix)
+    library.check_pmi(Settings.from_env({**STEP, "PMI_FD": "3", "PMI_RANK": "4"}))  # PMI-2: fine

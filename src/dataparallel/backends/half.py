@@ -1,9 +1,9 @@
-"""16-bit floats on the host: fast casts (`widen`, `narrow`), a 16-bit sum (`add16`, MPI's op in
-`mpi_half.py`), and a reduction that moves 16 bits and adds in float32 (`TwoPhase`).
+"""16-bit floats on the host: fast casts (`widen`, `narrow`), a 16-bit sum (`add16`, which MPI's
+own op calls), and a reduction that moves 16 bits and adds in float32 (`TwoPhase`).
 
 `TwoPhase` is what a compressed allreduce hands an engine (`Backend.iallreduce_half`) where the
 engine's own reduction of the 16-bit type is missing (bfloat16 on a generic engine; PROD, MIN and
-MAX on MPI, whose sum is `mpi_half.py`'s op). The buffer is cut into one part per rank
+MAX on MPI, whose sum is an op of its own). The buffer is cut into one part per rank
 (Horovod's split: the first `n % size` ranks get one item more); one all-to-all gives every rank
 all ranks' copies of its part; each rank reduces its part in float32, in rank order, and rounds
 it once to 16 bits; one allgather gives every rank every part. The traffic is a ring allreduce's
@@ -34,7 +34,10 @@ _UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "min": np.mi
 _UFUNCS["max"] = np.maximum
 
 
-class Request(Protocol):
+class Waitable(Protocol):
+    """What an engine's `ialltoallv` returns: a backend handle (`base.Handle`, restated here
+    because `base.py` imports this module)."""
+
     def wait(self) -> object: ...
 
     def test(self) -> bool: ...
@@ -48,7 +51,7 @@ class Engine(Protocol):
 
     def ialltoallv(
         self, send: np.ndarray, send_counts: list[int], recv: np.ndarray, recv_counts: list[int]
-    ) -> Request: ...
+    ) -> Waitable: ...
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None: ...
 
@@ -56,8 +59,8 @@ class Engine(Protocol):
 def widen(values: np.ndarray, dtype: WireDtype, out: np.ndarray) -> None:
     """Write 16-bit `values` (float16, or bfloat16 bits) into float32 `out`, exactly.
 
-    torch's vectorized cast when torch is loaded; else NumPy's (float16: about 1 ns a value here,
-    3 to 7 times torch's) or a shift of the bits (bfloat16).
+    torch's vectorized cast when torch is loaded (faster than NumPy's); else NumPy's (float16) or
+    a shift of the bits (bfloat16).
     """
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -73,8 +76,8 @@ def widen(values: np.ndarray, dtype: WireDtype, out: np.ndarray) -> None:
 def narrow(wide: np.ndarray, dtype: WireDtype, out: np.ndarray) -> None:
     """Round float32 `wide` to nearest even into 16-bit `out` (bfloat16 as bits; NaN kept).
 
-    torch's vectorized cast when torch is loaded (NumPy's float16 cast: about 3 ns a value here,
-    6 times torch's); beyond float16's range values become inf, as a cast.
+    torch's vectorized cast when torch is loaded (faster than NumPy's float16 cast); beyond
+    float16's range values become inf, as a cast.
     """
     torch = sys.modules.get("torch")
     if torch is not None:

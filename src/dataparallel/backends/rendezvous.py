@@ -8,8 +8,8 @@ Rendezvous (`init_method`), as in Flashlight:
 - `"file:///dir"` with `rank=` and `world_size=`: a directory every rank can reach (a shared file
   system across hosts). The rendezvous file is `dir/dataparallel-rendezvous`, or
   `dir/dataparallel-rendezvous-ID` with `"file:///dir?job=ID"`. A file left by a job that did not
-  finish cleanly would mislead the next job: use a fresh directory or job id per job (a clean
-  finish removes the file).
+  finish cleanly would mislead the next job: use a fresh directory or job id per job. A clean
+  finish removes the file (`remove_if_every_store_left`, where torch's own removal can miss it).
 
 Network interface: Gloo binds to the address its hostname resolves to, else to loopback, which
   breaks jobs across hosts wherever the hostname does not resolve to a routable address (common
@@ -40,6 +40,7 @@ __all__ = [
     "gloo_interface",
     "interface_toward",
     "parse_init_method",
+    "remove_if_every_store_left",
     "rendezvous_error",
     "rendezvous_store",
 ]
@@ -295,3 +296,66 @@ def rendezvous_store(
                 host, port, rendezvous.world_size, serve, timeout=wait
             )
     return Meeting(dist.PrefixStore(f"dataparallel/{generation}/", base), file)
+
+
+# torch's keys for the counters (FileStore.cpp: cleanupKey_, refCountKey_); user keys start "/".
+_FINISHED = b"cleanup/"
+_REFERENCES = b"refcount/"
+_LENGTH = struct.Struct("=I")  # each key and value: a native uint32 length, then the bytes
+
+
+def remove_if_every_store_left(path: Path, workers: int) -> bool:
+    """Remove torch's FileStore file at `path` when no store holds it and `workers` have
+    finished; return whether it was removed. Best effort: an unreadable or missing file is
+    left as it is (torch's own destructor may have removed it already).
+
+    torch's `FileStore` removes its file in the destructor of the last store, but counts in two
+    locked steps: it adds one to the finished workers, then takes one from the live references,
+    and removes the file only when its own two readings say "last" (references 0 and finished ==
+    world size). Two ranks finishing at once can each read themselves not last (A finishes, B
+    finishes, B drops a reference, A drops the last one but read "1 finished" before B's), and
+    the file stays (benchmarks/NOTES.md, "The file:// rendezvous file"). This reads the same two
+    counters after this process's store is gone, under the same lock torch takes, and removes the
+    file when they say everyone has finished: the last rank to drop its reference then always sees
+    the final counts, whatever the interleaving.
+    """
+    import fcntl  # POSIX, as torch's FileStore
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what torch's FileStore takes to change the file
+        counters = _counters(os.read(fd, os.fstat(fd).st_size))
+        if counters is None:
+            return False
+        finished, references = counters
+        if references != 0 or finished < workers:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _counters(data: bytes) -> tuple[int, int] | None:
+    """Return the last (finished, references) values in a FileStore file, or None when the
+    file is not one (or has no such counters yet)."""
+    values: dict[bytes, bytes] = {}
+    pos = 0
+    try:
+        while pos < len(data):
+            fields = []
+            for _ in range(2):
+                (length,) = _LENGTH.unpack_from(data, pos)
+                pos += _LENGTH.size
+                if pos + length > len(data):
+                    return None
+                fields.append(data[pos : pos + length])
+                pos += length
+            values[fields[0]] = fields[1]
+        return int(values[_FINISHED]), int(values[_REFERENCES])
+    except (struct.error, KeyError, ValueError):
+        return None

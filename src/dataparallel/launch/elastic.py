@@ -141,7 +141,7 @@ class _Run:
     """The launcher's state: the store, the workers, the rounds."""
 
     def __init__(self, target: list[str], options: ElasticOptions) -> None:
-        from dataparallel.backends.gloo_setup import import_torch_distributed
+        from dataparallel.backends.gloo.group import import_torch_distributed
 
         self.options, self.target = options, target
         dist = import_torch_distributed()

@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from dataparallel.arrays.family_torch import TorchFamily
+from dataparallel.arrays.families.torch import TorchFamily
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend

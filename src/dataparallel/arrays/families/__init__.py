@@ -1,7 +1,10 @@
-"""Which array family a leaf is of (`family_of`, `array_family`): one adapter per family, what a
-leaf is and how to see or stage its memory on the host (`family_base.Family`; the families:
-`family_host.py`, `family_torch.py`, `family_jax.py`, `family_cupy.py`). The array layer's callers
-import the families' names from here.
+"""Array families: which family a leaf is of (`family_of`, `array_family`), one adapter per family.
+
+A family says what a leaf is and how to see or stage its memory on the host (`base.Family`); the
+families are `host.py` (NumPy, numbers), `torch.py`, `jax.py` and `cupy.py`. Callers ask this
+package which family a leaf is of and import the families' names from here, so that no caller
+needs to know which frameworks exist: a framework is never imported here, only recognized once
+the program has imported it.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from dataparallel.arrays.dtypes import check_dtype
-from dataparallel.arrays.family_base import Family, Staged, Work, stage, write_back
-from dataparallel.arrays.family_cupy import CupyFamily
-from dataparallel.arrays.family_host import NumpyFamily, Scalar, ScalarFamily
-from dataparallel.arrays.family_jax import JaxFamily
-from dataparallel.arrays.family_torch import TorchFamily
+from dataparallel.arrays.families.base import Family, Staged, Work, stage, write_back
+from dataparallel.arrays.families.cupy import CupyFamily
+from dataparallel.arrays.families.host import NumpyFamily, Scalar, ScalarFamily
+from dataparallel.arrays.families.jax import JaxFamily
+from dataparallel.arrays.families.torch import TorchFamily
 
 if TYPE_CHECKING:
     import torch

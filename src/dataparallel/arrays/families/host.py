@@ -8,7 +8,7 @@ from typing import TypeAlias
 import numpy as np
 
 from dataparallel.arrays.dtypes import BF16_BITS, dtype_name, storage_dtype
-from dataparallel.arrays.family_base import Family
+from dataparallel.arrays.families.base import Family
 
 __all__ = ["NumpyFamily", "Scalar", "ScalarFamily"]
 

@@ -1,5 +1,5 @@
-"""The CuPy family: arrays on a GPU, packed and communicated there (`device.py`), written in
-place."""
+"""The CuPy family: arrays on a GPU, packed and communicated on their device (`DeviceWork`),
+written in place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dataparallel.arrays.dtypes import dtype_name
-from dataparallel.arrays.family_base import Family, Work, device_work
+from dataparallel.arrays.families.base import Family, Work, device_work
 
 if TYPE_CHECKING:
     import cupy
@@ -17,7 +17,7 @@ __all__ = ["CupyFamily"]
 
 
 class CupyFamily(Family["cupy.ndarray"]):
-    """CuPy arrays live on a GPU: packed and communicated there (`device.py`), written in place."""
+    """CuPy arrays live on a GPU: packed and communicated there, written in place."""
 
     name = "cupy"
 

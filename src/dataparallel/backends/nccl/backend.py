@@ -1,49 +1,36 @@
 """NCCL for CUDA buffers, through CuPy's bindings; host buffers go to an MPI or Gloo fallback.
 
-Lux's NCCL backend holds an MPI backend for what NCCL does not do; so does this one: CUDA buffers
-(torch CUDA tensors and CuPy arrays) are reduced by NCCL, while host buffers, picklable objects,
-barriers and aborts go to the fallback engine of the world (MPI under an MPI launcher, Gloo under
-torchrun or with an `init_method`, the world of one otherwise).
+As Lux's NCCL backend holds an MPI one, CUDA buffers (torch tensors and CuPy arrays, as
+`DeviceBuffer`s) are reduced by NCCL, while host buffers, objects, barriers and aborts go to the
+fallback engine of the world (MPI under mpiexec, Gloo under torchrun or with an `init_method`, the
+world of one otherwise). Why `cupy.cuda.nccl` rather than torch's NCCL process group: a
+communicator needs only NCCL's unique id, which the fallback broadcasts (no c10d store, no second
+process group sharing state with the user's `init_process_group`); every call takes the stream to
+enqueue on, so the order below is ours to state; torch tensors and CuPy arrays reach it alike as
+raw pointers; and CuPy users need no CUDA build of torch (torch users install CuPy as well).
+NCCL's `ncclAvg` is not used: the array layer folds `avg`'s scale into its unpacking pass.
 
-Why `cupy.cuda.nccl` rather than `torch.distributed`'s NCCL process group:
+Stream order (Flashlight's `syncDistributed`): each call makes the communication stream wait for
+an event recorded on the producer's stream (`DeviceBuffer.stream`), and records a completion event
+on the communication stream; `Handle.wait()` makes the consumer's current stream wait for it
+without blocking the host, `Handle.test()` queries it. A blocking call is the non-blocking one plus
+`wait()`: only the host round trips below synchronize.
 
-- bootstrapping without torch: a communicator needs only NCCL's 128-byte unique id, which rank 0
-  makes and the fallback broadcasts (MPI's bcast under mpiexec, Gloo's store-backed broadcast
-  under torchrun). torch.distributed would need a c10d store and a second process group, and would
-  share global state with the user's own `torch.distributed.init_process_group`.
-- stream control: every NCCL call takes the CUDA stream to enqueue on, so the ordering below is
-  ours to state exactly; torch's process group picks its own internal streams.
-- one code path for both families: NCCL takes raw device pointers, so torch tensors and CuPy
-  arrays reach it alike, as framework-free `DeviceBuffer`s (pointer, size, dtype, the producer's
-  stream), zero-copy; torch.distributed takes torch tensors only.
-- install footprint: CuPy (`cupy-cuda12x`, about 100 MB) plus NCCL, against a CUDA build of torch
-  (several GB) for CuPy users. The price: torch users install CuPy as well.
-- avg: both offer NCCL's native `ncclAvg` (NCCL 2.10+); `Fusion` reduces `avg` as a sum
-  and a scale, which it fuses into the one unpacking pass per bucket, so it is not used here.
-
-Stream order (Flashlight's `syncDistributed`): each call first makes the backend's communication
-stream wait for an event recorded on the producer's current stream (`DeviceBuffer.stream`, which the
-engine layer reads from torch or CuPy), so NCCL reads the values the compute stream produced; it
-records a completion event on the communication stream. `Handle.wait()` (and so `dp.wait_all`, and
-`Fusion`'s landing) makes the consumer's current stream wait for that event, without
-blocking the host; `Handle.test()` queries it. NCCL calls never block the host: a blocking
-`allreduce` is the non-blocking one plus `wait()` (only the host round trips below are synchronous).
-
-Dtypes. NCCL reduces int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32 and
-float64 natively; complex sums are sums of the real and imaginary parts; the rest (int16, uint16,
-complex products) take a host round trip through the fallback engine, exactly.
-
-Reduce-scatter and all-to-all: `nccl_exchange.py` (untested here without a GPU; see there).
-
-Requirements: an NVIDIA GPU, CuPy for its CUDA (`pip install cupy-cuda12x`), and NCCL where CuPy
-loads it. `unavailable_reason()` says what is missing; `create` raises `BackendUnavailableError`
-with it. Both, and the dtypes NCCL reduces (`nccl_reduction`), are in `nccl_support.py`.
+Dtypes NCCL lacks (int16, uint16, complex products) take a host round trip through the fallback;
+complex sums are sums of the parts. Reduce-scatter is `ncclReduceScatter`, or for uneven segments
+one `ncclReduce` per rank in one group; all-to-all is one `ncclSend` and `ncclRecv` per peer in one
+group (NCCL 2.7+). The suite runs without a GPU: `dp.reducescatter` and `dp.alltoall` stage GPU
+leaves through host memory, so those two device paths are reached only by direct backend calls.
+What NCCL can do in this process, and what to install: `support.py`.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 
@@ -58,17 +45,7 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
-from dataparallel.backends.nccl_exchange import (
-    Call,
-    Communicator,
-    Event,
-    Stream,
-    alltoall_call,
-    device_pair,
-    scatter_call,
-)
-from dataparallel.backends.nccl_support import (
-    INSTALL_HINT,
+from dataparallel.backends.nccl.support import (
     NCCL_BYTES,
     NCCL_OPS,
     nccl_reduction,
@@ -78,7 +55,129 @@ from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 from dataparallel.types import WireDtype
 
-__all__ = ["INSTALL_HINT", "NCCLBackend", "unavailable_reason"]
+__all__ = ["NCCLBackend", "alltoall_call", "device_pair", "scatter_call"]
+
+
+# What the NCCL backend uses of CuPy's objects (CuPy is not needed to check these types).
+# Buffers are device addresses, counts are items of an `ncclDataType_t`, streams `cudaStream_t`.
+class Communicator(Protocol):
+    """`cupy.cuda.nccl.NcclCommunicator`."""
+
+    def allReduce(
+        self, send: int, recv: int, count: int, kind: int, op: int, stream: int
+    ) -> None: ...
+
+    def reduce(
+        self, send: int, recv: int, count: int, kind: int, op: int, root: int, stream: int
+    ) -> None: ...
+
+    def bcast(self, buf: int, count: int, kind: int, root: int, stream: int) -> None: ...
+
+    def broadcast(
+        self, send: int, recv: int, count: int, kind: int, root: int, stream: int
+    ) -> None: ...
+
+    def reduceScatter(
+        self, send: int, recv: int, count: int, kind: int, op: int, stream: int
+    ) -> None: ...
+
+    def send(self, buf: int, count: int, kind: int, peer: int, stream: int) -> None: ...
+
+    def recv(self, buf: int, count: int, kind: int, peer: int, stream: int) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+class Stream(Protocol):
+    """`cupy.cuda.Stream`: the backend's own communication stream."""
+
+    @property
+    def ptr(self) -> int: ...
+
+    def wait_event(self, event: Event) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Event(Protocol):
+    """`cupy.cuda.Event`."""
+
+    @property
+    def ptr(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+Call = Callable[[Communicator, int], None]  # (communicator, stream pointer) -> None
+
+
+def device_pair(send: Buffer, recv: Buffer, what: str) -> tuple[DeviceBuffer, DeviceBuffer] | None:
+    """Return the two CUDA buffers, or None when both are host arrays; raise on a mix."""
+    if isinstance(send, DeviceBuffer) and isinstance(recv, DeviceBuffer):
+        return send, recv
+    if isinstance(send, np.ndarray) and isinstance(recv, np.ndarray):
+        return None
+    raise TypeError(
+        f"{what}: send and recv must both be host arrays or both CUDA buffers, got "
+        f"{type(send).__name__} and {type(recv).__name__}."
+    )
+
+
+def scatter_call(
+    source: DeviceBuffer,
+    target: DeviceBuffer,
+    counts: list[int],
+    how: tuple[int, int],
+    op: int,
+    rank: int,
+    nccl: ModuleType,
+) -> Call:
+    """Return the NCCL reduce-scatter of `source` into `target` (`how`: NCCL type, parts)."""
+    kind, parts = how
+
+    def call(comm: Communicator, stream: int) -> None:
+        if len(set(counts)) == 1:
+            comm.reduceScatter(source.ptr, target.ptr, counts[0] * parts, kind, op, stream)
+            return
+        nccl.groupStart()
+        try:
+            offset = 0
+            for root, count in enumerate(counts):
+                into = target.ptr if root == rank else source.ptr + offset  # read at root only
+                comm.reduce(source.ptr + offset, into, count * parts, kind, op, root, stream)
+                offset += count * source.itemsize
+        finally:
+            nccl.groupEnd()
+
+    return call
+
+
+def alltoall_call(
+    source: DeviceBuffer,
+    target: DeviceBuffer,
+    send_counts: list[int],
+    recv_counts: list[int],
+    nccl: ModuleType,
+    byte_type: int,
+) -> Call:
+    """Return the all-to-all of `source` into `target` as grouped NCCL sends and receives."""
+    item = source.itemsize
+    sent = [0, *itertools.accumulate(send_counts)]
+    received = [0, *itertools.accumulate(recv_counts)]
+
+    def call(comm: Communicator, stream: int) -> None:
+        nccl.groupStart()
+        try:
+            for peer, (out, into) in enumerate(zip(send_counts, recv_counts, strict=True)):
+                comm.send(source.ptr + sent[peer] * item, out * item, byte_type, peer, stream)
+                comm.recv(target.ptr + received[peer] * item, into * item, byte_type, peer, stream)
+        finally:
+            nccl.groupEnd()
+
+    return call
 
 
 class _NCCLHandle:

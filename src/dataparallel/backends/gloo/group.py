@@ -1,8 +1,8 @@
 """Joining a Gloo process group of `torch.distributed`, for `GlooBackend.create`.
 
 - `torch.distributed` is imported here, or the error says what to install.
-- rendezvous (`init_method`): see `rendezvous.py`; the network interface is chosen toward rank 0
-  (`rendezvous.interface_toward`).
+- rendezvous (`init_method`): see `backends/rendezvous.py`; the network interface is chosen toward
+  rank 0 (`interface_toward`).
 - an existing `torch.distributed` default group (the user's own `init_process_group`) is left
   alone: the library works on a private Gloo group over the same processes.
 - the local rank and size are the launcher's where it set them consistently, else found by

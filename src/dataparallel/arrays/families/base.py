@@ -1,7 +1,7 @@
 """What an array family is (`Family`: how dataparallel sees one kind of array), a leaf's work
 array (`Work`), and how a leaf is staged through its family and written back (`stage`,
-`write_back`). The families themselves: `family_host.py` (NumPy, numbers), `family_torch.py`,
-`family_jax.py`, `family_cupy.py`; which family a leaf is of: `families.py`.
+`write_back`). The families themselves: `host.py` (NumPy, numbers), `torch.py`, `jax.py`,
+`cupy.py`; which family a leaf is of: the package's `__init__`.
 
 Collectives work on host NumPy buffers in *storage* dtypes: the leaf's own dtype, except bfloat16,
 which NumPy lacks and is carried as its raw bits (`uint16`). CPU leaves of mutable families are
@@ -89,7 +89,7 @@ class Family(ABC, Generic[L]):
         """Return a writable host array for `x` and whether it is a view (no write-back needed).
 
         GPU leaves of mutable families (torch CUDA tensors, CuPy arrays) come back as a
-        `device.DeviceWork` instead (with True): `Fusion` packs them on their device.
+        `DeviceWork` instead (with True), which a fusion bucket packs on their device.
         """
         view = self.host_view(x)
         if view is not None:
@@ -98,7 +98,7 @@ class Family(ABC, Generic[L]):
 
 
 def device_work(family: Family[L], x: L) -> DeviceWork:
-    """Return GPU leaf `x` of `family` as the work `Fusion` packs on its device."""
+    """Return GPU leaf `x` of `family` as the work a fusion bucket packs on its device."""
     return DeviceWork(family, x)
 
 

@@ -1,8 +1,19 @@
 """MPI through mpi4py's buffer interface: upper-case calls only, arrays never go through pickle.
 
-The library itself (imported, CUDA-aware or not): `mpi_library.py`; a request in flight and
-waiting for one against the timeout: `mpi_handle.py`; the count of calls that makes leaving
-collective: `mpi_board.py`; the 16-bit sum: `mpi_half.py`.
+A call in flight is an `MPIHandle`; with a timeout, every wait tests the MPI request until the
+deadline (`wait_request`), so that a peer that never joins raises instead of hanging the job.
+
+16-bit sums are one call: MPI has no bfloat16, and MPICH's float16 sum is a scalar loop, so, as
+Horovod does, this module registers its own sum (`half_sum`, `MPI.Op.Create`). MPI calls it once
+per piece of the buffer it reduces, never per value, and it adds with `backends/half.py`'s `add16`
+(each sum rounded once to 16 bits, as a native half sum is). The values travel as `UINT16_T`, two
+bytes that MPI only moves. MPICH reduces with a user-defined op by recursive doubling, `log2(p)`
+times the buffer at `p` ranks against a ring's `2 (p - 1) / p`, which is why only SUM goes this
+way: PROD, MIN and MAX keep `half.TwoPhase`. The ops belong to no world: made once per process,
+freed with the caches at `dp.finalize()` (mpi4py has a few dozen slots for user-defined ops).
+
+The library itself (imported, CUDA-aware or not, able to start under the launcher's PMI):
+`library.py`; the count of calls that makes leaving collective: `board.py`.
 """
 
 from __future__ import annotations
@@ -13,29 +24,88 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dataparallel import caches
 from dataparallel.backends.base import Backend, Buffer, Handle, HostBuffer, Received, ReduceOp
-from dataparallel.backends.half import TwoPhase
-from dataparallel.backends.mpi_board import CallBoard
-from dataparallel.backends.mpi_half import half_sum
-from dataparallel.backends.mpi_handle import MPIHandle, wait_request
-from dataparallel.backends.mpi_library import detect_cuda_aware, import_mpi
-from dataparallel.backends.mpi_pmi import check_pmi
+from dataparallel.backends.half import TwoPhase, add16
+from dataparallel.backends.mpi.board import CallBoard
+from dataparallel.backends.mpi.library import check_pmi, detect_cuda_aware, import_mpi
 from dataparallel.config import Settings
+from dataparallel.errors import CollectiveTimeoutError
 from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["MPIBackend", "detect_cuda_aware", "import_mpi"]
+__all__ = ["MPIBackend", "MPIHandle", "half_sum", "wait_request"]
 
 
 def _by_rank(buf: Buffer, counts: list[int]) -> list[object]:
     """Return mpi4py's `[buffer, (counts, displacements)]` for segments laid out in rank order."""
     return [buf, (counts, [0, *itertools.accumulate(counts)][:-1])]
+
+
+def wait_request(request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
+    """Wait for an MPI request; past `timeout` seconds raise `CollectiveTimeoutError`."""
+    if timeout is None:
+        request.Wait()
+        return
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"rank {rank}: {what} did not complete within {timeout:g} s. Another rank is not "
+                "making the same call: it is stuck, has died, or called a different collective. "
+                "Every rank must make the same collective calls in the same order; raise the "
+                "limit with DATAPARALLEL_TIMEOUT or dp.initialize(timeout=...) if it is too short."
+            )
+        time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
+
+
+class MPIHandle:
+    """An MPI request in flight; waited for against the engine's timeout."""
+
+    __slots__ = ("_rank", "_request", "_timeout", "_what")
+
+    def __init__(self, request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
+        self._request, self._timeout, self._what, self._rank = request, timeout, what, rank
+
+    def wait(self) -> None:
+        wait_request(self._request, self._timeout, self._what, self._rank)
+
+    def test(self) -> bool:
+        return bool(self._request.Test())
+
+
+_OPS: dict[WireDtype, MPI.Op] = {}
+
+
+def half_sum(mpi: ModuleType, dtype: WireDtype) -> MPI.Op:
+    """Return the MPI op that sums `dtype` (`"float16"`, `"bfloat16"`) values sent as `UINT16_T`."""
+    op = _OPS.get(dtype)
+    if op is None:
+        view = np.float16 if dtype == "float16" else np.uint16
+
+        def reduce(values: memoryview, into: memoryview, _datatype: object) -> None:
+            add16(np.frombuffer(values, view), np.frombuffer(into, view), dtype)
+
+        op = _OPS[dtype] = mpi.Op.Create(reduce, commute=True)
+    return op
+
+
+def _free_half_sums() -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and not mpi.Is_finalized():  # else MPI freed them itself
+        for op in _OPS.values():
+            op.Free()
+    _OPS.clear()
+
+
+caches.register(_free_half_sums)
 
 
 # Seconds a rank about to abort gives mpiexec to forward its last words (they can be lost else).
@@ -51,12 +121,12 @@ class MPIBackend(Backend):
 
     Every collective is counted on a `CallBoard`, and `close()` (`dp.finalize()`, or the
     interpreter's exit) is collective: it waits for every rank, and ends the job when another
-    rank waits in a collective that this one will never join (`mpi_board.py`).
+    rank waits in a collective that this one will never join (`board.py`).
     """
 
     name = "mpi"
     # MPICH moves a non-blocking collective only inside MPI calls: a second one in flight adds no
-    # overlap, and two large ones slow each other down (two 16 MiB sums: 12.8 ms, 5.2 in turn).
+    # overlap, and two large ones slow each other down (benchmarks/NOTES.md, "MPI's progress").
     progresses = False
 
     def __init__(
@@ -168,8 +238,8 @@ class MPIBackend(Backend):
         return MPIHandle(request, self.timeout, "iallreduce", self.rank)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
-        """A sum is one `Iallreduce` with this module's own 16-bit sum (`mpi_half.py`): MPI has
-        no bfloat16, and MPICH's float16 sum is a scalar loop. Other ops go `half.TwoPhase`."""
+        """A sum is one `Iallreduce` with this module's own 16-bit sum (`half_sum`): MPI has no
+        bfloat16, and MPICH's float16 sum is a scalar loop. Other ops go `half.TwoPhase`."""
         if op is not ReduceOp.SUM:
             return TwoPhase(self, buf, op, dtype)
         self._board.tick()

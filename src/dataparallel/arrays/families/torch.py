@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dataparallel.arrays.dtypes import dtype_name
-from dataparallel.arrays.family_base import Family, Work, device_work
+from dataparallel.arrays.families.base import Family, Work, device_work
 
 if TYPE_CHECKING:
     import torch

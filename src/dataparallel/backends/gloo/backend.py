@@ -1,27 +1,28 @@
 """Gloo through `torch.distributed`: collectives over host buffers, with env/tcp/file rendezvous.
 
 NumPy buffers are wrapped zero-copy with `torch.from_numpy`, so Gloo reads and writes the caller's
-memory. Gloo lacks a few things MPI has; this module (and `gloo_exchange.py`, for reduce-scatter and
-all-to-all) fills them in exactly:
+memory. What Gloo lacks against MPI is filled in here, exactly:
 
-- dtypes: those Gloo lacks are carried exactly (`gloo_wire.py`). Complex products gather every
-  rank's buffer and multiply locally in rank order. Broadcast and gathers move raw bytes.
+- dtypes: int16 and uint16 are reduced as int32 copies (wrapping like native integers), uint32
+  and uint64 as int32 / int64 views (two's complement sums and products are bit-identical; for
+  min/max the sign bit is flipped in place first, which maps unsigned order onto signed order).
+  Complex products gather every rank's buffer and multiply in rank order. Broadcast, gathers and
+  all-to-all move raw bytes, so every dtype goes as it is.
 - `reduce`: Gloo uses the non-root buffers as scratch, so non-root ranks reduce a copy.
-- `allgatherv`: Gloo gathers equal sizes only. Equal counts gather straight into `recv`; uneven
-  ones are padded to the largest count (traffic `size * max(counts)` bytes instead of
-  `sum(counts)`, and one copy in and out).
+- `allgatherv`: Gloo gathers equal sizes only; uneven counts are padded to the largest.
+- `reduce_scatter`: an all-to-all of every rank's segment to its rank, then the reduction of the
+  rows received, here: faster than Gloo's own (benchmarks/NOTES.md). A dtype or op Gloo cannot
+  reduce takes a whole allreduce instead, of which this rank keeps its segment.
 - `abort`: Gloo has none. The failing rank prints why and leaves with `os._exit`; the other ranks
-  see the connection close and raise `RankFailedError`.
-- teardown: the group is destroyed by `close()` (`dp.finalize()`) or, failing that, at interpreter
-  exit, so no Gloo thread outlives the interpreter. torch's `destroy_process_group` (and Gloo's
-  `shutdown`/`abort`) leaves the group's connections open while anything holds the group or one
-  of its work objects; so `close()` also lets go of both (its handles in flight included: their
-  `wait()` then fails), and the connections close as the last reference goes. A peer still in a
-  collective with this process then fails at once (`RankFailedError`) instead of waiting out
-  the timeout: an elastic run's survivors rely on it (docs/elastic.md).
+  see the connection close and raise `RankFailedError` (`translate_error`).
+- teardown: torch leaves a group's connections open while anything holds the group or one of its
+  work objects, so `close()` (`dp.finalize()`, or the interpreter's exit) destroys the group and
+  lets go of it and of its handles in flight (`GlooHandle.forget`). The connections close, and a
+  peer still in a collective with this process fails at once (`RankFailedError`) instead of
+  waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md).
 
-Joining the group (rendezvous, the network interface, a user's existing default group): see
-`gloo_setup.py`; a non-blocking call in flight: `gloo_handle.py`.
+Joining the group (rendezvous, the network interface, a user's existing default group):
+`group.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import itertools
 import os
 import socket
 import sys
@@ -36,7 +38,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 
@@ -49,25 +51,186 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
-from dataparallel.backends.file_store import remove_if_every_store_left
-from dataparallel.backends.gloo_errors import translate_error
-from dataparallel.backends.gloo_exchange import GlooExchange
-from dataparallel.backends.gloo_handle import GlooHandle
-from dataparallel.backends.gloo_setup import join_group
-from dataparallel.backends.gloo_wire import flat, wire_for, writable
+from dataparallel.backends.gloo.group import join_group
+from dataparallel.backends.rendezvous import remove_if_every_store_left
 from dataparallel.config import Settings
+from dataparallel.errors import CollectiveTimeoutError, RankFailedError
 from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup, Work
 
-__all__ = ["GlooBackend"]
+__all__ = ["GlooBackend", "GlooHandle", "ScatterSteps", "translate_error"]
 
 _R = TypeVar("_R")
 
 
-class GlooBackend(GlooExchange, Backend):
+# -- Gloo's failures as dataparallel's errors ----------------------------------------------
+
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "Socket closed",
+)
+
+
+def translate_error(exc: BaseException, what: str, rank: int) -> BaseException:
+    """Return the dataparallel error for a Gloo failure (timeouts, vanished peers), or `exc`."""
+    message = str(exc)
+    first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+    if "timed out" in message.lower() or "timeout" in message.lower():
+        return CollectiveTimeoutError(
+            f"Gloo {what} on rank {rank} timed out ({first}). A rank may be stuck or calling "
+            "other collectives; raise dp.initialize(timeout=...) / DATAPARALLEL_TIMEOUT if it is "
+            "just slow."
+        )
+    if any(sign in message for sign in _PEER_GONE):
+        return RankFailedError(
+            f"Gloo {what} on rank {rank} failed: another rank failed or exited ({first}). "
+            "Look for the first traceback of the job: it names the rank that failed."
+        )
+    return exc
+
+
+# -- what Gloo is handed for a host buffer ---------------------------------------------------
+
+# Unsigned integers travel as the signed type of the same width (wrapping sums and products are
+# bit-identical); for min/max their sign bit is flipped first, which keeps their order.
+_SIGNED_VIEW: dict[str, np.dtype[np.signedinteger]] = {
+    "uint32": np.dtype(np.int32),
+    "uint64": np.dtype(np.int64),
+}
+_SIGN_BIT: dict[str, np.unsignedinteger] = {
+    "uint32": np.uint32(1 << 31),
+    "uint64": np.uint64(1 << 63),
+}
+_WIDENED: dict[str, np.dtype[np.int32]] = {
+    "int16": np.dtype(np.int32),
+    "uint16": np.dtype(np.int32),
+}
+
+
+def wire_for(buf: np.ndarray, op: ReduceOp) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """Return what Gloo reduces for `buf`, and what to do once it has (None: nothing)."""
+    name = buf.dtype.name
+    if name in _SIGNED_VIEW:
+        if op in (ReduceOp.MIN, ReduceOp.MAX):
+            sign = _SIGN_BIT[name]
+            np.bitwise_xor(buf, sign, out=buf)
+            return buf.view(_SIGNED_VIEW[name]), lambda: np.bitwise_xor(buf, sign, out=buf)
+        return buf.view(_SIGNED_VIEW[name]), None
+    if name in _WIDENED:
+        wide = buf.astype(_WIDENED[name])
+        return wide, lambda: np.copyto(buf, wide, casting="unsafe")
+    if buf.dtype.kind == "c" and op is not ReduceOp.SUM:
+        raise TypeError(f"op={op.value!r} is not defined here for complex values ({name}).")
+    return buf, None
+
+
+def flat(buf: Buffer, where: str) -> np.ndarray:
+    """Return `buf` as a 1-D NumPy array; raise on a strided one."""
+    array = np.asarray(buf)
+    if not array.flags.c_contiguous:
+        raise ValueError(f"GlooBackend.{where}: the buffer must be contiguous (got strides).")
+    return array.reshape(-1)
+
+
+def writable(array: np.ndarray, where: str) -> np.ndarray:
+    """Return `array`, which a result is written into; raise on a read-only one."""
+    if not array.flags.writeable:
+        raise ValueError(
+            f"GlooBackend.{where}: the buffer is read-only, but the result is written into it; "
+            "pass a writable array (e.g. a copy)."
+        )
+    return array
+
+
+# -- reduce-scatter in two steps ------------------------------------------------------------
+
+# What Gloo reduce-scatters natively (bool arrives as uint8, bfloat16 widened to float32).
+_SCATTERED = frozenset({"int8", "uint8", "int32", "int64", "float16", "float32", "float64"})
+
+_REDUCE = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+class ScatterSteps(NamedTuple):
+    """A Gloo reduce-scatter in two steps: the all-to-all to start
+    (`torch.distributed.all_to_all_single`'s arguments: the rows received, the bytes sent, their
+    split sizes), and what reduces the rows once it is done."""
+
+    args: tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
+    finish: Callable[[], None]
+
+
+def _edges(counts: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(counts)]
+
+
+# -- a call in flight ------------------------------------------------------------------------
+
+
+class GlooHandle:
+    """A Gloo work object in flight, with the buffers it needs kept alive until it completes."""
+
+    __slots__ = ("__weakref__", "_done", "_finish", "_keep", "_rank", "_work")
+
+    def __init__(
+        self, owner: GlooBackend, work: Work, keep: object, finish: Callable[[], None] | None
+    ) -> None:
+        self._rank, self._keep, self._finish = owner.rank, keep, finish
+        self._work: Work | None = work
+        self._done = False
+        owner._in_flight.add(self)  # `close()` lets go of its work object
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is None:
+            raise RankFailedError(
+                f"a non-blocking Gloo collective on rank {self._rank} was still in flight "
+                "when its world was finalized (dp.finalize(), or an elastic run re-forming it)."
+            )
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise translate_error(exc, "non-blocking collective", self._rank) from exc
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+        self._work = self._keep = self._finish = None
+
+    def forget(self) -> None:
+        """Let go of the work object (its engine is closing: it holds the group's connections).
+        One that completed is finished first, so that a later `wait()` returns as it would have."""
+        if self._done or self._work is None:
+            return
+        if self._work.is_completed():
+            with contextlib.suppress(Exception):  # a failure: the later wait() says so
+                self.wait()
+        if not self._done:  # the buffers stay: Gloo may still be writing to them
+            self._work = self._finish = None
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._work is None:
+            self.wait()  # raises: the world was finalized first
+            return True
+        if not self._work.is_completed():
+            return False
+        self.wait()  # completes the unpacking, or raises the error it completed with
+        return True
+
+
+class GlooBackend(Backend):
     """Collectives on a Gloo process group of `torch.distributed`.
 
     When this module initializes torch's default group, the user may use `torch.distributed` on
@@ -119,7 +282,7 @@ class GlooBackend(GlooExchange, Backend):
         world_size: int | None = None,
         settings: Settings | None = None,
     ) -> GlooBackend:
-        """Join the Gloo group through `init_method` (`gloo_setup.join_group`), for initialize.
+        """Join the Gloo group through `init_method` (`group.join_group`), for initialize.
 
         When `torch.distributed` is already initialized, its processes are used as they are (a
         private Gloo group over them), and `init_method` is not consulted.
@@ -226,15 +389,85 @@ class GlooBackend(GlooExchange, Backend):
     def ireduce_scatter(
         self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
     ) -> Handle:
-        """On Gloo's threads (`GlooExchange._scatter_plan`); dtypes Gloo cannot reduce are
-        reduced at once."""
-        plan = self._scatter_plan(send, recv, counts, op)
-        if plan is None:
+        """On Gloo's threads (`_scatter_steps`); dtypes Gloo cannot reduce are reduced at once."""
+        steps = self._scatter_steps(send, recv, counts, op)
+        if steps is None:
             return DoneHandle()
         work = self._call_tensors(
-            "ireduce_scatter", self._dist.all_to_all_single, *plan.args, async_op=True
+            "ireduce_scatter", self._dist.all_to_all_single, *steps.args, async_op=True
         )
-        return GlooHandle(self, work, plan.args, plan.finish)
+        return GlooHandle(self, work, steps.args, steps.finish)
+
+    def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
+        steps = self._scatter_steps(send, recv, counts, op)
+        if steps is not None:
+            self._call_tensors("reduce_scatter", self._dist.all_to_all_single, *steps.args)
+            steps.finish()
+
+    def _scatter_steps(
+        self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
+    ) -> ScatterSteps | None:
+        """How Gloo reduce-scatters `send`: an all-to-all of every rank's segment to its rank,
+        then the sum (or other `op`) of the rows received, here (faster than Gloo's own
+        reduce_scatter). None when nothing is left for Gloo to do (nothing to send, or reduced
+        here already)."""
+        send, recv = (
+            flat(send, "reduce_scatter"),
+            writable(flat(recv, "reduce_scatter"), "reduce_scatter"),
+        )
+        rank, size, edges = self.rank, len(counts), _edges(counts)
+        if send.size != edges[-1] or recv.size < counts[rank]:
+            raise ValueError(
+                f"GlooBackend.reduce_scatter on rank {rank}: counts={counts} do not fit the "
+                f"buffers (send holds {send.size} items, recv {recv.size})."
+            )
+        if edges[-1] == 0:
+            return None
+        mine = recv[: counts[rank]]
+        direct = send.dtype.name in _SCATTERED or (send.dtype.kind == "c" and op is ReduceOp.SUM)
+        if not direct:
+            whole = send.copy()
+            self.allreduce(whole, op)
+            mine[...] = whole[edges[rank] : edges[rank + 1]]
+            return None
+        torch, item = self._torch, send.dtype.itemsize
+        raw_send = send.view(np.uint8)
+        rows = np.empty((size, counts[rank]), send.dtype)
+        args = (
+            torch.from_numpy(rows.reshape(-1).view(np.uint8)),
+            torch.from_numpy(raw_send if raw_send.flags.writeable else raw_send.copy()),
+            [counts[rank] * item] * size,
+            [count * item for count in counts],
+        )
+
+        def finish() -> None:
+            _REDUCE[op].reduce(rows, axis=0, out=mine)
+
+        return ScatterSteps(args, finish)
+
+    def alltoallv(
+        self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
+    ) -> None:
+        send, recv = flat(send, "alltoallv"), writable(flat(recv, "alltoallv"), "alltoallv")
+        if send.size < sum(send_counts) or recv.size < sum(recv_counts):
+            raise ValueError(
+                f"GlooBackend.alltoallv on rank {self.rank}: send_counts={send_counts} and "
+                f"recv_counts={recv_counts} do not fit the buffers (send holds {send.size} "
+                f"items, recv {recv.size})."
+            )
+        item = send.dtype.itemsize
+        raw_send = send[: sum(send_counts)].view(np.uint8)
+        raw_send = raw_send if raw_send.flags.writeable else raw_send.copy()
+        raw_recv = recv[: sum(recv_counts)].view(np.uint8)
+        torch = self._torch
+        self._call_tensors(
+            "alltoall",
+            self._dist.all_to_all_single,
+            torch.from_numpy(raw_recv),
+            torch.from_numpy(raw_send),
+            [count * item for count in recv_counts],
+            [count * item for count in send_counts],
+        )
 
     def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
         send, recv = flat(send, "allgatherv"), writable(flat(recv, "allgatherv"), "allgatherv")
@@ -334,7 +567,7 @@ class GlooBackend(GlooExchange, Backend):
             dist.destroy_process_group()
             # Free the group's store now, while the interpreter is whole: a file:// store removes
             # its file in its destructor, which interpreter teardown does not always run, and
-            # which two ranks finishing at once can both skip (`file_store.py`).
+            # which two ranks finishing at once can both skip (`remove_if_every_store_left`).
             gc.collect()
             if self._store_file is not None:
                 remove_if_every_store_left(self._store_file, self.size)
