@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import dataparallel as dp
-from dataparallel.collectives._callplan import CallPlan
+from dataparallel.collectives._callplan import Packed
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -162,9 +162,9 @@ def test_trees_of_numpy_arrays_reduce_as_the_general_path(
         for got, x, want in zip(leaves(out), xs, leaves(general), strict=True):
             np.testing.assert_array_equal(got, want.numpy(), strict=True)
             assert (got is x) == x.flags.writeable  # in place, or new when read-only
-    plans = [plan for _, plan in world.current().plans.items() if isinstance(plan, CallPlan)]
-    assert any(plan.kind == "packed" for plan in plans) or size == 1
-    plan_buffers = [plan.buf for plan in plans if plan.buf is not None]
+    plans = [plan for _, plan in world.current().plans.items() if isinstance(plan, Packed)]
+    assert plans or size == 1
+    plan_buffers = [plan.bucket for plan in plans if plan.bucket is not None]
     assert not any(np.shares_memory(leaf, buf) for leaf in leaves(out) for buf in plan_buffers)
 
 
@@ -309,7 +309,7 @@ def test_a_tree_past_the_plan_limit_takes_the_general_path(
     packed = [
         plan
         for _, plan in active.plans.items()
-        if isinstance(plan, CallPlan) and [view.shape for view in plan.views] == shapes
+        if isinstance(plan, Packed) and [view.shape for view in plan.views] == shapes
     ]
     assert packed == []
 

@@ -42,7 +42,7 @@ def bound(size: int, dtype: str, wire: str, salt: int = 0, n: int = N) -> np.nda
 @pytest.fixture
 def wires(world: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
     """Record (dtype, items) of every floating buffer the engines are asked to allreduce (the
-    world's, and its private duplicate, where gradient buckets travel: `arrays/routes.py`)."""
+    world's, and its private duplicate, where gradient buckets travel: `arrays/comm_thread.py`)."""
     seen: list[tuple[str, int]] = []
     inside = []  # an engine's iallreduce_half may call its own iallreduce: count the call once
     for engine in {world, dp.world.current().private(world)}:

@@ -20,7 +20,7 @@ import pytest
 from _jobs import require_mpiexec, run_job, run_ranks
 from test_gloo import check_basic, results_of, worker
 
-from dataparallel.arrays.routes import THREAD_PAUSE
+from dataparallel.arrays.comm_thread import THREAD_PAUSE
 
 pytestmark = pytest.mark.spawns
 

@@ -24,7 +24,7 @@ import dataparallel as dp
 from dataparallel import caches, startup
 from dataparallel import world as world_module
 from dataparallel.arrays import dtypes
-from dataparallel.arrays.worker import Privates
+from dataparallel.arrays.comm_thread import Privates
 from dataparallel.backends.base import Backend
 from dataparallel.backends.rendezvous import RENDEZVOUS_FILE
 from dataparallel.backends.single import SingleBackend

@@ -1,4 +1,4 @@
-"""The communication thread (`arrays/worker.py`), and gradient buckets reduced on it (`routes.py`).
+"""The communication thread (`arrays/comm_thread.py`), and gradient buckets reduced on it.
 
 Run at any world size (`pytest`, `mpiexec -n 3 ... pytest`).
 """
@@ -14,9 +14,8 @@ from _torch_common import global_batch, loss_of, make_model, share, step_pair
 
 import dataparallel as dp
 from dataparallel.arrays import fusion as fusion_module
-from dataparallel.arrays.landing import settle
-from dataparallel.arrays.routes import THREAD_PAUSE
-from dataparallel.arrays.worker import CommThread
+from dataparallel.arrays.comm_thread import THREAD_PAUSE, CommThread
+from dataparallel.arrays.fusion import settle
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveTimeoutError
 

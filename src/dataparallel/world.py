@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dataparallel import caches, runnotes, torch_distributed
+from dataparallel.arrays.comm_thread import CommThread, Privates
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.trace import Timeline
-from dataparallel.arrays.worker import CommThread, Privates
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
@@ -98,7 +98,7 @@ class World:
     recording: Timeline | None = None
     plans: Plans = field(default_factory=Plans)  # by signature (collectives/_plans.py)
     # Engines whose calls never meet the caller's, and the thread that makes calls off the
-    # caller's thread (`arrays/worker.py`): both made on first use.
+    # caller's thread (`arrays/comm_thread.py`): both made on first use.
     private: Privates = field(default_factory=Privates)
     comm_thread: CommThread = field(default_factory=CommThread)
     # Puts back the `sys.excepthook` of before `initialize` (which, and torch.distributed's

@@ -1,15 +1,14 @@
-"""the one `Fusion` (Horovod's tensor fusion, DDP's buckets, Flashlight's coalescing).
+"""The one `Fusion` (Horovod's tensor fusion, DDP's buckets): the life of a bucket.
 
 Arrays handed to `Fusion` are cached in buckets per the key the caller gives (host arrays: per
 (device, dtype) whatever their family; GPU ones per (array family, device, dtype)); when the
-cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed: each bucket is
-packed into one buffer (from a pool) and reduced with one call, non-blocking when `async_op`. An
-array larger than `bucket_bytes` goes alone, in place when contiguous. `wait()` flushes, waits
-and unpacks. This module buckets and packs; the call that carries a bucket is `engine.start`,
-and its landing (waiting, unpacking, scaling) is `landing.py`. Buckets of GPU leaves are packed
-on their device (`device.DeviceBucket`) and handed to the backend there, or staged through
-pinned host memory once per bucket. With a `compression` wire dtype, buckets of floating leaves
-travel as 16-bit floats (`compression.py`).
+cached bytes plus the next array would pass `bucket_bytes`, the cache is flushed. Each bucket then
+lives three steps, all here: packed into one buffer from a pool (`Flight`), carried by one engine
+call (`start`), non-blocking when `async_op`, and landed (`settle`, `unpack`): waited for,
+unpacked into the arrays and scaled. An array larger than `bucket_bytes` goes alone, in place
+when contiguous. Buckets of GPU leaves are packed on their device (`device.DeviceBucket`) and
+handed to the engine there, or staged through pinned host memory once per bucket. With a
+`compression` wire dtype, floating buckets travel as 16-bit floats (`compression.py`).
 
 Reduce-scatter (`Scatter`) and all-to-all (`Exchange`) split every array along its first axis
 by rank: a bucket is laid out rank by rank (`segments.py`) so that one call moves it all, and the
@@ -23,35 +22,113 @@ The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducesca
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Callable, Hashable
-from typing import TypeAlias, cast
+from dataclasses import dataclass
+from typing import NamedTuple, TypeAlias, cast
 
 import numpy as np
 
 from dataparallel.arrays.actions import Action, Broadcast, Exchange, Reduction, Scatter
-from dataparallel.arrays.compression import COMPRESSIBLE, WIRE_DTYPES, to_wire
+from dataparallel.arrays.compression import COMPRESSIBLE, WIRE_DTYPES, from_wire, to_wire
 from dataparallel.arrays.device import DeviceBucket, DeviceWork
-from dataparallel.arrays.dtypes import bf16_to_f32, prescale, storage_dtype
-from dataparallel.arrays.engine import allreduce_into_scaled, start
+from dataparallel.arrays.dtypes import (
+    bf16_to_f32,
+    f32_to_bf16,
+    prescale,
+    prescaled_copy,
+    scale_in_place,
+    storage_dtype,
+)
 from dataparallel.arrays.families import Family, Staged, Work, stage, write_back
-from dataparallel.arrays.flight import Deliver, Flight
-from dataparallel.arrays.landing import settle, unpack
 from dataparallel.arrays.pool import BufferPool
-from dataparallel.arrays.segments import layout_of
+from dataparallel.arrays.segments import Segments, layout_of
 from dataparallel.arrays.trace import Timeline
-from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.backends.base import Backend, DeviceBuffer, Handle, ReduceOp
 from dataparallel.types import WireDtype
 
-__all__ = ["HOST_KEY", "Action", "BucketKey", "Fusion"]
+__all__ = [
+    "HOST_KEY",
+    "Action",
+    "BucketKey",
+    "Deliver",
+    "DeviceFlight",
+    "Flight",
+    "Fusion",
+    "HostFlight",
+    "InFlight",
+    "SegmentFlight",
+    "allreduce_into_scaled",
+    "allreduce_scaled",
+    "bucket_views",
+    "pack_bucket",
+    "settle",
+    "start",
+    "unpack",
+]
 
 # What a caller buckets arrays by (the dtype is added to it): (array family, device) for GPU leaves.
 BucketKey: TypeAlias = tuple[Hashable, ...]
 HOST_KEY: BucketKey = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
 # Calls left in flight after a new one starts, on an engine that moves them on by itself (Gloo,
-# NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`). Many in
-# flight slow MPICH down (50 arrays of 80 KB: 3.4 ms all in flight, 1.7-2.5 ms one at a time).
+# NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`), since
+# many calls in flight slow MPICH down (benchmarks/NOTES.md, "Fusion").
 MAX_IN_FLIGHT = 1
+
+
+Deliver = Callable[[np.ndarray], object]  # where a reduce-scatter's or all-to-all's result goes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HostFlight:
+    """A host bucket: one array communicated in place, or several packed into a pooled buffer."""
+
+    dtype: str
+    buf: np.ndarray  # storage-dtype values, 1-D
+    wire: np.ndarray  # what the engine gets: `buf`, its bytes, or a float32 or 16-bit copy
+    slots: tuple[tuple[np.ndarray, int], ...] = ()  # (work, offset) to unpack; none in place
+    pooled: tuple[np.ndarray, ...] = ()  # buffers to give back to the pool once landed
+    compressed: WireDtype | None = None  # the 16-bit dtype `wire` holds, when compressed
+    prescaled: bool = False  # scaled before the call (`dtypes.prescale`): nothing to do after
+    staged: DeviceBucket | None = None  # a GPU bucket staged through `buf`, copied back on landing
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DeviceFlight:
+    """A GPU bucket handed to the engine on its device (`device.DeviceBucket.send_direct`)."""
+
+    dtype: str
+    bucket: DeviceBucket
+    wire: DeviceBuffer
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SegmentFlight:
+    """A reduce-scatter's or all-to-all's bucket, laid out rank by rank (`segments.Segments`)."""
+
+    dtype: str
+    buf: np.ndarray  # the send buffer, storage dtype
+    wire: np.ndarray  # what the engine reads: `buf`, its bytes, or a float32 copy
+    layout: Segments
+    recv: np.ndarray  # the results, storage dtype, kept by the callers (not pooled)
+    recv_wire: np.ndarray  # what the engine fills: `recv`, its bytes, or a float32 buffer
+    deliver: tuple[Deliver, ...]  # where each array's result goes
+    pooled: tuple[np.ndarray, ...] = ()
+
+
+# One engine call's worth of a bucket, packed; dispatched on by type when it starts and lands.
+Flight: TypeAlias = HostFlight | DeviceFlight | SegmentFlight
+
+
+class InFlight(NamedTuple):
+    """A started `Flight`: the engine's handle (None: it completed in the call) and the
+    timeline's id of its communicate phase."""
+
+    flight: Flight
+    handle: Handle | None
+    span: int
 
 
 class Fusion:
@@ -99,15 +176,15 @@ class Fusion:
         self._open: dict[BucketKey, list[Work]] = {}
         self._deliver: dict[BucketKey, list[Deliver]] = {}
         self._open_bytes = 0
-        self._flights: list[Flight] = []
+        self._flights: list[InFlight] = []
         self.timeline = timeline
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
         self._read_only: dict[int, Deliver] = {}  # id of a read-only work packed -> its deliver
         self.calls = 0  # communication calls made (observable for tests and the timeline)
-        # Seconds between tests of a call in flight while waiting for it (`landing.settle`);
+        # Seconds between tests of a call in flight while waiting for it (`fusion.settle`);
         # 0: wait in the engine. Set by the communication thread's steps on MPI
-        # (`routes.Router.begin`).
+        # (`comm_thread.Router.begin`).
         self.pause = 0.0
         # Called with [(dtype, items), ...] before each group of calls (a flush, an oversize
         # array), so that a caller can check that every rank is about to make the same calls.
@@ -168,7 +245,7 @@ class Fusion:
         elif self._flights:
             # MPI progresses non-blocking collectives only inside MPI calls: testing the oldest
             # flight (about 1 us) moves them all along while the caller is still producing arrays.
-            oldest = self._flights[0].request
+            oldest = self._flights[0].handle
             if oldest is not None:
                 oldest.test()
         bucket_key = (*key, dtype)
@@ -207,8 +284,8 @@ class Fusion:
         timeline = self.timeline
         started = timeline.now() if timeline is not None else 0.0
         # Into a buffer lent by the pool, adopted by the leaf's framework without a copy: MPI is
-        # twice as slow into new memory (4 MiB on 2 ranks: 18-21 ms into a new array each call,
-        # 9-11 ms into the same one), and the lent buffer comes back once the result is gone.
+        # about twice as slow into new memory as into memory it has written before, and the lent
+        # buffer comes back once the result is gone.
         result = self.pool.lend(work.dtype, work.shape)
         allreduce_into_scaled(self.backend, work.reshape(-1), result.reshape(-1), self.action)
         self.calls += 1
@@ -243,7 +320,7 @@ class Fusion:
 
     def test(self) -> bool:
         """Return whether every call started so far has completed."""
-        return all(f.request is None or f.request.test() for f in self._flights)
+        return all(f.handle is None or f.handle.test() for f in self._flights)
 
     def wait(self) -> list[object]:
         """Flush, wait for every call, write the results into the queued arrays.
@@ -275,24 +352,26 @@ class Fusion:
         if not self.backend.progresses:  # one call in flight at a time (`Backend.progresses`)
             while self._flights:
                 self._land(self._flights.pop(0))
-        timeline = self.timeline
+        timeline, span = self.timeline, 0
         if timeline is None:
             flight = self._pack(works, dtype, delivers)
         else:
             packing = timeline.now()
             flight = self._pack(works, dtype, delivers)
-            timeline.complete(
-                "pack", packing, dtype=dtype, arrays=len(works), bytes=flight.buf.nbytes
-            )
-            flight.span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
-        self._start(flight)
+            if isinstance(flight, DeviceFlight):
+                nbytes = flight.bucket.ops.nbytes(flight.bucket.buf)
+            else:
+                nbytes = flight.buf.nbytes
+            timeline.complete("pack", packing, dtype=dtype, arrays=len(works), bytes=nbytes)
+            span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
+        started = InFlight(flight, start(self.backend, self.action, flight, self.async_op), span)
         self.calls += 1
         if self.async_op:
-            self._flights.append(flight)
+            self._flights.append(started)
             if len(self._flights) > MAX_IN_FLIGHT:
                 self._land(self._flights.pop(0))
         else:
-            self._land(flight)
+            self._land(started)
 
     def _pack(self, given: list[Work], dtype: str, delivers: list[Deliver]) -> Flight:
         # A bucket holds one kind of work, as its key says: host arrays, or GPU leaves.
@@ -301,26 +380,34 @@ class Fusion:
             return self._pack_segments(works, dtype, delivers)
         if type(given[0]) is DeviceWork:
             return self._pack_device(cast("list[DeviceWork]", given), dtype)
+        return self._pack_host(works, dtype)
+
+    def _pack_host(
+        self, works: list[np.ndarray], dtype: str, staged: DeviceBucket | None = None
+    ) -> HostFlight:
+        """Pack host `works` into one buffer (one contiguous writable array: itself, in place)."""
+        pooled: list[np.ndarray] = []
+        slots: tuple[tuple[np.ndarray, int], ...] = ()
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
-            flight = Flight(None, dtype, buf, buf)
         else:
             buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
-            flight = Flight(None, dtype, buf, buf, pooled=[buf])
-            np.concatenate([w.reshape(-1) for w in works], out=buf)  # one copy, in C
+            pooled.append(buf)
+            pack_bucket(works, buf)
             offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
-            flight.slots = list(zip(works, offsets, strict=True))
-        flight.compressed = wire = self._compressed(dtype)
-        if wire is None:
-            flight.wire = self._wire(buf, dtype, flight.pooled)
+            slots = tuple(zip(works, offsets, strict=True))
+        compressed = self._compressed(dtype)
+        wire, prescaled = buf, False
+        if compressed is None:
+            wire = self._wire(buf, dtype, pooled)
             action = self.action
             if isinstance(action, Reduction) and action.root is None and action.op is ReduceOp.SUM:
-                flight.prescaled = prescale(flight.wire, action.scale)  # a sum's shares only
-        elif dtype != wire:
-            flight.wire = self.pool.take(storage_dtype(wire), buf.size)
-            to_wire(buf, dtype, wire, out=flight.wire)
-            flight.pooled.append(flight.wire)
-        return flight
+                prescaled = prescale(wire, action.scale)  # a sum's shares only
+        elif dtype != compressed:
+            wire = self.pool.take(storage_dtype(compressed), buf.size)
+            to_wire(buf, dtype, compressed, out=wire)
+            pooled.append(wire)
+        return HostFlight(dtype, buf, wire, slots, tuple(pooled), compressed, prescaled, staged)
 
     def _compressed(self, dtype: str) -> WireDtype | None:
         """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
@@ -347,17 +434,18 @@ class Fusion:
 
     def _pack_segments(
         self, works: list[np.ndarray], dtype: str, delivers: list[Deliver]
-    ) -> Flight:
+    ) -> SegmentFlight:
         """Lay a bucket out rank by rank (`Segments`) for a reduce-scatter or an all-to-all."""
         assert isinstance(self.action, (Scatter, Exchange))
         layout = layout_of(self.action, works, self.backend.rank, self.backend.size)
         buf, pooled = layout.send_buffer(self.pool)
         # Not pooled: the results are views of it, which the caller may keep (Family.adopt).
         recv = np.empty(sum(layout.recv_counts), storage_dtype(dtype))
-        flight = Flight(None, dtype, buf, buf, [], pooled, layout=layout, recv=recv)
-        flight.deliver, flight.wire = delivers, self._wire(buf, dtype, flight.pooled)
-        flight.recv_wire = self._wire(recv, dtype, flight.pooled, copy=False)
-        return flight
+        wire = self._wire(buf, dtype, pooled)
+        recv_wire = self._wire(recv, dtype, pooled, copy=False)
+        return SegmentFlight(
+            dtype, buf, wire, layout, recv, recv_wire, tuple(delivers), tuple(pooled)
+        )
 
     def _pack_device(self, works: list[DeviceWork], dtype: str) -> Flight:
         """Pack GPU leaves on their device; hand the bucket over there, or stage it once."""
@@ -365,14 +453,10 @@ class Fusion:
         compressed = self._compressed(dtype)
         if self.backend.accepts_device(bucket.device) and bucket.can_send(self.backend, compressed):
             broadcast = isinstance(self.action, Broadcast)
-            wire = bucket.send_direct(self.backend, broadcast, compressed)
-            return Flight(None, dtype, bucket.buf, wire, device=bucket)
-        flight = self._pack([bucket.stage()], dtype, [])  # one host buffer: communicated in place
-        flight.device = bucket
-        return flight
-
-    def _start(self, flight: Flight) -> None:
-        start(self.backend, self.action, flight, self.async_op)
+            return DeviceFlight(
+                dtype, bucket, bucket.send_direct(self.backend, broadcast, compressed)
+            )
+        return self._pack_host([bucket.stage()], dtype, staged=bucket)  # communicated in place
 
     def _receives(self) -> bool:
         action, rank = self.action, self.backend.rank
@@ -380,19 +464,184 @@ class Fusion:
             return rank != action.root
         return isinstance(action, (Scatter, Exchange)) or action.root is None or action.root == rank
 
-    def _land(self, flight: Flight) -> None:
-        if flight.request is not None:
-            if self.pause:  # on the communication thread, on MPI (`landing.settle`)
-                settle(flight.request, self.pause, getattr(self.backend, "timeout", None))
-            flight.request.wait()
+    def _land(self, started: InFlight) -> None:
+        flight, handle = started.flight, started.handle
+        if handle is not None:
+            if self.pause:  # on the communication thread, on MPI (`settle`)
+                settle(handle, self.pause, getattr(self.backend, "timeout", None))
+            handle.wait()
         timeline = self.timeline
         if timeline is not None:
-            timeline.end("communicate", flight.span)
+            timeline.end("communicate", started.span)
             unpacking = timeline.now()
         action = self.action
         scale = action.scale if isinstance(action, (Reduction, Scatter)) else None
-        unpack(flight, self._receives(), None if flight.prescaled else scale, self._read_only)
-        for buf in flight.pooled:
-            self.pool.give(buf)
+        prescaled = type(flight) is HostFlight and flight.prescaled
+        unpack(flight, self._receives(), None if prescaled else scale, self._read_only)
+        if not isinstance(flight, DeviceFlight):
+            for buf in flight.pooled:
+                self.pool.give(buf)
         if timeline is not None:
-            timeline.complete("unpack", unpacking, arrays=len(flight.slots) or len(flight.deliver))
+            arrays = (
+                len(flight.slots)
+                if type(flight) is HostFlight
+                else len(flight.deliver)
+                if type(flight) is SegmentFlight
+                else 0
+            )
+            timeline.complete("unpack", unpacking, arrays=arrays)
+
+
+def pack_bucket(works: list[np.ndarray], buf: np.ndarray) -> None:
+    """Write `works` one after the other into `buf`, in C order: a host bucket's layout, whoever
+    packs it (`Fusion`, or a call plan that keeps a bucket of its own). One copy, in C."""
+    np.concatenate(works, axis=None, out=buf)
+
+
+def bucket_views(buf: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Return each array's place in `buf` as `pack_bucket` lays arrays of `shapes` out."""
+    views, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        views.append(buf[offset : offset + size].reshape(shape))
+        offset += size
+    return views
+
+
+# The engine call that carries a bucket.
+
+# bool reductions are logical or / and on bytes, as NumPy adds and multiplies booleans.
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
+
+
+def start(backend: Backend, action: Action, flight: Flight, async_op: bool) -> Handle | None:
+    """Make the engine call that carries `flight`; return its handle when `async_op` (None: the
+    call completed before returning)."""
+    if type(flight) is SegmentFlight:  # a reduce-scatter or an all-to-all
+        assert isinstance(action, (Scatter, Exchange))
+        op = action.op if isinstance(action, Scatter) else ReduceOp.SUM
+        op = _BOOL_OPS.get(op, op) if flight.dtype == "bool" else op
+        item = flight.buf.itemsize if flight.wire.dtype == np.uint8 else 1  # counts in wire items
+        call = (flight.wire, flight.recv_wire, item, op, async_op)
+        return flight.layout.start(backend, action, *call)
+    wire = flight.wire
+    if isinstance(action, Broadcast):
+        if async_op:
+            return backend.ibroadcast(wire, action.root)
+        backend.broadcast(wire, action.root)
+        return None
+    assert isinstance(action, Reduction)
+    op = _BOOL_OPS.get(action.op, action.op) if flight.dtype == "bool" else action.op
+    if type(flight) is HostFlight and flight.compressed is not None:  # 16-bit host values
+        handle = backend.iallreduce_half(flight.wire, op, flight.compressed)
+        if async_op:
+            return handle
+        handle.wait()
+    elif action.root is not None:
+        backend.reduce(wire, op, action.root)
+    elif async_op:
+        return backend.iallreduce(wire, op)
+    else:
+        backend.allreduce(wire, op)
+    return None
+
+
+def allreduce_into_scaled(
+    backend: Backend, send: np.ndarray, recv: np.ndarray, action: Reduction
+) -> None:
+    """Allreduce read-only `send` into `recv`, scaled as a bucket is: where the shares may be
+    scaled first (`prescale`), written scaled into `recv` and reduced there in place (one pass
+    over the memory, the engine's own copy of `send` included), else reduced into `recv` and
+    the result scaled (a second pass over memory the engine has just shared costs more)."""
+    if action.op is ReduceOp.SUM and prescaled_copy(send, recv, action.scale):
+        backend.allreduce(recv, action.op)
+        return
+    backend.allreduce_into(send, recv, action.op)
+    if action.scale is not None and action.scale != 1:
+        scale_in_place(recv, action.scale)
+
+
+def allreduce_scaled(backend: Backend, buf: np.ndarray, action: Reduction) -> None:
+    """Allreduce `buf` in place, scaled as `Fusion` scales a bucket: a sum's shares before the
+    sum where that is exact (`dtypes.prescale`), else the result."""
+    prescaled = action.op is ReduceOp.SUM and prescale(buf, action.scale)
+    backend.allreduce(buf, action.op)
+    if action.scale is not None and not prescaled:
+        scale_in_place(buf, action.scale)
+
+
+# Where a bucket lands.
+
+
+def settle(request: Handle, pause: float, limit: float | None) -> None:
+    """Wait for `request` by testing it every `pause` seconds, sleeping in between.
+
+    MPICH waits by polling its sockets without pause, a core's worth of system calls; on the
+    communication thread that core is the one backward computes on wherever a rank has no
+    spare core. Each test moves the call along, and the kernel's socket buffers
+    keep the link busy between tests. Past the engine's timeout `limit` (`DATAPARALLEL_TIMEOUT`)
+    it returns, for the caller to wait in the engine, which raises after that timeout again.
+    """
+    deadline = None if limit is None else time.monotonic() + limit
+    while not request.test():
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        time.sleep(pause)
+
+
+def unpack(
+    flight: Flight, receives: bool, scale: float | None, read_only: dict[int, Deliver]
+) -> None:
+    """Write a completed `flight`'s results where they belong, scaled by `scale` (None: not).
+
+    `receives`: whether this rank gets a result (not a reduce's non-roots, nor a broadcast's
+    root). `read_only`: the deliver of each read-only array packed from, by its id (popped).
+    """
+    match flight:
+        case DeviceFlight(bucket=bucket):
+            bucket.land(receives, scale)
+        case SegmentFlight():
+            if receives:
+                _from_wire(flight.recv_wire, flight.recv, flight.dtype, scale)
+                flight.layout.unpack(flight.recv, flight.deliver)
+        case HostFlight():
+            if receives:
+                _unpack_host(flight, scale, read_only)
+            if flight.staged is not None:
+                flight.staged.unstage(receives)
+
+
+def _from_wire(wire: np.ndarray, buf: np.ndarray, dtype: str, scale: float | None) -> None:
+    """Scale the uncompressed results in `wire` and bring them into `buf` if they are apart."""
+    if scale is not None and scale != 1:
+        scale_in_place(wire, scale)
+    if wire is not buf and wire.dtype != np.uint8:
+        if dtype == "bfloat16":
+            f32_to_bf16(wire, out=buf)
+        else:
+            buf[...] = wire
+
+
+def _unpack_host(flight: HostFlight, scale: float | None, read_only: dict[int, Deliver]) -> None:
+    wire, buf = flight.wire, flight.buf
+    # A packed bucket is scaled as it is unpacked: one pass over it instead of two.
+    fold = scale is not None and scale != 1 and bool(flight.slots) and wire is buf
+    fold = fold and flight.compressed is None
+    if flight.compressed is not None:  # widen, then scale in the wide dtype
+        from_wire(wire, flight.compressed, buf, flight.dtype, scale)
+    elif not fold:
+        _from_wire(wire, buf, flight.dtype, scale)
+    for work, offset in flight.slots:
+        values = buf[offset : offset + work.size].reshape(work.shape)
+        if not work.flags.writeable:  # packed from a read-only view: a new array
+            result = np.empty(work.shape, work.dtype)
+            if fold:
+                scale_in_place(values, scale, out=result)  # type: ignore[arg-type]
+            else:
+                np.copyto(result, values)
+            read_only.pop(id(work))(result)
+            continue
+        if fold:
+            scale_in_place(values, scale, out=work)  # type: ignore[arg-type]
+        else:
+            work[...] = values

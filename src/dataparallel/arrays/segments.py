@@ -10,7 +10,7 @@ rank order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -105,7 +105,7 @@ class Segments:
                 taken[j] += rows
                 position += items
 
-    def unpack(self, recv: np.ndarray, deliver: list[Callable[[np.ndarray], object]]) -> None:
+    def unpack(self, recv: np.ndarray, deliver: Sequence[Callable[[np.ndarray], object]]) -> None:
         """Hand each array's result, from `recv`, to its `deliver` function, to keep.
 
         A result from one source, or of a bucket of one array, is a view of `recv` (which must not

@@ -1,5 +1,5 @@
-"""The reductions that go as one host buffer and one `Allreduce` ("packed", "whole"): which
-qualify, where a "whole" plan puts each leaf, and how both run (`_plans.py` plans and picks)."""
+"""The reductions that go as one host buffer and one `Allreduce` (`Packed`, `Whole`): which
+qualify, where a `Whole` plan puts each leaf, and how both run (`_plans.py` plans and picks)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import cast
 import numpy as np
 
 from dataparallel.arrays.actions import Reduction
-from dataparallel.arrays.engine import allreduce_into_scaled, allreduce_scaled
+from dataparallel.arrays.fusion import allreduce_into_scaled, allreduce_scaled, pack_bucket
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf, host_works
-from dataparallel.collectives._callplan import CallPlan
+from dataparallel.collectives._callplan import Packed, Whole
 from dataparallel.protocol import payload_capacity
 
 __all__ = [
@@ -119,11 +119,11 @@ def one_sum(
 
 
 def run_packed(
-    backend: Backend, plan: CallPlan, works: list[np.ndarray], pool: BufferPool
+    backend: Backend, plan: Packed, works: list[np.ndarray], pool: BufferPool
 ) -> list[np.ndarray]:
     """The handshake, then one allreduce of the plan's bucket; return the leaves' results (read-only
     arrays come back new)."""
-    buf = plan.buf
+    buf = plan.bucket
     if buf is None:  # one leaf: its own bucket
         work = works[0]
         if not work.flags.writeable and work.flags.c_contiguous:  # a JAX array's memory
@@ -131,11 +131,9 @@ def run_packed(
         mine = work.flags.c_contiguous and work.flags.writeable
         target = work if mine else np.array(work, order="C")
     else:
-        np.concatenate(works, axis=None, out=buf)
+        pack_bucket(works, buf)  # as `Fusion` packs a bucket
         target = buf
-    records = plan.records
-    assert records is not None  # "packed" plans have their records
-    records.exchange(backend, plan.describe, plan.replay_of)
+    plan.records.exchange(backend, plan.agreement.describe, plan.agreement.replay_of)
     allreduce_scaled(backend, target.reshape(-1), plan.action)  # after the handshake
     if buf is None:
         if target is not work:
@@ -155,18 +153,16 @@ def run_packed(
     return works
 
 
-def into_new(backend: Backend, plan: CallPlan, work: np.ndarray, pool: BufferPool) -> np.ndarray:
+def into_new(backend: Backend, plan: Packed, work: np.ndarray, pool: BufferPool) -> np.ndarray:
     """The handshake, then one allreduce from read-only `work` into a buffer lent by `pool`
-    (`Fusion._reduce_into`); return it."""
-    records = plan.records
-    assert records is not None  # "packed" plans have their records
+    (as `Fusion` reduces a read-only array that goes alone); return it."""
     result = pool.lend(work.dtype, work.shape)
-    records.exchange(backend, plan.describe, plan.replay_of)
+    plan.records.exchange(backend, plan.agreement.describe, plan.agreement.replay_of)
     allreduce_into_scaled(backend, work.reshape(-1), result.reshape(-1), plan.action)
     return result
 
 
-def run_whole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
+def run_whole(ctx: CallContext, plan: Whole, leaves: list[Leaf]) -> None:
     """The handshake, then the "whole" plan's calls into a buffer lent by the pool: the small
     leaves packed at its front (scaled as they are packed, where `prescale` may) and reduced in
     place, each larger leaf from its memory into its place; each leaf's work becomes its view of
@@ -178,9 +174,7 @@ def run_whole(ctx: CallContext, plan: CallPlan, leaves: list[Leaf]) -> None:
     front = buf[: sum(works[i].size for i in plan.front)]
     if plan.front:
         np.concatenate([works[i] for i in plan.front], axis=None, out=front)
-    records = plan.records
-    assert records is not None  # "whole" plans have their records
-    records.exchange(backend, plan.describe, plan.replay_of)
+    plan.records.exchange(backend, plan.agreement.describe, plan.agreement.replay_of)
     if plan.front:
         allreduce_scaled(backend, front, action)
     for i in plan.alone:

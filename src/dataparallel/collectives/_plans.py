@@ -1,39 +1,24 @@
-"""Call plans: what the general path decides about a reduction, decided once per signature.
+"""Call plans: what a reduction decides, decided once per signature, then one execution.
 
 A reduction's signature is what its decisions depend on: the collective and its arguments, the
 tree's structure, each leaf's dtype, shape and device, the world's size and the settings. The first
 call of a signature is planned (`_plan`): validated, described and hashed for the handshake, its
-values placed in the handshake or not, its `Reduction` and its join replay made, and, for host
-arrays of one dtype that make one bucket, that bucket allocated with each leaf's view of it. The
-world keeps the plan (`World.plans`, which `dp.finalize()` drops with the world), and every call,
-the first included, executes its plan (`start`) in one of three ways:
+`Reduction` and its join replay made, and its kind chosen, a `CallPlan` of one of four types:
+`Inline` (the values travel in the handshake and every rank combines them, `arrays/inline.py`),
+`Packed` (the handshake, then one engine call of the one host bucket `Fusion` would send, laid
+out by `fusion.pack_bucket`), `Whole` (read-only host leaves of one dtype reduced into one lent
+buffer whose views they become, without copying the large ones) or `Fused` (the leaves through
+`Fusion`, with the NaN masks of min and max). The world keeps the plan (`World.plans`, dropped by
+`dp.finalize()`), and every call, the first included, runs `execute`, which dispatches on its type.
 
-- "inline": the values travel in the handshake's payload, and every rank combines every rank's
-  values locally, in rank order (`arrays/inline.py`): one message.
-- "packed": the handshake, then one `Allreduce` of the bucket (the one leaf itself, in place; else
-  the plan's buffer, packed and unpacked), scaled as `Fusion` scales a bucket.
-- "fused": the leaves through `Fusion` (`_call.run`), with the NaN masks of min and max.
-- "whole": a sum or product of read-only host leaves of one dtype (JAX's CPU arrays) over the
-  "packed" limit and up to `_onebuffer.WHOLE_BYTES`, into one buffer lent by the pool: the leaves of
-  at most `bucket_bytes` packed at its front and reduced by one `Allreduce` in place, each larger
-  leaf reduced from JAX's memory straight into its place (`allreduce_into`: MPI reads the leaf,
-  nothing copies it; an exact average's shares are written scaled into place and reduced there,
-  `allreduce_into_scaled`); each leaf's result is a view of the buffer, which JAX adopts without a
-  copy where it is 64-byte aligned. One handshake per call; ranks must all execute it (the summary
-  says how the values travel). Packing the large leaves too (one call of everything) was measured
-  slower: writing 7 MB just before the `Allreduce` that reads it made the call 1.6-1.9x a raw one,
-  where reading the leaves where they lie costs 1.3-1.5x (2 ranks, 1.86 M float32 parameters). With
-  the large leaves unpacked a "whole" plan makes `Fusion`'s calls for less Python: 32 MiB (8.40 M
-  parameters) took 0.71-0.80x a raw in-place `Allreduce`, `Fusion` 0.92-1.06x, hence the limit of
-  256 MiB (once 16 MiB, when everything was packed).
-
-"packed" sends exactly what "fused" sends for the same call (`Fusion` makes one bucket of those
-leaves), so ranks may differ in which they execute: a rank that records a timeline or logs each
-call goes through `Fusion`, whose steps those record.
+`Packed` sends exactly what `Fused` sends for the same call, so ranks may differ in which they
+execute: a rank that records a timeline or logs each call goes through `Fusion`, whose steps those
+record.
 
 What is left per call is finding the plan. A number, a writable NumPy array, or a list, tuple or
-dict of numbers or of arrays of one dtype (`_host_form`) is keyed as it is; any other tree is
-flattened and its leaves staged first (`_call.leaves_of`, `stage`), as every call was before.
+dict of numbers or of arrays of one dtype (`_host_form`) is keyed as it is, before any flattening:
+the decision to skip `tree.flatten` is cached with the plan, and the plan runs through the same
+`execute`. Any other tree is flattened and its leaves staged first (`_call.leaves_of`, `stage`).
 """
 
 from __future__ import annotations
@@ -49,8 +34,7 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Reduction, reduction, reduction_error
 from dataparallel.arrays.aliases import overlapping
 from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.engine import allreduce_scaled
-from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.fusion import HOST_KEY, bucket_views
 from dataparallel.arrays.inline import land_inline, pack_slots, slots_of
 from dataparallel.arrays.nan import FLOATING
 from dataparallel.arrays.replay import Replay
@@ -63,16 +47,17 @@ from dataparallel.collectives._call import (
     check_root,
     host_works,
     leaves_of,
+    log,
     prepared,
     results,
     run,
     stage,
+    writable,
 )
-from dataparallel.collectives._callplan import CallPlan, Kind
+from dataparallel.collectives._callplan import Agreement, CallPlan, Fused, Inline, Packed, Whole
 from dataparallel.collectives._nans import local_nans, nan_preserving
 from dataparallel.collectives._onebuffer import (
     ONE_MESSAGE,
-    Layout,
     is_packable,
     is_whole,
     run_packed,
@@ -112,9 +97,7 @@ def start(
             size, check, bucket_bytes = ctx.backend.size, settings.check, settings.bucket_bytes
             key = (collective, name, op, scale, size, check, bucket_bytes, form.key)
             plan: CallPlan | None = ctx.plans.get(key)
-            if plan is not None and (
-                plan.kind == "inline" or (plan.kind == "packed" and not form.numbers)
-            ):
+            if type(plan) is Inline or (type(plan) is Packed and not form.numbers):
                 return _DONE, _run_form(ctx, plan, form)
             return _general(ctx, collective, x, name, op, scale, root, compression, async_op, key)
     return _general(ctx, collective, x, name, op, scale, root, compression, async_op, None)
@@ -182,20 +165,9 @@ _FLOAT_KEY: tuple[Hashable, ...] = (float,)
 _ONE_FLOAT64 = ["float64"]  # a form's numbers, one float64 array: laid out as n float64 leaves
 
 
-def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
-    """Execute an "inline" or "packed" plan on a `_Form`; return what builds the result."""
-    works, backend, records = form.works, ctx.backend, plan.records
-    assert records is not None  # "inline" and "packed" plans have their records
-    if plan.kind == "inline":  # the values travel in the handshake; each rank combines them all
-        pack_slots(plan.form_slots, works)
-        records.exchange(backend, plan.describe, plan.replay_of)
-        dtypes = _ONE_FLOAT64 if form.numbers else plan.dtypes
-        land_inline(records.payloads, works, dtypes, plan.action, backend.rank, plan.form_slots)
-    elif plan.buf is None and form.kind is np.ndarray:  # contiguous and writable: in place
-        records.exchange(backend, plan.describe, plan.replay_of)
-        allreduce_scaled(backend, works[0].reshape(-1), plan.action)
-    else:
-        works = run_packed(backend, plan, works, ctx.buffers)
+def _run_form(ctx: CallContext, plan: Inline | Packed, form: _Form) -> Finish:
+    """Execute `plan` on a `_Form`'s values; return what builds the result."""
+    works = execute_host(ctx, plan, form.works, form.numbers)
     if form.numbers:
         values = works[0].tolist()
         if form.kind is float:
@@ -205,6 +177,24 @@ def _run_form(ctx: CallContext, plan: CallPlan, form: _Form) -> Finish:
         result = works[0]
         return lambda: result
     return lambda: _rebuilt(form, works)
+
+
+def execute_host(
+    ctx: CallContext, plan: Inline | Packed, works: list[np.ndarray], numbers: bool = False
+) -> list[np.ndarray]:
+    """Execute an `Inline` or `Packed` plan on host arrays (`numbers`: Python floats given as
+    one float64 array); return the results' arrays (read-only ones come back new)."""
+    backend = ctx.backend
+    if type(plan) is Inline:
+        slots = plan.numbers if numbers and plan.numbers is not None else plan.slots
+        pack_slots(slots, works)
+        records, agreed = plan.records, plan.agreement
+        records.exchange(backend, agreed.describe, agreed.replay_of)
+        dtypes = _ONE_FLOAT64 if numbers else plan.dtypes
+        land_inline(records.payloads, works, dtypes, plan.action, backend.rank, slots)
+        return works
+    assert type(plan) is Packed
+    return run_packed(backend, plan, works, ctx.buffers)
 
 
 def _rebuilt(form: _Form, leaves: Sequence[object]) -> object:
@@ -253,7 +243,9 @@ def _general(
     plan: CallPlan | None = ctx.plans.get(key)
     if plan is None:
         plan = prepared(
-            ctx, collective, lambda: _plan(ctx, collective, flat, leaves, args, action, scale)
+            ctx,
+            collective,
+            lambda: _plan(ctx, collective, flat, leaves, args, action, scale, async_op),
         )
         ctx.plans.put(key, plan)
     return _execute(ctx, collective, plan, flat, leaves, async_op)
@@ -267,6 +259,7 @@ def _plan(
     args: dict[str, object],
     action: Reduction,
     scale: float | None,
+    async_op: bool,
 ) -> CallPlan:
     """Decide how calls like this one run (see the module's notes); raise for a bad leaf."""
     op = cast(str, args["op"])
@@ -283,59 +276,42 @@ def _plan(
     messages = ONE_MESSAGE if whole else None
     summary, details = describe(Call(ctx, collective, flat, leaves, args, inline=inline), messages)
     call_digest = digest(summary)
-    kind: Kind = "inline" if inline else "whole" if whole else "fused"
-    buf, views = None, []
-    if packable:
-        kind = "packed"
+    replay = _replays.fused(ctx, action, leaves, async_op, inline, compression=wire)
+    agreement = Agreement(call_digest, details, replay, replay)
+    # The handshake's buffers, where the world's size allows them: every plan but `Fused` is
+    # chosen only then (`inline_fits`, `one_sum`).
+    records = Records(size, call_digest) if payload_capacity(size) else None
+    if (inline or packable or whole) and records is None:
+        raise AssertionError("inline, packed and whole plans are chosen only with records")
+    if inline and records is not None:
         works = host_works(leaves)
-        if len(works) > 1:
-            buf = np.empty(sum(w.size for w in works), works[0].dtype)
-            offset = 0
-            for w in works:
-                views.append(buf[offset : offset + w.size].reshape(w.shape))
-                offset += w.size
-    nans = kind == "fused" and action.op in (ReduceOp.MIN, ReduceOp.MAX) and size > 1
-    replay = _replays.fused(
-        ctx, action, leaves, collective.startswith("i"), inline, compression=wire
-    )
-    layout: Layout = ((), (), (), 0)
-    if whole:  # one call of the packed front, then one per larger leaf
-        layout = whole_layout(host_works(leaves), ctx.settings.bucket_bytes)
-        _, front, alone, _ = layout
+        slots = slots_of(records.payloads, works, records.payload)
+        numbers = None
+        if all(w.ndim == 0 and w.dtype == np.float64 for w in works):  # a form's: one array
+            numbers = slots_of(records.payloads, [np.empty(len(works))], records.payload)
+        return Inline(agreement, action, records, dtypes, slots, numbers)
+    if packable and records is not None:
+        works = host_works(leaves)
+        bucket, views = None, []
+        if len(works) > 1:  # the bucket `Fusion` packs these leaves into, kept
+            bucket = np.empty(sum(w.size for w in works), works[0].dtype)
+            views = bucket_views(bucket, [w.shape for w in works])
+        return Packed(agreement, action, records, bucket, views)
+    if whole and records is not None:  # one call of the packed front, then one per larger leaf
+        offsets, front, alone, items = whole_layout(host_works(leaves), ctx.settings.bucket_bytes)
         sizes = [w.size for w in host_works(leaves)]
         calls = ([sum(sizes[i] for i in front)] if front else []) + [sizes[i] for i in alone]
         flushes = [[(HOST_KEY, dtypes[0], (n,))] for n in calls]
         replay = Replay.of(action, flushes, bucket_bytes=ctx.settings.bucket_bytes)
-    replay_nan = replay
+        agreement = Agreement(call_digest, details, replay, replay)
+        return Whole(agreement, action, records, offsets, front, alone, items)
+    nans = action.op in (ReduceOp.MIN, ReduceOp.MAX) and size > 1
     if nans:
         floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
-        masks = _replays.nan_masks(ctx, floating, collective.startswith("i"))
-        replay_nan = dataclasses.replace(replay, then=masks)
-    apart = kind == "fused" and len(leaves) > 1 and not _one_flight(ctx, leaves)
-    plan = CallPlan(
-        kind,
-        call_digest,
-        details,
-        action,
-        dtypes,
-        wire,
-        nans,
-        apart,
-        replay,
-        replay_nan,
-        buf,
-        views,
-    )
-    plan.offsets, plan.front, plan.alone, plan.items = layout
-    if payload_capacity(size):  # the handshake's buffers, and where each leaf's values land
-        records = plan.records = Records(size, call_digest)
-        if inline:
-            works = host_works(leaves)
-            plan.slots = plan.form_slots = slots_of(records.payloads, works, records.payload)
-            if all(w.ndim == 0 and w.dtype == np.float64 for w in works):  # numbers: one array
-                numbers = np.empty(len(works))
-                plan.form_slots = slots_of(records.payloads, [numbers], records.payload)
-    return plan
+        masks = _replays.nan_masks(ctx, floating, async_op)
+        agreement = Agreement(call_digest, details, replay, dataclasses.replace(replay, then=masks))
+    apart = len(leaves) > 1 and not _one_flight(ctx, leaves)
+    return Fused(agreement, action, records, wire, nans, apart)
 
 
 def _one_flight(ctx: CallContext, leaves: list[Leaf]) -> bool:
@@ -356,39 +332,73 @@ def _execute(
     async_op: bool,
 ) -> tuple[Handle, Finish]:
     """Execute `plan` on staged leaves."""
-    backend = ctx.backend
-    plain = ctx.timeline is None and not ctx.settings.debug
-    if plan.kind == "packed" and plain:
-        works = run_packed(backend, plan, host_works(leaves), ctx.buffers)
-        for leaf, work in zip(leaves, works, strict=True):
-            if work is not leaf.work:
-                leaf.work, leaf.is_view = work, False
-        return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
-    if plan.kind == "whole":  # every rank executes it, with a timeline or not
-        run_whole(ctx, plan, leaves)
-        return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
-    if plan.kind == "inline":
-        records = plan.records
-        assert records is not None  # "inline" plans have their records
-        pack_slots(plan.slots, host_works(leaves))
-        records.exchange(backend, plan.describe, plan.replay_of)
-        return run(ctx, collective, flat, leaves, plan.action, async_op, records.payloads)
-    if plan.apart:  # leaves over the same memory: each reduced once, from its values now
-        for i in overlapping([leaf.work for leaf in leaves]):
-            leaf = leaves[i]
-            leaf.work, leaf.is_view = np.array(leaf.work), False
-    nans = None
-    if plan.nans:
-        nans = prepared(ctx, collective, lambda: local_nans(leaves))
+    match plan:
+        case Packed() if ctx.timeline is None and not ctx.settings.debug:
+            works = execute_host(ctx, plan, host_works(leaves))
+            for leaf, work in zip(leaves, works, strict=True):
+                if work is not leaf.work:
+                    leaf.work, leaf.is_view = work, False
+            return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
+        case Packed():  # through `Fusion`, whose steps a timeline and the log record
+            fused = Fused(plan.agreement, plan.action, plan.records, None, False, False)
+            return _fused(ctx, collective, fused, flat, leaves, async_op, None)
+        case Whole():  # every rank executes it, with a timeline or not
+            run_whole(ctx, plan, leaves)
+            return _DONE, lambda: tree.unflatten(flat.spec, results(leaves, True))
+        case Inline():
+            return _inline(ctx, collective, plan, flat, leaves)
+        case Fused():
+            if plan.apart:  # leaves over the same memory: each reduced once, from its values now
+                for i in overlapping([leaf.work for leaf in leaves]):
+                    leaf = leaves[i]
+                    leaf.work, leaf.is_view = np.array(leaf.work), False
+            nans = prepared(ctx, collective, lambda: local_nans(leaves)) if plan.nans else None
+            return _fused(ctx, collective, plan, flat, leaves, async_op, nans)
+
+
+def _inline(
+    ctx: CallContext, collective: str, plan: Inline, flat: tree.Flat, leaves: list[Leaf]
+) -> tuple[Handle, Finish]:
+    """`execute_host` on staged leaves (read-only ones copied first), logged and timed as
+    `_call.run` logs and times a call."""
+    action, timeline = plan.action, ctx.timeline
+    if ctx.settings.debug:
+        log(ctx, f"{collective} {action} leaves={len(leaves)} inline")
+    started = timeline.now() if timeline is not None else 0.0
+    writable(leaves)
+    execute_host(ctx, plan, host_works(leaves))
+    receives = action.root is None or action.root == ctx.backend.rank
+
+    def finish() -> object:
+        result = tree.unflatten(flat.spec, results(leaves, receives))
+        if timeline is not None:
+            timeline.complete(collective, started, leaves=len(leaves), calls=0)
+        return result
+
+    return _DONE, finish
+
+
+def _fused(
+    ctx: CallContext,
+    collective: str,
+    plan: Fused,
+    flat: tree.Flat,
+    leaves: list[Leaf],
+    async_op: bool,
+    nans: list[Leaf] | None,
+) -> tuple[Handle, Finish]:
+    """The handshake, then the leaves through `Fusion` (with the NaN masks where some rank
+    flagged a NaN: `nan_preserving`)."""
+    backend, agreed = ctx.backend, plan.agreement
     any_nan = False
     if backend.size > 1:
         _, any_nan = handshake(
             backend,
-            plan.digest,
-            plan.describe,
+            agreed.digest,
+            agreed.describe,
             records=plan.records,
             flag=None if nans is None else bool(nans),
-            replay=plan.replay_of,
+            replay=agreed.replay_of,
         )
     if any_nan:  # some rank has a NaN: every rank also reduces where its NaNs are
         return nan_preserving(ctx, collective, flat, leaves, plan.action, async_op, plan.wire)

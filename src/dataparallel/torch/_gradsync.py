@@ -38,10 +38,10 @@ import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
+from dataparallel.arrays.comm_thread import Router
 from dataparallel.arrays.compression import wire_dtype
 from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.replay import Replay
-from dataparallel.arrays.routes import Router
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import objects
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
@@ -306,7 +306,7 @@ class GradientSync:
 
     @property
     def bucket_backend(self) -> Backend:
-        """The engine this step's buckets travel on (`arrays/routes.py`)."""
+        """The engine this step's buckets travel on (`arrays/comm_thread.py`)."""
         return self._router.fusion.backend
 
     # -- one step ----------------------------------------------------------------------------
