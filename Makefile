@@ -31,19 +31,33 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples benchmarks tools
 	$(BIN)/mypy
 
+# Tests marked `matrix` (families x dtypes x ops and other products) run every case at MPI with 2
+# ranks and a sample holding every pair of their values in the other worlds (tests/conftest.py);
+# `make test PYTEST_ARGS=--matrix=full` runs every case everywhere.
+PYTEST_ARGS ?=
+PYTEST := $(BIN)/python -m pytest $(PYTEST_ARGS)
+# Every pass compiles the same JAX steps: JAX keeps them in the venv for the passes after the first.
+# The size limit turns on the cache's file lock, so that ranks compiling the same step at once never
+# read each other's half-written entry.
+TEST_ENV := $(RUN_ENV) JAX_COMPILATION_CACHE_DIR=$(CURDIR)/$(VENV)/jax-cache \
+	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+	JAX_COMPILATION_CACHE_MAX_SIZE=1000000000
+
 test-mpi: $(STAMP)
-	$(RUN_ENV) $(BIN)/mpiexec -n 2 $(BIN)/python -m pytest -x -q
-	$(RUN_ENV) $(BIN)/mpiexec -n 3 $(BIN)/python -m pytest -x -q
+	$(TEST_ENV) $(BIN)/mpiexec -n 2 $(PYTEST) -x -q
+	$(TEST_ENV) $(BIN)/mpiexec -n 3 $(PYTEST) -x -q
 
 test-gloo: $(STAMP)
-	$(RUN_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
-	$(RUN_ENV) $(BIN)/dataparallel run -n 3 --backend gloo --timeout $(JOB_TIMEOUT) -m pytest -x -q
+	$(TEST_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) \
+		-m pytest -x -q $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/dataparallel run -n 3 --backend gloo --timeout $(JOB_TIMEOUT) \
+		-m pytest -x -q $(PYTEST_ARGS)
 
 # The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
 # job ends on a plain pytest summary.
 test-1: $(STAMP)
-	$(RUN_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
-	$(RUN_ENV) $(BIN)/python -m pytest -q
+	$(TEST_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
+	$(TEST_ENV) $(PYTEST) -q
 
 test: lint test-mpi test-gloo test-1
 

@@ -48,7 +48,7 @@ from optax_step import BATCH, init_mlp, loss_fn
 from optax_step import MODELS as OPTAX_MODELS
 
 import dataparallel as dp
-from dataparallel.jax._routes import mpi4jax_reason
+from dataparallel.jax._bridges import mpi4jax_reason
 
 # The same models, batch and loss as optax_step.py (1.86 M and 8.40 M parameters).
 MODELS = {name: OPTAX_MODELS[name] for name in ("medium", "large")}

@@ -14,6 +14,11 @@ When the world has several ranks:
 - tests marked `spawns` (they launch their own processes) are skipped; they run in the world of one;
 - hypothesis draws the same examples on every rank (`derandomize=True`).
 
+A test marked `matrix` (a product: families x dtypes x ops, say) runs every case at MPI with two
+ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in every other world,
+a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
+deselected, unless named on the command line; `--matrix=full` or `sample` decides for every world.
+
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
 
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 import tempfile
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,8 @@ import dataparallel as dp
 from dataparallel.backends.base import Backend
 
 SPAWNS_REASON = "launches its own processes; runs in the world-of-one pass"
+# The world that runs every case of a `matrix` test: (engine, ranks).
+FULL_MATRIX = ("mpi", 2)
 
 # On a GPU, JAX multiplies float32 matrices in TF32 by default (errors near 1e-3): the tests
 # compare sharded and one-process training at 1e-5, so they ask for full precision (launched
@@ -61,6 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """Set up the world, the markers, the hypothesis profile, and quiet ranks > 0."""
     config.addinivalue_line(
         "markers", f"spawns: the test launches its own processes ({SPAWNS_REASON})"
+    )
+    config.addinivalue_line(
+        "markers",
+        "matrix(strength=2): a parametrized product; every case runs at MPI 2 ranks, a sample "
+        "covering every pair (strength=1: every value) of its parameters' values elsewhere",
     )
     backend = dp.initialize()
     _state["backend"] = backend
@@ -147,8 +161,102 @@ def pytest_internalerror(excrepr: Any, excinfo: Any) -> None:
         _abort("INTERNALERROR", str(excrepr))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """`--matrix`: which cases of the `matrix` tests run (see the module docstring)."""
+    parser.addoption(
+        "--matrix",
+        choices=("auto", "full", "sample"),
+        default="auto",
+        help="matrix tests: every case, a covering sample, or auto (every case at MPI 2 ranks)",
+    )
+
+
+def _value_key(value: object) -> Hashable:
+    """Return a key equal for equal parameter values (by identity for unhashable ones)."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _runnable(item: pytest.Item) -> bool:
+    """Return whether none of the item's values says it cannot run here (`skip_reason()`)."""
+    for value in item.callspec.params.values():  # type: ignore[attr-defined]
+        reason = getattr(value, "skip_reason", None)
+        if callable(reason) and reason() is not None:
+            return False
+    return True
+
+
+def covering_sample(items: list[pytest.Item], strength: int) -> list[pytest.Item]:
+    """Return the cases of one matrix test that together hold every `strength`-tuple of values.
+
+    Pairs by default (`matrix(strength=1)`: every value once). An engine sees a dtype and an op,
+    never a family, so every world still puts every dtype-op pair through its engine. Greedy, in
+    collection order, so the same on every rank: take the case holding the most tuples not yet
+    held (the first such); runnable cases first, then those that will skip here (a value with a
+    `skip_reason()`, such as a family this machine lacks) for what they alone hold.
+    """
+
+    def tuples(item: pytest.Item) -> set[tuple[tuple[str, Hashable], ...]]:
+        params = sorted(item.callspec.params.items())  # type: ignore[attr-defined]
+        values = [(name, _value_key(value)) for name, value in params]
+        return set(itertools.combinations(values, min(strength, len(values))))
+
+    held = {id(item): tuples(item) for item in items}
+    wanted: set[tuple[tuple[str, Hashable], ...]] = set().union(*held.values())
+    chosen: set[int] = set()
+    for group in ([i for i in items if _runnable(i)], [i for i in items if not _runnable(i)]):
+        while wanted:
+            best = max(group, key=lambda i: len(held[id(i)] & wanted), default=None)
+            if best is None or not held[id(best)] & wanted:
+                break
+            chosen.add(id(best))
+            wanted -= held[id(best)]
+    return [item for item in items if id(item) in chosen]
+
+
+def _matrices(items: Iterable[pytest.Item]) -> dict[str, list[pytest.Item]]:
+    """Return the parametrized `matrix` items, by test function, in collection order."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        if item.get_closest_marker("matrix") is not None and hasattr(item, "callspec"):
+            groups.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
+    return groups
+
+
+def _named(config: pytest.Config, item: pytest.Item) -> bool:
+    """Return whether the command line names this case itself (`test_x[numpy-int8-sum]`)."""
+    for arg in config.args:
+        path, _, name = arg.partition("::")
+        if "[" in name and item.nodeid.endswith(f"::{name}") and Path(path).resolve() == item.path:
+            return True
+    return False
+
+
+def _full_matrix(config: pytest.Config) -> bool:
+    choice = config.getoption("matrix")
+    if choice != "auto":
+        return bool(choice == "full")
+    backend: Backend = _state["backend"]
+    return (backend.name, backend.size) == FULL_MATRIX
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `spawns` tests when the world has several ranks."""
+    """Keep a covering sample of each `matrix` test; skip `spawns` tests when several ranks."""
+    if not _full_matrix(config):
+        keep: set[int] = {id(item) for item in items}
+        for group in _matrices(items).values():
+            marker = group[0].get_closest_marker("matrix")
+            assert marker is not None
+            sample = covering_sample(group, int(marker.kwargs.get("strength", 2)))
+            keep -= {id(item) for item in group} - {id(item) for item in sample}
+        dropped = [item for item in items if id(item) not in keep and not _named(config, item)]
+        keep |= {id(item) for item in items} - {id(item) for item in dropped}
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if id(item) in keep]
     if not _multi():
         return
     skip = pytest.mark.skip(reason=SPAWNS_REASON)

@@ -58,6 +58,7 @@ def received_by(rank: int, size: int, dtype: str, rest: tuple[int, ...] = (2,)) 
     return np.concatenate(parts)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize(("family", "dtype"), BY_DTYPE)
 def test_every_dtype_and_family(family: Family, dtype: str, rank: int, size: int) -> None:
     usable(family)

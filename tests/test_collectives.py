@@ -64,6 +64,7 @@ def check_leaf(family: Family, before: Any, out: Any, want: np.ndarray, dtype: s
     assert_values(family, out, want, dtype)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(("family", "dtype", "op"), MATRIX)
 def test_allreduce_every_op_dtype_and_family(
     family: Family, dtype: str, op: str, rank: int, size: int
@@ -182,6 +183,7 @@ def test_reduce_ops_and_scale(op: str, rank: int, size: int) -> None:
         np.testing.assert_array_equal(out, rank_values(rank, "float64"))
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize(("family", "dtype"), BY_DTYPE)
 def test_broadcast_from_every_root(family: Family, dtype: str, rank: int, size: int) -> None:
     usable(family)
@@ -203,6 +205,7 @@ def test_broadcast_of_a_tree_in_place(rank: int, size: int) -> None:
     assert type(out["int"]) is int and out["int"] == 1
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize(
     ("family", "dtype"), [p for p in BY_DTYPE if p.values[0] in ARRAY_FAMILIES]
 )

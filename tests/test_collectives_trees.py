@@ -123,6 +123,7 @@ def test_three_hundred_leaves_of_mixed_dtypes_and_families(rank: int, size: int)
             assert leaf is x[key]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("op", ["sum", "avg", "prod"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
 @pytest.mark.parametrize("kind", ["list", "tuple", "dict"])

@@ -73,6 +73,7 @@ def wires(world: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tupl
 # -- the collectives ----------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("family", ARRAY_FAMILIES, ids=repr)
 @pytest.mark.parametrize("dtype", FLOATING)
 @pytest.mark.parametrize("name", sorted(COMPRESSIONS))
@@ -309,6 +310,7 @@ def round16(wide: np.ndarray, dtype: str) -> np.ndarray:
 BOUNDARY_ITEMS = [1, 2, 7, N + 1, (1 << 14) - 1, (1 << 14) + 1, (1 << 15) + 3, 3 * (1 << 14)]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("torch_loaded", [True, False], ids=["torch", "numpy"])
 @pytest.mark.parametrize("items", BOUNDARY_ITEMS, ids=lambda n: f"{n}-items")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -172,6 +172,7 @@ TORCH = FAMILY["torch"]
 PATHS = ("handed", "staged")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -449,6 +449,7 @@ def test_an_empty_dataset_gives_no_batch(dataset: Any, drop_last: bool) -> None:
     assert len(DistributedDataContainer(dataset)) == 0
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 10, 31])
 @pytest.mark.parametrize("batch_size", [1, 3, 64])
 @pytest.mark.parametrize("drop_last", [False, True])

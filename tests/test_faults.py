@@ -71,6 +71,7 @@ def with_nans(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("op", ["max", "min"])
 @pytest.mark.parametrize("n", [2, 3000], ids=["inline", "engine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

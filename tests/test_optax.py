@@ -28,8 +28,8 @@ import dataparallel as dp  # noqa: E402
 from dataparallel.backends.base import Backend  # noqa: E402
 from dataparallel.errors import CollectiveMismatchError  # noqa: E402
 from dataparallel.jax import DistributedState, distributed_optax  # noqa: E402
+from dataparallel.jax._bridges import mpi4jax_reason  # noqa: E402
 from dataparallel.jax._optax import callback_backend  # noqa: E402
-from dataparallel.jax._routes import mpi4jax_reason  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks: every share has the same size
 STEPS = 6
@@ -102,6 +102,7 @@ OPTIMIZERS: dict[str, Callable[[], Any]] = {
 }
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_shares_averaged_match_one_process_on_the_whole_batch(

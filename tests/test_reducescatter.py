@@ -59,6 +59,7 @@ def check(family: Family, x: Any, out: Any, want: np.ndarray, dtype: str) -> Non
     assert_values(family, out, want, dtype)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(("family", "dtype", "op"), MATRIX)
 def test_every_op_dtype_and_family(
     family: Family, dtype: str, op: str, rank: int, size: int

@@ -42,6 +42,7 @@ def _check(got: object, size: int, n: int, op: str, scale: float | None) -> None
     np.testing.assert_allclose(values.astype(np.float64), _expected(size, n, op, scale), rtol=1e-6)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("op", OPS)
 def test_every_op_and_scale_on_every_path(size: int, op: str, scale: float | None) -> None:

@@ -7,7 +7,8 @@
   that calls `dist.init_process_group()` itself runs unchanged; `dp.initialize()` after it joins
   its group; `dist.init_process_group()` after `dp.initialize()` is refused by torch.
 
-Every test launches its own jobs (`spawns`), at 2 and 3 ranks, under MPI and Gloo.
+Every test launches its own jobs (`spawns`), at 2 and 3 ranks, under MPI and Gloo: each test
+runs each engine once, at 2 ranks on one and 3 on the other (`ENGINES`), and the next test swaps.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _lines(stdout: str, tag: str) -> dict[int, dict[str, str]]:
     return {int(f["rank"]): f for f in fields}
 
 
-@pytest.mark.parametrize(("backend", "n"), ENGINES)
+@pytest.mark.parametrize(("backend", "n"), [ENGINES[0], ENGINES[3]])
 def test_a_ddp_script_runs_unchanged(backend: str, n: int) -> None:
     done = run_job(["ddp_sampler.py"], ranks=n, backend=backend, cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -83,7 +84,7 @@ def test_a_world_of_one_has_torch_distributed_too() -> None:
     assert "ALONGSIDE rank=0 same_ranks=True sum=1" in done.stdout
 
 
-@pytest.mark.parametrize(("backend", "n"), ENGINES)
+@pytest.mark.parametrize(("backend", "n"), [ENGINES[1], ENGINES[2]])
 def test_a_torchrun_script_runs_under_dataparallel_run(backend: str, n: int) -> None:
     target = ["torchrun_plain.py", "--dp-after"]  # then dp.initialize() joins its group
     done = run_job(target, ranks=n, backend=backend, cwd=SCRIPTS)
@@ -105,7 +106,7 @@ def test_init_process_group_after_dp_initialize_is_refused_by_torch(backend: str
 
 
 @needs_mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_run_under_mpi_gives_torchrun_variables(n: int) -> None:
     done = run_job(["cli_env.py"], ranks=n, cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -166,7 +166,8 @@ def test_a_load_that_rises_during_the_trial_does_not_hide_the_faster_mode() -> N
 def test_across_nodes_after_backward_must_win_by_the_margin(
     world: type, after_faster_by: float, thread_kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dp.collectives, "allreduce", lambda x, **_: x)  # the world is pretended
+    # the world is pretended
+    monkeypatch.setattr("dataparallel.collectives.reductions.allreduce", lambda x, **_: x)
     trial = ModeTrial()
     while trial.chosen is None:
         cost = 1.0 if not trial.mode or trial.steps < ModeTrial.SKIP else 1.0 + after_faster_by

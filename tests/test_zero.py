@@ -79,6 +79,7 @@ def assert_params_close(a: nn.Module, b: nn.Module, dtype: torch.dtype) -> None:
 # -- parity ---------------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", sorted(CLASSES))
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -438,10 +439,10 @@ def test_a_plain_optimizers_state_dict_loads_into_the_sharded_one(world: Backend
 
 @pytest.mark.spawns
 def test_checkpoints_move_between_world_sizes_and_engines(tmp_path: Path) -> None:
-    """3 MPI ranks save; 2 Gloo ranks load and go on; then 1 (MPI); then 4 (Gloo); the end
-    matches one process throughout."""
+    """2 MPI ranks save; 3 Gloo ranks load and go on (more shards, uneven); then 1 (MPI: one
+    shard); the end matches one process throughout."""
     previous, steps = relaunch_through(
-        ((3, "mpi"), (2, "gloo"), (1, "mpi"), (4, "gloo")),
+        ((2, "mpi"), (3, "gloo"), (1, "mpi")),
         lambda before, saved, done: [SCRIPT, before, saved, str(done), "2"],
         tmp_path,
         ".pt",
@@ -459,7 +460,7 @@ def test_checkpoints_move_between_world_sizes_and_engines(tmp_path: Path) -> Non
             torch.testing.assert_close(
                 final["optimizer"]["state"][k][key], value, atol=1e-5, rtol=1e-4
             )
-    assert json.loads(final["sizes"]) == [3, 2, 1, 4][: len(json.loads(final["sizes"]))]
+    assert json.loads(final["sizes"]) == [2, 3, 1][: len(json.loads(final["sizes"]))]
 
 
 # -- bad input ------------------------------------------------------------------------------

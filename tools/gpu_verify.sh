@@ -57,12 +57,14 @@ from dataparallel.backends import nccl, mpi
 print('nccl unavailable because:', nccl.unavailable_reason())
 print('cuda-aware MPI:', mpi.detect_cuda_aware(MPI))"
 
+# --matrix=full: every case of the `matrix` tests in each world (the suite samples them outside
+# MPI at 2 ranks), so the device families meet every dtype and op here.
 GPU_TESTS=(tests/test_cuda.py tests/test_nccl.py tests/test_cuda_training.py)
-step one-rank 180 "$PY" -m pytest -q -rs "${GPU_TESTS[@]}" tests/test_collectives.py tests/test_world.py
-step mpi-2 150 "$MPIEXEC" -n 2 "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_nccl.py tests/test_collectives.py
-step mpi-2-training 90 "$MPIEXEC" -n 2 "$PY" -m pytest -q -rs tests/test_cuda_training.py
+step one-rank 180 "$PY" -m pytest -q -rs --matrix=full "${GPU_TESTS[@]}" tests/test_collectives.py tests/test_world.py
+step mpi-2 150 "$MPIEXEC" -n 2 "$PY" -m pytest -q -rs --matrix=full tests/test_cuda.py tests/test_nccl.py tests/test_collectives.py
+step mpi-2-training 90 "$MPIEXEC" -n 2 "$PY" -m pytest -q -rs --matrix=full tests/test_cuda_training.py
 step bench-mpi-2 150 "$MPIEXEC" -n 2 "$PY" benchmarks/gpu.py --d 512,1024 --rounds 6
 step bench-nccl-1 60 "$PY" benchmarks/gpu.py --backend nccl --no-step
 step gloo-2 120 "$PY" -m dataparallel run -n 2 --backend gloo --timeout 110 \
-    -m pytest -q -rs tests/test_cuda.py tests/test_cuda_training.py
-step jax-gpu-one-rank 90 "$PY" -m pytest -q -rs tests/test_collectives_trees.py tests/test_optax.py
+    -m pytest -q -rs --matrix=full tests/test_cuda.py tests/test_cuda_training.py
+step jax-gpu-one-rank 90 "$PY" -m pytest -q -rs --matrix=full tests/test_collectives_trees.py tests/test_optax.py

@@ -15,23 +15,14 @@ from typing import TYPE_CHECKING
 
 from dataparallel.arrays.compression import Compression
 from dataparallel.backends.base import Backend
-from dataparallel.collectives import (
-    Request,
-    allgather,
-    allgather_object,
-    allreduce,
-    allreduce_gradients,
-    alltoall,
-    barrier,
-    broadcast,
-    broadcast_object,
-    iallreduce,
-    ibroadcast,
-    join,
-    reduce,
-    reducescatter,
-    wait_all,
-)
+from dataparallel.collectives.broadcasts import broadcast, ibroadcast
+from dataparallel.collectives.exchanges import alltoall
+from dataparallel.collectives.gathers import allgather
+from dataparallel.collectives.join import join
+from dataparallel.collectives.objects import allgather_object, barrier, broadcast_object
+from dataparallel.collectives.reductions import allreduce, allreduce_gradients, iallreduce, reduce
+from dataparallel.collectives.requests import Request, wait_all
+from dataparallel.collectives.scatters import reducescatter
 from dataparallel.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,

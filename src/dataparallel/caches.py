@@ -5,17 +5,6 @@ layer below the world, or is a pure function of its key that every world may sha
 instead, so that `dp.finalize()` leaves nothing behind that was made for, or keyed on, the world it
 ends, and a world made after it starts from nothing.
 
-API:
-
-- `register(clear: Callable[[], None]) -> Callable[[], None]`: add `clear` to the callbacks that
-  `clear_all()` runs, and return it (usable as a decorator). `clear` empties one cache; it takes no
-  argument, communicates with no one, and may be called when the cache is already empty. Register
-  once, at import (registering the same function again is a no-op).
-- `clear_all() -> None`: run every callback, in the order they were registered. Called by
-  `world.finalize()` after the world's backend is closed. Each callback runs even when one before
-  it raised; the first error is raised after all have run (later ones noted on it).
-- `registered() -> tuple[Callable[[], None], ...]`: the callbacks, for tests.
-
 >>> cache: dict[str, int] = {}
 >>> _ = register(cache.clear)
 >>> cache["x"] = 1
@@ -41,7 +30,11 @@ _lock = threading.Lock()
 
 
 def register(clear: Callable[[], None]) -> Callable[[], None]:
-    """Have `clear_all()` (run by `dp.finalize()`) call `clear`; return `clear`."""
+    """Have `clear_all()` (run by `dp.finalize()`) call `clear`; return `clear` (a decorator).
+
+    `clear` empties one cache: it takes no argument, communicates with no one, and may be called
+    when the cache is already empty. Register once, at import; registering it again is a no-op.
+    """
     with _lock:
         if clear not in _callbacks:
             _callbacks.append(clear)
@@ -62,7 +55,11 @@ def registered() -> tuple[Callable[[], None], ...]:
 
 
 def clear_all() -> None:
-    """Run every registered callback; raise the first error once all have run."""
+    """Run every registered callback, in the order they were registered.
+
+    `world.finalize()` calls it after the world's backend is closed. Each callback runs even when
+    one before it raised; the first error is raised once all have run, the later ones noted on it.
+    """
     first: BaseException | None = None
     for clear in registered():
         try:

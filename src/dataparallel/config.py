@@ -1,7 +1,6 @@
 """Every environment variable dataparallel reads, read here and nowhere else.
 
-`Settings.from_env()` validates the values at once, so a typo fails with the list of valid values
-instead of being silently ignored.
+`Settings.from_env()` validates them at once: a typo fails with the valid values, not silently.
 
 | variable | meaning | default |
 | --- | --- | --- |
@@ -20,22 +19,8 @@ instead of being silently ignored.
 | `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
 | `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
 
-The launchers' own variables are read here too: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-`LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, the ones by which an MPI launcher reveals itself,
-the rank it gives (`PMI_RANK`, `OMPI_COMM_WORLD_RANK`, `PMIX_RANK`: `Settings.mpi_rank`) and the
-number of processes it started (`PMI_SIZE`, `OMPI_COMM_WORLD_SIZE`, `PMIX_SIZE`:
-`Settings.mpi_size`).
-`GLOO_SOCKET_IFNAME` (torch's) is read to know whether the user chose Gloo's network interface;
-`TORCHELASTIC_USE_AGENT_STORE` (torchrun's) says that torchrun's agent already serves a store on
-`MASTER_PORT`.
-
-Slurm's (`slurm.py`): `SLURM_JOB_ID`, `SLURM_NTASKS`, and inside an srun step `SLURM_STEP_ID`,
-`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, `SLURM_STEP_NODELIST`
-(else `SLURM_NODELIST`), `SLURM_STEP_TASKS_PER_NODE`, and `PMI_FD`/`PMIX_NAMESPACE` for the
-interface srun gave (`--mpi=pmi2`/`pmix`). In a step started without MPI, they fill in rank,
-world size, local rank and size, `MASTER_ADDR` (the step's first node) and `MASTER_PORT` (from the
-job and step ids) where torchrun's variables are not set, so `srun -n N python train.py` forms one
-Gloo world.
+The launchers' own variables (torchrun's, an MPI launcher's, Slurm's inside an srun step) are read
+here too: see the comments above `MPI_LAUNCHER_VARIABLES`.
 """
 
 from __future__ import annotations
@@ -60,18 +45,25 @@ __all__ = [
     "Settings",
 ]
 
-# Chosen by measurement (benchmarks/bucket_size.py, docs/performance.md): on 2 ranks over shared
-# memory, packing costs as much as sending, so buckets pay off for small arrays only. 256 KiB was
-# best or within 10% of best on a gradient-shaped tree (160 arrays, 32 MiB), where 4 MiB took
-# 1.9x as long; trees of many small arrays favour bigger buckets (1 MiB+). Networks and GPUs, where
-# latency is dearer and copies cheaper, favour bigger ones still (DDP: 25 MiB, Horovod: 64 MiB).
+# Chosen by measurement (benchmarks/bucket_size.py; benchmarks/NOTES.md, "The default bucket
+# size"): over shared memory packing costs as much as sending, so buckets pay off for small arrays
+# only, and trees of many small arrays favour bigger ones. Networks and GPUs, where latency is
+# dearer and copies cheaper, favour bigger ones still (DDP takes 25 MiB, Horovod 64 MiB).
 DEFAULT_BUCKET_BYTES = 256 * 1024
 # Gradient buckets handed to the communication thread are bigger (DDP's size): each is a
-# rendezvous of the ranks' threads, and fewer of them won at 1-14 M parameters, 25 MiB against
-# 4 MiB and 256 KiB (benchmarks/NOTES.md). An upper limit: `_buckets.bucket_bytes_for` cuts a
-# model into about 8 buckets so that some leave during backward (issue 24).
+# rendezvous of the ranks' threads, and fewer of them won (benchmarks/NOTES.md, "The default
+# bucket size"). An upper limit: `dp.torch` cuts a model into about 8 buckets so that some leave
+# during backward.
 THREAD_BUCKET_BYTES = 25 * 1024 * 1024
 
+# The launchers' own variables: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+# `MASTER_ADDR`, `MASTER_PORT`; `GLOO_SOCKET_IFNAME` (torch's), read to know whether the user chose
+# Gloo's network interface; `TORCHELASTIC_USE_AGENT_STORE` (torchrun's), which says that torchrun's
+# agent already serves a store on `MASTER_PORT`; the ones below, by which an MPI launcher reveals
+# itself and gives each process its rank and the world's size before MPI is initialized; and
+# Slurm's (`slurm.py`, docs/slurm.md), which in a step started without MPI stand in for torchrun's,
+# so that `srun -n N python train.py` forms one Gloo world.
+#
 # Set by MPICH/Hydra (PMI_*), Open MPI (OMPI_*), PMIx-based launchers and Slurm's srun --mpi.
 MPI_LAUNCHER_VARIABLES = (
     "PMI_RANK",

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -263,7 +263,7 @@ def _answer(
     """
     mine = replay(flagged) if replay is not None and backend.rank == root else None
     if backend.broadcast_object(mine, root) is None:
-        collective = (call if isinstance(call, dict) else call()).get("collective")
+        collective = (call if isinstance(call, Mapping) else call()).get("collective")
         raise RankJoinedError(
             f"{collective} cannot run while some ranks have joined (dp.join: they ran out of "
             "data): a rank that has joined answers reductions (allreduce, reducescatter, "
@@ -331,7 +331,7 @@ def verify_same_call(
     if backend.size == 1:
         return
     if summary is None:
-        summary = repr(sorted((call if isinstance(call, dict) else call()).items()))
+        summary = repr(sorted((call if isinstance(call, Mapping) else call()).items()))
     handshake(backend, summary, call, replay=replay)
 
 

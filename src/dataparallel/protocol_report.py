@@ -9,8 +9,8 @@ engine's exchange that carried the handshake.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -18,14 +18,14 @@ from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError
 __all__ = ["Describe", "explain", "mismatch", "timed_out"]
 
 # The call field by field (or a function that makes it), to explain a mismatch.
-Describe = dict[str, Any] | Callable[[], dict[str, Any]]
+Describe = Mapping[str, object] | Callable[[], Mapping[str, object]]
 
 _MAX_DIFFERENCES = 8  # the fields of a mismatch named; the rest are counted
 
 
 def timed_out(backend: Backend, call: Describe) -> CollectiveTimeoutError:
     """Name the call the user made, not the engine's exchange that carried the handshake."""
-    name = (call if isinstance(call, dict) else call()).get("collective", "a collective")
+    name = (call if isinstance(call, Mapping) else call()).get("collective", "a collective")
     limit = getattr(backend, "timeout", None)
     within = f" (did not complete within {limit:g} s)" if isinstance(limit, int | float) else ""
     return CollectiveTimeoutError(
@@ -41,7 +41,7 @@ def mismatch(backend: Backend, call: Describe) -> NoReturn:
 
     Ranks that have joined take part with None (`dp.join`), and are left out of the report.
     """
-    calls = backend.allgather_object(call if isinstance(call, dict) else call())
+    calls = backend.allgather_object(call if isinstance(call, Mapping) else call())
     raise CollectiveMismatchError(explain(calls))
 
 
@@ -49,7 +49,7 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def explain(every: list[dict[str, Any] | None]) -> str:
+def explain(every: list[Mapping[str, object] | None]) -> str:
     """Describe, field by field, how the ranks' calls differ (None: a rank that has joined)."""
     calls = {rank: call for rank, call in enumerate(every) if call is not None}
     failed: dict[str, list[int]] = {}

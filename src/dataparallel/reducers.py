@@ -241,8 +241,8 @@ class CoalescingReducer(_FusionReducer):
         scale: factor applied after the sum (default 1.0).
         async_op: start flushes without blocking (default True); `finalize` waits.
         contiguous: pack each bucket into one buffer (default True); False makes one call per array.
-        bucket_bytes: flush threshold (default `DATAPARALLEL_BUCKET_BYTES`, 256 KiB, measured in
-            `benchmarks/bucket_size.py`).
+        bucket_bytes: flush threshold (default `DATAPARALLEL_BUCKET_BYTES`, 256 KiB, chosen
+            with `benchmarks/bucket_size.py`).
         op: `"sum"` (default, as Flashlight), or `"avg"`, `"min"`, `"max"`, `"prod"`.
         backend: the engine to use (default: the active one).
         group: run among the ranks of this `dp.new_group` group (default: the world).

@@ -2,7 +2,7 @@
 
 The launcher makes a fresh folder and names it in `DATAPARALLEL_RUN_DIR` (`Settings.run_dir`);
 each rank writes small files there, when the folder exists on its machine (ranks on other
-machines of an MPI job write none), and the launcher reads them (`launch/process.py`):
+machines of an MPI job write none), and the launcher (`dataparallel.launch`) reads them:
 
 - `rank-R.pid`: `HOST PID`, at start, so that the launcher can signal the ranks of its machine;
 - `rank-R.world`: `initializing G` when the rank enters its G-th `dp.initialize`, `ready G` once
@@ -14,7 +14,7 @@ machines of an MPI job write none), and the launcher reads them (`launch/process
 
 And one file the launcher makes: `rank-R.alive`, a FIFO whose writing end the rank holds open
 for its whole life (`hold_alive`). The kernel closes it when the process's files close as it
-dies, before anything else of its death shows (`launch/mpi.py`, `FirstDeaths`).
+dies, before anything else of its death shows, which is how the launcher learns it first.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import math
 import numbers
 import sys
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
 
 from dataparallel import runnotes
 from dataparallel.backends.base import Backend
@@ -123,7 +123,9 @@ def abort_on_uncaught_exceptions(made: Backend, active: Callable[[], bool]) -> N
     """
     previous = sys.excepthook
 
-    def abort_the_job(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+    def abort_the_job(
+        kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> None:
         previous(kind, error, tb)
         if active():
             sys.stderr.write(f"[rank {made.rank}] uncaught {kind.__name__}: ending the job\n")
@@ -133,7 +135,7 @@ def abort_on_uncaught_exceptions(made: Backend, active: Callable[[], bool]) -> N
     sys.excepthook = abort_the_job
 
 
-def excepthook_restorer(before: Callable[..., Any]) -> Callable[[], None]:
+def excepthook_restorer(before: Callable[..., object]) -> Callable[[], None]:
     """Return what puts `sys.excepthook` back to `before`, as it was when `initialize` began.
 
     Between the two, the world wrapped it (`abort_on_uncaught_exceptions`) and so did

@@ -10,9 +10,8 @@ here, over the same processes in the same rank order:
   `MASTER_ADDR` or a free port agreed beforehand;
 - a Gloo group (plus NCCL for CUDA tensors when the world's engine is NCCL and torch sees GPUs);
 - only when torch is already imported when `dp.initialize()` runs, or later when
-  `dataparallel.torch` is first imported: a NumPy or JAX program never pays for importing torch
-  (1-2 s per rank). Measured on 2 MPI ranks here (2 busy cores): the group itself costs about
-  30 ms at `dp.initialize()` (docs/migrate/ddp.md);
+  `dataparallel.torch` is first imported: a NumPy or JAX program never pays for importing torch,
+  which costs seconds per rank, while the group itself costs little (docs/migrate/ddp.md);
 - not at all when torch's default group exists already (the user's own `init_process_group`,
   which is then left alone), or with `DATAPARALLEL_TORCH_DISTRIBUTED=0`.
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from dataparallel.backends.base import Backend
-from dataparallel.collectives import synchronize_tree
+from dataparallel.collectives.state import synchronize_tree
 from dataparallel.groups import Group, backend_of
 from dataparallel.types import Op, Tree
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import optax
     import torch
 
-    from dataparallel.torch import Compressing
+    from dataparallel.arrays.compression import Compressing
 
 __all__ = ["DistributedOptimizer", "synchronize"]
 

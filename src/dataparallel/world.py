@@ -61,7 +61,7 @@ class _Freeable(Protocol):
 
 class Plans(dict[Hashable, Any]):
     """What the collectives decided about calls this world has made, by the calls' signatures
-    (`collectives/_plans.py`): the oldest go first beyond `KEPT` plans or `KEPT_BYTES` of the
+    (their call plans, `CallPlan`): the oldest go first beyond `KEPT` plans or `KEPT_BYTES` of the
     buffers they hold. A plan is anything with an `nbytes`; a digest (an int) holds none. (Its
     values are `Any`: each caller knows what it keeps, and a `cast` on every call costs.)
     Looked up with `get` (a dict's: no Python frame on every call's path), kept with `put`."""
@@ -320,7 +320,7 @@ def device() -> int | None:
     return current().device
 
 
-def print(*args: Any, **kwargs: Any) -> None:
+def print(*args: object, **kwargs: Any) -> None:
     """Print with a timestamp and a `[rank/size]` prefix, flushed at once.
 
     Under `dataparallel run --backend gloo`, which prefixes every line with `[rank R] ` already,

@@ -6,7 +6,7 @@ sign bit flipped for min/max), complex products, `reduce` leaving non-root buffe
 `allgatherv` with uneven and zero counts, 0-d and empty buffers, non-blocking requests, objects.
 Every rank computes what every other rank sent, so each result is checked exactly.
 
-Used by `tests/test_gloo.py`, on the active world when it is Gloo and in spawned jobs.
+Used by `tests/test_gloo.py`, on the active world when it is Gloo.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ Without --init-method, `dp.initialize()` finds the rendezvous in the environment
 Scenarios:
   basic    allreduce (sum of rank + 1), broadcast (from the last rank), an allreduce of 4 MiB;
            prints `RESULT {json}`
-  engine   `gloo_engine.check_engine` on the backend; prints `ENGINE OK`
   abort    the last rank calls `abort(3)`; the others report what their next allreduce raised
   timeout  the last rank sleeps past the timeout; the others report what their allreduce raised
   leave    every rank starts a non-blocking allreduce; the last rank keeps its handle without
@@ -43,7 +42,7 @@ BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "scenario", choices=("basic", "engine", "abort", "timeout", "leave", "existing", "train")
+        "scenario", choices=("basic", "abort", "timeout", "leave", "existing", "train")
     )
     parser.add_argument("--init-method")
     parser.add_argument("--rank", type=int)
@@ -78,12 +77,6 @@ def main() -> None:
     elif args.scenario == "train":
         sys.stdout.write(f"RESULT {json.dumps(train(backend.rank, backend.size))}\n")
         sys.stdout.flush()
-    elif args.scenario == "engine":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from gloo_engine import check_engine
-
-        check_engine(backend)
-        print(f"ENGINE OK rank={backend.rank}", flush=True)
     else:
         dp.barrier()
         held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None

@@ -1,10 +1,11 @@
 """Call `horovod.run` from a plain Python process, as Horovod's `pytorch_mnist.py --num-proc` does.
 
-    python horovod_run.py ENGINE N [fail]
+    python horovod_run.py ENGINE N [ok] [fail]
 
-ENGINE is `mpi` or `gloo`. Each rank allreduces its rank through the drop-in and returns what it
-saw; with `fail`, rank 1 raises instead and this prints the `RuntimeError` that `run` raises.
-The result list is printed as one JSON line.
+ENGINE is `mpi` or `gloo`. One job per word, in order (none: `ok`): with `ok`, each rank
+allreduces its rank through the drop-in and returns what it saw, and the result list is printed
+as one JSON line; with `fail`, rank 1 raises instead and this prints the `RuntimeError` that
+`run` raises, and exits 3.
 """
 
 import json
@@ -26,17 +27,18 @@ def train(offset, *, fail=False):  # defined in __main__: travels by value (clou
     return result
 
 
-engine, n, fail = sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["fail"]
-try:
-    results = horovod.run(
-        train,
-        args=(100,),
-        kwargs={"fail": fail},
-        num_proc=n,
-        use_gloo=engine == "gloo",
-        use_mpi=engine == "mpi",
-    )
-except RuntimeError as exc:
-    print("RuntimeError:", exc, flush=True)
-    sys.exit(3)
-print(json.dumps(results), flush=True)
+engine, n = sys.argv[1], int(sys.argv[2])
+for mode in sys.argv[3:] or ["ok"]:
+    try:
+        results = horovod.run(
+            train,
+            args=(100,),
+            kwargs={"fail": mode == "fail"},
+            num_proc=n,
+            use_gloo=engine == "gloo",
+            use_mpi=engine == "mpi",
+        )
+    except RuntimeError as exc:
+        print("RuntimeError:", exc, flush=True)
+        sys.exit(3)
+    print(json.dumps(results), flush=True)

@@ -12,8 +12,8 @@ what it must have undone: the duplicate closed, the thread stopped, `sys.excepth
 registered caches cleared. Prints one `RESULT {json}` line per round. Gloo meets through the
 launcher's variables (env://), or through `--init-method` (tcp://, file://) every round.
 
-`mpi-finalized`: one MPI world, then `MPI.Finalize()` (the program's own), then
-`dp.initialize("mpi")` again; prints `REFUSED {type}: {message}` with what it raised.
+`mpi-finalized`: N MPI worlds as `mpi` makes them, then `MPI.Finalize()` (the program's own),
+then `dp.initialize("mpi")` again; prints `REFUSED {type}: {message}` with what it raised.
 """
 
 from __future__ import annotations
@@ -115,9 +115,11 @@ def main() -> None:
             "world_size": args.world_size,
         }
     backend = args.backend
+    for round_ in range(args.rounds):
+        result = one_world(backend.removesuffix("-finalized"), round_, meeting)
+        sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: launchers interleave
+        sys.stdout.flush()
     if backend == "mpi-finalized":
-        first = one_world("mpi", 0, meeting)
-        sys.stdout.write(f"RESULT {json.dumps(first)}\n")
         from mpi4py import MPI
 
         MPI.Finalize()
@@ -127,11 +129,6 @@ def main() -> None:
             sys.stdout.write(f"REFUSED {type(error).__name__}: {error}\n")
         else:
             sys.stdout.write("ACCEPTED\n")
-        sys.stdout.flush()
-        return
-    for round_ in range(args.rounds):
-        result = one_world(backend, round_, meeting)
-        sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: launchers interleave
         sys.stdout.flush()
 
 

@@ -1,7 +1,9 @@
 """Rank 1 never joins: rank 0's collective must end with CollectiveTimeoutError, not a hang.
 
-Usage: `timeout_job.py CALL` where CALL is one of the collectives below. Rank 0 prints
-`TIMEOUT <message>` when the error comes, then exits 3; rank 1 sleeps until the launcher ends it.
+Usage: `timeout_job.py CALL [CALL ...]`, each CALL one of the collectives below. Rank 0 makes
+each call in turn (rank 1 joins none, so each one's peer never comes) and prints `TIMEOUT
+<message>` when its error comes, or `NO TIMEOUT`; after the last it exits 3 if every call timed
+out. Rank 1 sleeps until the launcher ends it.
 """
 
 import sys
@@ -22,11 +24,15 @@ calls = {
     "alltoall": lambda: dp.alltoall(np.ones(4)),
 }
 if dp.rank() == 0:
-    try:
-        calls[sys.argv[1]]()
-    except dp.CollectiveTimeoutError as error:
-        print("TIMEOUT", error, flush=True)
-        sys.exit(3)
-    print("NO TIMEOUT", flush=True)
+    timed_out = 0
+    for name in sys.argv[1:]:
+        try:
+            calls[name]()
+        except dp.CollectiveTimeoutError as error:
+            print("TIMEOUT", error, flush=True)
+            timed_out += 1
+        else:
+            print("NO TIMEOUT", flush=True)
+    sys.exit(3 if timed_out == len(sys.argv) - 1 else 0)
 else:
     time.sleep(600)  # until the launcher ends it

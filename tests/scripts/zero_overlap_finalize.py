@@ -4,7 +4,8 @@ Trains, at stage 1 (under `DataParallelModel`) and stage 2, host and staged (eve
 through host buffers, copied back when it lands: what a device model takes), a model with the
 overlap beside a copy without it, ends the world right after the last `step()` (the exchange in
 flight), then reads the parameters directly: they must be the copy's. Prints
-`landed <stage> <staged>` per case on every rank.
+`landed <stage> <staged>` per case on every rank. Arguments `STAGE:STAGED ...` (say `1:0 2:1`)
+choose the cases; none: all four.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import dataparallel as dp
 
 dp.initialize()
 pairs = []
-for stage, staged in ((1, False), (1, True), (2, False), (2, True)):
+chosen = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[1:]]
+for stage, staged in [(s, bool(t)) for s, t in chosen or ((1, 0), (1, 1), (2, 0), (2, 1))]:
     model = make_model(seed=stage)
     plain = copy.deepcopy(model)
     opts = [

@@ -27,8 +27,9 @@ __all__ = ["clusters", "overlapping", "span"]
 def span(work: np.ndarray) -> tuple[int, int]:
     """Return the first and one past the last byte address `work` may touch.
 
-    A contiguous writable array's address comes through the buffer protocol (0.6 us; NumPy's
-    `__array_interface__` costs 3 us); any other through `byte_bounds`.
+    A contiguous writable array's address comes through the buffer protocol, several times
+    cheaper than NumPy's `__array_interface__` (benchmarks/NOTES.md, "A leaf's address"); any
+    other through `byte_bounds`.
     """
     if work.flags.c_contiguous and work.flags.writeable:  # typeshed: an ndarray is no Buffer
         low = ctypes.addressof(ctypes.c_char.from_buffer(work))  # type: ignore[arg-type]

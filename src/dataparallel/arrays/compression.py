@@ -13,14 +13,14 @@ leaves' dtype (`from_wire`), applying `avg`'s or `scale`'s factor in the wide dt
 What travels is 16 bits on every engine (`Backend.iallreduce_half`): Gloo and NCCL reduce
 float16 and bfloat16 natively; MPI (no bfloat16, and a slow float16 sum in MPICH) sums with a
 16-bit op of its own (`backends/mpi_half.py`). The conversions use torch's vectorized casts
-when torch is loaded, NumPy's otherwise (3 to 7 times slower for float16).
+when torch is loaded, NumPy's (slower, benchmarks/NOTES.md "Compression's casts") otherwise.
 """
 
 from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
 
@@ -36,6 +36,7 @@ __all__ = [
     "WIRE_DTYPES",
     "BF16Compressor",
     "BF16FeedbackCompressor",
+    "Compressing",
     "Compression",
     "Compressor",
     "FP16Compressor",
@@ -58,7 +59,7 @@ class Compressor:
     Attributes:
         wire: the dtype name floating values travel as (`"float16"`, `"bfloat16"`), or None.
         error_feedback: whether each rank keeps what rounding to `wire` took from each gradient
-            and adds it to that gradient at the next step (`torch/_feedback.py`).
+            and adds it to that gradient at the next step (`dp.torch`'s gradient reductions).
     """
 
     wire: ClassVar[WireDtype | None] = None
@@ -130,6 +131,10 @@ class Compression:
     bf16 = BF16Compressor
     fp16_feedback = FP16FeedbackCompressor
     bf16_feedback = BF16FeedbackCompressor
+
+
+# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
+Compressing: TypeAlias = type[Compressor] | Compressor | None
 
 
 def wire_dtype(compression: object, *, stateful: bool = False) -> WireDtype | None:

@@ -103,8 +103,8 @@ def prescale(values: np.ndarray, scale: float | None) -> bool:
     (down to the smallest normal number: terms below 2^-125 in float32, 2^-1021 in float64, may
     differ in the last place; an overflow of the sum alone is avoided). Scaling before the call
     writes lines this process owns, just written by its producer; after the call the engine has
-    shared them with the other ranks, and writing them again costs 8-16x as much (512 KiB: 8 us
-    before, 120 us after, on 2 ranks of one machine).
+    shared them with the other ranks, and writing them again costs many times as much
+    (benchmarks/NOTES.md, "Scaling before the sum").
     """
     return prescaled_copy(values, values, scale)
 
@@ -129,7 +129,8 @@ def scale_in_place(values: np.ndarray, scale: float, out: np.ndarray | None = No
 
     The reciprocal of an integer n (an average's `1 / size`) divides by n instead, so an average
     is the exact mean rounded to the dtype (as `x / n` is); for n a power of two multiplying gives
-    the same result for less (cached float32 1.8x, float64 3.8x). Half precision is in float32.
+    the same result for less (benchmarks/NOTES.md, "Scaling before the sum"). Half precision is
+    in float32.
     """
     out = values if out is None else out
     if values.dtype.kind in "iu":

@@ -15,17 +15,21 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataparallel.errors import RankFailedError
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
 __all__ = ["SLICE", "round_key", "watching"]
 
-# The longest pause between two polls of a waiting member (the store's round trip: ~0.1 ms).
+# The longest pause between two polls of a waiting member: long against the store's round trip,
+# short against a person waiting.
 SLICE = 0.05
 
 
-def watching(store: Any, generation: int, members: tuple[str, ...]) -> Any:
+def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
     """Return `store` wrapped so that its waits fail once round `generation` cannot form."""
     from dataparallel.backends.gloo_setup import import_torch_distributed
 
@@ -90,7 +94,7 @@ def round_key(generation: int) -> str:
     return f"round/{generation}"
 
 
-def _left_out(store: Any, generation: int, members: tuple[str, ...]) -> list[str]:
+def _left_out(store: Store, generation: int, members: tuple[str, ...]) -> list[str]:
     """The members of round `generation` that the next round leaves out (none: no next round)."""
     key = round_key(generation + 1)
     if not store.check([key]):

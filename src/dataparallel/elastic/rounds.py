@@ -26,11 +26,14 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dataparallel.config import Settings
 from dataparallel.elastic.forming import round_key, watching
 from dataparallel.errors import RankFailedError
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = [
     "LATEST",
@@ -103,9 +106,11 @@ class Round:
         return len(self.members)
 
 
-_client: Any = None  # the worker's connection to the launcher's store, for the process's life
+_client: Store | None = (
+    None  # the worker's connection to the launcher's store, for the process's life
+)
 _current: Round | None = None  # the round this worker joined last (its membership, not a world)
-_watched: Any = None  # the store of the round's group (Python: torch calls back into it)
+_watched: Store | None = None  # the store of the round's group (Python: torch calls back into it)
 
 
 def current() -> Round | None:
@@ -113,7 +118,7 @@ def current() -> Round | None:
     return _current
 
 
-def connect(settings: Settings) -> Any:
+def connect(settings: Settings) -> Store:
     """Return this worker's client of the launcher's store (made once per process)."""
     global _client
     if _client is None:
@@ -132,12 +137,12 @@ def connect(settings: Settings) -> Any:
     return _client
 
 
-def newest(store: Any) -> int:
+def newest(store: Store) -> int:
     """Return the newest round's number."""
     return int(store.get(LATEST))
 
 
-def _exists(store: Any, key: str, wait: datetime.timedelta) -> bool:
+def _exists(store: Store, key: str, wait: datetime.timedelta) -> bool:
     try:
         store.wait([key], wait)
     except RuntimeError:  # torch raises a plain RuntimeError (DistStoreError) on timeout
@@ -204,7 +209,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
         after = generation  # a member died before it formed: the launcher opened a newer one
 
 
-def supersede(store: Any, generation: int) -> None:
+def supersede(store: Store, generation: int) -> None:
     """Mark round `generation` as never to form, unless it formed (the launcher, before it opens
     the next round: members still waiting for it then go on to the next)."""
     if generation >= 0:
@@ -215,7 +220,7 @@ def _left(deadline: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
 
-def _make_group(store: Any, chosen: Round, settings: Settings) -> None:
+def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     from dataparallel.backends.gloo_setup import import_torch_distributed
 
     dist = import_torch_distributed()

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sized
-from typing import Any
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, SupportsInt
 
 from dataparallel import world
 
@@ -57,7 +57,7 @@ class ElasticSampler:
         """Record global batch `batch_idx` (every rank's `batch_size` samples) as processed."""
         self.record_indices(self.global_indices(batch_idx, batch_size))
 
-    def record_indices(self, indices: Any) -> None:
+    def record_indices(self, indices: Iterable[SupportsInt]) -> None:
         """Record `indices` as processed (give every rank's, the same on every rank)."""
         self.processed_indices.update(int(i) for i in indices)
 
@@ -74,7 +74,7 @@ class ElasticSampler:
         """Return the number of global batches left in this epoch (the same on every rank)."""
         return math.ceil(len(self.remaining_indices) / (batch_size * self.num_replicas))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int | set[int]]:
         return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

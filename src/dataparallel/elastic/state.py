@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import pickle
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from dataparallel.collectives.reductions import allreduce
 from dataparallel.config import Settings
 from dataparallel.elastic import rounds
 from dataparallel.errors import DataParallelError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "TreeState"]
 
@@ -84,11 +87,19 @@ class State:
         raise NotImplementedError
 
 
-def _stateful(value: object) -> bool:
+class _Stateful(Protocol):
+    """What is saved and restored through its own methods: a model, an optimizer, a sampler."""
+
+    def state_dict(self) -> object: ...
+
+    def load_state_dict(self, state: object, /) -> object: ...
+
+
+def _stateful(value: object) -> TypeGuard[_Stateful]:
     return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
 
 
-def _root_pickled(name: str, value: object) -> Any:
+def _root_pickled(name: str, value: object) -> object:
     """Give every rank rank 0's `value`; a value rank 0 cannot pickle fails on every rank."""
     payload: tuple[bool, object]
     if world.rank() == 0:
@@ -114,10 +125,10 @@ class ObjectState(State):
     Read and assign them as attributes (`state.epoch += 1`); `commit()` saves them all.
     """
 
-    def __init__(self, **attrs: Any) -> None:
+    def __init__(self, **attrs: object) -> None:
         super().__init__()
         self._names = list(attrs)
-        self._saved: dict[str, Any] = {}
+        self._saved: dict[str, object] = {}
         for name, value in attrs.items():
             setattr(self, name, value)
         self.save()
@@ -149,7 +160,7 @@ class ObjectState(State):
         for name in self._names:
             self._sync_one(name, getattr(self, name))
 
-    def _sync_one(self, name: str, value: Any) -> None:
+    def _sync_one(self, name: str, value: object) -> None:
         if _stateful(value):
             value.load_state_dict(_root_pickled(name, value.state_dict()))
         else:
@@ -163,7 +174,7 @@ class TreeState(ObjectState):
     bytes, not a pickle); the others as `ObjectState` does.
     """
 
-    def _sync_one(self, name: str, value: Any) -> None:
+    def _sync_one(self, name: str, value: object) -> None:
         if _stateful(value) or not _is_array_tree(value):
             super()._sync_one(name, value)
         else:
@@ -188,8 +199,13 @@ class TorchState(ObjectState):
     state and the other attributes through a pickle from rank 0.
     """
 
-    def __init__(self, model: Any = None, optimizer: Any = None, **attrs: Any) -> None:
-        extra = {"model": model} if model is not None else {}
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **attrs: object,
+    ) -> None:
+        extra: dict[str, object] = {"model": model} if model is not None else {}
         if optimizer is not None:
             extra["optimizer"] = optimizer
         super().__init__(**extra, **attrs)
@@ -204,7 +220,7 @@ class TorchState(ObjectState):
                 value.rebind_world()
         super().sync()
 
-    def _sync_one(self, name: str, value: Any) -> None:
+    def _sync_one(self, name: str, value: object) -> None:
         import torch
 
         if isinstance(value, torch.nn.Module):

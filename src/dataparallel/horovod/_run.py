@@ -24,9 +24,11 @@ import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 __all__ = ["run"]
+
+_R = TypeVar("_R")  # what the function returns on each rank
 
 # The folder's files: what each rank runs, and what each rank left.
 FUNCTION_FILE = "function.pkl"
@@ -133,9 +135,9 @@ def _failure(folder: Path, num_proc: int, status: int) -> RuntimeError:
 
 
 def run(
-    func: Callable[..., Any],
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
+    func: Callable[..., _R],
+    args: Sequence[object] = (),
+    kwargs: Mapping[str, object] | None = None,
     num_proc: int = 1,
     min_num_proc: int | None = None,
     max_num_proc: int | None = None,
@@ -160,7 +162,7 @@ def run(
     np: int | None = None,
     min_np: int | None = None,
     max_np: int | None = None,
-) -> list[Any]:
+) -> list[_R]:
     """Run `func(*args, **kwargs)` on `num_proc` ranks and return each rank's result, by rank.
 
     Horovod's `horovod.run`, over `dataparallel run`: the ranks start on this machine (or on the
@@ -260,7 +262,7 @@ def run(
         status = subprocess.run(command, stdin=subprocess.DEVNULL, check=False).returncode
         if status != 0:
             raise _failure(folder, num_proc, status)
-        results = []
+        results: list[_R] = []  # what each rank's func returned, unpickled
         for rank in range(num_proc):
             result = folder / result_file(rank)
             if not result.exists():

@@ -2,7 +2,7 @@
 
 `reduce_ffi(flats, reduce, in_place)` stages out one custom call that hands XLA's own buffers to
 `reduce` (NumPy views of them), an output aliasing its input where asked (the engine reduces in
-place, in memory XLA reuses: `_routes.py` asks it for every buffer), with no compiler at install
+place, in memory XLA reuses: `_bridges.py` asks it for every buffer), with no compiler at install
 time: the handler is a `ctypes` function pointer over XLA's stable FFI C ABI
 (`xla/ffi/api/c_api.h`, shipped in jaxlib), registered once per process with
 `jax.ffi.register_ffi_target`. Where io_callback copies each buffer out of XLA and the result back
@@ -11,7 +11,7 @@ in, XLA here runs the handler on the step's own memory.
 - Ordering: the call carries an ordered effect (as `io_callback(ordered=True)` and mpi4jax's
   primitives do), so XLA threads a runtime token through it: the calls run once per executed
   step, in program order, on every rank. This uses `jax._src.effects` (no public API registers
-  an ordered effect); where it is missing, `ffi_reason` says so and the callback route is used.
+  an ordered effect); where it is missing, `ffi_reason` says so and the callback bridge is used.
 - The GIL: `ctypes` takes it for the handler; JAX releases it while a computation runs.
 - Errors: an exception in `reduce` becomes an `XLA_FFI_Error` (JAX raises `JaxRuntimeError`
   with its message); nothing crosses the C boundary.
@@ -281,7 +281,7 @@ def _primitive() -> Primitive:
 
 
 def host_device_reason(off_cpu: str, what: str, fix: str = "") -> str | None:
-    """Return why a route of ordered effects on the host cannot run in this process (JAX not on
+    """Return why a bridge of ordered effects on the host cannot run in this process (JAX not on
     the CPU: `off_cpu` says what then; several devices: `what` runs on one, `fix` the remedy),
     or None when it can."""
     if jax.default_backend() != "cpu":
@@ -295,7 +295,7 @@ def host_device_reason(off_cpu: str, what: str, fix: str = "") -> str | None:
 
 
 def ffi_reason() -> str | None:
-    """Return why the FFI route cannot be used in this process, or None when it can."""
+    """Return why the FFI bridge cannot be used in this process, or None when it can."""
     reason = host_device_reason(
         "the FFI handler is registered for the CPU", "an ordered effect runs"
     )

@@ -1,37 +1,24 @@
 """The gradient tree's reduction inside `jax.jit`: packed by XLA, one engine call per dtype.
 
-What a traced `DistributedOptimizer.update` stages out, for a sum or an average (its layout:
-`Packed`, `_packed.py`):
+What a traced `DistributedOptimizer.update` stages out for a sum or an average (docs/jax.md tells
+it step by step):
 
-1. Inside the traced function, the leaves of at most `bucket_bytes` are packed into one flat
-   buffer per wire dtype (`jnp.concatenate` of the ravelled leaves, which XLA fuses with the
-   gradient's computation); a larger leaf is a buffer of its own, in its own shape (no copy:
-   packing it cost more than the engine calls it saves). float16 and bfloat16 travel as float32, the
-   small integers and bool as int32 (exact: a sum is computed at least as
-   precisely as the engine's native half sum would).
-2. One reduction per step, each buffer by one engine call (`_routes.py`): with mpi4jax
-   installed, on MPI, its XLA custom call (`mpi4jax.allreduce` on each buffer); else (one JAX
-   CPU device per process) one XLA FFI call into Python (`_ffi.py`: the engine reduces every
-   buffer in place in XLA's own memory, no host round trip); else one ordered host callback
-   (`io_callback(ordered=True)`) from JAX's memory (a zero-copy NumPy view of the callback's
-   argument) into the array it returns (`Backend.allreduce_into`), which JAX copies out.
-3. The unpacking (slices, reshapes, casts back, the average's division) back inside the traced
-   function, where XLA fuses it with what consumes the gradients.
+1. Inside the traced function the leaves of at most `bucket_bytes` are packed into one buffer per
+   wire dtype, where XLA fuses the packing with the gradient's computation; a larger leaf is a
+   buffer of its own, in its own shape (packing it would cost more than the calls it saves).
+   Half floats travel as float32, small integers and bool as int32: exact (`_packed.py`).
+2. One reduction per step, each buffer by one engine call, over a bridge (`_bridges.py`).
+3. The unpacking back inside the traced function, where XLA fuses it with what consumes it.
 
-Mismatches cost nothing per step. Shapes and dtypes are static under `jit`, so the ranks agree
-on the traced signature once, when the update is traced (`handshake` on the world's engine: a
-different tree, shape, dtype or op raises `CollectiveMismatchError` on every rank, at trace time).
-What is checked per step is the call order: the first buffer carries two more items, `t` and
-`t * t`, where `t` (1 to 251) is derived from the signature; after the sum every rank holds
-`n * t` and `n * t * t` exactly when every rank ran a step of the same signature. Otherwise every
-rank raises `CollectiveMismatchError` (inside JAX's runtime error). Steps of different signatures
-with the same `t` (one chance in 251) are not told apart; steps whose buffers differ in size
-fail in the engine (MPI's truncation error) before the check can run; worlds over 256 ranks
-skip the check (`n * t * t` would not be exact in float32).
+Mismatches cost nothing per step: shapes and dtypes are static under `jit`, so the ranks agree on
+the traced signature once, when the update is traced (`handshake`: a different tree, shape, dtype
+or op raises `CollectiveMismatchError` on every rank, at trace time). Per step only the call order
+is checked: the first buffer carries `t` and `t * t`, `t` derived from the signature, and after the
+sum every rank holds `n * t` and `n * t * t` exactly when every rank ran a step of the same
+signature (`_packed.py` says what it cannot tell apart).
 
 Everything else (min, max, prod, compression, uint32, uint64 and complex leaves) goes through
-`collectives.allreduce` inside one ordered callback per step (`general`), as every call did
-before, with its per-call handshake.
+`dp.allreduce` inside one ordered callback per step (`general`), with its per-call handshake.
 """
 
 from __future__ import annotations
@@ -41,26 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.arrays.actions import parse_op
-from dataparallel.arrays.compression import Compressor
+from dataparallel.arrays.compression import Compressing
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.collectives import reductions
 from dataparallel.collectives.jitted import register_step
-from dataparallel.jax._packed import Packed
-from dataparallel.jax._routes import (
+from dataparallel.jax._bridges import (
+    Bridge,
     Details,
-    Route,
-    choose_route,
+    choose_bridge,
     through_callback,
     through_ffi,
     through_mpi4jax,
 )
+from dataparallel.jax._packed import Packed
 from dataparallel.protocol import handshake
 from dataparallel.types import Op
 
 __all__ = ["allreduce_traced", "general", "reduce_tree_traced"]
-
-Compressing = type[Compressor] | Compressor | None  # `compression=`: dp.Compression.fp16, ...
 
 
 def allreduce_traced(
@@ -70,7 +56,7 @@ def allreduce_traced(
     op: Op,
     engine: Backend,
     private: Backend,
-    route: Route = "auto",
+    bridge: Bridge = "auto",
 ) -> list[jax.Array] | None:
     """Stage out the sum or average of traced `leaves` across ranks; None: not packable.
 
@@ -84,7 +70,7 @@ def allreduce_traced(
     size = engine.size
     if size == 1:  # nothing to reduce; an average over one rank is the value
         return list(leaves)
-    chosen = choose_route(route, private)
+    chosen = choose_bridge(bridge, private)
     summary = f"jit allreduce|{op}|{chosen}|{summary}"
     alone = world.current().settings.bucket_bytes
     summary = f"{summary}|alone over {alone} B"
@@ -117,7 +103,7 @@ def general(
     def reduce_on_host(*arrays: jax.Array) -> list[np.ndarray]:
         # JAX hands over CPU jax.Arrays; writable NumPy copies are reduced in place by the engine.
         work = [np.array(a, copy=True) for a in arrays]
-        reduced = collectives.allreduce(work, op=op, backend=private, compression=compression)
+        reduced = reductions.allreduce(work, op=op, backend=private, compression=compression)
         return [np.asarray(a) for a in reduced]
 
     return list(io_callback(reduce_on_host, shapes, *leaves, ordered=True))
@@ -129,7 +115,7 @@ def reduce_tree_traced(
     op: Op,
     backend: Backend | None,
     compression: Compressing,
-    route: Route = "auto",
+    bridge: Bridge = "auto",
 ) -> list[jax.Array]:
     """Reduce the traced leaves of a gradient tree (`(path, leaf)` pairs): packed where it can
     (`allreduce_traced`), else through `general`. `backend`: None for the world's engine."""
@@ -147,7 +133,7 @@ def reduce_tree_traced(
             return call
 
         summary = f"{structure}|{'|'.join(signatures)}"
-        reduced = allreduce_traced(leaves, describe, summary, op, engine, private, route)
+        reduced = allreduce_traced(leaves, describe, summary, op, engine, private, bridge)
         if reduced is not None:
             return reduced
     return general(leaves, op, private, compression)

@@ -3,42 +3,14 @@
 The optax face of `dp.DistributedOptimizer` (Lux's `DistributedOptimizer`, FluxMPI's
 `DistributedOptimizer`): a wrapper transformation in the shape of `optax.apply_if_finite`, whose
 state is a NamedTuple carrying the wrapped one's `inner_state`. Each `update` reduces the gradient
-tree across ranks (averaging by default) with one fused allreduce per dtype bucket, then calls the
-wrapped transformation on the result.
+tree across ranks (averaging by default), then calls the wrapped transformation on the result:
+eagerly through `dp.allreduce`, under `jax.jit` staged out by `_jit.py`.
 
-It works eagerly and inside `jax.jit`:
-
-- Eagerly, the gradient leaves go through `dataparallel.collectives.allreduce` directly.
-- Under `jax.jit` (or any trace), `_jit.py` stages the reduction out: the leaves packed into one
-  buffer per dtype by XLA (leaves over the bucket size alone), one engine call per buffer through
-  one *ordered* host callback per step (`io_callback(..., ordered=True)`: it runs exactly once
-  per executed step, in program order, so every rank makes the same calls in the same order) or
-  through mpi4jax's custom call where mpi4jax is installed, and the results unpacked in the
-  traced function. The ranks agree on the traced signature when tracing; per step only the call
-  order is checked (docs/jax.md).
-
-Sharp bits:
-
-- Every rank must run the same number of updates in the same order: each one is a collective. Do
-  not put the update in a branch that depends on rank-local data; in particular wrap as
-  `DistributedOptimizer(optax.apply_if_finite(opt, n))`, not the other way round, so the
-  finiteness test sees the averaged gradients and every rank takes the same branch.
-- Tracing the update is collective (the ranks agree on its signature then): every rank traces
-  it, as `jit` does on the first call of each signature everywhere alike.
-- With more than one rank, the callbacks run on a private duplicate of the backend
-  (`Backend.duplicate`: a duplicated MPI communicator, a second Gloo group), created collectively
-  when the first transformation is built (or, when the world is not initialized yet, when the
-  first update is traced). A GPU step still in flight thus never interleaves its reduction with
-  collectives that the main thread makes meanwhile (logging a loss with `dp.allreduce`, say).
-- A mismatch found when tracing (ranks tracing different trees, shapes, dtypes) raises
-  `CollectiveMismatchError` out of the jitted call; one found by a step's order check (ranks
-  running different compiled steps) reaches the caller wrapped in JAX's runtime error, with the
-  dataparallel message inside; dtype errors (`op="avg"` on integer gradients) are raised at
-  trace time, as a plain `TypeError`.
-- The update cannot be `vmap`ped (ordered effects do not batch). A process with several JAX
-  devices works through the callback (a sharded gradient is gathered onto one device for it);
-  the data-parallel layout is one device per process.
-- `benchmarks/jax_step.py` measures the jitted step against mpi4jax and raw MPI.
+Each update is a collective, so every rank must run the same updates in the same order, and
+tracing one is collective too (the ranks agree on its signature then): the sharp bits of
+docs/jax.md. The reductions of jitted steps run on a private duplicate of the backend, created
+collectively when the first transformation is built, so a step still in flight never interleaves
+with the collectives that the main thread makes meanwhile.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()  # a world of one here
@@ -52,7 +24,7 @@ Sharp bits:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,19 +36,17 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
         "dp.DistributedOptimizer for optax needs JAX and optax: pip install 'dataparallel[jax]'."
     ) from exc
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.arrays.actions import parse_op, validate_reduction
-from dataparallel.arrays.compression import Compressor, wire_dtype
+from dataparallel.arrays.compression import Compressing, wire_dtype
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 from dataparallel.groups import Group, backend_of
 from dataparallel.jax import _jit
-from dataparallel.jax._routes import Route
+from dataparallel.jax._bridges import Bridge
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "callback_backend", "distributed_optax"]
-
-# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
-Compressing: TypeAlias = type[Compressor] | Compressor | None
 
 
 class DistributedState(NamedTuple):
@@ -92,7 +62,7 @@ def distributed_optax(
     backend: Backend | None = None,
     group: Group | None = None,
     compression: Compressing = None,
-    route: Route = "auto",
+    route: Bridge = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` so that its updates see gradients reduced across all ranks.
 
@@ -108,10 +78,11 @@ def distributed_optax(
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
             floats and come back in their dtype (default: none).
-        route: how a jitted update reduces (see `dataparallel.jax._routes`): `"auto"` (default)
-            takes mpi4jax's custom call where it is installed and the engine is MPI on the CPU,
-            else dataparallel's XLA FFI call where JAX runs on one CPU device per process, else
-            one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"` choose.
+        route: the bridge by which a jitted update reaches the engine (docs/jax.md):
+            `"auto"` (default) takes mpi4jax's custom call where it is installed and the engine
+            is MPI on the CPU, else dataparallel's XLA FFI call where JAX runs on one CPU device
+            per process, else one ordered host callback; `"mpi4jax"`, `"ffi"` or `"callback"`
+            choose.
 
     Returns:
         An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
@@ -174,7 +145,7 @@ def _allreduce_tree(
     op: Op,
     backend: Backend | None,
     compression: Compressing,
-    route: Route,
+    bridge: Bridge,
 ) -> optax.Updates:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -185,11 +156,11 @@ def _allreduce_tree(
     leaves = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
-        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, route)
+        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, bridge)
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
-        reduced = collectives.allreduce(leaves, op=op, backend=backend, compression=compression)
+        reduced = reductions.allreduce(leaves, op=op, backend=backend, compression=compression)
     return jax.tree_util.tree_unflatten(treedef, reduced)
 
 

@@ -39,6 +39,9 @@ WIRE = {
     "uint16": "int32",
     "bool": "int32",
 }
+# The order check cannot tell apart steps of different signatures with the same `t` (one chance in
+# TICKETS); steps whose buffers differ in size fail in the engine (MPI's truncation error) before
+# it can run.
 TICKETS = 251  # how many call-order values `t` there are
 CHECK_LIMIT = 256  # above this many ranks, n * t * t is not exact in float32: no order check
 
@@ -129,13 +132,13 @@ class Packed:
             return size - int(k)
         return 0
 
-    def first_call(self, private: Backend, route: str) -> JittedStep:
+    def first_call(self, private: Backend, bridge: str) -> JittedStep:
         """The step's first engine call (its first buffer), for ranks that join to answer."""
         first = self.buckets[0]
         n = sum(int(np.prod(self.shapes[i], dtype=np.int64)) for i in first.members)
 
         def call(buf: np.ndarray) -> None:
-            if route == "mpi4jax":  # as mpi4jax's custom call: the engine does not count it
+            if bridge == "mpi4jax":  # as mpi4jax's custom call: the engine does not count it
                 from mpi4py import MPI
 
                 assert isinstance(private, MPIBackend)

@@ -1,22 +1,17 @@
 """`sharded_optax`: optax state sharded across ranks (ZeRO stage 1 for optax).
 
-The face of `dp.DistributedOptimizer(tx, shard_state=True)`. The parameter tree's leaves are
-laid end to end per dtype (in tree order) into one flat vector each; rank r owns the r-th of
-`size` equal contiguous segments of every vector (padded with fewer than `size` zeros), and the
-inner transformation
-is applied to `{dtype: this rank's segment}`, so its state is about `1 / size` of the unsharded
-state. `update`: the gradients are reduce-scattered (one call per dtype, averaged), the inner
-update runs on this rank's segment, and the segments of the updates are allgathered (one call per
-dtype) back into the gradient tree's shape. Eagerly the host calls are made directly; under
-`jax.jit` each of the two goes through an ordered host callback (`io_callback(..., ordered=True)`,
-as `_optax.py`) on the private duplicate of the engine, and the inner update stays in the
-compiled program.
+The face of `dp.DistributedOptimizer(tx, shard_state=True)`. The parameter tree's leaves are laid
+end to end per dtype (in tree order) into one flat vector each; rank r owns the r-th of `size`
+equal contiguous segments of every vector (padded with fewer than `size` zeros), and the inner
+transformation is applied to `{dtype: this rank's segment}`, so its state is about `1 / size` of
+the unsharded state. `update` reduce-scatters the gradients (averaged), runs the inner update on
+this rank's segment and allgathers the updates' segments back into the tree, one call per dtype
+each: eagerly on the host, under `jax.jit` through an ordered host callback on the private
+duplicate of the engine, with the inner update left in the compiled program.
 
-The inner transformation must be element-wise (sgd, momentum, adam, adamw, rmsprop, ...): it
-sees segments of a flat vector, not the leaves. Checkpoints: `consolidate_state` gathers a state
-whose per-dtype vectors are whole (the state of the inner transformation over the flat
-parameters, the same at every world size), leaf by leaf, to one rank; `shard_state` keeps this
-rank's segments of it, at any world size.
+The inner transformation must be element-wise (sgd, adam, adamw, rmsprop, ...): it sees segments
+of a flat vector, not the leaves. `consolidate_state` gathers a whole state (the same at every
+world size) to one rank for a checkpoint; `shard_state` keeps this rank's segments of it.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()
@@ -55,15 +50,16 @@ class ShardedState(NamedTuple):
 
 
 def _counts(items: int, size: int) -> list[int]:
-    """Equal segments of `items` padded to a multiple of `size` (plain allgathers: MPICH's
-    `Allgatherv` took 10 to 80 times as long as its `Allgather` here)."""
+    """Equal segments of `items` padded to a multiple of `size`, so that the updates travel by
+    plain allgathers (MPICH's `Allgatherv` is far slower: benchmarks/NOTES.md, "Equal
+    segments")."""
     return [-(-items // size)] * size
 
 
 class _Layout(NamedTuple):
     """The flat vectors of a tree: per dtype, its leaves (indices, sizes) and the segments."""
 
-    treedef: Any
+    treedef: jax.tree_util.PyTreeDef
     shapes: list[tuple[int, ...]]
     dtypes: dict[str, list[int]]  # dtype name -> leaf indices, in tree order
     counts: dict[str, list[int]]  # dtype name -> items per rank (equal: the vector is padded)

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 import numpy as np
 import torch
 
-from dataparallel import collectives, world
+from dataparallel import world
+from dataparallel.collectives import broadcasts, exchanges, gathers, reductions, scatters
 from dataparallel.groups import Group
 from dataparallel.types import Op
 
@@ -75,7 +76,7 @@ def _allreduce(
     x: torch.Tensor, op: Op, scale: float | None, group: Group | None, compression: Compressing
 ) -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    result: torch.Tensor = collectives.allreduce(
+    result: torch.Tensor = reductions.allreduce(
         out, op, scale=scale, group=group, compression=compression
     )
     return result
@@ -139,7 +140,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Ctx, x: torch.Tensor, group: Group | None) -> torch.Tensor:
         ctx.group, ctx.shape = group, x.shape
-        result: torch.Tensor = collectives.allgather(x.detach(), group=group)
+        result: torch.Tensor = gathers.allgather(x.detach(), group=group)
         return result
 
     @staticmethod
@@ -147,7 +148,7 @@ class _Allgather(torch.autograd.Function):
         group, shape = ctx.group, ctx.shape
         reduced = _allreduce(grad, "avg", None, group, None)
         rows = shape[0] if len(shape) else 1
-        every = collectives.allgather(torch.tensor([rows]), group=group)
+        every = gathers.allgather(torch.tensor([rows]), group=group)
         offset = int(every[: world.rank(group)].sum())
         return reduced.narrow(0, offset, rows).reshape(shape), None
 
@@ -166,7 +167,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Ctx, x: torch.Tensor, root: int, group: Group | None) -> torch.Tensor:
         ctx.root, ctx.group = root, group
         out = x.detach().clone(memory_format=torch.contiguous_format)
-        result: torch.Tensor = collectives.broadcast(out, root=root, group=group)
+        result: torch.Tensor = broadcasts.broadcast(out, root=root, group=group)
         return result
 
     @staticmethod
@@ -191,7 +192,7 @@ class _Alltoall(torch.autograd.Function):
     def forward(
         ctx: Ctx, x: torch.Tensor, splits: Splits, group: Group | None
     ) -> tuple[torch.Tensor, list[int]]:
-        result, received = collectives.alltoall(x.detach(), splits=splits, group=group)
+        result, received = exchanges.alltoall(x.detach(), splits=splits, group=group)
         ctx.received, ctx.group = received, group
         if isinstance(received, torch.Tensor):
             ctx.mark_non_differentiable(received)
@@ -199,7 +200,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor, *_: object) -> Grads:
-        back, _received = collectives.alltoall(
+        back, _received = exchanges.alltoall(
             grad.contiguous(), splits=ctx.received, group=ctx.group
         )
         return back, None, None
@@ -223,9 +224,7 @@ class _Reducescatter(torch.autograd.Function):
         ctx: Ctx, x: torch.Tensor, op: Op, scale: float | None, group: Group | None
     ) -> torch.Tensor:
         ctx.op, ctx.scale, ctx.group = op, scale, group
-        result: torch.Tensor = collectives.reducescatter(
-            x.detach(), op=op, scale=scale, group=group
-        )
+        result: torch.Tensor = scatters.reducescatter(x.detach(), op=op, scale=scale, group=group)
         return result
 
     @staticmethod
@@ -240,7 +239,7 @@ class _Reducescatter(torch.autograd.Function):
             world.size(group) if op == "sum" else 1
         )
         scaled = grad * factor if factor != 1 else grad
-        return collectives.allgather(scaled, group=group), None, None, None
+        return gathers.allgather(scaled, group=group), None, None, None
 
 
 def reducescatter(

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TypeAlias, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import torch
 
-from dataparallel import collectives
 from dataparallel.arrays.actions import Reduction, Scatter
-from dataparallel.arrays.compression import Compressor
+from dataparallel.arrays.compression import Compressing
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.arrays.families import Family, family_of
 from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 from dataparallel.config import Settings
 from dataparallel.types import Op
 
@@ -55,9 +55,6 @@ NamedParams = list[tuple[str, torch.Tensor]]
 FIRST_BUCKET_BYTES = 1 << 20
 # How many buckets a model's gradients make on the communication thread (`bucket_bytes_for`).
 THREAD_BUCKETS = 8
-
-# What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
-Compressing: TypeAlias = type[Compressor] | Compressor | None
 
 
 class Options(TypedDict, total=False):
@@ -201,7 +198,7 @@ def offloadable(backend: Backend, private: Backend, host: bool) -> bool:
     private engine (collective in a world of several: a minimum over ranks)."""
     offload = host and private is not backend
     if backend.size > 1:
-        offload = bool(collectives.allreduce(int(offload), op="min", backend=backend))
+        offload = bool(reductions.allreduce(int(offload), op="min", backend=backend))
     return offload
 
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import objects
 from dataparallel.torch._buckets import (
     Bucket,
     NamedParams,
@@ -134,6 +135,6 @@ class GradientPlan:
         self._rebuilt = True
         order = arrival_order(self._arrival, len(self._params))
         if self.backend.size > 1:
-            order = collectives.broadcast_object(order, root=0, backend=self.backend)
+            order = objects.broadcast_object(order, root=0, backend=self.backend)
         if sorted(order) == list(range(len(self._params))):
             self._replan(self._params, order)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 
-from dataparallel import collectives
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 from dataparallel.config import Settings
 from dataparallel.torch._buckets import (
     NamedParams,
@@ -55,7 +55,7 @@ class Modes:
         forced = self.settings.overlap
         overlap = overlaps(self.backend.local_size, forced)
         if forced is None and self.backend.size > 1:
-            overlap = bool(collectives.allreduce(int(overlap), op="min", backend=self.backend))
+            overlap = bool(reductions.allreduce(int(overlap), op="min", backend=self.backend))
         return overlap
 
     def bucket_bytes(self, overlap: bool, offload: bool) -> int:

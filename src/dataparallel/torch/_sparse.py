@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataparallel import collectives
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import gathers
 
 __all__ = ["SparseGrads"]
 
@@ -87,7 +87,7 @@ class SparseGrads:
         for i in sorted(self.members):
             p = params[i][1]
             rows, values = _rows(p)
-            got: dict[str, torch.Tensor] = collectives.allgather(
+            got: dict[str, torch.Tensor] = gathers.allgather(
                 {"has": torch.tensor([p.grad is not None]), "rows": rows, "values": values},
                 backend=backend,
             )

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dataparallel import collectives, world
+from dataparallel import world
+from dataparallel.collectives import gathers, reductions
 from dataparallel.groups import Group
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         else:
             var = mean = torch.zeros(channels, dtype=acc, device=x.device)
         local = torch.cat([mean.new_tensor([count]), mean, var * count]).double()
-        every = collectives.allgather(local[None], group=group)
+        every = gathers.allgather(local[None], group=group)
         counts, means, squares = every[:, :1], every[:, 1 : 1 + channels], every[:, 1 + channels :]
         total = float(counts.sum())
         if total <= 1:
@@ -231,7 +232,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if need_bias:
             grad_bias = sum_dy.to(grad.dtype if weight is None else weight.dtype)
         if need_input:
-            both = collectives.allreduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", group=ctx.group)
+            both = reductions.allreduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", group=ctx.group)
             channels = x.shape[1]
             mean_dy = (both[:channels] / ctx.total).view(shape)
             mean_dy_xmu = (both[channels:] / ctx.total).view(shape)

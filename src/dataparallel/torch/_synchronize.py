@@ -8,8 +8,9 @@ from typing import Literal, TypeAlias, TypedDict, TypeVar
 import torch
 from torch import nn
 
-from dataparallel import collectives, world
+from dataparallel import world
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import broadcasts, objects
 from dataparallel.config import Settings
 from dataparallel.protocol import verify_same_call
 
@@ -47,7 +48,7 @@ def synchronize_torch(obj: _S, *, root: int = 0, backend: Backend | None = None)
     """
     if isinstance(obj, nn.Module):
         tensors = [*obj.parameters(), *obj.buffers()]
-        collectives.broadcast(tensors, root=root, backend=backend)
+        broadcasts.broadcast(tensors, root=root, backend=backend)
         return obj
     if isinstance(obj, torch.optim.Optimizer):
         _synchronize_optimizer(obj, root, backend)
@@ -140,7 +141,7 @@ def _synchronize_optimizer(opt: torch.optim.Optimizer, root: int, backend: Backe
                 _describe_entries(opt.state[p], p) if p in opt.state else None for p in params
             ],
         }
-    spec = collectives.broadcast_object(spec, root=root, backend=b)
+    spec = objects.broadcast_object(spec, root=root, backend=b)
     assert spec is not None
     tensors: list[torch.Tensor] = []
     for group, group_spec in zip(groups, spec["groups"], strict=True):
@@ -152,4 +153,4 @@ def _synchronize_optimizer(opt: torch.optim.Optimizer, root: int, backend: Backe
         entries = opt.state[p]
         tensors += _apply_entries(entries, state_spec, p, prune=True)
     with torch.no_grad():
-        collectives.broadcast(tensors, root=root, backend=b)
+        broadcasts.broadcast(tensors, root=root, backend=b)

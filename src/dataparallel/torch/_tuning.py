@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataparallel import collectives
 from dataparallel.backends.base import Backend
+from dataparallel.collectives import reductions
 
 __all__ = ["ModeTrial"]
 
@@ -72,7 +72,7 @@ class ModeTrial:
         if self.chosen is None and self.steps == self.SKIP + 2 * self.TRIALS:
             times = np.array(self.times)
             if backend.size > 1:
-                times = collectives.allreduce(times, op="max", backend=backend)
+                times = reductions.allreduce(times, op="max", backend=backend)
             after, thread = times[0::2], times[1::2]  # the trial starts after backward
             self.medians = (float(np.median(after)), float(np.median(thread)))
             across = backend.local_size < backend.size  # some ranks on other nodes

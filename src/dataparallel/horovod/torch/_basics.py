@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from dataparallel import caches, collectives, world
+from dataparallel import caches, world
 from dataparallel.arrays.trace import Timeline
+from dataparallel.collectives import objects
 from dataparallel.errors import RankFailedError
 
 __all__ = [
@@ -97,7 +98,7 @@ def learn_nodes() -> None:
     if world.size() == 1:
         _nodes.cross_rank, _nodes.cross_size, _nodes.homogeneous = 0, 1, True
         return
-    places = collectives.allgather_object((world.local_rank(), world.local_size()))
+    places = objects.allgather_object((world.local_rank(), world.local_size()))
     # Node k holds the ranks whose local rank is 0 at or after the k-th such rank, in rank order.
     starts = [r for r, (local, _) in enumerate(places) if local == 0]
     node = max(i for i, start in enumerate(starts) if start <= world.rank())

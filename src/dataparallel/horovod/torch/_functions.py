@@ -14,7 +14,9 @@ from typing import TypeVar
 
 import torch
 
-from dataparallel import collectives, training
+from dataparallel import training
+from dataparallel.collectives import broadcasts, objects
+from dataparallel.collectives.join import join as join_world
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._process_sets import (
     ProcessSet,
@@ -58,7 +60,7 @@ def broadcast_parameters(
     for t in tensors:
         check_tensor(t)
     _handles.blocking(
-        "broadcast", None, lambda: _handles.Done(collectives.broadcast(tensors, root=root_rank))
+        "broadcast", None, lambda: _handles.Done(broadcasts.broadcast(tensors, root=root_rank))
     )
 
 
@@ -113,7 +115,7 @@ def broadcast_object(
     def start() -> _handles.Started:
         group = group_of(process_set)
         return _handles.Done(
-            collectives.broadcast_object(obj, root=root_in(process_set, root_rank), group=group)
+            objects.broadcast_object(obj, root=root_in(process_set, root_rank), group=group)
         )
 
     return _handles.blocking("broadcast_object", None, start)
@@ -126,7 +128,7 @@ def allgather_object(
     return _handles.blocking(
         "allgather_object",
         None,
-        lambda: _handles.Done(collectives.allgather_object(obj, group=group_of(process_set))),
+        lambda: _handles.Done(objects.allgather_object(obj, group=group_of(process_set))),
     )
 
 
@@ -139,7 +141,7 @@ def join(device: int = -1) -> int:
     are completed first. `device` is accepted for Horovod's signature.
     """
     _handles.wait_started()
-    return collectives.join()
+    return join_world()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -148,4 +150,4 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     Operations queued with `*_async` are not started by it (as in Horovod, a barrier does not
     wait for them).
     """
-    collectives.barrier(group=group_of(process_set))
+    objects.barrier(group=group_of(process_set))

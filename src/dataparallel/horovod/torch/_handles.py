@@ -50,7 +50,7 @@ class Started(Protocol):
 class Done:
     """An operation that completed when it started (a blocking collective); holds its result."""
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: object) -> None:
         self.result = result
 
     def test(self) -> bool:
@@ -63,7 +63,7 @@ class Done:
 class Then:
     """A started operation whose result is passed through `after` once it completes."""
 
-    def __init__(self, started: Started, after: Callable[[Any], Any]) -> None:
+    def __init__(self, started: Started, after: Callable[[Any], object]) -> None:
         self.started, self.after = started, after
 
     def test(self) -> bool:
@@ -80,7 +80,7 @@ class _Operation:
     started: Started | None = None
     error: BaseException | None = None
     finished: bool = False
-    result: Any = field(default=None, repr=False)
+    result: object = field(default=None, repr=False)
 
     def complete(self) -> bool:
         if self.error is not None or self.finished:

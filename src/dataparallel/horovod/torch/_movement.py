@@ -11,7 +11,8 @@ from typing import TypeAlias, overload
 
 import torch
 
-from dataparallel import collectives, world
+from dataparallel import world
+from dataparallel.collectives import broadcasts, exchanges, gathers
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Average
@@ -44,7 +45,7 @@ Splits: TypeAlias = "Sequence[int] | torch.Tensor | None"
 
 def _gather(tensors: list[torch.Tensor], ps: ProcessSet) -> _handles.Started:
     group = group_of(ps)
-    return _handles.Done(collectives.allgather([t.detach() for t in tensors], group=group))
+    return _handles.Done(gathers.allgather([t.detach() for t in tensors], group=group))
 
 
 def allgather_async(
@@ -143,8 +144,8 @@ def _start_broadcast(
     group = group_of(ps)
     root = root_in(ps, root_rank)
     if wait:
-        return _handles.Done(collectives.broadcast(output, root=root, group=group))
-    return collectives.ibroadcast(output, root=root, group=group)
+        return _handles.Done(broadcasts.broadcast(output, root=root, group=group))
+    return broadcasts.ibroadcast(output, root=root, group=group)
 
 
 def broadcast_async(
@@ -241,7 +242,7 @@ def _checked_splits(
 def _start_alltoall(
     sent: torch.Tensor, listed: list[int] | None, ps: ProcessSet
 ) -> _handles.Started:
-    output, received = collectives.alltoall(sent.detach(), splits=listed, group=group_of(ps))
+    output, received = exchanges.alltoall(sent.detach(), splits=listed, group=group_of(ps))
     return _handles.Done((output, torch.tensor(received, dtype=torch.int32)))
 
 

@@ -23,7 +23,7 @@ from dataparallel.horovod.torch._basics import Adasum, Average, Sum
 from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 
 if TYPE_CHECKING:
-    from dataparallel.torch import Compressing
+    from dataparallel.arrays.compression import Compressing
 
 __all__ = ["DistributedOptimizer"]
 

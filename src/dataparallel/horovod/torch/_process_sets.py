@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from dataparallel import caches, collectives, groups, world
+from dataparallel import caches, groups, world
+from dataparallel.collectives import objects
 from dataparallel.horovod.torch._basics import require_init
 
 __all__ = [
@@ -112,7 +113,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ranks = list(process_set.ranks or [])
     # A checked collective first (`new_group` exchanges the ranks unchecked): a process that is
     # not making this call with the others fails it with them instead of mixing messages.
-    every = collectives.allgather_object(("add_process_set", ranks))
+    every = objects.allgather_object(("add_process_set", ranks))
     if any(other != every[0] for other in every):
         raise ValueError(f"Processes added different process sets: {[r for _, r in every]}.")
     existing = [global_process_set.ranks, *(ps.ranks for ps in _registered.values())]

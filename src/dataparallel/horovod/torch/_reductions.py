@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from dataparallel import collectives
 from dataparallel.arrays.aliases import clusters
+from dataparallel.collectives import reductions
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Adasum, Average, Max, Min, Product, Sum
@@ -32,7 +32,7 @@ from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_
 from dataparallel.types import Op
 
 __all__ = [
-    "Compressor",
+    "Codec",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -51,8 +51,10 @@ __all__ = [
 ]
 
 
-class Compressor(Protocol):
-    """Horovod's compressor interface: `hvd.Compression.fp16` (the class) or one of the user's."""
+class Codec(Protocol):
+    """What Horovod's `compression=` takes: anything with its `compress` and `decompress` pair,
+    `hvd.Compression.fp16` (the class) or one of the user's. Named apart from the library's
+    `dp.Compression` compressors, which also name the wire dtype they reduce in."""
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object]: ...
 
@@ -138,9 +140,9 @@ def _start_allreduce(
         return outputs
 
     if wait:
-        collectives.allreduce(outputs, op=how.op, scale=how.scale, group=group)
+        reductions.allreduce(outputs, op=how.op, scale=how.scale, group=group)
         return _handles.Done(after(None))
-    request = collectives.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
+    request = reductions.iallreduce(outputs, op=how.op, scale=how.scale, group=group)
     return _handles.Then(request, after)
 
 
@@ -240,7 +242,7 @@ def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
-    compression: Compressor | None = None,
+    compression: Codec | None = None,
     op: int | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -323,7 +325,7 @@ def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
-    compression: Compressor | None = None,
+    compression: Codec | None = None,
     op: int | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -366,9 +368,9 @@ def grouped_allreduce_(
     return _handles.synchronize(handle)
 
 
-def compress(compression: Compressor | None, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
+def compress(compression: Codec | None, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
     return (tensor, None) if compression is None else compression.compress(tensor)
 
 
-def decompress(compression: Compressor | None, tensor: torch.Tensor, ctx: object) -> torch.Tensor:
+def decompress(compression: Codec | None, tensor: torch.Tensor, ctx: object) -> torch.Tensor:
     return tensor if compression is None else compression.decompress(tensor, ctx)

@@ -12,14 +12,14 @@ from functools import partial
 
 import torch
 
-from dataparallel import collectives
+from dataparallel.collectives import scatters
 from dataparallel.horovod.torch import _handles
 from dataparallel.horovod.torch._autograd import through
 from dataparallel.horovod.torch._basics import Average, Sum
 from dataparallel.horovod.torch._movement import allgather
 from dataparallel.horovod.torch._process_sets import ProcessSet, global_process_set, group_of
 from dataparallel.horovod.torch._reductions import (
-    Compressor,
+    Codec,
     check_tensor,
     compress,
     copy_of,
@@ -42,7 +42,7 @@ def _start_reducescatter(
     group = group_of(ps)
     how = scaling(inputs, op, pre, post, ps.size() or 1)
     copies = [scaled(copy_of(t), how.pre) if how.pre else t.detach() for t in inputs]
-    results = collectives.reducescatter(copies, op=how.op, scale=how.scale, group=group)
+    results = scatters.reducescatter(copies, op=how.op, scale=how.scale, group=group)
     return _handles.Done([scaled(r, how.post) for r in results])
 
 
@@ -67,7 +67,7 @@ def reducescatter_async(
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
-    compression: Compressor | None = None,
+    compression: Codec | None = None,
     op: int = Average,
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
@@ -114,7 +114,7 @@ def grouped_reducescatter_async(
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
-    compression: Compressor | None = None,
+    compression: Codec | None = None,
     op: int = Average,
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,

@@ -1,9 +1,12 @@
-"""The ways a jitted step's buffers reach the engine (`Route`), one engine call per buffer.
+"""The bridges by which a jitted step's buffers reach the engine, one engine call per buffer.
+
+A bridge is how a step staged out by XLA reaches this library's engine; the public `route=`
+argument of `dp.jax.distributed_optax` chooses one.
 
 With mpi4jax installed, on MPI, its XLA custom call on each buffer (`through_mpi4jax`); else,
 with one JAX CPU device per process, one XLA FFI call into Python per step (`through_ffi`, the
 buffers reduced in place in XLA's own memory, `_ffi.py`); else one ordered host callback
-(`through_callback`) from JAX's memory into the arrays it returns. `choose_route` picks the one
+(`through_callback`) from JAX's memory into the arrays it returns. `choose_bridge` picks the one
 asked for, or for "auto" the fastest available. On the host, the first buffer's order check is
 read after its reduction; when it fails, every rank raises (`order_broken`).
 """
@@ -26,9 +29,9 @@ from dataparallel.jax._ffi import Reduce, ffi_reason, host_device_reason, reduce
 from dataparallel.jax._packed import Packed
 
 __all__ = [
+    "Bridge",
     "Details",
-    "Route",
-    "choose_route",
+    "choose_bridge",
     "mpi4jax_reason",
     "order_broken",
     "through_callback",
@@ -36,14 +39,14 @@ __all__ = [
     "through_mpi4jax",
 ]
 
-# Which reduction a packed step stages out: "auto" takes mpi4jax where `mpi4jax_reason` finds
+# The bridge a packed step stages out: "auto" takes mpi4jax where `mpi4jax_reason` finds
 # nothing against it, else the FFI call where `ffi_reason` finds nothing, else the callback.
-Route = Literal["auto", "callback", "ffi", "mpi4jax"]
+Bridge = Literal["auto", "callback", "ffi", "mpi4jax"]
 Details = Callable[[], dict[str, object]]  # the call field by field, to explain a mismatch
 
 
 def mpi4jax_reason(engine: Backend) -> str | None:
-    """Return why the mpi4jax route cannot reduce on `engine`, or None when it can."""
+    """Return why the mpi4jax bridge cannot reduce on `engine`, or None when it can."""
     if importlib.util.find_spec("mpi4jax") is None:
         return "mpi4jax is not installed"
     if not isinstance(engine, MPIBackend):
@@ -57,19 +60,19 @@ def mpi4jax_reason(engine: Backend) -> str | None:
     )
 
 
-def choose_route(route: Route, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
-    """The route a step takes: the one asked for, or for "auto" the fastest available (measured,
-    benchmarks/jax_step.py: mpi4jax's custom call, then the FFI call, then the callback)."""
-    if route == "callback":
+def choose_bridge(asked: Bridge, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
+    """The bridge a step takes: the one asked for, or for "auto" the fastest available
+    (mpi4jax's custom call, then the FFI call, then the callback: benchmarks/jax_step.py)."""
+    if asked == "callback":
         return "callback"
-    if route in ("auto", "mpi4jax"):
+    if asked in ("auto", "mpi4jax"):
         reason = mpi4jax_reason(private)
-        if route == "mpi4jax" and reason is not None:
+        if asked == "mpi4jax" and reason is not None:
             raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
         if reason is None:
             return "mpi4jax"
     reason = ffi_reason()
-    if route == "ffi" and reason is not None:
+    if asked == "ffi" and reason is not None:
         raise RuntimeError(f"route='ffi' cannot be used: {reason}.")
     return "ffi" if reason is None else "callback"
 
@@ -101,8 +104,8 @@ def through_ffi(
 ) -> list[jax.Array]:
     """The buffers through one XLA FFI call per step (`_ffi.py`), every one reduced in place in
     XLA's memory (its output aliases its input: a large leaf is reduced where backward wrote it,
-    no output allocated; measured 0.79x / 1.09x mpi4jax per leaf's overhead at 1.86 / 8.40 M
-    against 1.31x / 1.45x with large leaves reduced into new outputs, benchmarks/NOTES.md).
+    and no output is allocated, which the benchmarks found to cost well under new outputs:
+    benchmarks/NOTES.md, "The FFI bridge reduces in place").
     The step's slot is keyed by its signature (`summary`) and engine, so retracing it does not
     add one."""
     reduce = on_host(packed, engine, private, describe)

@@ -1,0 +1,53 @@
+"""The `matrix` marker's sample (conftest.covering_sample): what every world but the full one runs.
+
+The sample must hold every pair of values that the whole matrix holds, and be the same however
+often it is drawn (every rank draws it alone and must collect the same tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+from _families import FAMILIES, OPS
+from conftest import covering_sample
+
+
+def cases(**axes: Any) -> list[Any]:
+    """Fake collected items: one per case of the product of `axes`, in collection order."""
+    names = list(axes)
+    return [
+        SimpleNamespace(callspec=SimpleNamespace(params=dict(zip(names, values, strict=True))))
+        for values in itertools.product(*axes.values())
+    ]
+
+
+def held(items: list[Any], strength: int) -> set[Any]:
+    out = set()
+    for item in items:
+        values = sorted((k, repr(v)) for k, v in item.callspec.params.items())
+        out |= set(itertools.combinations(values, strength))
+    return out
+
+
+def test_every_pair_of_family_dtype_and_op_is_held() -> None:
+    items = [
+        SimpleNamespace(callspec=SimpleNamespace(params={"family": f, "dtype": d, "op": op}))
+        for f in FAMILIES
+        for d in f.dtypes
+        for op in OPS
+    ]
+    sample = covering_sample(items, 2)
+    assert held(sample, 2) == held(items, 2)
+    assert len(sample) < len(items) / 3
+    runnable = [i for i in items if i.callspec.params["family"].skip_reason() is None]
+    assert held([i for i in sample if i in runnable], 2) == held(runnable, 2)
+
+
+def test_strength_one_holds_every_value_and_the_sample_is_the_same_every_time() -> None:
+    items = cases(op=OPS, scale=[None, 0.5, 3.0, -2.0])
+    sample = covering_sample(items, 1)
+    assert held(sample, 1) == held(items, 1) and len(sample) == len(OPS)
+    assert [id(i) for i in covering_sample(items, 1)] == [id(i) for i in sample]
+    assert covering_sample(items, 2) == items  # with two axes, every pair is every case
