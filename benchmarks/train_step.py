@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.launch._process import free_port
+from dataparallel.launch.process import free_port
 from dataparallel.torch._buckets import ModeTrial, overlaps
 from dataparallel.world import current
 

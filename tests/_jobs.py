@@ -5,7 +5,7 @@ Every test that starts processes goes through here:
 - `run_job(target, ...)` runs a job to its end and returns its `CompletedProcess` (text output);
 - `spawn(target, ...)` starts a job and hands over its `Popen`, for a test that signals it;
 - `run_ranks(commands, ...)` starts one process per rank at once, ranks that meet by themselves
-  (at a `free_port()`, the launcher's own: `dataparallel.launch._process.free_port`).
+  (at a `free_port()`, the launcher's own: `dataparallel.launch.process.free_port`).
 
 `launcher` says how `target` (a script or `-m module`, and its arguments) is started:
 
@@ -37,7 +37,7 @@ from typing import Literal
 
 import pytest
 
-from dataparallel.launch._process import free_port as free_port  # for ranks that meet
+from dataparallel.launch.process import free_port as free_port  # for ranks that meet
 
 Arg = str | os.PathLike[str]
 Launcher = Literal["run", "mpiexec", "python"]

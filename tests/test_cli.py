@@ -26,9 +26,9 @@ import pytest
 from _jobs import LIMIT, outer_world_size, run_job, spawn
 
 from dataparallel.errors import BackendUnavailableError
-from dataparallel.launch._output import PARTIAL_LINE_SECONDS, Output, pump
 from dataparallel.launch.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
 from dataparallel.launch.mpi import find_mpiexec, mpi_command, require_mpi4py
+from dataparallel.launch.process import PARTIAL_LINE_SECONDS, Output, pump
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CLI = ["-m", "dataparallel"]  # `python -m dataparallel ...`, with any arguments

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from _jobs import run_job
 
-from dataparallel.launch._deaths import FirstDeaths
-from dataparallel.launch._rundir import RunDir
+from dataparallel.launch.mpi import FirstDeaths
+from dataparallel.launch.process import RunDir
 from dataparallel.runnotes import note_end
 
 SCRIPT = Path(__file__).parent / "scripts" / "uncaught_plain.py"

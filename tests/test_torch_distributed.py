@@ -1,4 +1,4 @@
-"""torch's ecosystem in every job (`torch_distributed.py`, `launch/torchenv.py`).
+"""torch's ecosystem in every job (`torch_distributed.py`, `launch/runner.py`).
 
 - `dp.initialize()` makes torch.distributed's default group alongside any engine, so a DDP script
   keeps `DistributedSampler`, `dist.all_reduce` and `DistributedDataParallel` unchanged;

@@ -158,7 +158,7 @@ class Settings:
     # known before MPI is initialized.
     mpi_rank: int | None = None
     mpi_size: int | None = None
-    # Where `dataparallel run` asks its ranks to note how they ended (launch/_rundir.py).
+    # Where `dataparallel run` asks its ranks to note how they ended (launch/process.py).
     run_dir: str | None = None
     # Elastic runs: the launcher's store (host, port), this worker's id, and how long a worker
     # waits for the world to re-form (dataparallel.elastic).

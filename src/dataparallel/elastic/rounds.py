@@ -1,6 +1,6 @@
 """Rounds: how the workers of an elastic run meet, in the store that `dataparallel run` holds.
 
-The launcher (`launch/elastic.py`) owns a TCP store that outlives every worker. Each time the
+The launcher (`launch/spawn.py`) owns a TCP store that outlives every worker. Each time the
 membership changes (a worker died, discovery reported new slots) it opens a new *round*: it writes
 the round's members, in rank order, under `round/G`, then `latest = G`. Rounds are numbered
 0, 1, 2, ... without gaps. A worker joins a round by:

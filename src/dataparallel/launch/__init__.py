@@ -1,4 +1,4 @@
-"""What the `dataparallel` command runs: the MPI and Gloo launchers, the per-rank runner, `info`.
+"""What the `dataparallel` command runs: `cli`, the launchers (`mpi`, `spawn`, `slurm`), `runner`.
 
 Nothing is imported here, so `python -m dataparallel.launch.runner` loads only what a rank needs.
 """

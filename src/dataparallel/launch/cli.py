@@ -10,15 +10,13 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
-from dataparallel.launch.elastic_cli import (
-    add_elastic_options,
-    check_elastic_options,
-    elastic_options,
-    run_elastic,
-)
+
+if TYPE_CHECKING:
+    from dataparallel.launch.spawn import ElasticOptions
 
 __all__ = ["main"]
 
@@ -143,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="P",
         help="its port (default: a free port with one machine, 29500 with several)",
     )
-    add_elastic_options(run)
+    _add_elastic_options(run)
     run.add_argument("script", metavar="SCRIPT", help="the Python file (or, with -m, the module)")
     run.add_argument("args", metavar="ARGS", nargs="*", help="arguments passed on to SCRIPT")
     commands.add_parser(
@@ -153,6 +151,89 @@ def _parser() -> argparse.ArgumentParser:
         "frameworks, Gloo, NCCL and GPUs found here, and for each backend whether it is usable.",
     )
     return parser
+
+
+def _add_elastic_options(run: argparse.ArgumentParser) -> None:
+    """Add Horovod's elastic options (`horovodrun --min-np ...`) to `run`."""
+    group = run.add_argument_group(
+        "elastic (Gloo): lose workers and go on, add workers (docs/elastic.md)"
+    )
+    group.add_argument(
+        "--min-np",
+        type=int,
+        metavar="M",
+        help="run elastically: go on while at least M workers remain (the script uses "
+        "dp.elastic.run)",
+    )
+    group.add_argument(
+        "--max-np", type=int, metavar="K", help="never more than K workers (default: -n)"
+    )
+    group.add_argument(
+        "--host-discovery-script",
+        metavar="S",
+        help="an executable printing HOST:SLOTS lines (Horovod's format), run every second; "
+        "new slots on this machine get new workers",
+    )
+    group.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="end the run after S seconds below --min-np (default: 600, Horovod's)",
+    )
+    group.add_argument(
+        "--reset-limit", type=int, metavar="R", help="end the run once re-formed more than R times"
+    )
+
+
+def _check_elastic_options(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Reject bad elastic options with argparse's usage error (exit status 2)."""
+    others = [
+        flag
+        for flag, value in (
+            ("--max-np", ns.max_np),
+            ("--host-discovery-script", ns.host_discovery_script),
+            ("--reset-limit", ns.reset_limit),
+        )
+        if value is not None
+    ]
+    if ns.min_np is None:
+        if others or ns.elastic_timeout != 600.0:
+            parser.error(f"{', '.join(others) or '--elastic-timeout'} needs --min-np M.")
+        return
+    if ns.backend != "gloo":
+        parser.error(
+            f"--min-np with --backend {ns.backend}: MPI cannot go on without a lost rank (the "
+            "mpich wheel's MPI has no ULFM, so no communicator can shrink). Elastic runs use "
+            "Gloo: add --backend gloo."
+        )
+    if ns.nnodes != 1:
+        parser.error("--min-np runs on one machine (--nnodes 1); see docs/elastic.md.")
+    max_np = ns.n if ns.max_np is None else ns.max_np
+    if not 1 <= ns.min_np <= ns.n:
+        parser.error(f"--min-np must be in 1..{ns.n} (-n), got {ns.min_np}.")
+    if max_np < ns.n:
+        parser.error(f"--max-np must be at least -n {ns.n}, got {max_np}.")
+    if not ns.elastic_timeout > 0:
+        parser.error(f"--elastic-timeout must be positive, got {ns.elastic_timeout:g}.")
+    if ns.reset_limit is not None and ns.reset_limit < 0:
+        parser.error(f"--reset-limit must be at least 0, got {ns.reset_limit}.")
+    script = ns.host_discovery_script
+    if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        parser.error(f"--host-discovery-script {script!r} is not an executable file.")
+
+
+def _elastic_options(ns: argparse.Namespace) -> ElasticOptions:
+    """Return the checked elastic options of `ns`."""
+    from dataparallel.launch.spawn import ElasticOptions
+
+    return ElasticOptions(
+        min_np=ns.min_np,
+        max_np=ns.n if ns.max_np is None else ns.max_np,
+        discovery=ns.host_discovery_script,
+        elastic_timeout=ns.elastic_timeout,
+        reset_limit=ns.reset_limit,
+    )
 
 
 def _version() -> str:
@@ -221,7 +302,7 @@ def _check_run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         parser.error(
             f"script {ns.script!r} not found: give the path of a Python file, or -m MODULE."
         )
-    check_elastic_options(parser, ns)
+    _check_elastic_options(parser, ns)
     if ns.backend == "mpi":
         gloo_only = [
             flag
@@ -274,9 +355,7 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         from dataparallel.launch.mpi import run_mpi
 
         return run_mpi(ns.n, runner_target, timeout=ns.timeout, hostfile=ns.hostfile)
-    if ns.min_np is not None:
-        return run_elastic(runner_target, elastic_options(ns), timeout=ns.timeout)
-    from dataparallel.launch.gloo import Topology, run_gloo
+    from dataparallel.launch.spawn import Topology, run_gloo
 
     port = ns.master_port
     if port is None and ns.nnodes > 1:
@@ -288,7 +367,8 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         master_addr=ns.master_addr or "127.0.0.1",
         master_port=port,
     )
-    return run_gloo(runner_target, topology, timeout=ns.timeout)
+    elastic = None if ns.min_np is None else _elastic_options(ns)
+    return run_gloo(runner_target, topology, elastic=elastic, timeout=ns.timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

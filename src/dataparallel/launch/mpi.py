@@ -8,20 +8,22 @@ only on `PATH` is used with a warning.
 
 The launcher streams mpiexec's output through itself, to read Hydra's report of a rank killed by
 signal N (whose status is then 128 + N, as under Gloo and in shells), and gives the ranks a run
-folder (`_rundir.py`) where each notes how it ended: a job that mpiexec reports as a success while
-a rank did not finish its script (it left through `os._exit(0)`, and mpiexec quietly killed the
-others) fails with status 1, naming that rank. Ctrl-C goes to the ranks, not through mpiexec.
-Which rank a signal killed is told by the launcher's own watch of the ranks (`_deaths.py`) when
+folder (`process.RunDir`) where each notes how it ended: a job that mpiexec reports as a success
+while a rank did not finish its script (it left through `os._exit(0)`, and mpiexec quietly killed
+the others) fails with status 1, naming that rank. Ctrl-C goes to the ranks, not through mpiexec.
+Which rank a signal killed is told by the launcher's own watch of the ranks (`FirstDeaths`) when
 every rank runs on its machine, since Hydra's report may name a rank it killed itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -34,14 +36,20 @@ from pathlib import Path
 
 from dataparallel.config import RUN_DIR_VARIABLE
 from dataparallel.errors import BackendUnavailableError
-from dataparallel.launch._deaths import FirstDeaths
-from dataparallel.launch._output import Output, pump
-from dataparallel.launch._process import EXIT_TIMEOUT, GRACE_SECONDS, Signals, exit_status, warn
-from dataparallel.launch._rundir import RunDir, signal_name
+from dataparallel.launch.process import (
+    EXIT_TIMEOUT,
+    GRACE_SECONDS,
+    RUNNER,
+    Output,
+    RunDir,
+    Signals,
+    exit_status,
+    pump,
+    signal_name,
+    warn,
+)
 
-__all__ = ["find_mpiexec", "mpi_command", "require_mpi4py", "run_mpi"]
-
-RUNNER = "dataparallel.launch.runner"
+__all__ = ["FirstDeaths", "find_mpiexec", "mpi_command", "require_mpi4py", "run_mpi"]
 
 # The launcher's own deadline trails mpiexec's MPIEXEC_TIMEOUT by this much, so that mpiexec,
 # which knows its processes best, normally does the cleanup and the launcher is only the backstop.
@@ -307,3 +315,112 @@ def _child_setup() -> Callable[[], None]:
             prctl(pr_set_pdeathsig, int(signal.SIGTERM))
 
     return hook
+
+
+_POLL_MS = 20  # how often the run folder is read for ranks that just started
+_IDLE_MS = 500  # how often the watcher looks when every rank is watched
+
+
+_PROC = os.path.isdir("/proc/self")
+_PF_EXITING = 0x4  # the kernel's flag of a task that has begun to exit (include/linux/sched.h)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie, or one that has begun to exit, is dead (Linux: /proc)."""
+    if not _PROC:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rpartition(b")")[2].split()
+    except OSError:
+        return False
+    if len(fields) < 7:
+        return False
+    return fields[0] not in (b"Z", b"X") and not int(fields[6]) & _PF_EXITING
+
+
+class FirstDeaths:
+    """A daemon thread watching the ranks of this machine until one dies unexplained.
+
+    When a rank is killed, Hydra kills the others too, and its report names one pid: not always
+    the first to die (two ranks may both show status 9). So the launcher watches the ranks of its
+    machine itself, two ways:
+
+    - each rank holds the writing end of a FIFO the launcher reads (`dataparallel.runnotes`). The
+      kernel closes it as the rank dies, the moment Hydra's pipes close too, and before the others,
+      which Hydra kills only then, have closed theirs. The FIFOs that hang up first, without an
+      `end` note, are the ranks that died first;
+    - for a rank without one (it died before opening it), its pidfd: at its death, the ranks dead
+      or *dying* (the kernel's PF_EXITING flag, set at the start of exit, so before Hydra can
+      know) without an `end` note are noted, which always includes the first.
+
+    Several ranks noted are named as the candidates.
+    """
+
+    def __init__(self, run_dir: RunDir, n: int) -> None:
+        self.run_dir, self.n = run_dir, n
+        self.first: list[int] = []  # the ranks that died first, when the watcher could tell
+        self.seen: set[int] = set()  # every rank whose death the watcher has judged, blamed or not
+        self._pipes: dict[int, int] = {}  # the reading end of each rank's FIFO -> its rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="dataparallel-deaths", daemon=True)
+
+    def __enter__(self) -> FirstDeaths:
+        self._pipes = self.run_dir.alive_pipes(self.n)  # before the ranks start
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        for fd in self._pipes:
+            os.close(fd)
+
+    def _watch(self) -> None:
+        watched: dict[int, int] = {}  # rank -> pid
+        poller = select.poll()
+        for fd in self._pipes:
+            poller.register(fd, select.POLLHUP)
+        pidfds: list[int] = []
+        try:
+            while not self._stop.is_set():
+                for rank, pid in self.run_dir.local_pids().items():
+                    if rank not in watched:
+                        watched[rank] = pid
+                        with contextlib.suppress(OSError, AttributeError):
+                            pidfds.append(os.pidfd_open(pid))
+                            poller.register(pidfds[-1], select.POLLIN)
+                # Every rank of the job seen here: only deaths can wake the watcher now.
+                wait = _POLL_MS if len(watched) < self.n else _IDLE_MS
+                closed = []
+                for fd, events in poller.poll(wait):
+                    if fd in self._pipes and not events & select.POLLHUP:
+                        continue
+                    poller.unregister(fd)  # a dead rank's fds stay ready: once is enough
+                    if fd in self._pipes:
+                        closed.append(self._pipes[fd])
+                if self._note_unexplained(closed) or self._judge(watched):
+                    return
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+
+    def _judge(self, watched: dict[int, int]) -> bool:
+        """Note the ranks dead or dying without an `end` note; True once some are."""
+        return self._note_unexplained([r for r, pid in watched.items() if not _alive(pid)])
+
+    def _note_unexplained(self, dead: list[int]) -> bool:
+        """Note the ranks of `dead` that left no `end` note; True if any (the others finished,
+        or failed in the runner's hands)."""
+        if not dead:
+            return False
+        ended = self.run_dir.ends()
+        self.first = sorted(rank for rank in dead if rank not in ended)
+        self.seen.update(dead)  # after `first`: a reader that sees a rank here sees its verdict
+        return bool(self.first)

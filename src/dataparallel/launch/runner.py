@@ -4,25 +4,20 @@
 programs. It runs the script (or module) as `__main__` with `sys.argv` set, and turns a failure on
 one rank into the end of the whole job instead of a hang:
 
-- an uncaught exception prints its traceback once, each line prefixed with the rank
-  (`[rank 1] Traceback ...`), then aborts the job (`MPI.COMM_WORLD.Abort` under MPI; under Gloo a
-  plain non-zero exit, on which the launcher stops the other ranks);
-- `sys.exit(0)` (or `None`) is success; any other `SystemExit` code is a failure with that code;
-- Ctrl-C (`KeyboardInterrupt`) prints `[rank R] KeyboardInterrupt` and leaves with status 130,
-  without `MPI_Abort` (its launcher has signalled every rank, so the job ends quietly);
-- at a normal exit, `dataparallel.world.finalize()` runs if the script initialized the world;
-- torchrun's variables (`RANK`, ..., `MASTER_PORT`) are set before the script runs, under MPI too
-  (`torchenv.py`), so a torchrun script runs unchanged.
-
-Under `dataparallel run` (`DATAPARALLEL_RUN_DIR` set), the rank notes its process id at start and
-how it ended in the launcher's run folder (`_rundir.py`); `os._exit` is watched for that purpose,
-so a rank that leaves through it before its script finished is named. SIGINT, which the MPI
-launcher keeps from mpiexec so that mpiexec stays quiet on Ctrl-C, is unblocked again here.
+- an uncaught exception prints its traceback once, each line prefixed with the rank, then aborts
+  the job (`MPI.COMM_WORLD.Abort` under MPI; elsewhere a non-zero exit, on which the launcher
+  stops the others); a `SystemExit` other than 0 or None is a failure with that code;
+- Ctrl-C prints `[rank R] KeyboardInterrupt` and leaves with status 130, without `MPI_Abort`
+  (its launcher has signalled every rank, so the job ends quietly);
+- at a normal exit, `dp.finalize()` runs if the script initialized the world;
+- torchrun's variables are set before the script runs, under MPI too, so a torchrun script runs
+  unchanged. Under `dataparallel run` the rank notes in the run folder when it started and how it
+  ended, `os._exit` included (`dataparallel.runnotes`).
 
 Under an MPI launcher MPI is initialized *before* the script runs (mpi4py's defaults, so
-`MPI_THREAD_MULTIPLE` is requested): a rank that fails before its own `dp.initialize()` could not
-abort the job otherwise, and the other ranks would wait in `MPI_Init` for it forever. Differs from
-`python -m mpi4py`, which lets the script set `mpi4py.rc` first.
+`MPI_THREAD_MULTIPLE`): a rank that fails before its own `dp.initialize()` could not abort the job
+otherwise, and the others would wait in `MPI_Init` for ever. `python -m mpi4py` differs: it lets
+the script set `mpi4py.rc` first.
 
 Options (before the script):
     --prefixed     the launcher already prefixes every output line with the rank (Gloo).
@@ -36,6 +31,7 @@ import ctypes
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -45,10 +41,11 @@ from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
 from typing import NoReturn
 
-from dataparallel.launch.torchenv import set_torchrun_variables
+from dataparallel.config import Settings
+from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port
 from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
-__all__ = ["main"]
+__all__ = ["main", "set_torchrun_variables", "torchrun_variables"]
 
 # `os._exit` itself, before `_watch_os_exit` wraps it.
 _exit = os._exit
@@ -71,6 +68,52 @@ _ABORT_GRACE_S = 0.3
 
 # The status of a rank stopped by Ctrl-C, as shells give it (128 + SIGINT).
 _INTERRUPTED = 128 + int(signal.SIGINT)
+
+
+def torchrun_variables(settings: Settings, mpi: ModuleType | None) -> dict[str, str]:
+    """Return torchrun's variables for this rank (empty when nothing knows them).
+
+    An unchanged torchrun script reads them and calls `dist.init_process_group()` itself
+    (env://). Under Gloo the launcher sets them already, under Slurm `config` derives them from
+    the step; under MPI they are asked of MPI, once, before the script runs: rank and size, the
+    rank among the processes of its node (`COMM_TYPE_SHARED`), and rank 0's host name and a free
+    port there, broadcast.
+
+    Args:
+        settings: what the launcher set (torchrun's own variables, or Slurm's step).
+        mpi: `mpi4py.MPI`, initialized, when an MPI launcher started this rank (collective then).
+    """
+    if mpi is not None:
+        world = mpi.COMM_WORLD
+        node = world.Split_type(mpi.COMM_TYPE_SHARED)
+        local = (node.Get_rank(), node.Get_size())
+        node.Free()
+        master = None
+        if world.Get_rank() == 0:
+            host = settings.master_addr or socket.gethostname()
+            master = (host, settings.master_port or free_port(""))
+        host, port = world.bcast(master, root=0)
+        values: tuple[object, ...] = (world.Get_rank(), world.Get_size(), *local, host, port)
+    else:
+        values = (
+            settings.rank,
+            settings.world_size,
+            settings.local_rank,
+            settings.local_world_size,
+            settings.master_addr,
+            settings.master_port,
+        )
+    return {
+        name: str(value)
+        for name, value in zip(TORCHRUN_VARIABLES, values, strict=True)
+        if value is not None
+    }
+
+
+def set_torchrun_variables(mpi: ModuleType | None) -> None:
+    """Put torchrun's variables into this rank's environment, keeping any already set."""
+    for name, value in torchrun_variables(Settings.from_env(), mpi).items():
+        os.environ.setdefault(name, value)
 
 
 def _parse(argv: list[str]) -> _Options:
@@ -120,8 +163,6 @@ def _die_with_parent(parent: int) -> None:
 
 def _init_mpi() -> None:
     """Initialize MPI if an MPI launcher started this process and mpi4py is installed."""
-    from dataparallel.config import Settings
-
     if Settings.from_env().mpi_launched:
         with contextlib.suppress(ImportError):
             from mpi4py import MPI  # noqa: F401 - importing it initializes MPI
@@ -142,8 +183,6 @@ def _rank() -> str:
     world = sys.modules.get("dataparallel.world")
     if world is not None and world.initialized():
         return str(world.rank())
-    from dataparallel.config import Settings
-
     settings = Settings.from_env()
     rank = settings.rank if settings.rank is not None else settings.mpi_rank
     return "0" if rank is None else str(rank)  # no launcher: a world of one
@@ -194,7 +233,7 @@ def _fail(code: int, *, abort: bool = True) -> NoReturn:
     mpi = _live_mpi()
     if mpi is not None and abort:
         # Hydra forwards a rank's output through its proxy, which stops reading once the abort
-        # lands: give it a moment to forward the traceback (seen lost about 1 run in 30 at 3 ranks).
+        # lands: give it a moment to forward the traceback (benchmarks/NOTES.md, "Launchers").
         time.sleep(_ABORT_GRACE_S)
         mpi.COMM_WORLD.Abort(code)
     # Not `sys.exit`: threads or atexit hooks of a failed program must not keep the rank alive.
@@ -259,10 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     options = _parse(sys.argv[1:] if argv is None else argv)
     if options.parent is not None:
         _die_with_parent(options.parent)
-    from dataparallel.config import Settings
-
     run_dir = Settings.from_env().run_dir
-    if run_dir is not None:
+    if run_dir is not None:  # the MPI launcher blocks SIGINT in mpiexec, which passes it on
         with contextlib.suppress(AttributeError, OSError, ValueError):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _init_mpi()

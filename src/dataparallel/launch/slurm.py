@@ -22,17 +22,20 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO, NoReturn, TextIO
 
-from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES, PREFIXED_VARIABLE
-from dataparallel.launch._process import EXIT_TIMEOUT, GRACE_SECONDS, Signals, exit_status, warn
+from dataparallel.config import PREFIXED_VARIABLE
+from dataparallel.launch.process import (
+    EXIT_TIMEOUT,
+    GRACE_SECONDS,
+    RUNNER,
+    TORCHRUN_VARIABLES,
+    Signals,
+    child_environment,
+    exit_status,
+    warn,
+)
 from dataparallel.slurm import SlurmJob
 
 __all__ = ["leave_step", "ranks", "run_srun", "srun_command"]
-
-RUNNER = "dataparallel.launch.runner"
-
-# torchrun's variables, which an outer job may have left in the launcher's environment: a task
-# that saw them would take their rank instead of Slurm's.
-_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def ranks(n: int | None, slurm: SlurmJob, error: Callable[[str], NoReturn]) -> int:
@@ -131,14 +134,9 @@ def run_srun(n: int, target: list[str], *, timeout: float | None = None) -> int:
         srun's status (the worst rank's; 128 + N for a rank killed by signal N), 124 after
         `timeout`, or 128 + N when the launcher was stopped by signal N.
     """
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in _TORCHRUN
-        and name not in MPI_LAUNCHER_VARIABLES
-        and name not in MPI_RANK_VARIABLES
-    }
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    # torchrun's variables, which an outer job may have left here, would make a task take their
+    # rank instead of Slurm's.
+    env = child_environment(drop=TORCHRUN_VARIABLES)
     env[PREFIXED_VARIABLE] = "1"
     deadline = None if timeout is None else time.monotonic() + timeout
     with Signals() as signals:

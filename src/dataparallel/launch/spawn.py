@@ -1,0 +1,457 @@
+"""`dataparallel run --backend gloo`: start this machine's processes of a job, and supervise them.
+
+One loop serves every local launch. A plain one is an elastic launch with a fixed n: its processes
+are ranks from the start, placed by torchrun's variables (`Topology`), and the first failure, a
+death by signal included, ends the job. An elastic launch (`--min-np`, `ElasticOptions`) starts
+*workers* instead: the launcher holds a TCP store that outlives them, and publishes there the
+members of each successive world (`dataparallel.elastic`). Then
+
+- a worker killed by a signal (SIGKILL, the OOM killer) is *lost*: its slot is not used again
+  (Horovod blacklists the host; here, one machine, the slot) and, while at least `--min-np`
+  remain, the survivors re-form; any other failure ends the run, since re-forming fixes no bug;
+- `--host-discovery-script` (Horovod's `HOST:SLOTS` lines, this machine only) runs every second:
+  more slots (up to `--max-np`) start workers, fewer remove the newest, which leave with status 0
+  at their next commit while the others re-form;
+- fewer than `--min-np` workers for `--elastic-timeout` seconds, or more than `--reset-limit`
+  re-formed worlds, end the run with status 1.
+
+Either way every output line is prefixed with its process (`[rank R] `, `[worker N] `), Ctrl-C
+gives each process time to report its `KeyboardInterrupt`, `--timeout` stops the job with status
+124, and the job succeeds (status 0) only when every process still in it finished its script: a
+rank that exits 0 through `os._exit` before that fails the job (status 1, `process.RunDir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataparallel.config import (
+    ELASTIC_STORE_VARIABLE,
+    ELASTIC_TIMEOUT_VARIABLE,
+    ELASTIC_WORKER_VARIABLE,
+    PREFIXED_VARIABLE,
+    RUN_DIR_VARIABLE,
+)
+from dataparallel.errors import DataParallelError
+from dataparallel.launch.process import (
+    EXIT_TIMEOUT,
+    RUNNER,
+    Output,
+    RunDir,
+    Signals,
+    child_environment,
+    exit_status,
+    free_port,
+    let_leave,
+    pump,
+    signal_name,
+    stop,
+    warn,
+)
+
+__all__ = ["DiscoveryError", "ElasticOptions", "Topology", "discover", "run_gloo"]
+
+# How often the discovery script is run (Horovod: every second), and how long it may take.
+DISCOVERY_INTERVAL = 1.0
+DISCOVERY_TIMEOUT = 30.0
+# A worker waits this much longer than the launcher for a world to form: the launcher decides.
+_WORKER_MARGIN = 30.0
+_LOCAL_NAMES = frozenset(("localhost", "127.0.0.1", "::1"))
+
+
+class DiscoveryError(DataParallelError):
+    """The host discovery script failed or printed something other than `HOST:SLOTS` lines."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the processes of this node sit in the job, as torchrun numbers them."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of processes in the whole job."""
+        return self.nproc_per_node * self.nnodes
+
+    def rank(self, local_rank: int) -> int:
+        """Return the global rank of local process `local_rank` on this node."""
+        return self.node_rank * self.nproc_per_node + local_rank
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """`dataparallel run`'s elastic options, checked; `-n` is the `Topology`'s `nproc_per_node`."""
+
+    min_np: int
+    max_np: int
+    discovery: str | None = None
+    elastic_timeout: float = 600.0
+    reset_limit: int | None = None
+
+
+def discover(script: str) -> int:
+    """Run the discovery script and return the slots it reports on this machine.
+
+    Raises:
+        DiscoveryError: the script failed, timed out, or printed a line that is not `HOST` or
+            `HOST:SLOTS` with a positive SLOTS, or named a host other than this machine.
+    """
+    try:
+        done = subprocess.run(
+            [script],
+            capture_output=True,
+            text=True,
+            timeout=DISCOVERY_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DiscoveryError(f"--host-discovery-script {script!r} could not run: {exc}") from exc
+    if done.returncode != 0:
+        raise DiscoveryError(
+            f"--host-discovery-script {script!r} exited with status {done.returncode}"
+            + (f": {done.stderr.strip()}" if done.stderr.strip() else "")
+        )
+    slots = 0
+    here = _LOCAL_NAMES | {socket.gethostname()}
+    for number, line in enumerate(done.stdout.splitlines(), 1):
+        text = line.strip()
+        if not text:
+            continue
+        host, colon, count = text.partition(":")
+        if colon and (not count.strip().isdigit() or int(count) < 1):
+            raise DiscoveryError(
+                f"--host-discovery-script {script!r}, line {number}: {text!r} is not HOST:SLOTS "
+                "with a positive number of slots (Horovod's format, e.g. localhost:4)."
+            )
+        if host.strip() not in here:
+            raise DiscoveryError(
+                f"--host-discovery-script {script!r}, line {number}: host {host.strip()!r} is not "
+                f"this machine ({', '.join(sorted(here))}): elastic runs start workers on this "
+                "machine only."
+            )
+        slots += int(count) if colon else 1
+    return slots
+
+
+def run_gloo(
+    target: list[str],
+    topology: Topology,
+    *,
+    elastic: ElasticOptions | None = None,
+    timeout: float | None = None,
+) -> int:
+    """Run `target` on this node's processes of a Gloo job and return the job's exit status.
+
+    Args:
+        target: what the runner runs: `[script, *args]` or `["-m", module, *args]`.
+        topology: this node's processes and the rendezvous address; with one node and no
+            `master_port`, a free loopback port is chosen.
+        elastic: run elastically with these options (one node; `topology.nproc_per_node`
+            workers to start with), or None for a fixed world.
+        timeout: seconds before every process is stopped (exit status 124).
+
+    Returns:
+        0 when every process still in the job finished its script; else the first failed one's
+        status (128 + N for a death by signal N, 1 for one that exited with 0 before its script
+        finished), 1 when an elastic run stayed below `--min-np` past `--elastic-timeout`,
+        exceeded `--reset-limit` or discovery failed, 124 on timeout, or 128 + N when the
+        launcher was stopped by signal N.
+    """
+    job = _Job(target, topology, elastic)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with Signals() as signals:
+        try:
+            return job.supervise(signals, deadline, timeout)
+        except DiscoveryError as exc:
+            warn(f"{exc}; stopping the run.")
+            return 1
+        finally:
+            job.close()
+
+
+@dataclass
+class _Process:
+    """One process of the job: a rank (fixed world) or a worker (elastic), by its number."""
+
+    number: int
+    proc: subprocess.Popen[bytes]
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        """Return the worker's id in the elastic store (ids are never reused)."""
+        return f"w{self.number}"
+
+
+class _Job:
+    """This node's processes, what the launcher tells them, and what their exits mean.
+
+    A fixed world gives each rank torchrun's variables and a run folder; an elastic one gives
+    each worker the store, and opens a *round* (`dataparallel.elastic.rounds`) with the workers
+    in the run, in joining order (rank order), whenever they change.
+    """
+
+    def __init__(self, target: list[str], topology: Topology, elastic: ElasticOptions | None):
+        self.target, self.topology, self.elastic = target, topology, elastic
+        self.noun = "rank" if elastic is None else "worker"
+        self.everyone: list[_Process] = []
+        self.running: dict[int, _Process] = {}  # running and in the job, in joining order
+        self.removed: dict[int, _Process] = {}  # left out of an elastic run, not yet gone
+        self.finished: list[int] = []
+        self.lost: list[int] = []
+        self.exits: queue.Queue[int] = queue.Queue()
+        self.stdout, self.stderr = Output(sys.stdout), Output(sys.stderr)
+        self.env = child_environment()
+        self.run_dir: RunDir | None = None
+        self.store: Any = None  # torch's TCPStore
+        self.generation = -1
+        self.started_in: dict[int, int] = {}  # worker -> the first round it is a member of
+        self.below_since: float | None = None  # since when fewer than --min-np workers run
+        self.next_discovery = 0.0  # when discovery runs next
+        if elastic is None:
+            port = topology.master_port
+            self.port = free_port(topology.master_addr) if port is None else port
+            self.run_dir = RunDir()
+            self.env.update({RUN_DIR_VARIABLE: self.run_dir.path, PREFIXED_VARIABLE: "1"})
+        else:
+            from dataparallel.backends.gloo.group import import_torch_distributed
+
+            self.store = import_torch_distributed().TCPStore(
+                "127.0.0.1",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=60),
+            )
+            self.env.update(
+                {
+                    ELASTIC_STORE_VARIABLE: f"127.0.0.1:{self.store.port}",
+                    ELASTIC_TIMEOUT_VARIABLE: f"{elastic.elastic_timeout + _WORKER_MARGIN:g}",
+                }
+            )
+
+    def start(self) -> None:
+        """Start the next process: rank by rank in a fixed world, a new worker id when elastic."""
+        number = len(self.everyone)
+        env = dict(self.env)
+        stdin: int | None = subprocess.DEVNULL
+        if self.elastic is None:
+            topology = self.topology
+            number = topology.rank(number)
+            env.update(
+                RANK=str(number),
+                WORLD_SIZE=str(topology.world_size),
+                LOCAL_RANK=str(len(self.everyone)),
+                LOCAL_WORLD_SIZE=str(topology.nproc_per_node),
+                MASTER_ADDR=topology.master_addr,
+                MASTER_PORT=str(self.port),
+            )
+            if number == 0:
+                stdin = None  # the terminal's input goes to rank 0, as under torchrun
+        else:
+            env[ELASTIC_WORKER_VARIABLE] = f"w{number}"
+        command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid())]
+        proc = subprocess.Popen(
+            [*command, *self.target],
+            env=env,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        process = _Process(number, proc)
+        prefix = f"[{self.noun} {number}] ".encode()
+        assert proc.stdout is not None and proc.stderr is not None
+        for source, output in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+            thread = threading.Thread(target=pump, args=(source, output, prefix), daemon=True)
+            thread.start()
+            process.pumps.append(thread)
+        threading.Thread(target=self._wait, args=(process,), daemon=True).start()
+        self.everyone.append(process)
+        self.running[number] = process
+
+    def _wait(self, process: _Process) -> None:
+        process.proc.wait()
+        self.exits.put(process.number)
+
+    def supervise(self, signals: Signals, deadline: float | None, timeout: float | None) -> int:
+        """Wait until every process has finished, or the job must end; return its status."""
+        n = self.topology.nproc_per_node
+        for _ in range(n if self.elastic is None else min(n, self._capacity())):
+            self.start()
+        if self.elastic is not None:
+            self.next_discovery = time.monotonic() + DISCOVERY_INTERVAL
+            self._reform(changed=True)  # the first round, or the wait for --min-np workers
+        while self.running:
+            if signals.received is not None:
+                if signals.received == signal.SIGINT:
+                    let_leave([p.proc for p in self.everyone])
+                return 128 + signals.received
+            if deadline is not None and time.monotonic() >= deadline:
+                warn(f"the job ran past --timeout {timeout:g}s; stopping every {self.noun}.")
+                return EXIT_TIMEOUT
+            stranded = None if self.run_dir is None else self.run_dir.stranded()
+            if stranded is not None:
+                warn(f"{stranded}; stopping the other rank(s).")
+                return 1
+            lost = len(self.lost)
+            with contextlib.suppress(queue.Empty):
+                status = self._exited(self.exits.get(timeout=0.1), signals)
+                if status is not None:
+                    return status
+            if self.elastic is not None:
+                status = self._reform(changed=len(self.lost) > lost)
+                if status is not None:
+                    return status
+        if signals.received is not None:  # the last ones died of the launcher's own Ctrl-C
+            return 128 + signals.received
+        return 0
+
+    def _exited(self, number: int, signals: Signals) -> int | None:
+        """Judge the exit of process `number`: the job's status if it must end, else None.
+
+        A worker killed by a signal in an elastic run is *lost* (noted in `lost`); any other
+        failure ends the job, as does a rank that exited 0 without finishing its script.
+        """
+        process = self.running.pop(number, None)
+        if process is None:  # removed from an elastic run, or stopped by `drop_unformed`
+            gone = self.removed.pop(number, None)
+            status = None if gone is None else gone.proc.returncode
+            if status:
+                warn(f"removed worker {number} ended with status {status}.")
+            return None
+        if signals.received is not None:  # it died of the launcher's own Ctrl-C
+            return None
+        code = process.proc.returncode
+        status = exit_status(code)
+        problem = None
+        if code == 0 and self.run_dir is not None:
+            problem = self.run_dir.unfinished_rank(number)
+        if code == 0 and problem is None:
+            self.finished.append(number)
+            self.drop_unformed()
+            return None
+        others = sum(p.proc.poll() is None for p in self.running.values())
+        stopping = f"; stopping the other {others} {self.noun}(s)" if others else ""
+        if problem is not None:
+            warn(f"{problem}{stopping}. Status 0 means that every rank finished its script.")
+            return 1
+        if self.elastic is None or code > 0 or self.finished:
+            warn(f"{self.noun} {number} exited with status {status}{stopping}.")
+            return status
+        self.lost.append(number)
+        remain = len(self.running)
+        warn(f"worker {number} was lost ({signal_name(-code)}); {remain} worker(s) remain.")
+        return None
+
+    def _reform(self, *, changed: bool) -> int | None:
+        """Follow discovery, and open a round when the workers `changed` (or discovery changed
+        them); return the run's status if it must end, else None."""
+        elastic = self.elastic
+        assert elastic is not None
+        now = time.monotonic()
+        if elastic.discovery is not None and now >= self.next_discovery and not self.finished:
+            self.next_discovery = now + DISCOVERY_INTERVAL
+            capacity = self._capacity()
+            while len(self.running) < capacity:
+                self.start()
+                changed = True
+            keep = max(capacity, elastic.min_np)  # never below --min-np: see docs/elastic.md
+            if len(self.running) > keep:
+                self.remove(len(self.running) - keep, capacity)
+                changed = True
+        if changed:
+            if len(self.running) >= elastic.min_np:
+                self.below_since = None
+                if elastic.reset_limit is not None and self.generation >= elastic.reset_limit:
+                    warn(
+                        f"the run was re-formed {self.generation} time(s), and --reset-limit is "
+                        f"{elastic.reset_limit}; stopping."
+                    )
+                    return 1
+                self.open_round()
+            elif self.below_since is None:
+                self.below_since = now
+        if self.below_since is not None and now - self.below_since >= elastic.elastic_timeout:
+            missing = elastic.min_np - len(self.running)
+            lost = ", ".join(map(str, self.lost)) or "none"
+            warn(
+                f"the run has {len(self.running)} worker(s), fewer than --min-np "
+                f"{elastic.min_np}, since {elastic.elastic_timeout:g} s (--elastic-timeout): "
+                f"{missing} slot(s) missing on this machine (lost: worker(s) {lost}); stopping."
+            )
+            return 1
+        return None
+
+    def _capacity(self) -> int:
+        """Return the slots an elastic run may use now: discovery's (or -n), less the lost ones,
+        at most --max-np."""
+        assert self.elastic is not None
+        discovery = self.elastic.discovery
+        slots = self.topology.nproc_per_node if discovery is None else discover(discovery)
+        return min(self.elastic.max_np, slots - len(self.lost))
+
+    def open_round(self) -> None:
+        """Publish a round of the workers in the run, in joining order (rank order)."""
+        from dataparallel.elastic.forming import round_key
+        from dataparallel.elastic.rounds import LATEST, supersede
+
+        supersede(self.store, self.generation)
+        self.generation += 1
+        members = [p.id for p in self.running.values()]
+        for number in self.running:
+            self.started_in.setdefault(number, self.generation)
+        self.store.set(round_key(self.generation), json.dumps(members))
+        self.store.set(LATEST, str(self.generation))
+
+    def remove(self, count: int, slots: int) -> None:
+        """Leave the newest `count` workers out of the next round (discovery leaves the run
+        `slots`): told through the store, they leave at their next commit, with status 0."""
+        from dataparallel.elastic.rounds import removed_key
+
+        for number in list(self.running)[-count:]:
+            process = self.running.pop(number)
+            self.store.set(removed_key(process.id), "1")
+            self.removed[number] = process
+            warn(
+                f"worker {number} is removed (the discovery script leaves the run {slots} "
+                "slot(s)): it leaves at its next commit."
+            )
+
+    def drop_unformed(self) -> None:
+        """Stop the workers of a round that cannot form any more (a member finished its script
+        first): they never joined a world, and the run is ending."""
+        if self.elastic is None or self.generation < 0:
+            return
+        from dataparallel.elastic.rounds import ready_key
+
+        if self.store.check([ready_key(self.generation)]):
+            return
+        newcomers = [n for n in self.running if self.started_in.get(n) == self.generation]
+        stop([self.running.pop(n).proc for n in newcomers])
+
+    def close(self) -> None:
+        """Stop every process still running, drain their output, and remove the run folder."""
+        stop([p.proc for p in self.everyone])
+        for process in self.everyone:
+            for thread in process.pumps:
+                thread.join(timeout=5.0)
+        if self.run_dir is not None:
+            self.run_dir.remove()
