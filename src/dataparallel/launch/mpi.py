@@ -369,17 +369,20 @@ class FirstDeaths:
         self.seen: set[int] = set()  # every rank whose death the watcher has judged, blamed or not
         self._pipes: dict[int, int] = {}  # the reading end of each rank's FIFO -> its rank
         self._stop = threading.Event()
+        self._wake_read, self._wake = -1, -1  # a pipe written at exit: the watcher stops at once
         self._thread = threading.Thread(target=self._watch, name="dataparallel-deaths", daemon=True)
 
     def __enter__(self) -> FirstDeaths:
         self._pipes = self.run_dir.alive_pipes(self.n)  # before the ranks start
+        self._wake_read, self._wake = os.pipe()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        os.write(self._wake, b"x")
         self._thread.join(timeout=1.0)
-        for fd in self._pipes:
+        for fd in (*self._pipes, self._wake_read, self._wake):
             os.close(fd)
 
     def _watch(self) -> None:
@@ -387,6 +390,7 @@ class FirstDeaths:
         poller = select.poll()
         for fd in self._pipes:
             poller.register(fd, select.POLLHUP)
+        poller.register(self._wake_read, select.POLLIN)
         pidfds: list[int] = []
         try:
             while not self._stop.is_set():
@@ -400,6 +404,9 @@ class FirstDeaths:
                 wait = _POLL_MS if len(watched) < self.n else _IDLE_MS
                 closed = []
                 for fd, events in poller.poll(wait):
+                    if fd == self._wake_read:  # told to stop: this round is the last
+                        poller.unregister(fd)
+                        continue
                     if fd in self._pipes and not events & select.POLLHUP:
                         continue
                     poller.unregister(fd)  # a dead rank's fds stay ready: once is enough
