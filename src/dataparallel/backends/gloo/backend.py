@@ -21,8 +21,7 @@ memory. What Gloo lacks against MPI is filled in here, exactly:
   peer still in a collective with this process fails at once (`RankFailedError`) instead of
   waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md).
 
-Joining the group (rendezvous, the network interface, a user's existing default group):
-`group.py`.
+Joining the group (rendezvous, network interface, a user's own default group): `group.py`.
 """
 
 from __future__ import annotations
