@@ -20,11 +20,9 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "src"
-PACKAGE = SRC / "dataparallel"
+from _source import MODULES, ROOT
+
 DESIGN = ROOT / "docs" / "design.md"
 
 # The words decided for the whole house: the glossary must keep an entry for each.
@@ -79,16 +77,6 @@ def glossary() -> list[Entry]:
         modules = () if where == "no module" else tuple(re.findall(r"`([^`]+)`", where))
         entries.append(Entry(match["word"].strip(), patterns, modules, match["meaning"].strip()))
     return entries
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _is_type_expression(value: ast.expr) -> bool:

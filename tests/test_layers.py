@@ -17,12 +17,9 @@ from __future__ import annotations
 import ast
 import importlib
 import sys
-from pathlib import Path
 
 import pytest
-
-SRC = Path(__file__).resolve().parent.parent / "src"
-PACKAGE = SRC / "dataparallel"
+from _source import MODULES
 
 # Bottom to top. A module's layer is that of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
@@ -68,16 +65,6 @@ BACKEND_FRAMEWORKS = {
     "dataparallel.backends.mpi": {"mpi4py"},
     "dataparallel.backends.nccl": {"cupy"},
 }
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def imports_of(name: str) -> list[tuple[str, str | None]]:
