@@ -368,8 +368,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._join is not None:
             self._join.tell("clip", (float(max_norm), float(norm_type), error_if_nonfinite))
         self._gradients()
-        grads = [p.tensor.grad for p in self.pieces if p.tensor.grad is not None]
-        norm = clip_slices(grads, max_norm, float(norm_type), error_if_nonfinite, self.backend)
+        grads = [(p.param, p.tensor.grad) for p in self.pieces if p.tensor.grad is not None]
+        norm = clip_slices(
+            grads, len(self._params), max_norm, float(norm_type), error_if_nonfinite, self.backend
+        )
         return torch.tensor(norm, device=self._device)
 
     # -- memory figures ------------------------------------------------------------------------
@@ -536,24 +538,32 @@ def refuse_reduced(params: Named) -> None:
 
 
 def clip_slices(
-    grads: list[torch.Tensor],
+    owned: list[tuple[int, torch.Tensor]],
+    params: int,
     max_norm: float,
     norm_type: float,
     error_if_nonfinite: bool,
     backend: Backend,
 ) -> float:
-    """Scale `grads` (this rank's slices) so that the norm of order `norm_type` over every
-    rank's is at most `max_norm`, and return that norm (collective).
+    """Scale `owned` (this rank's slices, each with its parameter's index among `params`) so
+    that the norm of order `norm_type` over every rank's is at most `max_norm`, and return that
+    norm (collective): torch's, NaN and infinities included.
 
     Raises:
         RuntimeError: the norm is not finite and `error_if_nonfinite`.
     """
-    if norm_type == float("inf"):
-        local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-        total = np.array([local], np.float64)
+    grads = [g for _, g in owned]
+    if norm_type in (float("inf"), float("-inf")):
+        norm = extreme_slices(grads, norm_type > 0, backend)
+    elif norm_type == 0.0:
+        # torch's order 0 counts the parameters whose gradient has a non-zero item (NaN
+        # included): the counts of a parameter's slices are summed across ranks first.
+        counts = np.zeros(params, np.float64)
+        for param, g in owned:
+            counts[param] += float(torch.count_nonzero(g))
         if backend.size > 1:
-            backend.allreduce(total, ReduceOp.MAX)
-        norm = float(total[0])
+            backend.allreduce(counts, ReduceOp.SUM)
+        norm = float(np.count_nonzero(counts))
     else:
         local = sum(float(g.double().abs().pow(norm_type).sum()) for g in grads)
         total = np.array([local], np.float64)
@@ -565,8 +575,29 @@ def clip_slices(
             f"The total norm of order {norm_type} of the gradients is {norm}: not finite, "
             "so they cannot be clipped (error_if_nonfinite=True)."
         )
+    # torch's `clamp(coefficient, max=1.0)`: a NaN norm scales every gradient by NaN, as in
+    # one process (`coefficient < 1.0` would be False for NaN and skip it).
     coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1.0:
+    if not coefficient >= 1.0:
         for g in grads:
             g.mul_(coefficient)
     return norm
+
+
+def extreme_slices(grads: list[torch.Tensor], top: bool, backend: Backend) -> float:
+    """The largest (`top`) or smallest magnitude over every rank's slices, NaN if any is NaN,
+    0.0 if no rank has an item (torch's norms of order inf and -inf; collective).
+
+    Python's `max` and the engines' MAX and MIN keep or drop a NaN by where it stands, so
+    whether some rank saw one travels beside the value, with whether some rank had an item.
+    """
+    sign = 1.0 if top else -1.0  # the smallest magnitude as the largest of the negated
+    local = [float(g.abs().amax() if top else g.abs().amin()) * sign for g in grads if g.numel()]
+    nan = any(np.isnan(v) for v in local)
+    values = [v for v in local if not np.isnan(v)]
+    total = np.array([max(values, default=-np.inf), float(nan), float(bool(local))], np.float64)
+    if backend.size > 1:
+        backend.allreduce(total, ReduceOp.MAX)
+    if total[1]:
+        return float("nan")
+    return float(total[0]) * sign if total[2] else 0.0
