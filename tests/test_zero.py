@@ -556,3 +556,12 @@ def test_stage_2_refuses_parameters_a_wrapper_reduces(world: Backend) -> None:
     loss_of(late, share(x), share(y)).backward()
     with pytest.raises(RuntimeError, match="reduced twice"):
         opt.step()
+
+
+@pytest.mark.parametrize("name", ["compression", "backward_passes_per_step", "op"])
+def test_a_gradient_reduction_option_is_refused_by_name(name: str, world: Backend) -> None:
+    value = {"compression": dp.Compression.fp16, "backward_passes_per_step": 2, "op": "sum"}[name]
+    with pytest.raises(TypeError, match=f"takes no {name}=") as raised:
+        zero(make_model(), "adam", 1, **{name: value})
+    if name == "compression":
+        assert "DataParallelModel(model, compression=...)" in str(raised.value)

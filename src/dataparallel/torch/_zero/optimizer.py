@@ -15,6 +15,7 @@ call is staged through host buffers. Usage, semantics and departures: docs/zero.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn, SupportsIndex
 
@@ -136,6 +137,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._class = inner_class(optimizer_class)
         check_options(stage, bucket_bytes)
+        refuse_wrapper_options(self._class, defaults)
         self._initialized = False
         # The parameters' device (set by the first), and whether engine calls go through host
         # buffers: for device parameters, or forced for host ones (`_staged`: the tests' way to
@@ -483,6 +485,38 @@ def check_options(stage: object, bucket_bytes: object) -> None:
         raise ValueError(
             f"ZeroRedundancyOptimizer: bucket_bytes={bucket_bytes!r} must be a positive int."
         )
+
+
+# `dp.DistributedOptimizer`'s (and Horovod's) options, which `**defaults` would hand the inner
+# optimizer: what to use instead, or None where it has no counterpart here.
+WRAPPER_OPTIONS: dict[str, str | None] = {
+    "compression": "compress the gradients' reduction on the wrapper at stage 1 "
+    "(dp.torch.DataParallelModel(model, compression=...)), or keep the optimizer unsharded "
+    "(dp.DistributedOptimizer(optimizer, compression=...)); ZeRO's own exchanges travel in the "
+    "parameters' dtype",
+    "backward_passes_per_step": "run the backward passes before one step() (they accumulate: "
+    "docs/zero.md)",
+    "op": None,
+    "sparse_as_dense": None,
+    "named_parameters": None,
+    "gradient_predivide_factor": None,
+}
+
+
+def refuse_wrapper_options(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> None:
+    """Raise `TypeError` for a gradient-reduction option among `defaults` that `cls` does not
+    take, naming it and what to use instead (else `cls(...)` fails far from the call)."""
+    taken = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        return
+    for name, instead in WRAPPER_OPTIONS.items():
+        if name in defaults and name not in taken:
+            raise TypeError(
+                f"ZeroRedundancyOptimizer takes no {name}=: it is an option of "
+                "dp.DistributedOptimizer's gradient reduction, and the rest of the keywords go "
+                f"to {cls.__name__}. "
+                + (f"Instead, {instead}." if instead else "Leave it out.")
+            )
 
 
 def one_device(named: Named, device: torch.device | None) -> torch.device | None:
