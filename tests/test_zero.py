@@ -565,3 +565,30 @@ def test_a_gradient_reduction_option_is_refused_by_name(name: str, world: Backen
         zero(make_model(), "adam", 1, **{name: value})
     if name == "compression":
         assert "DataParallelModel(model, compression=...)" in str(raised.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_of_no_item_are_in_the_consolidated_state(stage: int, world: Backend) -> None:
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="zero-element"):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 0), nn.Linear(0, 2))
+    reference, ref_opt = reference_of(model)
+    opt = zero(model, "adam", stage)
+    net = wrapped(model, stage)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        opt.zero_grad()
+        net(share(x)).sum().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference(x).sum().backward()
+        ref_opt.step()
+    opt.consolidate_state_dict(to=0)
+    if dp.rank() != 0:
+        return
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sorted(got) == sorted(want)  # the empty weights and bias (2, 3, 4) too
+    for k, state in want.items():
+        assert sorted(got[k]) == sorted(state)
+        for key, value in state.items():
+            torch.testing.assert_close(got[k][key], value, atol=1e-5, rtol=1e-5)

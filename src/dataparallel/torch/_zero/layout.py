@@ -123,5 +123,10 @@ def lay_out_group(
                     shard_at = slab.shard_items + lo - mine[0]
                     pieces.append(Piece(k, f, lo - a, hi - a, data[lo:hi], shard_at))
             slab.shard_items += part
+        if rank == 0:  # a parameter of no item has no segment: rank 0 steps it (its state)
+            for k, p in members:
+                if p.numel() == 0:
+                    a = offsets[k]
+                    pieces.append(Piece(k, f, 0, 0, data[a:a], slab.shard_items))
         slabs.append(slab)
     return slabs, buckets, pieces

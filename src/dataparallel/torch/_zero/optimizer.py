@@ -277,7 +277,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             had = self._shards.wait()
             for pieces in self._pieces:
                 for piece in pieces:
-                    if had[piece.param]:
+                    grad = self._params[piece.param].grad
+                    if piece.start == piece.stop and grad is not None:  # no item, no bucket
+                        piece.tensor.grad = grad.reshape(-1)
+                    elif had[piece.param]:
                         shard = self._shards.shards[piece.slab]
                         n = piece.stop - piece.start
                         piece.tensor.grad = shard[piece.shard_at : piece.shard_at + n]
