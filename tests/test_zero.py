@@ -592,3 +592,14 @@ def test_parameters_of_no_item_are_in_the_consolidated_state(stage: int, world: 
         assert sorted(got[k]) == sorted(state)
         for key, value in state.items():
             torch.testing.assert_close(got[k][key], value, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_model_converted_after_the_optimizer_is_named(stage: int, world: Backend) -> None:
+    model = nn.Linear(4, 2).double()
+    opt = zero(model, "adam", stage)
+    model.float()  # new data: no longer the slab the optimizer steps
+    opt.zero_grad()
+    wrapped(model, stage)(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"converted \(model.float\(\).*Convert the model first"):
+        opt.step()

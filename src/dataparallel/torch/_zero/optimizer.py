@@ -273,6 +273,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Give every piece its gradient (None where no rank had one); once per step."""
         if self._have_grads:
             return
+        self._check_moved()
         if self._shards is not None:
             had = self._shards.wait()
             for pieces in self._pieces:
@@ -299,6 +300,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                         None if grad is None else grad.reshape(-1)[piece.start : piece.stop]
                     )
         self._have_grads = True
+
+    def _check_moved(self) -> None:
+        """Raise `RuntimeError` naming a parameter that is no longer a view of its slab (a
+        `model.float()`, `.double()` or `.to(...)` after the optimizer was made gave it new
+        data): the step would update the slab, not the parameter."""
+        for slab in self._slabs:
+            base, size = slab.data.data_ptr(), slab.data.element_size()
+            for k, at in slab.offsets.items():
+                p = self._params[k]
+                if p.dtype == slab.dtype and (p.numel() == 0 or p.data_ptr() == base + at * size):
+                    continue
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: {self._names[k]} is no longer the tensor it "
+                    f"laid out ({str(slab.dtype).removeprefix('torch.')} on "
+                    f"{slab.data.device}, now {str(p.dtype).removeprefix('torch.')} on "
+                    f"{p.device}): the model was converted (model.float(), .double(), "
+                    ".to(...)) after the optimizer was made, so a step would not reach it. "
+                    "Convert the model first, then make the optimizer."
+                )
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step this rank's slice with the reduced gradients, then allgather every slice.
@@ -517,8 +537,7 @@ def refuse_wrapper_options(cls: type[torch.optim.Optimizer], defaults: dict[str,
             raise TypeError(
                 f"ZeroRedundancyOptimizer takes no {name}=: it is an option of "
                 "dp.DistributedOptimizer's gradient reduction, and the rest of the keywords go "
-                f"to {cls.__name__}. "
-                + (f"Instead, {instead}." if instead else "Leave it out.")
+                f"to {cls.__name__}. " + (f"Instead, {instead}." if instead else "Leave it out.")
             )
 
 
