@@ -5,7 +5,9 @@
   `DATAPARALLEL_TORCH_DISTRIBUTED=0` turns it off; `dp.finalize()` destroys it.
 - `dataparallel run` gives every rank torchrun's variables under MPI too, so a torchrun script
   that calls `dist.init_process_group()` itself runs unchanged; `dp.initialize()` after it joins
-  its group; `dist.init_process_group()` after `dp.initialize()` is refused by torch.
+  its group, and waits only as long as its own timeout; `dist.init_process_group()` after
+  `dp.initialize()` makes the program's own group under MPI and is refused saying what to do
+  under Gloo (whose engine is torch's group).
 
 Every test launches its own jobs (`spawns`), at 2 and 3 ranks, under MPI and Gloo: each test
 runs each engine once, at 2 ranks on one and 3 on the other (`ENGINES`), and the next test swaps.
@@ -97,12 +99,44 @@ def test_a_torchrun_script_runs_under_dataparallel_run(backend: str, n: int) -> 
     assert sorted(_lines(done.stdout, "dp")) == list(range(n)), done.stdout
 
 
-@pytest.mark.parametrize("backend", [pytest.param("mpi", marks=needs_mpi), "gloo"])
-def test_init_process_group_after_dp_initialize_is_refused_by_torch(backend: str) -> None:
-    done = run_job(["torch_alongside.py", "user-after"], backend=backend, cwd=SCRIPTS)
+@needs_mpi
+def test_init_process_group_after_dp_initialize_makes_the_programs_own_group() -> None:
+    """A Horovod program's `hvd.init()` then `dist.init_process_group()`: the program's group
+    replaces the one made beside the world, works, and outlives `dp.finalize()`."""
+    done = run_job(["torch_alongside.py", "user-after"], backend="mpi", cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout + done.stderr
-    refused = "REFUSED ValueError: trying to initialize the default process group twice!"
-    assert done.stdout.count(refused) == 2, done.stdout
+    ranks = _lines(done.stdout, "OWN")
+    assert ranks == {
+        r: {"rank": str(r), "sum": "3", "dp_sum": "2", "kept": "True"} for r in range(2)
+    }, done.stdout
+
+
+def test_init_process_group_after_dp_initialize_under_gloo_says_what_to_do() -> None:
+    done = run_job(["torch_alongside.py", "user-after"], backend="gloo", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    refused = [line for line in done.stdout.splitlines() if "REFUSED" in line]
+    assert len(refused) == 2, done.stdout
+    for line in refused:
+        assert "REFUSED ValueError" in line and "default process group twice" not in line
+        assert "Drop the call" in line and "before dp.initialize()" in line, line
+
+
+def test_the_timeout_holds_over_the_programs_own_group() -> None:
+    """`dist.init_process_group()` then `dp.initialize(timeout=3)`: a peer that never comes
+    ends rank 0's call within the setting's timeout, not torch's 30 minutes (the launcher's
+    `--timeout` is only the guard)."""
+    done = run_job(
+        ["torch_alongside.py", "user-first-late"],
+        backend="gloo",
+        job_timeout=40,
+        env={"DATAPARALLEL_CHECK": "0"},
+        cwd=SCRIPTS,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output  # rank 0's, not the launcher's
+    timed_out = [line for line in done.stdout.splitlines() if "TIMEOUT" in line]
+    assert len(timed_out) == 1 and "NO TIMEOUT" not in timed_out[0], output
+    assert "allreduce" in timed_out[0] and "timed out" in timed_out[0], output
 
 
 @needs_mpi

@@ -15,14 +15,17 @@ here, over the same processes in the same rank order:
 - not at all when torch's default group exists already (the user's own `init_process_group`,
   which is then left alone), or with `DATAPARALLEL_TORCH_DISTRIBUTED=0`.
 
-`dp.finalize()` destroys the group it made. Since torch allows one default group per process, a
-script that calls `dist.init_process_group()` after `dp.initialize()` is told so by torch; call it
-before, or not at all (see docs/migrate/ddp.md).
+`dp.finalize()` destroys the group it made. A program that calls `dist.init_process_group()`
+after `dp.initialize()` (a Horovod program after `hvd.init()`; Horovod never made torch's group)
+gets its own group: the group made here gives way to it, as no engine of this library runs on it.
+Under Gloo the engine *is* torch's default group and cannot give way: that call then fails
+saying what to do (docs/migrate/ddp.md).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import socket
 import sys
 from collections.abc import Callable
@@ -47,9 +50,12 @@ def join(backend: Backend, settings: Settings) -> Callable[[], None] | None:
     Collective over the world when it acts (every rank decides alike: same code, same imports).
 
     Returns:
-        What destroys the group made (for `dp.finalize()`), or None when none was made.
+        What destroys the group made (for `dp.finalize()`), or None when none was made. Under
+        Gloo, what takes away the explanation a later `init_process_group` call gets.
     """
-    if not settings.torch_distributed or backend.name == "gloo" or "torch" not in sys.modules:
+    if backend.name == "gloo":
+        return _explain_the_engines_group(backend)
+    if not settings.torch_distributed or "torch" not in sys.modules:
         return None
     try:
         import torch
@@ -78,7 +84,58 @@ def join(backend: Backend, settings: Settings) -> Callable[[], None] | None:
         if dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
 
-    return destroy
+    def give_way() -> None:
+        destroy()  # the program's own group follows; `destroy` leaves that one alone
+
+    restore = _before_init_process_group(dist, give_way)
+
+    def finish() -> None:
+        restore()
+        destroy()
+
+    return finish
+
+
+def _explain_the_engines_group(backend: Backend) -> Callable[[], None] | None:
+    """Under Gloo, make a later `init_process_group` fail saying what to do, where the engine
+    is torch's default group (`GlooBackend.owns_default_group`)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not getattr(backend, "owns_default_group", False):
+        return None
+
+    def refuse() -> None:
+        if dist.is_initialized():
+            raise ValueError(
+                "torch.distributed.init_process_group() after dp.initialize('gloo'): "
+                "dataparallel's Gloo engine is torch's default process group already, so "
+                "torch.distributed works as it is. Drop the call, or guard it with `if not "
+                "dist.is_initialized():`, or call init_process_group() before dp.initialize() "
+                "(dataparallel then works on a private group beside yours)."
+            )
+
+    return _before_init_process_group(dist, refuse)
+
+
+def _before_init_process_group(dist: ModuleType, first: Callable[[], None]) -> Callable[[], None]:
+    """Run `first` at the start of every `init_process_group` call until the returned function
+    is called. torch's name is replaced where scripts reach it (`dist.init_process_group`)."""
+    modules = [dist, dist.distributed_c10d]
+    original = dist.distributed_c10d.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: object, **kwargs: object) -> object:
+        first()
+        return original(*args, **kwargs)
+
+    for module in modules:
+        module.init_process_group = init_process_group
+
+    def restore() -> None:
+        for module in modules:
+            if module.init_process_group is init_process_group:
+                module.init_process_group = original
+
+    return restore
 
 
 def _store(

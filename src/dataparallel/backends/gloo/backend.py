@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import gc
 import itertools
 import os
@@ -250,11 +251,13 @@ class GlooBackend(Backend):
         owns_default_group: bool,
         local: tuple[int, int] | None,
         store_file: Path | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         import torch
 
         self._torch, self._dist, self.group = torch, dist, group
         self._owns_default_group = owns_default_group
+        self._timeout = timeout  # for the groups made from this one (`split`, `duplicate`)
         self._store_file = store_file
         self._closed = False
         self._in_flight: weakref.WeakSet[GlooHandle] = weakref.WeakSet()
@@ -271,6 +274,11 @@ class GlooBackend(Backend):
             ReduceOp.MAX: dist.ReduceOp.MAX,
         }
         atexit.register(self.close)
+
+    @property
+    def owns_default_group(self) -> bool:
+        """Whether this engine is torch's default process group, made by `create`."""
+        return self._owns_default_group
 
     @classmethod
     def create(
@@ -300,6 +308,7 @@ class GlooBackend(Backend):
             owns_default_group=joined.owns_default_group,
             local=joined.local,
             store_file=joined.store_file,
+            timeout=joined.timeout,
         )
 
     # -- reductions --------------------------------------------------------------------------
@@ -530,10 +539,14 @@ class GlooBackend(Backend):
 
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
-        group = self._dist.new_group(ranks=[self._global(r) for r in ranks], backend="gloo")
+        group = self._dist.new_group(
+            ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
+        )
         if self.rank not in ranks:
             return None
-        return GlooBackend(self._dist, group, owns_default_group=False, local=None)
+        return GlooBackend(
+            self._dist, group, owns_default_group=False, local=None, timeout=self._timeout
+        )
 
     def _global(self, rank: int) -> int:
         """torch.distributed names roots by their rank in the default group."""
@@ -544,9 +557,13 @@ class GlooBackend(Backend):
         of some processes returns itself (every process, member or not, makes a Gloo group)."""
         if self.size != self._dist.get_world_size():
             return self
-        group = self._dist.new_group(backend="gloo")
+        group = self._dist.new_group(backend="gloo", timeout=self._timeout)
         return GlooBackend(
-            self._dist, group, owns_default_group=False, local=(self.local_rank, self.local_size)
+            self._dist,
+            group,
+            owns_default_group=False,
+            local=(self.local_rank, self.local_size),
+            timeout=self._timeout,
         )
 
     def close(self) -> None:

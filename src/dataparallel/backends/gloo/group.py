@@ -4,7 +4,8 @@
 - rendezvous (`init_method`): see `backends/rendezvous.py`; the network interface is chosen toward
   rank 0 (`interface_toward`).
 - an existing `torch.distributed` default group (the user's own `init_process_group`) is left
-  alone: the library works on a private Gloo group over the same processes.
+  alone: the library works on a private Gloo group over the same processes, which waits as long
+  as the setting's timeout (as does every group made for the engine).
 - the local rank and size are the launcher's where it set them consistently, else found by
   the engine from the host names.
 """
@@ -40,6 +41,8 @@ class Joined(NamedTuple):
     owns_default_group: bool
     local: tuple[int, int] | None  # (local rank, local size) from the launcher, if it set them
     store_file: Path | None = None  # file:// rendezvous: the file the ranks met in
+    # Every group made for the engine waits this long (None: torch's default, 30 minutes).
+    timeout: datetime.timedelta | None = None
 
 
 def import_torch_distributed() -> ModuleType:
@@ -98,7 +101,9 @@ def join_group(
         settings.rank == rendezvous.rank and settings.world_size == rendezvous.world_size
     ):
         local = _launcher_local(settings)
-    return Joined(dist, None, owns_default_group=True, local=local, store_file=meeting.file)
+    return Joined(
+        dist, None, owns_default_group=True, local=local, store_file=meeting.file, timeout=timeout
+    )
 
 
 def _over_existing_group(
@@ -114,9 +119,16 @@ def _over_existing_group(
                 f"{what}={given} was given, but torch.distributed is already initialized "
                 f"with {what} {value}: drop the argument."
             )
-    group = dist.new_group(backend="gloo")
+    # The program's group waits as long as the program chose; this one, the setting's time
+    # (torch's own default is 30 minutes). An elastic worker's group was made by its round with
+    # the elastic timeout when no timeout is set (`dataparallel.elastic`): this one too.
+    seconds = settings.timeout
+    if seconds is None and settings.elastic_worker is not None:
+        seconds = settings.elastic_timeout
+    timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+    group = dist.new_group(backend="gloo", timeout=timeout)
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
-    return Joined(dist, group, owns_default_group=False, local=local)
+    return Joined(dist, group, owns_default_group=False, local=local, timeout=timeout)
 
 
 def _launcher_local(settings: Settings) -> tuple[int, int] | None:
