@@ -84,10 +84,9 @@ def join(backend: Backend, settings: Settings) -> Callable[[], None] | None:
         if dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
 
-    def give_way() -> None:
-        destroy()  # the program's own group follows; `destroy` leaves that one alone
-
-    restore = _before_init_process_group(dist, give_way)
+    # A program's own init_process_group gets the default group: ours gives way first (and
+    # `destroy` leaves the program's group alone afterwards).
+    restore = _before_init_process_group(dist, destroy)
 
     def finish() -> None:
         restore()
