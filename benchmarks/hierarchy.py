@@ -9,8 +9,9 @@ chooses to (`MPIR_CVAR_ALLREDUCE_COMPOSITION`; `MPIR_CVAR_ENABLE_SMP_*` belong t
 device and change nothing here). This measures what the `mpich` wheel does between two emulated
 hosts: two network namespaces joined by a veth pair (benchmarks/
 network.py's `Link`, `UCX_TLS=tcp,self`), two ranks in each, `--calls` float32 Allreduces of
-`--mib` MiB a rank by raw mpi4py, by `dp.allreduce` and by torch's Gloo (a ring: not MPICH's
-choice, the same in every job), in jobs with MPICH's own composition and
+`--mib` MiB a rank by raw mpi4py, by `dp.allreduce`, by torch's Gloo (a ring), and by dp's Gloo
+engine as one ring and by host (`backends/gloo/hierarchy.py`), the Gloo cases the same in every
+job, in jobs with MPICH's own composition and
 with the flat one, the ranks numbered by host (a0 a1 b0 b1) and alternating (a0 b0 a1 b1), the
 four jobs taken in turn `--pairs` times, over the link as it is or shaped (`--rate`, tc's
 syntax). Printed per job: the bytes the link carried in each direction per call (the veth's
@@ -21,6 +22,7 @@ predicts, and the time per call.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -63,6 +65,15 @@ def work(args: argparse.Namespace) -> None:
     if not dist.is_initialized():  # torch's own Gloo group, for the ring's figure
         url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
         dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
+    from dataparallel.backends.base import ReduceOp
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.config import Settings
+
+    # dp's own Gloo engines over the same processes: by host (`hierarchy.py`) and one ring.
+    settings = Settings.from_env()
+    by_host = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=True))
+    ring = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=False))
+    assert by_host.hierarchy is not None and ring.hierarchy is None
     n = args.mib * 2**20 // 4
     x = np.full(n, comm.rank + 1.0, np.float32)
     out = np.empty_like(x)
@@ -72,6 +83,8 @@ def work(args: argparse.Namespace) -> None:
         "MPI_Allreduce": lambda: comm.Allreduce(x, out, MPI.SUM),
         "dp.allreduce (MPI)": lambda: dp.allreduce(x),
         "torch Gloo all_reduce": lambda: dist.all_reduce(t),
+        "dp Gloo, one ring": lambda: ring.allreduce(x, ReduceOp.SUM),
+        "dp Gloo, by host": lambda: by_host.allreduce(x, ReduceOp.SUM),
     }
     for name, call in kinds.items():
         call()  # warm: connections made, buffers pooled
@@ -92,6 +105,8 @@ def work(args: argparse.Namespace) -> None:
     assert float(dp.allreduce(check)[0]) == sum(range(1, comm.size + 1)), "wrong sum"
     if comm.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    by_host.close()
+    ring.close()
     dist.destroy_process_group()
     dp.finalize()
 
