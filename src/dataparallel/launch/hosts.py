@@ -18,7 +18,6 @@ launch at once, named, instead of leaving the others waiting at the rendezvous.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import signal
@@ -113,7 +112,9 @@ def _checked(hosts: list[HostSlots], where: str) -> list[HostSlots]:
     seen = set()
     for entry in hosts:
         if entry.host in seen:
-            raise HostError(f"{where} names host {entry.host!r} twice: give it once, all its slots.")
+            raise HostError(
+                f"{where} names host {entry.host!r} twice: give it once, all its slots."
+            )
         seen.add(entry.host)
     return hosts
 
@@ -315,4 +316,3 @@ class RemoteRank(subprocess.Popen[bytes]):
 def hosts_of(slots: Sequence[Slot]) -> list[str]:
     """Return the hosts of `slots`, each once, in rank order."""
     return list(dict.fromkeys(slot.host for slot in slots))
-
