@@ -207,6 +207,7 @@ class Ssh:
 
     options: list[str]
     env: dict[str, str]
+    mpi_env: dict[str, str]  # mpiexec's own ssh takes no options: its PATH's ssh adds them
 
 
 @pytest.fixture
@@ -243,17 +244,20 @@ def ssh(hosts: tuple[Host, Host], tmp_path: Path) -> Iterator[Ssh]:
                 text=True, start_new_session=True,
             )  # fmt: skip
             daemons.append((daemon, _wait_listening(daemon, host)))
-        folder = tmp_path / "bin"  # an ssh that neither reads nor writes known_hosts
-        folder.mkdir()
-        wrapper = folder / "ssh"
-        wrapper.write_text(
-            '#!/bin/sh\nexec ssh -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR "$@"\n'.replace(
-                "exec ssh", f"exec {shutil.which('ssh')}"
-            )
-        )
-        wrapper.chmod(0o755)
         options = ["-p", str(SSH_PORT), "-i", str(keys / "client")]
-        yield Ssh(options, {"PATH": f"{folder}:{os.environ['PATH']}"})
+        paths = []
+        mpi = [*options, "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes"]
+        for name, extra in (("bin", []), ("mpi-bin", mpi)):
+            folder = tmp_path / name  # an ssh that neither reads nor writes known_hosts
+            folder.mkdir()
+            wrapper = folder / "ssh"
+            wrapper.write_text(
+                f"#!/bin/sh\nexec {shutil.which('ssh')} -o UserKnownHostsFile=/dev/null "
+                f'-o LogLevel=ERROR {" ".join(extra)} "$@"\n'
+            )
+            wrapper.chmod(0o755)
+            paths.append({"PATH": f"{folder}:{os.environ['PATH']}"})
+        yield Ssh(options, *paths)
     finally:
         for daemon, reader in daemons:
             with contextlib.suppress(ProcessLookupError):
@@ -292,15 +296,16 @@ def hosts_job(
     mode: str,
     *options: str,
     spec: str | None = None,
-    env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[str]:
     """Return the command line of `dataparallel run -H a:2,b:2 ... hosts_job.py MODE`, run in
     host a (so a's ranks start there, b's over ssh)."""
     a, b = hosts
     spec = spec or f"{a.address}:2,{b.address}:2"
-    run = [sys.executable, "-m", "dataparallel", "run", "-H", spec, "--backend", "gloo"]
+    run = [sys.executable, "-m", "dataparallel", "run", "-H", spec, "--backend", backend]
     script = str(SCRIPTS / "hosts_job.py")
-    return a.command([*run, *ssh.options, *options, script, mode])
+    ssh_options = ssh.options if backend == "gloo" else []
+    return a.command([*run, *ssh_options, *options, script, mode])
 
 
 def leftovers() -> list[int]:
@@ -316,27 +321,37 @@ def leftovers() -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_run_hosts_starts_two_ranks_on_each_host_over_ssh(
-    hosts: tuple[Host, Host], ssh: Ssh
+    hosts: tuple[Host, Host], ssh: Ssh, backend: str
 ) -> None:
     b = hosts[1]
     before = received(b)
     env = {**ssh.env, "HOSTS_JOB_MARK": "sent along"}
-    done = run_job(hosts_job(hosts, ssh, "allreduce"), launcher=None, env=env, cwd=SCRIPTS)
+    if backend == "mpi":  # mpiexec's own ssh; MPI's data through the link, not shared memory
+        pytest.importorskip("mpi4py")
+        require_mpiexec()
+        env.update(ssh.mpi_env, UCX_TLS="tcp,self", MASTER_ADDR=hosts[0].address)
+    job = hosts_job(hosts, ssh, "allreduce", backend=backend)
+    done = run_job(job, launcher=None, env=env, cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout + done.stderr
     results = {}
-    for line in done.stdout.splitlines():  # every line prefixed with its rank and host
-        found = re.fullmatch(r"\[rank (\d) on ([\d.]+)\] RESULT (.*)", line)
-        assert found is not None, line
-        results[int(found[1])] = (found[2], json.loads(found[3]))
+    for line in done.stdout.splitlines():  # Gloo: every line prefixed with its rank and host
+        if backend == "gloo":
+            found = re.fullmatch(r"\[rank (\d) on ([\d.]+)\] RESULT (.*)", line)
+            assert found is not None, line
+            result = json.loads(found[3])
+            assert found[2] == hosts[int(found[1]) // 2].address, line
+        else:  # mpiexec passes the lines on as they are
+            result = json.loads(line.removeprefix("RESULT "))
+        results[result["rank"]] = result
     assert sorted(results) == [0, 1, 2, 3], done.stdout
-    for rank, (address, result) in results.items():
-        host = hosts[rank // 2]
-        assert (address, result["hostname"]) == (host.address, host.hostname), result
-        assert (result["rank"], result["size"]) == (rank, 4)
+    for rank, result in results.items():
+        assert result["hostname"] == hosts[rank // 2].hostname, result
+        assert result["size"] == 4
         assert result["local"] == [rank % 2, 2]
         assert result["cwd"] == str(SCRIPTS)
-        assert result["forwarded"] == "sent along"  # the environment goes along, as horovodrun's
+        assert result["forwarded"] == "sent along"  # the environment goes along
     # Every rank's 4 MiB crossed the link between the hosts in the allreduce.
     assert received(b) - before >= 2**20, "the ranks' data did not cross the link"
 
