@@ -22,6 +22,10 @@ the script set `mpi4py.rc` first.
 Options (before the script):
     --prefixed     the launcher already prefixes every output line with the rank (Gloo).
     --parent PID   exit when process PID (the launcher) dies, so no rank outlives it.
+    --remote       started over ssh on another host (`dataparallel.launch.hosts`): standard
+                   input is the launcher's line, where it writes the name of a signal to raise
+                   here (INT, TERM); its end, the launcher gone, kills this rank and its
+                   process group.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from types import ModuleType, TracebackType
 from typing import NoReturn
 
 from dataparallel.config import Settings
+from dataparallel.launch.hosts import CONTROL_SIGNALS
 from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port
 from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
@@ -52,7 +57,7 @@ _exit = os._exit
 
 _USAGE = (
     "usage: python -m dataparallel.launch.runner [--prefixed] [--parent PID]"
-    " (script | -m module) [args ...]"
+    " [--remote] (script | -m module) [args ...]"
 )
 
 
@@ -60,6 +65,7 @@ _USAGE = (
 class _Options:
     prefixed: bool = False
     parent: int | None = None
+    remote: bool = False
     module: bool = False
     target: list[str] = field(default_factory=list)
 
@@ -127,6 +133,8 @@ def _parse(argv: list[str]) -> _Options:
             if not args or not args[0].isdigit():
                 _usage_error("--parent needs the launcher's process id")
             options.parent = int(args.pop(0))
+        elif flag == "--remote":
+            options.remote = True
         else:
             _usage_error(f"unknown option {flag!r}")
     if args and args[0] == "-m":
@@ -159,6 +167,34 @@ def _die_with_parent(parent: int) -> None:
             _exit(1)
 
         threading.Thread(target=watch, name="dataparallel-parent-watch", daemon=True).start()
+
+
+def _follow_launcher() -> None:
+    """Take signals from the launcher on standard input, and die with the line's end.
+
+    A rank on another host cannot be signalled by the launcher, nor see it die: the launcher
+    writes a signal's name on the rank's ssh channel instead, and a channel that ends means the
+    launcher (or the link to it) is gone. The rank gets a process group of its own, so that its
+    children (data loader workers) die with it; the script's own standard input is /dev/null.
+    """
+    control = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+    def follow() -> None:
+        with os.fdopen(control, "rb", buffering=0) as line:
+            for word in line:
+                signum = CONTROL_SIGNALS.get(word.strip().decode(errors="replace"))
+                if signum is not None:
+                    os.kill(os.getpid(), signum)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        _exit(1)
+
+    threading.Thread(target=follow, name="dataparallel-launcher-line", daemon=True).start()
 
 
 def _init_mpi() -> None:
@@ -298,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     options = _parse(sys.argv[1:] if argv is None else argv)
     if options.parent is not None:
         _die_with_parent(options.parent)
+    if options.remote:
+        _follow_launcher()
     run_dir = Settings.from_env().run_dir
     if run_dir is not None:  # the MPI launcher blocks SIGINT in mpiexec, which passes it on
         with contextlib.suppress(AttributeError, OSError, ValueError):

@@ -15,6 +15,11 @@ members of each successive world (`dataparallel.elastic`). Then
 - fewer than `--min-np` workers for `--elastic-timeout` seconds, or more than `--reset-limit`
   re-formed worlds, end the run with status 1.
 
+With a host list (`dataparallel run -H a:2,b:2`, `slots`), the ranks of the other hosts start
+over ssh (`dataparallel.launch.hosts`) and are supervised as the local ones: their lines are
+prefixed with rank and host (`[rank R on HOST] `), Ctrl-C and the launcher's SIGTERM reach them
+through their ssh channel, and the first failure on any host ends the job.
+
 Either way every output line is prefixed with its process (`[rank R] `, `[worker N] `), Ctrl-C
 gives each process time to report its `KeyboardInterrupt`, `--timeout` stops the job with status
 124, and the job succeeds (status 0) only when every process still in it finished its script: a
@@ -45,6 +50,16 @@ from dataparallel.config import (
     RUN_DIR_VARIABLE,
 )
 from dataparallel.errors import DataParallelError
+from dataparallel.launch.hosts import (
+    RemoteRank,
+    Slot,
+    Ssh,
+    check_hosts,
+    forwarded,
+    hosts_of,
+    is_local,
+    remote_command,
+)
 from dataparallel.launch.process import (
     EXIT_TIMEOUT,
     RUNNER,
@@ -157,6 +172,8 @@ def run_gloo(
     *,
     elastic: ElasticOptions | None = None,
     timeout: float | None = None,
+    slots: list[Slot] | None = None,
+    ssh: Ssh | None = None,
 ) -> int:
     """Run `target` on this node's processes of a Gloo job and return the job's exit status.
 
@@ -167,6 +184,14 @@ def run_gloo(
         elastic: run elastically with these options (one node; `topology.nproc_per_node`
             workers to start with), or None for a fixed world.
         timeout: seconds before every process is stopped (exit status 124).
+        slots: every rank of the job and its host (`hosts.place`), for a launch across hosts:
+            the ranks of other hosts start over `ssh`, the rendezvous is `topology`'s
+            `master_addr` and `master_port`, and its `nproc_per_node` is ignored.
+        ssh: how to reach the other hosts (default: ssh's own settings).
+
+    Raises:
+        HostError: a host of `slots` cannot be reached, or lacks this working directory or this
+            interpreter (before any rank starts).
 
     Returns:
         0 when every process still in the job finished its script; else the first failed one's
@@ -175,7 +200,7 @@ def run_gloo(
         exceeded `--reset-limit` or discovery failed, 124 on timeout, or 128 + N when the
         launcher was stopped by signal N.
     """
-    job = _Job(target, topology, elastic)
+    job = _Job(target, topology, elastic, slots, ssh or Ssh())
     deadline = None if timeout is None else time.monotonic() + timeout
     with Signals() as signals:
         try:
@@ -193,6 +218,7 @@ class _Process:
 
     number: int
     proc: subprocess.Popen[bytes]
+    host: str | None = None  # with a host list: where it runs
     pumps: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -209,8 +235,17 @@ class _Job:
     in the run, in joining order (rank order), whenever they change.
     """
 
-    def __init__(self, target: list[str], topology: Topology, elastic: ElasticOptions | None):
+    def __init__(
+        self,
+        target: list[str],
+        topology: Topology,
+        elastic: ElasticOptions | None,
+        slots: list[Slot] | None = None,
+        ssh: Ssh | None = None,
+    ):
         self.target, self.topology, self.elastic = target, topology, elastic
+        self.slots, self.ssh = slots, ssh or Ssh()
+        self.local = {} if slots is None else {h: is_local(h) for h in hosts_of(slots)}
         self.noun = "rank" if elastic is None else "worker"
         self.everyone: list[_Process] = []
         self.running: dict[int, _Process] = {}  # running and in the job, in joining order
@@ -253,14 +288,19 @@ class _Job:
         number = len(self.everyone)
         env = dict(self.env)
         stdin: int | None = subprocess.DEVNULL
+        host = None
         if self.elastic is None:
             topology = self.topology
-            number = topology.rank(number)
+            slot = Slot(topology.rank(number), "", number, topology.nproc_per_node)
+            if self.slots is not None:
+                slot = self.slots[number]
+                host = slot.host
+            number = slot.rank
             env.update(
                 RANK=str(number),
-                WORLD_SIZE=str(topology.world_size),
-                LOCAL_RANK=str(len(self.everyone)),
-                LOCAL_WORLD_SIZE=str(topology.nproc_per_node),
+                WORLD_SIZE=str(topology.world_size if self.slots is None else len(self.slots)),
+                LOCAL_RANK=str(slot.local_rank),
+                LOCAL_WORLD_SIZE=str(slot.local_size),
                 MASTER_ADDR=topology.master_addr,
                 MASTER_PORT=str(self.port),
             )
@@ -268,16 +308,22 @@ class _Job:
                 stdin = None  # the terminal's input goes to rank 0, as under torchrun
         else:
             env[ELASTIC_WORKER_VARIABLE] = f"w{number}"
-        command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid())]
-        proc = subprocess.Popen(
-            [*command, *self.target],
-            env=env,
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        process = _Process(number, proc)
-        prefix = f"[{self.noun} {number}] ".encode()
+        proc: subprocess.Popen[bytes]
+        if host is not None and not self.local[host]:
+            runner = [sys.executable, "-m", RUNNER, "--prefixed", "--remote", *self.target]
+            proc = RemoteRank(host, self.ssh, remote_command(os.getcwd(), forwarded(env), runner))
+        else:
+            command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid())]
+            proc = subprocess.Popen(
+                [*command, *self.target],
+                env=env,
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        process = _Process(number, proc, host)
+        where = "" if host is None else f" on {host}"
+        prefix = f"[{self.noun} {number}{where}] ".encode()
         assert proc.stdout is not None and proc.stderr is not None
         for source, output in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
             thread = threading.Thread(target=pump, args=(source, output, prefix), daemon=True)
@@ -293,7 +339,10 @@ class _Job:
 
     def supervise(self, signals: Signals, deadline: float | None, timeout: float | None) -> int:
         """Wait until every process has finished, or the job must end; return its status."""
-        n = self.topology.nproc_per_node
+        n = self.topology.nproc_per_node if self.slots is None else len(self.slots)
+        others = [host for host, local in self.local.items() if not local]
+        if others:  # before any rank starts: no rank waits for a host that cannot come
+            check_hosts(others, self.ssh, os.getcwd(), sys.executable)
         for _ in range(n if self.elastic is None else min(n, self._capacity())):
             self.start()
         if self.elastic is not None:
@@ -302,6 +351,9 @@ class _Job:
         while self.running:
             if signals.received is not None:
                 if signals.received == signal.SIGINT:
+                    for process in self.everyone:  # the terminal's Ctrl-C reaches local ones
+                        if isinstance(process.proc, RemoteRank):
+                            process.proc.send_signal(signal.SIGINT)
                     let_leave([p.proc for p in self.everyone])
                 return 128 + signals.received
             if deadline is not None and time.monotonic() >= deadline:
@@ -342,7 +394,8 @@ class _Job:
         code = process.proc.returncode
         status = exit_status(code)
         problem = None
-        if code == 0 and self.run_dir is not None:
+        # A rank on another host notes nothing here: its status 0 is taken as finished.
+        if code == 0 and self.run_dir is not None and not isinstance(process.proc, RemoteRank):
             problem = self.run_dir.unfinished_rank(number)
         if code == 0 and problem is None:
             self.finished.append(number)
@@ -354,7 +407,10 @@ class _Job:
             warn(f"{problem}{stopping}. Status 0 means that every rank finished its script.")
             return 1
         if self.elastic is None or code > 0 or self.finished:
-            warn(f"{self.noun} {number} exited with status {status}{stopping}.")
+            where = "" if process.host is None else f" on {process.host}"
+            if isinstance(process.proc, RemoteRank) and code == 255:
+                where += " (255: ssh's own failure, or the rank's)"
+            warn(f"{self.noun} {number}{where} exited with status {status}{stopping}.")
             return status
         self.lost.append(number)
         remain = len(self.running)
@@ -453,5 +509,8 @@ class _Job:
         for process in self.everyone:
             for thread in process.pumps:
                 thread.join(timeout=5.0)
+            if process.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.proc.stdin.close()
         if self.run_dir is not None:
             self.run_dir.remove()
