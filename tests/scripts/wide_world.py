@@ -43,7 +43,8 @@ assert np.array_equal(summed["i32"], np.full((2, 2), total)), summed["i32"]
 assert np.array_equal(summed["i64"], [total, -total]), summed["i64"]
 assert summed["c128"][0] == total + size * 1j, summed["c128"]
 assert summed["metrics"] == {"loss": float(total), "count": size}, summed["metrics"]
-averaged = dp.allreduce({"f64": np.full(4, rank, np.float64), "f32": np.full(3, 2.0 * rank, np.float32)}, op="avg")
+halves = {"f64": np.full(4, rank, np.float64), "f32": np.full(3, 2.0 * rank, np.float32)}
+averaged = dp.allreduce(halves, op="avg")
 assert np.array_equal(averaged["f64"], np.full(4, (size - 1) / 2)), averaged["f64"]
 assert np.array_equal(averaged["f32"], np.full(3, size - 1, np.float32)), averaged["f32"]
 assert dp.allreduce(rank, op="max") == last and dp.allreduce(rank + 5, op="min") == 5
