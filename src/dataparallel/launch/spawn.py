@@ -70,6 +70,7 @@ from dataparallel.launch.process import (
     exit_status,
     free_port,
     let_leave,
+    name_ranks,
     pump,
     signal_name,
     stop,
@@ -83,6 +84,9 @@ DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
 # A worker waits this much longer than the launcher for a world to form: the launcher decides.
 _WORKER_MARGIN = 30.0
+# How long a rank's failure for another rank's going (`RankFailedError`) waits for that rank's
+# own exit to show, which then names the job's failure; past it, the waiting rank is named.
+_CAUSE_SECONDS = 2.0
 _LOCAL_NAMES = frozenset(("localhost", "127.0.0.1", "::1"))
 
 
@@ -252,6 +256,10 @@ class _Job:
         self.removed: dict[int, _Process] = {}  # left out of an elastic run, not yet gone
         self.finished: list[int] = []
         self.lost: list[int] = []
+        # Ranks that failed because another rank went (`RankFailedError`), and since when: the
+        # job's failure is that other rank's, once its exit shows.
+        self.left_behind: dict[int, int] = {}  # rank -> its status
+        self.left_behind_since: float | None = None
         self.exits: queue.Queue[int] = queue.Queue()
         self.stdout, self.stderr = Output(sys.stdout), Output(sys.stderr)
         self.env = child_environment()
@@ -368,6 +376,10 @@ class _Job:
                 status = self._exited(self.exits.get(timeout=0.1), signals)
                 if status is not None:
                     return status
+            if self.left_behind:
+                status = self._left_behind()
+                if status is not None:
+                    return status
             if self.elastic is not None:
                 status = self._reform(changed=len(self.lost) > lost)
                 if status is not None:
@@ -401,6 +413,11 @@ class _Job:
             self.finished.append(number)
             self.drop_unformed()
             return None
+        if code > 0 and self.run_dir is not None and self.run_dir.failed_for_peer(number):
+            self.left_behind[number] = status  # judged once the rank that went shows
+            if self.left_behind_since is None:
+                self.left_behind_since = time.monotonic()
+            return None
         others = sum(p.proc.poll() is None for p in self.running.values())
         stopping = f"; stopping the other {others} {self.noun}(s)" if others else ""
         if problem is not None:
@@ -416,6 +433,38 @@ class _Job:
         remain = len(self.running)
         warn(f"worker {number} was lost ({signal_name(-code)}); {remain} worker(s) remain.")
         return None
+
+    def _left_behind(self) -> int | None:
+        """Judge the ranks that failed because another went: name the ranks that finished their
+        script while they waited (status 1), or, past `_CAUSE_SECONDS` with no other exit to
+        blame, the first of them (its status). None: wait on, for a rank that failed otherwise
+        (its note is there, its exit is coming: `_exited` ends the job with its status)."""
+        assert self.run_dir is not None and self.left_behind_since is not None
+        waiting = sorted(self.left_behind)
+        late = time.monotonic() - self.left_behind_since >= _CAUSE_SECONDS
+        if not late and self.run_dir.failed_otherwise(waiting):
+            return None
+        gone = sorted(set(self.finished) | set(self.run_dir.finished()))
+        others = sum(p.proc.poll() is None for n, p in self.running.items() if n not in gone)
+        stopping = f"; stopping the other {others} rank(s)" if others else ""
+        if gone:
+            early = name_ranks(gone)
+            warn(
+                f"{early} finished {'its' if len(gone) == 1 else 'their'} script while "
+                f"{name_ranks(waiting)} still waited in a collective call that {early} never made "
+                f"(RankFailedError there){stopping}. Every rank must make the same collective "
+                f"calls; look for what made {early} finish early (a return, a sys.exit, a skipped "
+                "step)."
+            )
+            return 1
+        if not late:
+            return None
+        first = waiting[0]
+        warn(
+            f"rank {first} exited with status {self.left_behind[first]}: another rank failed or "
+            f"exited while it waited on it, and no other rank of this machine ended{stopping}."
+        )
+        return self.left_behind[first]
 
     def _reform(self, *, changed: bool) -> int | None:
         """Follow discovery, and open a round when the workers `changed` (or discovery changed
