@@ -4,9 +4,12 @@ torch makes a Gloo group by rendezvous in a store: each member writes its addres
 the others'. A member that dies before writing its own leaves the others waiting in the store
 until its timeout (`--elastic-timeout` + 30 s). `watching(store, round)` wraps the launcher's
 store for that rendezvous: its waits poll the store (`SLICE` seconds apart at most) and read,
-between two polls, whether the launcher opened a newer round that leaves out one of this
-round's members (a worker lost or removed; one that only adds workers lets this group form).
-If so the wait fails with `RankFailedError`, and `rounds.join` goes on to the newer round. The
+first and between two polls, whether the launcher opened a newer round that leaves out one of
+this round's members (a worker lost or removed; one that only adds workers lets this group
+form). If so the wait fails with `RankFailedError`, and `rounds.join` goes on to the newer round.
+First, not only while keys are missing: a member that reaches the rendezvous late, after the
+newer round opened, would otherwise find every key written and form the group that the others,
+who waited for it, gave up. The
 wrapper must outlive the group (torch calls back into it): `rounds` keeps it.
 """
 
@@ -70,13 +73,15 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
         def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
             deadline = time.monotonic() + (timeout or self._limit).total_seconds()
             pause = 0.001
-            while not store.check(keys):  # polled: a store's timed-out wait logs a warning
+            while True:  # polled: a store's timed-out wait logs a warning
                 lost = _left_out(store, generation, members)
                 if lost:
                     raise RankFailedError(
                         f"round {generation}'s Gloo group cannot form: the launcher opened round "
                         f"{generation + 1} without worker(s) {', '.join(lost)}."
                     )
+                if store.check(keys):
+                    return
                 if time.monotonic() >= deadline:
                     raise RankFailedError(
                         f"round {generation}'s Gloo group did not form within "
