@@ -228,7 +228,9 @@ def join(after: int, settings: Settings | None = None) -> Round:
 
 def rejoin(error: BaseException) -> None:
     """Leave the round whose world could not form (`error`: a member was lost meanwhile) and
-    join the next one; raise `error` where it says nothing of a lost member (a bug, a mismatch).
+    join the next one. A lost member shows as a `RankFailedError` or as torch's own
+    `RuntimeError` (a connection refused or closed); any other error (a mismatch, a bad
+    argument, an interrupt) is raised as it is.
 
     `dp.initialize` calls this (`world.on_lost_member`) and then tries again.
 
