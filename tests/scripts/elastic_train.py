@@ -15,7 +15,8 @@ Options:
     --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
                         script prints), then waits until the launcher has opened a new round;
                         K = 0: the newest worker does so before its `dp.initialize()`, while
-                        round 0's world forms (the others wait there for it)
+                        round 0's world forms, and enters it once the others, who waited
+                        there for it, have given it up and formed round 1
     --leave W:K         as --die, but worker W leaves with `sys.exit(0)` (a clean exit mid-run)
     --die-initializing W  worker W kills itself with SIGKILL before `dp.initialize()`, once the
                         launcher's round 0 has formed (the others meet its absence there)
@@ -85,12 +86,15 @@ def die_forming(generation: int) -> None:
     rounds._make_group = dying  # type: ignore[assignment]
 
 
-def wait_for_round(generation: int) -> None:
-    """Wait until the launcher has opened round `generation`."""
+def wait_for_round(generation: int, formed: bool = False) -> None:
+    """Wait until the launcher has opened round `generation` (`formed`: until it formed)."""
     from dataparallel.config import Settings
     from dataparallel.elastic import rounds
 
-    rounds.connect(Settings.from_env()).wait([rounds.round_key(generation)])
+    store = rounds.connect(Settings.from_env())
+    store.wait([rounds.round_key(generation)])
+    if formed:
+        store.wait([rounds.ready_key(generation)])
 
 
 def wait_until(done: object) -> None:
@@ -142,7 +146,7 @@ def main() -> None:
             path, _, line = args.slots.split(":", 2)
             with open(path, "w") as file:
                 file.write(line + "\n")
-            wait_for_round(joined.generation + 1)
+            wait_for_round(joined.generation + 1, formed=True)  # the others gave round 0 up
     dp.initialize()
     state = dp.elastic.ObjectState(
         w=np.zeros(DIM),
