@@ -453,9 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     _init_mpi()
     elastic = Settings.from_env().elastic_store is not None
     if elastic:  # `dataparallel run --min-np`: join the launcher's newest round (elastic/rounds.py)
-        from dataparallel.elastic.rounds import join
+        from dataparallel import world
+        from dataparallel.elastic.rounds import join, rejoin
 
         join(-1)
+        world.on_lost_member(rejoin)  # a member lost in `dp.initialize()`: the next round
     set_torchrun_variables(_live_mpi())
     rank = int(_rank())
     if run_dir is not None:

@@ -9,11 +9,17 @@ members of each successive world (`dataparallel.elastic`). Then
 - a worker killed by a signal (SIGKILL, the OOM killer) is *lost*: its slot is not used again
   (Horovod blacklists the host; here, one machine, the slot) and, while at least `--min-np`
   remain, the survivors re-form; any other failure ends the run, since re-forming fixes no bug;
+- a worker that exits 0 *finished* its script and leaves the run: the others either finish
+  too or re-form without it, whatever `--min-np` says (the run is ending: no worker starts
+  after a finish, so waiting for `--min-np` would wait in vain);
 - `--host-discovery-script` (Horovod's `HOST:SLOTS` lines, this machine only) runs every second:
   more slots (up to `--max-np`) start workers, fewer remove the newest, which leave with status 0
-  at their next commit while the others re-form;
+  at their next commit while the others re-form. Its first call must succeed; a later failure
+  keeps the slots it reported last (Horovod's rule);
 - fewer than `--min-np` workers for `--elastic-timeout` seconds, or more than `--reset-limit`
-  re-formed worlds, end the run with status 1.
+  re-formed worlds, end the run with status 1. A world counts when it forms: losing two workers
+  at once opens a round that never forms (its members include the second) before the one that
+  does, and is one re-forming.
 
 With a host list (`dataparallel run -H a:2,b:2`, `slots`), the ranks of the other hosts start
 over ssh (`dataparallel.launch.hosts`) and are supervised as the local ones: their lines are
@@ -266,7 +272,12 @@ class _Job:
         self.run_dir: RunDir | None = None
         self.store: Any = None  # torch's TCPStore
         self.generation = -1
+        self.formed = -1  # the newest round known to have formed
+        self.resets = 0  # rounds formed after the first
+        self.members: dict[int, list[int]] = {}  # round -> its workers, in rank order
         self.started_in: dict[int, int] = {}  # worker -> the first round it is a member of
+        self.slots = 0  # what the discovery script reported last
+        self.discovery_failing = False  # its last call failed (said once, not every second)
         self.below_since: float | None = None  # since when fewer than --min-np workers run
         self.next_discovery = 0.0  # when discovery runs next
         if elastic is None:
@@ -371,7 +382,7 @@ class _Job:
             if stranded is not None:
                 warn(f"{stranded}; stopping the other rank(s).")
                 return 1
-            lost = len(self.lost)
+            gone = len(self.lost) + len(self.finished)
             with contextlib.suppress(queue.Empty):
                 status = self._exited(self.exits.get(timeout=0.1), signals)
                 if status is not None:
@@ -381,7 +392,9 @@ class _Job:
                 if status is not None:
                     return status
             if self.elastic is not None:
-                status = self._reform(changed=len(self.lost) > lost)
+                status = self._reform(changed=len(self.lost) + len(self.finished) > gone)
+                if status is None:
+                    status = self._check_formed()
                 if status is not None:
                     return status
         if signals.received is not None:  # the last ones died of the launcher's own Ctrl-C
@@ -391,8 +404,9 @@ class _Job:
     def _exited(self, number: int, signals: Signals) -> int | None:
         """Judge the exit of process `number`: the job's status if it must end, else None.
 
-        A worker killed by a signal in an elastic run is *lost* (noted in `lost`); any other
-        failure ends the job, as does a rank that exited 0 without finishing its script.
+        A worker killed by a signal in an elastic run is *lost* (noted in `lost`), even after
+        another finished (a worker lost in the last commit must not fail a finished run); any
+        other failure ends the job, as does a rank that exited 0 without finishing its script.
         """
         process = self.running.pop(number, None)
         if process is None:  # removed from an elastic run, or stopped by `drop_unformed`
@@ -423,7 +437,7 @@ class _Job:
         if problem is not None:
             warn(f"{problem}{stopping}. Status 0 means that every rank finished its script.")
             return 1
-        if self.elastic is None or code > 0 or self.finished:
+        if self.elastic is None or code > 0:
             where = "" if process.host is None else f" on {process.host}"
             if isinstance(process.proc, RemoteRank) and code == 255:
                 where += " (255: ssh's own failure, or the rank's)"
@@ -474,7 +488,7 @@ class _Job:
         now = time.monotonic()
         if elastic.discovery is not None and now >= self.next_discovery and not self.finished:
             self.next_discovery = now + DISCOVERY_INTERVAL
-            capacity = self._capacity()
+            capacity = self._rediscover()
             while len(self.running) < capacity:
                 self.start()
                 changed = True
@@ -482,16 +496,12 @@ class _Job:
             if len(self.running) > keep:
                 self.remove(len(self.running) - keep, capacity)
                 changed = True
-        if changed:
-            if len(self.running) >= elastic.min_np:
+        if changed and self.running:
+            if len(self.running) >= elastic.min_np or self.finished:
                 self.below_since = None
-                if elastic.reset_limit is not None and self.generation >= elastic.reset_limit:
-                    warn(
-                        f"the run was re-formed {self.generation} time(s), and --reset-limit is "
-                        f"{elastic.reset_limit}; stopping."
-                    )
-                    return 1
-                self.open_round()
+                status = self.open_round()
+                if status is not None:
+                    return status
             elif self.below_since is None:
                 self.below_since = now
         if self.below_since is not None and now - self.below_since >= elastic.elastic_timeout:
@@ -510,21 +520,75 @@ class _Job:
         at most --max-np."""
         assert self.elastic is not None
         discovery = self.elastic.discovery
-        slots = self.topology.nproc_per_node if discovery is None else discover(discovery)
+        if discovery is not None:
+            self.slots = discover(discovery)
+        slots = self.topology.nproc_per_node if discovery is None else self.slots
         return min(self.elastic.max_np, slots - len(self.lost))
 
-    def open_round(self) -> None:
-        """Publish a round of the workers in the run, in joining order (rank order)."""
+    def _rediscover(self) -> int:
+        """`_capacity` after the first call: a discovery script that fails now (a host service
+        down for a moment) leaves the slots it reported last, and runs again a second later."""
+        assert self.elastic is not None
+        try:
+            capacity = self._capacity()
+        except DiscoveryError as exc:
+            if not self.discovery_failing:
+                warn(f"{exc}; keeping the {self.slots} slot(s) it reported last, and retrying.")
+            self.discovery_failing = True
+            return min(self.elastic.max_np, self.slots - len(self.lost))
+        if self.discovery_failing:
+            warn(f"the host discovery script works again ({self.slots} slot(s)).")
+        self.discovery_failing = False
+        return capacity
+
+    def _check_formed(self) -> int | None:
+        """Note whether the newest round formed; return 1 if that exceeds --reset-limit."""
+        if self.formed < self.generation:
+            from dataparallel.elastic.rounds import formed
+
+            if formed(self.store, self.generation):
+                return self._formed(self.generation)
+        return None
+
+    def _formed(self, generation: int) -> int | None:
+        """Round `generation` formed: say what it left out, and count it against --reset-limit
+        (a round that never formed does not count); return 1 if the limit is exceeded."""
+        assert self.elastic is not None
+        before, self.formed = self.formed, generation
+        kept = self.members[generation]
+        finished = [n for n in self.members.get(before, []) if n in self.finished and n not in kept]
+        if finished:
+            warn(
+                f"round {generation} formed without worker(s) {', '.join(map(str, finished))}, "
+                "which finished their script while the others were still training: a worker "
+                "that exits 0 leaves the run."
+            )
+        if generation == 0:
+            return None
+        self.resets += 1
+        limit = self.elastic.reset_limit
+        if limit is not None and self.resets > limit:
+            warn(f"the run re-formed {self.resets} time(s); --reset-limit is {limit}: stopping.")
+            return 1
+        return None
+
+    def open_round(self) -> int | None:
+        """Publish a round of the workers in the run, in joining order (rank order); return 1
+        if the round before, found formed only now, exceeds --reset-limit."""
         from dataparallel.elastic.forming import round_key
         from dataparallel.elastic.rounds import LATEST, supersede
 
-        supersede(self.store, self.generation)
+        status = None
+        if supersede(self.store, self.generation) and self.formed < self.generation:
+            status = self._formed(self.generation)  # it formed since the last look
         self.generation += 1
         members = [p.id for p in self.running.values()]
+        self.members[self.generation] = list(self.running)
         for number in self.running:
             self.started_in.setdefault(number, self.generation)
         self.store.set(round_key(self.generation), json.dumps(members))
         self.store.set(LATEST, str(self.generation))
+        return status
 
     def remove(self, count: int, slots: int) -> None:
         """Leave the newest `count` workers out of the next round (discovery leaves the run
