@@ -276,7 +276,7 @@ class _Job:
         self.resets = 0  # rounds formed after the first
         self.members: dict[int, list[int]] = {}  # round -> its workers, in rank order
         self.started_in: dict[int, int] = {}  # worker -> the first round it is a member of
-        self.slots = 0  # what the discovery script reported last
+        self.discovered = 0  # what the discovery script reported last
         self.discovery_failing = False  # its last call failed (said once, not every second)
         self.below_since: float | None = None  # since when fewer than --min-np workers run
         self.next_discovery = 0.0  # when discovery runs next
@@ -521,8 +521,8 @@ class _Job:
         assert self.elastic is not None
         discovery = self.elastic.discovery
         if discovery is not None:
-            self.slots = discover(discovery)
-        slots = self.topology.nproc_per_node if discovery is None else self.slots
+            self.discovered = discover(discovery)
+        slots = self.topology.nproc_per_node if discovery is None else self.discovered
         return min(self.elastic.max_np, slots - len(self.lost))
 
     def _rediscover(self) -> int:
@@ -533,11 +533,13 @@ class _Job:
             capacity = self._capacity()
         except DiscoveryError as exc:
             if not self.discovery_failing:
-                warn(f"{exc}; keeping the {self.slots} slot(s) it reported last, and retrying.")
+                warn(
+                    f"{exc}; keeping the {self.discovered} slot(s) it reported last, and retrying."
+                )
             self.discovery_failing = True
-            return min(self.elastic.max_np, self.slots - len(self.lost))
+            return min(self.elastic.max_np, self.discovered - len(self.lost))
         if self.discovery_failing:
-            warn(f"the host discovery script works again ({self.slots} slot(s)).")
+            warn(f"the host discovery script works again ({self.discovered} slot(s)).")
         self.discovery_failing = False
         return capacity
 
