@@ -166,7 +166,8 @@ def test_half_precision_average_is_correctly_rounded(
     shares = []
     for r in range(size):
         rng = np.random.default_rng(100 + r)
-        shares.append(rng.normal(size=n) * 2.0 ** rng.integers(-4, 5, size=n))
+        values = rng.normal(size=n) * 2.0 ** rng.integers(-4, 5, size=n)
+        shares.append(np.asarray(jnp.asarray(values, dtype), np.float64))  # 16-bit values
     mean = np.sum(shares, axis=0) / size  # exact in float64 (few terms, close exponents)
     want = _rounded(mean, jnp.dtype(dtype))
     grads = {"g": jnp.asarray(shares[rank], dtype)}
@@ -176,18 +177,20 @@ def test_half_precision_average_is_correctly_rounded(
         update = jax.jit(opt.update) if jit else opt.update
         got, _ = update(grads, opt.init(params), params)
         wrong = np.flatnonzero(np.asarray(got["g"], np.float64) != want.astype(np.float64))
-        assert wrong.size == 0, (sharded, wrong[:5], np.asarray(got["g"])[wrong[:5]], want[wrong[:5]])
+        assert wrong.size == 0, (sharded, wrong[:5], np.asarray(got["g"])[wrong[:5]])
 
 
 def _rounded(x: np.ndarray, dtype: Any) -> np.ndarray:
-    """`x` (float64) rounded to the nearest `dtype` value: of a cast and its two neighbours (the
-    cast may round twice, through float32), the one nearest `x`."""
+    """`x` (float64) rounded to the nearest `dtype` value, ties to even: of a cast and its two
+    neighbours (the cast may round twice, through float32), the nearest, the even one of two."""
     cast = np.asarray(x.astype(np.float32).astype(dtype))
     bits = cast.view(np.uint16).astype(np.int32)
-    candidates = [(bits + d).astype(np.uint16).view(dtype) for d in (-1, 0, 1)]
-    errors = np.stack([np.abs(c.astype(np.float64) - x) for c in candidates])
+    candidates = [(bits + d).astype(np.uint16) for d in (-1, 0, 1)]
+    errors = np.stack([np.abs(c.view(dtype).astype(np.float64) - x) for c in candidates])
     errors[np.isnan(errors)] = np.inf  # a neighbour of zero or of the largest value
-    return np.choose(np.argmin(errors, axis=0), candidates)
+    odd = np.stack([c & 1 for c in candidates])
+    best = np.lexsort((odd, errors), axis=0)[0]  # least error, then even
+    return np.choose(best, candidates).view(dtype)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -122,12 +122,12 @@ def _builder(fn: Callable[..., Any]) -> str | None:
 def _parts(tx: Any) -> list[tuple[str, dict[str, Any]]]:
     """Every optax builder reachable from `tx`, with its closure's variables, outermost first."""
     found: list[tuple[str, dict[str, Any]]] = []
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # by id, holding each object so that no id is reused meanwhile
 
     def visit(obj: Any) -> None:
         if id(obj) in seen:
             return
-        seen.add(id(obj))
+        seen[id(obj)] = obj
         if isinstance(obj, functools.partial):
             visit(obj.func)
             for arg in (*obj.args, *obj.keywords.values()):
@@ -135,9 +135,7 @@ def _parts(tx: Any) -> list[tuple[str, dict[str, Any]]]:
         elif isinstance(obj, types.MethodType):
             visit(obj.__func__)
         elif isinstance(obj, types.FunctionType):
-            cells = dict(
-                zip(obj.__code__.co_freevars, (c.cell_contents for c in obj.__closure__ or ()))
-            ) if all(_filled(c) for c in obj.__closure__ or ()) else {}
+            cells = _cells(obj)
             name = _builder(obj)
             if name is not None:
                 found.append((name, cells))
@@ -170,7 +168,7 @@ def _sample(cells: dict[str, Any]) -> Any:
             if name not in kwargs and param.default is param.empty and param.kind in _NAMED:
                 kwargs[name] = 1.0
         return factory(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - anything it raises: it cannot be looked at
+    except Exception as exc:  # anything it raises: it cannot be looked at
         name = getattr(factory, "__qualname__", "its factory")
         raise ValueError(
             f"shard_state=True: could not build optax.inject_hyperparams' transformation "
@@ -182,19 +180,21 @@ def _sample(cells: dict[str, Any]) -> Any:
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _filled(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
+def _cells(fn: types.FunctionType) -> dict[str, Any]:
+    """`fn`'s closure variables by name (those not yet assigned left out)."""
+    out = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return out
 
 
 def _callable_mask(cells: dict[str, Any], *names: str) -> bool:
     values = [cells[n] for n in names if n in cells and cells[n] is not None]
     return any(
-        callable(v) or any(callable(leaf) for leaf in jax.tree_util.tree_leaves(v))
-        for v in values
+        callable(v) or any(callable(leaf) for leaf in jax.tree_util.tree_leaves(v)) for v in values
     )
 
 
