@@ -44,6 +44,7 @@ from dataparallel.arrays.dtypes import scale_in_place
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.groups import Group, backend_of
 from dataparallel.jax._elementwise import refuse_unshardable
+from dataparallel.jax._jit import traced_here
 from dataparallel.jax._optax import callback_backend
 from dataparallel.types import Op
 
@@ -206,6 +207,8 @@ def sharded_optax(
         flats = _flats(layout, leaves)
         traced = any(isinstance(x, jax.core.Tracer) for x in flats.values())
         comm = callback_backend(chosen) if traced else b
+        if traced:
+            traced_here()
         names = list(flats)
         scale = 1.0 / b.size if op == "avg" else 1.0
 
