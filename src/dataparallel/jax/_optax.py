@@ -175,10 +175,10 @@ def _allreduce_tree(
     return jax.tree_util.tree_unflatten(treedef, reduced)
 
 
-def _narrow(wide: np.ndarray, leaf: Any) -> Any:
+def _narrow(wide: Any, leaf: Any) -> Any:
     """`wide` back in float16, a NumPy array if `leaf` was one, else a JAX array."""
     if isinstance(leaf, np.ndarray):
-        return wide.astype(np.float16)
+        return np.asarray(wide).astype(np.float16)
     return jax.numpy.asarray(wide, jax.numpy.float16)
 
 
