@@ -270,3 +270,30 @@ def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str, wr
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("optax") is None, reason="needs JAX and optax")
+@pytest.mark.parametrize(("route", "victim"), [("ffi", "w0"), ("callback", "w1")])
+def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: str) -> None:
+    """The survivors lose the worker inside the jitted step's reduction (an FFI call, a host
+    callback), which JAX reports as its own `JaxRuntimeError`: `elastic.run` re-forms all the
+    same, and the step, compiled for the old world, is traced again for the new one. The script
+    converts nothing and clears no cache itself; the end is one process's training."""
+    out = tmp_path / "out.json"
+    done = run_job(
+        [SCRIPTS / "elastic_jax.py", "--out", out, "--route", route, "--die", victim],
+        ranks=3,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+        env={"JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"worker {victim[1:]} was lost" in done.stderr
+    result = json.loads(out.read_text())
+    assert (result["size"], result["step"], result["same"]) == (2, 8, True)
+    from elastic_jax import replay
+
+    np.testing.assert_allclose(result["params"], replay(8), rtol=1e-6, atol=1e-7)

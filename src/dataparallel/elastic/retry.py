@@ -1,12 +1,14 @@
 """`elastic.run`: call the training function again, on a re-formed world, after a lost rank or
 an added one (Horovod's `hvd.elastic.run`).
 
-On `RankFailedError` (a rank died: raised by whatever collective this rank was in) the state
-rolls back to its last commit; on `HostsUpdatedInterrupt` (workers added, seen at a commit) it
-does not. Either way the world is re-formed from the launcher's newest round (`rounds.py`), the
-reset callbacks run, the state is synchronized from the new rank 0, and the function is called
-again. Outside an elastic run (no `dataparallel run --min-np` launcher) the errors propagate.
-A worker that can join no round (`rounds.NoWorldError`) ends: waiting again would wait for ever.
+On `RankFailedError` (a rank died: raised by whatever collective this rank was in, or carried
+by another library's error: a jitted JAX step raises JAX's `JaxRuntimeError`, `library_error`)
+the state rolls back to its last commit; on `HostsUpdatedInterrupt` (workers added, seen at a
+commit) it does not. Either way the world is re-formed from the launcher's newest round
+(`rounds.py`), the reset callbacks run, the state is synchronized from the new rank 0, and the
+function is called again. Outside an elastic run (no `dataparallel run --min-np` launcher) the
+errors propagate. A worker that can join no round (`rounds.NoWorldError`) ends: waiting again
+would wait for ever.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 from dataparallel import world
 from dataparallel.elastic import rounds
 from dataparallel.elastic.state import HostsUpdatedInterrupt, State
-from dataparallel.errors import DataParallelError, RankFailedError
+from dataparallel.errors import DataParallelError, RankFailedError, library_error
 
 __all__ = ["reform_world", "run", "run_fn"]
 
@@ -75,6 +77,11 @@ def run_fn(
                 if not elastic:
                     raise
                 skip_sync = interrupt.skip_sync
+            except Exception as error:
+                if not (elastic and isinstance(library_error(error), RankFailedError)):
+                    raise
+                state.restore()
+                skip_sync = False
             reform = True
 
     return wrapper

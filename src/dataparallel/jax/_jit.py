@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from dataparallel import world
+from dataparallel import caches, world
 from dataparallel.arrays.actions import parse_op
 from dataparallel.arrays.compression import Compressing
 from dataparallel.backends.base import Backend, ReduceOp
@@ -46,7 +46,27 @@ from dataparallel.jax._packed import Packed
 from dataparallel.protocol import handshake
 from dataparallel.types import Op
 
-__all__ = ["allreduce_traced", "general", "reduce_tree_traced"]
+__all__ = ["allreduce_traced", "general", "reduce_tree_traced", "traced_here"]
+
+_traced: list[bool] = []  # whether a step was traced in this world (`traced_here`)
+
+
+def traced_here() -> None:
+    """Note that a jitted step was traced in this world: `dp.finalize()` then drops JAX's caches,
+    so that it is traced again in the next world (`_trace_again`)."""
+    if not _traced:
+        _traced.append(True)
+
+
+@caches.register
+def _trace_again() -> None:
+    """Have the jitted steps traced in the world that `dp.finalize()` ends traced again at their
+    next call: their compiled reductions call that world's engines (an elastic run re-forms its
+    world this way). `jax.clear_caches()` is JAX's only way: every function JAX compiled in this
+    process, ours or not, compiles again at its next call."""
+    if _traced:
+        _traced.clear()
+        jax.clear_caches()
 
 
 def allreduce_traced(
@@ -122,6 +142,7 @@ def reduce_tree_traced(
     active = world.current()
     engine = backend if backend is not None else active.backend
     private = active.private(engine)
+    traced_here()
     leaves = [leaf for _, leaf in with_paths]
     if compression is None:
         signatures = [f"{np.dtype(x.dtype)}{list(x.shape)}" for x in leaves]

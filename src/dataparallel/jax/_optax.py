@@ -153,15 +153,33 @@ def _allreduce_tree(
         return grads
     for key, leaf in with_paths:
         validate_reduction(_dtype(leaf), op, None, "grads" + jax.tree_util.keystr(key))
-    leaves = [leaf for _, leaf in with_paths]
+    leaves = original = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
         reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, bridge)
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
+        # float16 is summed and averaged in float32 and rounded once, as under jit (an engine's
+        # own 16-bit sum rounds at every step: several units in the last place at 3 ranks).
+        halves = [
+            compression is None and op in ("avg", "sum") and _dtype(x) == "float16" for x in leaves
+        ]
+        leaves = [
+            np.asarray(x, np.float32) if h else x for x, h in zip(leaves, halves, strict=True)
+        ]
         reduced = reductions.allreduce(leaves, op=op, backend=backend, compression=compression)
+        reduced = [
+            _narrow(r, x) if h else r for x, r, h in zip(original, reduced, halves, strict=True)
+        ]
     return jax.tree_util.tree_unflatten(treedef, reduced)
+
+
+def _narrow(wide: Any, leaf: Any) -> Any:
+    """`wide` back in float16, a NumPy array if `leaf` was one, else a JAX array."""
+    if isinstance(leaf, np.ndarray):
+        return np.asarray(wide).astype(np.float16)
+    return jax.numpy.asarray(wide, jax.numpy.float16)
 
 
 def _dtype(leaf: jax.typing.ArrayLike) -> str:

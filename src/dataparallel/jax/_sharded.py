@@ -2,16 +2,21 @@
 
 The face of `dp.DistributedOptimizer(tx, shard_state=True)`. The parameter tree's leaves are laid
 end to end per dtype (in tree order) into one flat vector each; rank r owns the r-th of `size`
-equal contiguous segments of every vector (padded with fewer than `size` zeros), and the inner
-transformation is applied to `{dtype: this rank's segment}`, so its state is about `1 / size` of
-the unsharded state. `update` reduce-scatters the gradients (averaged), runs the inner update on
-this rank's segment and allgathers the updates' segments back into the tree, one call per dtype
-each: eagerly on the host, under `jax.jit` through an ordered host callback on the private
-duplicate of the engine, with the inner update left in the compiled program.
+equal contiguous segments of every vector (padded with fewer than `size` zeros). The inner
+transformation sees the parameters' own tree, each leaf cut down to this rank's slice of it (a
+flat piece, empty where the rank owns none of the leaf), so its state is about `1 / size` of the
+unsharded state, and a mask or label tree picks leaves as it does unsharded. `update`
+reduce-scatters the gradients (averaged), runs the inner update on this rank's slices and
+allgathers the updates' segments back into the tree, one call per dtype each: eagerly on the
+host, under `jax.jit` through an ordered host callback on the private duplicate of the engine,
+with the inner update left in the compiled program.
 
-The inner transformation must be element-wise (sgd, adam, adamw, rmsprop, ...): it sees segments
-of a flat vector, not the leaves. `consolidate_state` gathers a whole state (the same at every
-world size) to one rank for a checkpoint; `shard_state` keeps this rank's segments of it.
+Slices keep their leaves' places but not their shapes nor the other ranks' items, so the inner
+transformation must be element-wise: what cannot run on slices (a global norm, a callable mask)
+is refused when the optimizer is built (`dataparallel.jax._elementwise`). Half-precision
+gradients are summed in float32 and averaged there, then rounded once, as the unsharded
+optimizer does. `consolidate_state` gathers a whole state (the same at every world size) to one
+rank for a checkpoint; `shard_state` keeps this rank's slices of it.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()
@@ -35,8 +40,11 @@ from jax.experimental import io_callback
 
 from dataparallel import world
 from dataparallel.arrays.actions import parse_op
+from dataparallel.arrays.dtypes import scale_in_place
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.groups import Group, backend_of
+from dataparallel.jax._elementwise import refuse_unshardable
+from dataparallel.jax._jit import traced_here
 from dataparallel.jax._optax import callback_backend
 from dataparallel.types import Op
 
@@ -44,7 +52,7 @@ __all__ = ["ShardedState", "consolidate_state", "shard_state", "sharded_optax"]
 
 
 class ShardedState(NamedTuple):
-    """State of `sharded_optax`: the inner state over `{dtype: this rank's segment}`."""
+    """State of `sharded_optax`: the inner state over this rank's slices of the parameters."""
 
     inner_state: optax.OptState
 
@@ -64,19 +72,38 @@ class _Layout(NamedTuple):
     dtypes: dict[str, list[int]]  # dtype name -> leaf indices, in tree order
     counts: dict[str, list[int]]  # dtype name -> items per rank (equal: the vector is padded)
     items: dict[str, int]  # dtype name -> the leaves' items
+    offsets: list[int]  # each leaf's first item in its dtype's vector
+    names: list[str]  # each leaf's dtype name
+
+    def size(self, i: int) -> int:
+        return int(np.prod(self.shapes[i], dtype=np.int64))
+
+    def cut(self, i: int, rank: int) -> tuple[int, int, int]:
+        """Leaf `i`'s slice on `rank`: where it starts in the rank's segment, where in the
+        leaf, and how many items it has (0: the rank owns none of the leaf)."""
+        part = self.counts[self.names[i]][0]
+        lo, first = rank * part, self.offsets[i]
+        start, end = max(first, lo), min(first + self.size(i), lo + part)
+        return start - lo, start - first, max(0, end - start)
 
 
 def _layout(tree: Any, size: int) -> tuple[_Layout, list[Any]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dtypes: dict[str, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        dtypes.setdefault(str(np.dtype(jnp.result_type(leaf))), []).append(i)
+    names = [str(np.dtype(jnp.result_type(leaf))) for leaf in leaves]
+    for i, d in enumerate(names):
+        dtypes.setdefault(d, []).append(i)
     shapes = [tuple(np.shape(leaf)) for leaf in leaves]
-    items = {
-        d: sum(int(np.prod(shapes[i], dtype=np.int64)) for i in idx) for d, idx in dtypes.items()
-    }
+    offsets = [0] * len(leaves)
+    items = {}
+    for d, idx in dtypes.items():
+        at = 0
+        for i in idx:
+            offsets[i] = at
+            at += int(np.prod(shapes[i], dtype=np.int64))
+        items[d] = at
     counts = {d: _counts(n, size) for d, n in items.items()}
-    return _Layout(treedef, shapes, dtypes, counts, items), leaves
+    return _Layout(treedef, shapes, dtypes, counts, items, offsets, names), leaves
 
 
 def _flats(layout: _Layout, leaves: list[Any]) -> dict[str, jax.Array]:
@@ -96,6 +123,28 @@ def _segments(layout: _Layout, leaves: list[Any], rank: int) -> dict[str, jax.Ar
     return out
 
 
+def _slices(layout: _Layout, segments: dict[str, jax.Array], rank: int) -> Any:
+    """The tree of this rank's slices of each leaf, cut from its segments."""
+    out = []
+    for i, d in enumerate(layout.names):
+        at, _, n = layout.cut(i, rank)
+        out.append(segments[d][at : at + n])
+    return jax.tree_util.tree_unflatten(layout.treedef, out)
+
+
+def _join(layout: _Layout, slices: Any, rank: int) -> dict[str, jax.Array]:
+    """This rank's segments from its slices (the inverse of `_slices`), padded with zeros: the
+    slices of one dtype lie end to end in the segment, in tree order."""
+    leaves = layout.treedef.flatten_up_to(slices)
+    out = {}
+    for d, idx in layout.dtypes.items():
+        parts = [jnp.ravel(leaves[i]).astype(d) for i in idx if layout.cut(i, rank)[2]]
+        part = layout.counts[d][rank]
+        flat = jnp.concatenate(parts) if parts else jnp.zeros(0, d)
+        out[d] = jnp.pad(flat, (0, part - flat.shape[0]))
+    return out
+
+
 def sharded_optax(
     inner: optax.GradientTransformation,
     *,
@@ -108,7 +157,7 @@ def sharded_optax(
     Usually reached through `dp.DistributedOptimizer(inner, shard_state=True)`.
 
     Args:
-        inner: an element-wise optax transformation.
+        inner: an element-wise optax transformation (a mask or labels as a tree).
         op: `"avg"` (default) or `"sum"`: how gradients combine across ranks.
         backend: the engine (default: the active one).
         group: shard among the ranks of this `dp.new_group` group (default: the world).
@@ -117,10 +166,16 @@ def sharded_optax(
         A transformation whose `init(params)` returns a `ShardedState` and whose
         `update(grads, state, params=None)` returns the whole update tree (the same on every
         rank) with the new `ShardedState`, eagerly and inside `jax.jit`.
+
+    Raises:
+        ValueError: `op` is not `"avg"` or `"sum"`, or `inner` holds an optax part that cannot
+            run on slices of the leaves (`clip_by_global_norm`, a callable mask, `lamb`, ...);
+            the message names it and says what to do.
     """
     if op not in ("avg", "sum"):
         raise ValueError(f"shard_state=True: op={op!r} must be 'avg' or 'sum'.")
     parse_op(op)
+    refuse_unshardable(inner)
     chosen = backend_of(backend, group)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
@@ -132,7 +187,7 @@ def sharded_optax(
     def init_fn(params: optax.Params) -> ShardedState:
         b = engine()
         layout, leaves = _layout(params, b.size)
-        return ShardedState(inner.init(_segments(layout, leaves, b.rank)))
+        return ShardedState(inner.init(_slices(layout, _segments(layout, leaves, b.rank), b.rank)))
 
     def update_fn(
         updates: optax.Updates,
@@ -152,6 +207,8 @@ def sharded_optax(
         flats = _flats(layout, leaves)
         traced = any(isinstance(x, jax.core.Tracer) for x in flats.values())
         comm = callback_backend(chosen) if traced else b
+        if traced:
+            traced_here()
         names = list(flats)
         scale = 1.0 / b.size if op == "avg" else 1.0
 
@@ -175,13 +232,14 @@ def sharded_optax(
             scattered = io_callback(scatter, shapes, *flats.values(), ordered=True)
         else:
             scattered = [jnp.asarray(x) for x in scatter(*[np.asarray(v) for v in flats.values()])]
-        grads = dict(zip(names, scattered, strict=True))
-        segments = None
+        grads = _slices(layout, dict(zip(names, scattered, strict=True)), b.rank)
+        mine_params = None
         if params is not None:
             p_layout, p_leaves = _layout(params, b.size)
-            segments = _segments(p_layout, p_leaves, b.rank)
-        new, inner_state = inner.update(grads, state.inner_state, segments, **extra_args)
-        pieces = [new[d] for d in names]
+            mine_params = _slices(p_layout, _segments(p_layout, p_leaves, b.rank), b.rank)
+        new, inner_state = inner.update(grads, state.inner_state, mine_params, **extra_args)
+        joined = _join(layout, new, b.rank)
+        pieces = [joined[d] for d in names]
         if traced:
             whole = [jax.ShapeDtypeStruct((sum(layout.counts[d]),), flats[d].dtype) for d in names]
             gathered = io_callback(gather, whole, *pieces, ordered=True)
@@ -202,17 +260,21 @@ def sharded_optax(
 def _reduce_scatter(
     comm: Backend, vector: np.ndarray, counts: list[int], scale: float
 ) -> np.ndarray:
+    """This rank's segment of the sum of every rank's `vector`, times `scale`. Half precision is
+    summed and scaled in float32 and rounded once, as the unsharded optimizer's average is (a
+    16-bit sum, or a 16-bit product with a rounded `1 / size`, rounds at every step)."""
     mine = np.empty(counts[comm.rank], vector.dtype)
+    half = vector.dtype.name in ("float16", "bfloat16")
+    wide = vector.astype(np.float32) if half else vector
+    out = mine if wide is vector else np.empty(counts[comm.rank], wide.dtype)
     if comm.size == 1:
-        mine[...] = vector
+        out[...] = wide
     else:
-        wide = vector if vector.dtype.name in comm.native_dtypes else vector.astype(np.float32)
-        out = mine if wide is vector else np.empty(counts[comm.rank], np.float32)
         comm.reduce_scatter(np.ascontiguousarray(wide), out, counts, ReduceOp.SUM)
-        if out is not mine:
-            mine[...] = out
     if scale != 1.0:
-        mine *= np.asarray(scale, mine.dtype)
+        scale_in_place(out, scale)  # divides by the world size: the exact mean, rounded once
+    if out is not mine:
+        mine[...] = out
     return mine
 
 
@@ -225,20 +287,31 @@ def _allgather(comm: Backend, piece: np.ndarray, counts: list[int]) -> np.ndarra
     return whole
 
 
-def _is_segment(path: tuple[Any, ...], names: set[str]) -> bool:
-    last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.DictKey) and last.key in names
+def _owners(state: ShardedState, params: optax.Params) -> tuple[list[Any], list[int | None], Any]:
+    """The inner state's leaves by path, and for each the parameter (its index in tree order)
+    that it is a slice or a whole flat copy of, or None.
 
-
-def _state_leaves(
-    state: ShardedState, params: optax.Params, backend: Backend | None, group: Group | None
-) -> tuple[Backend, _Layout, set[str], list[tuple[Any, Any]], Any]:
-    """The engine, the parameters' layout, its dtype names and the state's leaves by path."""
-    chosen = backend_of(backend, group)
-    b = chosen if chosen is not None else world.current().backend
-    layout, _ = _layout(params, b.size)
+    optax keeps per-parameter state in trees of the parameters' structure (`mu`, `nu`,
+    `MaskedState`...), so such a leaf's path ends with its parameter's path; the longest such
+    ending names it. Only flat (one-dimensional) leaves can be slices.
+    """
+    param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(state.inner_state)
-    return b, layout, set(layout.dtypes), with_paths, treedef
+    owners: list[int | None] = []
+    for path, leaf in with_paths:
+        best: int | None = None
+        if np.ndim(leaf) == 1:
+            for i, p in enumerate(param_paths):
+                ends = len(p) <= len(path) and tuple(path[len(path) - len(p) :]) == tuple(p)
+                if ends and (best is None or len(p) > len(param_paths[best])):
+                    best = i
+        owners.append(best)
+    return with_paths, owners, treedef
+
+
+def _engine(backend: Backend | None, group: Group | None) -> Backend:
+    chosen = backend_of(backend, group)
+    return chosen if chosen is not None else world.current().backend
 
 
 def consolidate_state(
@@ -251,18 +324,33 @@ def consolidate_state(
 ) -> ShardedState | None:
     """Gather a `ShardedState` whole on rank `to`, leaf by leaf (collective); None elsewhere.
 
-    The result's per-dtype vectors hold every item; `shard_state` cuts it again for any world
-    size. `params` gives the layout (the same tree as at `init`).
+    The result is a world of one's state: each per-parameter leaf holds all of its parameter's
+    items, flat; `shard_state` cuts it again for any world size. `params` gives the layout (the
+    same tree as at `init`).
     """
-    b, layout, names, with_paths, treedef = _state_leaves(state, params, backend, group)
+    b = _engine(backend, group)
+    layout, _ = _layout(params, b.size)
+    with_paths, owners, treedef = _owners(state, params)
     out = []
-    for path, leaf in with_paths:
-        if _is_segment(path, names):
-            d = path[-1].key
-            whole = _allgather(b, np.asarray(leaf), layout.counts[d])
-            out.append(whole[: layout.items[d]])  # the padding is not state
-        else:
+    for (path, leaf), i in zip(with_paths, owners, strict=True):
+        if i is None:
             out.append(np.asarray(leaf))
+            continue
+        piece = np.ascontiguousarray(np.asarray(leaf))
+        counts = [layout.cut(i, r)[2] for r in range(b.size)]
+        if piece.shape != (counts[b.rank],):
+            raise ValueError(
+                f"consolidate_state: state{jax.tree_util.keystr(path)} has shape "
+                f"{list(piece.shape)}, but this rank's slice of its parameter has "
+                f"{counts[b.rank]} items: pass the parameters the state was made for."
+            )
+        whole = np.empty(layout.size(i), piece.dtype)
+        if b.size == 1:
+            whole[...] = piece
+        else:
+            width = piece.dtype.itemsize
+            b.allgatherv(piece.view(np.uint8), whole.view(np.uint8), [n * width for n in counts])
+        out.append(whole)
     if b.rank != to:
         return None
     return ShardedState(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in out]))
@@ -275,7 +363,7 @@ def shard_state(
     backend: Backend | None = None,
     group: Group | None = None,
 ) -> ShardedState:
-    """Keep this rank's segments of a consolidated `ShardedState` (saved at any world size).
+    """Keep this rank's slices of a consolidated `ShardedState` (saved at any world size).
 
     `params` gives the layout (the same tree as at `init`).
 
@@ -287,20 +375,27 @@ def shard_state(
             "shard_state expects the ShardedState from consolidate_state, got "
             f"{type(state).__module__}.{type(state).__qualname__}."
         )
-    b, layout, names, with_paths, treedef = _state_leaves(state, params, backend, group)
+    b = _engine(backend, group)
+    layout, _ = _layout(params, b.size)
+    with_paths, owners, treedef = _owners(state, params)
+    flat = [path for path, leaf in with_paths if np.ndim(leaf) == 1]
+    if flat and all(i is None for i in owners):
+        raise ValueError(
+            f"shard_state: no leaf of the state (such as state{jax.tree_util.keystr(flat[0])}) "
+            "belongs to a parameter of this tree: this state is from other parameters (or from "
+            "an older layout: consolidate it again)."
+        )
     out = []
-    for path, leaf in with_paths:
-        if not _is_segment(path, names):
+    for (path, leaf), i in zip(with_paths, owners, strict=True):
+        if i is None:
             out.append(leaf)
             continue
-        d = path[-1].key
-        part, items = layout.counts[d][0], layout.items[d]
-        if np.shape(leaf) != (items,):
+        if np.shape(leaf) != (layout.size(i),):
             raise ValueError(
                 f"shard_state: state{jax.tree_util.keystr(path)} has shape "
-                f"{list(np.shape(leaf))}, but the {d} parameters have {items} items in "
-                "all: this state is from other parameters (or was not consolidated)."
+                f"{list(np.shape(leaf))}, but its parameter has {layout.size(i)} items: this "
+                "state is from other parameters (or was not consolidated)."
             )
-        padded = jnp.pad(jnp.asarray(leaf), (0, part * b.size - items))
-        out.append(padded[b.rank * part : (b.rank + 1) * part])
+        _, at, n = layout.cut(i, b.rank)
+        out.append(jnp.asarray(leaf)[at : at + n])
     return ShardedState(jax.tree_util.tree_unflatten(treedef, out))

@@ -1,0 +1,94 @@
+"""An elastic optax run whose step is jitted (`dp.DistributedOptimizer`, `--route ffi` or
+`callback`): `dp.elastic.run` over a `dp.elastic.TreeState`, a commit per step, no reset callback
+and no handling of JAX's errors by the script.
+
+Worker `--die W` SIGKILLs itself before step `--at`, so the others lose it inside the jitted
+step's reduction, which JAX reports as its own `JaxRuntimeError`. Every rank trains on the same
+batch, so the average gradient is the batch's at any world size (`replay`: one process). Rank 0
+writes `--out`: the world size at the end, the steps, whether every rank holds the same
+parameters, and the parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dataparallel as dp
+
+rng = np.random.default_rng(3)
+x = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
+y = jnp.asarray(rng.normal(size=16), jnp.float32)
+LEARNING_RATE = 0.1
+
+
+def loss(params: dict[str, jax.Array]) -> jax.Array:
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def start() -> dict[str, jax.Array]:
+    return {"w": jnp.zeros(4, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def flat(params: dict[str, jax.Array]) -> np.ndarray:
+    return np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(params)])
+
+
+def replay(steps: int) -> np.ndarray:
+    """One process's training, to compare the run's end with."""
+    params, tx = start(), optax.sgd(LEARNING_RATE)
+    state = tx.init(params)
+    for _ in range(steps):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    return flat(params)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--route", required=True)
+    parser.add_argument("--die", default="")
+    parser.add_argument("--at", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER")
+
+    dp.initialize()
+    opt = dp.DistributedOptimizer(optax.sgd(LEARNING_RATE), route=args.route)
+
+    @jax.jit
+    def step(params: dict[str, jax.Array], opt_state: Any) -> tuple[dict[str, jax.Array], Any]:
+        updates, opt_state = opt.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    @dp.elastic.run
+    def train(state: dp.elastic.TreeState) -> None:
+        while state.step < args.steps:
+            if me == args.die and state.step == args.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.params, state.opt_state = step(state.params, state.opt_state)
+            state.step += 1
+            state.commit()
+
+    params = start()
+    state = dp.elastic.TreeState(params=params, opt_state=opt.init(params), step=0)
+    train(state)
+    mine = flat(state.params)
+    same = all(np.array_equal(mine, other) for other in dp.allgather_object(mine))
+    if dp.rank() == 0:
+        result = {"size": dp.size(), "step": state.step, "same": same, "params": mine.tolist()}
+        with open(args.out, "w") as file:
+            json.dump(result, file)
+
+
+if __name__ == "__main__":
+    main()
