@@ -10,10 +10,11 @@ copied (`copy.deepcopy`) and rebound.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -196,7 +197,10 @@ class TorchState(ObjectState):
     other attributes (an `ElasticSampler`, the epoch, ...).
 
     The model's parameters and buffers are synchronized with `dp.broadcast`; the optimizer's
-    state and the other attributes through a pickle from rank 0.
+    state and the other attributes through a pickle from rank 0. The error-feedback residuals of
+    a `dp.DistributedOptimizer` or `dp.torch.DataParallelModel` (`compression=
+    dp.Compression.fp16_feedback`, ...) are each rank's own: committed and rolled back with the
+    rest, never sent (a newcomer starts with none, a lost worker's go with it).
     """
 
     def __init__(
@@ -208,17 +212,47 @@ class TorchState(ObjectState):
         extra: dict[str, object] = {"model": model} if model is not None else {}
         if optimizer is not None:
             extra["optimizer"] = optimizer
+        self._feedback: dict[str, Any] = {}  # each reducer's residuals at the last commit
         super().__init__(**extra, **attrs)
+
+    def _reducers(self) -> dict[str, Any]:
+        """The `GradientSync` of each attribute that reduces gradients (by attribute name)."""
+        found = {}
+        for name in self._names:
+            gradient_sync = getattr(getattr(self, name), "gradient_sync", None)
+            if gradient_sync is not None:
+                found[name] = gradient_sync
+        return found
+
+    def _residuals_kept_out(self) -> contextlib.ExitStack:
+        """A block in which the state dicts carry no residuals and loading keeps them."""
+        stack = contextlib.ExitStack()
+        for gradient_sync in self._reducers().values():
+            stack.enter_context(gradient_sync.feedback_kept_out())
+        return stack
+
+    def save(self) -> None:
+        with self._residuals_kept_out():
+            super().save()
+        self._feedback = {name: s.feedback_state() for name, s in self._reducers().items()}
+
+    def restore(self) -> None:
+        with self._residuals_kept_out():
+            super().restore()
+        for name, gradient_sync in self._reducers().items():  # this process's own, by name
+            gradient_sync.load_feedback_state(self._feedback.get(name), own=True)
 
     def sync(self) -> None:
         """Carry distributed optimizers over to a re-formed world (collective, first, where a
-        newcomer made its optimizer), then give every rank rank 0's values."""
+        newcomer made its optimizer), then give every rank rank 0's values (each keeps its own
+        error-feedback residuals)."""
         for name in self._names:
             value = getattr(self, name)
             gradient_sync = getattr(value, "gradient_sync", None)
             if gradient_sync is not None and gradient_sync.outlived:
                 value.rebind_world()
-        super().sync()
+        with self._residuals_kept_out():
+            super().sync()
 
     def _sync_one(self, name: str, value: object) -> None:
         import torch
