@@ -76,6 +76,51 @@ def test_sampler_shares_differ_by_one_at_most_and_never_repeat() -> None:
     assert sampler.epoch == 1 and not sampler.processed_indices
 
 
+@pytest.mark.parametrize("habit", ["start", "end"])
+def test_set_epoch_of_the_epoch_in_progress_keeps_its_record(habit: str) -> None:
+    """Both habits of the epoch loop, in one process: a re-entry after a roll-back (the record
+    restored from the commit) calls `set_epoch` with the epoch in progress (start) or not at all
+    (end); each epoch's samples are then taken exactly once."""
+    sampler = ElasticSampler(range(11), seed=2)
+    epoch, taken, failed = 0, [], False
+    saved = (epoch, sampler.state_dict())
+    while epoch < 2:
+        if habit == "start":
+            sampler.set_epoch(epoch)
+        for b in range(sampler.steps(2)):
+            if epoch == 1 and b == 2 and not failed:  # a worker lost: roll back, enter again
+                failed = True
+                epoch, state = saved
+                sampler.load_state_dict(state)
+                taken = [t for t in taken if t[2]]  # the steps since the commit are undone
+                break
+            taken += [(epoch, i, False) for i in sampler.get_indices(b, 2)]
+            sampler.record_batch(b, 2)
+            if b == 0:  # commit
+                saved = (epoch, sampler.state_dict())
+                taken = [(e, i, True) for e, i, _ in taken]
+        else:
+            epoch += 1
+            if habit == "end":
+                sampler.set_epoch(epoch)
+            saved = (epoch, sampler.state_dict())
+            taken = [(e, i, True) for e, i, _ in taken]
+    assert failed
+    for e in (0, 1):
+        assert sorted(i for t, i, _ in taken if t == e) == list(range(11)), e
+
+
+def test_set_epoch_of_another_epoch_starts_it_afresh() -> None:
+    sampler = ElasticSampler(range(6), shuffle=False)
+    sampler.record_batch(0, 2)
+    sampler.set_epoch(0)  # the epoch in progress: its record is kept
+    assert sampler.processed_indices == {0, 1} and list(sampler) == [2, 3, 4, 5]
+    sampler.set_epoch(1)
+    assert sampler.epoch == 1 and not sampler.processed_indices and len(sampler) == 6
+    sampler.set_epoch(0)  # an epoch number again: a new pass over it
+    assert sampler.epoch == 0 and len(sampler) == 6
+
+
 def test_object_state_restores_the_last_commit() -> None:
     state = ObjectState(epoch=0, history=[], w=np.zeros(2))
     state.epoch, state.w = 1, state.w + 1

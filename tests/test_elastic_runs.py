@@ -87,6 +87,19 @@ def test_kill_rank_0_of_three(tmp_path: Path) -> None:
     check_run(tmp_path, [3, 2])
 
 
+def test_set_epoch_at_the_start_of_every_epoch_is_exactly_once(tmp_path: Path) -> None:
+    """torch's habit: `set_epoch(epoch)` at the start of every epoch, so also on re-entry after
+    the roll-back. Worker 1 dies after the 4th commit, in the middle of epoch 1 (2 of its 4 steps
+    committed): the epoch goes on from its record, its samples once each. (The other habit,
+    `set_epoch(epoch + 1)` at the end, is every other run of this file.)"""
+    done = elastic(3, ["--min-np", "2"], ["--die", "w1:4", "--set-epoch-at-start"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "worker 1 was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    check_run(tmp_path, [3, 2])
+    history = json.loads((tmp_path / "out.json").read_text())["history"]
+    assert [epoch for epoch, size, _ in history if size == 3] == [0] * 4 + [1] * 2
+
+
 def test_a_worker_lost_while_the_next_group_forms(tmp_path: Path) -> None:
     """Worker 2 dies mid-step; worker 1 dies as round 1's Gloo group begins to form, before its
     address is in the store. Worker 0, waiting there for it, sees the launcher's round 2 and

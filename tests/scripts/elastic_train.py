@@ -14,6 +14,8 @@ Options:
                         making the round's Gloo group (before the others can reach it)
     --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
                         script prints), then waits until the launcher has opened a new round
+    --set-epoch-at-start  call `sampler.set_epoch(epoch)` at the start of every epoch (torch's
+                        DistributedSampler habit) instead of `set_epoch(epoch + 1)` at its end
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--skip")
     parser.add_argument("--die-forming", default="")
     parser.add_argument("--slots")
+    parser.add_argument("--set-epoch-at-start", action="store_true")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
@@ -128,6 +131,8 @@ def main() -> None:
     def train(state: dp.elastic.ObjectState) -> None:
         while state.epoch < args.epochs:
             sampler = state.sampler
+            if args.set_epoch_at_start:  # also on re-entry, for the epoch rolled back into
+                sampler.set_epoch(state.epoch)
             for b in range(sampler.steps(args.batch)):
                 indices = sampler.get_indices(b, args.batch)
                 g = gradient(state.w, indices)
@@ -141,7 +146,8 @@ def main() -> None:
                 if state.steps % args.commit == 0:
                     commit()
             state.epoch += 1
-            sampler.set_epoch(state.epoch)
+            if not args.set_epoch_at_start:
+                sampler.set_epoch(state.epoch)
             commit()
 
     train(state)
