@@ -231,3 +231,22 @@ def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str, wr
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
+
+
+@pytest.mark.parametrize(("stage", "victim"), [(2, "w1"), (1, "w0")])
+def test_a_zero_run_reshards_what_it_committed(tmp_path: Path, stage: int, victim: str) -> None:
+    """`TorchState(model, ZeroRedundancyOptimizer)`: worker `victim` of 3 dies mid-step; the
+    survivors lay the optimizer out again over 2 ranks (other segments, other padding) and its
+    consolidated state is, bit for bit, the one committed last; the run then finishes."""
+    out = tmp_path / "out.json"
+    done = run_job(
+        [SCRIPTS / "elastic_zero.py", "--out", out, "--die", victim, "--stage", str(stage)],
+        ranks=3,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True, True]}

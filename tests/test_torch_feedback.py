@@ -224,7 +224,7 @@ def test_elastic_state_keeps_each_ranks_residuals() -> None:
     residuals; a reducer carried over to a new world (`rebind_world`) keeps them; `restore()`
     rolls them back to the commit, bit for bit."""
     for face in ("optimizer", "model"):
-        model, net, opt = _resumable(face, "bf16")
+        _, net, opt = _resumable(face, "bf16")
         state = dp.elastic.TorchState(net, opt)
         _train(net, opt, range(2))
         reducer = net if face == "model" else opt
