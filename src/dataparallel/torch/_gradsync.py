@@ -359,8 +359,8 @@ class GradientSync:
             return
         index = {name: i for i, (name, _) in enumerate(self._params)}
         for name, residual in state["residuals"].items():
-            i = index.get(name)
-            param = self._params[i][1] if i is not None else None
+            i = index.get(name, -1)
+            param = self._params[i][1] if i >= 0 else None
             if param is None or tuple(residual.shape) != tuple(param.shape):
                 found = "no such parameter" if param is None else f"shape {tuple(param.shape)}"
                 raise ValueError(
