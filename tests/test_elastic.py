@@ -5,8 +5,10 @@ and the errors go through real collectives); the runs with a launcher are in tes
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -14,6 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dataparallel as dp
+
+if TYPE_CHECKING:
+    import torch
+
 from dataparallel.elastic import (
     ElasticSampler,
     HostsUpdatedInterrupt,
@@ -74,6 +80,53 @@ def test_sampler_shares_differ_by_one_at_most_and_never_repeat() -> None:
     assert sampler.steps(2) == 2 and sampler.get_indices(1, 2) == []  # no last batch there
     sampler.set_epoch(1)
     assert sampler.epoch == 1 and not sampler.processed_indices
+
+
+@pytest.mark.parametrize("habit", ["start", "end"])
+def test_set_epoch_of_the_epoch_in_progress_keeps_its_record(habit: str) -> None:
+    """Both habits of the epoch loop, in one process: a re-entry after a roll-back (the record
+    restored from the commit) calls `set_epoch` with the epoch in progress (start) or not at all
+    (end); each epoch's samples are then taken exactly once."""
+    sampler = ElasticSampler(range(11), seed=2)
+    epoch, taken, failed = 0, [], False
+    saved = (epoch, sampler.state_dict())
+    while epoch < 2:
+        if habit == "start":
+            sampler.set_epoch(epoch)
+        for b in range(sampler.steps(2)):
+            if epoch == 1 and b == 1 and not failed:  # a worker lost: roll back, enter again
+                failed = True
+                epoch, state = saved
+                sampler.load_state_dict(state)
+                taken = [t for t in taken if t[2]]  # the steps since the commit are undone
+                break
+            taken += [(epoch, i, False) for i in sampler.global_indices(b, 2)]
+            sampler.record_batch(b, 2)
+            if b == 0:  # commit
+                saved = (epoch, sampler.state_dict())
+                taken = [(e, i, True) for e, i, _ in taken]
+        else:
+            epoch += 1
+            if habit == "end":
+                sampler.set_epoch(epoch)
+            saved = (epoch, sampler.state_dict())
+            taken = [(e, i, True) for e, i, _ in taken]
+    assert failed
+    for e in (0, 1):
+        assert sorted(i for t, i, _ in taken if t == e) == list(range(11)), e
+
+
+def test_set_epoch_of_another_epoch_starts_it_afresh() -> None:
+    sampler = ElasticSampler(range(6), shuffle=False)
+    sampler.record_indices([0, 1])
+    sampler.set_epoch(0)  # the epoch in progress: its record is kept
+    assert sampler.processed_indices == {0, 1} and sampler.remaining_indices == [2, 3, 4, 5]
+    sampler.set_epoch(1)
+    assert sampler.epoch == 1 and not sampler.processed_indices
+    assert sampler.remaining_indices == list(range(6))
+    sampler.record_indices([5])
+    sampler.set_epoch(0)  # an epoch number again: a new pass over it
+    assert sampler.epoch == 0 and sampler.remaining_indices == list(range(6))
 
 
 def test_object_state_restores_the_last_commit() -> None:
@@ -202,3 +255,90 @@ def test_tree_state_carries_an_optax_state() -> None:
     np.testing.assert_array_equal(np.asarray(state.params["w"]), committed[0])
     assert committed[1] == 1 and int(state.opt_state[0].count) == 1
     np.testing.assert_allclose(committed[0], np.full(3, -0.1), rtol=1e-4)  # adam: lr * sign
+
+
+def _zero_run(stage: int) -> tuple[torch.nn.Module, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    zero = dp.torch.ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, stage=stage, lr=0.05, bucket_bytes=16
+    )
+    return model, zero
+
+
+def _zero_steps(model: torch.nn.Module, zero: Any, steps: range) -> None:
+    import torch
+
+    net = dp.torch.DataParallelModel(model) if zero.stage == 1 else model
+    for step in steps:
+        g = torch.Generator().manual_seed(10 * step + dp.rank())
+        zero.zero_grad()
+        net(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
+        zero.step()
+
+
+def _whole(zero: Any) -> dict[str, Any]:
+    zero.consolidate_state_dict(to=None)
+    return copy.deepcopy(zero.state_dict())
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_state_commits_restores_and_rebinds_a_zero_optimizer(stage: int) -> None:
+    """`TorchState(model, ZeroRedundancyOptimizer)`: a commit consolidates the state on every
+    rank, `restore()` puts each rank's slice of it back, and after the optimizer is laid out
+    again (`rebind_world`, what a re-form does) `sync()` loads rank 0's commit into the new
+    slices; the run then steps as the uninterrupted one does."""
+    torch = pytest.importorskip("torch")
+    model, zero = _zero_run(stage)
+    state = TorchState(model, zero)
+    _zero_steps(model, zero, range(2))
+    state.commit()
+    committed = _whole(zero)
+    params = [p.detach().clone() for p in model.parameters()]
+    _zero_steps(model, zero, range(2, 4))
+    assert not _same(_whole(zero)["state"], committed["state"])
+    state.restore()
+    assert _same(_whole(zero)["state"], committed["state"])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+    zero.rebind_world()
+    assert not zero.optim.state  # laid out again: empty until the commit is loaded
+    state.sync()
+    assert _same(_whole(zero)["state"], committed["state"])
+    _zero_steps(model, zero, range(2, 4))
+    after = [p.detach().clone() for p in model.parameters()]
+
+    model, zero = _zero_run(stage)  # the same run, never rolled back
+    _zero_steps(model, zero, range(4))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after, strict=True))
+
+
+def test_a_zero_state_never_committed_cannot_be_carried_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ZeRO optimizer with state before the first commit keeps only its slice: a re-form
+    then (another round) says so on every rank, instead of loading part of a state."""
+    pytest.importorskip("torch")
+    from dataparallel.elastic import state as state_module
+
+    model, zero = _zero_run(2)
+    _zero_steps(model, zero, range(1))
+    state = TorchState(model, zero)
+    monkeypatch.setattr(state_module, "_generation", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"before the ZeroRedundancyOptimizer's state was ever"):
+        state.sync()
+    state.commit()  # a commit makes it whole: the same re-form now carries it
+    state.sync()

@@ -87,6 +87,19 @@ def test_kill_rank_0_of_three(tmp_path: Path) -> None:
     check_run(tmp_path, [3, 2])
 
 
+def test_set_epoch_at_the_start_of_every_epoch_is_exactly_once(tmp_path: Path) -> None:
+    """torch's habit: `set_epoch(epoch)` at the start of every epoch, so also on re-entry after
+    the roll-back. Worker 1 dies after the 4th commit, in the middle of epoch 1 (2 of its 4 steps
+    committed): the epoch goes on from its record, its samples once each. (The other habit,
+    `set_epoch(epoch + 1)` at the end, is every other run of this file.)"""
+    done = elastic(3, ["--min-np", "2"], ["--die", "w1:4", "--set-epoch-at-start"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "worker 1 was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    check_run(tmp_path, [3, 2])
+    history = json.loads((tmp_path / "out.json").read_text())["history"]
+    assert [epoch for epoch, size, _ in history if size == 3] == [0] * 4 + [1] * 2
+
+
 def test_a_worker_lost_while_the_next_group_forms(tmp_path: Path) -> None:
     """Worker 2 dies mid-step; worker 1 dies as round 1's Gloo group begins to form, before its
     address is in the store. Worker 0, waiting there for it, sees the launcher's round 2 and
@@ -297,3 +310,22 @@ def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: 
     from elastic_jax import replay
 
     np.testing.assert_allclose(result["params"], replay(8), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("stage", "victim"), [(2, "w1"), (1, "w0")])
+def test_a_zero_run_reshards_what_it_committed(tmp_path: Path, stage: int, victim: str) -> None:
+    """`TorchState(model, ZeroRedundancyOptimizer)`: worker `victim` of 3 dies mid-step; the
+    survivors lay the optimizer out again over 2 ranks (other segments, other padding) and its
+    consolidated state is, bit for bit, the one committed last; the run then finishes."""
+    out = tmp_path / "out.json"
+    done = run_job(
+        [SCRIPTS / "elastic_zero.py", "--out", out, "--die", victim, "--stage", str(stage)],
+        ranks=3,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True, True]}

@@ -4,6 +4,7 @@ gradient and adds it at the next step, so what was sent tracks what was computed
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -114,3 +115,133 @@ def test_calls_that_keep_no_state_refuse_feedback() -> None:
         dp.allreduce(torch.ones(3), op="avg", compression=dp.Compression.fp16_feedback)
     with pytest.raises(TypeError, match=r"use dp.Compression.bf16 \(no feedback\)"):
         dp.allreduce_gradients([torch.ones(3)], compression=dp.Compression.bf16_feedback)
+
+
+# --- the residuals in checkpoints and elastic commits -----------------------------------------
+
+RESUME_STEPS = 6  # the run is interrupted after half of them
+
+
+def _resumable(face: str, wire: str) -> tuple[nn.Module, nn.Module, Any]:
+    """A model (the same on every rank), what runs it, and its Adam, compressed with feedback."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    compression = getattr(dp.Compression, f"{wire}_feedback")
+    opt: Any = torch.optim.Adam(model.parameters(), lr=0.01)
+    if face == "model":
+        return model, dp.torch.DataParallelModel(model, compression=compression), opt
+    return model, model, dp.DistributedOptimizer(opt, compression=compression)
+
+
+def _train(net: nn.Module, opt: Any, steps: range) -> None:
+    for step in steps:  # each rank its own rows: the residuals differ from rank to rank
+        g = torch.Generator().manual_seed(100 * step + dp.rank())
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def _checkpoint(*objects: Any) -> list[Any]:
+    """Each object's state dict through torch.save/torch.load (weights only), as on disk."""
+    buffer = io.BytesIO()
+    torch.save([o.state_dict() for o in objects], buffer)
+    buffer.seek(0)
+    return torch.load(buffer)  # type: ignore[no-any-return]
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+@pytest.mark.parametrize("face", ["optimizer", "model"])
+def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str, wire: str) -> None:
+    """Each rank saves its own checkpoint (model, optimizer: the residuals ride in the one whose
+    reduction keeps them) halfway, a new model, wrapper and optimizer load it and go on; they end
+    where the run that was never interrupted ends, bit for bit, on every rank."""
+    model, net, opt = _resumable(face, wire)
+    _train(net, opt, range(RESUME_STEPS))
+    uninterrupted = _params(model)
+
+    model, net, opt = _resumable(face, wire)
+    _train(net, opt, range(RESUME_STEPS // 2))
+    saved = _checkpoint(net, opt)
+    keeper = saved[0] if face == "model" else saved[1]
+    key = "_error_feedback" if face == "model" else "error_feedback"
+    assert (keeper[key]["rank"], keeper[key]["size"]) == (dp.rank(), dp.size())
+    reducer = net if face == "model" else opt
+    assert sorted(keeper[key]["residuals"]) == sorted(n for n, _ in reducer.gradient_sync._params)
+
+    def resume(state: list[Any]) -> list[torch.Tensor]:
+        model, net, opt = _resumable(face, wire)
+        _train(net, opt, range(1))  # a new run's residuals, which the checkpoint replaces
+        net.load_state_dict(state[0])
+        opt.load_state_dict(state[1])
+        _train(net, opt, range(RESUME_STEPS // 2, RESUME_STEPS))
+        return _params(model)
+
+    for resumed, reference in zip(resume(saved), uninterrupted, strict=True):
+        assert torch.equal(resumed, reference)
+    del keeper[key]  # without the residuals (the checkpoints before), the run goes elsewhere
+    lost = resume(saved)
+    assert any(not torch.equal(a, b) for a, b in zip(lost, uninterrupted, strict=True))
+    assert_same_on_every_rank(lost)
+
+
+def test_another_ranks_residuals_are_not_taken() -> None:
+    """A checkpoint saved by one rank and loaded on every rank: the others start from zero
+    residuals (another rank's are what its rounding dropped); a plain optimizer and the bare
+    module load the state as torch's; a residual that fits no parameter is named."""
+    model, net, opt = _resumable("optimizer", "bf16")
+    _train(net, opt, range(2))
+    state = dp.broadcast_object(opt.state_dict(), root=0)
+    assert opt.gradient_sync._feedback is not None
+    opt.load_state_dict(state)
+    kept = opt.gradient_sync._feedback.residuals
+    assert bool(kept) == (dp.rank() == 0)
+    plain = torch.optim.Adam(model.parameters(), lr=0.01)
+    plain.load_state_dict(state)  # the extra key is ignored by torch
+    assert set(plain.state_dict()) == {"state", "param_groups"}
+    state["error_feedback"]["residuals"]["param_groups[0]['params'][0]"] = torch.zeros(3)
+    state["error_feedback"]["rank"] = dp.rank()
+    with pytest.raises(ValueError, match=r"residual of \"param_groups\[0\]\['params'\]\[0\]\""):
+        opt.load_state_dict(state)
+
+    model, net, opt = _resumable("model", "fp16")
+    _train(net, opt, range(1))
+    parent = nn.ModuleDict({"net": net})
+    nested = parent.state_dict()
+    assert "net._error_feedback" in nested
+    parent.load_state_dict(nested)  # strict: the residuals are taken out, the rest loads
+    bare = dict(net.state_dict())
+    del bare["_error_feedback"]
+    model.load_state_dict(bare)
+
+
+def test_elastic_state_keeps_each_ranks_residuals() -> None:
+    """`TorchState`: `sync()` gives every rank rank 0's parameters but leaves each its own
+    residuals; a reducer carried over to a new world (`rebind_world`) keeps them; `restore()`
+    rolls them back to the commit, bit for bit."""
+    for face in ("optimizer", "model"):
+        _, net, opt = _resumable(face, "bf16")
+        state = dp.elastic.TorchState(net, opt)
+        _train(net, opt, range(2))
+        reducer = net if face == "model" else opt
+        state.commit()
+        committed = {i: r.clone() for i, r in reducer.gradient_sync._feedback.residuals.items()}
+        _train(net, opt, range(2, 3))
+        ahead = {i: r.clone() for i, r in reducer.gradient_sync._feedback.residuals.items()}
+        assert any(not torch.equal(ahead[i], committed[i]) for i in committed)
+        state.sync()
+        reducer.rebind_world()  # as after a re-form
+        now = reducer.gradient_sync._feedback.residuals
+        assert sorted(now) == sorted(ahead)
+        assert all(torch.equal(now[i], ahead[i]) for i in ahead)
+        if dp.size() > 1:  # each rank's own, not rank 0's
+            others = dp.allgather_object([r.tolist() for _, r in sorted(now.items())])
+            assert len({str(o) for o in others}) == dp.size()
+        state.restore()
+        now = reducer.gradient_sync._feedback.residuals
+        assert sorted(now) == sorted(committed)
+        assert all(torch.equal(now[i], committed[i]) for i in committed)

@@ -24,6 +24,8 @@ Options:
                         written --out and ended (a worker lost as the run finishes)
     --fail-discovery FILE:K  after its K-th commit, rank 0 creates FILE (the discovery script
                         fails once while it exists, and removes it), then waits until it is gone
+    --set-epoch-at-start  call `sampler.set_epoch(epoch)` at the start of every epoch (torch's
+                        DistributedSampler habit) instead of `set_epoch(epoch + 1)` at its end
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--die-initializing", default="")
     parser.add_argument("--die-after-finish", default="")
     parser.add_argument("--fail-discovery")
+    parser.add_argument("--set-epoch-at-start", action="store_true")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
@@ -187,6 +190,8 @@ def main() -> None:
     def train(state: dp.elastic.ObjectState) -> None:
         while state.epoch < args.epochs:
             sampler = state.sampler
+            if args.set_epoch_at_start:  # also on re-entry, for the epoch rolled back into
+                sampler.set_epoch(state.epoch)
             for b in range(sampler.steps(args.batch)):
                 indices = sampler.get_indices(b, args.batch)
                 g = gradient(state.w, indices)
@@ -202,7 +207,8 @@ def main() -> None:
                 if state.steps % args.commit == 0:
                     commit()
             state.epoch += 1
-            sampler.set_epoch(state.epoch)
+            if not args.set_epoch_at_start:
+                sampler.set_epoch(state.epoch)
             commit()
 
     train(state)

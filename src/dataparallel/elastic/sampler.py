@@ -48,9 +48,17 @@ class ElasticSampler:
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch`: nothing processed yet, a new order."""
+        """Start epoch `epoch` (nothing processed yet, a new order), or, when `epoch` is the one
+        in progress, go on with it: its record is kept.
+
+        So both habits are exactly once: `set_epoch(e + 1)` at the end of epoch `e` (Horovod's),
+        and `set_epoch(e)` at the start of every epoch (torch's `DistributedSampler`), which an
+        elastic run calls again, on re-entry after a re-form, for the epoch it rolled back into.
+        To go over an epoch's samples once more, give it another number.
+        """
+        if epoch != self.epoch:
+            self.processed_indices = set()
         self.epoch = epoch
-        self.processed_indices = set()
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:

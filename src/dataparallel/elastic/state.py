@@ -10,10 +10,12 @@ copied (`copy.deepcopy`) and rebound.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
+import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -138,7 +140,7 @@ class ObjectState(State):
         for name in self._names:
             value = getattr(self, name)
             try:
-                saved[name] = copy.deepcopy(value.state_dict() if _stateful(value) else value)
+                saved[name] = copy.deepcopy(self._saved_of(value))
             except Exception as exc:
                 raise TypeError(
                     f"state attribute {name!r} ({type(value).__name__}) cannot be saved: "
@@ -147,14 +149,19 @@ class ObjectState(State):
                 ) from exc
         self._saved = saved
 
+    def _saved_of(self, value: object) -> object:
+        """What `save` keeps of `value` (before it is copied)."""
+        return value.state_dict() if _stateful(value) else value
+
     def restore(self) -> None:
         for name in self._names:
-            value = getattr(self, name)
-            saved = copy.deepcopy(self._saved[name])
-            if _stateful(value):
-                value.load_state_dict(saved)
-            else:
-                setattr(self, name, saved)
+            self._restore_one(name, getattr(self, name), copy.deepcopy(self._saved[name]))
+
+    def _restore_one(self, name: str, value: object, saved: object) -> None:
+        if _stateful(value):
+            value.load_state_dict(saved)
+        else:
+            setattr(self, name, saved)
 
     def sync(self) -> None:
         for name in self._names:
@@ -196,7 +203,18 @@ class TorchState(ObjectState):
     other attributes (an `ElasticSampler`, the epoch, ...).
 
     The model's parameters and buffers are synchronized with `dp.broadcast`; the optimizer's
-    state and the other attributes through a pickle from rank 0.
+    state and the other attributes through a pickle from rank 0. The error-feedback residuals of
+    a `dp.DistributedOptimizer` or `dp.torch.DataParallelModel` (`compression=
+    dp.Compression.fp16_feedback`, ...) are each rank's own: committed and rolled back with the
+    rest, never sent (a newcomer starts with none, a lost worker's go with it).
+
+    A `dp.torch.ZeroRedundancyOptimizer` holds only its slice of the state, and a lost worker's
+    slice goes with it: each `commit()` therefore consolidates the whole state on every rank
+    (collective, one full copy per rank in host memory), which a roll-back loads back (each
+    rank keeping its slice) and which, after a re-form, rank 0 gives every rank once the
+    optimizer is laid out again over the new world (`rebind_world`). Until the first commit a
+    rank keeps only its own slice: commit once before the first step if the optimizer already
+    has state (a checkpoint loaded), or a re-form before then fails with a message saying so.
     """
 
     def __init__(
@@ -208,21 +226,101 @@ class TorchState(ObjectState):
         extra: dict[str, object] = {"model": model} if model is not None else {}
         if optimizer is not None:
             extra["optimizer"] = optimizer
+        self._feedback: dict[str, Any] = {}  # each reducer's residuals at the last commit
+        self._consolidated = False  # inside `commit()`, after the ZeRO states were consolidated
         super().__init__(**extra, **attrs)
+
+    def _reducers(self) -> dict[str, Any]:
+        """The `GradientSync` of each attribute that reduces gradients (by attribute name)."""
+        found = {}
+        for name in self._names:
+            gradient_sync = getattr(getattr(self, name), "gradient_sync", None)
+            if gradient_sync is not None:
+                found[name] = gradient_sync
+        return found
+
+    def _residuals_kept_out(self) -> contextlib.ExitStack:
+        """A block in which the state dicts carry no residuals and loading keeps them."""
+        stack = contextlib.ExitStack()
+        for gradient_sync in self._reducers().values():
+            stack.enter_context(gradient_sync.feedback_kept_out())
+        return stack
+
+    def commit(self) -> None:
+        """Consolidate every ZeRO optimizer's state on every rank (collective), then save and
+        `check_host_updates` as `State.commit` does."""
+        for name in self._names:
+            value = getattr(self, name)
+            if _is_zero(value):
+                value.consolidate_state_dict(to=None)
+        self._consolidated = True
+        try:
+            super().commit()
+        finally:
+            self._consolidated = False
+
+    def save(self) -> None:
+        with self._residuals_kept_out():
+            super().save()
+        self._feedback = {name: s.feedback_state() for name, s in self._reducers().items()}
+
+    def _saved_of(self, value: object) -> object:
+        if not _is_zero(value):
+            return super()._saved_of(value)
+        if self._consolidated:
+            return {"zero": "whole", "state": value.state_dict()}
+        # At construction (no collective there: a newcomer makes its state alone): its slice.
+        return {"zero": "slice", "generation": _generation(), "state": value.optim.state_dict()}
+
+    def restore(self) -> None:
+        with self._residuals_kept_out():
+            super().restore()
+        for name, gradient_sync in self._reducers().items():  # this process's own, by name
+            gradient_sync.load_feedback_state(self._feedback.get(name), own=True)
+
+    def _restore_one(self, name: str, value: object, saved: object) -> None:
+        if not _is_zero(value):
+            super()._restore_one(name, value, saved)
+            return
+        assert isinstance(saved, dict)
+        if saved["zero"] == "whole":
+            value.load_state_dict(saved["state"])  # each rank keeps its slice: no collective
+        elif saved["generation"] == _generation():
+            value.optim.load_state_dict(saved["state"])  # the same layout: its own slice
+        elif not saved["state"]["state"]:
+            value.optim.state.clear()
+        # else: a slice of another layout, never committed; `sync` says so on every rank
 
     def sync(self) -> None:
         """Carry distributed optimizers over to a re-formed world (collective, first, where a
-        newcomer made its optimizer), then give every rank rank 0's values."""
+        newcomer made its optimizer), then give every rank rank 0's values (each keeps its own
+        error-feedback residuals; a ZeRO optimizer gets rank 0's last commit)."""
         for name in self._names:
             value = getattr(self, name)
             gradient_sync = getattr(value, "gradient_sync", None)
-            if gradient_sync is not None and gradient_sync.outlived:
+            outlived = gradient_sync.outlived if gradient_sync is not None else None
+            if outlived or (_is_zero(value) and value.outlived):
                 value.rebind_world()
-        super().sync()
+        with self._residuals_kept_out():
+            super().sync()
 
     def _sync_one(self, name: str, value: object) -> None:
         import torch
 
+        if _is_zero(value):
+            saved = _root_pickled(name, self._saved[name])
+            assert isinstance(saved, dict)
+            if saved["zero"] == "whole":
+                value.load_state_dict(saved["state"])
+            elif saved["generation"] != _generation() and saved["state"]["state"]:
+                raise RuntimeError(
+                    f"state attribute {name!r}: the run re-formed before the "
+                    "ZeroRedundancyOptimizer's state was ever committed, and a lost worker's "
+                    "slice of it went with the worker. Call state.commit() once before the "
+                    "first step when the optimizer already has state (a checkpoint loaded)."
+                )
+            # else: the same world, where every rank holds its slice of one state, or no state
+            return
         if isinstance(value, torch.nn.Module):
             tensors = value.state_dict()
             received = broadcast(dict(tensors))
@@ -231,3 +329,16 @@ class TorchState(ObjectState):
                     tensor.copy_(received[key])
             return
         super()._sync_one(name, value)
+
+
+def _is_zero(value: object) -> TypeGuard[Any]:
+    """Whether `value` is a `dp.torch.ZeroRedundancyOptimizer` (loaded only if one was made)."""
+    module = sys.modules.get("dataparallel.torch")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return zero is not None and isinstance(value, zero)
+
+
+def _generation() -> int:
+    """The elastic round this world is (0 outside an elastic run)."""
+    joined = rounds.current()
+    return 0 if joined is None else joined.generation

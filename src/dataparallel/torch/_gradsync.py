@@ -26,12 +26,13 @@ docs/sharp-bits.md.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
@@ -73,7 +74,15 @@ if TYPE_CHECKING:
 
     from dataparallel.torch._buckets import Compressing, Options
 
-__all__ = ["GradientSync", "State"]
+__all__ = ["FeedbackState", "GradientSync", "State"]
+
+
+class FeedbackState(TypedDict):
+    """One rank's error-feedback residuals, by parameter name, and whose they are."""
+
+    rank: int
+    size: int
+    residuals: dict[str, torch.Tensor]
 
 
 class State(Enum):
@@ -137,6 +146,7 @@ class GradientSync:
     then_replay: Callable[[Replay], Replay] | None
     on_join: Callable[[], None] | None
     met_joined: bool  # whether the last step's handshake met a rank that has joined
+    feedback_in_state: bool  # the wrappers' state dicts carry the residuals (`feedback_kept_out`)
 
     def __init__(
         self,
@@ -189,6 +199,7 @@ class GradientSync:
         self.steps = 0  # completed reductions (observable for tests)
         self.then_replay = self.on_join = None  # set by `dp.torch.join`
         self.met_joined = False
+        self.feedback_in_state = True  # the wrappers' state dicts carry the residuals
         action, pool = reduction(op, None, self.backend.size), active.buffers
         self._action, self._wire = action, wire  # replayed by ranks that have joined
         fusion_on = partial(
@@ -297,7 +308,67 @@ class GradientSync:
                 "DistributedOptimizer of the whole world is carried over to a re-formed world."
             )
         self._cleanup()
-        return GradientSync(self._source, **self._made)  # type: ignore[arg-type]
+        residuals = self.feedback_state()  # before the new one claims the parameters
+        made = GradientSync(self._source, **self._made)  # type: ignore[arg-type]
+        made.load_feedback_state(residuals, own=True)  # this process's, carried over
+        return made
+
+    # -- error feedback: this rank's residuals, in checkpoints and elastic commits -------------
+
+    @contextlib.contextmanager
+    def feedback_kept_out(self) -> Iterator[None]:
+        """Inside the block, the wrappers' `state_dict()` carries no residuals and their
+        `load_state_dict()` leaves them as they are: what `dp.elastic.TorchState` synchronizes
+        from rank 0 and rolls back is the shared state; each rank's residuals it keeps itself."""
+        previous, self.feedback_in_state = self.feedback_in_state, False
+        try:
+            yield
+        finally:
+            self.feedback_in_state = previous
+
+    def feedback_state(self) -> FeedbackState | None:
+        """This rank's error-feedback residuals (copies), by parameter name, with the rank and
+        world size they belong to; None without error feedback.
+
+        What `DistributedOptimizer.state_dict()` and `DataParallelModel.state_dict()` carry, so
+        that a run resumed from each rank's own checkpoint continues exactly.
+        """
+        if self._feedback is None:
+            return None
+        residuals = {
+            self._params[i][0]: r.detach().clone()
+            for i, r in sorted(self._feedback.residuals.items())
+        }
+        return {"rank": self.backend.rank, "size": self.backend.size, "residuals": residuals}
+
+    def load_feedback_state(self, state: Mapping[str, Any] | None, *, own: bool = False) -> None:
+        """Take the residuals of `state` (`feedback_state()`'s) if they are this rank's: saved
+        at this rank of a world of this size, or `own` (this process's, saved in an earlier
+        world of an elastic run). Otherwise, or without `state`, start again with none: another
+        rank's residuals are what its rounding dropped, not this one's.
+
+        Raises:
+            ValueError: a residual names no parameter reduced here, or has another shape.
+        """
+        if self._feedback is None:
+            return
+        self._feedback.clear()
+        if state is None:
+            return
+        if not own and (state["rank"], state["size"]) != (self.backend.rank, self.backend.size):
+            return
+        index = {name: i for i, (name, _) in enumerate(self._params)}
+        for name, residual in state["residuals"].items():
+            i = index.get(name, -1)
+            param = self._params[i][1] if i >= 0 else None
+            if param is None or tuple(residual.shape) != tuple(param.shape):
+                found = "no such parameter" if param is None else f"shape {tuple(param.shape)}"
+                raise ValueError(
+                    f"{self.owner}: the error-feedback residual of {name!r} (shape "
+                    f"{tuple(residual.shape)}) fits no parameter reduced here ({found}): "
+                    "load a state saved from the same model and optimizer."
+                )
+            self._feedback.residuals[i] = residual.detach().to(param.device, copy=True)
 
     @property
     def calls(self) -> int:

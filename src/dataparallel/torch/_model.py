@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
     from dataparallel.torch._buckets import Compressing
 
-__all__ = ["DataParallelModel"]
+__all__ = ["FEEDBACK_KEY", "DataParallelModel"]
+
+# The state-dict key of this rank's error-feedback residuals (torch's `_extra_state` habit).
+FEEDBACK_KEY = "_error_feedback"
 
 
 def _named_trainable(module: nn.Module) -> Callable[[], NamedParams]:
@@ -41,6 +44,11 @@ class DataParallelModel(nn.Module):
     - Attribute access passes through to the wrapped module; `model.module` is the module itself.
     - `state_dict()` has no `module.` prefix (unlike DDP), so checkpoints load into the bare
       module and back; `load_state_dict` accepts keys with or without the prefix.
+    - With error feedback (`compression=dp.Compression.fp16_feedback`, `.bf16_feedback`),
+      `state_dict()` also holds this rank's residuals under `"_error_feedback"` (with the rank
+      and world size they belong to), and `load_state_dict` takes them back when they are this
+      rank's: save every rank's state dict to resume exactly. Pop the key to load the state
+      into the bare module with `strict=True`.
     - Buffers (BatchNorm statistics) are broadcast at wrap time only; call `dp.synchronize(model)`
       to make them equal again (DDP broadcasts them at every forward).
     - A parameter used by no rank in a step keeps `grad=None`; one used on some ranks only gets
@@ -98,6 +106,7 @@ class DataParallelModel(nn.Module):
             sparse_as_dense=sparse_as_dense,
         )
         self.register_state_dict_post_hook(_drop_module_prefix)
+        self.register_state_dict_post_hook(_add_feedback)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -145,7 +154,12 @@ class DataParallelModel(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
-        """Load a state dict of the wrapped module, with or without DDP's `module.` prefix."""
+        """Load a state dict of the wrapped module, with or without DDP's `module.` prefix
+        (and this rank's error-feedback residuals, if it has them: see the class's notes)."""
+        if self._sync.feedback_in_state:
+            self._sync.load_feedback_state(state_dict.get(FEEDBACK_KEY))  # type: ignore[arg-type]
+        if FEEDBACK_KEY in state_dict:
+            state_dict = _without(state_dict, FEEDBACK_KEY)
         keys = list(state_dict)
         if keys and all(k.startswith("module.") for k in keys):
             state_dict = _renamed(state_dict, "", "module.", "")
@@ -175,6 +189,15 @@ def _renamed(
     return out
 
 
+def _without(state_dict: Mapping[str, object], key: str) -> OrderedDict[str, object]:
+    """Return a copy of `state_dict` without `key` (its `_metadata` kept)."""
+    out: OrderedDict[str, object] = OrderedDict((k, v) for k, v in state_dict.items() if k != key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out
+
+
 def _drop_module_prefix(
     module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object
 ) -> None:
@@ -196,7 +219,21 @@ def _add_module_prefix(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Accept unprefixed keys when a wrapper nested in a parent module is loaded."""
+    """Accept unprefixed keys when a wrapper nested in a parent module is loaded (and take its
+    error-feedback residuals out of them)."""
+    feedback = state_dict.pop(prefix + FEEDBACK_KEY, None)
+    if isinstance(module, DataParallelModel) and module.gradient_sync.feedback_in_state:
+        module.gradient_sync.load_feedback_state(feedback)  # type: ignore[arg-type]
     for key in list(state_dict):
         if key.startswith(prefix) and not key.startswith(prefix + "module."):
             state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _add_feedback(
+    module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object
+) -> None:
+    """Add this rank's error-feedback residuals, when it keeps them (`GradientSync`)."""
+    if isinstance(module, DataParallelModel) and module.gradient_sync.feedback_in_state:
+        feedback = module.gradient_sync.feedback_state()
+        if feedback is not None:
+            state_dict[prefix + FEEDBACK_KEY] = feedback

@@ -4,7 +4,8 @@ The wrapper is an instance of a subclass of the wrapped optimizer's class (as Ho
 once per class, and it shares the wrapped optimizer's `__dict__`: `param_groups`, `state`,
 `defaults` and step hooks are the same objects for both, so `isinstance`, `state_dict`,
 `load_state_dict`, `param_groups` edits and learning-rate schedulers behave exactly as on the
-wrapped optimizer. Only `step`, `zero_grad`, `add_param_group` and the new `synchronize` differ.
+wrapped optimizer. Only `step`, `zero_grad`, `add_param_group` and the new `synchronize` differ,
+and, with error feedback, `state_dict`/`load_state_dict` (which also carry this rank's residuals).
 The reduction itself is `_gradsync.GradientSync`, shared with `DataParallelModel`.
 """
 
@@ -24,7 +25,10 @@ from dataparallel.types import Op
 if TYPE_CHECKING:
     from dataparallel.torch._buckets import Compressing
 
-__all__ = ["distributed_torch_optimizer"]
+__all__ = ["FEEDBACK_KEY", "distributed_torch_optimizer"]
+
+# The state-dict key of this rank's error-feedback residuals (beside torch's two).
+FEEDBACK_KEY = "error_feedback"
 
 _O = TypeVar("_O", bound=torch.optim.Optimizer)
 
@@ -100,6 +104,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sync = getattr(self, "_dp_sync", None)
         if sync is not None:
             sync.refresh()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict; with error feedback (`compression=
+        dp.Compression.fp16_feedback`, `.bf16_feedback`) also this rank's residuals under
+        `"error_feedback"`, with the rank and world size they belong to (a plain optimizer's
+        `load_state_dict` ignores the key). Save every rank's to resume exactly."""
+        state = super().state_dict()
+        sync = self._dp_sync
+        feedback = sync.feedback_state() if sync.feedback_in_state else None
+        if feedback is not None:
+            state[FEEDBACK_KEY] = feedback
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict as the wrapped optimizer does, and the error-feedback residuals it
+        holds when they are this rank's (saved at this rank, in a world of this size); other
+        ranks' residuals, or none, start this one's again from zero."""
+        state_dict = dict(state_dict)
+        feedback = state_dict.pop(FEEDBACK_KEY, None)
+        super().load_state_dict(state_dict)
+        if self._dp_sync.feedback_in_state:
+            self._dp_sync.load_feedback_state(feedback)
 
     @property
     def backward_passes_per_step(self) -> int:

@@ -268,6 +268,14 @@ class ForwardOverlap:
         self.land()
         self._cleanup()
 
+    def drop(self) -> None:
+        """Forget the exchange in flight (its world is gone: an elastic re-form) and take the
+        hooks off the model."""
+        if self._pending is not None and self in self._pending:
+            self._pending.remove(self)
+        self._gather = self._pending = None
+        self._cleanup()
+
 
 def _own(module: torch.nn.Module, index: dict[int, int]) -> list[torch.Tensor]:
     """`module`'s own parameters (not its children's) that the optimizer steps."""

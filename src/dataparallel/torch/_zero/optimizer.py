@@ -16,6 +16,7 @@ call is staged through host buffers. Usage, semantics and departures: docs/zero.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn, SupportsIndex
 
@@ -148,6 +149,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         active = world.current()
         chosen = backend_of(backend, group)
         self.backend: Backend = chosen if chosen is not None else active.backend
+        self._on_world = chosen is None or chosen is active.backend  # carried to a new world
+        self._world = weakref.ref(active)
         self.stage: Stage = stage
         self.bucket_bytes = bucket_bytes or default_bucket_bytes(stage, active.settings)
         self._overlap = overlaps(self.backend.local_size, active.settings.overlap)
@@ -423,10 +426,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Gather the whole state on rank `to`, bucket by bucket (collective: every rank calls).
 
         Rank `to` then holds one full copy (`state_dict()` returns it); the others nothing.
+        `to=None`: every rank holds one (what an elastic commit keeps: `dp.elastic.TorchState`).
         """
         self._settle()
         self._consolidated = consolidate(self, to)
@@ -456,6 +460,49 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._settle()
         load(self, state_dict)
         self._consolidated = None
+
+    # -- elastic runs --------------------------------------------------------------------------
+
+    @property
+    def outlived(self) -> bool:
+        """Whether the world this optimizer was laid out on is gone (an elastic re-form)."""
+        return not world.initialized() or self._world() is not world.current()
+
+    def rebind_world(self) -> None:
+        """Lay the parameters out again over the world made since, in its size (after an
+        elastic run re-formed it: `dp.elastic.TorchState.sync` calls this on every rank at the
+        same point, then loads the committed, consolidated state, of which each rank keeps its
+        new slices). Collective, as construction is: a newcomer's construction meets it. The
+        inner optimizer starts empty; the parameters keep their values.
+
+        Raises:
+            ValueError: it shards over a group (`group=`/`backend=`), gone with its world.
+        """
+        if not self._on_world:
+            raise ValueError(
+                "ZeroRedundancyOptimizer shards over a group, which went with its world: only "
+                "one over the whole world is carried over to a re-formed world."
+            )
+        if self._forward is not None:
+            self._forward.drop()  # its exchange belonged to the world that is gone
+        if self._shards is not None:
+            self._shards.close()
+            self._shards = None
+        active = world.current()
+        self._world = weakref.ref(active)
+        self.backend = active.backend
+        self._overlap = overlaps(self.backend.local_size, active.settings.overlap)
+        self._merge_bytes = active.settings.thread_bucket_bytes if self.backend.progresses else 0
+        self._broadcasts = self.backend.progresses
+        self._params, self._names, self._slabs, self._buckets, self._pieces = [], [], [], [], []
+        self._consolidated, self._have_grads = None, False
+        for g in range(len(self.param_groups)):
+            self._lay_out(g)
+        inner = [self._inner_group(g) for g in range(len(self.param_groups))]
+        self.optim = self._class(inner, **self.defaults)
+        copy_options(self.optim.param_groups, self.param_groups)
+        self._reshard()
+        self._hook_forward()
 
     def __repr__(self) -> str:
         return (

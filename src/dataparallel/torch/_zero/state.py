@@ -57,12 +57,16 @@ def _slab_range(zero: ZeroRedundancyOptimizer, piece: Piece) -> tuple[int, int]:
     return at + piece.start, at + piece.stop
 
 
-def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None:
-    """Gather the whole state on rank `to` (collective); return it there, None elsewhere."""
+def consolidate(zero: ZeroRedundancyOptimizer, to: int | None) -> dict[str, Any] | None:
+    """Gather the whole state on rank `to` (None: on every rank; collective); return it there,
+    None elsewhere."""
     backend = zero.backend
-    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < backend.size:
+    if to is not None and (
+        isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < backend.size
+    ):
         raise ValueError(
-            f"consolidate_state_dict(to={to!r}): give a rank, an int from 0 to {backend.size - 1}."
+            f"consolidate_state_dict(to={to!r}): give a rank, an int from 0 to {backend.size - 1} "
+            "(or None: every rank)."
         )
     local: dict[int, Schema] = {}
     for piece in zero.pieces:
@@ -81,7 +85,7 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int) -> dict[str, Any] | None
         for k, entry in schemas.items():
             for key, how in entry.items():
                 schema.setdefault(k, {}).setdefault(key, how)
-    receives = backend.rank == to
+    receives = to is None or backend.rank == to
     out: dict[int, dict[str, Any]] = {}
     if receives:
         for k in sorted(schema):
