@@ -135,18 +135,22 @@ def test_a_remote_rank_killed_by_a_signal_keeps_its_status(tmp_path: Path) -> No
 def _remote_rank(script: str, *args: str) -> subprocess.Popen[str]:
     """Start the runner as a rank on another host would be: `--remote`, its stdin the line."""
     runner = [sys.executable, "-m", "dataparallel.launch.runner", "--remote"]
-    return subprocess.Popen(
-        [*runner, str(SCRIPTS / script), *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
-        start_new_session=True,
-        # sshd starts a rank with SIGINT at its default; a test run in the background has it
-        # ignored, which Python would keep.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # sshd starts a rank with SIGINT at its default; a test run in the background has it ignored,
+    # which the child would keep. A handler of this process's own is reset to the default by
+    # exec (a preexec_fn would fork through Python: JAX, if a test imported it, warns then).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [*runner, str(SCRIPTS / script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _end(rank: subprocess.Popen[str]) -> None:
