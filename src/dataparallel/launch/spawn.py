@@ -58,6 +58,7 @@ from dataparallel.launch.process import (
     pump,
     signal_name,
     stop,
+    torchrun_environment,
     warn,
 )
 
@@ -257,12 +258,16 @@ class _Job:
             topology = self.topology
             number = topology.rank(number)
             env.update(
-                RANK=str(number),
-                WORLD_SIZE=str(topology.world_size),
-                LOCAL_RANK=str(len(self.everyone)),
-                LOCAL_WORLD_SIZE=str(topology.nproc_per_node),
-                MASTER_ADDR=topology.master_addr,
-                MASTER_PORT=str(self.port),
+                torchrun_environment(
+                    rank=number,
+                    world_size=topology.world_size,
+                    local_rank=len(self.everyone),
+                    local_world_size=topology.nproc_per_node,
+                    group_rank=topology.node_rank,
+                    group_world_size=topology.nnodes,
+                    master_addr=topology.master_addr,
+                    master_port=self.port,
+                )
             )
             if number == 0:
                 stdin = None  # the terminal's input goes to rank 0, as under torchrun
