@@ -41,7 +41,9 @@ def first_layer() -> torch.nn.Linear:
     return torch.nn.Linear(FEATURES, 1)
 
 
-def numbers(values: torch.Tensor) -> str:
+def numbers(layer: torch.nn.Linear) -> str:
+    """The layer's parameters, weight then bias, as printed."""
+    values = torch.cat([p.detach().flatten() for p in layer.parameters()])
     return ",".join(f"{v:.9g}" for v in values.tolist())
 
 
@@ -57,24 +59,19 @@ def reference(size: int) -> None:
         loss.backward()
         sgd.step()
         say(f"REFERENCE step={step} loss={loss.item():.9g}")
-    say(
-        f"REFERENCE weights={numbers(torch.cat([p.detach().flatten() for p in layer.parameters()]))}"
-    )
+    say(f"REFERENCE weights={numbers(layer)}")
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, which: str) -> None:
+    def __init__(self, which: str, rank: int) -> None:
         super().__init__()
         self.layer = first_layer()
-        self.which = which
+        self.which, self.rank = which, rank
 
     def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
         x, y = batch
         loss = ((self.layer(x) - y) ** 2).mean()
-        say(
-            f"STEP rank={self.global_rank if self.which == 'ddp' else dp.rank()} step={index} "
-            f"loss={loss.item():.9g}"
-        )
+        say(f"STEP rank={self.rank} step={index} loss={loss.item():.9g}")
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -88,18 +85,20 @@ class Tiny(pl.LightningModule):
 
 if __name__ == "__main__":
     which = sys.argv[1]
-    options = {"accelerator": "cpu", "max_steps": STEPS, "logger": False}
-    quiet = {"enable_checkpointing": False, "enable_progress_bar": False}
+    quiet = {
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    common = {"accelerator": "cpu", "max_steps": STEPS, "logger": False, **quiet}
     if which == "ddp":
         nodes, devices = int(sys.argv[2]), int(sys.argv[3])
         trainer = pl.Trainer(
             strategy="ddp",
             num_nodes=nodes,
             devices=devices,
-            **options,
-            **quiet,
-            enable_model_summary=False,
             use_distributed_sampler=False,
+            **common,
         )
         rank, size = trainer.global_rank, trainer.world_size
     else:
@@ -107,7 +106,7 @@ if __name__ == "__main__":
         import dataparallel.horovod.torch as hvd
 
         dp.initialize()
-        trainer = pl.Trainer(devices=1, **options, **quiet, enable_model_summary=False)
+        trainer = pl.Trainer(devices=1, **common)
         rank, size = dp.rank(), dp.size()
     say(
         f"LIGHTNING rank={rank} global_rank={trainer.global_rank} node_rank={trainer.node_rank} "
@@ -115,10 +114,8 @@ if __name__ == "__main__":
     )
     x, y = data(size)
     share = torch.utils.data.TensorDataset(x[rank::size], y[rank::size])
-    model = Tiny(which)
+    model = Tiny(which, rank)
     trainer.fit(model, torch.utils.data.DataLoader(share, batch_size=PER_RANK))
-    say(
-        f"WEIGHTS rank={rank} values={numbers(torch.cat([p.detach().flatten() for p in model.layer.parameters()]))}"
-    )
+    say(f"WEIGHTS rank={rank} values={numbers(model.layer)}")
     if rank == 0:
         reference(size)
