@@ -18,7 +18,7 @@ makes one here, over the same processes in the same rank order:
   which is then left alone), or with `DATAPARALLEL_TORCH_DISTRIBUTED=0`.
 
 Making the group is collective, so a group made as torch is imported is made where every rank
-imports it. It starts with a checked handshake (`protocol.verify_same_call`): a rank that
+imports it. It starts with the handshake of a collective call (`check_calls_with`): a rank that
 imports torch where another does not (`if dp.rank() == 0: import torch`) fails loudly there,
 with `CollectiveMismatchError` naming the fix on every rank at the other ranks' next collective
 (under MPI, also when they finish first: `backends/mpi/board.py`), instead of waiting forever.
@@ -38,19 +38,18 @@ import importlib.abc
 import importlib.machinery
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
-from dataparallel.protocol import verify_same_call
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-__all__ = ["join"]
+__all__ = ["check_calls_with", "join"]
 
 _STORE_PREFIX = "dataparallel-torch/"
 
@@ -75,7 +74,8 @@ def join(backend: Backend, settings: Settings) -> Callable[[], None] | None:
     made: list[Callable[[], None]] = []
 
     def make() -> None:
-        verify_same_call(backend, _AT_IMPORT)
+        assert _verify, "dataparallel/__init__.py hands the handshake in"
+        _verify[0](backend, _AT_IMPORT)
         finish = _make_group(backend, settings)
         if finish is not None:
             made.append(finish)
@@ -89,6 +89,18 @@ def join(backend: Backend, settings: Settings) -> Callable[[], None] | None:
 
     return finish
 
+
+def check_calls_with(verify: Callable[[Backend, Mapping[str, str]], None]) -> None:
+    """Make `verify` the check a group made at a later import begins with.
+
+    That check is the handshake every collective begins with (`protocol.verify_same_call`),
+    which sits a layer above this module: the public face (`dataparallel/__init__.py`, always
+    imported before any world is made) hands it in.
+    """
+    _verify[:] = [verify]
+
+
+_verify: list[Callable[[Backend, Mapping[str, str]], None]] = []
 
 # What a rank that imports torch where another does not sees in the mismatch, on every rank.
 _AT_IMPORT = {
@@ -235,7 +247,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 sys.meta_path.remove(self)
                 self.then()
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        loader.exec_module = exec_module
         return spec
 
 

@@ -42,7 +42,7 @@ from types import ModuleType, TracebackType
 from typing import NoReturn
 
 from dataparallel.config import Settings
-from dataparallel.launch.process import free_port, torchrun_environment
+from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
 from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
 
 __all__ = ["main", "set_torchrun_variables", "torchrun_variables"]
@@ -65,6 +65,9 @@ class _Options:
 
 
 _ABORT_GRACE_S = 0.3
+
+# The launcher's own six of torchrun's variables, in `torchrun_environment`'s order.
+_LAYOUT = TORCHRUN_VARIABLES[:6]
 
 # The status of a rank stopped by Ctrl-C, as shells give it (128 + SIGINT).
 _INTERRUPTED = 128 + int(signal.SIGINT)
@@ -108,14 +111,20 @@ def torchrun_variables(settings: Settings, mpi: ModuleType | None) -> dict[str, 
             master_addr=host,
             master_port=port,
         )
+    return _from_settings(settings)
+
+
+def _from_settings(settings: Settings) -> dict[str, str]:
+    """torchrun's variables from what the launcher set (or Slurm's step): all of them where the
+    layout and the rendezvous are known, else those known."""
     rank, size = settings.rank, settings.world_size
     local_rank, local_size = settings.local_rank, settings.local_world_size
-    host, port = settings.master_addr, settings.master_port
-    if rank is None or size is None or local_rank is None or local_size is None:
-        return {}  # not a launch that says where this process is: a world of one
-    if host is None or port is None:  # the layout without a rendezvous (a partial torchrun's)
-        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-        return dict(zip(names, map(str, (rank, size, local_rank, local_size)), strict=True))
+    addr, port = settings.master_addr, settings.master_port
+    if None in (rank, size, local_rank, local_size, addr, port):
+        known = (rank, size, local_rank, local_size, addr, port)
+        return {name: str(v) for name, v in zip(_LAYOUT, known, strict=True) if v is not None}
+    assert rank is not None and size is not None and local_rank is not None
+    assert local_size is not None and addr is not None and port is not None
     slurm = settings.slurm if settings.ranks_from_slurm else None
     if slurm is not None and slurm.nodeid is not None and slurm.nodes:
         group, groups = slurm.nodeid, len(slurm.nodes)
@@ -128,7 +137,7 @@ def torchrun_variables(settings: Settings, mpi: ModuleType | None) -> dict[str, 
         local_world_size=local_size,
         group_rank=group,
         group_world_size=groups,
-        master_addr=host,
+        master_addr=addr,
         master_port=port,
     )
 
