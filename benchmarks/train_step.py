@@ -156,7 +156,7 @@ def cases_for(
         make_opt(overlapped), bucket_bytes=current().settings.thread_bucket_bytes
     )
     forced.gradient_sync.overlap = True
-    forced.gradient_sync._trial = None  # as DATAPARALLEL_OVERLAP=1: no timed choice of the mode
+    forced.gradient_sync._modes.trial = None  # as DATAPARALLEL_OVERLAP=1: no timed mode choice
     wrapped = dp.torch.DataParallelModel(copy.deepcopy(base))
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     cases: dict[str, tuple[Step, Horovod | None]] = {

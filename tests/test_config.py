@@ -13,6 +13,7 @@ FLAGS = {
     "DATAPARALLEL_DEBUG": "debug",
     "DATAPARALLEL_CUDA_AWARE_MPI": "cuda_aware_mpi",
     "DATAPARALLEL_OVERLAP": "overlap",
+    "DATAPARALLEL_HIERARCHICAL": "hierarchical",
 }
 
 

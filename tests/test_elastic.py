@@ -145,6 +145,32 @@ def test_run_outside_an_elastic_run_lets_errors_through() -> None:
     state.commit()  # no launcher: no host updates to check
 
 
+def test_a_worker_that_can_join_no_world_leaves_the_elastic_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`elastic.run` rolls back and re-forms on a lost rank; when re-forming finds no round
+    (`NoWorldError`: none opened within the timeout) the error goes through. It used to be a
+    `RankFailedError`, caught again: the worker waited for a round for ever."""
+    from dataparallel.elastic import rounds
+    from dataparallel.elastic.retry import run_fn
+
+    monkeypatch.setattr(rounds, "_current", rounds.Round(0, ("w0",), "w0"))
+    calls: list[int] = []
+
+    def train(state: ObjectState) -> None:
+        calls.append(state.epoch)
+        state.epoch += 1
+        raise dp.RankFailedError("a peer was lost")
+
+    def reset() -> None:
+        raise rounds.NoWorldError("no new world formed")
+
+    state = ObjectState(epoch=0)
+    with pytest.raises(rounds.NoWorldError, match="no new world formed"):
+        run_fn(train, reset)(state)
+    assert calls == [0] and state.epoch == 0  # rolled back once, then out
+
+
 def test_check_host_updates_outside_an_elastic_run_does_nothing() -> None:
     ObjectState(epoch=0).check_host_updates()
 

@@ -98,10 +98,31 @@ def test_a_worker_lost_while_the_next_group_forms(tmp_path: Path) -> None:
 
 
 def test_kill_two_of_four_at_once(tmp_path: Path) -> None:
-    done = elastic(4, ["--min-np", "2"], ["--die", "w1:2", "--die", "w3:2"], tmp_path)
+    """Two workers lost in one step are one re-forming (`--reset-limit 1` holds), and a third
+    lost once rank 0 has finished (worker 2, after training) does not fail the finished run."""
+    done = elastic(
+        4,
+        ["--min-np", "2", "--reset-limit", "1"],
+        ["--die", "w1:2", "--die", "w3:2", "--die-after-finish", "w2"],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "worker 1 was lost" in done.stderr and "worker 3 was lost" in done.stderr
+    assert "worker 2 was lost" in done.stderr
     check_run(tmp_path, [4, 2])
+
+
+def test_lost_while_the_first_world_forms_then_a_clean_exit(tmp_path: Path) -> None:
+    """Worker 2 dies once round 0 has formed, before `dp.initialize()`: the others, making the
+    library's world there, re-form without it (before: `dp.initialize()` raised and the run
+    ended). Then worker 1 leaves with `sys.exit(0)` mid-run: a finished worker leaves the run,
+    and worker 0 re-forms alone and finishes (before: the launcher opened no round and worker 0
+    waited for one forever)."""
+    done = elastic(3, ["--min-np", "1"], ["--die-initializing", "w2", "--leave", "w1:3"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "worker 2 was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    assert "round 2 formed without worker(s) 1, which finished their script" in done.stderr
+    check_run(tmp_path, [2, 1])
 
 
 def discovery_script(tmp_path: Path, slots: str) -> Path:
@@ -143,6 +164,37 @@ def test_remove_a_worker_through_discovery(tmp_path: Path) -> None:
     check_run(tmp_path, [3, 2])
 
 
+def test_discovery_removes_a_slot_as_the_first_world_forms_then_fails_once(
+    tmp_path: Path,
+) -> None:
+    """Worker 2, the newest, makes the script report two slots before its `dp.initialize()`:
+    the others, making the library's world of round 0, go on to round 1 without it, and it
+    leaves with status 0. Later the script fails once (after rank 0's 2nd commit): the launcher
+    keeps the slots it knew and runs it again (Horovod ends the run only when the first call
+    fails: `test_bad_discovery_script`)."""
+    fail = tmp_path / "fail"
+    slots = tmp_path / "slots"
+    slots.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(
+        f"#!/bin/sh\nif [ -e {fail} ]; then rm {fail}; echo no hosts today >&2; exit 3; fi\n"
+        f"cat {slots}\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    done = elastic(
+        3,
+        ["--min-np", "2", "--host-discovery-script", str(script)],
+        ["--slots", f"{slots}:0:localhost:2", "--fail-discovery", f"{fail}:2"],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "worker w2 was removed from the run" in done.stderr
+    assert "exited with status 3: no hosts today" in done.stderr
+    assert "keeping the 2 slot(s) it reported last" in done.stderr
+    assert "was lost" not in done.stderr and "ended with status" not in done.stderr
+    check_run(tmp_path, [2])
+
+
 def test_below_min_np_ends_after_the_elastic_timeout(tmp_path: Path) -> None:
     done = elastic(2, ["--min-np", "2", "--elastic-timeout", "2"], ["--die", "w1:1"], tmp_path)
     assert done.returncode == 1, done.stderr
@@ -161,7 +213,7 @@ def test_a_commit_on_some_ranks_only_fails_on_every_rank(tmp_path: Path) -> None
 def test_reset_limit(tmp_path: Path) -> None:
     done = elastic(3, ["--min-np", "1", "--reset-limit", "0"], ["--die", "w1:1"], tmp_path)
     assert done.returncode == 1, done.stderr
-    assert "--reset-limit is 0" in done.stderr
+    assert "--reset-limit is 0: stopping" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -239,9 +239,25 @@ def test_a_rank_that_ends_early_fails_the_job(how: str, launch: str, ranks: int)
         assert "rank 1 left through os._exit(0) before its script finished" in output, output
     elif launch == "run-gloo":
         assert "RankFailedError" in output, output  # the waiting ranks see rank 1 go
+        # ... and the launcher names rank 1, not a rank that waited for it
+        named = r"rank 1 finished its script while ranks? [0-9, and]+ still waited in a collective"
+        assert re.search(named, output), output
+        assert not re.search(r"rank [02] exited with status", output), output
     else:  # MPI: rank 1, on its way out, sees the others wait for it and ends the job
         pattern = r"rank 1 has finished .* but rank \d has started call number \d+, which rank 1"
         assert re.search(pattern, output), output
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_that_fails_is_named_rather_than_those_that_waited_for_it(ranks: int) -> None:
+    """Gloo: the ranks waiting for rank 1 fail too (`RankFailedError`), maybe before the launcher
+    sees rank 1's own exit; the job's failure is rank 1's, with its status."""
+    job, output = _launch("raise", "run-gloo", ranks)
+    assert job.returncode == 1, output
+    assert "rank 1 exited with status 1" in output, output
+    assert not re.search(r"rank [02] exited with status", output), output
+    assert "RuntimeError: rank 1 fails on purpose" in output, output
 
 
 @pytest.mark.spawns

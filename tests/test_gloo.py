@@ -313,3 +313,89 @@ def test_gloo_binds_to_the_interface_that_reaches_rank_0() -> None:
 
     loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     assert interface_toward("127.0.0.1", 29500) in loopback
+
+
+# -- hierarchical allreduce (backends/gloo/hierarchy.py) ---------------------------------------
+
+
+def _two_hosts_of_two(port: str, **extra: str) -> list[dict[str, str]]:
+    """torchrun's variables for 2 nodes of 2 ranks on this machine (ranks numbered by node)."""
+    return [
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(r % 2),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            **extra,
+        }
+        for r in range(4)
+    ]
+
+
+@pytest.mark.spawns
+def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
+    """Two launcher nodes of two ranks: every big allreduce takes the three steps (inside the
+    node, across, inside again) and gives what the ring gives, for every op, dtype and path."""
+    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_OVERLAP="1")
+    results = results_of(run_ranks([worker("hierarchy")] * 4, envs))
+    total, mean = 10.0, 2.5  # ranks give 1, 2, 3, 4
+    for rank, result in enumerate(results):
+        assert result["hierarchical"] is True
+        assert result["local"] == [rank % 2, 2] and result["groups"] == [rank % 2, 2]
+        assert result["sum"] == [total] and result["avg"] == [mean]
+        assert result["min"] == [1.0] and result["max"] == [4.0] and result["prod"] == [24.0]
+        assert result["int64"] == [total] and result["float16"] == [total]
+        assert result["nonblocking"] == [total] and result["bf16 wire"] == [total]
+        assert result["gradients"] == [[mean], [mean]]  # the 7-value tensor rides in a bucket
+        assert result["small"] == [total] and result["pieces"] == [total]
+        # sum, avg, min, max, prod, int64, float16, non-blocking, bf16, the gradients' bucket,
+        # the 2.4 MB buffer; not the 8-value one (below MIN_BYTES: the ring)
+        assert result["staged"] == 11, result
+        # 3 steps on the communication thread, a bucket each, through its engine's hierarchy
+        assert result["train overlap"] is True and result["train staged"] == 3, result
+        assert result["train diff"] < 1e-5, result
+
+
+class _Groups:
+    """A stand-in for torch.distributed that records the groups `Hierarchy.build` makes."""
+
+    def __init__(self) -> None:
+        self.made: list[list[int]] = []
+
+    def new_group(self, ranks: list[int], backend: str, timeout: object) -> list[int]:
+        self.made.append(ranks)
+        return ranks
+
+
+@pytest.mark.parametrize(
+    ("hosts", "forced", "groups"),
+    [
+        (["a", "a", "b", "b"], None, [[0, 1], [2, 3], [0, 2], [1, 3]]),
+        (["a", "b", "a", "b"], None, [[0, 2], [1, 3], [0, 1], [2, 3]]),  # alternating hosts
+        (["a", "a", "b", "b"], False, None),  # DATAPARALLEL_HIERARCHICAL=0
+        (["a", "a", "a", "a"], None, None),  # one host: the ring
+        (["a", "b", "c"], None, None),  # a rank a host: nothing to gain
+        (["a", "b", "c"], True, [[0], [1], [2], [0, 1, 2]]),
+        (["a", "a", "b"], None, None),  # unequal hosts: the ring
+    ],
+)
+def test_hierarchy_groups_follow_the_hosts(
+    hosts: list[str], forced: bool | None, groups: list[list[int]] | None
+) -> None:
+    from dataparallel.backends.gloo.hierarchy import Hierarchy
+    from dataparallel.config import Settings
+
+    fake = _Groups()
+    built = Hierarchy.build(fake, hosts, 0, Settings(hierarchical=forced), None)
+    assert (built is None) == (groups is None)
+    assert fake.made == (groups or [])
+
+
+def test_forced_hierarchy_over_unequal_hosts_says_why() -> None:
+    from dataparallel.backends.gloo.hierarchy import Hierarchy
+    from dataparallel.config import Settings
+
+    with pytest.raises(ValueError, match=r"same number of ranks on every host.*\[1, 2\]"):
+        Hierarchy.build(_Groups(), ["a", "a", "b"], 0, Settings(hierarchical=True), None)

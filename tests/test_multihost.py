@@ -1,23 +1,32 @@
-"""Several hosts for real: two network namespaces joined by a veth pair, one rank in each.
+"""Several hosts for real: two network namespaces joined by a veth pair.
 
 Each rank runs in its own network namespace (`ip netns exec`), with its own hostname (`unshare
 --uts`), so the ranks reach each other only through the veth link, by its 10.x addresses, as two
 machines on a LAN would. Needs root and iproute2; skipped with the reason otherwise.
+
+`dataparallel run -H a:2,b:2` runs in host a and reaches host b through a real sshd running
+there (Debian's openssh-server, with keys made by the test), on a port of its own (`-p`) with
+the test's key (`-i`). Skipped with the reason where sshd is not installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _jobs import require_mpiexec, run_job, run_ranks
+from _jobs import require_mpiexec, run_job, run_ranks, spawn
 from test_gloo import check_basic, results_of, worker
 
 from dataparallel.arrays.comm_thread import THREAD_PAUSE
@@ -27,6 +36,8 @@ pytestmark = pytest.mark.spawns
 SUBNET = "10.213.77"  # a /24 that exists only inside the namespaces
 PORT = 29500  # free by construction: the namespaces are new
 SETUP_TIMEOUT = 20
+SSH_PORT = 2222  # not ssh's own: the launcher must pass -p
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @dataclass(frozen=True)
@@ -184,3 +195,227 @@ def received(host: Host) -> int:
         capture_output=True, text=True, timeout=SETUP_TIMEOUT, check=True,
     )  # fmt: skip
     return int(done.stdout)
+
+
+# -- dataparallel run -H: ranks on other hosts over ssh ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Ssh:
+    """What a job needs to reach the hosts' sshd: the options, and a PATH whose ssh knows no
+    host keys (none is written to this machine's known_hosts)."""
+
+    options: list[str]
+    env: dict[str, str]
+    mpi_env: dict[str, str]  # mpiexec's own ssh takes no options: its PATH's ssh adds them
+
+
+@pytest.fixture
+def ssh(hosts: tuple[Host, Host], tmp_path: Path) -> Iterator[Ssh]:
+    """Start an sshd in each host, for root with a key made here; stop them afterwards."""
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not os.path.exists(sshd) or shutil.which("ssh-keygen") is None:
+        pytest.skip("sshd is not installed: apt-get install -y openssh-server")
+    if shutil.which("unshare") is None:
+        pytest.skip("`unshare` is missing: the hosts need hostnames of their own")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("client", "host"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)],
+            check=True, timeout=SETUP_TIMEOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    shutil.copy(keys / "client.pub", keys / "authorized_keys")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation folder
+    daemons = []
+    try:
+        for host in hosts:
+            config = tmp_path / f"sshd-{host.namespace}.conf"
+            config.write_text(
+                f"Port {SSH_PORT}\nListenAddress {host.address}\nHostKey {keys / 'host'}\n"
+                f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPidFile none\n"
+                "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
+                "LogLevel INFO\n"
+            )
+            daemon = subprocess.Popen(
+                host.command([sshd, "-D", "-e", "-f", str(config)]),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True, start_new_session=True,
+            )  # fmt: skip
+            daemons.append((daemon, _wait_listening(daemon, host)))
+        options = ["-p", str(SSH_PORT), "-i", str(keys / "client")]
+        paths = []
+        mpi = [*options, "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes"]
+        for name, extra in (("bin", []), ("mpi-bin", mpi)):
+            folder = tmp_path / name  # an ssh that neither reads nor writes known_hosts
+            folder.mkdir()
+            wrapper = folder / "ssh"
+            wrapper.write_text(
+                f"#!/bin/sh\nexec {shutil.which('ssh')} -o UserKnownHostsFile=/dev/null "
+                f'-o LogLevel=ERROR {" ".join(extra)} "$@"\n'
+            )
+            wrapper.chmod(0o755)
+            paths.append({"PATH": f"{folder}:{os.environ['PATH']}"})
+        yield Ssh(options, *paths)
+    finally:
+        for daemon, reader in daemons:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+            reader.join(timeout=SETUP_TIMEOUT)
+            assert daemon.stderr is not None
+            daemon.stderr.close()
+
+
+def _wait_listening(daemon: subprocess.Popen[str], host: Host) -> threading.Thread:
+    """Wait until `daemon` says it listens (a condition: its own line), or skip with its words;
+    return the thread that reads what it says."""
+    said: list[str] = []
+    listening = threading.Event()
+
+    def read() -> None:
+        assert daemon.stderr is not None
+        for line in daemon.stderr:  # read to the end: sshd logs every connection
+            said.append(line)
+            if "Server listening on" in line:
+                listening.set()
+        listening.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    listening.wait(timeout=SETUP_TIMEOUT)
+    if daemon.poll() is not None or not any("Server listening" in line for line in said):
+        pytest.skip(f"sshd would not start in {host.namespace}: {''.join(said)[-500:]}")
+    return reader
+
+
+def hosts_job(
+    hosts: tuple[Host, Host],
+    ssh: Ssh,
+    mode: str,
+    *options: str,
+    spec: str | None = None,
+    backend: str = "gloo",
+) -> list[str]:
+    """Return the command line of `dataparallel run -H a:2,b:2 ... hosts_job.py MODE`, run in
+    host a (so a's ranks start there, b's over ssh)."""
+    a, b = hosts
+    spec = spec or f"{a.address}:2,{b.address}:2"
+    run = [sys.executable, "-m", "dataparallel", "run", "-H", spec, "--backend", backend]
+    script = str(SCRIPTS / "hosts_job.py")
+    ssh_options = ssh.options if backend == "gloo" else []
+    return a.command([*run, *ssh_options, *options, script, mode])
+
+
+def leftovers() -> list[int]:
+    """Return the pids of hosts_job.py ranks still running anywhere on this machine."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/cmdline", "rb") as file:
+                    words = file.read().split(b"\0")
+                if any(word.endswith(b"hosts_job.py") for word in words):
+                    found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_run_hosts_starts_two_ranks_on_each_host_over_ssh(
+    hosts: tuple[Host, Host], ssh: Ssh, backend: str
+) -> None:
+    b = hosts[1]
+    before = received(b)
+    env = {**ssh.env, "HOSTS_JOB_MARK": "sent along"}
+    if backend == "mpi":  # mpiexec's own ssh; MPI's data through the link, not shared memory
+        pytest.importorskip("mpi4py")
+        require_mpiexec()
+        env.update(ssh.mpi_env, UCX_TLS="tcp,self", MASTER_ADDR=hosts[0].address)
+    job = hosts_job(hosts, ssh, "allreduce", backend=backend)
+    done = run_job(job, launcher=None, env=env, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {}
+    for line in done.stdout.splitlines():  # Gloo: every line prefixed with its rank and host
+        if backend == "gloo":
+            found = re.fullmatch(r"\[rank (\d) on ([\d.]+)\] RESULT (.*)", line)
+            assert found is not None, line
+            result = json.loads(found[3])
+            assert found[2] == hosts[int(found[1]) // 2].address, line
+        else:  # mpiexec passes the lines on as they are
+            result = json.loads(line.removeprefix("RESULT "))
+        results[result["rank"]] = result
+    assert sorted(results) == [0, 1, 2, 3], done.stdout
+    for rank, result in results.items():
+        assert result["hostname"] == hosts[rank // 2].hostname, result
+        assert result["size"] == 4
+        assert result["local"] == [rank % 2, 2]
+        assert result["cwd"] == str(SCRIPTS)
+        assert result["forwarded"] == "sent along"  # the environment goes along
+    # Every rank's 4 MiB crossed the link between the hosts in the allreduce.
+    assert received(b) - before >= 2**20, "the ranks' data did not cross the link"
+
+
+def test_run_hosts_a_rank_failing_on_the_other_host_ends_the_job(
+    hosts: tuple[Host, Host], ssh: Ssh
+) -> None:
+    b = hosts[1]
+    done = run_job(hosts_job(hosts, ssh, "fail"), launcher=None, env=ssh.env, cwd=SCRIPTS)
+    assert done.returncode == 1, done.stdout + done.stderr
+    err = done.stderr
+    prefix = f"[rank 3 on {b.address}] "
+    assert err.count("Traceback (most recent call last):") == 1, err
+    assert f"{prefix}Traceback (most recent call last):" in err, err
+    assert f"{prefix}RuntimeError: rank 3 fails on purpose on {b.hostname}" in err, err
+    assert f"rank 3 on {b.address} exited with status 1; stopping the other 3 rank(s)" in err
+    assert leftovers() == [], "ranks outlived the job (rank 2 runs on the other host)"
+
+
+def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
+    hosts: tuple[Host, Host], ssh: Ssh
+) -> None:
+    b = hosts[1]
+    with spawn(
+        hosts_job(hosts, ssh, "sleep"), launcher=None, env=ssh.env, cwd=SCRIPTS, capture=True
+    ) as job:
+        assert job.stdout is not None
+        ready = 0
+        for line in job.stdout:  # a condition: every rank has said it waits
+            ready += line.endswith("] ready\n")
+            if ready == 4:
+                break
+        assert ready == 4, "the ranks did not all start"
+        os.killpg(job.pid, signal.SIGINT)  # the terminal's Ctrl-C: the launcher's group
+        _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130, stderr
+    for rank in (2, 3):
+        assert f"[rank {rank} on {b.address}] KeyboardInterrupt" in stderr, stderr
+    assert leftovers() == []
+
+
+def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
+    hosts: tuple[Host, Host], ssh: Ssh
+) -> None:
+    done = run_job(
+        hosts_job(hosts, ssh, "sleep", "--timeout", "8"),
+        launcher=None,
+        env=ssh.env,
+        cwd=SCRIPTS,
+    )
+    assert done.returncode == 124, done.stderr
+    assert done.stdout.count("] ready") == 4, done.stdout  # it had started on both hosts
+    assert leftovers() == []
+
+
+def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
+    hosts: tuple[Host, Host], ssh: Ssh
+) -> None:
+    a = hosts[0]
+    nobody = f"{SUBNET}.3"  # no host has it: nothing answers there
+    spec = f"{a.address}:1,{nobody}:1"
+    done = run_job(
+        hosts_job(hosts, ssh, "sleep", spec=spec), launcher=None, env=ssh.env, cwd=SCRIPTS
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"cannot start ranks on host {nobody!r}: ssh failed with status 255" in done.stderr
+    assert "ready" not in done.stdout, "a rank started before the hosts were checked"

@@ -12,6 +12,7 @@
 | | ... and the limit of gradient buckets on the communication thread | `THREAD_BUCKET_BYTES` |
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
+| `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in one ring | by hosts |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
@@ -142,6 +143,9 @@ class Settings:
     timeout: float | None = None
     # Gradients reduced during backward (True), after it (False), or chosen per machine (None).
     overlap: bool | None = None
+    # Gloo's big allreduces in three steps through the hosts (True), one ring (False), or by
+    # the topology: three steps where the world spans hosts of several ranks (None).
+    hierarchical: bool | None = None
     # Launcher-provided topology (torchrun / dataparallel run --backend gloo), or Slurm's step
     # where it stands in for torchrun's variables (`ranks_from_slurm`).
     rank: int | None = None
@@ -211,6 +215,7 @@ class Settings:
             thread_bucket_bytes=int(bucket) if bucket is not None else THREAD_BUCKET_BYTES,
             timeout=float(timeout) if timeout is not None else None,
             overlap=_flag(env, "DATAPARALLEL_OVERLAP", None),
+            hierarchical=_flag(env, "DATAPARALLEL_HIERARCHICAL", None),
             rank=step.procid if step else _int(env, "RANK"),
             world_size=step.ntasks if step else _int(env, "WORLD_SIZE"),
             local_rank=step.localid if step else _int(env, "LOCAL_RANK"),

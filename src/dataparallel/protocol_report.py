@@ -46,7 +46,16 @@ def mismatch(backend: Backend, call: Describe) -> NoReturn:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    """Name `ranks` (ascending), three or more in a row as a range: `ranks 0-63, 65`, so that a
+    mismatch in a world of thousands of ranks stays a line long."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def explain(every: list[Mapping[str, object] | None]) -> str:

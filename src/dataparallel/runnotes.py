@@ -9,8 +9,9 @@ machines of an MPI job write none), and the launcher (`dataparallel.launch`) rea
   that world is up (`failed G` if it raised). A world needs every rank: one waiting there for a
   rank that has ended would wait for ever, and the launcher ends such a job;
 - `rank-R.end`: how the rank ended, when the runner saw it end: `done` (the script succeeded and
-  the world was finalized), `failed CODE`, or `os._exit CODE` (the script left through `os._exit`
-  before it finished).
+  the world was finalized), `failed CODE` (`failed CODE peer-gone` when the failure was
+  `RankFailedError`: another rank failed or exited while this one waited on it), or `os._exit
+  CODE` (the script left through `os._exit` before it finished).
 
 And one file the launcher makes: `rank-R.alive`, a FIFO whose writing end the rank holds open
 for its whole life (`hold_alive`). The kernel closes it when the process's files close as it
@@ -20,6 +21,7 @@ dies, before anything else of its death shows, which is how the launcher learns 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import socket
 
@@ -27,16 +29,19 @@ __all__ = [
     "DONE",
     "FAILED",
     "INITIALIZING",
+    "PEER_GONE",
     "READY",
     "hold_alive",
     "note_end",
     "note_start",
     "note_world",
     "parse_world",
+    "running_here",
 ]
 
 DONE = "done"
 INITIALIZING, READY, FAILED = "initializing", "ready", "failed"  # `dp.initialize`, by stage
+PEER_GONE = "peer-gone"  # after `failed CODE`: the failure was another rank's going
 
 
 def _write(folder: str, name: str, text: str) -> None:
@@ -58,6 +63,30 @@ def note_start(folder: str, rank: int) -> None:
 def note_end(folder: str, rank: int, how: str) -> None:
     """Note how rank `rank` ended: `DONE`, `failed CODE` or `os._exit CODE`."""
     _write(folder, f"rank-{rank}.end", how + "\n")
+
+
+def running_here(folder: str, but: int) -> list[int]:
+    """Return the ranks of this machine, `but` excepted, whose process runs and has noted no end.
+
+    A rank reads the others' notes too when Ctrl-C ends the job (`launch.runner`): under MPI the
+    first rank to exit makes mpiexec kill the rest, and one still reporting its
+    `KeyboardInterrupt` would lose it.
+    """
+    host, ranks = socket.gethostname(), []
+    for path in glob.glob(os.path.join(glob.escape(folder), "rank-*.pid")):
+        rank = os.path.basename(path)[len("rank-") : -len(".pid")]
+        try:
+            with open(path, encoding="utf-8") as file:
+                where, _, pid = file.read().strip().rpartition(" ")
+            if where != host or not rank.isdigit() or int(rank) == but:
+                continue
+            if os.path.exists(os.path.join(folder, f"rank-{rank}.end")):
+                continue
+            os.kill(int(pid), 0)
+        except (OSError, ValueError):  # no such note or process (or not ours to signal)
+            continue
+        ranks.append(int(rank))
+    return sorted(ranks)
 
 
 def note_world(folder: str, rank: int, state: str) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "is_main",
     "local_rank",
     "local_size",
+    "on_lost_member",
     "print",
     "rank",
     "size",
@@ -117,6 +118,20 @@ class World:
 
 
 _world: World | None = None
+# What `initialize` does when its world cannot form (`on_lost_member`); None: it raises.
+_on_lost_member: Callable[[BaseException], None] | None = None
+
+
+def on_lost_member(rejoin: Callable[[BaseException], None] | None) -> None:
+    """Have `initialize` call `rejoin(error)` when making the world fails with `error`, and then
+    try again; `rejoin` raises to give up (None: `initialize` raises at once).
+
+    An elastic run's worker (`dataparallel run --min-np`) sets this: a member lost while the
+    world forms leaves the launcher's round without it, and `rejoin` joins that round instead
+    (`dataparallel.elastic`). Elsewhere the processes are fixed, and a failure is final.
+    """
+    global _on_lost_member
+    _on_lost_member = rejoin
 
 
 def initialize(
@@ -178,28 +193,36 @@ def initialize(
     if name == "mpi":
         check_mpi_not_finalized()
     note = world_note(settings, rank, world_size)
-    note(runnotes.INITIALIZING)
     hook_before = sys.excepthook  # torch.distributed's init_process_group wraps it too
-    try:
-        made = registry.load(name).create(
-            init_method=init_method, rank=rank, world_size=world_size, settings=settings
-        )
-    except BaseException:
-        note(runnotes.FAILED)
-        raise
-    note(runnotes.READY)
-    check_not_alone(made, name, settings)
-    gpu = choose_device(made.local_rank, cuda_device_count(), gpu_devices)
-    if gpu is not None:
-        point_frameworks_at(gpu)
-        made.bind_device(gpu)  # NCCL makes its communicator there
-    _world = World(backend=made, settings=settings, device=gpu, verbose=verbose)
-    try:
-        _world.torch_group = torch_distributed.join(made, settings)
-    except BaseException:
-        _world = None
-        made.close()
-        raise
+    while True:  # again after `_on_lost_member` found a new membership
+        note(runnotes.INITIALIZING)
+        try:
+            made = registry.load(name).create(
+                init_method=init_method, rank=rank, world_size=world_size, settings=settings
+            )
+        except BaseException as exc:
+            note(runnotes.FAILED)
+            if _on_lost_member is None:
+                raise
+            _on_lost_member(exc)
+            continue
+        note(runnotes.READY)
+        check_not_alone(made, name, settings)
+        gpu = choose_device(made.local_rank, cuda_device_count(), gpu_devices)
+        if gpu is not None:
+            point_frameworks_at(gpu)
+            made.bind_device(gpu)  # NCCL makes its communicator there
+        _world = World(backend=made, settings=settings, device=gpu, verbose=verbose)
+        try:
+            _world.torch_group = torch_distributed.join(made, settings)
+        except BaseException as exc:
+            _world = None
+            made.close()
+            if _on_lost_member is None:
+                raise
+            _on_lost_member(exc)
+            continue
+        break
     if settings.timeline:
         _world.recording = Timeline(settings.timeline, made.rank, made.size)
     if made.size > 1:

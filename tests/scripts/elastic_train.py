@@ -13,7 +13,17 @@ Options:
     --die-forming W:G   worker W kills itself with SIGKILL once round G has formed, as it begins
                         making the round's Gloo group (before the others can reach it)
     --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
-                        script prints), then waits until the launcher has opened a new round
+                        script prints), then waits until the launcher has opened a new round;
+                        K = 0: the newest worker does so before its `dp.initialize()`, while
+                        round 0's world forms, and enters it once the others, who waited
+                        there for it, have given it up and formed round 1
+    --leave W:K         as --die, but worker W leaves with `sys.exit(0)` (a clean exit mid-run)
+    --die-initializing W  worker W kills itself with SIGKILL before `dp.initialize()`, once the
+                        launcher's round 0 has formed (the others meet its absence there)
+    --die-after-finish W  worker W kills itself with SIGKILL after training, once rank 0 has
+                        written --out and ended (a worker lost as the run finishes)
+    --fail-discovery FILE:K  after its K-th commit, rank 0 creates FILE (the discovery script
+                        fails once while it exists, and removes it), then waits until it is gone
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ import argparse
 import json
 import os
 import signal
+import sys
+import time
 
 import numpy as np
 
@@ -74,6 +86,31 @@ def die_forming(generation: int) -> None:
     rounds._make_group = dying  # type: ignore[assignment]
 
 
+def wait_for_round(generation: int, formed: bool = False) -> None:
+    """Wait until the launcher has opened round `generation` (`formed`: until it formed)."""
+    from dataparallel.config import Settings
+    from dataparallel.elastic import rounds
+
+    store = rounds.connect(Settings.from_env())
+    store.wait([rounds.round_key(generation)])
+    if formed:
+        store.wait([rounds.ready_key(generation)])
+
+
+def wait_until(done: object) -> None:
+    """Poll `done()` (a condition another process brings about) until it holds."""
+    while not done():  # type: ignore[operator]
+        time.sleep(0.01)
+
+
+def ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=23)
@@ -85,14 +122,31 @@ def main() -> None:
     parser.add_argument("--skip")
     parser.add_argument("--die-forming", default="")
     parser.add_argument("--slots")
+    parser.add_argument("--leave", default="")
+    parser.add_argument("--die-initializing", default="")
+    parser.add_argument("--die-after-finish", default="")
+    parser.add_argument("--fail-discovery")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
+    leaver, _, leaves_after = args.leave.partition(":")
     skip_worker, _, skip_at = (args.skip or "").partition(":")
     tries = 0
     forming_worker, _, forming_round = args.die_forming.partition(":")
     if me == forming_worker:
         die_forming(int(forming_round))
+    if me == args.die_initializing:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.slots and args.slots.split(":")[1] == "0":
+        from dataparallel.elastic import rounds
+
+        joined = rounds.current()
+        assert joined is not None
+        if joined.rank == joined.size - 1:
+            path, _, line = args.slots.split(":", 2)
+            with open(path, "w") as file:
+                file.write(line + "\n")
+            wait_for_round(joined.generation + 1, formed=True)  # the others gave round 0 up
     dp.initialize()
     state = dp.elastic.ObjectState(
         w=np.zeros(DIM),
@@ -102,10 +156,10 @@ def main() -> None:
         sampler=dp.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=5),
     )
     commits = 0
-    rediscovered = False
+    rediscovered = failed_discovery = False
 
     def commit() -> None:
-        nonlocal commits, rediscovered, tries
+        nonlocal commits, rediscovered, failed_discovery, tries
         tries += 1
         if me == skip_worker and tries == int(skip_at):
             return
@@ -113,16 +167,21 @@ def main() -> None:
         commits += 1
         if args.slots and not rediscovered and dp.rank() == 0:
             path, k, line = args.slots.split(":", 2)
-            if commits >= int(k):
+            if int(k) > 0 and commits >= int(k):
                 rediscovered = True
                 with open(path, "w") as file:
                     file.write(line + "\n")
-                from dataparallel.config import Settings
                 from dataparallel.elastic import rounds
 
-                store, joined = rounds.connect(Settings.from_env()), rounds.current()
+                joined = rounds.current()
                 assert joined is not None
-                store.wait([rounds.round_key(joined.generation + 1)])
+                wait_for_round(joined.generation + 1)
+        if args.fail_discovery and not failed_discovery and dp.rank() == 0:
+            path, _, k = args.fail_discovery.rpartition(":")
+            if commits >= int(k):
+                failed_discovery = True
+                open(path, "w").close()
+                wait_until(lambda: not os.path.exists(path))
 
     @dp.elastic.run
     def train(state: dp.elastic.ObjectState) -> None:
@@ -133,6 +192,8 @@ def main() -> None:
                 g = gradient(state.w, indices)
                 if dies_after is not None and commits >= dies_after:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if me == leaver and commits >= int(leaves_after):
+                    sys.exit(0)
                 parts = dp.allgather_object((indices, g))
                 state.w = update(state.w, parts)
                 state.history.append([state.epoch, dp.size(), [p[0] for p in parts]])
@@ -146,8 +207,16 @@ def main() -> None:
 
     train(state)
     if dp.rank() == 0 and args.out:
-        with open(args.out, "w") as file:
-            json.dump({"w": state.w.tolist(), "history": state.history, "size": dp.size()}, file)
+        out = {"w": state.w.tolist(), "history": state.history, "size": dp.size()}
+        with open(args.out + ".part", "w") as file:
+            json.dump({**out, "pid": os.getpid()}, file)
+        os.replace(args.out + ".part", args.out)
+    if me == args.die_after_finish and args.out:
+        wait_until(lambda: os.path.exists(args.out))
+        with open(args.out) as file:
+            pid = json.load(file)["pid"]
+        wait_until(lambda: ended(pid))
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

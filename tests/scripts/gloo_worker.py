@@ -17,6 +17,9 @@ Scenarios:
   train    3 steps of a DistributedOptimizer on the communication thread (run it with
            DATAPARALLEL_OVERLAP=1), checked against one model trained on every rank's batch;
            prints `RESULT {json}` with the largest difference and the thread's pause
+  hierarchy allreduces of every op, several dtypes, blocking and not, compressed, gradients and
+           one small buffer; prints `RESULT {json}` with the distinct values of each result and
+           how many went through the hierarchy's three steps (`backends/gloo/hierarchy.py`)
 
 With --meet DIR (and --rank, --world-size), each rank imports torch.distributed, notes DIR/R, and
 waits for every rank's note before `dp.initialize()`: a short DATAPARALLEL_TIMEOUT then covers
@@ -42,7 +45,8 @@ BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "scenario", choices=("basic", "abort", "timeout", "leave", "existing", "train")
+        "scenario",
+        choices=("basic", "abort", "timeout", "leave", "existing", "train", "hierarchy"),
     )
     parser.add_argument("--init-method")
     parser.add_argument("--rank", type=int)
@@ -77,6 +81,9 @@ def main() -> None:
     elif args.scenario == "train":
         sys.stdout.write(f"RESULT {json.dumps(train(backend.rank, backend.size))}\n")
         sys.stdout.flush()
+    elif args.scenario == "hierarchy":
+        sys.stdout.write(f"RESULT {json.dumps(hierarchy(backend))}\n")
+        sys.stdout.flush()
     else:
         dp.barrier()
         held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None
@@ -100,6 +107,70 @@ def main() -> None:
         os._exit(1)
     if not args.no_finalize:
         dp.finalize()
+
+
+def hierarchy(backend: object) -> dict[str, object]:
+    """Every kind of allreduce a training job makes, each rank giving rank + 1 (exact sums)."""
+    import torch
+
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.backends.gloo.hierarchy import Hierarchy
+
+    assert isinstance(backend, GlooBackend)
+    staged = 0
+    start = Hierarchy.start  # counted on every engine: the thread's has a hierarchy of its own
+
+    def counted(self: Hierarchy, *args: object, **kwargs: object) -> object:
+        nonlocal staged
+        staged += 1
+        return start(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    Hierarchy.start = counted  # type: ignore[method-assign, assignment]
+    hier = backend.hierarchy
+    r = backend.rank + 1.0
+    odd = 100_003  # no multiple of a host's ranks: the buffer is padded
+
+    def values(x: object) -> list[float]:
+        return sorted({float(v) for v in np.asarray(x, dtype=np.float64).ravel()})
+
+    result: dict[str, object] = {
+        "hierarchical": hier is not None,
+        "groups": None if hier is None else [hier.local_rank, hier.local_size],
+        "local": [backend.local_rank, backend.local_size],
+    }
+    for op in ("sum", "avg", "min", "max", "prod"):
+        result[op] = values(dp.allreduce(np.full(odd, r, np.float32), op))
+    result["int64"] = values(dp.allreduce(np.full(odd, int(r), np.int64)))
+    result["float16"] = values(dp.allreduce(np.full(odd, r, np.float16)))
+    result["nonblocking"] = values(dp.iallreduce(np.full(odd, r)).wait())
+    result["bf16 wire"] = values(
+        dp.allreduce(np.full(odd, r, np.float32), compression=dp.Compression.bf16)
+    )
+    grads = [torch.full((300, 301), r), torch.full((7,), r)]
+    result["gradients"] = [values(g.numpy()) for g in dp.allreduce_gradients(grads)]
+    result["small"] = values(dp.allreduce(np.full(8, r)))
+    result["pieces"] = values(dp.allreduce(np.full(600_001, r, np.float32)))  # padded
+    result["staged"] = staged
+    # Training on the communication thread (DATAPARALLEL_OVERLAP=1): its engine's own groups.
+    torch.manual_seed(0)
+    ours, whole = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+    whole.load_state_dict(ours.state_dict())
+    opt = dp.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1))
+    reference = torch.optim.SGD(whole.parameters(), lr=0.1)
+    size = backend.size
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2 * size, 256, generator=g), torch.randn(2 * size, 256, generator=g)
+        mine = slice(2 * backend.rank, 2 * backend.rank + 2)
+        for m, o, xs, ys in ((ours, opt, x[mine], y[mine]), (whole, reference, x, y)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(xs), ys).backward()
+            o.step()
+    pairs = zip(ours.parameters(), whole.parameters(), strict=True)
+    result["train diff"] = max(float((a - b).abs().max()) for a, b in pairs)
+    result["train overlap"] = opt.gradient_sync.overlap
+    result["train staged"] = staged - result["staged"]  # type: ignore[operator]
+    return result
 
 
 def train(rank: int, size: int) -> dict[str, object]:

@@ -1,10 +1,11 @@
 """`leaves_early.py HOW`: rank 1 ends early while the other ranks wait in a collective.
 
-HOW is how rank 1 ends: `os._exit` (`os._exit(0)`), `sys.exit` (`sys.exit(0)`), or `skip` (it
-skips the last collective and its script ends). With `late DIR`, nothing is wrong: rank 0
-finishes after the others, with no collective left, and the job must succeed. Each other rank
-notes DIR/finished-R on its way out (to the runner's `dp.finalize()`, or to exit), and rank 0
-waits for every note before it finishes.
+HOW is how rank 1 ends: `os._exit` (`os._exit(0)`), `sys.exit` (`sys.exit(0)`), `skip` (it
+skips the last collective and its script ends), or `raise` (a failure, for contrast: the job's
+failure is rank 1's, not that of the ranks whose collective it ended). With `late DIR`, nothing
+is wrong: rank 0 finishes after the others, with no collective left, and the job must succeed.
+Each other rank notes DIR/finished-R on its way out (to the runner's `dp.finalize()`, or to
+exit), and rank 0 waits for every note before it finishes.
 """
 
 import os
@@ -33,6 +34,8 @@ if dp.rank() == 1:
         os._exit(0)
     if how == "sys.exit":
         sys.exit(0)
+    if how == "raise":
+        raise RuntimeError("rank 1 fails on purpose")
 else:
     dp.allreduce(np.ones(1))  # rank 1 never joins
     print("UNREACHABLE", flush=True)

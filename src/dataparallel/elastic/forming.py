@@ -6,7 +6,11 @@ until its timeout (`--elastic-timeout` + 30 s). `watching(store, round)` wraps t
 store for that rendezvous: its waits poll the store (`SLICE` seconds apart at most) and read,
 between two polls, whether the launcher opened a newer round that leaves out one of this
 round's members (a worker lost or removed; one that only adds workers lets this group form).
-If so the wait fails with `RankFailedError`, and `rounds.join` goes on to the newer round. The
+If so the wait fails with `RankFailedError`, and `rounds.join` goes on to the newer round. A
+wait that finds its keys there reads it too, at most every `SLICE` seconds (not on every key:
+that would cost a round trip per key): a member that reaches the rendezvous after the newer
+round opened and the others gave up would otherwise find their keys written and form the group
+alone, then wait on them in Gloo's connections. The
 wrapper must outlive the group (torch calls back into it): `rounds` keeps it.
 """
 
@@ -41,12 +45,17 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
         def __init__(self) -> None:
             super().__init__()
             self._limit: datetime.timedelta = store.timeout
+            # Keys a wait found: Gloo waits for each peer's key, then gets it; the get need not
+            # ask the store again whether the key is there (a third of the rendezvous' trips).
+            self._present: set[str] = set()
+            self._looked = -SLICE  # when a wait last read whether a newer round opened
 
         def set(self, key: str, value: str | bytes) -> None:
             store.set(key, value)
 
         def get(self, key: str) -> bytes:
-            self.wait([key])
+            if key not in self._present:
+                self.wait([key])
             return bytes(store.get(key))
 
         def add(self, key: str, amount: int) -> int:
@@ -59,6 +68,7 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
             return bool(store.check(keys))
 
         def delete_key(self, key: str) -> bool:
+            self._present.discard(key)
             return bool(store.delete_key(key))
 
         def num_keys(self) -> int:
@@ -70,14 +80,20 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
         def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
             deadline = time.monotonic() + (timeout or self._limit).total_seconds()
             pause = 0.001
-            while not store.check(keys):  # polled: a store's timed-out wait logs a warning
-                lost = _left_out(store, generation, members)
-                if lost:
-                    raise RankFailedError(
-                        f"round {generation}'s Gloo group cannot form: the launcher opened round "
-                        f"{generation + 1} without worker(s) {', '.join(lost)}."
-                    )
-                if time.monotonic() >= deadline:
+            while True:  # polled: a store's timed-out wait logs a warning
+                present = bool(store.check(keys))
+                now = time.monotonic()
+                if not present or now - self._looked >= SLICE:
+                    lost = _left_out(store, generation, members)
+                    if lost:
+                        raise RankFailedError(
+                            f"round {generation}'s Gloo group cannot form: the launcher opened "
+                            f"round {generation + 1} without worker(s) {', '.join(lost)}."
+                        )
+                    self._looked = now
+                if present:
+                    break
+                if now >= deadline:
                     raise RankFailedError(
                         f"round {generation}'s Gloo group did not form within "
                         f"{(timeout or self._limit).total_seconds():g} s (waiting for "
@@ -85,6 +101,7 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
                     )
                 time.sleep(pause)
                 pause = min(2 * pause, SLICE)
+            self._present.update(keys)
 
     return _Watched()
 

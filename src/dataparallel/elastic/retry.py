@@ -6,6 +6,7 @@ rolls back to its last commit; on `HostsUpdatedInterrupt` (workers added, seen a
 does not. Either way the world is re-formed from the launcher's newest round (`rounds.py`), the
 reset callbacks run, the state is synchronized from the new rank 0, and the function is called
 again. Outside an elastic run (no `dataparallel run --min-np` launcher) the errors propagate.
+A worker that can join no round (`rounds.NoWorldError`) ends: waiting again would wait for ever.
 """
 
 from __future__ import annotations

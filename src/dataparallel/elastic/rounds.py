@@ -17,6 +17,12 @@ A worker left out of the newest round because discovery reported fewer slots fin
 `removed/ID` (the launcher writes it first) and leaves the run with status 0 (`WorkerRemoved`).
 
 `dp.initialize()` then makes the library's world over that group (`backends/registry.choose`).
+A member lost meanwhile fails that too; `rejoin` (which `dataparallel run`'s runner gives
+`dp.initialize` through `world.on_lost_member`) then leaves the round and joins the next, so a
+world forms in the end whenever the launcher forms one, the first one included.
+
+A worker that can join no round (none opened within the timeout, or the launcher left it out)
+raises `NoWorldError`, which `elastic.run` does not catch: waiting again would wait for ever.
 """
 
 from __future__ import annotations
@@ -30,22 +36,25 @@ from typing import TYPE_CHECKING
 
 from dataparallel.config import Settings
 from dataparallel.elastic.forming import round_key, watching
-from dataparallel.errors import RankFailedError
+from dataparallel.errors import DataParallelError, RankFailedError
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
 __all__ = [
     "LATEST",
+    "NoWorldError",
     "Round",
     "WorkerRemoved",
     "arrived_key",
     "connect",
     "current",
+    "formed",
     "join",
     "leave",
     "newest",
     "ready_key",
+    "rejoin",
     "removed_key",
     "supersede",
 ]
@@ -68,6 +77,14 @@ def removed_key(worker: str) -> str:
     """The key the launcher sets before it leaves `worker` out of the next round (its slot was
     removed: the discovery script reports fewer slots)."""
     return f"removed/{worker}"
+
+
+class NoWorldError(DataParallelError, RuntimeError):
+    """This worker can join no world: the launcher opened no round for it within
+    `DATAPARALLEL_ELASTIC_TIMEOUT` seconds, or left it out of the newest one.
+
+    Not a `RankFailedError`, so `elastic.run` lets it through: the worker ends, with status 1.
+    """
 
 
 class WorkerRemoved(SystemExit):
@@ -154,7 +171,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
     """Join the first round newer than `after` that forms, and make torch's default group of it.
 
     Raises:
-        RankFailedError: no round formed within `DATAPARALLEL_ELASTIC_TIMEOUT` seconds (the
+        NoWorldError: no round formed within `DATAPARALLEL_ELASTIC_TIMEOUT` seconds (the
             launcher ends such a run itself; this is the worker's own guard), or the launcher
             left this worker out of the newest round (it was lost to the launcher).
         WorkerRemoved: the launcher removed this worker's slot (status 0: it ends the process).
@@ -169,7 +186,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
     store = connect(settings)
     deadline = time.monotonic() + settings.elastic_timeout
     if not _exists(store, round_key(after + 1), _left(deadline)):
-        raise RankFailedError(
+        raise NoWorldError(
             f"no new world formed within {settings.elastic_timeout:g} s after round {after} "
             "(DATAPARALLEL_ELASTIC_TIMEOUT): the launcher did not re-form the run."
         )
@@ -182,14 +199,14 @@ def join(after: int, settings: Settings | None = None) -> Round:
             print(f"dataparallel: {removed}", file=sys.stderr, flush=True)
             raise removed
         if me not in members:
-            raise RankFailedError(
+            raise NoWorldError(
                 f"worker {me} is not a member of round {generation} ({', '.join(members)}): "
                 "the launcher left it out."
             )
         if store.add(arrived_key(generation), 1) == len(members):
             store.compare_set(ready_key(generation), "", FORMED)
         if not _exists(store, ready_key(generation), _left(deadline)):
-            raise RankFailedError(
+            raise NoWorldError(
                 f"round {generation} did not form within {settings.elastic_timeout:g} s: not "
                 f"every member of {', '.join(members)} arrived."
             )
@@ -200,7 +217,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
             except RuntimeError as exc:  # a member died while the group formed
                 leave()
                 if not _exists(store, round_key(generation + 1), _left(deadline)):
-                    raise RankFailedError(
+                    raise NoWorldError(
                         f"round {generation}'s Gloo group did not form: {exc}"
                     ) from exc
             else:
@@ -209,11 +226,38 @@ def join(after: int, settings: Settings | None = None) -> Round:
         after = generation  # a member died before it formed: the launcher opened a newer one
 
 
-def supersede(store: Store, generation: int) -> None:
+def rejoin(error: BaseException) -> None:
+    """Leave the round whose world could not form (`error`: a member was lost meanwhile) and
+    join the next one. A lost member shows as a `RankFailedError` or as torch's own
+    `RuntimeError` (a connection refused or closed); any other error (a mismatch, a bad
+    argument, an interrupt) is raised as it is.
+
+    `dp.initialize` calls this (`world.on_lost_member`) and then tries again.
+
+    Raises:
+        NoWorldError, WorkerRemoved: as `join`.
+    """
+    joined = _current
+    lost = isinstance(error, RankFailedError) or not isinstance(error, DataParallelError)
+    if joined is None or not isinstance(error, RuntimeError) or not lost:
+        raise error
+    leave()
+    join(joined.generation)
+
+
+def supersede(store: Store, generation: int) -> bool:
     """Mark round `generation` as never to form, unless it formed (the launcher, before it opens
-    the next round: members still waiting for it then go on to the next)."""
-    if generation >= 0:
-        store.compare_set(ready_key(generation), "", SUPERSEDED)
+    the next round: members still waiting for it then go on to the next). Return whether it
+    formed."""
+    if generation < 0:
+        return False
+    return bytes(store.compare_set(ready_key(generation), "", SUPERSEDED)) == FORMED.encode()
+
+
+def formed(store: Store, generation: int) -> bool:
+    """Return whether round `generation` formed (every member arrived)."""
+    key = ready_key(generation)
+    return bool(store.check([key])) and bytes(store.get(key)) == FORMED.encode()
 
 
 def _left(deadline: float) -> datetime.timedelta:

@@ -16,6 +16,7 @@ from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
 
 if TYPE_CHECKING:
+    from dataparallel.launch.hosts import HostSlots
     from dataparallel.launch.spawn import ElasticOptions
 
 __all__ = ["main"]
@@ -38,6 +39,12 @@ the N processes itself with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, 
 MASTER_ADDR, MASTER_PORT) and prefixes every output line with `[rank R] `. Under MPI every rank
 gets torchrun's variables too, so an unchanged torchrun script runs.
 
+With -H a:2,b:2 or --hostfile FILE (Horovod's formats: host:slots, or host slots=N lines) the
+ranks fill the hosts in order and -n defaults to their slots. Under MPI, mpiexec starts them
+over ssh; under Gloo, the launcher starts those of the other hosts over ssh (-p, -i), with this
+environment, in this working directory and with this interpreter, which every host must have at
+the same path; their output lines are prefixed `[rank R on HOST] `.
+
 In a Slurm allocation (salloc, sbatch) -n defaults to its tasks and may not exceed them, and Gloo
 ranks start through srun on the allocated nodes; inside `srun -n 1` the ranks start in the step
 (docs/slurm.md).
@@ -54,9 +61,10 @@ examples:
   dataparallel run -n 4 train.py --epochs 10
   dataparallel run -n 2 -m pytest -q tests/
   dataparallel run -n 2 --backend gloo --timeout 600 train.py
-  # two machines, 4 processes each (run on both; node 0 hosts the rendezvous):
-  dataparallel run -n 4 --backend gloo --nnodes 2 --node-rank 0 --master-addr node0 train.py
+  dataparallel run -H node0:4,node1:4 --backend gloo train.py   # two machines, over ssh
   dataparallel run -n 16 --hostfile hosts.txt train.py     # MPI over several machines
+  # two machines, 4 processes each, started by hand (run on both; node 0 has the rendezvous):
+  dataparallel run -n 4 --backend gloo --nnodes 2 --node-rank 0 --master-addr node0 train.py
   dataparallel run -n 3 --min-np 2 --max-np 4 --backend gloo train.py   # elastic (Gloo)
 """
 
@@ -68,6 +76,12 @@ _RUN_VALUE_OPTIONS = frozenset(
         "--backend",
         "--timeout",
         "--hostfile",
+        "-H",
+        "--hosts",
+        "-p",
+        "--ssh-port",
+        "-i",
+        "--ssh-identity-file",
         "--nnodes",
         "--node-rank",
         "--master-addr",
@@ -123,8 +137,27 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the library module MODULE as a script, as `python -m` does (e.g. -m pytest)",
     )
-    mpi = run.add_argument_group("MPI")
-    mpi.add_argument("--hostfile", metavar="FILE", help="the machines to run on (mpiexec -f FILE)")
+    hosts = run.add_argument_group("several machines (MPI, Gloo), as horovodrun")
+    hosts.add_argument(
+        "-H",
+        "--hosts",
+        metavar="H:S,...",
+        help="the machines and their slots, e.g. node0:4,node1:4 (ranks fill them in order)",
+    )
+    hosts.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="the machines, one `host:slots` or `host slots=N` a line",
+    )
+    hosts.add_argument(
+        "-p", "--ssh-port", type=int, metavar="PORT", help="Gloo: ssh to the hosts on this port"
+    )
+    hosts.add_argument(
+        "-i",
+        "--ssh-identity-file",
+        metavar="FILE",
+        help="Gloo: ssh to the hosts with this private key",
+    )
     gloo = run.add_argument_group("Gloo across machines (torchrun's numbering)")
     gloo.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines (default: 1)")
     gloo.add_argument(
@@ -284,10 +317,68 @@ def _module_exists(name: str) -> bool:
         sys.path[:] = saved
 
 
+def _host_list(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[HostSlots] | None:
+    """Return the hosts of `-H` or `--hostfile` (None without either), rejecting bad ones."""
+    from dataparallel.launch.hosts import HostError, parse_hosts, read_hostfile
+
+    if ns.hosts is not None and ns.hostfile is not None:
+        parser.error("give -H or --hostfile, not both.")
+    try:
+        if ns.hosts is not None:
+            return parse_hosts(ns.hosts)
+        if ns.hostfile is not None:
+            if not os.path.isfile(ns.hostfile):
+                parser.error(f"--hostfile {ns.hostfile!r} is not a file.")
+            return read_hostfile(ns.hostfile)
+    except HostError as exc:
+        parser.error(str(exc))
+    for flag, value in (("-p/--ssh-port", ns.ssh_port), ("-i", ns.ssh_identity_file)):
+        if value is not None:
+            parser.error(f"{flag} is for ranks started over ssh: give the hosts with -H.")
+    return None
+
+
+def _check_hosts(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, hosts: list[HostSlots]
+) -> None:
+    """Reject options that do not go with a host list."""
+    torchrun = [
+        flag
+        for flag, value, default in (("--nnodes", ns.nnodes, 1), ("--node-rank", ns.node_rank, 0))
+        if value != default
+    ]
+    if torchrun:
+        parser.error(
+            f"{', '.join(torchrun)} number the machines of a job started by hand on each; with "
+            "-H or --hostfile the launcher starts every machine's ranks itself: drop them."
+        )
+    if ns.min_np is not None:
+        parser.error(
+            "--min-np with -H or --hostfile: elastic runs start workers on this machine only "
+            "(docs/elastic.md)."
+        )
+    if ns.backend == "mpi":
+        ssh = [f for f, v in (("-p", ns.ssh_port), ("-i", ns.ssh_identity_file)) if v is not None]
+        if ssh:
+            parser.error(
+                f"{', '.join(ssh)} with --backend mpi: mpiexec runs ssh itself; put Port and "
+                "IdentityFile in ~/.ssh/config, or add --backend gloo."
+            )
+    if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
+        parser.error(f"--ssh-port must be in 1..65535, got {ns.ssh_port}.")
+    if ns.ssh_identity_file is not None and not os.path.isfile(ns.ssh_identity_file):
+        parser.error(f"--ssh-identity-file {ns.ssh_identity_file!r} is not a file.")
+    slots = sum(entry.slots for entry in hosts)
+    if ns.n is None:
+        ns.n = slots
+    elif ns.n > slots:
+        parser.error(f"-n {ns.n} is more than the {slots} slot(s) of the hosts.")
+
+
 def _check_run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Reject bad `run` arguments with argparse's usage error (exit status 2)."""
     if ns.n is None:
-        parser.error("-n N is required: the number of processes to start.")
+        parser.error("-n N is required: the number of processes to start (or -H's slots).")
     if ns.n < 1:
         parser.error(f"-n must be at least 1, got {ns.n}.")
     if ns.timeout is not None and ns.timeout <= 0:
@@ -316,14 +407,10 @@ def _check_run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         ]
         if gloo_only:
             parser.error(
-                f"{', '.join(gloo_only)} set the Gloo rendezvous; with MPI use --hostfile FILE, "
-                "or add --backend gloo."
+                f"{', '.join(gloo_only)} set the Gloo rendezvous; with MPI use -H or "
+                "--hostfile, or add --backend gloo."
             )
-        if ns.hostfile is not None and not os.path.isfile(ns.hostfile):
-            parser.error(f"--hostfile {ns.hostfile!r} is not a file.")
         return
-    if ns.hostfile is not None:
-        parser.error("--hostfile is for --backend mpi; with Gloo use --nnodes/--node-rank.")
     if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
         parser.error(
             f"--node-rank must be in 0..{ns.nnodes - 1} and --nnodes at least 1, "
@@ -340,8 +427,12 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     # SCRIPT goes after `--` so that argparse takes it as the positional whatever it looks like;
     # without one, argparse says that SCRIPT is required.
     ns = parser.parse_args(["run", *own, *(["--", target[0]] if target else [])])
+    hosts = _host_list(parser, ns)
     slurm = Settings.from_env().slurm
-    if slurm is not None:  # the allocation decides -n (launch/slurm.py)
+    if hosts is not None:  # the host list decides, not an allocation around the launcher
+        _check_hosts(parser, ns, hosts)
+        slurm = None
+    elif slurm is not None:  # the allocation decides -n (launch/slurm.py)
         from dataparallel.launch import slurm as in_slurm
 
         ns.n = in_slurm.ranks(ns.n, slurm, parser.error)
@@ -354,7 +445,9 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     if ns.backend == "mpi":
         from dataparallel.launch.mpi import run_mpi
 
-        return run_mpi(ns.n, runner_target, timeout=ns.timeout, hostfile=ns.hostfile)
+        return run_mpi(ns.n, runner_target, timeout=ns.timeout, hosts=hosts)
+    if hosts is not None:
+        return _run_gloo_on_hosts(parser, ns, hosts, runner_target)
     from dataparallel.launch.spawn import Topology, run_gloo
 
     port = ns.master_port
@@ -369,6 +462,32 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     )
     elastic = None if ns.min_np is None else _elastic_options(ns)
     return run_gloo(runner_target, topology, elastic=elastic, timeout=ns.timeout)
+
+
+def _run_gloo_on_hosts(
+    parser: argparse.ArgumentParser,
+    ns: argparse.Namespace,
+    hosts: list[HostSlots],
+    target: list[str],
+) -> int:
+    """Run a Gloo job over the machines of `hosts`: rank 0's host holds the rendezvous."""
+    from dataparallel.launch.hosts import Ssh, is_local, place
+    from dataparallel.launch.spawn import Topology, run_gloo
+
+    slots = place(hosts, ns.n)
+    master = ns.master_addr or slots[0].host
+    remote = any(not is_local(host) for host in {slot.host for slot in slots})
+    if remote and master in ("localhost", "127.0.0.1", "::1"):
+        parser.error(
+            f"rank 0's host {master!r} is this machine's loopback, which the other hosts cannot "
+            "reach: name it by an address they reach (-H), or give --master-addr."
+        )
+    port = ns.master_port
+    if port is None and not is_local(master):
+        port = 29500  # torchrun's default: the launcher cannot look for a free port there
+    topology = Topology(nproc_per_node=ns.n, master_addr=master, master_port=port)
+    ssh = Ssh(port=ns.ssh_port, identity_file=ns.ssh_identity_file)
+    return run_gloo(target, topology, timeout=ns.timeout, slots=slots, ssh=ssh)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,11 +31,12 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dataparallel.config import RUN_DIR_VARIABLE
 from dataparallel.errors import BackendUnavailableError
+from dataparallel.launch.hosts import HostSlots
 from dataparallel.launch.process import (
     EXIT_TIMEOUT,
     GRACE_SECONDS,
@@ -111,8 +112,19 @@ def mpi_command(mpiexec: str, n: int, target: list[str], hostfile: str | None = 
     return [mpiexec, "-n", str(n), *hosts, sys.executable, "-m", RUNNER, *target]
 
 
+def _hostfile_text(hosts: Sequence[HostSlots], flag: str) -> str:
+    """Return `hosts` as the host file of the mpiexec that takes it with `flag`."""
+    if flag == "--hostfile":  # Open MPI
+        return "".join(f"{entry.host} slots={entry.slots}\n" for entry in hosts)
+    return "".join(f"{entry.host}:{entry.slots}\n" for entry in hosts)
+
+
 def run_mpi(
-    n: int, target: list[str], *, timeout: float | None = None, hostfile: str | None = None
+    n: int,
+    target: list[str],
+    *,
+    timeout: float | None = None,
+    hosts: Sequence[HostSlots] | None = None,
 ) -> int:
     """Run `target` on `n` MPI ranks and return the job's exit status.
 
@@ -120,7 +132,8 @@ def run_mpi(
         n: number of ranks.
         target: what the runner runs: `[script, *args]` or `["-m", module, *args]`.
         timeout: seconds before the job is stopped (exit status 124); also set as `MPIEXEC_TIMEOUT`.
-        hostfile: an MPI host file, passed as `-f` (Hydra) or `--hostfile` (Open MPI).
+        hosts: the machines and their slots, written to a host file in this mpiexec's format
+            (`host:N` for Hydra, `host slots=N` for Open MPI) and passed as `-f` or `--hostfile`.
 
     Returns:
         0 when every rank succeeded; else the failing rank's code, 128 + N for a rank killed by
@@ -137,6 +150,11 @@ def run_mpi(
     run_dir = RunDir()
     env[RUN_DIR_VARIABLE] = run_dir.path
     try:
+        hostfile = None
+        if hosts is not None:
+            hostfile = os.path.join(run_dir.path, "hostfile")
+            with open(hostfile, "w", encoding="utf-8") as file:
+                file.write(_hostfile_text(hosts, _hostfile_flag(mpiexec)))
         job = _Job(mpi_command(mpiexec, n, target, hostfile), env, n, run_dir)
         with FirstDeaths(run_dir, n) as deaths:
             status = job.run(timeout)

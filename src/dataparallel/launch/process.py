@@ -28,7 +28,7 @@ from types import FrameType
 from typing import BinaryIO, TextIO
 
 from dataparallel.config import MPI_LAUNCHER_VARIABLES, MPI_RANK_VARIABLES
-from dataparallel.runnotes import DONE, INITIALIZING, READY, parse_world
+from dataparallel.runnotes import DONE, INITIALIZING, PEER_GONE, READY, parse_world
 
 __all__ = [
     "EXIT_TIMEOUT",
@@ -43,6 +43,7 @@ __all__ = [
     "exit_status",
     "free_port",
     "let_leave",
+    "name_ranks",
     "pump",
     "signal_name",
     "stop",
@@ -344,6 +345,23 @@ class RunDir:
                     os.kill(pid, signum)
         return True
 
+    def failed_for_peer(self, rank: int) -> bool:
+        """Return whether rank `rank` failed because another rank failed or exited while it
+        waited on it (`RankFailedError`): the other one is the job's failure, not this one."""
+        return self.ends().get(rank, "").endswith(" " + PEER_GONE)
+
+    def failed_otherwise(self, but: list[int]) -> bool:
+        """Return whether a rank not in `but` noted a failure of its own (not `failed_for_peer`)."""
+        return any(
+            how.startswith("failed") and not how.endswith(" " + PEER_GONE)
+            for rank, how in self.ends().items()
+            if rank not in but
+        )
+
+    def finished(self) -> list[int]:
+        """Return the ranks that noted they finished their script (whether or not gone yet)."""
+        return sorted(rank for rank, how in self.ends().items() if how == DONE)
+
     def left_early(self) -> bool:
         """Return whether a rank left through `os._exit(0)` before its script finished."""
         return any(how == "os._exit 0" for how in self.ends().values())
@@ -371,7 +389,7 @@ class RunDir:
         parts = [_left(r, ends[r]) for r in left]
         if silent:
             parts.append(
-                f"{_ranks(silent)} ended without finishing "
+                f"{name_ranks(silent)} ended without finishing "
                 + (
                     "(stopped when another rank ended)"
                     if left
@@ -421,7 +439,8 @@ def _left(rank: int, how: str) -> str:
     return f"rank {rank} left through {call}({code}) before its script finished"
 
 
-def _ranks(ranks: list[int]) -> str:
+def name_ranks(ranks: list[int]) -> str:
+    """Return `rank 1`, `ranks 1 and 2`, `ranks 1, 2 and 3`: for the launchers' messages."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"

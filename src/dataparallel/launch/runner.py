@@ -8,7 +8,10 @@ one rank into the end of the whole job instead of a hang:
   the job (`MPI.COMM_WORLD.Abort` under MPI; elsewhere a non-zero exit, on which the launcher
   stops the others); a `SystemExit` other than 0 or None is a failure with that code;
 - Ctrl-C prints `[rank R] KeyboardInterrupt` and leaves with status 130, without `MPI_Abort`
-  (its launcher has signalled every rank, so the job ends quietly);
+  (its launcher has signalled every rank, so the job ends quietly). A rank blocked inside a
+  collective, in the engine's C code where Python sees no signal, does it too (`_Interrupts`),
+  and each rank waits a moment for the others of its machine to get there before it exits:
+  under MPI the first rank to exit makes mpiexec kill the rest;
 - at a normal exit, `dp.finalize()` runs if the script initialized the world;
 - torchrun's variables are set before the script runs, under MPI too, so a torchrun script runs
   unchanged. Under `dataparallel run` the rank notes in the run folder when it started and how it
@@ -22,6 +25,10 @@ the script set `mpi4py.rc` first.
 Options (before the script):
     --prefixed     the launcher already prefixes every output line with the rank (Gloo).
     --parent PID   exit when process PID (the launcher) dies, so no rank outlives it.
+    --remote       started over ssh on another host (`dataparallel.launch.hosts`): standard
+                   input is the launcher's line, where it writes the name of a signal to raise
+                   here (INT, TERM); its end, the launcher gone, kills this rank and its
+                   process group.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ from types import ModuleType, TracebackType
 from typing import NoReturn
 
 from dataparallel.config import Settings
+from dataparallel.launch.hosts import CONTROL_SIGNALS
 from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
-from dataparallel.runnotes import DONE, hold_alive, note_end, note_start
+from dataparallel.runnotes import DONE, PEER_GONE, hold_alive, note_end, note_start, running_here
 
 __all__ = ["main", "set_torchrun_variables", "torchrun_variables"]
 
@@ -52,7 +60,7 @@ _exit = os._exit
 
 _USAGE = (
     "usage: python -m dataparallel.launch.runner [--prefixed] [--parent PID]"
-    " (script | -m module) [args ...]"
+    " [--remote] (script | -m module) [args ...]"
 )
 
 
@@ -60,6 +68,7 @@ _USAGE = (
 class _Options:
     prefixed: bool = False
     parent: int | None = None
+    remote: bool = False
     module: bool = False
     target: list[str] = field(default_factory=list)
 
@@ -71,6 +80,15 @@ _LAYOUT = TORCHRUN_VARIABLES[:6]
 
 # The status of a rank stopped by Ctrl-C, as shells give it (128 + SIGINT).
 _INTERRUPTED = 128 + int(signal.SIGINT)
+
+# After Ctrl-C, how long a rank waits for the others of its machine to note their end: less than
+# the launchers' grace (`process.GRACE_SECONDS`), so that the ranks leave by themselves.
+_PEERS_GRACE_S = 3.0
+# How a rank blocked in an engine's C code is told from one about to see the signal: its main
+# thread found at the same instruction of the same frame this many times, so far apart.
+_STUCK_LOOKS, _LOOK_S = 5, 0.02
+# The engines' modules: a main thread blocked under one of their frames is inside a collective.
+_ENGINES = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "backends")
 
 
 def torchrun_variables(settings: Settings, mpi: ModuleType | None) -> dict[str, str]:
@@ -159,6 +177,8 @@ def _parse(argv: list[str]) -> _Options:
             if not args or not args[0].isdigit():
                 _usage_error("--parent needs the launcher's process id")
             options.parent = int(args.pop(0))
+        elif flag == "--remote":
+            options.remote = True
         else:
             _usage_error(f"unknown option {flag!r}")
     if args and args[0] == "-m":
@@ -191,6 +211,34 @@ def _die_with_parent(parent: int) -> None:
             _exit(1)
 
         threading.Thread(target=watch, name="dataparallel-parent-watch", daemon=True).start()
+
+
+def _follow_launcher() -> None:
+    """Take signals from the launcher on standard input, and die with the line's end.
+
+    A rank on another host cannot be signalled by the launcher, nor see it die: the launcher
+    writes a signal's name on the rank's ssh channel instead, and a channel that ends means the
+    launcher (or the link to it) is gone. The rank gets a process group of its own, so that its
+    children (data loader workers) die with it; the script's own standard input is /dev/null.
+    """
+    control = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+    def follow() -> None:
+        with os.fdopen(control, "rb", buffering=0) as line:
+            for word in line:
+                signum = CONTROL_SIGNALS.get(word.strip().decode(errors="replace"))
+                if signum is not None:
+                    os.kill(os.getpid(), signum)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        _exit(1)
+
+    threading.Thread(target=follow, name="dataparallel-launcher-line", daemon=True).start()
 
 
 def _init_mpi() -> None:
@@ -247,10 +295,10 @@ def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def _report(text: str, prefixed: bool) -> None:
+def _report(text: str, prefixed: bool, rank: int | None = None) -> None:
     """Write `text` to stderr in one piece, each line prefixed with the rank (unless `prefixed`)."""
     if not prefixed:
-        prefix = f"[rank {_rank()}] "
+        prefix = f"[rank {_rank() if rank is None else rank}] "
         text = "".join(prefix + line for line in text.splitlines(keepends=True))
     if not text.endswith("\n"):
         text += "\n"
@@ -282,20 +330,118 @@ def _exit_code(code: object, prefixed: bool) -> int:
     return 1
 
 
-def _guarded(call: Callable[[], object], prefixed: bool) -> int:
-    """Run `call` and return the exit status it amounts to, reporting any failure on stderr."""
+def _guarded(call: Callable[[], object], prefixed: bool) -> tuple[int, bool]:
+    """Run `call`; return the exit status it amounts to, and whether it failed because another
+    rank failed or exited while this one waited on it (`RankFailedError`, alone or as a cause).
+    Any failure is reported on stderr."""
     try:
         call()
     except SystemExit as exc:
-        return _exit_code(exc.code, prefixed)
+        return _exit_code(exc.code, prefixed), False
     except KeyboardInterrupt:
         _report("KeyboardInterrupt", prefixed)
-        return _INTERRUPTED
+        return _INTERRUPTED, False
     except BaseException as exc:  # whatever the failure, it must end the job
         tb = _user_traceback(exc.__traceback__)
         _report("".join(traceback.format_exception(type(exc), exc, tb)), prefixed)
-        return 1
-    return 0
+        return 1, _peer_gone(exc)
+    return 0, False
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from or during, is `RankFailedError`."""
+    from dataparallel.errors import RankFailedError
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RankFailedError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class _Interrupts:
+    """Ctrl-C for a rank whose main thread is blocked inside a collective.
+
+    Python runs a signal's handler in the main thread, between two instructions: one blocked in an
+    engine's C code (`MPI_Allreduce` for a peer that never comes) never gets its
+    `KeyboardInterrupt`, and under MPI mpiexec kills it once another rank has left. So the signal
+    also wakes a thread here (`signal.set_wakeup_fd`). While SIGINT keeps Python's own handler,
+    and the main thread stays at one instruction of a frame under an engine's module
+    (`_STUCK_LOOKS` looks), that thread reports the rank's `KeyboardInterrupt` for it and ends the
+    rank with status 130 (`_await_peers` first). The collective could not finish: the others got the
+    same Ctrl-C. Wherever else the main thread is, it raises `KeyboardInterrupt` itself.
+    """
+
+    def __init__(self, rank: int, prefixed: bool, run_dir: str | None) -> None:
+        self.rank, self.prefixed, self.run_dir = rank, prefixed, run_dir
+        self._main = threading.main_thread().ident
+
+    def start(self) -> None:
+        """Be woken by every signal from now on (call from the main thread)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # not the main thread: leave Ctrl-C as Python has it
+            os.close(read)
+            os.close(write)
+            return
+        # A forked child (a data loader's worker) must not wake this process's thread.
+        os.register_at_fork(after_in_child=_no_wakeup)
+        threading.Thread(
+            target=self._watch, args=(read,), name="dataparallel-ctrl-c", daemon=True
+        ).start()
+
+    def _watch(self, read: int) -> None:
+        while True:
+            try:
+                woken = os.read(read, 512)
+            except OSError:
+                return
+            if not woken:
+                return
+            if int(signal.SIGINT) not in woken:
+                continue
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler and self._stuck():
+                _report("KeyboardInterrupt", self.prefixed, self.rank)
+                if self.run_dir is not None:
+                    note_end(self.run_dir, self.rank, f"failed {_INTERRUPTED}")
+                _await_peers(self.run_dir, self.rank)
+                _fail(_INTERRUPTED, abort=False)
+
+    def _stuck(self) -> bool:
+        """Whether the main thread stays blocked under an engine's frame (`_STUCK_LOOKS`)."""
+        seen = None
+        for look in range(_STUCK_LOOKS):
+            if look:
+                time.sleep(_LOOK_S)  # lets the main thread take the signal, if it can
+            frame = sys._current_frames().get(self._main or -1)
+            if frame is None or (seen is not None and (frame, frame.f_lasti) != seen):
+                return False
+            seen = (frame, frame.f_lasti)
+        while frame is not None:
+            if os.path.realpath(frame.f_code.co_filename).startswith(_ENGINES + os.sep):
+                return True
+            frame = frame.f_back
+        return False
+
+
+def _no_wakeup() -> None:
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+
+
+def _await_peers(run_dir: str | None, rank: int) -> None:
+    """After Ctrl-C, wait (at most `_PEERS_GRACE_S`) until the other ranks of this machine have
+    noted their end or ended: the first rank to exit an MPI job makes mpiexec kill the rest."""
+    if run_dir is None:
+        return
+    deadline = time.monotonic() + _PEERS_GRACE_S
+    while running_here(run_dir, rank) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _finalize_world() -> None:
@@ -330,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     options = _parse(sys.argv[1:] if argv is None else argv)
     if options.parent is not None:
         _die_with_parent(options.parent)
+    if options.remote:
+        _follow_launcher()
     run_dir = Settings.from_env().run_dir
     if run_dir is not None:  # the MPI launcher blocks SIGINT in mpiexec, which passes it on
         with contextlib.suppress(AttributeError, OSError, ValueError):
@@ -337,25 +485,31 @@ def main(argv: list[str] | None = None) -> int:
     _init_mpi()
     elastic = Settings.from_env().elastic_store is not None
     if elastic:  # `dataparallel run --min-np`: join the launcher's newest round (elastic/rounds.py)
-        from dataparallel.elastic.rounds import join
+        from dataparallel import world
+        from dataparallel.elastic.rounds import join, rejoin
 
         join(-1)
+        world.on_lost_member(rejoin)  # a member lost in `dp.initialize()`: the next round
     set_torchrun_variables(_live_mpi())
     rank = int(_rank())
     if run_dir is not None:
         note_start(run_dir, rank)
         hold_alive(run_dir, rank)  # open until this process ends
         _watch_os_exit(run_dir, rank)
-    code = _guarded(lambda: _run(options), options.prefixed)
+    _Interrupts(rank, options.prefixed, run_dir).start()
+    code, peer_gone = _guarded(lambda: _run(options), options.prefixed)
     interrupted = code == _INTERRUPTED
     if code == 0:
-        code = _guarded(_finalize_world, options.prefixed)
+        code, peer_gone = _guarded(_finalize_world, options.prefixed)
     if elastic and code == 0:
         from dataparallel.elastic.rounds import leave
 
-        code = _guarded(leave, options.prefixed)
+        code, peer_gone = _guarded(leave, options.prefixed)
     if run_dir is not None:
-        note_end(run_dir, rank, DONE if code == 0 else f"failed {code}")
+        how = DONE if code == 0 else f"failed {code}" + (f" {PEER_GONE}" if peer_gone else "")
+        note_end(run_dir, rank, how)
+    if interrupted:
+        _await_peers(run_dir, rank)
     if code != 0:
         _fail(code, abort=not interrupted)
     return 0

@@ -9,11 +9,22 @@ members of each successive world (`dataparallel.elastic`). Then
 - a worker killed by a signal (SIGKILL, the OOM killer) is *lost*: its slot is not used again
   (Horovod blacklists the host; here, one machine, the slot) and, while at least `--min-np`
   remain, the survivors re-form; any other failure ends the run, since re-forming fixes no bug;
+- a worker that exits 0 *finished* its script and leaves the run: the others either finish
+  too or re-form without it, whatever `--min-np` says (the run is ending: no worker starts
+  after a finish, so waiting for `--min-np` would wait in vain);
 - `--host-discovery-script` (Horovod's `HOST:SLOTS` lines, this machine only) runs every second:
   more slots (up to `--max-np`) start workers, fewer remove the newest, which leave with status 0
-  at their next commit while the others re-form;
+  at their next commit while the others re-form. Its first call must succeed; a later failure
+  keeps the slots it reported last (Horovod's rule);
 - fewer than `--min-np` workers for `--elastic-timeout` seconds, or more than `--reset-limit`
-  re-formed worlds, end the run with status 1.
+  re-formed worlds, end the run with status 1. A world counts when it forms: losing two workers
+  at once opens a round that never forms (its members include the second) before the one that
+  does, and is one re-forming.
+
+With a host list (`dataparallel run -H a:2,b:2`, `slots`), the ranks of the other hosts start
+over ssh (`dataparallel.launch.hosts`) and are supervised as the local ones: their lines are
+prefixed with rank and host (`[rank R on HOST] `), Ctrl-C and the launcher's SIGTERM reach them
+through their ssh channel, and the first failure on any host ends the job.
 
 Either way every output line is prefixed with its process (`[rank R] `, `[worker N] `), Ctrl-C
 gives each process time to report its `KeyboardInterrupt`, `--timeout` stops the job with status
@@ -45,6 +56,16 @@ from dataparallel.config import (
     RUN_DIR_VARIABLE,
 )
 from dataparallel.errors import DataParallelError
+from dataparallel.launch.hosts import (
+    RemoteRank,
+    Slot,
+    Ssh,
+    check_hosts,
+    forwarded,
+    hosts_of,
+    is_local,
+    remote_command,
+)
 from dataparallel.launch.process import (
     EXIT_TIMEOUT,
     RUNNER,
@@ -55,6 +76,7 @@ from dataparallel.launch.process import (
     exit_status,
     free_port,
     let_leave,
+    name_ranks,
     pump,
     signal_name,
     stop,
@@ -69,6 +91,9 @@ DISCOVERY_INTERVAL = 1.0
 DISCOVERY_TIMEOUT = 30.0
 # A worker waits this much longer than the launcher for a world to form: the launcher decides.
 _WORKER_MARGIN = 30.0
+# How long a rank's failure for another rank's going (`RankFailedError`) waits for that rank's
+# own exit to show, which then names the job's failure; past it, the waiting rank is named.
+_CAUSE_SECONDS = 2.0
 _LOCAL_NAMES = frozenset(("localhost", "127.0.0.1", "::1"))
 
 
@@ -158,6 +183,8 @@ def run_gloo(
     *,
     elastic: ElasticOptions | None = None,
     timeout: float | None = None,
+    slots: list[Slot] | None = None,
+    ssh: Ssh | None = None,
 ) -> int:
     """Run `target` on this node's processes of a Gloo job and return the job's exit status.
 
@@ -168,6 +195,14 @@ def run_gloo(
         elastic: run elastically with these options (one node; `topology.nproc_per_node`
             workers to start with), or None for a fixed world.
         timeout: seconds before every process is stopped (exit status 124).
+        slots: every rank of the job and its host (`hosts.place`), for a launch across hosts:
+            the ranks of other hosts start over `ssh`, the rendezvous is `topology`'s
+            `master_addr` and `master_port`, and its `nproc_per_node` is ignored.
+        ssh: how to reach the other hosts (default: ssh's own settings).
+
+    Raises:
+        HostError: a host of `slots` cannot be reached, or lacks this working directory or this
+            interpreter (before any rank starts).
 
     Returns:
         0 when every process still in the job finished its script; else the first failed one's
@@ -176,7 +211,7 @@ def run_gloo(
         exceeded `--reset-limit` or discovery failed, 124 on timeout, or 128 + N when the
         launcher was stopped by signal N.
     """
-    job = _Job(target, topology, elastic)
+    job = _Job(target, topology, elastic, slots, ssh or Ssh())
     deadline = None if timeout is None else time.monotonic() + timeout
     with Signals() as signals:
         try:
@@ -194,6 +229,7 @@ class _Process:
 
     number: int
     proc: subprocess.Popen[bytes]
+    host: str | None = None  # with a host list: where it runs
     pumps: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -210,21 +246,39 @@ class _Job:
     in the run, in joining order (rank order), whenever they change.
     """
 
-    def __init__(self, target: list[str], topology: Topology, elastic: ElasticOptions | None):
+    def __init__(
+        self,
+        target: list[str],
+        topology: Topology,
+        elastic: ElasticOptions | None,
+        slots: list[Slot] | None = None,
+        ssh: Ssh | None = None,
+    ):
         self.target, self.topology, self.elastic = target, topology, elastic
+        self.slots, self.ssh = slots, ssh or Ssh()
+        self.local = {} if slots is None else {h: is_local(h) for h in hosts_of(slots)}
         self.noun = "rank" if elastic is None else "worker"
         self.everyone: list[_Process] = []
         self.running: dict[int, _Process] = {}  # running and in the job, in joining order
         self.removed: dict[int, _Process] = {}  # left out of an elastic run, not yet gone
         self.finished: list[int] = []
         self.lost: list[int] = []
+        # Ranks that failed because another rank went (`RankFailedError`), and since when: the
+        # job's failure is that other rank's, once its exit shows.
+        self.left_behind: dict[int, int] = {}  # rank -> its status
+        self.left_behind_since: float | None = None
         self.exits: queue.Queue[int] = queue.Queue()
         self.stdout, self.stderr = Output(sys.stdout), Output(sys.stderr)
         self.env = child_environment()
         self.run_dir: RunDir | None = None
         self.store: Any = None  # torch's TCPStore
         self.generation = -1
+        self.formed = -1  # the newest round known to have formed
+        self.resets = 0  # rounds formed after the first
+        self.members: dict[int, list[int]] = {}  # round -> its workers, in rank order
         self.started_in: dict[int, int] = {}  # worker -> the first round it is a member of
+        self.discovered = 0  # what the discovery script reported last
+        self.discovery_failing = False  # its last call failed (said once, not every second)
         self.below_since: float | None = None  # since when fewer than --min-np workers run
         self.next_discovery = 0.0  # when discovery runs next
         if elastic is None:
@@ -254,17 +308,26 @@ class _Job:
         number = len(self.everyone)
         env = dict(self.env)
         stdin: int | None = subprocess.DEVNULL
+        host = None
         if self.elastic is None:
             topology = self.topology
-            number = topology.rank(number)
+            slot = Slot(topology.rank(number), "", number, topology.nproc_per_node)
+            if self.slots is not None:
+                slot = self.slots[number]
+                host = slot.host
+            number = slot.rank
+            size, node, nodes = topology.world_size, topology.node_rank, topology.nnodes
+            if self.slots is not None:  # nodes: the hosts, in the order of their first rank
+                hosts = list(dict.fromkeys(each.host for each in self.slots))
+                size, node, nodes = len(self.slots), hosts.index(slot.host), len(hosts)
             env.update(
                 torchrun_environment(
                     rank=number,
-                    world_size=topology.world_size,
-                    local_rank=len(self.everyone),
-                    local_world_size=topology.nproc_per_node,
-                    group_rank=topology.node_rank,
-                    group_world_size=topology.nnodes,
+                    world_size=size,
+                    local_rank=slot.local_rank,
+                    local_world_size=slot.local_size,
+                    group_rank=node,
+                    group_world_size=nodes,
                     master_addr=topology.master_addr,
                     master_port=self.port,
                 )
@@ -273,16 +336,22 @@ class _Job:
                 stdin = None  # the terminal's input goes to rank 0, as under torchrun
         else:
             env[ELASTIC_WORKER_VARIABLE] = f"w{number}"
-        command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid())]
-        proc = subprocess.Popen(
-            [*command, *self.target],
-            env=env,
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        process = _Process(number, proc)
-        prefix = f"[{self.noun} {number}] ".encode()
+        proc: subprocess.Popen[bytes]
+        if host is not None and not self.local[host]:
+            runner = [sys.executable, "-m", RUNNER, "--prefixed", "--remote", *self.target]
+            proc = RemoteRank(host, self.ssh, remote_command(os.getcwd(), forwarded(env), runner))
+        else:
+            command = [sys.executable, "-m", RUNNER, "--prefixed", "--parent", str(os.getpid())]
+            proc = subprocess.Popen(
+                [*command, *self.target],
+                env=env,
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        process = _Process(number, proc, host)
+        where = "" if host is None else f" on {host}"
+        prefix = f"[{self.noun} {number}{where}] ".encode()
         assert proc.stdout is not None and proc.stderr is not None
         for source, output in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
             thread = threading.Thread(target=pump, args=(source, output, prefix), daemon=True)
@@ -298,7 +367,10 @@ class _Job:
 
     def supervise(self, signals: Signals, deadline: float | None, timeout: float | None) -> int:
         """Wait until every process has finished, or the job must end; return its status."""
-        n = self.topology.nproc_per_node
+        n = self.topology.nproc_per_node if self.slots is None else len(self.slots)
+        others = [host for host, local in self.local.items() if not local]
+        if others:  # before any rank starts: no rank waits for a host that cannot come
+            check_hosts(others, self.ssh, os.getcwd(), sys.executable)
         for _ in range(n if self.elastic is None else min(n, self._capacity())):
             self.start()
         if self.elastic is not None:
@@ -307,6 +379,9 @@ class _Job:
         while self.running:
             if signals.received is not None:
                 if signals.received == signal.SIGINT:
+                    for process in self.everyone:  # the terminal's Ctrl-C reaches local ones
+                        if isinstance(process.proc, RemoteRank):
+                            process.proc.send_signal(signal.SIGINT)
                     let_leave([p.proc for p in self.everyone])
                 return 128 + signals.received
             if deadline is not None and time.monotonic() >= deadline:
@@ -316,13 +391,19 @@ class _Job:
             if stranded is not None:
                 warn(f"{stranded}; stopping the other rank(s).")
                 return 1
-            lost = len(self.lost)
+            gone = len(self.lost) + len(self.finished)
             with contextlib.suppress(queue.Empty):
                 status = self._exited(self.exits.get(timeout=0.1), signals)
                 if status is not None:
                     return status
+            if self.left_behind:
+                status = self._left_behind()
+                if status is not None:
+                    return status
             if self.elastic is not None:
-                status = self._reform(changed=len(self.lost) > lost)
+                status = self._reform(changed=len(self.lost) + len(self.finished) > gone)
+                if status is None:
+                    status = self._check_formed()
                 if status is not None:
                     return status
         if signals.received is not None:  # the last ones died of the launcher's own Ctrl-C
@@ -332,8 +413,9 @@ class _Job:
     def _exited(self, number: int, signals: Signals) -> int | None:
         """Judge the exit of process `number`: the job's status if it must end, else None.
 
-        A worker killed by a signal in an elastic run is *lost* (noted in `lost`); any other
-        failure ends the job, as does a rank that exited 0 without finishing its script.
+        A worker killed by a signal in an elastic run is *lost* (noted in `lost`), even after
+        another finished (a worker lost in the last commit must not fail a finished run); any
+        other failure ends the job, as does a rank that exited 0 without finishing its script.
         """
         process = self.running.pop(number, None)
         if process is None:  # removed from an elastic run, or stopped by `drop_unformed`
@@ -347,24 +429,65 @@ class _Job:
         code = process.proc.returncode
         status = exit_status(code)
         problem = None
-        if code == 0 and self.run_dir is not None:
+        # A rank on another host notes nothing here: its status 0 is taken as finished.
+        if code == 0 and self.run_dir is not None and not isinstance(process.proc, RemoteRank):
             problem = self.run_dir.unfinished_rank(number)
         if code == 0 and problem is None:
             self.finished.append(number)
             self.drop_unformed()
+            return None
+        if code > 0 and self.run_dir is not None and self.run_dir.failed_for_peer(number):
+            self.left_behind[number] = status  # judged once the rank that went shows
+            if self.left_behind_since is None:
+                self.left_behind_since = time.monotonic()
             return None
         others = sum(p.proc.poll() is None for p in self.running.values())
         stopping = f"; stopping the other {others} {self.noun}(s)" if others else ""
         if problem is not None:
             warn(f"{problem}{stopping}. Status 0 means that every rank finished its script.")
             return 1
-        if self.elastic is None or code > 0 or self.finished:
-            warn(f"{self.noun} {number} exited with status {status}{stopping}.")
+        if self.elastic is None or code > 0:
+            where = "" if process.host is None else f" on {process.host}"
+            if isinstance(process.proc, RemoteRank) and code == 255:
+                where += " (255: ssh's own failure, or the rank's)"
+            warn(f"{self.noun} {number}{where} exited with status {status}{stopping}.")
             return status
         self.lost.append(number)
         remain = len(self.running)
         warn(f"worker {number} was lost ({signal_name(-code)}); {remain} worker(s) remain.")
         return None
+
+    def _left_behind(self) -> int | None:
+        """Judge the ranks that failed because another went: name the ranks that finished their
+        script while they waited (status 1), or, past `_CAUSE_SECONDS` with no other exit to
+        blame, the first of them (its status). None: wait on, for a rank that failed otherwise
+        (its note is there, its exit is coming: `_exited` ends the job with its status)."""
+        assert self.run_dir is not None and self.left_behind_since is not None
+        waiting = sorted(self.left_behind)
+        late = time.monotonic() - self.left_behind_since >= _CAUSE_SECONDS
+        if not late and self.run_dir.failed_otherwise(waiting):
+            return None
+        gone = sorted(set(self.finished) | set(self.run_dir.finished()))
+        others = sum(p.proc.poll() is None for n, p in self.running.items() if n not in gone)
+        stopping = f"; stopping the other {others} rank(s)" if others else ""
+        if gone:
+            early = name_ranks(gone)
+            warn(
+                f"{early} finished {'its' if len(gone) == 1 else 'their'} script while "
+                f"{name_ranks(waiting)} still waited in a collective call that {early} never made "
+                f"(RankFailedError there){stopping}. Every rank must make the same collective "
+                f"calls; look for what made {early} finish early (a return, a sys.exit, a skipped "
+                "step)."
+            )
+            return 1
+        if not late:
+            return None
+        first = waiting[0]
+        warn(
+            f"rank {first} exited with status {self.left_behind[first]}: another rank failed or "
+            f"exited while it waited on it, and no other rank of this machine ended{stopping}."
+        )
+        return self.left_behind[first]
 
     def _reform(self, *, changed: bool) -> int | None:
         """Follow discovery, and open a round when the workers `changed` (or discovery changed
@@ -374,7 +497,7 @@ class _Job:
         now = time.monotonic()
         if elastic.discovery is not None and now >= self.next_discovery and not self.finished:
             self.next_discovery = now + DISCOVERY_INTERVAL
-            capacity = self._capacity()
+            capacity = self._rediscover()
             while len(self.running) < capacity:
                 self.start()
                 changed = True
@@ -382,16 +505,12 @@ class _Job:
             if len(self.running) > keep:
                 self.remove(len(self.running) - keep, capacity)
                 changed = True
-        if changed:
-            if len(self.running) >= elastic.min_np:
+        if changed and self.running:
+            if len(self.running) >= elastic.min_np or self.finished:
                 self.below_since = None
-                if elastic.reset_limit is not None and self.generation >= elastic.reset_limit:
-                    warn(
-                        f"the run was re-formed {self.generation} time(s), and --reset-limit is "
-                        f"{elastic.reset_limit}; stopping."
-                    )
-                    return 1
-                self.open_round()
+                status = self.open_round()
+                if status is not None:
+                    return status
             elif self.below_since is None:
                 self.below_since = now
         if self.below_since is not None and now - self.below_since >= elastic.elastic_timeout:
@@ -410,21 +529,77 @@ class _Job:
         at most --max-np."""
         assert self.elastic is not None
         discovery = self.elastic.discovery
-        slots = self.topology.nproc_per_node if discovery is None else discover(discovery)
+        if discovery is not None:
+            self.discovered = discover(discovery)
+        slots = self.topology.nproc_per_node if discovery is None else self.discovered
         return min(self.elastic.max_np, slots - len(self.lost))
 
-    def open_round(self) -> None:
-        """Publish a round of the workers in the run, in joining order (rank order)."""
+    def _rediscover(self) -> int:
+        """`_capacity` after the first call: a discovery script that fails now (a host service
+        down for a moment) leaves the slots it reported last, and runs again a second later."""
+        assert self.elastic is not None
+        try:
+            capacity = self._capacity()
+        except DiscoveryError as exc:
+            if not self.discovery_failing:
+                warn(
+                    f"{exc}; keeping the {self.discovered} slot(s) it reported last, and retrying."
+                )
+            self.discovery_failing = True
+            return min(self.elastic.max_np, self.discovered - len(self.lost))
+        if self.discovery_failing:
+            warn(f"the host discovery script works again ({self.discovered} slot(s)).")
+        self.discovery_failing = False
+        return capacity
+
+    def _check_formed(self) -> int | None:
+        """Note whether the newest round formed; return 1 if that exceeds --reset-limit."""
+        if self.formed < self.generation:
+            from dataparallel.elastic.rounds import formed
+
+            if formed(self.store, self.generation):
+                return self._formed(self.generation)
+        return None
+
+    def _formed(self, generation: int) -> int | None:
+        """Round `generation` formed: say what it left out, and count it against --reset-limit
+        (a round that never formed does not count); return 1 if the limit is exceeded."""
+        assert self.elastic is not None
+        before, self.formed = self.formed, generation
+        kept = self.members[generation]
+        finished = [n for n in self.members.get(before, []) if n in self.finished and n not in kept]
+        if finished:
+            warn(
+                f"round {generation} formed without worker(s) {', '.join(map(str, finished))}, "
+                "which finished their script while the others were still training: a worker "
+                "that exits 0 leaves the run."
+            )
+        if generation == 0:
+            return None
+        self.resets += 1
+        limit = self.elastic.reset_limit
+        if limit is not None and self.resets > limit:
+            warn(f"the run re-formed {self.resets} time(s); --reset-limit is {limit}: stopping.")
+            return 1
+        return None
+
+    def open_round(self) -> int | None:
+        """Publish a round of the workers in the run, in joining order (rank order); return 1
+        if the round before, found formed only now, exceeds --reset-limit."""
         from dataparallel.elastic.forming import round_key
         from dataparallel.elastic.rounds import LATEST, supersede
 
-        supersede(self.store, self.generation)
+        status = None
+        if supersede(self.store, self.generation) and self.formed < self.generation:
+            status = self._formed(self.generation)  # it formed since the last look
         self.generation += 1
         members = [p.id for p in self.running.values()]
+        self.members[self.generation] = list(self.running)
         for number in self.running:
             self.started_in.setdefault(number, self.generation)
         self.store.set(round_key(self.generation), json.dumps(members))
         self.store.set(LATEST, str(self.generation))
+        return status
 
     def remove(self, count: int, slots: int) -> None:
         """Leave the newest `count` workers out of the next round (discovery leaves the run
@@ -458,5 +633,8 @@ class _Job:
         for process in self.everyone:
             for thread in process.pumps:
                 thread.join(timeout=5.0)
+            if process.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.proc.stdin.close()
         if self.run_dir is not None:
             self.run_dir.remove()

@@ -52,6 +52,7 @@ from dataparallel.backends.base import (
     ReduceOp,
 )
 from dataparallel.backends.gloo.group import join_group
+from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
 from dataparallel.backends.rendezvous import remove_if_every_store_left
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError, RankFailedError
@@ -261,6 +262,9 @@ class GlooBackend(Backend):
         self._store_file = store_file
         self._closed = False
         self._in_flight: weakref.WeakSet[GlooHandle] = weakref.WeakSet()
+        # Allreduces of big buffers inside hosts, across, inside again (`hierarchy.py`): set by
+        # `create` for the world's engine where the world spans hosts of several ranks.
+        self.hierarchy: Hierarchy | None = None
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if local is None:
@@ -302,7 +306,7 @@ class GlooBackend(Backend):
         """
         settings = settings if settings is not None else Settings.from_env()
         joined = join_group(init_method, rank, world_size, settings)
-        return cls(
+        engine = cls(
             joined.dist,
             joined.group,
             owns_default_group=joined.owns_default_group,
@@ -310,6 +314,25 @@ class GlooBackend(Backend):
             store_file=joined.store_file,
             timeout=joined.timeout,
         )
+        engine.hierarchy = engine._hierarchy(settings, launcher_local=joined.local is not None)
+        return engine
+
+    def _hierarchy(self, settings: Settings, *, launcher_local: bool) -> Hierarchy | None:
+        """The hierarchy of this world, where it spans hosts (collective; `Hierarchy.build`).
+        Hosts are the launcher's nodes (ranks numbered node by node, as every launcher does)
+        where it gave local ranks, else the hostnames."""
+        one_host = launcher_local and self.local_size == self.size
+        if (
+            settings.hierarchical is False
+            or self.size == 1
+            or (one_host and not settings.hierarchical)
+        ):
+            return None
+        if self.size != self._dist.get_world_size():
+            return None  # its groups would need every process of torch's world
+        label: object = self.rank - self.local_rank if launcher_local else socket.gethostname()
+        hosts = [str(h) for h in self.allgather_object(label)]
+        return Hierarchy.build(self._dist, hosts, self.rank, settings, self._timeout)
 
     # -- reductions --------------------------------------------------------------------------
 
@@ -319,7 +342,14 @@ class GlooBackend(Backend):
             buf[...] = self._gathered_product(buf)
             return
         wire, finish = wire_for(buf, op)
-        self._call("allreduce", self._dist.all_reduce, wire, op=self._ops[op])
+        if self._hierarchical(wire):
+            tensor = self._torch.from_numpy(wire)
+            try:
+                self._in_steps(tensor, op).wait()
+            except RuntimeError as exc:
+                raise translate_error(exc, "allreduce", self.rank) from exc
+        else:
+            self._call("allreduce", self._dist.all_reduce, wire, op=self._ops[op])
         if finish is not None:
             finish()
 
@@ -330,7 +360,7 @@ class GlooBackend(Backend):
             return DoneHandle()
         wire, finish = wire_for(buf, op)
         tensor = self._torch.from_numpy(wire)
-        work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
+        work = self._reduce_in_flight(tensor, op, self._hierarchical(wire))
         return GlooHandle(self, work, (wire, tensor), finish)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
@@ -339,8 +369,28 @@ class GlooBackend(Backend):
             return self.iallreduce(buf, op)
         bits = writable(flat(buf, "iallreduce"), "iallreduce")
         tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
-        work = self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
+        work = self._reduce_in_flight(tensor, op, self._hierarchical(bits))
         return GlooHandle(self, work, (bits, tensor), None)
+
+    def _hierarchical(self, wire: np.ndarray) -> bool:
+        return self.hierarchy is not None and wire.nbytes >= MIN_BYTES
+
+    def _in_steps(self, tensor: torch.Tensor, op: ReduceOp) -> Steps:
+        assert self.hierarchy is not None
+        if self._closed:
+            raise RuntimeError(
+                "Gloo allreduce on a closed engine (dp.finalize() ran): dp.initialize() again."
+            )
+        try:
+            return self.hierarchy.start(tensor, self._ops[op])
+        except RuntimeError as exc:
+            raise translate_error(exc, "iallreduce", self.rank) from exc
+
+    def _reduce_in_flight(self, tensor: torch.Tensor, op: ReduceOp, stepped: bool) -> Work:
+        """Start an allreduce of `tensor`: one ring, or the hierarchy's three steps."""
+        if stepped:
+            return self._in_steps(tensor, op)  # type: ignore[return-value]  # Work's two methods
+        return self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
@@ -558,13 +608,16 @@ class GlooBackend(Backend):
         if self.size != self._dist.get_world_size():
             return self
         group = self._dist.new_group(backend="gloo", timeout=self._timeout)
-        return GlooBackend(
+        twin = GlooBackend(
             self._dist,
             group,
             owns_default_group=False,
             local=(self.local_rank, self.local_size),
             timeout=self._timeout,
         )
+        if self.hierarchy is not None:  # the communication thread's engine: groups of its own
+            twin.hierarchy = self.hierarchy.duplicate(self._timeout)
+        return twin
 
     def close(self) -> None:
         """Destroy the Gloo group and let go of it and of the handles in flight, so that its

@@ -1,0 +1,151 @@
+"""How forming an elastic round grows with the number of workers: the launcher's store under load.
+
+Run: `python benchmarks/elastic_rounds.py [--workers 8,32,64,128,256] [--repeats 3]`
+
+An elastic round forms in two parts, both in the one TCP store that `dataparallel run` holds
+(`dataparallel.elastic.rounds`): the membership protocol (every worker waits for the round, reads
+it, arrives; the last marks it formed), then torch's Gloo rendezvous under the round's prefix
+(every member writes its address and reads every other's: N writes and N(N-1) reads), through
+`forming.watching`, the wrapper whose waits poll the store and watch for a newer round.
+
+Here N light workers (threads of one process, each with its own store client, as each worker
+process has one) speak both parts against a store made as the launcher makes it; the launcher
+publishes the round as `open_round` does. Per N, the median over `--repeats` rounds of: the time
+from publication to the last worker seeing the round formed (membership), and to the last worker
+holding every address (rendezvous), through the watched store and, in turn with it, through the
+bare store (the reference: what torch's own rendezvous costs); their ratio, and the growth
+against the smallest N (N^2 reads predict 4x per doubling for the rendezvous, N arrivals 2x for
+the membership). Process start and torch's
+import (seconds a worker, the same at any N) are left out: this is the store's share alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import threading
+import time
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not one warning per client socket
+
+import torch.distributed as dist
+
+from dataparallel.elastic.forming import round_key, watching
+from dataparallel.elastic.rounds import (
+    FORMED,
+    LATEST,
+    arrived_key,
+    ready_key,
+    supersede,
+)
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def worker(
+    port: int,
+    me: str,
+    generation: int,
+    go: threading.Barrier,
+    formed: dict[str, float],
+    meshed: dict[str, float],
+    plain: bool,
+) -> None:
+    """One worker's share of a round: `rounds.join`'s membership steps, then Gloo's rendezvous
+    pattern (write my address, read everyone's) through the watched store (`plain`: through the
+    store itself, as torch's `init_process_group` over a bare store would)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    go.wait()
+    store.wait([round_key(generation)], TIMEOUT)
+    latest = max(int(store.get(LATEST)), generation)
+    members = tuple(json.loads(store.get(round_key(latest))))
+    if store.add(arrived_key(latest), 1) == len(members):
+        store.compare_set(ready_key(latest), "", FORMED)
+    store.wait([ready_key(latest)], TIMEOUT)
+    assert store.get(ready_key(latest)) == FORMED.encode()
+    formed[me] = time.perf_counter()
+    watched = store if plain else watching(store, latest, members)
+    prefix = f"{round_key(latest)}/{'plain' if plain else 'group'}/"
+    rank = members.index(me)
+    watched.set(f"{prefix}{rank}", f"address of {me}")
+    # Gloo's full mesh (`connectFullMesh`): for every other rank in turn, wait for its key, get it.
+    others = [f"{prefix}{r}" for r in range(len(members)) if r != rank]
+    addresses = []
+    for key in others:
+        watched.wait([key], TIMEOUT)  # the watched store's get waits too: one more check
+        addresses.append(watched.get(key))
+    assert len(addresses) == len(members) - 1
+    meshed[me] = time.perf_counter()
+
+
+def one_round(
+    master: dist.TCPStore, generation: int, n: int, plain: bool = False
+) -> tuple[float, float]:
+    """Publish round `generation` of `n` workers and return (membership, rendezvous) seconds."""
+    members = [f"w{generation}-{i}" for i in range(n)]
+    formed: dict[str, float] = {}
+    meshed: dict[str, float] = {}
+    go = threading.Barrier(n + 1)
+    threads = [
+        threading.Thread(
+            target=worker,
+            args=(master.port, m, generation, go, formed, meshed, plain),
+            daemon=True,
+        )
+        for m in members
+    ]
+    for t in threads:
+        t.start()
+    go.wait()  # every client connected and waiting: only the round's own work is timed
+    start = time.perf_counter()
+    supersede(master, generation - 1)
+    master.set(round_key(generation), json.dumps(members))
+    master.set(LATEST, str(generation))
+    for t in threads:
+        t.join()
+    if len(formed) != n or len(meshed) != n:
+        raise RuntimeError(f"round {generation}: {len(formed)}/{len(meshed)} of {n} finished")
+    return max(formed.values()) - start, max(meshed.values()) - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="8,32,64,128,256")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.workers.split(",")]
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    one_round(master, 0, sizes[0])  # warm-up: the store's and the clients' first connections
+    generation = 1
+    watched: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    plain: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    for _ in range(args.repeats):  # the two cases in turn, every size in every repeat
+        for n in sizes:
+            for case, runs in ((False, watched), (True, plain)):
+                runs[n].append(one_round(master, generation, n, plain=case))
+                generation += 1
+
+    def median(runs: list[tuple[float, float]], part: int) -> float:
+        return statistics.median(r[part] for r in runs)
+
+    base = sizes[0]
+    print(f"rounds of N simulated workers (threads), median of {args.repeats} each")
+    print(
+        "| workers | membership | rendezvous, watched | rendezvous, bare store | watched / bare "
+        f"| membership / N={base} | rendezvous / N={base} |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for n in sizes:
+        formed, meshed, bare = median(watched[n], 0), median(watched[n], 1), median(plain[n], 1)
+        print(
+            f"| {n} | {formed * 1e3:.1f} ms | {meshed * 1e3:.1f} ms | {bare * 1e3:.1f} ms | "
+            f"{meshed / bare:.2f} | {formed / median(watched[base], 0):.1f}x | "
+            f"{meshed / median(watched[base], 1):.1f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

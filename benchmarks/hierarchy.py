@@ -1,0 +1,197 @@
+"""Does MPICH reduce hierarchically? Bytes across the link of 2 hosts x 2 ranks, flat or not.
+
+Run as root: `.venv/bin/python benchmarks/hierarchy.py [--mib 16] [--calls 10] [--pairs 2]`
+
+When ranks share hosts, a hierarchical allreduce reduces inside each host first, so only one
+host's worth of data crosses the link (Horovod's `HOROVOD_HIERARCHICAL_ALLREDUCE`). MPICH's CH4
+device composes `MPI_Allreduce` from a step inside each host and one across hosts where it
+chooses to (`MPIR_CVAR_ALLREDUCE_COMPOSITION`; `MPIR_CVAR_ENABLE_SMP_*` belong to the older
+device and change nothing here). This measures what the `mpich` wheel does between two emulated
+hosts: two network namespaces joined by a veth pair (benchmarks/
+network.py's `Link`, `UCX_TLS=tcp,self`), two ranks in each, `--calls` float32 Allreduces of
+`--mib` MiB a rank by raw mpi4py, by `dp.allreduce`, by torch's Gloo (a ring), and by dp's Gloo
+engine as one ring and by host (`backends/gloo/hierarchy.py`), the Gloo cases the same in every
+job, in jobs with MPICH's own composition and
+with the flat one, the ranks numbered by host (a0 a1 b0 b1) and alternating (a0 b0 a1 b1), the
+four jobs taken in turn `--pairs` times, over the link as it is or shaped (`--rate`, tc's
+syntax). Printed per job: the bytes the link carried in each direction per call (the veth's
+counters, read around the timed calls from inside host a), against what each algorithm
+predicts, and the time per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from network import DEVICE, PORT, ROOT, Link, why_not  # noqa: E402
+
+# MPICH's CH4 device picks how an Allreduce is composed: `auto` (its own choice), or 2, "NM
+# only": the network module's algorithm over every rank, no step inside the hosts (flat).
+COMPOSITIONS = {"auto": {}, "flat": {"MPIR_CVAR_ALLREDUCE_COMPOSITION": "2"}}
+# Hydra's slots a host: 2 fills host a first (ranks by host), 1 alternates the hosts.
+LAYOUTS = {"by host": 2, "alternating": 1}
+
+
+def counters() -> tuple[int, int]:
+    """This namespace's link counters: bytes sent, bytes received."""
+    stats = Path("/sys/class/net") / DEVICE / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def work(args: argparse.Namespace) -> None:
+    """A rank: `--calls` Allreduces of each kind, the link's bytes read around each kind by the
+    host's first rank (the counters are the namespace's: both of its ranks' traffic)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import dataparallel as dp
+
+    dp.initialize("mpi")
+    comm = MPI.COMM_WORLD
+    if not dist.is_initialized():  # torch's own Gloo group, for the ring's figure
+        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
+        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
+    from dataparallel.backends.base import ReduceOp
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.config import Settings
+
+    # dp's own Gloo engines over the same processes: by host (`hierarchy.py`) and one ring.
+    settings = Settings.from_env()
+    by_host = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=True))
+    ring = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=False))
+    assert by_host.hierarchy is not None and ring.hierarchy is None
+    n = args.mib * 2**20 // 4
+    x = np.full(n, comm.rank + 1.0, np.float32)
+    out = np.empty_like(x)
+    t = torch.from_numpy(x.copy())
+    result: dict[str, dict[str, float]] = {}
+    kinds = {
+        "MPI_Allreduce": lambda: comm.Allreduce(x, out, MPI.SUM),
+        "dp.allreduce (MPI)": lambda: dp.allreduce(x),
+        "torch Gloo all_reduce": lambda: dist.all_reduce(t),
+        "dp Gloo, one ring": lambda: ring.allreduce(x, ReduceOp.SUM),
+        "dp Gloo, by host": lambda: by_host.allreduce(x, ReduceOp.SUM),
+    }
+    for name, call in kinds.items():
+        call()  # warm: connections made, buffers pooled
+        comm.Barrier()
+        before = counters()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        comm.Barrier()
+        took = (time.perf_counter() - start) / args.calls
+        after = counters()
+        result[name] = {
+            "tx": (after[0] - before[0]) / args.calls,
+            "rx": (after[1] - before[1]) / args.calls,
+            "ms": took * 1e3,
+        }
+    check = np.full(1024, comm.rank + 1.0, np.float32)
+    assert float(dp.allreduce(check)[0]) == sum(range(1, comm.size + 1)), "wrong sum"
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    by_host.close()
+    ring.close()
+    dist.destroy_process_group()
+    dp.finalize()
+
+
+def launch(args: argparse.Namespace) -> int:
+    reason = why_not()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    bindir = Path(sys.executable).parent
+    link = Link()
+    base = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+        "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
+        "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
+        "MASTER_ADDR": link.addresses[0],
+        "PYTHONUNBUFFERED": "1",
+    }
+    size = args.mib * 2**20
+    cases = [(layout, how) for layout in LAYOUTS for how in COMPOSITIONS]
+    runs: dict[tuple[str, str], list[dict[str, dict[str, float]]]] = {c: [] for c in cases}
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            launcher = link.launcher(Path(folder))
+            link.shape(args.rate)
+            worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker"]
+            worker += ["--mib", str(args.mib), "--calls", str(args.calls)]
+            for _ in range(args.pairs):
+                for layout, how in cases:
+                    env = {**base, **COMPOSITIONS[how]}
+                    slots = LAYOUTS[layout]
+                    hosts = ",".join(f"{a}:{slots}" for a in link.addresses)
+                    job = [str(bindir / "mpiexec"), "-hosts", hosts, "-launcher", "ssh",
+                           "-launcher-exec", str(launcher), "-n", "4", *worker]  # fmt: skip
+                    done = subprocess.run(
+                        link.command(0, job), env=env, timeout=args.timeout,
+                        capture_output=True, text=True,
+                    )  # fmt: skip
+                    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if done.returncode != 0 or not lines:
+                        print(done.stdout, done.stderr, sep="\n")
+                        return done.returncode or 1
+                    runs[layout, how].append(json.loads(lines[0][len("RESULT ") :]))
+    finally:
+        link.shape(None)
+        link.close()
+    print(
+        f"2 hosts x 2 ranks, MPI_Allreduce of {args.mib} MiB float32 a rank, {args.calls} calls, "
+        f"link {args.rate or 'not shaped'}"
+    )
+    print("bytes across the link per call and direction, in units of the message (S)")
+    print("| ranks | MPICH's composition | call | tx / S | rx / S | ms per call |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (layout, how), results in runs.items():
+        for kind in results[0]:
+            tx = statistics.median(r[kind]["tx"] for r in results) / size
+            rx = statistics.median(r[kind]["rx"] for r in results) / size
+            ms = statistics.median(r[kind]["ms"] for r in results)
+            print(f"| {layout} | {how} | {kind} | {tx:.2f} | {rx:.2f} | {ms:.1f} |")
+    print(
+        "predicted per direction: hierarchical 1.0 S (the hosts' leaders exchange halves, "
+        "then the halves' sums); recursive halving (MPICH's flat algorithm for large messages) "
+        "with ranks by host (a0 a1 b0 b1) 1.0 S (its first and last exchanges stay in the host), "
+        "with ranks alternating (a0 b0 a1 b1) 2.0 S; a ring (Gloo's) 1.5 S by host, 3.0 S "
+        "alternating"
+    )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=16, help="MiB a rank per Allreduce")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=2, help="rounds of the four jobs")
+    parser.add_argument("--rate", default=None, help="shape the link to this rate (1gbit)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        work(args)
+        return 0
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

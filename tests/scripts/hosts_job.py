@@ -1,0 +1,44 @@
+"""One rank of a job across emulated hosts (`tests/test_multihost.py`), started by -H.
+
+usage: hosts_job.py allreduce | fail | sleep
+  allreduce  an allreduce of 1 Mi float32 (rank + 1 each), checked on every rank against the
+             sum; prints `RESULT {json}` with the rank, its hostname and its local rank and size
+  fail       the last rank raises; the others wait (10 minutes)
+  sleep      every rank prints `ready` and waits (10 minutes)
+"""
+
+import json
+import os
+import socket
+import sys
+import time
+
+mode = sys.argv[1]
+rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if mode == "allreduce":
+    import numpy as np
+
+    import dataparallel as dp
+
+    dp.initialize()
+    total = dp.allreduce(np.full(1 << 20, rank + 1, dtype=np.float32), op="sum")
+    expected = size * (size + 1) / 2
+    if not (total == expected).all():
+        raise SystemExit(f"rank {rank}: the allreduce gave {total[:3]}..., not {expected}")
+    result = {
+        "rank": dp.rank(),
+        "size": dp.size(),
+        "hostname": socket.gethostname(),
+        "local": [int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])],
+        "cwd": os.getcwd(),
+        "forwarded": os.environ.get("HOSTS_JOB_MARK"),
+    }
+    sys.stdout.write(f"RESULT {json.dumps(result)}\n")
+    dp.finalize()
+elif mode == "fail":
+    if rank == size - 1:
+        raise RuntimeError(f"rank {rank} fails on purpose on {socket.gethostname()}")
+    time.sleep(600)
+else:
+    print("ready", flush=True)
+    time.sleep(600)

@@ -1,0 +1,204 @@
+"""Host lists, rank placement, and what a rank on another host is sent (`launch/hosts.py`).
+
+The jobs across emulated hosts, with a real sshd, are in tests/test_multihost.py; here the
+parts that need no other host: the formats, the placement, the environment and command line
+sent over ssh (run by a real `sh`), and the runner's `--remote` line to the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataparallel.launch.hosts import (
+    HostError,
+    HostSlots,
+    Slot,
+    Ssh,
+    forwarded,
+    is_local,
+    parse_hosts,
+    place,
+    read_hostfile,
+    remote_command,
+)
+from dataparallel.launch.mpi import _hostfile_text
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_parse_hosts_reads_horovods_h() -> None:
+    assert parse_hosts("a:2, b:4,c") == [HostSlots("a", 2), HostSlots("b", 4), HostSlots("c", 1)]
+    assert parse_hosts("10.0.0.1:3") == [HostSlots("10.0.0.1", 3)]
+    assert parse_hosts("[fe80::1]:2") == [HostSlots("fe80::1", 2)]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a:0", "'a:0' is not HOST, HOST:SLOTS or HOST slots=N with a positive"),
+        ("a:x,b:2", "'a:x' is not HOST"),
+        ("a:2,a:1", "names host 'a' twice"),
+        (",", "names no host"),
+    ],
+)
+def test_parse_hosts_rejects_bad_lists(text: str, message: str) -> None:
+    with pytest.raises(HostError, match=message.replace("(", r"\(")) as error:
+        parse_hosts(text)
+    assert f"-H {text!r}" in str(error.value)
+
+
+def test_read_hostfile_takes_both_formats_and_comments(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    path.write_text("# the cluster\nnode0 slots=4\n\nnode1:2  # the small one\nnode2\n")
+    assert read_hostfile(str(path)) == [
+        HostSlots("node0", 4),
+        HostSlots("node1", 2),
+        HostSlots("node2", 1),
+    ]
+    path.write_text("node0 slots=4\nnode1 slots=two\n")
+    with pytest.raises(HostError, match=r"line 2: 'node1 slots=two' is not HOST"):
+        read_hostfile(str(path))
+
+
+def test_place_fills_each_host_in_order() -> None:
+    hosts = [HostSlots("a", 2), HostSlots("b", 2)]
+    assert place(hosts, 3) == [Slot(0, "a", 0, 2), Slot(1, "a", 1, 2), Slot(2, "b", 0, 1)]
+    assert [slot.host for slot in place(hosts, 4)] == ["a", "a", "b", "b"]
+    with pytest.raises(HostError, match=r"-n 5 ranks do not fit in the 4 slot\(s\) .*a:2, b:2"):
+        place(hosts, 5)
+
+
+def test_is_local_knows_this_machine_and_names_what_does_not_resolve() -> None:
+    assert is_local("localhost") and is_local("127.0.0.1")
+    assert not is_local("192.0.2.1")  # TEST-NET-1: never an address of this machine
+    with pytest.raises(HostError, match=r"host 'no-such-host\.invalid' cannot be resolved"):
+        is_local("no-such-host.invalid")
+
+
+def test_mpi_host_files_are_written_in_the_mpiexecs_format() -> None:
+    hosts = [HostSlots("a", 2), HostSlots("b", 1)]
+    assert _hostfile_text(hosts, "-f") == "a:2\nb:1\n"  # Hydra
+    assert _hostfile_text(hosts, "--hostfile") == "a slots=2\nb slots=1\n"  # Open MPI
+
+
+def test_the_environment_goes_along_less_this_machines() -> None:
+    env = {
+        "PATH": "/bin",
+        "NCCL_DEBUG": "INFO",
+        "OLDPWD": "/x",
+        "PWD": "/y",
+        "HOSTNAME": "here",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "BASH_FUNC_f%%": "() { :; }",
+        "SSH_CONNECTION": "1 2 3 4",
+        "DATAPARALLEL_RUN_DIR": "/tmp/run",
+        "DATAPARALLEL_PREFIXED": "1",
+    }
+    assert forwarded(env) == {"PATH": "/bin", "NCCL_DEBUG": "INFO", "DATAPARALLEL_PREFIXED": "1"}
+
+
+def test_ssh_takes_horovodruns_port_and_identity() -> None:
+    command = Ssh(port=2222, identity_file="/k").command("node1", "true")
+    assert command[0] == "ssh" and command[-2:] == ["node1", "true"]
+    assert command[command.index("-p") + 1] == "2222"
+    assert command[command.index("-i") + 1] == "/k"
+    assert "BatchMode=yes" in command  # never a password prompt
+    assert "-p" not in Ssh().command("node1", "true")
+
+
+def test_the_remote_command_runs_in_the_directory_with_the_environment(tmp_path: Path) -> None:
+    # What the other host's shell runs, run here by a real sh: quoting, directory, status.
+    code = "import os, sys; print(os.getcwd(), os.environ['MARK'], sys.argv[1:])"
+    argv = [sys.executable, "-c", code, "it's", "a b"]
+    command = remote_command(str(tmp_path), {"MARK": "x 'y' $HOME"}, argv)
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{tmp_path} x 'y' $HOME {argv[3:]}\n"
+
+
+def test_a_remote_rank_killed_by_a_signal_keeps_its_status(tmp_path: Path) -> None:
+    # ssh would report 255 for a command killed by a signal: the shell turns it into 128 + N.
+    argv = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]
+    command = remote_command(str(tmp_path), {}, argv)
+    done = subprocess.run(["sh", "-c", command], capture_output=True, check=False)
+    assert done.returncode == 128 + signal.SIGTERM
+
+
+def _remote_rank(script: str, *args: str) -> subprocess.Popen[str]:
+    """Start the runner as a rank on another host would be: `--remote`, its stdin the line."""
+    runner = [sys.executable, "-m", "dataparallel.launch.runner", "--remote"]
+    return subprocess.Popen(
+        [*runner, str(SCRIPTS / script), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
+        start_new_session=True,
+        # sshd starts a rank with SIGINT at its default; a test run in the background has it
+        # ignored, which Python would keep.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _end(rank: subprocess.Popen[str]) -> None:
+    """Kill the rank's process group (its child too, which holds its pipes); close the pipes."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(rank.pid, signal.SIGKILL)
+    rank.wait()
+    for pipe in (rank.stdin, rank.stdout, rank.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.spawns
+def test_the_remote_runner_raises_the_signal_the_launcher_writes(tmp_path: Path) -> None:
+    rank = _remote_rank("hosts_job.py", "sleep")
+    try:
+        assert rank.stdout is not None and rank.stdin is not None
+        assert rank.stdout.readline() == "ready\n"
+        rank.stdin.write("INT\n")
+        rank.stdin.flush()
+        rank.wait(timeout=30)  # stdin stays open: its end would kill the rank
+        assert rank.stderr is not None
+        err = rank.stderr.read()
+    finally:
+        _end(rank)
+    assert rank.returncode == 130, err
+    assert err.endswith("[rank 0] KeyboardInterrupt\n"), err
+
+
+@pytest.mark.spawns
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to see the child")
+def test_the_remote_runner_dies_with_its_children_when_its_line_ends(tmp_path: Path) -> None:
+    rank = _remote_rank("hosts_child.py", str(tmp_path))
+    try:
+        assert rank.stdout is not None and rank.stdin is not None
+        assert rank.stdout.readline() == "ready\n"
+        child = int((tmp_path / "pids").read_text())
+        rank.stdin.close()  # the launcher, or the link to it, is gone
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _dead(child) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the kernel delivers the group's SIGKILL: wait for it to land
+    finally:
+        _end(rank)
+    assert rank.returncode == -signal.SIGKILL
+    assert _dead(child), "the rank's child outlived it"
