@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _jobs import LIMIT, outer_world_size, run_job, spawn
+from _jobs import LIMIT, free_port, outer_world_size, run_job, run_ranks, spawn
+from _lightning import assert_fits_like_one_process, needs_lightning
 
 from dataparallel.errors import BackendUnavailableError
 from dataparallel.launch.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
@@ -146,6 +147,62 @@ def test_run_gloo_numbers_ranks_across_nodes_as_torchrun() -> None:
         assert data["WORLD_SIZE"] == "6"
         assert data["LOCAL_WORLD_SIZE"] == "2"
         assert data["MASTER_PORT"] == "29999"
+        assert (data["GROUP_RANK"], data["GROUP_WORLD_SIZE"]) == ("2", "3")
+        assert (data["ROLE_RANK"], data["ROLE_WORLD_SIZE"]) == (str(r), "6")
+
+
+def _two_nodes(target: list[str], port: int, *, torchrun: bool = False) -> list[list[str]]:
+    """The command lines of a two-node launch on this machine, one process per node, as
+    `dataparallel run --backend gloo` (or torchrun) is run on each node."""
+    script = [str(SCRIPTS / target[0]), *target[1:]]
+    layout = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    else:
+        launcher = [sys.executable, "-m", "dataparallel", "run", "-n", "1", "--backend", "gloo"]
+        launcher += ["--timeout", str(LIMIT)]
+    return [[*launcher, *layout, "--node-rank", str(i), *script] for i in range(2)]
+
+
+@needs_torch
+def test_two_nodes_get_torchruns_variables() -> None:
+    """Two nodes of one process each, launched by `dataparallel run` and by torchrun: every
+    variable torchrun sets is set alike, but the store's (torchrun's agent serves it, here rank
+    0 does). Node 1 once had no GROUP_RANK, and Lightning took it for global rank 0."""
+    ours, theirs = free_port(), free_port()
+    commands = [
+        *_two_nodes(["cli_env.py"], ours),
+        *_two_nodes(["cli_env.py"], theirs, torchrun=True),
+    ]
+    results = run_ranks(commands)
+    for status, stdout, stderr in results:
+        assert status == 0, stdout + stderr
+    nodes = [_json_lines(out, prefixed=True) for _, out, _ in results[:2]]
+    torchrun = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results[2:]]
+    for i in range(2):
+        assert list(nodes[i]) == [i], nodes
+        mine = nodes[i][i]
+        assert mine["MASTER_PORT"] == str(ours) and torchrun[i]["MASTER_PORT"] == str(theirs)
+        assert mine["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert torchrun[i]["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        alike = {"MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"}
+        assert {k: v for k, v in mine.items() if k not in alike} == {
+            k: v for k, v in torchrun[i].items() if k not in alike
+        }
+        assert mine["GROUP_RANK"] == mine["RANK"] == str(i), mine
+
+
+@needs_lightning
+def test_lightning_across_two_nodes_finds_distinct_ranks() -> None:
+    """A plain Lightning script, `Trainer(strategy="ddp", num_nodes=2, devices=1)`, on two
+    nodes of `dataparallel run`: each node knows its rank, and they fit as one process does."""
+    results = run_ranks(_two_nodes(["lightning_fit.py", "ddp", "2", "1"], free_port()))
+    for status, stdout, stderr in results:
+        assert status == 0, stdout + stderr
+    output = "".join(out for _, out, _ in results)
+    seen = re.findall(r"LIGHTNING rank=(\d) global_rank=(\d) node_rank=(\d) world_size=2", output)
+    assert sorted(seen) == [("0", "0", "0"), ("1", "1", "1")], output
+    assert_fits_like_one_process(output, 2)
 
 
 @needs_torch

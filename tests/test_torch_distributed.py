@@ -3,6 +3,9 @@
 - `dp.initialize()` makes torch.distributed's default group alongside any engine, so a DDP script
   keeps `DistributedSampler`, `dist.all_reduce` and `DistributedDataParallel` unchanged;
   `DATAPARALLEL_TORCH_DISTRIBUTED=0` turns it off; `dp.finalize()` destroys it.
+- the group is there whatever the order of `import torch` and `dp.initialize()`, so that
+  torchmetrics' metrics are global (`torchmetrics_sync.py`); a rank that imports torch where the
+  others do not fails loudly, on every rank;
 - `dataparallel run` gives every rank torchrun's variables under MPI too, so a torchrun script
   that calls `dist.init_process_group()` itself runs unchanged; `dp.initialize()` after it joins
   its group, and waits only as long as its own timeout; `dist.init_process_group()` after
@@ -27,6 +30,10 @@ pytestmark = [
     pytest.mark.spawns,
     pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
 ]
+needs_torchmetrics = pytest.mark.skipif(
+    importlib.util.find_spec("torchmetrics") is None,
+    reason="needs torchmetrics (pip install -c constraints.txt -e '.[test]')",
+)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
@@ -70,6 +77,37 @@ def test_torch_distributed_is_initialized_alongside_and_finalized(backend: str, 
     for line in ranks.values():
         assert line["same_ranks"] == "True" and line["sum"] == str(n * (n + 1) // 2)
     assert done.stdout.count("AFTER FINALIZE rank=- initialized=False") == n, done.stdout
+
+
+@needs_torchmetrics
+@pytest.mark.parametrize("order", ["dp-first", "torch-first"])
+@pytest.mark.parametrize("backend", [pytest.param("mpi", marks=needs_mpi), "gloo"])
+def test_torchmetrics_is_global_whatever_the_import_order(backend: str, order: str) -> None:
+    """`dp.initialize()` before `import torch` (dp-first) once left MPI without torch's group,
+    and torchmetrics' `compute()` gave each rank its own accuracy, silently."""
+    done = run_job(["torchmetrics_sync.py", order], ranks=2, backend=backend, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = _lines(done.stdout, "METRIC")
+    assert sorted(ranks) == [0, 1], done.stdout
+    accuracies = set()
+    for line in ranks.values():
+        assert line["initialized"] == "True", done.stdout
+        assert line["accuracy"] == line["global"], done.stdout
+        accuracies.add(line["accuracy"])
+    assert len(accuracies) == 1, done.stdout
+
+
+@needs_mpi
+def test_a_rank_that_alone_imports_torch_fails_loudly_on_every_rank() -> None:
+    """Rank 0 imports torch after `dp.initialize()`, rank 1 goes on to an allreduce: both get
+    the mismatch, naming torch's group and the fix, instead of waiting for each other."""
+    done = run_job(["torchmetrics_sync.py", "rank0-only"], ranks=2, backend="mpi", cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    mismatches = [line for line in done.stdout.splitlines() if line.startswith("MISMATCH")]
+    assert sorted(line.split()[1] for line in mismatches) == ["rank=0", "rank=1"], done.stdout
+    for line in mismatches:
+        assert "torch.distributed's default group, made as torch is first imported" in line
+        assert "import torch on every rank" in line and "allreduce" in line, line
 
 
 @needs_mpi
@@ -147,8 +185,10 @@ def test_run_under_mpi_gives_torchrun_variables(n: int) -> None:
     ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert sorted(int(r["RANK"]) for r in ranks) == list(range(n)), done.stdout
     for r in ranks:
-        assert r["WORLD_SIZE"] == r["LOCAL_WORLD_SIZE"] == str(n)
-        assert r["LOCAL_RANK"] == r["RANK"]  # one machine
+        assert r["WORLD_SIZE"] == r["LOCAL_WORLD_SIZE"] == r["ROLE_WORLD_SIZE"] == str(n)
+        assert r["LOCAL_RANK"] == r["RANK"] == r["ROLE_RANK"]  # one machine
+        assert (r["GROUP_RANK"], r["GROUP_WORLD_SIZE"], r["ROLE_NAME"]) == ("0", "1", "default")
+        assert (r["TORCHELASTIC_RUN_ID"], r["TORCHELASTIC_USE_AGENT_STORE"]) == ("none", "False")
     masters = {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in ranks}
     assert len(masters) == 1 and masters.pop()[1].isdigit(), done.stdout
 

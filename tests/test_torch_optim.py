@@ -9,17 +9,20 @@ leave the others waiting.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _jobs import free_port
+from _jobs import free_port, run_job
+from _lightning import assert_fits_like_one_process, needs_lightning
 from _torch_common import (
     OPTIMIZERS,
     Branchy,
@@ -388,6 +391,73 @@ def test_closure_optimizers_reduce_every_evaluation(world: Backend) -> None:
     assert_same_on_every_rank(list(model.parameters()))
 
 
+class Reclassing:
+    """What Lightning's `LightningOptimizer` makes of the optimizer `configure_optimizers`
+    returns: an object of its own, re-classed as a subclass of that optimizer's class (so that
+    `isinstance` holds), which steps the optimizer and forwards what it lacks to it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self.__class__ = type(
+            "Lightning" + type(optimizer).__name__, (type(self), type(optimizer)), {}
+        )
+
+    def step(self, closure: Any = None) -> Any:
+        return self._optimizer.step(closure)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._optimizer, item)
+
+
+@pytest.mark.parametrize("which", ["dp", "horovod"])
+def test_a_framework_can_reclass_the_optimizer(which: str, world: Backend) -> None:
+    """Lightning's re-classing once failed (`object layout differs`): the wrapper's class added
+    a slot. Real Horovod's optimizer survives it, so must both of ours."""
+    import dataparallel.horovod.torch as hvd
+
+    model = make_model()
+    reference = copy.deepcopy(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if which == "dp":
+        opt = dp.DistributedOptimizer(sgd)
+    else:
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    seen = Reclassing(opt)
+    assert isinstance(seen, torch.optim.SGD) and isinstance(seen, type(opt))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):  # zero_grad is the wrapper's own, run on Lightning's object
+        step_pair(model, seen, reference, ref_opt, *global_batch(step))
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert_same_on_every_rank(list(model.parameters()))
+    assert seen.gradient_sync is opt.gradient_sync and opt.gradient_sync.steps == 3
+
+
+@pytest.mark.spawns
+@needs_lightning
+@pytest.mark.parametrize(
+    ("which", "backend"),
+    [
+        pytest.param(
+            "dp",
+            "mpi",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py"
+            ),
+        ),
+        ("horovod", "gloo"),
+    ],
+)
+def test_lightning_fits_with_the_distributed_optimizer(which: str, backend: str) -> None:
+    """`configure_optimizers` returns our optimizer; `Trainer.fit` on 2 ranks, one CPU device
+    each, gives one process's fit on the whole batch. It failed at `Trainer.fit` (Lightning's
+    re-classing), and Horovod's optimizer after `dp.initialize()` alone reduced nothing."""
+    scripts = Path(__file__).parent / "scripts"
+    done = run_job(["lightning_fit.py", which], ranks=2, backend=backend, cwd=scripts)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_fits_like_one_process(done.stdout, 2)
+
+
 def test_bad_arguments(world: Backend) -> None:
     model = make_model()
     with pytest.raises(ValueError, match=r"op='max' cannot combine gradients"):
@@ -399,6 +469,10 @@ def test_bad_arguments(world: Backend) -> None:
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match=r"already a DistributedOptimizer"):
         dp.DistributedOptimizer(opt)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp.DistributedOptimizer(plain)
+    with pytest.raises(TypeError, match=r"SGD was wrapped in a DistributedOptimizer already"):
+        dp.DistributedOptimizer(plain)  # a second wrapper would reduce the gradients twice
     with pytest.raises(TypeError, match=r"save\s+optimizer.state_dict\(\) instead"):
         copy.deepcopy(opt)
 

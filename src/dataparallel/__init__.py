@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from dataparallel import torch_distributed as _torch_distributed
 from dataparallel.arrays.compression import Compression
 from dataparallel.backends.base import Backend
 from dataparallel.collectives.broadcasts import broadcast, ibroadcast
@@ -34,6 +35,7 @@ from dataparallel.errors import (
 )
 from dataparallel.groups import Group, new_group
 from dataparallel.progress import progress
+from dataparallel.protocol import verify_same_call as _verify_same_call
 from dataparallel.reducers import CoalescingReducer, InlineReducer, Reducer
 from dataparallel.training import DistributedOptimizer, synchronize
 from dataparallel.version import VERSION as _VERSION
@@ -53,6 +55,10 @@ from dataparallel.world import (
 from dataparallel.world import (
     print as print,  # dp.print; not in __all__, so `import *` keeps the builtin
 )
+
+# torch's group, when made as torch is imported after `dp.initialize()`, begins with the
+# handshake of a collective call, a layer above `torch_distributed`: wired here.
+_torch_distributed.check_calls_with(_verify_same_call)
 
 __version__ = _VERSION
 """This package's version, from its installed metadata (`"0+unknown"` when not installed)."""

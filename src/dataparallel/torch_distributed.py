@@ -1,34 +1,44 @@
 """`torch.distributed` initialized alongside the world, so torch's ecosystem works in every job.
 
 `DistributedSampler(ds)`, `dist.all_reduce`, `DistributedDataParallel`, and the libraries that
-check `dist.is_initialized()` (torchmetrics, ...) need torch's default process group. The Gloo
-engine is one already; under MPI, NCCL (CuPy's) and a world of one, `dp.initialize()` makes one
-here, over the same processes in the same rank order:
+check `dist.is_initialized()` (torchmetrics, Lightning, ...) need torch's default process group.
+The Gloo engine is one already; under MPI, NCCL (CuPy's) and a world of one, `dp.initialize()`
+makes one here, over the same processes in the same rank order:
 
 - through the world's own rendezvous: rank 0 opens a `TCPStore` on a free port and the world
   broadcasts its address (a world of one uses an in-memory `HashStore`), so nothing needs
   `MASTER_ADDR` or a free port agreed beforehand;
 - a Gloo group (plus NCCL for CUDA tensors when the world's engine is NCCL and torch sees GPUs);
-- only when torch is already imported when `dp.initialize()` runs, or later when
-  `dataparallel.torch` is first imported: a NumPy or JAX program never pays for importing torch,
-  which costs seconds per rank, while the group itself costs little (docs/migrate/ddp.md);
+- at `dp.initialize()` when torch is imported already, or else as torch is first imported in
+  this world (`import torch` after `dp.initialize()`, or a library that imports it): the order of
+  two imports never decides whether torchmetrics' metrics are global. A NumPy or JAX program that
+  never imports torch never pays for it (importing torch costs seconds per rank; the group itself
+  costs little, docs/migrate/ddp.md);
 - not at all when torch's default group exists already (the user's own `init_process_group`,
   which is then left alone), or with `DATAPARALLEL_TORCH_DISTRIBUTED=0`.
 
-`dp.finalize()` destroys the group it made. A program that calls `dist.init_process_group()`
-after `dp.initialize()` (a Horovod program after `hvd.init()`; Horovod never made torch's group)
-gets its own group: the group made here gives way to it, as no engine of this library runs on it.
-Under Gloo the engine *is* torch's default group and cannot give way: that call then fails
-saying what to do (docs/migrate/ddp.md).
+Making the group is collective, so a group made as torch is imported is made where every rank
+imports it. It starts with the handshake of a collective call (`check_calls_with`): a rank that
+imports torch where another does not (`if dp.rank() == 0: import torch`) fails loudly there,
+with `CollectiveMismatchError` naming the fix on every rank at the other ranks' next collective
+(under MPI, also when they finish first: `backends/mpi/board.py`), instead of waiting forever.
+
+`dp.finalize()` destroys the group it made, and stops waiting for torch's import. A program that
+calls `dist.init_process_group()` after `dp.initialize()` (a Horovod program after `hvd.init()`;
+Horovod never made torch's group) gets its own group: the group made here gives way to it, as
+no engine of this library runs on it. Under Gloo the engine *is* torch's default group and
+cannot give way: that call then fails saying what to do (docs/migrate/ddp.md).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import importlib.abc
+import importlib.machinery
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -39,24 +49,69 @@ from dataparallel.errors import DataParallelError
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-__all__ = ["join"]
+__all__ = ["check_calls_with", "join"]
 
 _STORE_PREFIX = "dataparallel-torch/"
 
 
 def join(backend: Backend, settings: Settings) -> Callable[[], None] | None:
-    """Initialize torch's default process group over `backend`'s processes, where it is wanted.
+    """Initialize torch's default process group over `backend`'s processes, where it is wanted:
+    now when torch is imported, else as torch is first imported while this world lasts.
 
     Collective over the world when it acts (every rank decides alike: same code, same imports).
 
     Returns:
-        What destroys the group made (for `dp.finalize()`), or None when none was made. Under
-        Gloo, what takes away the explanation a later `init_process_group` call gets.
+        What destroys the group made (for `dp.finalize()`) and stops waiting for torch's import,
+        or None when there is nothing to undo. Under Gloo, what takes away the explanation a
+        later `init_process_group` call gets.
     """
     if backend.name == "gloo":
         return _explain_the_engines_group(backend)
-    if not settings.torch_distributed or "torch" not in sys.modules:
+    if not settings.torch_distributed:
         return None
+    if "torch" in sys.modules:
+        return _make_group(backend, settings)
+    made: list[Callable[[], None]] = []
+
+    def make() -> None:
+        assert _verify, "dataparallel/__init__.py hands the handshake in"
+        _verify[0](backend, _AT_IMPORT)
+        finish = _make_group(backend, settings)
+        if finish is not None:
+            made.append(finish)
+
+    stop_waiting = _after_import("torch", make)
+
+    def finish() -> None:
+        stop_waiting()
+        for undo in made:
+            undo()
+
+    return finish
+
+
+def check_calls_with(verify: Callable[[Backend, Mapping[str, str]], None]) -> None:
+    """Make `verify` the check a group made at a later import begins with.
+
+    That check is the handshake every collective begins with (`protocol.verify_same_call`),
+    which sits a layer above this module: the public face (`dataparallel/__init__.py`, always
+    imported before any world is made) hands it in.
+    """
+    _verify[:] = [verify]
+
+
+_verify: list[Callable[[Backend, Mapping[str, str]], None]] = []
+
+# What a rank that imports torch where another does not sees in the mismatch, on every rank.
+_AT_IMPORT = {
+    "collective": "torch.distributed's default group, made as torch is first imported",
+    "fix": "import torch on every rank (best before dp.initialize()), or set "
+    "DATAPARALLEL_TORCH_DISTRIBUTED=0 to go without torch's group",
+}
+
+
+def _make_group(backend: Backend, settings: Settings) -> Callable[[], None] | None:
+    """Make torch's default group now (torch imported); return what destroys it, or None."""
     try:
         import torch
         import torch.distributed as dist
@@ -135,6 +190,65 @@ def _before_init_process_group(dist: ModuleType, first: Callable[[], None]) -> C
                 module.init_process_group = original
 
     return restore
+
+
+def _after_import(name: str, then: Callable[[], None]) -> Callable[[], None]:
+    """Call `then` once the top-level module `name` is first imported (its code run), on the
+    importing thread, inside that `import` statement (an error of `then` is the import's); return
+    what stops waiting. Nothing is imported here: a program that never imports `name` pays one
+    name comparison per import.
+    """
+    finder = _AfterImport(name, then)
+    sys.meta_path.insert(0, finder)
+
+    def stop_waiting() -> None:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+    return stop_waiting
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """The import system's first finder, until its module is imported: it finds nothing itself,
+    but gives the spec the other finders find a loader whose `exec_module` then calls `then`.
+    The loader stays the one the module would have had (only its `exec_module` is wrapped, on
+    that one instance), so `torch.__spec__.loader` and resource readers are unchanged."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        execute = getattr(loader, "exec_module", None)
+        if loader is None or execute is None:
+            return spec  # not a module this import system runs: nothing to wait for
+
+        def exec_module(module: ModuleType) -> None:
+            del loader.exec_module  # the loader's own again
+            execute(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+                self.then()
+
+        loader.exec_module = exec_module
+        return spec
 
 
 def _store(

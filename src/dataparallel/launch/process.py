@@ -47,13 +47,18 @@ __all__ = [
     "pump",
     "signal_name",
     "stop",
+    "torchrun_environment",
     "warn",
 ]
 
 # What every launcher starts on each rank: the runner, with the rank's script after it.
 RUNNER = "dataparallel.launch.runner"
 
-# torchrun's variables: set for every rank (`runner`), and dropped where Slurm must decide.
+# torchrun's variables, as its agent gives them to each worker (torch.distributed.elastic's
+# `LocalElasticAgent`): set for every rank (`torchrun_environment`), and dropped where Slurm must
+# decide. The layout first, then the role (torchrun's one role, "default", is the whole job), then
+# the elastic run's: no restarts, torchrun's default run id, and no store served by an agent (rank
+# 0 serves it, as torch's env:// does without torchrun).
 TORCHRUN_VARIABLES = (
     "RANK",
     "WORLD_SIZE",
@@ -61,7 +66,46 @@ TORCHRUN_VARIABLES = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
+
+
+def torchrun_environment(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    group_rank: int,
+    group_world_size: int,
+    master_addr: str,
+    master_port: int,
+) -> dict[str, str]:
+    """Return the variables torchrun gives the process `rank` of this layout, valued as torchrun
+    values them (`TORCHRUN_VARIABLES`, and `TORCH_NCCL_ASYNC_ERROR_HANDLING` unless set).
+
+    `group_rank` is the node's index (torchrun's `--node-rank`), `group_world_size` the number of
+    nodes. Libraries read more than the rank: Lightning takes `TORCHELASTIC_RUN_ID` for "started
+    by torchrun", and then the node from `GROUP_RANK`; torch's env:// reads
+    `TORCHELASTIC_USE_AGENT_STORE`. Not set: torchrun's error file and signal list, which only its
+    agent reads.
+    """
+    values: tuple[object, ...] = (
+        *(rank, world_size, local_rank, local_world_size, master_addr, master_port),
+        *(group_rank, group_world_size, rank, "default", world_size),
+        *(0, 0, "none", False),
+    )
+    env = {name: str(value) for name, value in zip(TORCHRUN_VARIABLES, values, strict=True)}
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
 
 
 # The exit status of a job that ran past `--timeout`, as coreutils' `timeout` uses.

@@ -50,7 +50,7 @@ from typing import NoReturn
 
 from dataparallel.config import Settings
 from dataparallel.launch.hosts import CONTROL_SIGNALS
-from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port
+from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
 from dataparallel.runnotes import DONE, PEER_GONE, hold_alive, note_end, note_start, running_here
 
 __all__ = ["main", "set_torchrun_variables", "torchrun_variables"]
@@ -75,6 +75,9 @@ class _Options:
 
 _ABORT_GRACE_S = 0.3
 
+# The launcher's own six of torchrun's variables, in `torchrun_environment`'s order.
+_LAYOUT = TORCHRUN_VARIABLES[:6]
+
 # The status of a rank stopped by Ctrl-C, as shells give it (128 + SIGINT).
 _INTERRUPTED = 128 + int(signal.SIGINT)
 
@@ -92,10 +95,12 @@ def torchrun_variables(settings: Settings, mpi: ModuleType | None) -> dict[str, 
     """Return torchrun's variables for this rank (empty when nothing knows them).
 
     An unchanged torchrun script reads them and calls `dist.init_process_group()` itself
-    (env://). Under Gloo the launcher sets them already, under Slurm `config` derives them from
-    the step; under MPI they are asked of MPI, once, before the script runs: rank and size, the
-    rank among the processes of its node (`COMM_TYPE_SHARED`), and rank 0's host name and a free
-    port there, broadcast.
+    (env://), and libraries such as Lightning take the rank, the node and the job's layout from
+    them (`process.torchrun_environment` says which and how they are valued). Under Gloo the
+    launcher sets them already, under Slurm `config` derives them from the step; under MPI they
+    are asked of MPI, once, before the script runs: rank and size, the rank among the processes
+    of its node (`COMM_TYPE_SHARED`), the node's index among the nodes (ordered by their first
+    rank) and their number, and rank 0's host name and a free port there.
 
     Args:
         settings: what the launcher set (torchrun's own variables, or Slurm's step).
@@ -104,28 +109,55 @@ def torchrun_variables(settings: Settings, mpi: ModuleType | None) -> dict[str, 
     if mpi is not None:
         world = mpi.COMM_WORLD
         node = world.Split_type(mpi.COMM_TYPE_SHARED)
-        local = (node.Get_rank(), node.Get_size())
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+        first = node.bcast(world.Get_rank(), root=0)  # the node's first rank names it
         node.Free()
         master = None
         if world.Get_rank() == 0:
             host = settings.master_addr or socket.gethostname()
             master = (host, settings.master_port or free_port(""))
-        host, port = world.bcast(master, root=0)
-        values: tuple[object, ...] = (world.Get_rank(), world.Get_size(), *local, host, port)
-    else:
-        values = (
-            settings.rank,
-            settings.world_size,
-            settings.local_rank,
-            settings.local_world_size,
-            settings.master_addr,
-            settings.master_port,
+        every = world.allgather((first, master))
+        nodes = sorted({named for named, _ in every})
+        host, port = every[0][1]
+        return torchrun_environment(
+            rank=world.Get_rank(),
+            world_size=world.Get_size(),
+            local_rank=local_rank,
+            local_world_size=local_size,
+            group_rank=nodes.index(first),
+            group_world_size=len(nodes),
+            master_addr=host,
+            master_port=port,
         )
-    return {
-        name: str(value)
-        for name, value in zip(TORCHRUN_VARIABLES, values, strict=True)
-        if value is not None
-    }
+    return _from_settings(settings)
+
+
+def _from_settings(settings: Settings) -> dict[str, str]:
+    """torchrun's variables from what the launcher set (or Slurm's step): all of them where the
+    layout and the rendezvous are known, else those known."""
+    rank, size = settings.rank, settings.world_size
+    local_rank, local_size = settings.local_rank, settings.local_world_size
+    addr, port = settings.master_addr, settings.master_port
+    if None in (rank, size, local_rank, local_size, addr, port):
+        known = (rank, size, local_rank, local_size, addr, port)
+        return {name: str(v) for name, v in zip(_LAYOUT, known, strict=True) if v is not None}
+    assert rank is not None and size is not None and local_rank is not None
+    assert local_size is not None and addr is not None and port is not None
+    slurm = settings.slurm if settings.ranks_from_slurm else None
+    if slurm is not None and slurm.nodeid is not None and slurm.nodes:
+        group, groups = slurm.nodeid, len(slurm.nodes)
+    else:  # torchrun's layout: each node runs `local_size` ranks, in node order
+        group, groups = rank // local_size, max(1, size // local_size)
+    return torchrun_environment(
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_world_size=local_size,
+        group_rank=group,
+        group_world_size=groups,
+        master_addr=addr,
+        master_port=port,
+    )
 
 
 def set_torchrun_variables(mpi: ModuleType | None) -> None:

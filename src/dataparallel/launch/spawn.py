@@ -80,6 +80,7 @@ from dataparallel.launch.process import (
     pump,
     signal_name,
     stop,
+    torchrun_environment,
     warn,
 )
 
@@ -315,13 +316,21 @@ class _Job:
                 slot = self.slots[number]
                 host = slot.host
             number = slot.rank
+            size, node, nodes = topology.world_size, topology.node_rank, topology.nnodes
+            if self.slots is not None:  # nodes: the hosts, in the order of their first rank
+                hosts = list(dict.fromkeys(each.host for each in self.slots))
+                size, node, nodes = len(self.slots), hosts.index(slot.host), len(hosts)
             env.update(
-                RANK=str(number),
-                WORLD_SIZE=str(topology.world_size if self.slots is None else len(self.slots)),
-                LOCAL_RANK=str(slot.local_rank),
-                LOCAL_WORLD_SIZE=str(slot.local_size),
-                MASTER_ADDR=topology.master_addr,
-                MASTER_PORT=str(self.port),
+                torchrun_environment(
+                    rank=number,
+                    world_size=size,
+                    local_rank=slot.local_rank,
+                    local_world_size=slot.local_size,
+                    group_rank=node,
+                    group_world_size=nodes,
+                    master_addr=topology.master_addr,
+                    master_port=self.port,
+                )
             )
             if number == 0:
                 stdin = None  # the terminal's input goes to rank 0, as under torchrun

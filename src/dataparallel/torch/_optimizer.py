@@ -6,6 +6,11 @@ once per class, and it shares the wrapped optimizer's `__dict__`: `param_groups`
 `load_state_dict`, `param_groups` edits and learning-rate schedulers behave exactly as on the
 wrapped optimizer. Only `step`, `zero_grad`, `add_param_group` and the new `synchronize` differ,
 and, with error feedback, `state_dict`/`load_state_dict` (which also carry this rank's residuals).
+The classes add no slots, so their instances keep the wrapped class's layout: a framework that
+re-classes an optimizer (Lightning's `LightningOptimizer` becomes a subclass of the optimizer's
+class, as Horovod's optimizer allows) can do so with this one too. What the wrapper adds lives
+in the shared `__dict__` (`_dp_sync`), which is also how a plain optimizer wrapped once is told
+from one never wrapped.
 The reduction itself is `_gradsync.GradientSync`, shared with `DataParallelModel`.
 """
 
@@ -36,7 +41,7 @@ _O = TypeVar("_O", bound=torch.optim.Optimizer)
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods every `DistributedOptimizer` subclass adds to its wrapped optimizer's class."""
 
-    __slots__ = ("_dp_sync",)
+    __slots__ = ()  # the wrapped class's layout (see the module's docstring)
     _dp_sync: GradientSync
 
     @overload
@@ -231,7 +236,7 @@ def distributed_torch_optimizer(
         The distributed optimizer.
 
     Raises:
-        TypeError: `optimizer` is already distributed.
+        TypeError: `optimizer` is already distributed, or was wrapped before.
         ValueError: a bad option, or an optimizer whose `step` was already patched by an LR
             scheduler.
 
@@ -251,6 +256,12 @@ def distributed_torch_optimizer(
     if isinstance(optimizer, _DistributedOptimizer):
         raise TypeError(
             "This optimizer is already a DistributedOptimizer; wrap the plain optimizer once."
+        )
+    if "_dp_sync" in vars(optimizer):
+        raise TypeError(
+            f"This {type(optimizer).__name__} was wrapped in a DistributedOptimizer already, which "
+            "reduces its gradients: use that wrapper (a second one would reduce them twice). "
+            "Wrap each plain optimizer once."
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(

@@ -69,7 +69,13 @@ class ProcessSet:
         return (self.ranks or []).index(world.rank()) if self.process_set_id else world.rank()
 
     def included(self) -> bool | None:
-        """Return whether this process is in the set (None when the set has no ranks yet)."""
+        """Return whether this process is in the set (None when the set has no ranks yet).
+
+        The global set holds every rank of the world, however the world was made: after
+        `dp.initialize()` without `hvd.init()` too (its `ranks` are filled in by `hvd.init()`).
+        """
+        if self.process_set_id == 0:
+            return True
         if self.ranks is None:
             return None
         return world.rank() in self.ranks
