@@ -43,6 +43,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.base import Backend
+from dataparallel.backends.rendezvous import gloo_interface, interface_toward
 from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
 
@@ -120,18 +121,24 @@ def _make_group(backend: Backend, settings: Settings) -> Callable[[], None] | No
     if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
         return None
     wait = datetime.timedelta(seconds=settings.timeout or 1800.0)
-    store = _store(dist, backend, settings, wait)
+    store, toward = _store(dist, backend, settings, wait)
     kind = "gloo"
     if backend.name == "nccl" and torch.cuda.is_available() and dist.is_nccl_available():
         kind = "cpu:gloo,cuda:nccl"
+    # Gloo binds to the address its hostname resolves to, else loopback: bind to the interface
+    # that reaches rank 0's store instead, as the Gloo engine does (`rendezvous.interface_toward`).
+    interface = None
+    if settings.gloo_socket_ifname is None and toward is not None:
+        interface = interface_toward(*toward)
     hook = sys.excepthook  # init_process_group wraps it; the world manages its own
-    dist.init_process_group(
-        kind,
-        store=dist.PrefixStore(_STORE_PREFIX, store),
-        rank=backend.rank,
-        world_size=backend.size,
-        timeout=wait,
-    )
+    with gloo_interface(interface):
+        dist.init_process_group(
+            kind,
+            store=dist.PrefixStore(_STORE_PREFIX, store),
+            rank=backend.rank,
+            world_size=backend.size,
+            timeout=wait,
+        )
     sys.excepthook = hook
     group = dist.group.WORLD
 
@@ -253,11 +260,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def _store(
     dist: ModuleType, backend: Backend, settings: Settings, wait: datetime.timedelta
-) -> Store:
-    """Return the store the ranks meet through: rank 0's TCPStore, its address broadcast."""
+) -> tuple[Store, tuple[str, int] | None]:
+    """Return the store the ranks meet through (rank 0's TCPStore, its address broadcast), and
+    that address (None in a world of one)."""
     if backend.size == 1:
         single: Store = dist.HashStore()
-        return single
+        return single, None
     if backend.rank == 0:
         host = settings.master_addr or socket.gethostname()
         try:  # torch's store retries an unknown name until its timeout: say so now instead
@@ -272,11 +280,11 @@ def _store(
             raise DataParallelError(problem) from e
         server = dist.TCPStore(host, 0, backend.size, True, timeout=wait, wait_for_workers=False)
         backend.broadcast_object((host, int(server.port)), 0)
-        return server
+        return server, (host, int(server.port))
     received = backend.broadcast_object(None, 0)
     if isinstance(received, str):
         raise DataParallelError(received)
     assert isinstance(received, tuple)
     host, port = received
     client: Store = dist.TCPStore(host, port, backend.size, False, timeout=wait)
-    return client
+    return client, (host, port)

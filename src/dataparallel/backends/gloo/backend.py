@@ -53,7 +53,7 @@ from dataparallel.backends.base import (
 )
 from dataparallel.backends.gloo.group import join_group
 from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
-from dataparallel.backends.rendezvous import remove_if_every_store_left
+from dataparallel.backends.rendezvous import gloo_interface, remove_if_every_store_left
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError, RankFailedError
 from dataparallel.types import WireDtype
@@ -253,12 +253,14 @@ class GlooBackend(Backend):
         local: tuple[int, int] | None,
         store_file: Path | None = None,
         timeout: datetime.timedelta | None = None,
+        interface: str | None = None,
     ) -> None:
         import torch
 
         self._torch, self._dist, self.group = torch, dist, group
         self._owns_default_group = owns_default_group
         self._timeout = timeout  # for the groups made from this one (`split`, `duplicate`)
+        self._interface = interface  # ... and the interface they bind to, as this one did
         self._store_file = store_file
         self._closed = False
         self._in_flight: weakref.WeakSet[GlooHandle] = weakref.WeakSet()
@@ -313,8 +315,10 @@ class GlooBackend(Backend):
             local=joined.local,
             store_file=joined.store_file,
             timeout=joined.timeout,
+            interface=joined.interface,
         )
-        engine.hierarchy = engine._hierarchy(settings, launcher_local=joined.local is not None)
+        with gloo_interface(joined.interface):
+            engine.hierarchy = engine._hierarchy(settings, launcher_local=joined.local is not None)
         return engine
 
     def _hierarchy(self, settings: Settings, *, launcher_local: bool) -> Hierarchy | None:
@@ -589,13 +593,19 @@ class GlooBackend(Backend):
 
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
-        group = self._dist.new_group(
-            ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
-        )
+        with gloo_interface(self._interface):
+            group = self._dist.new_group(
+                ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
+            )
         if self.rank not in ranks:
             return None
         return GlooBackend(
-            self._dist, group, owns_default_group=False, local=None, timeout=self._timeout
+            self._dist,
+            group,
+            owns_default_group=False,
+            local=None,
+            timeout=self._timeout,
+            interface=self._interface,
         )
 
     def _global(self, rank: int) -> int:
@@ -607,16 +617,18 @@ class GlooBackend(Backend):
         of some processes returns itself (every process, member or not, makes a Gloo group)."""
         if self.size != self._dist.get_world_size():
             return self
-        group = self._dist.new_group(backend="gloo", timeout=self._timeout)
-        twin = GlooBackend(
-            self._dist,
-            group,
-            owns_default_group=False,
-            local=(self.local_rank, self.local_size),
-            timeout=self._timeout,
-        )
-        if self.hierarchy is not None:  # the communication thread's engine: groups of its own
-            twin.hierarchy = self.hierarchy.duplicate(self._timeout)
+        with gloo_interface(self._interface):
+            group = self._dist.new_group(backend="gloo", timeout=self._timeout)
+            twin = GlooBackend(
+                self._dist,
+                group,
+                owns_default_group=False,
+                local=(self.local_rank, self.local_size),
+                timeout=self._timeout,
+                interface=self._interface,
+            )
+            if self.hierarchy is not None:  # the communication thread's engine: its own groups
+                twin.hierarchy = self.hierarchy.duplicate(self._timeout)
         return twin
 
     def close(self) -> None:

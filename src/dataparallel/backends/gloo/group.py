@@ -43,6 +43,9 @@ class Joined(NamedTuple):
     store_file: Path | None = None  # file:// rendezvous: the file the ranks met in
     # Every group made for the engine waits this long (None: torch's default, 30 minutes).
     timeout: datetime.timedelta | None = None
+    # The network interface the group was bound to (None: Gloo's own choice): the engine's later
+    # groups bind to it too.
+    interface: str | None = None
 
 
 def import_torch_distributed() -> ModuleType:
@@ -102,7 +105,13 @@ def join_group(
     ):
         local = _launcher_local(settings)
     return Joined(
-        dist, None, owns_default_group=True, local=local, store_file=meeting.file, timeout=timeout
+        dist,
+        None,
+        owns_default_group=True,
+        local=local,
+        store_file=meeting.file,
+        timeout=timeout,
+        interface=interface,
     )
 
 
