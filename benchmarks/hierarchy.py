@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from network import DEVICE, PORT, ROOT, Link, why_not  # noqa: E402
+from network import DEVICE, PORT, Link, why_not  # noqa: E402
 
 # MPICH's CH4 device picks how an Allreduce is composed: `auto` (its own choice), or 2, "NM
 # only": the network module's algorithm over every rank, no step inside the hosts (flat).
@@ -118,15 +118,7 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     bindir = Path(sys.executable).parent
     link = Link()
-    base = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT / "src"),
-        "OMP_NUM_THREADS": "1",
-        "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
-        "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
-        "MASTER_ADDR": link.addresses[0],
-        "PYTHONUNBUFFERED": "1",
-    }
+    base = link.environment()
     size = args.mib * 2**20
     cases = [(layout, how) for layout in LAYOUTS for how in COMPOSITIONS]
     runs: dict[tuple[str, str], list[dict[str, dict[str, float]]]] = {c: [] for c in cases}

@@ -112,6 +112,21 @@ class Link:
         return ["ip", "netns", "exec", self.spaces[host], "unshare", "--uts", "sh", "-c", script,
                 "sh", *argv]  # fmt: skip
 
+    def environment(self) -> dict[str, str]:
+        """The environment of a job across the link: this checkout's source, one thread a rank."""
+        return {
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "OMP_NUM_THREADS": "1",
+            "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
+            "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
+            # ... nor can torch.distributed's store, which dp makes beside MPI on rank 0's
+            # hostname unless told an address (without it rank 0 retried its own hostname for
+            # 30 minutes)
+            "MASTER_ADDR": self.addresses[0],
+            "PYTHONUNBUFFERED": "1",
+        }
+
     def launcher(self, folder: Path) -> Path:
         """Hydra's `-launcher-exec`: it is called as ssh would be; run the command in HOST."""
         path = folder / "netns-launcher"
@@ -144,17 +159,7 @@ def launch(args: argparse.Namespace, worker: list[str]) -> int:
     bindir = hvd if use_hvd else Path(sys.executable).parent
     python = str(bindir / "python")
     link = Link()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT / "src"),
-        "OMP_NUM_THREADS": "1",
-        "UCX_TLS": "tcp,self",  # else UCX's shared memory bypasses the link
-        "GLOO_SOCKET_IFNAME": DEVICE,  # the hostnames resolve to nothing: Gloo would use lo
-        # ... nor can torch.distributed's store, which dp makes beside MPI on rank 0's hostname
-        # unless told an address (without it rank 0 retried its own hostname for 30 minutes)
-        "MASTER_ADDR": link.addresses[0],
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = link.environment()
     if args.backend != "mpi":
         print("Horovod not run: it runs beside dataparallel only when both use MPI")
     elif not use_hvd:

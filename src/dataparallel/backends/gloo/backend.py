@@ -349,7 +349,7 @@ class GlooBackend(Backend):
         if self._hierarchical(wire):
             tensor = self._torch.from_numpy(wire)
             try:
-                self._in_steps(tensor, op).wait()
+                self._in_steps("allreduce", tensor, op).wait()
             except RuntimeError as exc:
                 raise translate_error(exc, "allreduce", self.rank) from exc
         else:
@@ -379,21 +379,18 @@ class GlooBackend(Backend):
     def _hierarchical(self, wire: np.ndarray) -> bool:
         return self.hierarchy is not None and wire.nbytes >= MIN_BYTES
 
-    def _in_steps(self, tensor: torch.Tensor, op: ReduceOp) -> Steps:
+    def _in_steps(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> Steps:
         assert self.hierarchy is not None
-        if self._closed:
-            raise RuntimeError(
-                "Gloo allreduce on a closed engine (dp.finalize() ran): dp.initialize() again."
-            )
+        self._refuse_if_closed(what)
         try:
             return self.hierarchy.start(tensor, self._ops[op])
         except RuntimeError as exc:
-            raise translate_error(exc, "iallreduce", self.rank) from exc
+            raise translate_error(exc, what, self.rank) from exc
 
     def _reduce_in_flight(self, tensor: torch.Tensor, op: ReduceOp, stepped: bool) -> Work:
         """Start an allreduce of `tensor`: one ring, or the hierarchy's three steps."""
-        if stepped:
-            return self._in_steps(tensor, op)  # type: ignore[return-value]  # Work's two methods
+        if stepped:  # `Steps` has the two methods of a torch work object that handles call
+            return self._in_steps("iallreduce", tensor, op)  # type: ignore[return-value]
         return self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
@@ -667,14 +664,17 @@ class GlooBackend(Backend):
     def _call_tensors(
         self, what: str, fn: Callable[..., _R], *args: object, **kwargs: object
     ) -> _R:
-        if self._closed:  # its group is gone: None would name torch's default group
-            raise RuntimeError(
-                f"Gloo {what} on a closed engine (dp.finalize() ran): dp.initialize() again."
-            )
+        self._refuse_if_closed(what)
         try:
             return fn(*args, group=self.group, **kwargs)
         except RuntimeError as exc:
             raise translate_error(exc, what, self.rank) from exc
+
+    def _refuse_if_closed(self, what: str) -> None:
+        if self._closed:  # its group is gone: None would name torch's default group
+            raise RuntimeError(
+                f"Gloo {what} on a closed engine (dp.finalize() ran): dp.initialize() again."
+            )
 
     def _start(
         self, what: str, fn: Callable[..., Work], tensor: torch.Tensor, **kwargs: object
