@@ -269,8 +269,10 @@ class GlooBackend(Backend):
         self.hierarchy: Hierarchy | None = None
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        # Every rank's hostname, where the launcher gave no local ranks (the hierarchy's hosts)
+        self._hostnames: list[str] | None = None
         if local is None:
-            hosts = self.allgather_object(socket.gethostname())
+            hosts = self._hostnames = [str(h) for h in self.allgather_object(socket.gethostname())]
             local = (hosts[: self.rank].count(hosts[self.rank]), hosts.count(hosts[self.rank]))
         self.local_rank, self.local_size = local
         self._ops: dict[ReduceOp, object] = {
@@ -318,14 +320,14 @@ class GlooBackend(Backend):
             interface=joined.interface,
         )
         with gloo_interface(joined.interface):
-            engine.hierarchy = engine._hierarchy(settings, launcher_local=joined.local is not None)
+            engine.hierarchy = engine._hierarchy(settings)
         return engine
 
-    def _hierarchy(self, settings: Settings, *, launcher_local: bool) -> Hierarchy | None:
+    def _hierarchy(self, settings: Settings) -> Hierarchy | None:
         """The hierarchy of this world, where it spans hosts (collective; `Hierarchy.build`).
-        Hosts are the launcher's nodes (ranks numbered node by node, as every launcher does)
-        where it gave local ranks, else the hostnames."""
-        one_host = launcher_local and self.local_size == self.size
+        Hosts are the hostnames where this engine gathered them, else the launcher's nodes
+        (ranks numbered node by node, as every launcher does)."""
+        one_host = self.local_size == self.size  # known without a collective
         if (
             settings.hierarchical is False
             or self.size == 1
@@ -334,8 +336,9 @@ class GlooBackend(Backend):
             return None
         if self.size != self._dist.get_world_size():
             return None  # its groups would need every process of torch's world
-        label: object = self.rank - self.local_rank if launcher_local else socket.gethostname()
-        hosts = [str(h) for h in self.allgather_object(label)]
+        hosts = self._hostnames
+        if hosts is None:
+            hosts = [str(h) for h in self.allgather_object(self.rank - self.local_rank)]
         return Hierarchy.build(self._dist, hosts, self.rank, settings, self._timeout)
 
     # -- reductions --------------------------------------------------------------------------
