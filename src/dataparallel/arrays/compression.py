@@ -42,6 +42,7 @@ __all__ = [
     "FP16Compressor",
     "FP16FeedbackCompressor",
     "NoneCompressor",
+    "PowerSGDCompressor",
     "from_wire",
     "to_wire",
     "wire_dtype",
@@ -64,6 +65,7 @@ class Compressor:
 
     wire: ClassVar[WireDtype | None] = None
     error_feedback: ClassVar[bool] = False
+    low_rank: ClassVar[bool] = False  # `PowerSGDCompressor`: gradients travel as thin matrices
 
     @classmethod
     def compress(cls, tensor: Any) -> tuple[Any, object]:
@@ -116,9 +118,90 @@ class BF16FeedbackCompressor(BF16Compressor):
     error_feedback = True
 
 
+class PowerSGDCompressor(Compressor):
+    """Low-rank gradient compression (PowerSGD, Vogels et al. 2019): make one with
+    `Compression.powersgd`.
+
+    Each gradient viewed as a matrix `M` (its first dimension by the rest) travels as two thin
+    matrices: `P = M Q` is averaged over ranks and orthonormalized, `Q = M^T P` is averaged, and
+    the gradient becomes `P Q^T`, one step of power iteration towards `M`'s best rank-`rank`
+    approximation. Only torch's `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` take
+    it (the state below lives on their gradient reduction, `dataparallel.torch`); what it keeps
+    and when it pays: docs/compression.md. The names and defaults are those of torch's
+    `PowerSGDState` where they mean the same.
+
+    Attributes:
+        rank: the approximation's rank (torch's `matrix_approximation_rank`, default 1).
+        start_iter: steps reduced exactly before compression begins (torch's
+            `start_powerSGD_iter`, default 1000): early gradients change fast.
+        min_compression_rate: a matrix is compressed only where its element count is more than
+            this many times the `(rows + columns) * rank` that would travel (default 2); the
+            others, and 1-D tensors, travel uncompressed in the usual fused buckets.
+        use_error_feedback: each rank keeps what the approximation dropped from its gradient and
+            adds it at the next step (default True).
+        warm_start: keep each matrix's `Q` from step to step (default True); else draw a new one
+            at every step.
+        random_seed: the seed of the first (or every, without warm start) `Q`, the same on every
+            rank (default 0).
+    """
+
+    low_rank = True
+
+    def __init__(
+        self,
+        rank: int = 1,
+        *,
+        start_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        random_seed: int = 0,
+    ) -> None:
+        for name, value, least in (("rank", rank, 1), ("start_iter", start_iter, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(
+                    f"dp.Compression.powersgd: {name}={value!r} must be an int of at least {least}."
+                )
+        if isinstance(random_seed, bool) or not isinstance(random_seed, int):
+            raise ValueError(f"dp.Compression.powersgd: random_seed={random_seed!r} is not an int.")
+        if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
+            raise ValueError(
+                f"dp.Compression.powersgd: min_compression_rate={min_compression_rate!r} must be "
+                "a number of at least 0 (1: compress every matrix that shrinks)."
+            )
+        self.rank, self.start_iter = rank, start_iter
+        self.min_compression_rate = float(min_compression_rate)
+        self.use_error_feedback, self.warm_start = bool(use_error_feedback), bool(warm_start)
+        self.random_seed = random_seed
+
+    def __repr__(self) -> str:
+        return (
+            f"dp.Compression.powersgd(rank={self.rank}, start_iter={self.start_iter}, "
+            f"min_compression_rate={self.min_compression_rate}, "
+            f"use_error_feedback={self.use_error_feedback}, warm_start={self.warm_start}, "
+            f"random_seed={self.random_seed})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PowerSGDCompressor) and repr(self) == repr(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, object]:
+        """Refuse: a low-rank approximation needs every rank's matrix (see the class)."""
+        raise TypeError(
+            "dp.Compression.powersgd compresses gradients across ranks (power iteration needs "
+            "two reductions per step), not one tensor: pass it as compression= to "
+            "dp.DistributedOptimizer or dp.torch.DataParallelModel over torch."
+        )
+
+
 class Compression:
     """The compressors, by Horovod's names: `none`, `fp16`, and `bf16`; and `fp16_feedback`,
-    `bf16_feedback`: the same with error feedback, for gradient reductions that keep state.
+    `bf16_feedback`: the same with error feedback, for gradient reductions that keep state;
+    `powersgd(rank=...)`: low-rank compression of torch's gradient reductions.
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -131,6 +214,7 @@ class Compression:
     bf16 = BF16Compressor
     fp16_feedback = FP16FeedbackCompressor
     bf16_feedback = BF16FeedbackCompressor
+    powersgd = PowerSGDCompressor
 
 
 # What `compression=` takes: `dp.Compression.fp16` and friends (classes or instances), or None.
@@ -150,6 +234,20 @@ def wire_dtype(compression: object, *, stateful: bool = False) -> WireDtype | No
     if compression is None:
         return None
     kind = compression if isinstance(compression, type) else type(compression)
+    if isinstance(kind, type) and issubclass(kind, Compressor) and kind.low_rank:
+        if not stateful:
+            raise TypeError(
+                "compression=dp.Compression.powersgd(...) keeps a low-rank basis and residuals "
+                "per parameter from step to step, which only torch's dp.DistributedOptimizer and "
+                "dp.torch.DataParallelModel can (they hold the parameters); here use "
+                "dp.Compression.fp16 or dp.Compression.bf16."
+            )
+        if isinstance(compression, type):
+            raise TypeError(
+                "compression=dp.Compression.powersgd must be called: "
+                "compression=dp.Compression.powersgd(rank=1, start_iter=...)."
+            )
+        return None
     if issubclass(kind, Compressor):
         if kind.error_feedback and not stateful:
             raise TypeError(

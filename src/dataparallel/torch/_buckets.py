@@ -73,7 +73,7 @@ class Options(TypedDict, total=False):
     op: Op
     bucket_bytes: int
     backward_passes_per_step: int
-    compression: str | None  # the wire dtype
+    compression: str | None  # the wire dtype, or the low-rank compressor's settings
     sparse_as_dense: bool
     sparse: list[int]  # the parameters whose gradients are gathered sparse
 
@@ -287,12 +287,14 @@ def replay_of(
     action: Reduction | Scatter,
     bucket_bytes: int,
     compression: str | None = None,
+    extra: list[list[Add]] | None = None,
 ) -> Replay:
     """Describe a step's reduction for ranks that have joined (`dp.join`) to make it on zeros.
 
     Mirrors `GradientSync`: one flush per bucket (the flag vector with the last), then one for
     the parameters of `current` that became trainable after the layout; with the step's wire dtype
-    (`compression`), so that the zeros travel as the gradients do.
+    (`compression`), so that the zeros travel as the gradients do. `extra`: arrays sent after each
+    bucket's members (a low-rank step's `P`s, whose members `buckets` then leaves out).
     """
 
     def add(p: torch.Tensor) -> Add:
@@ -300,6 +302,9 @@ def replay_of(
         return (key, dtype_name(p.dtype), tuple(p.shape))
 
     flushes = [[add(params[i][1]) for i in b.members] for b in buckets]
+    if extra is not None:
+        for flush, more in zip(flushes, extra, strict=True):
+            flush.extend(more)
     if flushes:
         # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n).
         flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1,)))

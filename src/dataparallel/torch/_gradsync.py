@@ -40,8 +40,8 @@ import torch
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Router
-from dataparallel.arrays.compression import wire_dtype
-from dataparallel.arrays.fusion import Fusion
+from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
+from dataparallel.arrays.fusion import HOST_KEY, Fusion
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import objects
@@ -64,6 +64,7 @@ from dataparallel.torch._buckets import (
     step_flags,
 )
 from dataparallel.torch._feedback import ErrorFeedback
+from dataparallel.torch._powersgd import LowRank, PowerSGDReplay
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._sparse import SparseGrads
@@ -83,6 +84,13 @@ class FeedbackState(TypedDict):
     rank: int
     size: int
     residuals: dict[str, torch.Tensor]
+
+
+class LowRankState(TypedDict):
+    """What every rank of a PowerSGD reduction holds alike: its step count and bases."""
+
+    iteration: int
+    q: dict[str, torch.Tensor]
 
 
 class State(Enum):
@@ -113,7 +121,8 @@ class GradientSync:
             pass (`DataParallelModel`), instead of at `wait()` (`DistributedOptimizer.step`).
         owner: the name used in error messages.
         backend: the engine to use (default: the active one).
-        compression: `dp.Compression.fp16`/`.bf16`: floating gradients travel in 16 bits.
+        compression: `dp.Compression.fp16`/`.bf16`: floating gradients travel in 16 bits;
+            `dp.Compression.powersgd(...)`: matrices travel as low-rank factors (`_powersgd`).
         sparse_as_dense: make sparse gradients dense (else gathered: `_sparse.py`).
     """
 
@@ -128,6 +137,7 @@ class GradientSync:
     _params: NamedParams  # those reduced, in registration order
     _handles: list[RemovableHandle]  # their hooks
     _feedback: ErrorFeedback | None  # residuals, kept by parameter index
+    _low: LowRank | None  # PowerSGD's state (`dp.Compression.powersgd`)
     _sparse: SparseGrads
     _options: Options
     _buckets: list[Bucket]
@@ -147,6 +157,7 @@ class GradientSync:
     on_join: Callable[[], None] | None
     met_joined: bool  # whether the last step's handshake met a rank that has joined
     feedback_in_state: bool  # the wrappers' state dicts carry the residuals (`feedback_kept_out`)
+    join_index: int  # its place in a `dp.torch.join` block (set by it; PowerSGD's replays)
 
     def __init__(
         self,
@@ -175,6 +186,7 @@ class GradientSync:
         wire, self._sparse = wire_dtype(compression, stateful=True), SparseGrads(sparse_as_dense)
         feedback = wire is not None and getattr(compression, "error_feedback", False)
         self._feedback = ErrorFeedback(wire) if feedback and wire is not None else None
+        self._low = LowRank(compression) if isinstance(compression, PowerSGDCompressor) else None
         active = world.current()
         self._on_world = backend is None or backend is active.backend
         self._world = weakref.ref(active)
@@ -193,6 +205,9 @@ class GradientSync:
         self._options["backward_passes_per_step"] = passes
         if wire is not None or sparse_as_dense:  # described only when set, as they change calls
             self._options |= {"compression": wire, "sparse_as_dense": sparse_as_dense}
+        if self._low is not None:
+            self._options |= {"compression": repr(compression), "sparse_as_dense": sparse_as_dense}
+            self._low.world = self.backend.size if op == "sum" else 1
         self.wait_after_backward = wait_after_backward
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
@@ -200,6 +215,7 @@ class GradientSync:
         self.then_replay = self.on_join = None  # set by `dp.torch.join`
         self.met_joined = False
         self.feedback_in_state = True  # the wrappers' state dicts carry the residuals
+        self.join_index = 0
         action, pool = reduction(op, None, self.backend.size), active.buffers
         self._action, self._wire = action, wire  # replayed by ranks that have joined
         fusion_on = partial(
@@ -248,6 +264,8 @@ class GradientSync:
             self._rebuilt = False
             if self._feedback is not None:
                 self._feedback.clear()  # residuals are kept by index
+            if self._low is not None:
+                self._low.clear()
             for old in displaced:
                 old.refresh()
         if order is None:
@@ -258,6 +276,8 @@ class GradientSync:
             self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
         self._signature = signature(self._params)
+        if self._low is not None:
+            self._low.lay_out(self._params, {i for b in self._buckets for i in b.members})
         self._host = on_host(self._params)  # only host buckets go to the communication thread
         # Where the engine moves calls on by itself (Gloo), the step's handshake begins at its
         # first gradient, so that its rendezvous overlaps backward instead of adding to the step.
@@ -309,8 +329,10 @@ class GradientSync:
             )
         self._cleanup()
         residuals = self.feedback_state()  # before the new one claims the parameters
+        low_rank = self.low_rank_state()
         made = GradientSync(self._source, **self._made)  # type: ignore[arg-type]
         made.load_feedback_state(residuals, own=True)  # this process's, carried over
+        made.load_low_rank_state(low_rank)
         return made
 
     # -- error feedback: this rank's residuals, in checkpoints and elastic commits -------------
@@ -333,12 +355,10 @@ class GradientSync:
         What `DistributedOptimizer.state_dict()` and `DataParallelModel.state_dict()` carry, so
         that a run resumed from each rank's own checkpoint continues exactly.
         """
-        if self._feedback is None:
+        kept = self._residuals()
+        if kept is None:
             return None
-        residuals = {
-            self._params[i][0]: r.detach().clone()
-            for i, r in sorted(self._feedback.residuals.items())
-        }
+        residuals = {self._params[i][0]: r.detach().clone() for i, r in sorted(kept.items())}
         return {"rank": self.backend.rank, "size": self.backend.size, "residuals": residuals}
 
     def load_feedback_state(self, state: Mapping[str, Any] | None, *, own: bool = False) -> None:
@@ -350,9 +370,10 @@ class GradientSync:
         Raises:
             ValueError: a residual names no parameter reduced here, or has another shape.
         """
-        if self._feedback is None:
+        kept = self._residuals()
+        if kept is None:
             return
-        self._feedback.clear()
+        kept.clear()
         if state is None:
             return
         if not own and (state["rank"], state["size"]) != (self.backend.rank, self.backend.size):
@@ -368,7 +389,48 @@ class GradientSync:
                     f"{tuple(residual.shape)}) fits no parameter reduced here ({found}): "
                     "load a state saved from the same model and optimizer."
                 )
-            self._feedback.residuals[i] = residual.detach().to(param.device, copy=True)
+            kept[i] = residual.detach().to(param.device, copy=True)
+
+    def _residuals(self) -> dict[int, torch.Tensor] | None:
+        """The residuals kept, by parameter index (None: no error feedback)."""
+        if self._feedback is not None:
+            return self._feedback.residuals
+        if self._low is not None and self._low.config.use_error_feedback:
+            return self._low.residuals
+        return None
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether gradients are compressed by PowerSGD (`dp.Compression.powersgd`)."""
+        return self._low is not None
+
+    def low_rank_state(self) -> LowRankState | None:
+        """PowerSGD's state that every rank holds alike (its step count, each matrix's `Q`, by
+        parameter name), or None without PowerSGD: what the wrappers' state dicts carry beside
+        the shared optimizer state, so that any rank's checkpoint, or rank 0's state in an
+        elastic run, sets every rank's."""
+        if self._low is None:
+            return None
+        return self._low.shared_state(self._params)  # type: ignore[return-value]
+
+    def load_low_rank_state(self, state: Mapping[str, Any] | None) -> None:
+        """Take `low_rank_state()`'s; None (a state saved without PowerSGD) starts it afresh.
+
+        Raises:
+            ValueError: a basis names no matrix compressed here, or has another shape.
+        """
+        if self._low is None:
+            return
+        if state is None:
+            self._low.qs.clear()
+            self._low.iteration = 0
+            return
+        self._low.load_shared_state(state, self._params, self.owner)
+
+    def answer_low_rank(self, replay: PowerSGDReplay, backend: Backend, pool: Any) -> None:
+        """Answer a compressed step of the other ranks (this rank has joined: `dp.torch.join`)."""
+        assert self._low is not None
+        self._low.answer(replay, self._params, backend, pool)
 
     @property
     def calls(self) -> int:
@@ -400,6 +462,10 @@ class GradientSync:
         self._router.trace(world.current().timeline if world.initialized() else None)
         self._started_at = 0.0
         self._began = 0.0  # when this step's first gradient came (for ModeTrial)
+        # This step sends low-rank factors (PowerSGD past its `start_iter`).
+        self._compressing = self._low is not None and self._low.active()
+        if self._low is not None:
+            self._low.discard()
 
     @property
     def in_flight(self) -> bool:
@@ -436,7 +502,7 @@ class GradientSync:
         self._ready[index] = True
         self._arrival.append(index)
         if not self._arrival[1:] and self._begins_early:
-            self._early = start_handshake(self.backend, self._summary)
+            self._early = start_handshake(self.backend, self._step_summary())
         b = self._bucket_of[index]
         if b < 0:  # a gathered sparse gradient: reduced in wait()
             return
@@ -492,10 +558,13 @@ class GradientSync:
             return
         self.met_joined = False
         try:
+            options: Any = self._options
+            if self._low is not None:
+                options = {**options, "powersgd_iteration": self._low.iteration}
             handshake(
                 self.backend,
-                self._summary,
-                partial(describe, self.owner, self._options, self._params),
+                self._step_summary(),
+                partial(describe, self.owner, options, self._params),
                 replay=self._replay,
                 on_joined=self._note_joined,
                 started=self._early,
@@ -504,6 +573,10 @@ class GradientSync:
             self._state = State.FAILED
             raise
         self._router.begin(joined=self._joined, offload=self.overlap and self._host)
+
+    def _step_summary(self) -> str:
+        """What this step's handshake compares: the layout, and PowerSGD's step count."""
+        return self._summary if self._low is None else self._summary + self._low.describe()
 
     def _note_joined(self) -> None:
         self._joined = True  # no rebuild this step
@@ -514,8 +587,36 @@ class GradientSync:
     def _replay(self, _: bool) -> Replay:
         """This step's buckets (and late parameters), for ranks that have joined (`dp.join`)."""
         params, action, wire = self._params, self._action, self._wire
+        if self._compressing and self._low is not None:
+            return self._low_rank_replay()
         made = replay_of(params, self._buckets, self._current(), action, self.bucket_bytes, wire)
         return made if self.then_replay is None else self.then_replay(made)
+
+    def _low_rank_replay(self) -> PowerSGDReplay:
+        """A compressed step's calls: each bucket's uncompressed members and its `P`s (`extra`),
+        then the `Q`s; the joined rank's `dp.torch.join` keeps the `Q`s (`_join`)."""
+        low = self._low
+        assert low is not None
+        buckets, extra = [], []
+        for b in self._buckets:
+            kept = [i for i in b.members if i not in low.matrices]
+            buckets.append(Bucket(kept, b.key))
+            ps = [i for i in b.members if i in low.matrices]
+            total = sum(low.matrices[i].rows * low.matrices[i].rank for i in ps)
+            device, dtype = b.key
+            key = HOST_KEY if device == "cpu" else ("torch", device)
+            extra.append([(key, dtype, (total,))] if ps else [])
+        made = replay_of(
+            self._params, buckets, self._current(), self._action, self.bucket_bytes, extra=extra
+        )
+        then = Replay.of(
+            self._action, [low.replay_q(self._params)], bucket_bytes=self.bucket_bytes,
+            async_op=True,
+        )
+        return PowerSGDReplay(
+            made.action, made.flushes, made.bucket_bytes, made.async_op, made.contiguous, then,
+            None, sync=self.join_index,
+        )
 
     def _launch(self, b: int) -> None:
         self._agree()
@@ -523,6 +624,8 @@ class GradientSync:
         if b == 0 and timeline is not None:
             self._started_at = timeline.now()
         leaves = []
+        low = self._low if self._compressing else None
+        compressed, computed_now = [], set()
         for i in self._buckets[b].members:
             name, p = self._params[i]
             computed = p.grad is not None
@@ -532,7 +635,16 @@ class GradientSync:
             self._sparse.densify(i, p)
             if computed and self._feedback is not None:
                 self._feedback.apply(i, p.grad)
-            leaves.append((grad_family(self.owner, name, p.grad), p.grad))
+            family = grad_family(self.owner, name, p.grad)
+            if low is not None and i in low.matrices:
+                compressed.append(i)
+                if computed:
+                    computed_now.add(i)
+                continue
+            leaves.append((family, p.grad))
+        if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
+            factors = low.first(compressed, self._params, computed_now)
+            leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
             self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
@@ -560,6 +672,8 @@ class GradientSync:
             raise RuntimeError(message("failed", self.owner, self.passes))
         self._launch_rest()
         self._router.finish()
+        if self._low is not None:
+            self._low_rank_finish()
         if self._sparse.members:
             self._agree()  # made already, unless every parameter is gathered
             self._sparse.reduce(self._params, self.backend, self.op == "avg")
@@ -585,6 +699,22 @@ class GradientSync:
                 self._switch(mode)
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
+
+    def _low_rank_finish(self) -> None:
+        """With every bucket back (the `P`s averaged): reduce the `Q`s in one fused call and
+        write each compressed gradient's approximation; count the step (on every rank alike)."""
+        low = self._low
+        assert low is not None
+        if self._compressing:
+            try:
+                qs = low.second()
+                self._router.send([(grad_family(self.owner, "PowerSGD Q", q), q) for q in qs])
+                self._router.finish()
+                low.finish()
+            except BaseException:
+                low.discard()
+                raise
+        low.iteration += 1
 
     def _switch(self, overlap: bool) -> None:
         """Reduce on the communication thread (True) or after backward from the next step on,

@@ -16,6 +16,7 @@ from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives.join import answer
 from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._powersgd import PowerSGDReplay
 from dataparallel.torch._zero.join import ZeroJoin, ZeroReplay
 from dataparallel.torch._zero.optimizer import ZeroRedundancyOptimizer
 
@@ -46,6 +47,8 @@ class Join:
     def __init__(self, *joinables: nn.Module | optim.Optimizer, enable: bool = True) -> None:
         zeros = [j for j in joinables if isinstance(j, ZeroRedundancyOptimizer)]
         self._syncs = [_gradient_sync(j) for j in joinables if j not in zeros]
+        for index, sync in enumerate(self._syncs):
+            sync.join_index = index  # which one a PowerSGD step's replay names
         self._zeros = [ZeroJoin(z, i, self._syncs) for i, z in enumerate(zeros)]
         backends = {id(s.backend): s.backend for s in self._syncs}
         backends |= {id(z.backend): z.backend for z in zeros}
@@ -89,6 +92,8 @@ class Join:
     def _answer(self, replay: Replay, backend: Backend, pool: BufferPool) -> None:
         if isinstance(replay, ZeroReplay) and replay.optimizer < len(self._zeros):
             self._zeros[replay.optimizer].answer(replay, backend, pool)
+        elif isinstance(replay, PowerSGDReplay) and replay.sync < len(self._syncs):
+            self._syncs[replay.sync].answer_low_rank(replay, backend, pool)
         else:
             replay.run(backend, pool)
 

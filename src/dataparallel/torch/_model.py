@@ -25,6 +25,8 @@ __all__ = ["FEEDBACK_KEY", "DataParallelModel"]
 
 # The state-dict key of this rank's error-feedback residuals (torch's `_extra_state` habit).
 FEEDBACK_KEY = "_error_feedback"
+# The state-dict key of PowerSGD's shared state (step count, bases: the same on every rank).
+LOW_RANK_KEY = "_powersgd"
 
 
 def _named_trainable(module: nn.Module) -> Callable[[], NamedParams]:
@@ -158,8 +160,10 @@ class DataParallelModel(nn.Module):
         (and this rank's error-feedback residuals, if it has them: see the class's notes)."""
         if self._sync.feedback_in_state:
             self._sync.load_feedback_state(state_dict.get(FEEDBACK_KEY))  # type: ignore[arg-type]
-        if FEEDBACK_KEY in state_dict:
-            state_dict = _without(state_dict, FEEDBACK_KEY)
+        self._sync.load_low_rank_state(state_dict.get(LOW_RANK_KEY))  # type: ignore[arg-type]
+        for key in (FEEDBACK_KEY, LOW_RANK_KEY):
+            if key in state_dict:
+                state_dict = _without(state_dict, key)
         keys = list(state_dict)
         if keys and all(k.startswith("module.") for k in keys):
             state_dict = _renamed(state_dict, "", "module.", "")
@@ -222,8 +226,11 @@ def _add_module_prefix(
     """Accept unprefixed keys when a wrapper nested in a parent module is loaded (and take its
     error-feedback residuals out of them)."""
     feedback = state_dict.pop(prefix + FEEDBACK_KEY, None)
-    if isinstance(module, DataParallelModel) and module.gradient_sync.feedback_in_state:
-        module.gradient_sync.load_feedback_state(feedback)  # type: ignore[arg-type]
+    low_rank = state_dict.pop(prefix + LOW_RANK_KEY, None)
+    if isinstance(module, DataParallelModel):
+        if module.gradient_sync.feedback_in_state:
+            module.gradient_sync.load_feedback_state(feedback)  # type: ignore[arg-type]
+        module.gradient_sync.load_low_rank_state(low_rank)  # type: ignore[arg-type]
     for key in list(state_dict):
         if key.startswith(prefix) and not key.startswith(prefix + "module."):
             state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
@@ -237,3 +244,7 @@ def _add_feedback(
         feedback = module.gradient_sync.feedback_state()
         if feedback is not None:
             state_dict[prefix + FEEDBACK_KEY] = feedback
+    if isinstance(module, DataParallelModel):
+        low_rank = module.gradient_sync.low_rank_state()
+        if low_rank is not None:
+            state_dict[prefix + LOW_RANK_KEY] = low_rank

@@ -34,6 +34,8 @@ __all__ = ["FEEDBACK_KEY", "distributed_torch_optimizer"]
 
 # The state-dict key of this rank's error-feedback residuals (beside torch's two).
 FEEDBACK_KEY = "error_feedback"
+# The state-dict key of PowerSGD's shared state (step count, bases), the same on every rank.
+LOW_RANK_KEY = "powersgd"
 
 _O = TypeVar("_O", bound=torch.optim.Optimizer)
 
@@ -114,12 +116,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict; with error feedback (`compression=
         dp.Compression.fp16_feedback`, `.bf16_feedback`) also this rank's residuals under
         `"error_feedback"`, with the rank and world size they belong to (a plain optimizer's
-        `load_state_dict` ignores the key). Save every rank's to resume exactly."""
+        `load_state_dict` ignores the key). Save every rank's to resume exactly. With
+        `dp.Compression.powersgd(...)`, also its step count and bases under `"powersgd"` (the
+        same on every rank)."""
         state = super().state_dict()
         sync = self._dp_sync
         feedback = sync.feedback_state() if sync.feedback_in_state else None
         if feedback is not None:
             state[FEEDBACK_KEY] = feedback
+        low_rank = sync.low_rank_state()
+        if low_rank is not None:
+            state[LOW_RANK_KEY] = low_rank
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -128,9 +135,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ranks' residuals, or none, start this one's again from zero."""
         state_dict = dict(state_dict)
         feedback = state_dict.pop(FEEDBACK_KEY, None)
+        low_rank = state_dict.pop(LOW_RANK_KEY, None)
         super().load_state_dict(state_dict)
         if self._dp_sync.feedback_in_state:
             self._dp_sync.load_feedback_state(feedback)
+        self._dp_sync.load_low_rank_state(low_rank)
 
     @property
     def backward_passes_per_step(self) -> int:

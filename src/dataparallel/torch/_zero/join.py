@@ -162,6 +162,14 @@ class ZeroJoin:
                     "dp.torch.join(model, optimizer) (torch's DDP cannot join here), or use "
                     "stage=2."
                 )
+            if self.sync.low_rank:
+                raise ValueError(
+                    "dp.torch.join: a ZeroRedundancyOptimizer(stage=1) cannot be joined while its "
+                    "gradients are reduced with dp.Compression.powersgd (a joined rank would have "
+                    "to keep the low-rank basis and step its slice at once): join the model alone, "
+                    "dp.torch.join(model), with a plain optimizer, or use compression=None or "
+                    "dp.Compression.fp16 with ZeRO."
+                )
 
     # -- every rank -------------------------------------------------------------------------
 

@@ -1,0 +1,281 @@
+"""Low-rank gradient compression (`dp.Compression.powersgd`) on a `GradientSync`'s buckets.
+
+PowerSGD (Vogels et al., 2019), as torch's batched `powerSGD_hook` does it, fitted into the
+buckets `GradientSync` already sends: each compressed gradient, viewed as a matrix `M` (first
+dimension by the rest; with error feedback, this rank's residual added first), leaves its bucket
+and is replaced there by `P = M Q`, so the thin `P`s of a bucket's layers travel in that bucket's
+one fused call while backward still runs, beside the members that are not compressed (1-D
+tensors, matrices too small to gain: `PowerSGDCompressor.min_compression_rate`). When every bucket
+is back, each averaged `P` is orthonormalized, `Q = M^T P` is computed for every matrix and all the
+`Q`s travel in one more fused call; the gradient becomes `P Q^T` (the average's approximation)
+and the residual `M - P Q^T`. Where the average of the ranks' matrices has rank at most `rank`,
+and `Q` is not orthogonal to it, `P` spans its columns and `P Q^T` is the average exactly.
+
+State, kept by parameter index (as `_feedback`'s residuals): the `Q` of each matrix, the same on
+every rank (drawn from `random_seed` and the parameter's index, then the averaged `Q` of the last
+step: warm start); the residuals, each rank's own; and the step count that decides `start_iter`.
+The count and the `Q`s are shared state (a checkpoint of any rank carries them; elastic runs
+synchronize them from rank 0 with the rest); the residuals are not. Every step's handshake carries
+the count, so ranks whose `Q`s may have diverged (one answered steps in a plain `dp.join`, one
+started afresh in a re-formed elastic world) raise `CollectiveMismatchError` instead of summing
+unrelated bases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataparallel.arrays.compression import PowerSGDCompressor
+from dataparallel.arrays.dtypes import BF16_BITS, dtype_name
+from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.pool import BufferPool
+from dataparallel.arrays.replay import Add, Replay
+from dataparallel.backends.base import Backend
+
+__all__ = ["LowRank", "Matrix", "PowerSGDReplay"]
+
+NamedParams = list[tuple[str, torch.Tensor]]
+_DENSE = torch.contiguous_format
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """How one parameter's gradient is compressed: viewed as `rows x cols`, at rank `rank`."""
+
+    rows: int
+    cols: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class PowerSGDReplay(Replay):
+    """A compressed step's calls for a rank that has joined: the buckets (with their `P`s), then
+    the `Q`s (`then`). Under `dp.torch.join` the joined rank keeps the averaged `Q`s and counts
+    the step, so that its basis stays the others' (`LowRank.answer`); under a plain `dp.join` it
+    only makes the calls, and its next compressed step raises `CollectiveMismatchError` (the step
+    counts differ) instead of mixing bases.
+
+    Attributes:
+        sync: which of the block's gradient reductions (their order in `dp.torch.join(...)`).
+    """
+
+    sync: int = 0
+
+
+class LowRank:
+    """A `GradientSync`'s PowerSGD: which parameters are compressed, their `Q`s and residuals."""
+
+    def __init__(self, config: PowerSGDCompressor) -> None:
+        self.config = config
+        self.iteration = 0  # steps completed (the same on every rank)
+        self.matrices: dict[int, Matrix] = {}  # compressed parameters, by index
+        self.qs: dict[int, torch.Tensor] = {}  # their Q (rows: cols, columns: rank)
+        self.residuals: dict[int, torch.Tensor] = {}  # this rank's, by parameter index
+        # This step's Ms (matrix views of the gradients, residual added) and Ps, by index.
+        self.world = 1  # what the reduced Qs are divided by: the world's size for a sum
+        self._grads: dict[int, torch.Tensor] = {}
+        self._ms: dict[int, torch.Tensor] = {}
+        self._ps: dict[int, torch.Tensor] = {}
+        self._q_of: dict[int, torch.Tensor] = {}  # this step's Qs, in the buffers reduced
+
+    # -- which parameters, and what travels -----------------------------------------------------
+
+    def lay_out(self, params: NamedParams, dense: set[int]) -> None:
+        """Choose the parameters to compress (among `dense`, those reduced in buckets)."""
+        rank, rate = self.config.rank, self.config.min_compression_rate
+        self.matrices = {}
+        for i, (_, p) in enumerate(params):
+            if i not in dense or p.dim() < 2 or not p.is_floating_point() or p.numel() == 0:
+                continue
+            rows = p.shape[0]
+            cols = p.numel() // rows
+            r = min(rank, rows, cols)
+            if rows * cols > (rows + cols) * r * rate:  # torch's `_should_compress`
+                self.matrices[i] = Matrix(rows, cols, r)
+        for gone in set(self.qs) - set(self.matrices):
+            del self.qs[gone]
+
+    def clear(self) -> None:
+        """Forget every `Q` and residual (the parameters were renumbered)."""
+        self.qs.clear()
+        self.residuals.clear()
+
+    def active(self) -> bool:
+        """Whether this step is compressed (`start_iter` steps have been reduced exactly)."""
+        return self.iteration >= self.config.start_iter and bool(self.matrices)
+
+    def describe(self) -> str:
+        """What every rank's step must agree on beyond the layout: the step count."""
+        return f"powersgd iteration {self.iteration}" if self.matrices else ""
+
+    def _q(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        m = self.matrices[i]
+        q = self.qs.get(i)
+        if q is None or not self.config.warm_start or q.dtype != p.dtype or q.device != p.device:
+            # The same on every rank: drawn from the seed, the parameter and (without warm start)
+            # the step.
+            step = 0 if self.config.warm_start else self.iteration
+            seed = (self.config.random_seed * 1_000_003 + i) * 1_000_033 + step
+            gen = torch.Generator().manual_seed(seed % (1 << 63))
+            q = torch.randn(m.cols, m.rank, generator=gen, dtype=torch.float32)
+            q = self.qs[i] = q.to(device=p.device, dtype=p.dtype)
+        return q
+
+    def first(self, members: list[int], params: NamedParams, computed: set[int]) -> torch.Tensor:
+        """Compute the `P`s of a bucket's compressed `members` (gradients present), residuals
+        added to those `computed` this step; return the bucket's `P` buffer, to be reduced."""
+        grads = [params[i][1].grad for i in members]
+        total = sum(self.matrices[i].rows * self.matrices[i].rank for i in members)
+        first = grads[0]
+        assert first is not None
+        buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        offset = 0
+        for i, g in zip(members, grads, strict=True):
+            assert g is not None
+            m = self.matrices[i]
+            if self.config.use_error_feedback and i in computed:
+                residual = self.residuals.get(i)
+                if residual is not None and residual.shape == g.shape:
+                    g.add_(residual)
+            matrix = g.reshape(m.rows, m.cols)  # a view, unless the gradient is not contiguous
+            p = buffer[offset : offset + m.rows * m.rank].view(m.rows, m.rank)
+            torch.matmul(matrix, self._q(i, g), out=p)
+            self._grads[i], self._ms[i], self._ps[i] = g, matrix, p
+            offset += m.rows * m.rank
+        return buffer
+
+    def second(self) -> list[torch.Tensor]:
+        """Orthonormalize each averaged `P`, compute `Q = M^T P`: the `Q` buffers to reduce, one
+        per (device, dtype), in `replay_q`'s order."""
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i in sorted(self._ps):
+            p = self._ps[i]
+            by_key.setdefault((p.device, p.dtype), []).append(i)
+        buffers = []
+        for (device, dtype), members in by_key.items():
+            total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
+            buffer = torch.empty(total, dtype=dtype, device=device)
+            offset = 0
+            for i in members:
+                m, p = self.matrices[i], self._ps[i]
+                _orthonormalize(p)
+                q = buffer[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
+                torch.matmul(self._ms[i].t(), p, out=q)
+                self._q_of[i] = q
+                offset += m.cols * m.rank
+            buffers.append(buffer)
+        return buffers
+
+    def finish(self) -> None:
+        """With the reduced `Q`s back: each gradient becomes `P Q^T` (the average's
+        approximation, times `world` for a sum), the residual `M - P Q^T`, and `Q` is kept."""
+        for i, q in self._q_of.items():
+            if self.world != 1:
+                q.div_(self.world)  # the average's Q
+            g, m, p = self._grads[i], self._ms[i], self._ps[i]
+            approx = torch.matmul(p, q.t())
+            if self.config.use_error_feedback:
+                residual = self.residuals.get(i)
+                if residual is None or residual.shape != g.shape or residual.dtype != g.dtype:
+                    residual = self.residuals[i] = torch.empty_like(g, memory_format=_DENSE)
+                torch.sub(m, approx, out=residual.view(m.shape))
+            if self.world != 1:
+                approx.mul_(self.world)
+            g.copy_(approx.view(g.shape))
+            self.qs[i] = q.clone()
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop this step's matrices (done, or failed)."""
+        self._grads, self._ms, self._ps, self._q_of = {}, {}, {}, {}
+
+    # -- ranks that have joined ------------------------------------------------------------------
+
+    def _q_groups(self, params: NamedParams) -> dict[tuple[str, str], list[int]]:
+        """The compressed parameters by (device, dtype), as `second` groups their `Q`s."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i in sorted(self.matrices):
+            p = params[i][1]
+            groups.setdefault((str(p.device), dtype_name(p.dtype)), []).append(i)
+        return groups
+
+    def replay_q(self, params: NamedParams) -> list[Add]:
+        """The `Q` buffers' arrays, as `second` makes them, for a replay."""
+        adds: list[Add] = []
+        for (device, dtype), members in self._q_groups(params).items():
+            total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
+            adds.append((HOST_KEY if device == "cpu" else ("torch", device), dtype, (total,)))
+        return adds
+
+    def answer(
+        self, replay: PowerSGDReplay, params: NamedParams, backend: Backend, pool: BufferPool
+    ) -> None:
+        """Make a compressed step's calls on zeros (this rank has joined) and keep the averaged
+        `Q`s it brings back, so that this rank's basis stays the others'."""
+        Replay.run(_plain(replay), backend, pool)
+        assert replay.then is not None
+        given = replay.then.reduce_zeros(backend, pool)
+        for values, members in zip(given, self._q_groups(params).values(), strict=True):
+            if values.dtype == BF16_BITS:  # bfloat16, as its bits
+                flat = torch.from_numpy(values.reshape(-1).view(np.int16)).view(torch.bfloat16)
+            else:
+                flat = torch.from_numpy(values.reshape(-1))
+            offset = 0
+            for i in members:
+                m, p = self.matrices[i], params[i][1]
+                part = flat[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
+                offset += m.cols * m.rank
+                q = part.to(device=p.device, dtype=p.dtype, copy=True)
+                self.qs[i] = q.div_(self.world) if self.world != 1 else q
+        self.iteration += 1
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def shared_state(self, params: NamedParams) -> dict[str, Any]:
+        """The state every rank holds alike: the step count and each matrix's `Q`, by name."""
+        qs = {params[i][0]: q.detach().clone() for i, q in sorted(self.qs.items())}
+        return {"iteration": self.iteration, "q": qs}
+
+    def load_shared_state(self, state: Mapping[str, Any], params: NamedParams, owner: str) -> None:
+        """Take `shared_state()`'s (saved by any rank)."""
+        index = {name: i for i, (name, _) in enumerate(params)}
+        qs: dict[int, torch.Tensor] = {}
+        for name, q in state["q"].items():
+            i = index.get(name, -1)
+            m = self.matrices.get(i)
+            if m is None or tuple(q.shape) != (m.cols, m.rank):
+                raise ValueError(
+                    f"{owner}: the PowerSGD basis of {name!r} (shape {tuple(q.shape)}) fits no "
+                    "matrix compressed here: load a state saved from the same model, optimizer "
+                    "and dp.Compression.powersgd(...) settings."
+                )
+            p = params[i][1]
+            qs[i] = q.detach().to(device=p.device, dtype=p.dtype, copy=True)
+        self.qs = qs
+        self.iteration = int(state["iteration"])
+
+
+def _plain(replay: PowerSGDReplay) -> Replay:
+    """The bucket calls of `replay` alone (its `then`, the `Q`s, is made by the caller)."""
+    return Replay(
+        replay.action,
+        replay.flushes,
+        replay.bucket_bytes,
+        replay.async_op,
+        replay.contiguous,
+        None,
+        replay.compression,
+    )
+
+
+def _orthonormalize(p: torch.Tensor) -> None:
+    """Replace the columns of `p` by an orthonormal basis of their span (QR, in float32 at
+    least: Householder, so a column the others already span gives a unit vector, not NaN)."""
+    wide = p if p.dtype == torch.float64 else p.float()
+    q, _ = torch.linalg.qr(wide)
+    p.copy_(q)
