@@ -86,9 +86,7 @@ def test_gradients_of_rank_at_most_r_arrive_exactly(face: str, rank: int) -> Non
         exact = _average(lambda r, step=step: _low_rank_grad(r, rank, step))
         torch.testing.assert_close(model.w.grad, exact, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model.b.grad, _average(lambda r: _vectors(r, COLS)))
-        torch.testing.assert_close(
-            model.s.grad, _average(lambda r: _vectors(50 + r, 4).view(2, 2))
-        )
+        torch.testing.assert_close(model.s.grad, _average(lambda r: _vectors(50 + r, 4).view(2, 2)))
     low = _sync(net, opt)._low
     assert sorted(low.matrices) == [_index(_sync(net, opt), model.w)]
     assert_same_on_every_rank([model.w.grad])
@@ -101,8 +99,10 @@ def test_gradients_of_rank_at_most_r_arrive_exactly(face: str, rank: int) -> Non
 
 @pytest.mark.parametrize("face", ["optimizer", "model"])
 def test_error_feedback_carries_exactly_what_was_dropped(face: str) -> None:
-    """Each rank's residual is its matrix (gradient plus last residual) minus the shared
-    approximation, and is added to its next gradient."""
+    """Each rank's residual is what the projection on P took from its own matrix (gradient plus
+    last residual): M - P P^T M, P spanning the shared approximation's columns; it is added to
+    the next gradient, and the residuals' average is the average matrix minus the
+    approximation."""
     compression = dp.Compression.powersgd(rank=1, start_iter=0)
     model, net, opt = _wrapped(compression, face)
     sync = _sync(net, opt)
@@ -113,9 +113,13 @@ def test_error_feedback_carries_exactly_what_was_dropped(face: str) -> None:
         c = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(100 * step + dp.rank()))
         _step(net, opt, c, d, e)
         matrix = c + carried
+        approx = model.w.grad
+        p = torch.linalg.svd(approx).U[:, :1]  # rank 1: P is the approximation's column
         residual = sync._low.residuals[index]
-        torch.testing.assert_close(residual, matrix - model.w.grad, rtol=0, atol=1e-5)
+        torch.testing.assert_close(residual, matrix - p @ (p.t() @ matrix), rtol=0, atol=1e-5)
         assert float(residual.norm()) > 1e-2 * float(matrix.norm())  # rank 1 dropped something
+        dropped = dp.allreduce(matrix - residual, op="avg")
+        torch.testing.assert_close(dropped, approx, rtol=1e-4, atol=1e-5)
         carried = residual.clone()
     assert_same_on_every_rank([model.w.grad])
     state = sync.feedback_state()
@@ -147,6 +151,7 @@ def test_warm_start_keeps_q_and_converges_to_the_best_approximation() -> None:
     steps, and the approximation reaches the best of its rank (the top singular pair); each
     step's Q is kept, changes, and is the same on every rank. Without warm start a new Q is
     drawn at every step and the error stays above the best."""
+
     def c(r: int) -> torch.Tensor:
         return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(300 + r))
 
@@ -356,7 +361,9 @@ def test_ranks_that_disagree_on_the_rank_raise() -> None:
 
 def test_where_it_is_not_offered_the_error_says_what_to_use() -> None:
     psgd = dp.Compression.powersgd(rank=2)
-    with pytest.raises(TypeError, match=r"only torch's dp.DistributedOptimizer .* use dp.Compression.fp16"):
+    with pytest.raises(
+        TypeError, match=r"only torch's dp.DistributedOptimizer .* use dp.Compression.fp16"
+    ):
         dp.allreduce(torch.ones(3, 3), op="avg", compression=psgd)
     with pytest.raises(TypeError, match=r"only torch's"):
         dp.allreduce_gradients([torch.ones(3, 3)], compression=psgd)

@@ -64,9 +64,9 @@ from dataparallel.torch._buckets import (
     step_flags,
 )
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._powersgd import LowRank, PowerSGDReplay
 from dataparallel.torch._hooks import claim, make_hook, remove_hooks
 from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._powersgd import LowRank, PowerSGDReplay
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op, WireDtype
 
@@ -610,12 +610,20 @@ class GradientSync:
             self._params, buckets, self._current(), self._action, self.bucket_bytes, extra=extra
         )
         then = Replay.of(
-            self._action, [low.replay_q(self._params)], bucket_bytes=self.bucket_bytes,
+            self._action,
+            [low.replay_q(self._params)],
+            bucket_bytes=self.bucket_bytes,
             async_op=True,
         )
         return PowerSGDReplay(
-            made.action, made.flushes, made.bucket_bytes, made.async_op, made.contiguous, then,
-            None, sync=self.join_index,
+            made.action,
+            made.flushes,
+            made.bucket_bytes,
+            made.async_op,
+            made.contiguous,
+            then,
+            None,
+            sync=self.join_index,
         )
 
     def _launch(self, b: int) -> None:

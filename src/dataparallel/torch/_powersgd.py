@@ -11,6 +11,12 @@ is back, each averaged `P` is orthonormalized, `Q = M^T P` is computed for every
 and the residual `M - P Q^T`. Where the average of the ranks' matrices has rank at most `rank`,
 and `Q` is not orthogonal to it, `P` spans its columns and `P Q^T` is the average exactly.
 
+Error feedback: `P Q^T = P P^T mean(M)` is the average of the ranks' projections `P P^T M`, so
+each rank keeps what the projection took from its own matrix, `M - P P^T M`, and the residuals'
+average is what the approximation dropped from the average. (torch's hook keeps `M - P Q^T`
+instead, whose average is the same; but each rank's then also holds its difference from the
+average, which a rank that has joined, contributing zeros, would leave unbalanced.)
+
 State, kept by parameter index (as `_feedback`'s residuals): the `Q` of each matrix, the same on
 every rank (drawn from `random_seed` and the parameter's index, then the averaged `Q` of the last
 step: warm start); the residuals, each rank's own; and the step count that decides `start_iter`.
@@ -82,6 +88,7 @@ class LowRank:
         self._ms: dict[int, torch.Tensor] = {}
         self._ps: dict[int, torch.Tensor] = {}
         self._q_of: dict[int, torch.Tensor] = {}  # this step's Qs, in the buffers reduced
+        self._kept: dict[int, torch.Tensor] = {}  # P P^T M: what of this rank's M travels
 
     # -- which parameters, and what travels -----------------------------------------------------
 
@@ -167,13 +174,16 @@ class LowRank:
                 q = buffer[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
                 torch.matmul(self._ms[i].t(), p, out=q)
                 self._q_of[i] = q
+                if self.config.use_error_feedback:  # P (M^T P)^T: this rank's M, projected
+                    self._kept[i] = torch.matmul(p, q.t())
                 offset += m.cols * m.rank
             buffers.append(buffer)
         return buffers
 
     def finish(self) -> None:
         """With the reduced `Q`s back: each gradient becomes `P Q^T` (the average's
-        approximation, times `world` for a sum), the residual `M - P Q^T`, and `Q` is kept."""
+        approximation, times `world` for a sum), the residual `M - P P^T M` (what this rank's
+        own matrix lost to the projection), and `Q` is kept."""
         for i, q in self._q_of.items():
             if self.world != 1:
                 q.div_(self.world)  # the average's Q
@@ -183,7 +193,7 @@ class LowRank:
                 residual = self.residuals.get(i)
                 if residual is None or residual.shape != g.shape or residual.dtype != g.dtype:
                     residual = self.residuals[i] = torch.empty_like(g, memory_format=_DENSE)
-                torch.sub(m, approx, out=residual.view(m.shape))
+                torch.sub(m, self._kept[i], out=residual.view(m.shape))
             if self.world != 1:
                 approx.mul_(self.world)
             g.copy_(approx.view(g.shape))
@@ -192,7 +202,7 @@ class LowRank:
 
     def discard(self) -> None:
         """Drop this step's matrices (done, or failed)."""
-        self._grads, self._ms, self._ps, self._q_of = {}, {}, {}, {}
+        self._grads, self._ms, self._ps, self._q_of, self._kept = {}, {}, {}, {}, {}
 
     # -- ranks that have joined ------------------------------------------------------------------
 
