@@ -23,6 +23,11 @@ run), and torch DDP over Gloo (fp16: `fp16_compress_hook`), each in fp32 and wit
 Printed per case: the step's overhead (step minus one process alone, median over rounds), the raw
 allreduce of the same bytes, and the share of it the case hides (1 - overhead / raw).
 dataparallel's cases first run until their mode trial has chosen (`torch/_buckets.py`).
+
+`--powersgd 1,2,4`: also dp's `DistributedOptimizer` with `dp.Compression.powersgd(rank=r)` and
+DDP with torch's `powerSGD_hook` at the same ranks (both `start_iter` 10, run past it before they
+are timed), and a second table: the loss after `--loss-steps` steps of each case from the same
+model, the same batches (each rank its own), against the uncompressed loss.
 """
 
 from __future__ import annotations
@@ -263,14 +268,127 @@ def work(args: argparse.Namespace) -> None:
             if compression is not None:
                 ddp.register_comm_hook(None, fp16_compress_hook)
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
+        ranks = [int(v) for v in args.powersgd.split(",") if v]
+        for name, step in low_rank_cases(base, adam, batch, ranks).items():
+            for _ in range(LOW_RANK_START + 2):  # past start_iter: timed compressed
+                step()
+            cases[name] = (step, None)
         # measure warms every case up until dp's mode trial has chosen
         samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
             chosen = {name: described(s) for name, s in warm}
             report(d, n, samples, chosen, dp.get_backend().name)
+        if ranks:
+            final = losses(base, adam, batch, ranks, args.loss_steps)
+            if dp.is_main():
+                report_losses(d, final, args.loss_steps)
     if mpi:
         dist.destroy_process_group()
     dp.finalize()
+
+
+# Steps reduced exactly before PowerSGD compresses (torch's hook needs more than 1).
+LOW_RANK_START = 10
+
+
+def low_rank_makers(
+    base: Any, adam: Callable[[Any], Any], ranks: list[int]
+) -> dict[str, Callable[[], tuple[Any, Any]]]:
+    """Each case's maker of (what runs the model, its optimizer), fresh from `base`: dp
+    uncompressed, fp16 and PowerSGD at each rank; DDP uncompressed, fp16 and its PowerSGD hook."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    import dataparallel as dp
+
+    def ours(compression: Any) -> Callable[[], tuple[Any, Any]]:
+        def make() -> tuple[Any, Any]:
+            model = copy.deepcopy(base)
+            return model, dp.DistributedOptimizer(adam(model), compression=compression)
+
+        return make
+
+    def theirs(rank: int | None, fp16: bool = False) -> Callable[[], tuple[Any, Any]]:
+        def make() -> tuple[Any, Any]:
+            ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            if fp16:
+                ddp.register_comm_hook(None, fp16_compress_hook)
+            elif rank is not None:
+                state = psgd.PowerSGDState(
+                    dist.group.WORLD,
+                    matrix_approximation_rank=rank,
+                    start_powerSGD_iter=LOW_RANK_START,
+                )
+                ddp.register_comm_hook(state, psgd.powerSGD_hook)
+            return ddp, adam(ddp)
+
+        return make
+
+    makers = {"dp fp32": ours(None), "dp fp16": ours(dp.Compression.fp16)}
+    for r in ranks:
+        makers[f"dp PowerSGD rank {r}"] = ours(
+            dp.Compression.powersgd(rank=r, start_iter=LOW_RANK_START)
+        )
+    makers |= {"DDP fp32": theirs(None), "DDP fp16 hook": theirs(None, fp16=True)}
+    for r in ranks:
+        makers[f"DDP powerSGD_hook rank {r}"] = theirs(r)
+    return makers
+
+
+def low_rank_cases(
+    base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int]
+) -> dict[str, Callable[[], None]]:
+    """The PowerSGD cases to time (the fp16 and fp32 ones are timed already)."""
+    from train_step import trainer
+
+    makers = low_rank_makers(base, adam, ranks)
+    cases = {}
+    for name, make in makers.items():
+        if "PowerSGD" in name or "powerSGD" in name:
+            net, opt = make()
+            cases[name] = trainer(net, opt, batch)
+    return cases
+
+
+def losses(
+    base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int], steps: int
+) -> dict[str, float]:
+    """Each case's loss over every rank's batch after `steps` steps from `base` (collective)."""
+    import torch
+    from torch import nn
+
+    import dataparallel as dp
+
+    x, y = batch
+    loss_fn = nn.CrossEntropyLoss()
+    final = {}
+    for name, make in low_rank_makers(base, adam, ranks).items():
+        net, opt = make()
+        for _ in range(steps):
+            opt.zero_grad()
+            out = net(x)
+            loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+            opt.step()
+        with torch.no_grad():
+            out = net.module(x) if hasattr(net, "module") else net(x)
+            mine = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        final[name] = float(dp.allreduce(mine.reshape(1), op="avg")[0])
+    return final
+
+
+def report_losses(d: int, final: dict[str, float], steps: int) -> None:
+    print(
+        f"\nD={d}: loss after {steps} steps (every rank's batch), PowerSGD from step "
+        f"{LOW_RANK_START}"
+    )
+    print("| case | loss | vs uncompressed |")
+    print("| --- | --- | --- |")
+    for name, loss in final.items():
+        reference = final["DDP fp32" if name.startswith("DDP") else "dp fp32"]
+        print(f"| {name} | {loss:.4f} | {loss / reference - 1:+.2%} |")
+    sys.stdout.flush()
 
 
 def variants(
@@ -384,6 +502,10 @@ def main() -> int:
     parser.add_argument(
         "--script", default="", help="run this benchmark of benchmarks/ (MPI) across the link"
     )
+    parser.add_argument(
+        "--powersgd", default="", help="PowerSGD ranks to run (dp and DDP's hook), e.g. 1,2,4"
+    )
+    parser.add_argument("--loss-steps", type=int, default=40, help="steps before the loss")
     parser.add_argument("--hvd-venv", default="/work/hvdvenv", help="Horovod's own venv")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -404,6 +526,7 @@ def main() -> int:
     worker += ["--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
     worker += ["--variants"] if args.variants else []
+    worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
     return launch(args, worker)
 
 
