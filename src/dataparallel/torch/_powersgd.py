@@ -82,8 +82,8 @@ class LowRank:
         self.matrices: dict[int, Matrix] = {}  # compressed parameters, by index
         self.qs: dict[int, torch.Tensor] = {}  # their Q (rows: cols, columns: rank)
         self.residuals: dict[int, torch.Tensor] = {}  # this rank's, by parameter index
-        # This step's Ms (matrix views of the gradients, residual added) and Ps, by index.
         self.world = 1  # what the reduced Qs are divided by: the world's size for a sum
+        # This step's gradients, Ms (their matrix views, residual added) and Ps, by index.
         self._grads: dict[int, torch.Tensor] = {}
         self._ms: dict[int, torch.Tensor] = {}
         self._ps: dict[int, torch.Tensor] = {}
@@ -118,7 +118,7 @@ class LowRank:
 
     def describe(self) -> str:
         """What every rank's step must agree on beyond the layout: the step count."""
-        return f"powersgd iteration {self.iteration}" if self.matrices else ""
+        return f"|powersgd iteration {self.iteration}" if self.matrices else ""
 
     def _q(self, i: int, p: torch.Tensor) -> torch.Tensor:
         m = self.matrices[i]
