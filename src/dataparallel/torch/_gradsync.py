@@ -42,7 +42,7 @@ from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Router
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.fusion import HOST_KEY, Fusion
-from dataparallel.arrays.replay import Replay
+from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import objects
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
@@ -597,7 +597,8 @@ class GradientSync:
         then the `Q`s; the joined rank's `dp.torch.join` keeps the `Q`s (`_join`)."""
         low = self._low
         assert low is not None
-        buckets, extra = [], []
+        buckets: list[Bucket] = []
+        extra: list[list[Add]] = []
         for b in self._buckets:
             kept = [i for i in b.members if i not in low.matrices]
             buckets.append(Bucket(kept, b.key))
