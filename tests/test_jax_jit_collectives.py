@@ -141,7 +141,7 @@ def test_calls_run_once_per_execution_in_program_order_unused_ones_too(
     def step(x: jax.Array) -> jax.Array:
         dp.allreduce(x[:1])  # result unused: XLA must still run it, first
         y = dp.allreduce(x)
-        return dp.allreduce(y[:2]) + 0 * dp.allreduce(x[:3])
+        return dp.allreduce(y[:2]) + 0 * dp.allreduce(x[:3]).sum()
 
     for _ in range(3):
         out = step(jnp.ones(5) * (rank + 1))

@@ -314,14 +314,14 @@ def _primitive() -> Primitive:
         moved, shapes = [], []  # the rows stay the first axis: the batch goes second
         for i, (arg, dim) in enumerate(zip(args, dims, strict=True)):
             shape, dtype = outputs[i]
-            if dim is batching.not_mapped:
+            if dim is None:
                 moved.append(arg)
                 shapes.append((shape, dtype))
             else:
                 moved.append(jax.numpy.moveaxis(arg, dim, 1))
                 shapes.append(((shape[0], arg.shape[dim], *shape[1:]), dtype))
         params = {**params, "outputs": tuple(shapes)}
-        out_dims = [dim if dim is batching.not_mapped else 1 for dim in dims]
+        out_dims = [dim if dim is None else 1 for dim in dims]
         return primitive.bind(*moved, **params), out_dims
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
