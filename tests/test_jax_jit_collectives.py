@@ -29,8 +29,9 @@ from dataparallel.jax import staged  # noqa: E402
 
 
 def private() -> Any:
-    """The engine the jitted calls run on: the world's private duplicate."""
-    return world.current().private(dp.get_backend())
+    """The engine the jitted calls run on: a duplicate of the world's private duplicate."""
+    privates = world.current().private
+    return privates(privates(dp.get_backend()))
 
 
 @pytest.fixture(params=["ffi", "callback"])

@@ -7,24 +7,27 @@ call on traced values to `stage_collective`, which
 1. agrees on the call with every rank **once, when it is traced** (the handshake on the world's
    engine, as eager calls make it per call): a different collective, tree, shape, dtype, op or
    root raises `CollectiveMismatchError` on every rank, from the traced call;
-2. stages one engine call per leaf into the program, on the world's private duplicate of the
-   engine (`World.private`, as the jitted optimizer's steps), through the XLA FFI call of
+2. stages one engine call per leaf into the program, on a private duplicate of the engine
+   (`_own_engine`), through the XLA FFI call of
    `_ffi.py` (the buffers in XLA's own memory, reduced and broadcast in place), or where it
    cannot run (JAX off the CPU, several devices per process) an ordered `io_callback`. Both
    carry an ordered effect: XLA runs the calls once per execution, in program order, and never
    drops one whose result is unused;
 3. converts back inside the program (the wire dtype to the leaf's, the average's division).
 
-`allreduce` with `op="sum"` or `"avg"` is differentiable as mpi4jax's is: reverse mode takes the
-cotangent through unchanged (mpi4jax's transpose of a sum is the identity; an average divides it
-by the world's size, `scale` multiplies it); forward mode (`jax.jvp`) is not offered. The other
-ops and collectives raise a clear error under `jax.grad`, and every one under `jax.vmap`.
+Under JAX's transformations the staged call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
+with `op="sum"` or `"avg"` has `jax.jvp` (the sum of the tangents), `jax.grad` and
+`jax.linear_transpose` (the transpose of a sum is the identity: each rank keeps its cotangent);
+the other ops and collectives raise a `TypeError` naming themselves when differentiated; every
+one batches under `jax.vmap` (one engine call on the batched buffer). The io_callback has none
+of these.
 
 A world of one stages nothing: the values are the result.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -88,8 +91,9 @@ def stage_collective(collective: str, x: object, backend: Backend | None, **opti
         raise TypeError(f"dp.{collective} cannot take traced JAX values (inside jax.jit).")
     active = world.current()
     engine = backend if backend is not None else active.backend
+    privates = functools.partial(_own_engine, active.private)
     if collective == "barrier":
-        _stage_barrier(engine, active.private)
+        _stage_barrier(engine, privates)
         return None
     flat = tree.flatten(x, "x")
     leaves = [jnp.asarray(leaf) for leaf in flat.leaves]
@@ -107,9 +111,17 @@ def stage_collective(collective: str, x: object, backend: Backend | None, **opti
 
     if engine.size > 1:
         handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
-    results, extra = stager.stage(leaves, engine, active.private, summary, options)
+    results, extra = stager.stage(leaves, engine, privates, summary, options)
     out = tree.unflatten(flat.spec, list(results))
     return (out, extra) if collective == "alltoall" else out
+
+
+def _own_engine(private: Callable[[Backend], Backend], engine: Backend) -> Backend:
+    """The engine staged calls run on: a duplicate of the world's private one, which the jitted
+    optimizer's steps use. On the mpi4jax route those steps carry mpi4jax's ordered effect, not
+    ours, so XLA may run one of theirs and one of these at the same time: never on one
+    communicator."""
+    return private(private(engine))
 
 
 class _Stager:
@@ -389,8 +401,7 @@ def _stage_barrier(engine: Backend, privates: Callable[[Backend], Backend]) -> N
     """Stage a barrier: one FFI call on a dummy buffer, kept by its ordered effect."""
     if engine.size == 1:
         return
-    if engine.size > 1:
-        handshake(engine, "jit barrier", lambda: {"collective": "barrier (inside jax.jit)"})
+    handshake(engine, "jit barrier", lambda: {"collective": "barrier (inside jax.jit)"})
     private = privates(engine)
 
     def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
