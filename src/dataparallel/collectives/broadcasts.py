@@ -51,7 +51,7 @@ def broadcast(
 ) -> TreeT:
     """Give every rank `root`'s values of `x` (an array, a number, or a pytree of them)."""
     if staged.traced(x):  # inside jax.jit: staged into the program
-        return staged.stage("broadcast", x, backend_of(backend, group), root=root)  # type: ignore[no-any-return]
+        return staged.stage("broadcast", x, backend_of(backend, group), root=root)
     fusion, finish, _ = _start_broadcast(x, root, backend_of(backend, group), async_op=False)
     fusion.wait()
     return cast(TreeT, finish())

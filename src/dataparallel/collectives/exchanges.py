@@ -64,7 +64,7 @@ def alltoall(
     (array([0, 1, 2]), [3])
     """
     if staged.traced(x):  # inside jax.jit: staged into the program (equal splits)
-        return staged.stage("alltoall", x, backend_of(backend, group), splits=splits)  # type: ignore[no-any-return]
+        return staged.stage("alltoall", x, backend_of(backend, group), splits=splits)
     ctx = context(backend_of(backend, group))
     b = ctx.backend
 

@@ -24,7 +24,7 @@ def allgather(x: Tree, *, backend: Backend | None = None, group: Group | None = 
     Results are new arrays of each leaf's family (NumPy arrays for numbers).
     """
     if staged.traced(x):  # inside jax.jit: staged into the program
-        return staged.stage("allgather", x, backend_of(backend, group))  # type: ignore[no-any-return]
+        return staged.stage("allgather", x, backend_of(backend, group))
     ctx = context(backend_of(backend, group))
     b = ctx.backend
 

@@ -48,9 +48,7 @@ def allreduce(
     """
     if staged.traced(x):  # inside jax.jit: staged into the program
         engine = backend_of(backend, group)
-        return staged.stage(  # type: ignore[no-any-return]
-            "allreduce", x, engine, op=op, scale=scale, compression=compression
-        )
+        return staged.stage("allreduce", x, engine, op=op, scale=scale, compression=compression)
     # The world itself when no backend or group is named: the commonest call, by the shortest way.
     ctx = current() if backend is None and group is None else context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "allreduce", x, "x", op, scale, compression=compression)
@@ -91,7 +89,7 @@ def reduce(
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
     if staged.traced(x):  # inside jax.jit: staged into the program
         engine = backend_of(backend, group)
-        return staged.stage("reduce", x, engine, op=op, root=root, scale=scale)  # type: ignore[no-any-return]
+        return staged.stage("reduce", x, engine, op=op, root=root, scale=scale)
     ctx = context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "reduce", x, "x", op, scale, root=root)
     handle.wait()

@@ -37,7 +37,8 @@ def traced(x: object) -> bool:
         return True
     if isinstance(x, (int, float)) or type(x).__module__ == "numpy":
         return False
-    return any(isinstance(leaf, tracer) for leaf in optree.tree_leaves(x, none_is_leaf=True))  # type: ignore[arg-type]
+    leaves: list[object] = optree.tree_leaves(x, none_is_leaf=True)  # type: ignore[arg-type]
+    return any(isinstance(leaf, tracer) for leaf in leaves)
 
 
 def tracing() -> bool:

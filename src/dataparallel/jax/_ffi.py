@@ -277,7 +277,7 @@ def _primitive() -> Primitive:
         *avals: jax.core.ShapedArray, outputs: Outputs, rule: Rule, **_: Any
     ) -> tuple[list[object], set[object]]:
         shapes = outputs if outputs is not None else [(a.shape, a.dtype) for a in avals]
-        out = [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
+        out: list[object] = [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
         return out, set() if rule == "transposed" else {effect}
 
     def lower(
@@ -386,9 +386,10 @@ def reduce_ffi(
 ) -> list[jax.Array]:
     """Stage out `reduce(inputs, outputs)` on the traced buffers `flats`; return the outputs
     (each `flats[i]`'s shape and dtype, or `outputs`' where given, written by `reduce`). Where
-    `in_place[i]`, output `i` is input `i`'s memory (the same shape and dtype). Alias a value as XLA made it (a concatenation, a gradient leaf in its
-    own shape): aliasing a reshape of a leaf made XLA copy the leaf first (seen in the HLO), and
-    XLA copies any aliased value still read elsewhere, or a parameter of the computation.
+    `in_place[i]`, output `i` is input `i`'s memory (the same shape and dtype). Alias a value as
+    XLA made it (a concatenation, a gradient leaf in its own shape): aliasing a reshape of a leaf
+    made XLA copy the leaf first (seen in the HLO), and XLA copies any aliased value still read
+    elsewhere, or a parameter of the computation.
 
     `key` names the step: steps traced with equal keys must reduce alike (they share a slot,
     whose `reduce` becomes the latest one traced). `rule` says how the call transforms (`Rule`;
@@ -400,6 +401,8 @@ def reduce_ffi(
         if slot is None:
             slot = _slot_of[key] = next(_slots)
         _steps[slot] = reduce
-    shapes = None if outputs is None else tuple((tuple(o.shape), np.dtype(o.dtype)) for o in outputs)
+    shapes = (
+        None if outputs is None else tuple((tuple(o.shape), np.dtype(o.dtype)) for o in outputs)
+    )
     params = {"slot": slot, "in_place": tuple(in_place), "outputs": shapes, "rule": rule}
     return list(primitive.bind(*flats, **params, name=name))

@@ -101,7 +101,9 @@ def stage_collective(collective: str, x: object, backend: Backend | None, **opti
     signatures = [f"{d}{list(leaf.shape)}" for d, leaf in zip(dtypes, leaves, strict=True)]
     stager = _STAGERS[collective]
     options = stager.check(flat, leaves, dtypes, engine.size, options)
-    summary = f"jit {collective}|{sorted(options.items())}|{flat.structure()}|{'|'.join(signatures)}"
+    summary = (
+        f"jit {collective}|{sorted(options.items())}|{flat.structure()}|{'|'.join(signatures)}"
+    )
 
     def details() -> dict[str, object]:
         call: dict[str, object] = {"collective": f"{collective} (inside jax.jit)", **options}
@@ -311,7 +313,9 @@ def _stage_broadcast(
                 flat[...] = s.reshape(-1).view(np.uint8)
             private.broadcast(flat, root)
 
-    done = _run(moved, outputs, True, host, private, summary, "elementwise", "dp.broadcast inside jax.jit")
+    done = _run(
+        moved, outputs, True, host, private, summary, "elementwise", "dp.broadcast inside jax.jit"
+    )
     return [_from_moved(d, leaf) for d, leaf in zip(done, leaves, strict=True)], None
 
 
@@ -345,7 +349,9 @@ def _stage_allgather(
             send = np.ascontiguousarray(s).reshape(-1).view(np.uint8)
             private.allgather(send, r.reshape(-1).view(np.uint8))
 
-    done = _run(moved, outputs, False, host, private, summary, "rows", "dp.allgather inside jax.jit")
+    done = _run(
+        moved, outputs, False, host, private, summary, "rows", "dp.allgather inside jax.jit"
+    )
     return [_from_moved(d, leaf) for d, leaf in zip(done, leaves, strict=True)], None
 
 
