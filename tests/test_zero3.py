@@ -52,6 +52,8 @@ class Net(nn.Module):
             self.back.weight = self.proj.weight  # tied: the root holds both places
         self.head = nn.Linear(width, 3)
         self.unused = nn.Parameter(torch.ones(2))
+        # Mixed: a float64 parameter in the root's group too (two dtypes in one group).
+        self.gain = nn.Parameter(torch.ones(width, dtype=torch.float64)) if mixed else None
         self.tied = tied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +61,8 @@ class Net(nn.Module):
         for block in self.blocks:
             h = block(h)
         h = torch.tanh(self.proj(h))
+        if self.gain is not None:
+            h = h * self.gain.float()
         if self.tied:
             h = torch.tanh(self.back(h))
         return self.head(h)
@@ -312,6 +316,8 @@ def test_errors() -> None:
         fully_shard(model)
     with pytest.raises(ValueError, match=r"dp\.torch\.join"):
         dp.torch.join(model)
+    with pytest.raises(ValueError, match="DataParallelModel cannot wrap"):
+        dp.torch.DataParallelModel(model)
     # A parameter tied across two sharded siblings.
     a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     b.weight = a.weight
@@ -320,3 +326,33 @@ def test_errors() -> None:
         fully_shard(b)
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         fully_shard(object())  # type: ignore[type-var]
+
+
+def test_next_block_is_prefetched() -> None:
+    """From the second forward on, each block's forward runs with the next block's gather
+    already started; in backward, with the previous block's."""
+    model = shard(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[tuple[str, int, str]] = []
+
+    def watch(i: int, when: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            other = i + 1 if when == "forward" else i - 1
+            if 0 <= other < len(model.blocks):
+                seen.append((when, i, model.blocks[other]._dp_group.phase.value))
+
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(watch(i, "forward"))
+        block.register_full_backward_hook(watch(i, "backward"))
+    for step in range(2):
+        seen.clear()
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        opt.step()
+    forward = [phase for when, _, phase in seen if when == "forward"]
+    backward = [phase for when, _, phase in seen if when == "backward"]
+    assert forward and all(p != "sharded" for p in forward), seen
+    assert backward and all(p != "sharded" for p in backward), seen

@@ -377,7 +377,9 @@ class ShardGroup:
                 continue
             width = segment.items + len(trainable)
             device = segment.data.device
-            packed = torch.empty(size, width, dtype=segment.wire, device=device)
+            # Zeros where frozen parameters lie (never sent filled: no garbage reduced).
+            make = torch.zeros if len(trainable) < len(segment.params) else torch.empty
+            packed = make(size, width, dtype=segment.wire, device=device)
             with torch.no_grad():
                 for j, info in enumerate(trainable):
                     region = packed[:, info.offset : info.offset + info.items]
@@ -767,7 +769,7 @@ def fully_shard(
         original._dp_taken_by = weakref.ref(made)  # type: ignore[attr-defined]
         info.sharded._dp_shard = weakref.ref(made)  # type: ignore[attr-defined]
     module.__class__ = _sharded_class(type(module))
-    module._dp_group = made  # type: ignore[union-attr]
+    setattr(module, "_dp_group", made)  # noqa: B010 - not a tensor or module: a plain attribute
     module.register_forward_pre_hook(_pre_forward, prepend=True)
     module.register_forward_hook(_post_forward)
     return module
