@@ -72,6 +72,12 @@ __all__ = ["FullyShardedModule", "ParameterShard", "ShardGroup", "fully_shard"]
 
 M = TypeVar("M", bound=nn.Module)
 
+# Reduce-scatters in flight at once, on engines that move calls on by themselves: each holds a
+# module's gradients (its send buffer, and on Gloo the rows it receives) until it lands, and one
+# module's backward outlasts one module's reduce-scatter, so the one in flight lands when the
+# next starts.
+MAX_REDUCTIONS = 1
+
 
 @dataclass(frozen=True)
 class ParameterShard:
@@ -120,6 +126,7 @@ class _Param:
         padded = torch.empty(size * self.items, dtype=param.dtype, device=param.device)
         self.padded = padded
         self.whole = nn.Parameter(padded[: self.numel].view(param.shape), param.requires_grad)
+        self.whole.untyped_storage().resize_(0)  # at once: one parameter's worth at a time
         self.sharded: nn.Parameter  # set by the group, a view of its segment
 
     def shard_shape(self) -> tuple[int, ...]:
@@ -217,7 +224,6 @@ class ShardGroup:
                 view = segment.data[at : at + n].view(info.shard_shape())
                 info.sharded = nn.Parameter(view, requires_grad=original.requires_grad)
                 info.places = places[id(original)]
-                info.whole.untyped_storage().resize_(0)
         self.phase = _Phase.SHARDED
         self._gather: _Gather | None = None
         self._has_frozen = any(not info.trainable for info in self.params)
@@ -369,6 +375,7 @@ class ShardGroup:
         context = self.context
         assert context is not None
         context.before_call()
+        context.land_reductions(keep=MAX_REDUCTIONS - 1)  # what they hold stays bounded
         size = self.backend.size
         landings: list[tuple[_Segment, list[_Param], torch.Tensor, Handle | None]] = []
         for segment in self.segments:
@@ -436,7 +443,7 @@ class ShardGroup:
                             info.sharded.grad.add_(part)
             landings.clear()
 
-        context.in_flight(land)
+        context.in_flight(land, reduction=True)
 
     def close(self) -> None:
         self._cleanup()
@@ -467,6 +474,7 @@ class _Context:
         self.backward = False  # a backward through these groups is running
         self._pending: list[ShardGroup] = []  # this backward's groups not reduced yet, in order
         self._flights: list[Callable[[], None]] = []  # calls in flight: what lands each
+        self._reductions: list[Callable[[], None]] = []  # the reduce-scatters among them
 
     # -- calls in flight ---------------------------------------------------------------------
 
@@ -476,12 +484,25 @@ class _Context:
         if not self.backend.progresses:
             self.land_all()
 
-    def in_flight(self, land: Callable[[], None]) -> None:
+    def in_flight(self, land: Callable[[], None], *, reduction: bool = False) -> None:
         self._flights.append(land)
+        if reduction:
+            self._reductions.append(land)
+
+    def land_reductions(self, keep: int) -> None:
+        """Land the reduce-scatters in flight but the last `keep` (each holds its send buffer,
+        a module's gradients, until it lands)."""
+        while len(self._reductions) > keep:
+            self.land(self._reductions.pop(0))
 
     def land(self, land: Callable[[], None]) -> None:
-        """Land the call that `land` lands (and every call started before it), if in flight."""
+        """Land the call that `land` lands, if in flight (where the engine does not move calls
+        on by itself, every call started before it first: MPI completes them in order)."""
         if land not in self._flights:
+            return
+        if self.backend.progresses:
+            self._flights.remove(land)
+            land()
             return
         while self._flights:
             first = self._flights.pop(0)
@@ -490,6 +511,7 @@ class _Context:
                 return
 
     def land_all(self) -> None:
+        self._reductions.clear()
         while self._flights:
             self._flights.pop(0)()
 
