@@ -324,6 +324,10 @@ def test_errors() -> None:
     fully_shard(a)
     with pytest.raises(ValueError, match="tied to one"):
         fully_shard(b)
+    converted = shard(Net())
+    converted.double()  # after fully_shard: the shards are no longer what is sent
+    with pytest.raises(RuntimeError, match="Move or convert the model before"):
+        converted(torch.zeros(2, 5, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         fully_shard(object())  # type: ignore[type-var]
 

@@ -270,6 +270,8 @@ class ShardGroup:
         context = self.context
         if context is not None:
             context.before_call()
+        for segment in self.segments:  # all checked before any call starts
+            self._check_views(segment)
         for segment in self.segments:
             nbytes = segment.nbytes
             raw = segment.data.view(torch.uint8)
@@ -288,6 +290,19 @@ class ShardGroup:
         self.phase = _Phase.GATHERING
         if context is not None:
             context.in_flight(self._finish_handles)
+
+    def _check_views(self, segment: _Segment) -> None:
+        """Raise unless every shard is still a view of its segment (what is sent)."""
+        at = segment.data.untyped_storage().data_ptr()
+        for info in segment.params:
+            shard = info.sharded
+            if shard.numel() and shard.untyped_storage().data_ptr() != at:
+                raise RuntimeError(
+                    f"fully_shard({type(self.module).__name__}): the shard of {info.name!r} is "
+                    "no longer the tensor fully_shard made (model.to(), .half(), .double() or "
+                    "an assignment to param.data after fully_shard), so what it holds would "
+                    "never be sent. Move or convert the model before fully_shard."
+                )
 
     def _finish_handles(self) -> None:
         """Wait for this group's allgather (the engine's side only)."""
