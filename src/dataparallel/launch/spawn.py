@@ -743,8 +743,9 @@ class _Job:
         return status
 
     def remove(self, count: int, slots: int) -> None:
-        """Leave the newest `count` workers out of the next round (discovery leaves the run
-        `slots`): told through the store, they leave at their next commit, with status 0."""
+        """Leave `count` workers out of the next round (discovery leaves the run `slots`): the
+        newest of the hosts that hold more workers than they now offer, then the newest of all.
+        Told through the store, they leave at their next commit, with status 0."""
         from dataparallel.elastic.rounds import removed_key
 
         over = {
@@ -753,7 +754,7 @@ class _Job:
             if h is not None
         }
         newest = list(reversed(self.running))
-        chosen = []
+        chosen: list[int] = []
         for number in newest:  # first the newest of the hosts that hold more than they offer
             host = self.running[number].host
             if len(chosen) < count and host is not None and over[host] > 0:
