@@ -276,7 +276,10 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     assert settings.elastic_store is not None
     # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
     # nothing and Gloo would bind to loopback, out of the other hosts' reach.
-    with gloo_interface(interface_toward(*settings.elastic_store)):
+    interface = None
+    if settings.gloo_socket_ifname is None:
+        interface = interface_toward(*settings.elastic_store)
+    with gloo_interface(interface):
         dist.init_process_group(
             "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
         )
