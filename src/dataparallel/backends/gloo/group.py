@@ -135,9 +135,17 @@ def _over_existing_group(
     if seconds is None and settings.elastic_worker is not None:
         seconds = settings.elastic_timeout
     timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
-    group = dist.new_group(backend="gloo", timeout=timeout)
+    # An elastic worker's round bound its group toward the launcher's store (its hosts'
+    # names may resolve to nothing): this one, and those made from it, bind there too.
+    interface = None
+    if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
+        interface = interface_toward(*settings.elastic_store)
+    with gloo_interface(interface):
+        group = dist.new_group(backend="gloo", timeout=timeout)
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
-    return Joined(dist, group, owns_default_group=False, local=local, timeout=timeout)
+    return Joined(
+        dist, group, owns_default_group=False, local=local, timeout=timeout, interface=interface
+    )
 
 
 def _launcher_local(settings: Settings) -> tuple[int, int] | None:
