@@ -271,7 +271,9 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     global _watched
     _watched = watching(store, chosen.generation, chosen.members)
     prefix = dist.PrefixStore(f"{round_key(chosen.generation)}/group/", _watched)
-    timeout = datetime.timedelta(seconds=settings.timeout or settings.elastic_timeout)
+    # A worker always has its elastic timeout when the setting's is unset.
+    seconds = settings.group_timeout
+    timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
     dist.init_process_group(
         "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
     )
