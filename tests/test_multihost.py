@@ -31,7 +31,8 @@ from test_gloo import check_basic, results_of, worker
 
 from dataparallel.arrays.comm_thread import THREAD_PAUSE
 
-pytestmark = pytest.mark.spawns
+# One worker: `leftovers()` looks for ranks among every process of the machine.
+pytestmark = [pytest.mark.spawns, pytest.mark.xdist_group("multihost")]
 
 SUBNET = "10.213.77"  # a /24 that exists only inside the namespaces
 PORT = 29500  # free by construction: the namespaces are new
