@@ -55,11 +55,11 @@ test-gloo: $(STAMP)
 
 # The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
 # job ends on a plain pytest summary. Its tests mostly start jobs and wait on them: two
-# pytest-xdist workers keep both cores busy (tests/conftest.py says what stays in one worker).
+# pytest-xdist workers keep both cores busy, a file to a worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 test-1: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
-	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadgroup
+	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile
 
 test: lint test-mpi test-gloo test-1
 

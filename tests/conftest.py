@@ -19,10 +19,10 @@ ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in
 a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
 deselected, unless named on the command line; `--matrix=full` or `sample` decides for every world.
 
-The world of one runs in two pytest-xdist workers (`make test-1`): most of its time goes to tests
-that start jobs and wait on them. A file whose tests share something built once (a module
-fixture: the sdist, the docs site) or one thing of the machine (the Slurm cluster) is marked
-`xdist_group`, which keeps it in one worker.
+The world of one runs in two pytest-xdist workers (`make test-1`), a file to a worker: most of its
+time goes to tests that start jobs and wait on them, and a file's tests may share what is built
+once (the sdist, the docs site) or one thing of the machine (the Slurm cluster). No test may
+count what runs on the whole machine: another file's test runs beside it.
 
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
@@ -81,8 +81,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "matrix(strength=2): a parametrized product; every case runs at MPI 2 ranks, a sample "
         "covering every pair (strength=1: every value) of its parameters' values elsewhere",
     )
-    # pytest-xdist's own mark, known here also where it is not installed (a warning is an error).
-    config.addinivalue_line("markers", "xdist_group(name): run these tests in one xdist worker")
     backend = dp.initialize()
     _state["backend"] = backend
     _state["stderr"] = os.dup(2)

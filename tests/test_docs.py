@@ -56,7 +56,6 @@ def _public(module: str) -> list[str]:
 
 
 pytestmark = [
-    pytest.mark.xdist_group("docs"),  # one build of the site for the file
     pytest.mark.spawns,
     pytest.mark.skipif(outer_world_size() > 1, reason="builds once, in the world of one"),
 ]

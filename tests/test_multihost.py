@@ -31,8 +31,7 @@ from test_gloo import check_basic, results_of, worker
 
 from dataparallel.arrays.comm_thread import THREAD_PAUSE
 
-# One worker: `leftovers()` looks for ranks among every process of the machine.
-pytestmark = [pytest.mark.spawns, pytest.mark.xdist_group("multihost")]
+pytestmark = pytest.mark.spawns
 
 SUBNET = "10.213.77"  # a /24 that exists only inside the namespaces
 PORT = 29500  # free by construction: the namespaces are new
@@ -309,15 +308,18 @@ def hosts_job(
     return a.command([*run, *ssh_options, *options, script, mode])
 
 
-def leftovers() -> list[int]:
-    """Return the pids of hosts_job.py ranks still running anywhere on this machine."""
+def leftovers(hosts: tuple[Host, Host]) -> list[int]:
+    """Return the pids of hosts_job.py ranks still running in either host (its namespace: not
+    another test's ranks, test_hosts' say, running on this machine at the same time)."""
+    ours = {os.stat(f"/run/netns/{host.namespace}").st_ino for host in hosts}
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 with open(f"/proc/{entry}/cmdline", "rb") as file:
                     words = file.read().split(b"\0")
-                if any(word.endswith(b"hosts_job.py") for word in words):
+                mine = os.stat(f"/proc/{entry}/ns/net").st_ino in ours
+                if mine and any(word.endswith(b"hosts_job.py") for word in words):
                     found.append(int(entry))
     return found
 
@@ -369,7 +371,7 @@ def test_run_hosts_a_rank_failing_on_the_other_host_ends_the_job(
     assert f"{prefix}Traceback (most recent call last):" in err, err
     assert f"{prefix}RuntimeError: rank 3 fails on purpose on {b.hostname}" in err, err
     assert f"rank 3 on {b.address} exited with status 1; stopping the other 3 rank(s)" in err
-    assert leftovers() == [], "ranks outlived the job (rank 2 runs on the other host)"
+    assert leftovers(hosts) == [], "ranks outlived the job (rank 2 runs on the other host)"
 
 
 def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
@@ -391,7 +393,7 @@ def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
     assert job.returncode == 130, stderr
     for rank in (2, 3):
         assert f"[rank {rank} on {b.address}] KeyboardInterrupt" in stderr, stderr
-    assert leftovers() == []
+    assert leftovers(hosts) == []
 
 
 def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
@@ -405,7 +407,7 @@ def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
     )
     assert done.returncode == 124, done.stderr
     assert done.stdout.count("] ready") == 4, done.stdout  # it had started on both hosts
-    assert leftovers() == []
+    assert leftovers(hosts) == []
 
 
 def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(

@@ -40,7 +40,6 @@ _IGNORE = shutil.ignore_patterns(
 
 pytestmark = [
     pytest.mark.spawns,
-    pytest.mark.xdist_group("package"),  # one build for the file
     pytest.mark.skipif(
         outer_world_size() > 1, reason="builds and runs processes: runs in the world of one"
     ),

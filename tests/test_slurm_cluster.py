@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _jobs import run_job
 
-pytestmark = [pytest.mark.spawns, pytest.mark.xdist_group("slurm")]  # one cluster
+pytestmark = pytest.mark.spawns
 
 ROOT = Path(__file__).resolve().parent.parent
 START = ROOT / "tools" / "slurm" / "start.sh"
