@@ -19,7 +19,14 @@ import importlib
 import sys
 
 import pytest
+from _jobs import outer_world_size
 from _source import MODULES
+
+# The source is the same in every world: several ranks would each read it and prove nothing more.
+pytestmark = pytest.mark.skipif(
+    outer_world_size() > 1, reason="reads the source: runs in the world of one"
+)
+
 
 # Bottom to top. A module's layer is that of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [

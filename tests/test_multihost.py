@@ -308,15 +308,18 @@ def hosts_job(
     return a.command([*run, *ssh_options, *options, script, mode])
 
 
-def leftovers(script: str = "hosts_job.py") -> list[int]:
-    """Return the pids of `script`'s ranks still running anywhere on this machine."""
+def leftovers(hosts: tuple[Host, ...], script: str = "hosts_job.py") -> list[int]:
+    """Return the pids of `script`'s processes still running in one of `hosts` (its namespace:
+    not another test's, test_hosts' say, running on this machine at the same time)."""
+    ours = {os.stat(f"/run/netns/{host.namespace}").st_ino for host in hosts}
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 with open(f"/proc/{entry}/cmdline", "rb") as file:
                     words = file.read().split(b"\0")
-                if any(word.endswith(script.encode()) for word in words):
+                mine = os.stat(f"/proc/{entry}/ns/net").st_ino in ours
+                if mine and any(word.endswith(script.encode()) for word in words):
                     found.append(int(entry))
     return found
 
@@ -366,7 +369,7 @@ def test_run_hosts_a_rank_failing_on_the_other_host_ends_the_job(
     assert f"{prefix}Traceback (most recent call last):" in err, err
     assert f"{prefix}RuntimeError: rank 3 fails on purpose on {b.hostname}" in err, err
     assert f"rank 3 on {b.address} exited with status 1; stopping the other 3 rank(s)" in err
-    assert leftovers() == [], "ranks outlived the job (rank 2 runs on the other host)"
+    assert leftovers(hosts) == [], "ranks outlived the job (rank 2 runs on the other host)"
 
 
 def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
@@ -388,7 +391,7 @@ def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
     assert job.returncode == 130, stderr
     for rank in (2, 3):
         assert f"[rank {rank} on {b.address}] KeyboardInterrupt" in stderr, stderr
-    assert leftovers() == []
+    assert leftovers(hosts) == []
 
 
 def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
@@ -402,7 +405,7 @@ def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
     )
     assert done.returncode == 124, done.stderr
     assert done.stdout.count("] ready") == 4, done.stdout  # it had started on both hosts
-    assert leftovers() == []
+    assert leftovers(hosts) == []
 
 
 def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
@@ -455,7 +458,7 @@ def test_elastic_run_loses_a_whole_host_and_goes_on(
     assert f"host {b.address} has no worker left" in done.stderr, done.stderr
     assert f"[worker 3 on {b.address}] " in done.stdout + done.stderr  # lines name the host
     check_run(tmp_path, [4, 2])
-    assert leftovers("elastic_train.py") == []
+    assert leftovers(hosts, "elastic_train.py") == []
 
 
 def test_elastic_host_set_aside_for_a_cool_down_then_joins_again(
@@ -476,4 +479,4 @@ def test_elastic_host_set_aside_for_a_cool_down_then_joins_again(
     assert f"host {b.address} is set aside for 1.0 s" in done.stderr, done.stderr
     assert f"host {b.address}'s cool-down ended" in done.stderr, done.stderr
     check_run(tmp_path, [4, 3, 4])
-    assert leftovers("elastic_train.py") == []
+    assert leftovers(hosts, "elastic_train.py") == []

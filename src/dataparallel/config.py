@@ -188,6 +188,15 @@ class Settings:
         )
 
     @property
+    def group_timeout(self) -> float | None:
+        """Seconds a Gloo group made for this process waits: the setting's timeout, else, in an
+        elastic worker, as long as its round may take to form (`elastic_timeout`); None leaves
+        torch's own default."""
+        if self.timeout is not None:
+            return self.timeout
+        return self.elastic_timeout if self.elastic_worker is not None else None
+
+    @property
     def launched_size(self) -> int | None:
         """The number of processes a launcher says the job has (MPI's, else `WORLD_SIZE`)."""
         if self.mpi_launched and self.mpi_size is not None:

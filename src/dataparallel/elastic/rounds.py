@@ -272,7 +272,9 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     global _watched
     _watched = watching(store, chosen.generation, chosen.members)
     prefix = dist.PrefixStore(f"{round_key(chosen.generation)}/group/", _watched)
-    timeout = datetime.timedelta(seconds=settings.timeout or settings.elastic_timeout)
+    # A worker always has its elastic timeout when the setting's is unset.
+    seconds = settings.group_timeout
+    timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
     assert settings.elastic_store is not None
     # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
     # nothing and Gloo would bind to loopback, out of the other hosts' reach.

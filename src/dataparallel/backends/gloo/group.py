@@ -128,12 +128,9 @@ def _over_existing_group(
                 f"{what}={given} was given, but torch.distributed is already initialized "
                 f"with {what} {value}: drop the argument."
             )
-    # The program's group waits as long as the program chose; this one, the setting's time
-    # (torch's own default is 30 minutes). An elastic worker's group was made by its round with
-    # the elastic timeout when no timeout is set (`dataparallel.elastic`): this one too.
-    seconds = settings.timeout
-    if seconds is None and settings.elastic_worker is not None:
-        seconds = settings.elastic_timeout
+    # The program's group waits as long as the program chose; this one, as long as the group an
+    # elastic round makes (`dataparallel.elastic`): torch's own default is 30 minutes.
+    seconds = settings.group_timeout
     timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
     # An elastic worker's round bound its group toward the launcher's store (its hosts'
     # names may resolve to nothing): this one, and those made from it, bind there too.
