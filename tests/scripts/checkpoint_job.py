@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,9 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
-def consolidated(model: nn.Module, opt: dp.torch.ZeroRedundancyOptimizer, state: dict) -> dict:
+def consolidated(
+    model: nn.Module, opt: dp.torch.ZeroRedundancyOptimizer, state: dict[str, Any]
+) -> dict[str, Any]:
     opt.consolidate_state_dict(to=0)
     if dp.rank() != 0:
         return {}
@@ -75,7 +78,7 @@ def main() -> None:
 
             write = FileSystemWriter.write_data
 
-            def dying(self, plan, planner):  # type: ignore[no-untyped-def]
+            def dying(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
                 if dp.rank() == args.die_rank:
                     with open(os.path.join(args.folder, f"__{dp.rank()}_0.distcp"), "wb") as f:
                         f.write(b"half")
@@ -83,7 +86,7 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return write(self, plan, planner)
 
-            FileSystemWriter.write_data = dying  # type: ignore[method-assign]
+            FileSystemWriter.write_data = dying  # type: ignore[method-assign,assignment]
             dp.checkpoint.save(state, args.folder)
     else:
         state = dict(dp.checkpoint.load(state, args.folder))

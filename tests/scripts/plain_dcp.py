@@ -9,6 +9,7 @@ OUT and REF hold {"model", "optim", "step"} in torch's plain formats (`torch.sav
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,7 +29,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     if mode == "load":
         model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd, "step": 0}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": 0}
         dcp.load(state, checkpoint_id=folder)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         step = state["step"]

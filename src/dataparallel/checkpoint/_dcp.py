@@ -139,7 +139,10 @@ class _LoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, with `Shards` read box by box from the saved boxes they meet."""
 
     def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
     ) -> None:
         # torch's set-up walks the state and keeps only the types it knows: `Shards` stand
         # aside meanwhile (a tensor in their place), and come back under their flattened keys.
@@ -183,7 +186,9 @@ class _LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
-def _swap(tree: dict[str, Any], path: tuple[Any, ...], aside: dict[Any, Shards], into: bool) -> None:
+def _swap(
+    tree: dict[str, Any], path: tuple[Any, ...], aside: dict[Any, Shards], into: bool
+) -> None:
     """Put the `Shards` of `tree` aside (`into`), a tensor in their place, or back."""
     for key, value in tree.items():
         here = (*path, key)

@@ -80,6 +80,38 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
     return names
 
 
+Placed = dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def placements(state: Mapping[str, Any]) -> Placed:
+    """Where each fully sharded parameter (`dp.torch.fully_shard`'s, by `id`) sits: the whole
+    parameter's shape and this rank's offsets in it, from its module's `parameter_shards()`."""
+    out: Placed = {}
+    for _, module in _modules(state):
+        shards = getattr(module, "parameter_shards", None)
+        if callable(shards):
+            for info in shards().values():
+                out[id(info.param)] = (tuple(info.shape), tuple(info.offsets))
+    return out
+
+
+def _shards_of(tensor: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...]) -> Shards:
+    """A shard of rows as `Shards` (none where this rank holds no row)."""
+    pieces = ((offsets, tensor),) if tensor.numel() else ()
+    return Shards(shape, tensor.dtype, pieces)
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, Any]:
+    """A module's `state_dict()`, its fully sharded parameters as `Shards` (views of them)."""
+    sd = module.state_dict()
+    shards = getattr(module, "parameter_shards", None)
+    if callable(shards):
+        for name, info in shards().items():
+            if name in sd:
+                sd[name] = _shards_of(info.param.detach(), tuple(info.shape), tuple(info.offsets))
+    return sd
+
+
 def _params(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -95,11 +127,23 @@ def _groups(groups: list[dict[str, Any]], fqns: list[str]) -> list[dict[str, Any
     return [{**g, "params": [fqns[i] for i in g["params"]]} for g in groups]
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], placed: Placed
+) -> dict[str, Any]:
     fqns = _fqns(optimizer, names)
+    params = _params(optimizer)
     sd = optimizer.state_dict()
     out = dict(sd)
-    out["state"] = {fqns[int(i)]: dict(entry) for i, entry in sd["state"].items()}
+    out["state"] = {}
+    for i, entry in sd["state"].items():
+        p = params[int(i)]
+        where = placed.get(id(p))
+        mine = dict(entry)
+        if where is not None:  # a fully sharded parameter: its state of its shard's shape too
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape:
+                    mine[key] = _shards_of(value, *where)
+        out["state"][fqns[int(i)]] = mine
     out["param_groups"] = _groups(sd["param_groups"], fqns)
     return out
 
@@ -125,28 +169,28 @@ def _zero_state(zero: Any, names: dict[int, str]) -> dict[str, Any]:
     return {"state": state, "param_groups": _groups(local["param_groups"], fqns)}
 
 
-def _value(value: Any, names: dict[int, str]) -> Any:
+def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
     if isinstance(value, Shards | torch.Tensor):
         return value
     if isinstance(value, torch.nn.Module):
-        return value.state_dict()
+        return _module_state(value)
     if _is_zero(value):
         return _zero_state(value, names)
     if isinstance(value, torch.optim.Optimizer):
-        return _optimizer_state(value, names)
+        return _optimizer_state(value, names, placed)
     if _is_stateful(value):
-        return _tree(value.state_dict(), names)
+        return _tree(value.state_dict(), names, placed)
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if _is_jax(value):
         return torch.from_numpy(np.array(value))
     if isinstance(value, Mapping):
-        return _tree(value, names)
+        return _tree(value, names, placed)
     return value
 
 
-def _tree(state: Mapping[str, Any], names: dict[int, str]) -> dict[str, Any]:
-    return {str(key): _value(value, names) for key, value in state.items()}
+def _tree(state: Mapping[str, Any], names: dict[int, str], placed: Placed) -> dict[str, Any]:
+    return {str(key): _value(value, names, placed) for key, value in state.items()}
 
 
 def saveable(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,7 +200,7 @@ def saveable(state: Mapping[str, Any]) -> dict[str, Any]:
             "dp.checkpoint: the state is a dict of what to save ({'model': model, "
             f"'optimizer': optimizer, 'step': step}}), got {type(state).__name__}."
         )
-    return _tree(state, param_names(state))
+    return _tree(state, param_names(state), placements(state))
 
 
 class Loading:
@@ -170,6 +214,7 @@ class Loading:
             )
         self.state = state
         self.names = param_names(state)
+        self.placed = placements(state)
         # every saved entry by its path in the nested state dict (torch's flattening keeps it)
         planner_data = metadata.planner_data or {}
         self.saved: dict[Path, Any] = {
@@ -207,7 +252,17 @@ class Loading:
         return _lists(out)
 
     def _optimizer(self, value: Any, prefix: Path) -> dict[str, Any]:
-        return self._from_metadata(prefix, type(value).__name__)
+        part = self._from_metadata(prefix, type(value).__name__)
+        # a fully sharded parameter's state: this rank's rows of what was saved
+        for p, name in zip(_params(value), _fqns(value, self.names), strict=True):
+            where = self.placed.get(id(p))
+            entry = part.get("state", {}).get(name)
+            if where is None or not isinstance(entry, dict):
+                continue
+            for key, saved in entry.items():
+                if isinstance(saved, torch.Tensor) and saved.dim() and saved.shape == where[0]:
+                    entry[key] = _shards_of(torch.empty(p.shape, dtype=saved.dtype), *where)
+        return part
 
     def _zero(self, zero: Any, prefix: Path) -> dict[str, Any]:
         fqns = _fqns(zero, self.names)
@@ -242,7 +297,7 @@ class Loading:
         if isinstance(value, Shards | torch.Tensor):
             return value
         if isinstance(value, torch.nn.Module):
-            return value.state_dict()
+            return _module_state(value)
         if _is_zero(value):
             return self._zero(value, prefix)
         if isinstance(value, torch.optim.Optimizer):
@@ -250,8 +305,8 @@ class Loading:
         if _is_stateful(value):
             return self._from_metadata(prefix, type(value).__name__)
         if isinstance(value, np.ndarray):
-            return torch.from_numpy(value) if value.flags.writeable else torch.from_numpy(
-                value.copy()
+            return (
+                torch.from_numpy(value) if value.flags.writeable else torch.from_numpy(value.copy())
             )
         if _is_jax(value):
             return torch.from_numpy(np.array(value))
@@ -274,7 +329,8 @@ class Loading:
         for key, value in state.items():
             part = filled[str(key)]
             if isinstance(value, torch.nn.Module):
-                value.load_state_dict(part)
+                if not callable(getattr(value, "parameter_shards", None)):
+                    value.load_state_dict(part)  # (a fully sharded one is filled in place)
             elif _is_zero(value):
                 self._load_zero(value, part)
             elif isinstance(value, torch.optim.Optimizer):
@@ -293,7 +349,6 @@ class Loading:
             elif not isinstance(value, Shards | torch.Tensor):
                 out[key] = part
         return out
-
 
     def _load_zero(self, zero: Any, part: Mapping[str, Any]) -> None:
         fqns = _indices(part, zero, self.names)
@@ -361,9 +416,24 @@ def _starts(optimizer: Any) -> list[tuple[int, dict[str, Any]]]:
 def _load_optimizer(optimizer: Any, part: Mapping[str, Any], names: dict[int, str]) -> None:
     fqns = _indices(part, optimizer, names)
     index = {name: i for i, name in enumerate(fqns)}
+    params = _params(optimizer)
     sd = dict(part)
-    sd["state"] = {index[name]: entry for name, entry in part["state"].items()}
+    sd["state"] = {}
+    for name, entry in part["state"].items():
+        i = index[name]
+        sd["state"][i] = {
+            key: _held(value, params[i]) if isinstance(value, Shards) else value
+            for key, value in entry.items()
+        }
     sd["param_groups"] = [
         {**g, "params": [index[name] for name in g["params"]]} for g in part["param_groups"]
     ]
     optimizer.load_state_dict(sd)
+
+
+def _held(shards: Shards, param: torch.Tensor) -> torch.Tensor:
+    """The state of a fully sharded parameter's shard, from its `Shards` (one piece, or none
+    where this rank holds no row)."""
+    if shards.pieces:
+        return shards.pieces[0][1]
+    return torch.empty(param.shape, dtype=shards.dtype)

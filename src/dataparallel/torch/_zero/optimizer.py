@@ -493,7 +493,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             )["param_groups"],
         }
 
-    def load_local_state_dict(self, states: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    def load_local_state_dict(
+        self, states: list[dict[str, Any]], groups: list[dict[str, Any]]
+    ) -> None:
         """Take this rank's state back: `states[i]` is the state of `pieces[i]` (as
         `local_state_dict` gives it, flat tensors of the piece's items), `groups` the param
         groups' options (their `params` are ignored). The inverse of `local_state_dict`, at
