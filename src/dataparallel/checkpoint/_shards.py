@@ -75,8 +75,10 @@ class Shards:
     >>> from dataparallel.checkpoint import Shards
     >>> state = torch.zeros(5)                      # items 3..7 of a 4 x 3 parameter's state
     >>> s = Shards.from_flat((4, 3), 3, state)
-    >>> [(offsets, tuple(t.shape)) for offsets, t in s.pieces]
-    [((1, 0), (1, 3)), ((2, 0), (1, 2))]
+    >>> for offsets, piece in s.pieces:  # row 1 whole, then the first 2 items of row 2
+    ...     print(offsets, tuple(piece.shape))
+    (1, 0) (1, 3)
+    (2, 0) (1, 2)
     """
 
     shape: tuple[int, ...]

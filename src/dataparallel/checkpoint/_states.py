@@ -12,7 +12,9 @@ modules of the same state) with `param_groups` naming them too. So a plain torch
 checkpoint's model and optimizer with `get_state_dict` + `torch.distributed.checkpoint.load`, and
 a checkpoint it writes so loads here. A ZeRO optimizer's element-wise state (`exp_avg`) is its
 `Shards`, each rank's flat slices cut into boxes of the parameter's shape (`Shards.from_flat`);
-its other values (`step`) are written once.
+its other values (`step`) are written once. A module under `dp.torch.fully_shard` (ZeRO-3), known
+by its `parameter_shards()`, gives each parameter as this rank's rows (`Shards`), and so does
+any optimizer over such parameters for its state of their shape.
 
 `Loading` works the other way: it builds the state dict to fill (`template`) from the
 checkpoint's metadata and the objects as they are laid out now, at this world size: modules fill
