@@ -40,7 +40,7 @@ def slowest(seconds: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", type=float, default=50e6, help="parameters (float32)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--folder", default=None, help="where to write (default: a temp folder)")
     args = parser.parse_args()
     dp.initialize()

@@ -245,6 +245,24 @@ def test_async_save_writes_the_state_as_it_was_at_the_call(folder: Path) -> None
     assert_same(optimizer_state(fresh_opt), want_optim, "optim")
 
 
+def test_async_saves_one_after_another_each_write_their_own_state(folder: Path) -> None:
+    """The second `async_save` copies into the first's host buffers, after its write."""
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = dp.checkpoint.async_save({"model": model}, folder / "a")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)
+    second = dp.checkpoint.async_save({"model": model}, folder / "b")
+    assert first.done()
+    second.result()
+    fresh = make_model(seed=1)
+    dp.checkpoint.load({"model": fresh}, folder / "a")
+    assert_same(fresh.state_dict(), before, "first")
+    dp.checkpoint.load({"model": fresh}, folder / "b")
+    assert_same(fresh.state_dict(), model.state_dict(), "second")
+
+
 def test_the_next_save_waits_for_an_async_save_in_flight(folder: Path) -> None:
     model = make_model()
     first = dp.checkpoint.async_save({"model": model, "step": 1}, folder)

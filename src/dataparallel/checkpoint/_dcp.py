@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from dataparallel import world
+from dataparallel import caches, world
 from dataparallel.backends.base import Backend
 from dataparallel.checkpoint._shards import Shards
 from dataparallel.checkpoint._states import Loading, saveable
@@ -125,14 +125,37 @@ class _SavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
     def copy_all(self, plan: SavePlan) -> None:
-        """Copy every piece this rank writes into new host memory (`async_save`)."""
+        """Copy every piece this rank writes into host memory (`async_save`): into the buffers
+        the last `async_save` copied the same pieces into, where they fit (`_kept`)."""
+        global _kept
         copies: dict[MetadataIndex, Any] = {}
+        kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         for item in plan.items:
             data = super().resolve_data(item)
             if isinstance(data, torch.Tensor):
-                data = data.detach().to("cpu", copy=True)
+                key = (item.index.fqn, tuple(item.index.offset or ()))
+                buffer = _kept.get(key)
+                if buffer is not None and buffer.shape == data.shape and buffer.dtype == data.dtype:
+                    buffer.copy_(data.detach())
+                else:
+                    buffer = data.detach().to("cpu", copy=True)
+                kept[key] = buffer
+                data = buffer
             copies[item.index] = data
         self.copies = copies
+        _kept = kept
+
+
+# `async_save`'s host copies, kept for the next one: copying into memory already touched costs
+# a copy, into new memory a copy and a page fault per page (most of the blocking time). They
+# hold this rank's part of the state; `dp.finalize()` lets them go.
+_kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+
+@caches.register
+def _forget_kept() -> None:
+    global _kept
+    _kept = {}
 
 
 class _LoadPlanner(DefaultLoadPlanner):
