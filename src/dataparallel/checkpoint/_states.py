@@ -263,7 +263,8 @@ class Loading:
                 continue
             for key, saved in entry.items():
                 if isinstance(saved, torch.Tensor) and saved.dim() and saved.shape == where[0]:
-                    entry[key] = _shards_of(torch.empty(p.shape, dtype=saved.dtype), *where)
+                    mine = torch.empty(p.shape, dtype=saved.dtype, device=p.device)
+                    entry[key] = _shards_of(mine, *where)
         return part
 
     def _zero(self, zero: Any, prefix: Path) -> dict[str, Any]:
@@ -272,6 +273,8 @@ class Loading:
         entries = self._under(prefix)
         if not entries:
             raise self._missing(prefix, type(zero).__name__)
+        params = _params(zero)
+        device = params[0].device if params else torch.device("cpu")  # its state's, too
         state: dict[str, dict[str, Any]] = {}
         for k, start, stop, _ in local["pieces"]:
             shape = tuple(local["shapes"][k])
@@ -281,7 +284,7 @@ class Loading:
                     continue
                 key = str(path[2])
                 if isinstance(md, TensorStorageMetadata) and tuple(md.size) == shape and shape:
-                    flat = torch.empty(stop - start, dtype=md.properties.dtype)
+                    flat = torch.empty(stop - start, dtype=md.properties.dtype, device=device)
                     self.flats[id(zero), fqns[k], key] = flat
                     if int(np.prod(shape)) > 0:
                         out[key] = Shards.from_flat(shape, start, flat)
