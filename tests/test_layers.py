@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, ...]] = [
         "dataparallel.elastic",
         "dataparallel.progress",
     ),
-    ("dataparallel.training",),
+    ("dataparallel.training", "dataparallel.checkpoint"),
     ("dataparallel.horovod",),  # Horovod's API over the public face's calls
     ("dataparallel.launch", "dataparallel.__main__"),
     ("dataparallel",),  # the public face, __init__.py

@@ -116,6 +116,7 @@ __all__ = [
 # Names whose modules load on first access, so `import dataparallel` needs NumPy alone.
 _LAZY = {
     "torch": ("dataparallel.torch", None),
+    "checkpoint": ("dataparallel.checkpoint", None),
     "elastic": ("dataparallel.elastic", None),
     "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
     "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
@@ -123,6 +124,7 @@ _LAZY = {
 
 
 if TYPE_CHECKING:  # what the type checker sees of them; at run time they load here
+    from dataparallel import checkpoint as checkpoint
     from dataparallel import elastic as elastic
     from dataparallel import torch as torch
     from dataparallel.data import DistributedDataContainer as DistributedDataContainer
