@@ -188,7 +188,7 @@ class DataParallelStrategy(ParallelStrategy):
         self._bucket_bytes = bucket_bytes
         self._sparse_as_dense = sparse_as_dense
         self._num_nodes = 1
-        rank_zero_only.rank = world.rank()
+        rank_zero_only.rank = world.rank()  # type: ignore[attr-defined]
 
     # -- where this process is ---------------------------------------------------------------
 
@@ -229,7 +229,7 @@ class DataParallelStrategy(ParallelStrategy):
                 "is one rank with one device, and the launcher makes the processes "
                 f"(dataparallel run -n {len(devices) * world.size()} ...). Leave devices at 1."
             )
-        rank_zero_only.rank = world.rank()
+        rank_zero_only.rank = world.rank()  # type: ignore[attr-defined]
         with contextlib.suppress(ImportError):
             from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
@@ -273,10 +273,10 @@ class DataParallelStrategy(ParallelStrategy):
                     f"Trainer(accumulate_grad_batches={accumulate}): they must be equal, or "
                     "return the plain optimizer and let the strategy reduce the gradients."
                 )
+        assert self.model is not None
         if any(reducing):
             synchronize_torch(self.model, root=0)
             return
-        assert self.model is not None
         self.model = DataParallelModel(
             self.model,
             bucket_bytes=self._bucket_bytes,
@@ -331,7 +331,9 @@ class DataParallelStrategy(ParallelStrategy):
             allreduce(data, op, group=chosen)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):  # type: ignore[no-untyped-def]
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         """Return every rank's `tensor` stacked on a new first axis, in rank order.
 
         With `sync_grads`, gradients flow back to each rank's `tensor` summed over the ranks'
