@@ -21,7 +21,12 @@ from _lightning import needs_lightning
 SCRIPTS = Path(__file__).parent / "scripts"
 VARIANTS = ("plain", "accumulate", "zero1", "zero2")
 
-pytestmark = needs_lightning
+pytestmark = [
+    needs_lightning,
+    # Lightning's advice on this machine (srun is installed; tiny loaders without workers).
+    pytest.mark.filterwarnings("ignore:The `srun` command is available"),
+    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
+]
 
 
 def fits(output: str) -> dict[tuple[str, str, int], dict[str, list[float]]]:
@@ -95,3 +100,70 @@ def test_fits_like_ddp(backend: str, ranks: int, tmp_path: Path) -> None:
     assert sorted(re.findall(r"COLLECTIVES rank=(\d+) ok", done.stdout)) == [
         str(r) for r in range(ranks)
     ], output
+
+
+@pytest.fixture
+def strategy_class():  # type: ignore[no-untyped-def]
+    import dataparallel as dp
+    from dataparallel.lightning import DataParallelStrategy
+
+    dp.initialize()
+    return DataParallelStrategy
+
+
+def _trainer(strategy: object, **options: object):  # type: ignore[no-untyped-def]
+    import pytorch_lightning as pl
+
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    return pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=1, **quiet, **options)  # type: ignore[arg-type]
+
+
+def test_the_launcher_decides_the_processes(strategy_class) -> None:  # type: ignore[no-untyped-def]
+    import dataparallel as dp
+
+    with pytest.raises(ValueError, match=r"Trainer\(devices=2\) on CPU.*Leave devices at 1"):
+        _trainer(strategy_class(), devices=2)
+    with pytest.raises(ValueError, match=r"num_nodes=5.*spans 1 host.*leave num_nodes"):
+        _trainer(strategy_class(), num_nodes=5)
+    trainer = _trainer("dataparallel")  # the registered name
+    assert isinstance(trainer.strategy, strategy_class)
+    assert (trainer.world_size, trainer.global_rank) == (dp.size(), dp.rank())
+    assert trainer.strategy.distributed_sampler_kwargs == {
+        "num_replicas": dp.size(),
+        "rank": dp.rank(),
+    }
+
+
+def test_bad_collective_arguments(strategy_class) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    strategy = _trainer(strategy_class()).strategy
+    with pytest.raises(ValueError, match=r"reduce_op='median' is not one of"):
+        strategy.reduce(torch.ones(2), reduce_op="median")
+    with pytest.raises(ValueError, match=r"all_gather: group=.* is not a dp.new_group group"):
+        strategy.all_gather(torch.ones(2), group="everyone")
+
+
+def test_optimizers_that_reduce_and_others_are_refused(strategy_class) -> None:  # type: ignore[no-untyped-def]
+    import pytorch_lightning as pl
+    import torch
+
+    import dataparallel as dp
+
+    class Two(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, index):  # type: ignore[no-untyped-def]
+            return None
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            reducing = dp.DistributedOptimizer(torch.optim.SGD(self.a.parameters(), lr=0.1))
+            return reducing, torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)))
+    refused = r"some reduce their gradients themselves.*and some do not"
+    with pytest.raises(ValueError, match=refused):
+        _trainer(strategy_class(), enable_checkpointing=False).fit(Two(), data)
