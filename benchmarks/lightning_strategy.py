@@ -3,7 +3,7 @@
 Run: `dataparallel run -n 2 benchmarks/lightning_strategy.py` (MPI; `--backend gloo` for Gloo),
 or `mpiexec -n 2 python benchmarks/lightning_strategy.py`.
 
-The model is an MLP of about 3.4 M parameters (`--width`, `--depth`), SGD, `--batch` samples per
+The model is an MLP of about 2.4 M parameters (`--width`, `--depth`), SGD, `--batch` samples per
 rank. Each round fits it once per case, the order rotating every round, with
 `Trainer(max_steps=--steps)`; a callback times every batch from `on_train_batch_start` to
 `on_train_batch_end` (forward, backward, the gradient reduction, the optimizer's step and
