@@ -147,8 +147,10 @@ class DataParallelStrategy(ParallelStrategy):
             error feedback): gradients travel as 16-bit floats (`dp.torch.DataParallelModel`).
         bucket_bytes: the gradient buckets' size (default `DATAPARALLEL_BUCKET_BYTES`).
         sparse_as_dense: reduce sparse gradients as dense ones.
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: Lightning's, as for
-            `DDPStrategy`.
+        accelerator: Lightning's, as for `DDPStrategy` (default: the Trainer's).
+        parallel_devices: Lightning's (default: the Trainer's `devices`, one per process).
+        checkpoint_io: Lightning's (default: the Trainer's plugin, else torch's files).
+        precision_plugin: Lightning's (default: the Trainer's `precision`).
 
     Differences from `strategy="ddp"`: the processes are never launched by Lightning (run the
     script under a launcher); buffers (BatchNorm statistics) are broadcast when the model is
