@@ -62,7 +62,8 @@ LAYERS: list[tuple[str, ...]] = [
         "dataparallel.progress",
     ),
     ("dataparallel.training", "dataparallel.checkpoint"),
-    ("dataparallel.horovod",),  # Horovod's API over the public face's calls
+    # Horovod's API over the public face's calls; Lightning's strategy over the same
+    ("dataparallel.horovod", "dataparallel.lightning"),
     ("dataparallel.launch", "dataparallel.__main__"),
     ("dataparallel",),  # the public face, __init__.py
 ]
@@ -127,6 +128,8 @@ def test_every_module_imports_in_layer_order() -> None:
             pytest.importorskip("jax")
         if name.startswith("dataparallel.torch"):
             pytest.importorskip("torch")
+        if name == "dataparallel.lightning":
+            pytest.importorskip("pytorch_lightning")
         importlib.import_module(name)
         assert name in sys.modules
 

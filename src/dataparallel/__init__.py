@@ -118,6 +118,7 @@ _LAZY = {
     "torch": ("dataparallel.torch", None),
     "checkpoint": ("dataparallel.checkpoint", None),
     "elastic": ("dataparallel.elastic", None),
+    "lightning": ("dataparallel.lightning", None),
     "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
     "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
 }
@@ -126,6 +127,7 @@ _LAZY = {
 if TYPE_CHECKING:  # what the type checker sees of them; at run time they load here
     from dataparallel import checkpoint as checkpoint
     from dataparallel import elastic as elastic
+    from dataparallel import lightning as lightning
     from dataparallel import torch as torch
     from dataparallel.data import DistributedDataContainer as DistributedDataContainer
     from dataparallel.data import DistributedDataLoader as DistributedDataLoader
