@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 JOB_TIMEOUT := 900
 RUN_ENV := OMP_NUM_THREADS=1 MPIEXEC_TIMEOUT=$(JOB_TIMEOUT) JAX_PLATFORMS=cpu
 
-.PHONY: demo test lint docs test-1 test-mpi test-gloo test-horovod bench clean
+.PHONY: demo test lint docs test-1 test-mpi test-gloo test-horovod bench bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,10 +54,12 @@ test-gloo: $(STAMP)
 		-m pytest -x -q $(PYTEST_ARGS)
 
 # The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
-# job ends on a plain pytest summary.
+# job ends on a plain pytest summary. Its tests mostly start jobs and wait on them: two
+# pytest-xdist workers keep both cores busy, a file to a worker (tests/conftest.py).
+TEST_WORKERS ?= 2
 test-1: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
-	$(TEST_ENV) $(PYTEST) -q
+	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile
 
 test: lint test-mpi test-gloo test-1
 
@@ -74,6 +76,18 @@ bench: $(STAMP)
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/bucket_size.py
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/train_step.py
 	$(RUN_ENV) $(BIN)/dataparallel run -n 2 benchmarks/optax_step.py
+
+# Each benchmark of `make bench` once, at its smallest (BENCH_SMOKE=1: benchmarks/_timing.py runs
+# every case once): the suite does not run them, and a benchmark that no longer runs would
+# otherwise go unseen until someone measures. CI runs it after the suite.
+BENCH_SMOKE_ENV := $(RUN_ENV) BENCH_SMOKE=1
+bench-smoke: $(STAMP)
+	$(BENCH_SMOKE_ENV) $(BIN)/dataparallel run -n 2 --timeout 300 benchmarks/collectives.py
+	$(BENCH_SMOKE_ENV) $(BIN)/dataparallel run -n 2 --timeout 300 benchmarks/scatter_exchange.py
+	$(BENCH_SMOKE_ENV) $(BIN)/dataparallel run -n 2 --timeout 300 benchmarks/bucket_size.py
+	$(BENCH_SMOKE_ENV) $(BIN)/dataparallel run -n 2 --timeout 300 benchmarks/train_step.py \
+		--d 128 --rounds 1 --budget 0.01 --tolerance 1000
+	$(BENCH_SMOKE_ENV) $(BIN)/dataparallel run -n 2 --timeout 300 benchmarks/optax_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

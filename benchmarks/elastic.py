@@ -14,6 +14,12 @@ moment the world had re-formed (a reset callback). Printed per failure run:
 - death -> next commit: ... and then synchronized the state from the new rank 0, redid the step
   lost with the commit and committed it (the figure the issue asks for: at most 5 s);
 - the step time (commit to commit) of the run without a failure, and the ratio.
+
+`--hosts` (as root) runs the same across two emulated hosts instead (benchmarks/network.py's
+`Link`: two network namespaces joined by a veth pair, unshaped): `dataparallel run -H a:2,b:2
+--min-np 2`, launched in host a, starting host b's workers through an `ssh` that enters b's
+namespace (the launcher's own ssh command line, run without sshd); the failure run kills both
+workers of host b at once, so the survivors lose a whole host.
 """
 
 from __future__ import annotations
@@ -29,9 +35,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+HERE = Path(__file__).resolve().parent
 STEPS = 40
 VICTIM_STEP = 20
+# Stands in for ssh across the emulated hosts: `ssh [-o X | -p X | -i X]... HOST COMMAND`
+# runs COMMAND in HOST's namespace, under its hostname.
+FAKE_SSH = """#!/bin/sh
+while [ $# -gt 2 ]; do case $1 in -o|-p|-i) shift 2;; -*) shift;; *) break;; esac; done
+host=$1; shift
+case $host in
+{cases}
+  *) echo "no host $host" >&2; exit 255;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $name; $1"
+"""
 
 
 def worker(notes: Path, victim: str | None) -> None:
@@ -58,7 +77,7 @@ def worker(notes: Path, victim: str | None) -> None:
         while state.step < STEPS:
             optimizer.zero_grad()
             model(data).pow(2).mean().backward()
-            if me == victim and state.step == VICTIM_STEP:
+            if victim is not None and me in victim.split(",") and state.step == VICTIM_STEP:
                 note("died")
                 os.kill(os.getpid(), signal.SIGKILL)
             optimizer.step()
@@ -69,13 +88,27 @@ def worker(notes: Path, victim: str | None) -> None:
     train(state)
 
 
-def one_run(workers: int, victim: str | None) -> dict[str, float]:
+def one_run(workers: int, victim: str | None, link: Any = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         command = [sys.executable, "-m", "dataparallel", "run", "-n", str(workers)]
+        env = None
+        if link is not None:  # two hosts of workers // 2 each, launched in host a
+            slots = workers // 2
+            command += ["-H", ",".join(f"{a}:{slots}" for a in link.addresses)]
+            env = {**link.environment(), "PATH": f"{tmp}:{os.environ['PATH']}"}
+            cases = "\n".join(
+                f"  {a}) ns={s}; name={h};;"
+                for a, s, h in zip(link.addresses, link.spaces, link.hosts, strict=True)
+            )
+            ssh = Path(tmp) / "ssh"
+            ssh.write_text(FAKE_SSH.format(cases=cases))
+            ssh.chmod(0o755)
         command += ["--min-np", "2", "--backend", "gloo", "--timeout", "300", __file__]
         command += ["--worker", tmp] + (["--victim", victim] if victim else [])
+        if link is not None:
+            command = link.command(0, command)
         start = time.time()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         wall = time.time() - start
         if done.returncode != 0:
             raise SystemExit(f"the run failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -84,7 +117,7 @@ def one_run(workers: int, victim: str | None) -> dict[str, float]:
     figures = {"wall": wall}
     deaths = [n["t"] for n in notes if n["kind"] == "died"]
     if deaths:
-        died = deaths[0]
+        died = min(deaths)
         figures["reformed"] = min(n["t"] for n in notes if n["kind"] == "reformed") - died
         figures["next_commit"] = min(t for t in commits if t > died) - died
     else:
@@ -97,18 +130,38 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--hosts", action="store_true", help="across two emulated hosts")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--victim", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(Path(args.worker), args.victim)
         return
+    link = None
+    victim, what = "w1", "worker 1"
+    if args.hosts:
+        sys.path.insert(0, str(HERE))
+        from network import Link, why_not
+
+        reason = why_not()
+        if reason is not None:
+            print(f"skipped: {reason}")
+            return
+        args.workers += args.workers % 2
+        victim = ",".join(f"w{n}" for n in range(args.workers // 2, args.workers))
+        what = f"host b's {args.workers // 2} workers ({victim})"
+        link = Link()
     failed, clean = [], []
-    for _ in range(args.pairs):
-        failed.append(one_run(args.workers, "w1"))
-        clean.append(one_run(args.workers, None))
+    try:
+        for _ in range(args.pairs):
+            failed.append(one_run(args.workers, victim, link))
+            clean.append(one_run(args.workers, None, link))
+    finally:
+        if link is not None:
+            link.close()
     step = statistics.median(f["step"] for f in clean)
-    print(f"{args.workers} workers, worker 1 SIGKILLed at step {VICTIM_STEP} of {STEPS}:")
+    where = "" if link is None else ", 2 emulated hosts"
+    print(f"{args.workers} workers{where}, {what} SIGKILLed at step {VICTIM_STEP} of {STEPS}:")
     print("| run | death -> re-formed | death -> next commit | wall |")
     print("| --- | --- | --- | --- |")
     for i, f in enumerate(failed):

@@ -17,6 +17,13 @@ four jobs taken in turn `--pairs` times, over the link as it is or shaped (`--ra
 syntax). Printed per job: the bytes the link carried in each direction per call (the veth's
 counters, read around the timed calls from inside host a), against what each algorithm
 predicts, and the time per call.
+
+`--sweep` asks the second question, for dp's Gloo engine: at which sizes and over which links do
+its three steps by host beat its one ring? `--sizes` (KiB a rank) over each of `--rates` (`none`
+for the link as it is, else tc's syntax), ranks numbered by host and alternating, one job per link
+and layout taken in turn `--pairs` times; inside a job the two engines alternate call by call at
+every size. Printed: the median time per call of each, and the ring's over the steps' (above 1:
+the steps pay).
 """
 
 from __future__ import annotations
@@ -111,6 +118,101 @@ def work(args: argparse.Namespace) -> None:
     dp.finalize()
 
 
+def sweep_work(args: argparse.Namespace) -> None:
+    """A rank of `--sweep`: dp's Gloo engine as one ring and by host, alternating call by call
+    at every size, so both see the same machine; each call's time is the slowest rank's."""
+    import numpy as np
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import dataparallel as dp
+    from dataparallel.backends.base import ReduceOp
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.config import Settings
+
+    dp.initialize("mpi")  # only the launch: ranks and the timing's barriers and maxima
+    comm = MPI.COMM_WORLD
+    if not dist.is_initialized():  # the processes dp's Gloo engines run over
+        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
+        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
+    settings = Settings.from_env()
+    engines = {
+        "ring": GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=False)),
+        "by host": GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=True)),
+    }
+    assert engines["by host"].hierarchy is not None and engines["ring"].hierarchy is None
+    result: dict[str, dict[str, float]] = {}
+    for kib in (int(k) for k in args.sizes.split(",")):
+        x = np.full(kib * 256, comm.rank + 1.0, np.float32)
+        calls = max(args.calls, min(100, (64 * 1024) // kib))  # small sizes: more calls
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for engine in engines.values():  # warm: connections made, buffers pooled
+            engine.allreduce(x.copy(), ReduceOp.SUM)
+        for i in range(calls):
+            for name in sorted(engines, reverse=bool(i % 2)):  # each goes first half the time
+                y = x.copy()
+                comm.Barrier()
+                start = time.perf_counter()
+                engines[name].allreduce(y, ReduceOp.SUM)
+                took = comm.allreduce(time.perf_counter() - start, MPI.MAX)
+                times[name].append(took)
+                assert float(y[-1]) == sum(range(1, comm.size + 1)), f"{name}: wrong sum"
+        result[str(kib)] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    for engine in engines.values():
+        engine.close()
+    dist.destroy_process_group()
+    dp.finalize()
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """`--sweep`: one job per link and layout, in turn, `--pairs` times."""
+    reason = why_not()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    bindir = Path(sys.executable).parent
+    link = Link()
+    env = link.environment()
+    rates = args.rates.split(",")
+    cases = [(rate, layout) for rate in rates for layout in LAYOUTS]
+    runs: dict[tuple[str, str], list[dict[str, dict[str, float]]]] = {c: [] for c in cases}
+    worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker", "--sweep"]
+    worker += ["--sizes", args.sizes, "--calls", str(args.calls)]
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            launcher = link.launcher(Path(folder))
+            for _ in range(args.pairs):
+                for rate, layout in cases:
+                    link.shape(None if rate == "none" else rate)
+                    hosts = ",".join(f"{a}:{LAYOUTS[layout]}" for a in link.addresses)
+                    job = [str(bindir / "mpiexec"), "-hosts", hosts, "-launcher", "ssh",
+                           "-launcher-exec", str(launcher), "-n", "4", *worker]  # fmt: skip
+                    done = subprocess.run(
+                        link.command(0, job), env=env, timeout=args.timeout,
+                        capture_output=True, text=True,
+                    )  # fmt: skip
+                    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if done.returncode != 0 or not lines:
+                        print(done.stdout, done.stderr, sep="\n")
+                        return done.returncode or 1
+                    runs[rate, layout].append(json.loads(lines[0][len("RESULT ") :]))
+    finally:
+        link.shape(None)
+        link.close()
+    print(f"2 hosts x 2 ranks, dp's Gloo engine, float32 allreduce, median ms per call "
+          f"(slowest rank), {args.pairs} jobs each")  # fmt: skip
+    print("| link | ranks | KiB a rank | one ring | by host | ring / by host |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (rate, layout), results in runs.items():
+        for kib in results[0]:
+            ring = statistics.median(r[kib]["ring"] for r in results)
+            steps = statistics.median(r[kib]["by host"] for r in results)
+            print(f"| {rate} | {layout} | {kib} | {ring:.2f} | {steps:.2f} | {ring / steps:.2f} |")
+    return 0
+
+
 def launch(args: argparse.Namespace) -> int:
     reason = why_not()
     if reason is not None:
@@ -177,12 +279,15 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=2, help="rounds of the four jobs")
     parser.add_argument("--rate", default=None, help="shape the link to this rate (1gbit)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
+    parser.add_argument("--sweep", action="store_true", help="dp Gloo: ring against by host")
+    parser.add_argument("--sizes", default="64,256,1024,4096,16384", help="--sweep: KiB a rank")
+    parser.add_argument("--rates", default="none,10gbit,1gbit", help="--sweep: links")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        work(args)
+        sweep_work(args) if args.sweep else work(args)
         return 0
-    return launch(args)
+    return sweep(args) if args.sweep else launch(args)
 
 
 if __name__ == "__main__":

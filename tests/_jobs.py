@@ -49,8 +49,16 @@ MPIEXEC = Path(sys.executable).with_name("mpiexec")
 # What an outer job puts in its processes' environment, which would make a launched job join it
 # or take its rank: MPI launchers (MPICH/Hydra, Open MPI, PMIx) by prefix, torchrun (and
 # `dataparallel run --backend gloo`) by name. DATAPARALLEL_* settings go too: a job sees only
-# those its test gives it.
-_OUTER_PREFIXES = ("PMI", "HYD", "OMPI_", "MPI_LOCAL", "TORCHELASTIC_", "DATAPARALLEL_")
+# those its test gives it, and so do pytest-xdist's (a pytest the job runs is no worker of ours).
+_OUTER_PREFIXES = (
+    "PMI",
+    "HYD",
+    "OMPI_",
+    "MPI_LOCAL",
+    "TORCHELASTIC_",
+    "DATAPARALLEL_",
+    "PYTEST_XDIST_",
+)
 _OUTER_NAMES = frozenset(
     {
         "RANK",

@@ -19,6 +19,11 @@ ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in
 a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
 deselected, unless named on the command line; `--matrix=full` or `sample` decides for every world.
 
+The world of one runs in two pytest-xdist workers (`make test-1`), a file to a worker: most of its
+time goes to tests that start jobs and wait on them, and a file's tests may share what is built
+once (the sdist, the docs site) or one thing of the machine (the Slurm cluster). No test may
+count what runs on the whole machine: another file's test runs beside it.
+
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
 

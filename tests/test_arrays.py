@@ -101,7 +101,7 @@ def test_traced_jax_values_are_refused() -> None:
 
     @jax.jit
     def f(x: Any) -> Any:
-        with pytest.raises(TypeError, match=r"^x: got a traced JAX value; .* outside jax\.jit"):
+        with pytest.raises(TypeError, match=r"^x: got a traced JAX value, .* outside jax\.jit"):
             family_of(x)
         seen.append(1)
         return x

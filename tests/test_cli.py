@@ -27,7 +27,12 @@ from _jobs import LIMIT, free_port, outer_world_size, run_job, run_ranks, spawn
 from _lightning import assert_fits_like_one_process, needs_lightning
 
 from dataparallel.errors import BackendUnavailableError
-from dataparallel.launch.cli import _RUN_VALUE_OPTIONS, _parser, _split_target
+from dataparallel.launch.cli import (
+    _RUN_PAIR_OPTIONS,
+    _RUN_VALUE_OPTIONS,
+    _parser,
+    _split_target,
+)
 from dataparallel.launch.mpi import find_mpiexec, mpi_command, require_mpi4py
 from dataparallel.launch.process import PARTIAL_LINE_SECONDS, Output, pump
 
@@ -417,7 +422,11 @@ def _assert_gone(piddir: Path) -> None:
         ("run -n 2 -p 2222 --backend gloo cli_env.py", "is for ranks started over ssh"),
         ("run -H a:2 -i cli_env.py cli_env.py", "-i with --backend mpi: mpiexec runs ssh"),
         ("run -H a:2 --backend gloo --nnodes 2 cli_env.py", "--nnodes number the machines"),
-        ("run -H a:2 --backend gloo --min-np 1 cli_env.py", "workers on this machine only"),
+        (
+            "run -n 2 --backend gloo --min-np 1 --blacklist-cooldown-range 5 1 cli_env.py",
+            "needs 0 < LOW <= HIGH",
+        ),
+        ("run -n 2 --backend gloo --blacklist-cooldown-range 1 5 cli_env.py", "needs --min-np"),
         ("run -n 2 --backend nccl cli_env.py", "invalid choice: 'nccl'"),
         ("launch", "invalid choice: 'launch'"),
     ],
@@ -511,6 +520,11 @@ def test_info_reports_mpi_frameworks_and_backends() -> None:
         (["-n", "2", "--", "-odd.py", "a"], ["-n", "2"], ["-odd.py", "a"]),
         (["-n", "2", "s.py", "--", "a"], ["-n", "2"], ["s.py", "--", "a"]),
         (["--backend", "gloo", "-n", "2"], ["--backend", "gloo", "-n", "2"], []),
+        (
+            ["--blacklist-cooldown-range", "1", "5", "s.py", "a"],
+            ["--blacklist-cooldown-range", "1", "5"],
+            ["s.py", "a"],
+        ),
     ],
 )
 def test_split_target(argv: list[str], own: list[str], target: list[str]) -> None:
@@ -526,9 +540,15 @@ def test_split_target_knows_every_option_that_takes_a_value() -> None:
         if name == "run"
     )
     taking = {
-        flag for action in run._actions if action.nargs != 0 for flag in action.option_strings
+        flag
+        for action in run._actions
+        if action.nargs in (None, 1)
+        for flag in action.option_strings
     }
     assert taking == set(_RUN_VALUE_OPTIONS)
+    pairs = {flag for action in run._actions if action.nargs == 2 for flag in action.option_strings}
+    assert pairs == set(_RUN_PAIR_OPTIONS)
+    assert {a.nargs for a in run._actions if a.option_strings} <= {None, 0, 2}, "a new nargs"
 
 
 # --- the Gloo launcher's output streaming (in process) --------------------------------------
@@ -634,9 +654,14 @@ def test_missing_mpi4py_says_what_to_install(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_mpi_command_runs_this_python_through_the_runner(tmp_path: Path) -> None:
     exe = _fake_mpiexec(tmp_path / "bin")  # says nothing to --version: taken for Hydra
-    command = mpi_command(str(exe), 3, ["-m", "pytest", "-q"], hostfile="hosts")
+    command = mpi_command(str(exe), 3, ["-m", "pytest", "-q"])
     runner = [sys.executable, "-m", "dataparallel.launch.runner"]
-    assert command == [str(exe), "-n", "3", "-f", "hosts", *runner, "-m", "pytest", "-q"]
+    assert command == [str(exe), "-n", "3", *runner, "-m", "pytest", "-q"]
+    # Across hosts Hydra prefixes each line with its rank and host; the runner then does not.
+    command = mpi_command(str(exe), 3, ["-m", "pytest", "-q"], hostfile="hosts")
+    hosts = ["-f", "hosts", "-prepend-pattern", "[rank %r on %h] "]
+    runner.append("--prefixed")
+    assert command == [str(exe), "-n", "3", *hosts, *runner, "-m", "pytest", "-q"]
 
 
 @needs_mpi
@@ -645,7 +670,12 @@ def test_run_mpi_with_a_hostfile(tmp_path: Path) -> None:
     hosts.write_text("localhost:3\n")
     done = run_job(["cli_hello.py"], ranks=3, options=["--hostfile", hosts], cwd=SCRIPTS)
     assert done.returncode == 0, done.stderr
-    ranks = _json_lines(done.stdout)
+    ranks: dict[int, dict[str, object]] = {}
+    for line in done.stdout.splitlines():  # each prefixed with its rank and host, by Hydra
+        found = re.fullmatch(r"\[rank (\d+) on localhost\] (\{.*\})", line)
+        assert found is not None, done.stdout
+        ranks[int(found[1])] = json.loads(found[2])
+        assert ranks[int(found[1])]["rank"] == int(found[1]), line
     assert sorted(ranks) == [0, 1, 2]
     assert all(data["size"] == 3 and data["sum"] == 3 for data in ranks.values()), ranks
 

@@ -76,6 +76,23 @@ def test_bucket_bytes_and_timeout() -> None:
     assert settings.timeout == 2.5
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, None),  # torch's own default
+        ({"DATAPARALLEL_TIMEOUT": "2.5"}, 2.5),
+        ({"DATAPARALLEL_ELASTIC_WORKER": "w1"}, 600.0),
+        ({"DATAPARALLEL_ELASTIC_WORKER": "w1", "DATAPARALLEL_ELASTIC_TIMEOUT": "40"}, 40.0),
+        ({"DATAPARALLEL_ELASTIC_WORKER": "w1", "DATAPARALLEL_TIMEOUT": "2.5"}, 2.5),
+        ({"DATAPARALLEL_ELASTIC_TIMEOUT": "40"}, None),  # not a worker
+    ],
+)
+def test_group_timeout_is_the_timeout_else_an_elastic_workers(
+    env: dict[str, str], expected: float | None
+) -> None:
+    assert Settings.from_env(env).group_timeout == expected
+
+
 @pytest.mark.parametrize("raw", ["abc", "1.5", "0", "-4", "1e3"])
 def test_invalid_bucket_bytes(raw: str) -> None:
     with pytest.raises(ValueError, match=rf"^DATAPARALLEL_BUCKET_BYTES='{raw}' .*positive integer"):

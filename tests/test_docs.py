@@ -74,6 +74,11 @@ def test_site_builds_strict_and_documents_every_public_name(site: Path) -> None:
         "torch": _public("dataparallel.torch") if importlib.util.find_spec("torch") else [],
         "jax": _public("dataparallel.jax") if importlib.util.find_spec("jax") else [],
         "elastic": _public("dataparallel.elastic"),
+        "lightning": (
+            _public("dataparallel.lightning")
+            if importlib.util.find_spec("pytorch_lightning")
+            else []
+        ),
         "horovod": [
             *_public("dataparallel.horovod"),  # run, __version__, HOROVOD_API_VERSION
             *(_public("dataparallel.horovod.torch") if importlib.util.find_spec("torch") else []),
@@ -89,6 +94,8 @@ def test_site_builds_strict_and_documents_every_public_name(site: Path) -> None:
         assert (site / page / "index.html").exists(), page
     for page in ("horovod", "ddp", "fluxmpi", "lux", "flashlight"):
         assert (site / "migrate" / page / "index.html").exists(), page
+    for page in ("lightning", "huggingface", "torchmetrics", "checkpoint"):
+        assert (site / "ecosystems" / page / "index.html").exists(), page
     assert (site / "figures" / "train_step.svg").exists()
 
 

@@ -336,9 +336,12 @@ def _two_hosts_of_two(port: str, **extra: str) -> list[dict[str, str]]:
 
 @pytest.mark.spawns
 def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
-    """Two launcher nodes of two ranks: every big allreduce takes the three steps (inside the
-    node, across, inside again) and gives what the ring gives, for every op, dtype and path."""
-    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_OVERLAP="1")
+    """Two launcher nodes of two ranks, the hierarchy forced (numbered node by node it is off by
+    default): every big allreduce takes the three steps (inside the node, across, inside again)
+    and gives what the ring gives, for every op, dtype and path."""
+    envs = _two_hosts_of_two(
+        str(free_port()), DATAPARALLEL_OVERLAP="1", DATAPARALLEL_HIERARCHICAL="1"
+    )
     results = results_of(run_ranks([worker("hierarchy")] * 4, envs))
     total, mean = 10.0, 2.5  # ranks give 1, 2, 3, 4
     for rank, result in enumerate(results):
@@ -351,7 +354,7 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
         assert result["gradients"] == [[mean], [mean]]  # the 7-value tensor rides in a bucket
         assert result["small"] == [total] and result["pieces"] == [total]
         # sum, avg, min, max, prod, int64, float16, non-blocking, bf16, the gradients' bucket,
-        # the 2.4 MB buffer; not the 8-value one (below MIN_BYTES: the ring)
+        # the 2.4 MB buffer; not the 8-value one (below the threshold: the ring)
         assert result["staged"] == 11, result
         # 3 steps on the communication thread, a bucket each, through its engine's hierarchy
         assert result["train overlap"] is True and result["train staged"] == 3, result
@@ -372,8 +375,15 @@ class _Groups:
 @pytest.mark.parametrize(
     ("hosts", "forced", "groups"),
     [
-        (["a", "a", "b", "b"], None, [[0, 1], [2, 3], [0, 2], [1, 3]]),
+        # numbered host by host the ring crosses the link only at the hosts' boundaries: kept
+        (["a", "a", "b", "b"], None, None),
+        (["a", "a", "b", "b"], True, [[0, 1], [2, 3], [0, 2], [1, 3]]),
         (["a", "b", "a", "b"], None, [[0, 2], [1, 3], [0, 1], [2, 3]]),  # alternating hosts
+        (  # two ranks at a time round robin: interleaved too
+            ["a", "a", "b", "b", "a", "a", "b", "b"],
+            None,
+            [[0, 1, 4, 5], [2, 3, 6, 7], [0, 2], [1, 3], [4, 6], [5, 7]],
+        ),
         (["a", "a", "b", "b"], False, None),  # DATAPARALLEL_HIERARCHICAL=0
         (["a", "a", "a", "a"], None, None),  # one host: the ring
         (["a", "b", "c"], None, None),  # a rank a host: nothing to gain

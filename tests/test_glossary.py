@@ -21,7 +21,15 @@ import ast
 import re
 from dataclasses import dataclass
 
+import pytest
+from _jobs import outer_world_size
 from _source import MODULES, ROOT
+
+# The source is the same in every world: several ranks would each read it and prove nothing more.
+pytestmark = pytest.mark.skipif(
+    outer_world_size() > 1, reason="reads the source: runs in the world of one"
+)
+
 
 DESIGN = ROOT / "docs" / "design.md"
 

@@ -206,3 +206,22 @@ def test_the_remote_runner_dies_with_its_children_when_its_line_ends(tmp_path: P
         _end(rank)
     assert rank.returncode == -signal.SIGKILL
     assert _dead(child), "the rank's child outlived it"
+
+
+def test_discovery_lines_give_slots_by_host_in_order(tmp_path: Path) -> None:
+    from dataparallel.launch.spawn import discover
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\nprintf 'node1:2\\nlocalhost\\n\\nnode0:4\\nnode1:1\\n'\n")
+    script.chmod(0o755)
+    assert list(discover(str(script)).items()) == [("node1", 3), ("localhost", 1), ("node0", 4)]
+
+
+def test_a_host_set_aside_again_cools_down_twice_as_long_within_the_limits() -> None:
+    from dataparallel.launch.spawn import cooldown_seconds
+
+    for times, (low, high) in enumerate([(2, 3), (4, 5), (8, 9), (16, 17)], 1):
+        assert low <= cooldown_seconds((1.0, 100.0), times) <= high
+    assert cooldown_seconds((1.0, 10.0), 5) == 10.0  # the upper limit holds
+    assert cooldown_seconds((1.0, 1.0), 1) == 1.0
+    assert cooldown_seconds((1.0, 10.0), 10**6) == 10.0  # no overflow however many times

@@ -308,15 +308,18 @@ def hosts_job(
     return a.command([*run, *ssh_options, *options, script, mode])
 
 
-def leftovers() -> list[int]:
-    """Return the pids of hosts_job.py ranks still running anywhere on this machine."""
+def leftovers(hosts: tuple[Host, ...], script: str = "hosts_job.py") -> list[int]:
+    """Return the pids of `script`'s processes still running in one of `hosts` (its namespace:
+    not another test's, test_hosts' say, running on this machine at the same time)."""
+    ours = {os.stat(f"/run/netns/{host.namespace}").st_ino for host in hosts}
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 with open(f"/proc/{entry}/cmdline", "rb") as file:
                     words = file.read().split(b"\0")
-                if any(word.endswith(b"hosts_job.py") for word in words):
+                mine = os.stat(f"/proc/{entry}/ns/net").st_ino in ours
+                if mine and any(word.endswith(script.encode()) for word in words):
                     found.append(int(entry))
     return found
 
@@ -336,14 +339,12 @@ def test_run_hosts_starts_two_ranks_on_each_host_over_ssh(
     done = run_job(job, launcher=None, env=env, cwd=SCRIPTS)
     assert done.returncode == 0, done.stdout + done.stderr
     results = {}
-    for line in done.stdout.splitlines():  # Gloo: every line prefixed with its rank and host
-        if backend == "gloo":
-            found = re.fullmatch(r"\[rank (\d) on ([\d.]+)\] RESULT (.*)", line)
-            assert found is not None, line
-            result = json.loads(found[3])
-            assert found[2] == hosts[int(found[1]) // 2].address, line
-        else:  # mpiexec passes the lines on as they are
-            result = json.loads(line.removeprefix("RESULT "))
+    for line in done.stdout.splitlines():  # every line prefixed with its rank and host
+        found = re.fullmatch(r"\[rank (\d) on ([\d.]+)\] RESULT (.*)", line)
+        assert found is not None, line
+        result = json.loads(found[3])
+        assert found[2] == hosts[int(found[1]) // 2].address, line
+        assert result["rank"] == int(found[1]), line
         results[result["rank"]] = result
     assert sorted(results) == [0, 1, 2, 3], done.stdout
     for rank, result in results.items():
@@ -368,7 +369,7 @@ def test_run_hosts_a_rank_failing_on_the_other_host_ends_the_job(
     assert f"{prefix}Traceback (most recent call last):" in err, err
     assert f"{prefix}RuntimeError: rank 3 fails on purpose on {b.hostname}" in err, err
     assert f"rank 3 on {b.address} exited with status 1; stopping the other 3 rank(s)" in err
-    assert leftovers() == [], "ranks outlived the job (rank 2 runs on the other host)"
+    assert leftovers(hosts) == [], "ranks outlived the job (rank 2 runs on the other host)"
 
 
 def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
@@ -390,7 +391,7 @@ def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
     assert job.returncode == 130, stderr
     for rank in (2, 3):
         assert f"[rank {rank} on {b.address}] KeyboardInterrupt" in stderr, stderr
-    assert leftovers() == []
+    assert leftovers(hosts) == []
 
 
 def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
@@ -404,7 +405,7 @@ def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
     )
     assert done.returncode == 124, done.stderr
     assert done.stdout.count("] ready") == 4, done.stdout  # it had started on both hosts
-    assert leftovers() == []
+    assert leftovers(hosts) == []
 
 
 def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
@@ -419,3 +420,63 @@ def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"cannot start ranks on host {nobody!r}: ssh failed with status 255" in done.stderr
     assert "ready" not in done.stdout, "a rank started before the hosts were checked"
+
+
+# --- elastic across hosts: workers started over ssh, a host lost, a host set aside and back ---
+
+
+def elastic_hosts_job(
+    hosts: tuple[Host, Host], ssh: Ssh, out: Path, options: list[str], args: list[str]
+) -> list[str]:
+    """`dataparallel run -H a:2,b:2 --min-np 2 ... elastic_train.py ARGS`, run in host a: its
+    workers w0 and w1 start there, w2 and w3 over ssh on b."""
+    from test_elastic_runs import SAMPLES, TRAIN
+
+    a, b = hosts
+    run = [sys.executable, "-m", "dataparallel", "run", "-H", f"{a.address}:2,{b.address}:2"]
+    run += ["--backend", "gloo", "--min-np", "2", "--timeout", "240", *ssh.options, *options]
+    train = [str(TRAIN), "--samples", str(SAMPLES), "--out", str(out), *args]
+    return a.command([*run, *train])
+
+
+def test_elastic_run_loses_a_whole_host_and_goes_on(
+    hosts: tuple[Host, Host], ssh: Ssh, tmp_path: Path
+) -> None:
+    """Both workers of host b die in the same step (SIGKILL, seen through their ssh as 137):
+    the host is dropped, the two of host a re-form and finish, every sample once an epoch and
+    the weights the replay's."""
+    from test_elastic_runs import check_run
+
+    b = hosts[1]
+    job = elastic_hosts_job(
+        hosts, ssh, tmp_path / "out.json", [], ["--die", "w2:3", "--die", "w3:3"]
+    )
+    done = run_job(job, launcher=None, env=ssh.env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"worker 2 on {b.address} was lost (SIGKILL)" in done.stderr, done.stderr
+    assert f"worker 3 on {b.address} was lost (SIGKILL)" in done.stderr, done.stderr
+    assert f"host {b.address} has no worker left" in done.stderr, done.stderr
+    assert f"[worker 3 on {b.address}] " in done.stdout + done.stderr  # lines name the host
+    check_run(tmp_path, [4, 2])
+    assert leftovers(hosts, "elastic_train.py") == []
+
+
+def test_elastic_host_set_aside_for_a_cool_down_then_joins_again(
+    hosts: tuple[Host, Host], ssh: Ssh, tmp_path: Path
+) -> None:
+    """Worker 3 dies on host b: with a cool-down the host is set aside (no worker starts there)
+    for 1 s, then its slots count again and a new worker starts on b and joins: 4 -> 3 -> 4.
+    Rank 0, after its 3rd commit (in the world of three), waits for that round to open."""
+    from test_elastic_runs import check_run
+
+    b = hosts[1]
+    options = ["--blacklist-cooldown-range", "1", "1"]
+    args = ["--die", "w3:2", "--slots", f"{tmp_path / 'unused'}:3:-"]
+    job = elastic_hosts_job(hosts, ssh, tmp_path / "out.json", options, args)
+    done = run_job(job, launcher=None, env=ssh.env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"worker 3 on {b.address} was lost (SIGKILL)" in done.stderr, done.stderr
+    assert f"host {b.address} is set aside for 1.0 s" in done.stderr, done.stderr
+    assert f"host {b.address}'s cool-down ended" in done.stderr, done.stderr
+    check_run(tmp_path, [4, 3, 4])
+    assert leftovers(hosts, "elastic_train.py") == []

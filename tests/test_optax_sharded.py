@@ -91,6 +91,7 @@ def test_mixed_dtypes(rank: int, size: int) -> None:
         np.testing.assert_allclose(np.asarray(updates["b"], np.float32), np.full(5, -1.0))
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", sorted(set(SHARDABLE) - {"adam"}))
 def test_masks_and_labels_as_trees_pick_the_same_leaves(
@@ -155,6 +156,7 @@ def test_what_cannot_run_on_slices_is_refused_by_name(name: str) -> None:
     dp.DistributedOptimizer(make())  # unsharded: accepted
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_half_precision_average_is_correctly_rounded(
@@ -193,6 +195,7 @@ def _rounded(x: np.ndarray, dtype: Any) -> np.ndarray:
     return np.choose(best, candidates).view(dtype)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", ["adam", "adamw-masked"])
 def test_consolidated_state_restores_at_any_world_size(

@@ -24,6 +24,7 @@ from dataparallel.collectives.objects import allgather_object, barrier, broadcas
 from dataparallel.collectives.reductions import allreduce, allreduce_gradients, iallreduce, reduce
 from dataparallel.collectives.requests import Request, wait_all
 from dataparallel.collectives.scatters import reducescatter
+from dataparallel.collectives.staged import stage_with as _stage_with
 from dataparallel.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -59,6 +60,9 @@ from dataparallel.world import (
 # torch's group, when made as torch is imported after `dp.initialize()`, begins with the
 # handshake of a collective call, a layer above `torch_distributed`: wired here.
 _torch_distributed.check_calls_with(_verify_same_call)
+# Collectives on values JAX is tracing (inside `jax.jit`) are staged by `dataparallel.jax`, a
+# layer above them: named here, loaded on the first traced call, so JAX is not imported before.
+_stage_with("dataparallel.jax.staged")
 
 __version__ = _VERSION
 """This package's version, from its installed metadata (`"0+unknown"` when not installed)."""
@@ -112,14 +116,18 @@ __all__ = [
 # Names whose modules load on first access, so `import dataparallel` needs NumPy alone.
 _LAZY = {
     "torch": ("dataparallel.torch", None),
+    "checkpoint": ("dataparallel.checkpoint", None),
     "elastic": ("dataparallel.elastic", None),
+    "lightning": ("dataparallel.lightning", None),
     "DistributedDataContainer": ("dataparallel.data", "DistributedDataContainer"),
     "DistributedDataLoader": ("dataparallel.data", "DistributedDataLoader"),
 }
 
 
 if TYPE_CHECKING:  # what the type checker sees of them; at run time they load here
+    from dataparallel import checkpoint as checkpoint
     from dataparallel import elastic as elastic
+    from dataparallel import lightning as lightning
     from dataparallel import torch as torch
     from dataparallel.data import DistributedDataContainer as DistributedDataContainer
     from dataparallel.data import DistributedDataLoader as DistributedDataLoader

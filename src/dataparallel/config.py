@@ -12,7 +12,7 @@
 | | ... and the limit of gradient buckets on the communication thread | `THREAD_BUCKET_BYTES` |
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
-| `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in one ring | by hosts |
+| `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in a ring | interleaved |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
@@ -186,6 +186,15 @@ class Settings:
         return (
             self.rank is not None and self.world_size is not None and self.master_addr is not None
         )
+
+    @property
+    def group_timeout(self) -> float | None:
+        """Seconds a Gloo group made for this process waits: the setting's timeout, else, in an
+        elastic worker, as long as its round may take to form (`elastic_timeout`); None leaves
+        torch's own default."""
+        if self.timeout is not None:
+            return self.timeout
+        return self.elastic_timeout if self.elastic_worker is not None else None
 
     @property
     def launched_size(self) -> int | None:

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dataparallel.backends.rendezvous import gloo_interface, interface_toward
 from dataparallel.config import Settings
 from dataparallel.elastic.forming import round_key, watching
 from dataparallel.errors import DataParallelError, RankFailedError
@@ -271,10 +272,19 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     global _watched
     _watched = watching(store, chosen.generation, chosen.members)
     prefix = dist.PrefixStore(f"{round_key(chosen.generation)}/group/", _watched)
-    timeout = datetime.timedelta(seconds=settings.timeout or settings.elastic_timeout)
-    dist.init_process_group(
-        "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
-    )
+    # A worker always has its elastic timeout when the setting's is unset.
+    seconds = settings.group_timeout
+    timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+    assert settings.elastic_store is not None
+    # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
+    # nothing and Gloo would bind to loopback, out of the other hosts' reach.
+    interface = None
+    if settings.gloo_socket_ifname is None:
+        interface = interface_toward(*settings.elastic_store)
+    with gloo_interface(interface):
+        dist.init_process_group(
+            "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
+        )
 
 
 def leave() -> None:

@@ -30,7 +30,7 @@ import functools
 import itertools
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -41,16 +41,32 @@ from dataparallel import caches
 __all__ = ["Reduce", "ffi_reason", "host_device_reason", "reduce_ffi"]
 
 Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]  # (inputs, outputs) as NumPy
+Outputs = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] | None  # (shape, dtype); None: inputs'
+# How a call behaves under JAX's transformations: "opaque" (no vmap, no derivative: the
+# optimizer's step), "elementwise" (vmap: the same call on the batched buffers), "rows" (vmap:
+# the batch moved behind the first axis, which the call gathers or splits), "sum" (elementwise,
+# and linear: mpi4jax's allreduce rules, its transpose "transposed", the identity).
+Rule = Literal["opaque", "elementwise", "rows", "sum", "transposed"]
 
 TARGET = "dataparallel_allreduce"
 _TOKEN = 17  # XLA_FFI_DataType_TOKEN: the ordered effect's token, an argument and a result
 _METADATA = 1  # XLA_FFI_Extension_Metadata: XLA asks the handler for its API version
 _UNKNOWN = 2  # XLA_FFI_Error_Code_UNKNOWN
-_TYPESTR = {  # XLA_FFI_DataType -> NumPy's typestr, for the wire dtypes of `_packed.WIRE`
-    11: "<f4",
-    12: "<f8",
+_TYPESTR = {  # XLA_FFI_DataType -> NumPy's typestr (bfloat16 travels bitcast to uint16)
+    1: "|b1",
+    2: "|i1",
+    3: "<i2",
     4: "<i4",
     5: "<i8",
+    6: "|u1",
+    7: "<u2",
+    8: "<u4",
+    9: "<u8",
+    10: "<f2",
+    11: "<f4",
+    12: "<f8",
+    15: "<c8",
+    18: "<c16",
 }
 
 
@@ -239,7 +255,7 @@ def _primitive() -> Primitive:
     """The primitive with an ordered effect, lowered to the FFI call; the target registered."""
     from jax._src import dispatch, effects
     from jax._src.core import abstract_token
-    from jax.interpreters import mlir
+    from jax.interpreters import ad, batching, mlir
 
     class Ordered(effects.Effect):
         """dataparallel's engine calls: in program order, as io_callback(ordered=True)'s."""
@@ -258,25 +274,75 @@ def _primitive() -> Primitive:
     primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
 
     def abstract(
-        *avals: jax.core.ShapedArray, slot: int, in_place: tuple[bool, ...]
+        *avals: jax.core.ShapedArray, outputs: Outputs, rule: Rule, **_: Any
     ) -> tuple[list[object], set[object]]:
-        return [jax.core.ShapedArray(a.shape, a.dtype) for a in avals], {effect}
+        shapes = outputs if outputs is not None else [(a.shape, a.dtype) for a in avals]
+        out: list[object] = [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
+        return out, set() if rule == "transposed" else {effect}
 
     def lower(
-        ctx: mlir.LoweringRuleContext, *args: Any, slot: int, in_place: tuple[bool, ...]
+        ctx: mlir.LoweringRuleContext,
+        *args: Any,
+        slot: int,
+        in_place: tuple[bool, ...],
+        rule: Rule,
+        **_: Any,
     ) -> Any:
+        if rule == "transposed":  # a sum's transpose, as mpi4jax's: every rank's own cotangent
+            return list(args)
         token = ctx.tokens_in.get(effect)
         with_token = ctx.replace(
             avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
         )
         aliases = {i: i for i, alias in enumerate(in_place) if alias}
-        rule = jax.ffi.ffi_lowering(TARGET, has_side_effect=True, operand_output_aliases=aliases)
-        results = list(rule(with_token, *args, token, slot=np.int64(slot)))
+        lowering = jax.ffi.ffi_lowering(
+            TARGET, has_side_effect=True, operand_output_aliases=aliases
+        )
+        results = list(lowering(with_token, *args, token, slot=np.int64(slot)))
         ctx.set_tokens_out(mlir.TokenSet({effect: results.pop()}))
         return results
 
+    def batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+        rule, outputs = params["rule"], params["outputs"]
+        if rule == "opaque":
+            raise ValueError(
+                f"{params['name']} cannot run inside jax.vmap: its buffers are laid out when it "
+                "is traced, one engine call each. Call it outside vmap."
+            )
+        if rule != "rows":  # elementwise: the same call on the batched buffers, in place
+            return primitive.bind(*args, **params), list(dims)
+        moved, shapes = [], []  # the rows stay the first axis: the batch goes second
+        for i, (arg, dim) in enumerate(zip(args, dims, strict=True)):
+            shape, dtype = outputs[i]
+            if dim is None:
+                moved.append(arg)
+                shapes.append((shape, dtype))
+            else:
+                moved.append(jax.numpy.moveaxis(arg, dim, 1))
+                shapes.append(((shape[0], arg.shape[dim], *shape[1:]), dtype))
+        params = {**params, "outputs": tuple(shapes)}
+        out_dims = [dim if dim is None else 1 for dim in dims]
+        return primitive.bind(*moved, **params), out_dims
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
+        if params["rule"] not in ("sum", "transposed"):
+            raise TypeError(
+                f"{params['name']} has no derivative (as mpi4jax's): only dp.allreduce with "
+                "op='sum' or 'avg' is differentiable inside jax.jit."
+            )
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        return primitive.bind(*primals, **params), primitive.bind(*tangents, **params)
+
+    def transpose(cotangents: Sequence[Any], *args: Any, **params: Any) -> list[Any]:
+        flipped = "transposed" if params["rule"] == "sum" else "sum"
+        cts = [ad.instantiate_zeros(c) for c in cotangents]
+        return list(primitive.bind(*cts, **{**params, "rule": flipped}))
+
     primitive.def_effectful_abstract_eval(abstract)
     mlir.register_lowering(primitive, lower, platform="cpu")
+    batching.primitive_batchers[primitive] = batch
+    ad.primitive_jvps[primitive] = jvp
+    ad.primitive_transposes[primitive] = transpose
     return primitive
 
 
@@ -309,20 +375,34 @@ def ffi_reason() -> str | None:
 
 
 def reduce_ffi(
-    flats: Sequence[jax.Array], reduce: Reduce, in_place: Sequence[bool], *, key: Hashable
+    flats: Sequence[jax.Array],
+    reduce: Reduce,
+    in_place: Sequence[bool],
+    *,
+    key: Hashable,
+    outputs: Sequence[jax.ShapeDtypeStruct] | None = None,
+    rule: Rule = "opaque",
+    name: str = "a jitted dp.DistributedOptimizer step",
 ) -> list[jax.Array]:
     """Stage out `reduce(inputs, outputs)` on the traced buffers `flats`; return the outputs
-    (each `flats[i]`'s shape and dtype, written by `reduce`). Where `in_place[i]`, output `i`
-    is input `i`'s memory. Alias a value as XLA made it (a concatenation, a gradient leaf in its
-    own shape): aliasing a reshape of a leaf made XLA copy the leaf first (seen in the HLO), and
-    XLA copies any aliased value still read elsewhere, or a parameter of the computation.
+    (each `flats[i]`'s shape and dtype, or `outputs`' where given, written by `reduce`). Where
+    `in_place[i]`, output `i` is input `i`'s memory (the same shape and dtype). Alias a value as
+    XLA made it (a concatenation, a gradient leaf in its own shape): aliasing a reshape of a leaf
+    made XLA copy the leaf first (seen in the HLO), and XLA copies any aliased value still read
+    elsewhere, or a parameter of the computation.
 
     `key` names the step: steps traced with equal keys must reduce alike (they share a slot,
-    whose `reduce` becomes the latest one traced)."""
+    whose `reduce` becomes the latest one traced). `rule` says how the call transforms (`Rule`;
+    `reduce` must then take buffers of any shape the batch gives), `name` what it is, for errors.
+    """
     primitive = _primitive()
     with _lock:
         slot = _slot_of.get(key)
         if slot is None:
             slot = _slot_of[key] = next(_slots)
         _steps[slot] = reduce
-    return list(primitive.bind(*flats, slot=slot, in_place=tuple(in_place)))
+    shapes = (
+        None if outputs is None else tuple((tuple(o.shape), np.dtype(o.dtype)) for o in outputs)
+    )
+    params = {"slot": slot, "in_place": tuple(in_place), "outputs": shapes, "rule": rule}
+    return list(primitive.bind(*flats, **params, name=name))

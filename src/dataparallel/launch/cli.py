@@ -93,6 +93,8 @@ _RUN_VALUE_OPTIONS = frozenset(
         "--reset-limit",
     )
 )
+# ... and those that take two.
+_RUN_PAIR_OPTIONS = frozenset(("--blacklist-cooldown-range",))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -205,7 +207,15 @@ def _add_elastic_options(run: argparse.ArgumentParser) -> None:
         "--host-discovery-script",
         metavar="S",
         help="an executable printing HOST:SLOTS lines (Horovod's format), run every second; "
-        "new slots on this machine get new workers",
+        "new slots get new workers, over ssh on other hosts",
+    )
+    group.add_argument(
+        "--blacklist-cooldown-range",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="set a host where a worker was lost aside for LOW..HIGH seconds, doubling each "
+        "time (horovodrun's), instead of never using the lost slot again",
     )
     group.add_argument(
         "--elastic-timeout",
@@ -227,6 +237,7 @@ def _check_elastic_options(parser: argparse.ArgumentParser, ns: argparse.Namespa
             ("--max-np", ns.max_np),
             ("--host-discovery-script", ns.host_discovery_script),
             ("--reset-limit", ns.reset_limit),
+            ("--blacklist-cooldown-range", ns.blacklist_cooldown_range),
         )
         if value is not None
     ]
@@ -241,7 +252,16 @@ def _check_elastic_options(parser: argparse.ArgumentParser, ns: argparse.Namespa
             "Gloo: add --backend gloo."
         )
     if ns.nnodes != 1:
-        parser.error("--min-np runs on one machine (--nnodes 1); see docs/elastic.md.")
+        parser.error(
+            "--min-np with --nnodes: an elastic run has one launcher, which starts the workers "
+            "of every host itself: give the hosts with -H or --host-discovery-script."
+        )
+    cooldown = ns.blacklist_cooldown_range
+    if cooldown is not None and not 0 < cooldown[0] <= cooldown[1]:
+        parser.error(
+            "--blacklist-cooldown-range LOW HIGH needs 0 < LOW <= HIGH (seconds), got "
+            f"{cooldown[0]:g} {cooldown[1]:g}."
+        )
     max_np = ns.n if ns.max_np is None else ns.max_np
     if not 1 <= ns.min_np <= ns.n:
         parser.error(f"--min-np must be in 1..{ns.n} (-n), got {ns.min_np}.")
@@ -256,16 +276,21 @@ def _check_elastic_options(parser: argparse.ArgumentParser, ns: argparse.Namespa
         parser.error(f"--host-discovery-script {script!r} is not an executable file.")
 
 
-def _elastic_options(ns: argparse.Namespace) -> ElasticOptions:
-    """Return the checked elastic options of `ns`."""
+def _elastic_options(
+    ns: argparse.Namespace, hosts: list[HostSlots] | None = None
+) -> ElasticOptions:
+    """Return the checked elastic options of `ns`, with the host list if one was given."""
     from dataparallel.launch.spawn import ElasticOptions
 
+    cooldown = ns.blacklist_cooldown_range
     return ElasticOptions(
         min_np=ns.min_np,
         max_np=ns.n if ns.max_np is None else ns.max_np,
         discovery=ns.host_discovery_script,
         elastic_timeout=ns.elastic_timeout,
         reset_limit=ns.reset_limit,
+        hosts=None if hosts is None else tuple(hosts),
+        cooldown=None if cooldown is None else (cooldown[0], cooldown[1]),
     )
 
 
@@ -294,8 +319,7 @@ def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
             return argv[: i + 1], argv[i + 1 :]
         if not word.startswith("-") or word == "-":
             return argv[:i], argv[i:]
-        takes_value = word in _RUN_VALUE_OPTIONS
-        i += 2 if takes_value else 1
+        i += 1 + (word in _RUN_VALUE_OPTIONS) + 2 * (word in _RUN_PAIR_OPTIONS)
     return argv, []
 
 
@@ -351,11 +375,6 @@ def _check_hosts(
         parser.error(
             f"{', '.join(torchrun)} number the machines of a job started by hand on each; with "
             "-H or --hostfile the launcher starts every machine's ranks itself: drop them."
-        )
-    if ns.min_np is not None:
-        parser.error(
-            "--min-np with -H or --hostfile: elastic runs start workers on this machine only "
-            "(docs/elastic.md)."
         )
     if ns.backend == "mpi":
         ssh = [f for f, v in (("-p", ns.ssh_port), ("-i", ns.ssh_identity_file)) if v is not None]
@@ -446,8 +465,9 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         from dataparallel.launch.mpi import run_mpi
 
         return run_mpi(ns.n, runner_target, timeout=ns.timeout, hosts=hosts)
-    if hosts is not None:
+    if hosts is not None and ns.min_np is None:
         return _run_gloo_on_hosts(parser, ns, hosts, runner_target)
+    from dataparallel.launch.hosts import Ssh
     from dataparallel.launch.spawn import Topology, run_gloo
 
     port = ns.master_port
@@ -460,8 +480,9 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         master_addr=ns.master_addr or "127.0.0.1",
         master_port=port,
     )
-    elastic = None if ns.min_np is None else _elastic_options(ns)
-    return run_gloo(runner_target, topology, elastic=elastic, timeout=ns.timeout)
+    elastic = None if ns.min_np is None else _elastic_options(ns, hosts)
+    ssh = Ssh(port=ns.ssh_port, identity_file=ns.ssh_identity_file)
+    return run_gloo(runner_target, topology, elastic=elastic, timeout=ns.timeout, ssh=ssh)
 
 
 def _run_gloo_on_hosts(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import math
 import os
@@ -55,6 +56,8 @@ __all__ = ["FirstDeaths", "find_mpiexec", "mpi_command", "require_mpi4py", "run_
 # The launcher's own deadline trails mpiexec's MPIEXEC_TIMEOUT by this much, so that mpiexec,
 # which knows its processes best, normally does the cleanup and the launcher is only the backstop.
 _BACKSTOP_SECONDS = 3.0
+# Hydra's `-prepend-pattern` for a launch across hosts: %r is the rank, %h its host as listed.
+_HYDRA_PREFIX = "[rank %r on %h] "
 
 
 def require_mpi4py() -> None:
@@ -94,6 +97,7 @@ def find_mpiexec() -> tuple[str, str | None]:
     )
 
 
+@functools.cache
 def _hostfile_flag(mpiexec: str) -> str:
     """Return how this `mpiexec` takes a host file: `--hostfile` (Open MPI), `-f` (Hydra)."""
     try:
@@ -107,9 +111,17 @@ def _hostfile_flag(mpiexec: str) -> str:
 
 
 def mpi_command(mpiexec: str, n: int, target: list[str], hostfile: str | None = None) -> list[str]:
-    """Return the `mpiexec` command line that runs `target` (runner arguments) on `n` ranks."""
-    hosts = [_hostfile_flag(mpiexec), hostfile] if hostfile is not None else []
-    return [mpiexec, "-n", str(n), *hosts, sys.executable, "-m", RUNNER, *target]
+    """Return the `mpiexec` command line that runs `target` (runner arguments) on `n` ranks.
+
+    With a host file, Hydra prefixes every line of a rank's output with its rank and host, as
+    the Gloo launch across hosts does (`[rank R on HOST] `), and the runner then leaves its own
+    lines unprefixed; Open MPI's output is passed on as it is."""
+    if hostfile is None:
+        return [mpiexec, "-n", str(n), sys.executable, "-m", RUNNER, *target]
+    flag = _hostfile_flag(mpiexec)
+    prefix = ["-prepend-pattern", _HYDRA_PREFIX] if flag == "-f" else []
+    runner = [RUNNER, "--prefixed"] if prefix else [RUNNER]
+    return [mpiexec, "-n", str(n), flag, hostfile, *prefix, sys.executable, "-m", *runner, *target]
 
 
 def _hostfile_text(hosts: Sequence[HostSlots], flag: str) -> str:

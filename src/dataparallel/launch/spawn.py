@@ -7,15 +7,20 @@ death by signal included, ends the job. An elastic launch (`--min-np`, `ElasticO
 members of each successive world (`dataparallel.elastic`). Then
 
 - a worker killed by a signal (SIGKILL, the OOM killer) is *lost*: its slot is not used again
-  (Horovod blacklists the host; here, one machine, the slot) and, while at least `--min-np`
-  remain, the survivors re-form; any other failure ends the run, since re-forming fixes no bug;
+  and, while at least `--min-np` remain, the survivors re-form; any other failure ends the run,
+  since re-forming fixes no bug. On another host, a worker whose ssh ends with 255 (the host
+  or its link gone) is lost too. With `--blacklist-cooldown-range LOW HIGH` (horovodrun's) a
+  host where a worker was lost is set aside instead: no worker starts there for a cool-down
+  that doubles with each time (Horovod's blacklist), after which all its slots count again;
 - a worker that exits 0 *finished* its script and leaves the run: the others either finish
   too or re-form without it, whatever `--min-np` says (the run is ending: no worker starts
   after a finish, so waiting for `--min-np` would wait in vain);
-- `--host-discovery-script` (Horovod's `HOST:SLOTS` lines, this machine only) runs every second:
-  more slots (up to `--max-np`) start workers, fewer remove the newest, which leave with status 0
-  at their next commit while the others re-form. Its first call must succeed; a later failure
-  keeps the slots it reported last (Horovod's rule);
+- `--host-discovery-script` (Horovod's `HOST:SLOTS` lines) runs every second: more slots (up to
+  `--max-np`) start workers, on this machine or over ssh on the host named (as `-H` starts
+  ranks: `dataparallel.launch.hosts`), hosts in the order listed; fewer remove the newest of
+  the hosts that shrank, which leave with status 0 at their next commit while the others
+  re-form. Its first call must succeed; a later failure keeps the slots it reported last
+  (Horovod's rule). Without a script, `-H`'s hosts are the slots;
 - fewer than `--min-np` workers for `--elastic-timeout` seconds, or more than `--reset-limit`
   re-formed worlds, end the run with status 1. A world counts when it forms: losing two workers
   at once opens a round that never forms (its members include the second) before the one that
@@ -34,11 +39,13 @@ rank that exits 0 through `os._exit` before that fails the job (status 1, `proce
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -57,6 +64,8 @@ from dataparallel.config import (
 )
 from dataparallel.errors import DataParallelError
 from dataparallel.launch.hosts import (
+    HostError,
+    HostSlots,
     RemoteRank,
     Slot,
     Ssh,
@@ -84,7 +93,14 @@ from dataparallel.launch.process import (
     warn,
 )
 
-__all__ = ["DiscoveryError", "ElasticOptions", "Topology", "discover", "run_gloo"]
+__all__ = [
+    "DiscoveryError",
+    "ElasticOptions",
+    "Topology",
+    "cooldown_seconds",
+    "discover",
+    "run_gloo",
+]
 
 # How often the discovery script is run (Horovod: every second), and how long it may take.
 DISCOVERY_INTERVAL = 1.0
@@ -123,21 +139,35 @@ class Topology:
 
 @dataclass(frozen=True)
 class ElasticOptions:
-    """`dataparallel run`'s elastic options, checked; `-n` is the `Topology`'s `nproc_per_node`."""
+    """`dataparallel run`'s elastic options, checked; `-n` is the `Topology`'s `nproc_per_node`.
+
+    `hosts` (`-H`/`--hostfile`) are the slots where no discovery script is given; `cooldown`
+    (seconds, lowest and highest) sets a host aside after a loss there instead of its slot."""
 
     min_np: int
     max_np: int
     discovery: str | None = None
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
+    hosts: tuple[HostSlots, ...] | None = None
+    cooldown: tuple[float, float] | None = None
 
 
-def discover(script: str) -> int:
-    """Run the discovery script and return the slots it reports on this machine.
+def cooldown_seconds(limits: tuple[float, float], times: int) -> float:
+    """Horovod's cool-down of a host set aside for the `times`-th time (1, 2, ...): the lower
+    limit doubled each time plus up to one lower limit at random (hosts set aside together do
+    not all come back at once), kept within the limits."""
+    low, high = limits
+    return max(low, min(high, low * (1 << min(times, 30)) + random.uniform(0, 1) * low))
+
+
+def discover(script: str) -> dict[str, int]:
+    """Run the discovery script and return the slots it reports, by host, in its order (a
+    host listed twice gets the sum).
 
     Raises:
         DiscoveryError: the script failed, timed out, or printed a line that is not `HOST` or
-            `HOST:SLOTS` with a positive SLOTS, or named a host other than this machine.
+            `HOST:SLOTS` with a positive SLOTS.
     """
     try:
         done = subprocess.run(
@@ -155,8 +185,7 @@ def discover(script: str) -> int:
             f"--host-discovery-script {script!r} exited with status {done.returncode}"
             + (f": {done.stderr.strip()}" if done.stderr.strip() else "")
         )
-    slots = 0
-    here = _LOCAL_NAMES | {socket.gethostname()}
+    slots: dict[str, int] = {}
     for number, line in enumerate(done.stdout.splitlines(), 1):
         text = line.strip()
         if not text:
@@ -167,13 +196,8 @@ def discover(script: str) -> int:
                 f"--host-discovery-script {script!r}, line {number}: {text!r} is not HOST:SLOTS "
                 "with a positive number of slots (Horovod's format, e.g. localhost:4)."
             )
-        if host.strip() not in here:
-            raise DiscoveryError(
-                f"--host-discovery-script {script!r}, line {number}: host {host.strip()!r} is not "
-                f"this machine ({', '.join(sorted(here))}): elastic runs start workers on this "
-                "machine only."
-            )
-        slots += int(count) if colon else 1
+        name = host.strip()
+        slots[name] = slots.get(name, 0) + (int(count) if colon else 1)
     return slots
 
 
@@ -192,8 +216,9 @@ def run_gloo(
         target: what the runner runs: `[script, *args]` or `["-m", module, *args]`.
         topology: this node's processes and the rendezvous address; with one node and no
             `master_port`, a free loopback port is chosen.
-        elastic: run elastically with these options (one node; `topology.nproc_per_node`
-            workers to start with), or None for a fixed world.
+        elastic: run elastically with these options (`topology.nproc_per_node` workers to
+            start with, on its hosts or the discovery script's, this machine's by default), or
+            None for a fixed world.
         timeout: seconds before every process is stopped (exit status 124).
         slots: every rank of the job and its host (`hosts.place`), for a launch across hosts:
             the ranks of other hosts start over `ssh`, the rendezvous is `topology`'s
@@ -201,8 +226,8 @@ def run_gloo(
         ssh: how to reach the other hosts (default: ssh's own settings).
 
     Raises:
-        HostError: a host of `slots` cannot be reached, or lacks this working directory or this
-            interpreter (before any rank starts).
+        HostError: a host of `slots` (or of an elastic run's first slots) cannot be reached, or
+            lacks this working directory or this interpreter (before any rank starts).
 
     Returns:
         0 when every process still in the job finished its script; else the first failed one's
@@ -277,7 +302,17 @@ class _Job:
         self.resets = 0  # rounds formed after the first
         self.members: dict[int, list[int]] = {}  # round -> its workers, in rank order
         self.started_in: dict[int, int] = {}  # worker -> the first round it is a member of
-        self.discovered = 0  # what the discovery script reported last
+        # Elastic: the slots by host (discovery's last report, -H's, or -n on this machine), the
+        # workers lost on each since it last came back, and the hosts set aside until when.
+        self.offered: dict[str, int] = {}
+        if elastic is not None and elastic.discovery is None:
+            hosts = elastic.hosts or (HostSlots("localhost", topology.nproc_per_node),)
+            self.offered = {entry.host: entry.slots for entry in hosts}
+        self.lost_on: collections.Counter[str] = collections.Counter()
+        self.aside: dict[str, float] = {}
+        self.times_aside: collections.Counter[str] = collections.Counter()
+        self.store_host = "127.0.0.1"  # where workers reach the store: another host's way in
+        self.unreachable: set[str] = set()  # hosts said to be out of reach of a loopback store
         self.discovery_failing = False  # its last call failed (said once, not every second)
         self.below_since: float | None = None  # since when fewer than --min-np workers run
         self.next_discovery = 0.0  # when discovery runs next
@@ -303,8 +338,66 @@ class _Job:
                 }
             )
 
-    def start(self) -> None:
-        """Start the next process: rank by rank in a fixed world, a new worker id when elastic."""
+    def _is_local(self, host: str) -> bool:
+        if host not in self.local:
+            try:
+                self.local[host] = is_local(host)
+            except HostError:
+                self.local[host] = False  # ssh will say what is wrong with it
+        return self.local[host]
+
+    def _where(self, host: str | None) -> str:
+        """How a process's host is named in its lines: always in a fixed world across hosts;
+        in an elastic run once its hosts are not all this machine."""
+        if host is None:
+            return ""
+        if self.elastic is not None and all(map(self._is_local, self.offered)):
+            return ""
+        return f" on {host}"
+
+    def _running_on(self, host: str) -> int:
+        return sum(1 for p in self.running.values() if p.host == host)
+
+    def _usable(self, host: str) -> int:
+        """The slots of `host` that workers may hold: its offer less those lost there."""
+        return max(0, self.offered.get(host, 0) - self.lost_on[host])
+
+    def _free_host(self) -> str | None:
+        """The first host, in the offer's order, with a slot for a new worker (None: none)."""
+        for host in self.offered:
+            if host in self.aside or self._running_on(host) >= self._usable(host):
+                continue
+            if self.store_host in _LOCAL_NAMES and not self._is_local(host):
+                if host not in self.unreachable:
+                    self.unreachable.add(host)
+                    warn(
+                        f"host {host!r} is not this machine, and the run began on this machine "
+                        "only, with its store on loopback: no worker starts there. Start the "
+                        "run with --master-addr (this machine's address that every host "
+                        "reaches), or with another host in the first discovery."
+                    )
+                continue
+            return host
+        return None
+
+    def _store_address(self) -> str:
+        """Where workers reach the launcher's store: `--master-addr` if given, else this
+        machine's address toward the first other host of the offer, else loopback."""
+        if self.topology.master_addr not in _LOCAL_NAMES:
+            return self.topology.master_addr
+        for host in self.offered:
+            if not self._is_local(host):
+                with (
+                    contextlib.suppress(OSError),
+                    socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe,
+                ):
+                    probe.connect((socket.gethostbyname(host), 9))  # picks a route only
+                    return str(probe.getsockname()[0])
+        return "127.0.0.1"
+
+    def start(self) -> bool:
+        """Start the next process: rank by rank in a fixed world, a new worker id when elastic
+        (on the first host with a free slot); False when an elastic run has no free slot."""
         number = len(self.everyone)
         env = dict(self.env)
         stdin: int | None = subprocess.DEVNULL
@@ -335,9 +428,12 @@ class _Job:
             if number == 0:
                 stdin = None  # the terminal's input goes to rank 0, as under torchrun
         else:
+            host = self._free_host()
+            if host is None:
+                return False
             env[ELASTIC_WORKER_VARIABLE] = f"w{number}"
         proc: subprocess.Popen[bytes]
-        if host is not None and not self.local[host]:
+        if host is not None and not self._is_local(host):
             runner = [sys.executable, "-m", RUNNER, "--prefixed", "--remote", *self.target]
             proc = RemoteRank(host, self.ssh, remote_command(os.getcwd(), forwarded(env), runner))
         else:
@@ -350,7 +446,7 @@ class _Job:
                 stderr=subprocess.PIPE,
             )
         process = _Process(number, proc, host)
-        where = "" if host is None else f" on {host}"
+        where = self._where(host)
         prefix = f"[{self.noun} {number}{where}] ".encode()
         assert proc.stdout is not None and proc.stderr is not None
         for source, output in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
@@ -360,6 +456,7 @@ class _Job:
         threading.Thread(target=self._wait, args=(process,), daemon=True).start()
         self.everyone.append(process)
         self.running[number] = process
+        return True
 
     def _wait(self, process: _Process) -> None:
         process.proc.wait()
@@ -368,11 +465,19 @@ class _Job:
     def supervise(self, signals: Signals, deadline: float | None, timeout: float | None) -> int:
         """Wait until every process has finished, or the job must end; return its status."""
         n = self.topology.nproc_per_node if self.slots is None else len(self.slots)
+        first = n
+        if self.elastic is not None:
+            first = min(n, self._capacity())  # the first discovery: it must succeed
+            self.store_host = self._store_address()
+            self.env[ELASTIC_STORE_VARIABLE] = f"{self.store_host}:{self.store.port}"
+            for host in self.offered:
+                self._is_local(host)
         others = [host for host, local in self.local.items() if not local]
         if others:  # before any rank starts: no rank waits for a host that cannot come
             check_hosts(others, self.ssh, os.getcwd(), sys.executable)
-        for _ in range(n if self.elastic is None else min(n, self._capacity())):
-            self.start()
+        for _ in range(first):
+            if not self.start():
+                break
         if self.elastic is not None:
             self.next_discovery = time.monotonic() + DISCOVERY_INTERVAL
             self._reform(changed=True)  # the first round, or the wait for --min-np workers
@@ -414,8 +519,10 @@ class _Job:
         """Judge the exit of process `number`: the job's status if it must end, else None.
 
         A worker killed by a signal in an elastic run is *lost* (noted in `lost`), even after
-        another finished (a worker lost in the last commit must not fail a finished run); any
-        other failure ends the job, as does a rank that exited 0 without finishing its script.
+        another finished (a worker lost in the last commit must not fail a finished run), as is
+        one on another host whose ssh reports a signal (128 + N, from the remote shell) or its
+        own failure (255: the host or the link gone); any other failure ends the job, as does a
+        rank that exited 0 without finishing its script.
         """
         process = self.running.pop(number, None)
         if process is None:  # removed from an elastic run, or stopped by `drop_unformed`
@@ -446,16 +553,40 @@ class _Job:
         if problem is not None:
             warn(f"{problem}{stopping}. Status 0 means that every rank finished its script.")
             return 1
-        if self.elastic is None or code > 0:
-            where = "" if process.host is None else f" on {process.host}"
+        remote = isinstance(process.proc, RemoteRank)
+        if self.elastic is None or (code > 0 and not (remote and code > 128)):
+            where = self._where(process.host)
             if isinstance(process.proc, RemoteRank) and code == 255:
                 where += " (255: ssh's own failure, or the rank's)"
             warn(f"{self.noun} {number}{where} exited with status {status}{stopping}.")
             return status
-        self.lost.append(number)
-        remain = len(self.running)
-        warn(f"worker {number} was lost ({signal_name(-code)}); {remain} worker(s) remain.")
+        self._lose(process, code)
         return None
+
+    def _lose(self, process: _Process, code: int) -> None:
+        """Note worker `process` lost (its exit `code`): its slot is not used again, or with
+        a cool-down its host is set aside (Horovod's blacklist)."""
+        assert self.elastic is not None and process.host is not None
+        host = process.host
+        self.lost.append(process.number)
+        self.lost_on[host] += 1
+        if code < 0:
+            how = signal_name(-code)
+        elif code == 255:
+            how = "its ssh failed with 255: the host or its link gone"
+        else:
+            how = signal_name(code - 128)
+        where = self._where(host)
+        remain = len(self.running)
+        warn(f"worker {process.number}{where} was lost ({how}); {remain} worker(s) remain.")
+        cooldown = self.elastic.cooldown
+        if cooldown is not None and host not in self.aside:
+            self.times_aside[host] += 1
+            seconds = cooldown_seconds(cooldown, self.times_aside[host])
+            self.aside[host] = time.monotonic() + seconds
+            warn(f"host {host} is set aside for {seconds:.1f} s: no worker starts there.")
+        if self._running_on(host) == 0 and not self._is_local(host):
+            warn(f"host {host} has no worker left; the run goes on without it.")
 
     def _left_behind(self) -> int | None:
         """Judge the ranks that failed because another went: name the ranks that finished their
@@ -495,11 +626,11 @@ class _Job:
         elastic = self.elastic
         assert elastic is not None
         now = time.monotonic()
-        if elastic.discovery is not None and now >= self.next_discovery and not self.finished:
+        follow = elastic.discovery is not None or bool(self.aside)
+        if follow and now >= self.next_discovery and not self.finished:
             self.next_discovery = now + DISCOVERY_INTERVAL
             capacity = self._rediscover()
-            while len(self.running) < capacity:
-                self.start()
+            while len(self.running) < capacity and self.start():
                 changed = True
             keep = max(capacity, elastic.min_np)  # never below --min-np: see docs/elastic.md
             if len(self.running) > keep:
@@ -525,14 +656,23 @@ class _Job:
         return None
 
     def _capacity(self) -> int:
-        """Return the slots an elastic run may use now: discovery's (or -n), less the lost ones,
-        at most --max-np."""
+        """Return the slots an elastic run may use now: discovery's (or -H's, or -n), less the
+        lost ones, at most --max-np; a host whose cool-down ended counts whole again."""
         assert self.elastic is not None
         discovery = self.elastic.discovery
         if discovery is not None:
-            self.discovered = discover(discovery)
-        slots = self.topology.nproc_per_node if discovery is None else self.discovered
-        return min(self.elastic.max_np, slots - len(self.lost))
+            self.offered = discover(discovery)
+        now = time.monotonic()
+        for host, until in list(self.aside.items()):
+            if until <= now:
+                del self.aside[host]
+                self.lost_on[host] = 0
+                warn(f"host {host}'s cool-down ended: its slots count again.")
+        if discovery is None:
+            slots = min(self.topology.nproc_per_node, sum(map(self._usable, self.offered)))
+        else:
+            slots = sum(map(self._usable, self.offered))
+        return min(self.elastic.max_np, slots)
 
     def _rediscover(self) -> int:
         """`_capacity` after the first call: a discovery script that fails now (a host service
@@ -543,12 +683,13 @@ class _Job:
         except DiscoveryError as exc:
             if not self.discovery_failing:
                 warn(
-                    f"{exc}; keeping the {self.discovered} slot(s) it reported last, and retrying."
+                    f"{exc}; keeping the {sum(self.offered.values())} slot(s) it reported last, "
+                    "and retrying."
                 )
             self.discovery_failing = True
-            return min(self.elastic.max_np, self.discovered - len(self.lost))
+            return min(self.elastic.max_np, sum(map(self._usable, self.offered)))
         if self.discovery_failing:
-            warn(f"the host discovery script works again ({self.discovered} slot(s)).")
+            warn(f"the host discovery script works again ({sum(self.offered.values())} slot(s)).")
         self.discovery_failing = False
         return capacity
 
@@ -602,11 +743,25 @@ class _Job:
         return status
 
     def remove(self, count: int, slots: int) -> None:
-        """Leave the newest `count` workers out of the next round (discovery leaves the run
-        `slots`): told through the store, they leave at their next commit, with status 0."""
+        """Leave `count` workers out of the next round (discovery leaves the run `slots`): the
+        newest of the hosts that hold more workers than they now offer, then the newest of all.
+        Told through the store, they leave at their next commit, with status 0."""
         from dataparallel.elastic.rounds import removed_key
 
-        for number in list(self.running)[-count:]:
+        over = {
+            h: self._running_on(h) - self._usable(h)
+            for h in {p.host for p in self.running.values()}
+            if h is not None
+        }
+        newest = list(reversed(self.running))
+        chosen: list[int] = []
+        for number in newest:  # first the newest of the hosts that hold more than they offer
+            host = self.running[number].host
+            if len(chosen) < count and host is not None and over[host] > 0:
+                chosen.append(number)
+                over[host] -= 1
+        chosen += [n for n in newest if n not in chosen][: count - len(chosen)]
+        for number in chosen:
             process = self.running.pop(number)
             self.store.set(removed_key(process.id), "1")
             self.removed[number] = process

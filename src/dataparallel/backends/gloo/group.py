@@ -128,16 +128,21 @@ def _over_existing_group(
                 f"{what}={given} was given, but torch.distributed is already initialized "
                 f"with {what} {value}: drop the argument."
             )
-    # The program's group waits as long as the program chose; this one, the setting's time
-    # (torch's own default is 30 minutes). An elastic worker's group was made by its round with
-    # the elastic timeout when no timeout is set (`dataparallel.elastic`): this one too.
-    seconds = settings.timeout
-    if seconds is None and settings.elastic_worker is not None:
-        seconds = settings.elastic_timeout
+    # The program's group waits as long as the program chose; this one, as long as the group an
+    # elastic round makes (`dataparallel.elastic`): torch's own default is 30 minutes.
+    seconds = settings.group_timeout
     timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
-    group = dist.new_group(backend="gloo", timeout=timeout)
+    # An elastic worker's round bound its group toward the launcher's store (its hosts'
+    # names may resolve to nothing): this one, and those made from it, bind there too.
+    interface = None
+    if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
+        interface = interface_toward(*settings.elastic_store)
+    with gloo_interface(interface):
+        group = dist.new_group(backend="gloo", timeout=timeout)
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
-    return Joined(dist, group, owns_default_group=False, local=local, timeout=timeout)
+    return Joined(
+        dist, group, owns_default_group=False, local=local, timeout=timeout, interface=interface
+    )
 
 
 def _launcher_local(settings: Settings) -> tuple[int, int] | None:

@@ -9,9 +9,14 @@ gathered inside each host again (Horovod's `HOROVOD_HIERARCHICAL_ALLREDUCE`; MPI
 `MPI_Allreduce` composes the same way, so the MPI backend needs none of this: docs/network.md).
 
 `Hierarchy.build` decides (collective, once per world): `DATAPARALLEL_HIERARCHICAL=1/0` forces it
-on or off; unset, it is on where the world spans hosts of several ranks each. Every host must hold
-the same number of ranks; otherwise the flat ring stays. Small buffers stay flat too: three
-rendezvous cost more than the bytes they save.
+on or off; unset, it is on only where the world spans hosts of several ranks each *and* the hosts
+interleave in rank order (as a round-robin placement gives): the ring then crosses between hosts
+at nearly every edge, twice the bytes of ranks numbered host by host. Numbered host by host, as
+every launcher of this package, mpiexec and Slurm's block placement give, the ring already
+crosses only at the hosts' boundaries, and the three steps, each a rendezvous of its own, cost
+more than the third of the bytes they save except on a slow link, where they merely tie
+(docs/network.md has the figures by size and link). Every host must hold the same number of
+ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
 """
 
 from __future__ import annotations
@@ -24,10 +29,18 @@ if TYPE_CHECKING:
 
     from dataparallel.config import Settings
 
-__all__ = ["MIN_BYTES", "Hierarchy", "Steps"]
+__all__ = ["MIN_BYTES", "Hierarchy", "Steps", "interleaved"]
 
-# Below this a buffer takes the flat ring: the three steps' latency outweighs what they save.
-MIN_BYTES = 64 * 1024
+# Below this a buffer takes the flat ring: the three steps' latency outweighs what they save,
+# even where the hosts interleave across a slow link.
+MIN_BYTES = 1 << 20
+
+
+def interleaved(hosts: list[str]) -> bool:
+    """Whether some host's ranks are not consecutive in rank order (`hosts[r]`: rank r's host),
+    so that the ring crosses between hosts more often than there are hosts."""
+    changes = sum(a != b for a, b in zip(hosts, hosts[1:] + hosts[:1], strict=True))
+    return changes > len(set(hosts))
 
 
 class Steps:
@@ -93,7 +106,7 @@ class Hierarchy:
         forced = settings.hierarchical
         counts = [hosts.count(h) for h in dict.fromkeys(hosts)]
         spans = len(counts) > 1 and max(counts) > 1
-        if forced is False or (forced is None and not spans):
+        if forced is False or (forced is None and not (spans and interleaved(hosts))):
             return None
         if len(set(counts)) != 1:
             if forced:

@@ -34,7 +34,13 @@ from dataparallel.torch._zero.gather import ForwardOverlap, SliceGather
 from dataparallel.torch._zero.gradients import GradientShards
 from dataparallel.torch._zero.join import ZeroJoin, refuse_unjoined
 from dataparallel.torch._zero.layout import Bucket, Piece, Slab, lay_out_group
-from dataparallel.torch._zero.state import consolidate, copy_options, load, with_options
+from dataparallel.torch._zero.state import (
+    consolidate,
+    consolidated_groups,
+    copy_options,
+    load,
+    with_options,
+)
 
 __all__ = ["Stage", "ZeroRedundancyOptimizer"]
 
@@ -459,6 +465,55 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """
         self._settle()
         load(self, state_dict)
+        self._consolidated = None
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """Return this rank's own state, without communicating: what a sharded checkpoint
+        (`dataparallel.checkpoint`) writes where it lies, each rank its pieces.
+
+        `{"pieces": [(index, start, stop, state)], "shapes": [...], "param_groups": [...]}`:
+        for each of this rank's pieces, its parameter's index (among every group's parameters,
+        in order), the items `[start, stop)` of that flattened parameter it holds, and the inner
+        optimizer's state of it (tensors of the piece's items, flat, and values such as
+        `step`); every parameter's shape; the param groups' options, with `params` as indices.
+        The tensors are the live state, not copies.
+        """
+        self._settle()
+        pieces = [
+            (p.param, p.start, p.stop, dict(self.optim.state.get(p.tensor, {})))
+            for p in self.pieces
+        ]
+        shapes = [tuple(p.shape) for p in self._params]
+        return {
+            "pieces": pieces,
+            "shapes": shapes,
+            "param_groups": with_options(
+                {"state": {}, "param_groups": consolidated_groups(self.param_groups)},
+                self.param_groups,
+            )["param_groups"],
+        }
+
+    def load_local_state_dict(
+        self, states: list[dict[str, Any]], groups: list[dict[str, Any]]
+    ) -> None:
+        """Take this rank's state back: `states[i]` is the state of `pieces[i]` (as
+        `local_state_dict` gives it, flat tensors of the piece's items), `groups` the param
+        groups' options (their `params` are ignored). The inverse of `local_state_dict`, at
+        this world size's layout, whatever the layout of the rank that wrote them."""
+        self._settle()
+        pieces = self.pieces
+        if len(states) != len(pieces):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.load_local_state_dict: {len(states)} states for "
+                f"{len(pieces)} pieces on rank {self.backend.rank}."
+            )
+        self.optim.state.clear()
+        for piece, state in zip(pieces, states, strict=True):
+            if state:
+                self.optim.state[piece.tensor] = dict(state)
+        for group, target in zip(groups, self.param_groups, strict=True):
+            target.update({k: v for k, v in group.items() if k != "params"})
+        copy_options(self.param_groups, self.optim.param_groups)
         self._consolidated = None
 
     # -- elastic runs --------------------------------------------------------------------------

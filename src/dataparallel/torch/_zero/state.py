@@ -42,7 +42,7 @@ class ZeroRedundancyOptimizer(Protocol):
     def pieces(self) -> list[Piece]: ...
 
 
-__all__ = ["consolidate", "copy_options", "load", "with_options"]
+__all__ = ["consolidate", "consolidated_groups", "copy_options", "load", "with_options"]
 
 # What a rank knows of a parameter's state: key -> ("slice", dtype) or ("value", the value).
 Schema = dict[str, tuple[str, Any]]
@@ -130,12 +130,17 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int | None) -> dict[str, Any]
                 target[start - a : stop - a] = whole[start - bucket.start : stop - bucket.start]
     if not receives:
         return None
-    groups, first = [], 0
-    for group in zero.param_groups:
+    return {"state": out, "param_groups": consolidated_groups(zero.param_groups)}
+
+
+def consolidated_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups as a consolidated state has them: `params` as indices, in order."""
+    out, first = [], 0
+    for group in groups:
         n = len(group["params"])
-        groups.append({"params": list(range(first, first + n))})
+        out.append({"params": list(range(first, first + n))})
         first += n
-    return {"state": out, "param_groups": groups}
+    return out
 
 
 def _options(group: dict[str, Any]) -> dict[str, Any]:

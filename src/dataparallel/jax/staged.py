@@ -1,0 +1,427 @@
+"""`dp.allreduce` and friends inside `jax.jit`: each call staged into the compiled program.
+
+What mpi4jax's users write (`mpi4jax.allreduce(x, op=MPI.SUM)` inside a jitted function) is
+written here as the eager call (`dp.allreduce(x)`): `dataparallel.collectives.staged` hands a
+call on traced values to `stage_collective`, which
+
+1. agrees on the call with every rank **once, when it is traced** (the handshake on the world's
+   engine, as eager calls make it per call): a different collective, tree, shape, dtype, op or
+   root raises `CollectiveMismatchError` on every rank, from the traced call;
+2. stages one engine call per leaf into the program, on a private duplicate of the engine
+   (`_own_engine`), through the XLA FFI call of
+   `_ffi.py` (the buffers in XLA's own memory, reduced and broadcast in place), or where it
+   cannot run (JAX off the CPU, several devices per process) an ordered `io_callback`. Both
+   carry an ordered effect: XLA runs the calls once per execution, in program order, and never
+   drops one whose result is unused;
+3. converts back inside the program (the wire dtype to the leaf's, the average's division).
+
+Under JAX's transformations the staged call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
+with `op="sum"` or `"avg"` has `jax.jvp` (the sum of the tangents), `jax.grad` and
+`jax.linear_transpose` (the transpose of a sum is the identity: each rank keeps its cotangent);
+the other ops and collectives raise a `TypeError` naming themselves when differentiated; every
+one batches under `jax.vmap` (one engine call on the batched buffer). The io_callback has none
+of these.
+
+A world of one stages nothing: the values are the result.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from dataparallel import world
+from dataparallel.arrays import tree
+from dataparallel.arrays.actions import parse_op, reduction_error
+from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.jax._ffi import Rule, ffi_reason, reduce_ffi
+from dataparallel.jax._jit import traced_here
+from dataparallel.protocol import handshake
+
+__all__ = ["stage_collective"]
+
+# The dtype each reduced dtype travels as: exact for every op (float16 and bfloat16 as float32,
+# the small integers and bool as int32), as the jitted optimizer's buffers travel.
+_WIRE = {
+    "float32": "float32",
+    "float64": "float64",
+    "int32": "int32",
+    "int64": "int64",
+    "float16": "float32",
+    "bfloat16": "float32",
+    "int8": "int32",
+    "int16": "int32",
+    "uint8": "int32",
+    "uint16": "int32",
+    "bool": "int32",
+}
+_MOVED = {  # dtypes moved unchanged (broadcast, gathers): every fixed-size one but bfloat16's
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+}
+_COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "alltoall", "barrier")
+HostCall = Callable[[list[np.ndarray], list[np.ndarray]], None]
+
+
+def stage_collective(collective: str, x: object, backend: Backend | None, **options: Any) -> Any:
+    """Stage `collective(x, **options)` on traced values into the program being traced.
+
+    `backend`: the engine (a group's), or None for the world's. Returns what the eager call
+    returns: `x`'s structure with traced results (and, for `alltoall`, the received splits).
+    """
+    if collective not in _COLLECTIVES:
+        raise TypeError(f"dp.{collective} cannot take traced JAX values (inside jax.jit).")
+    active = world.current()
+    engine = backend if backend is not None else active.backend
+    privates = functools.partial(_own_engine, active.private)
+    if collective == "barrier":
+        _stage_barrier(engine, privates)
+        return None
+    flat = tree.flatten(x, "x")
+    leaves = [jnp.asarray(leaf) for leaf in flat.leaves]
+    dtypes = [str(np.dtype(leaf.dtype)) for leaf in leaves]
+    signatures = [f"{d}{list(leaf.shape)}" for d, leaf in zip(dtypes, leaves, strict=True)]
+    stager = _STAGERS[collective]
+    options = stager.check(flat, leaves, dtypes, engine.size, options)
+    summary = (
+        f"jit {collective}|{sorted(options.items())}|{flat.structure()}|{'|'.join(signatures)}"
+    )
+
+    def details() -> dict[str, object]:
+        call: dict[str, object] = {"collective": f"{collective} (inside jax.jit)", **options}
+        call["tree structure"] = flat.structure()
+        call.update(zip(flat.paths, signatures, strict=True))
+        return call
+
+    if engine.size > 1:
+        handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
+    results, extra = stager.stage(leaves, engine, privates, summary, options)
+    out = tree.unflatten(flat.spec, list(results))
+    return (out, extra) if collective == "alltoall" else out
+
+
+def _own_engine(private: Callable[[Backend], Backend], engine: Backend) -> Backend:
+    """The engine staged calls run on: a duplicate of the world's private one, which the jitted
+    optimizer's steps use. On the mpi4jax route those steps carry mpi4jax's ordered effect, not
+    ours, so XLA may run one of theirs and one of these at the same time: never on one
+    communicator."""
+    return private(private(engine))
+
+
+class _Stager:
+    """One collective's parts: what it checks, and what it stages."""
+
+    def __init__(
+        self,
+        check: Callable[..., dict[str, Any]],
+        stage: Callable[..., tuple[list[jax.Array], Any]],
+    ) -> None:
+        self.check, self.stage = check, stage
+
+
+def _run(
+    inputs: list[jax.Array],
+    outputs: list[jax.ShapeDtypeStruct],
+    in_place: bool,
+    host: HostCall,
+    private: Backend,
+    summary: str,
+    rule: Rule,
+    name: str,
+) -> list[jax.Array]:
+    """Stage `host(inputs, outputs)` on NumPy views: the FFI call (outputs aliasing inputs where
+    `in_place`; `rule`: how it transforms, `_ffi.Rule`), or an ordered io_callback where the FFI
+    call cannot run (no vmap, no derivative there). `host` takes buffers of any shape a batch
+    gives them."""
+    traced_here()  # dp.finalize() drops JAX's caches: traced again in the next world
+    if not inputs:
+        return []
+    if ffi_reason() is None:
+        return reduce_ffi(
+            inputs,
+            host,
+            [in_place] * len(inputs),
+            key=(id(private), "staged", summary),
+            outputs=None if in_place else outputs,
+            rule=rule,
+            name=name,
+        )
+
+    def on_host(*arrays: jax.Array) -> list[np.ndarray]:
+        sent = [np.asarray(a) for a in arrays]
+        received = [
+            np.array(a, copy=True) if in_place else np.empty(o.shape, o.dtype)
+            for a, o in zip(sent, outputs, strict=True)
+        ]
+        host(sent, received)
+        return received
+
+    return list(io_callback(on_host, outputs, *inputs, ordered=True))
+
+
+def _as_moved(leaf: jax.Array) -> jax.Array:
+    """A leaf as it travels when only moved: bfloat16 as its bits (NumPy has no bfloat16)."""
+    if leaf.dtype == jnp.bfloat16:
+        return jax.lax.bitcast_convert_type(leaf, jnp.uint16)
+    return leaf
+
+
+def _from_moved(moved: jax.Array, leaf: jax.Array) -> jax.Array:
+    if leaf.dtype == jnp.bfloat16:
+        return jax.lax.bitcast_convert_type(moved, jnp.bfloat16)
+    return moved
+
+
+def _check_moved(dtypes: list[str], paths: list[str], collective: str) -> None:
+    for dtype, path in zip(dtypes, paths, strict=True):
+        if dtype not in _MOVED and dtype != "bfloat16":
+            raise TypeError(f"{path}: dp.{collective} inside jax.jit cannot move {dtype} values.")
+
+
+def _check_root(root: object, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root={root!r} is not a rank: give an int from 0 to {size - 1}.")
+    if not 0 <= int(root) < size:
+        raise ValueError(f"root={root} is not a rank of this world of {size}.")
+    return int(root)
+
+
+# --- allreduce and reduce -------------------------------------------------------------------
+
+
+def _check_reduction(
+    flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    op, scale = options["op"], options.get("scale")
+    if options.get("compression") is not None:
+        raise TypeError(
+            "dp.allreduce inside jax.jit does not compress (compression=...): call it outside "
+            "jax.jit, or use dp.DistributedOptimizer(..., compression=...) for optax."
+        )
+    parse_op(op)
+    if scale is not None:
+        scale = float(scale)
+    for dtype, path in zip(dtypes, flat.paths, strict=True):
+        if dtype not in _WIRE:
+            raise TypeError(
+                f"{path}: dp.allreduce inside jax.jit reduces {', '.join(_WIRE)} values, got "
+                f"{dtype}; convert the leaf (x.astype(...)), or reduce it outside jax.jit."
+            )
+        error = reduction_error(dtype, op, scale)
+        if error is not None:
+            raise TypeError(f"{path}: {error}")
+    checked = {"op": op, "scale": scale}
+    if "root" in options:
+        checked["root"] = _check_root(options["root"], size)
+    return checked
+
+
+def _stage_reduction(
+    leaves: list[jax.Array],
+    engine: Backend,
+    privates: Callable[[Backend], Backend],
+    summary: str,
+    options: dict[str, Any],
+) -> tuple[list[jax.Array], None]:
+    op, scale, root = options["op"], options["scale"], options.get("root")
+    engine_op, average = parse_op(op)
+    size = engine.size
+    factor = (1.0 / size if average else 1.0) * (1.0 if scale is None else scale)
+    if size == 1:
+        return [_finish(leaf, leaf, factor) for leaf in leaves], None
+    private = privates(engine)
+    wires = [leaf.astype(_WIRE[str(np.dtype(leaf.dtype))]) for leaf in leaves]
+    outputs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in wires]
+
+    def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for s, r in zip(sent, received, strict=True):
+            flat = r.reshape(-1)
+            if s.ctypes.data != r.ctypes.data:
+                flat[...] = s.reshape(-1)
+            if root is None:
+                private.allreduce(flat, engine_op)
+            else:
+                private.reduce(flat, engine_op, root)
+
+    if root is None:  # a sum is linear: mpi4jax's derivative rules (`_ffi.Rule`)
+        rule: Rule = "sum" if engine_op is ReduceOp.SUM else "elementwise"
+        name = f"dp.allreduce(op={op!r}) inside jax.jit"
+        reduced = _run(wires, outputs, True, host, private, summary, rule, name)
+        return [_finish(r, leaf, factor) for r, leaf in zip(reduced, leaves, strict=True)], None
+    name = "dp.reduce inside jax.jit"
+    reduced = _run(wires, outputs, True, host, private, summary, "elementwise", name)
+    if private.rank != root:  # the others get their own values back, as eagerly
+        return list(leaves), None
+    return [_finish(r, leaf, factor) for r, leaf in zip(reduced, leaves, strict=True)], None
+
+
+def _finish(reduced: jax.Array, leaf: jax.Array, factor: float) -> jax.Array:
+    """The wire values back in the leaf's dtype, the average's or `scale`'s factor applied."""
+    if factor != 1.0:
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            reduced = reduced * int(factor)  # an integral scale (checked)
+        else:
+            reduced = reduced * factor
+    return reduced.astype(leaf.dtype)
+
+
+# --- broadcast --------------------------------------------------------------------------------
+
+
+def _check_broadcast(
+    flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    _check_moved(dtypes, flat.paths, "broadcast")
+    return {"root": _check_root(options["root"], size)}
+
+
+def _stage_broadcast(
+    leaves: list[jax.Array],
+    engine: Backend,
+    privates: Callable[[Backend], Backend],
+    summary: str,
+    options: dict[str, Any],
+) -> tuple[list[jax.Array], None]:
+    if engine.size == 1:
+        return list(leaves), None
+    root, private = options["root"], privates(engine)
+    moved = [_as_moved(leaf) for leaf in leaves]
+    outputs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in moved]
+
+    def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for s, r in zip(sent, received, strict=True):
+            flat = r.reshape(-1).view(np.uint8)
+            if s.ctypes.data != r.ctypes.data:
+                flat[...] = s.reshape(-1).view(np.uint8)
+            private.broadcast(flat, root)
+
+    done = _run(
+        moved, outputs, True, host, private, summary, "elementwise", "dp.broadcast inside jax.jit"
+    )
+    return [_from_moved(d, leaf) for d, leaf in zip(done, leaves, strict=True)], None
+
+
+# --- allgather and alltoall -----------------------------------------------------------------
+
+
+def _check_gather(
+    flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    _check_moved(dtypes, flat.paths, "allgather")
+    return {}
+
+
+def _stage_allgather(
+    leaves: list[jax.Array],
+    engine: Backend,
+    privates: Callable[[Backend], Backend],
+    summary: str,
+    options: dict[str, Any],
+) -> tuple[list[jax.Array], None]:
+    size = engine.size
+    rows = [leaf.reshape(1) if leaf.ndim == 0 else leaf for leaf in leaves]  # a number: a row
+    if size == 1:
+        return rows, None
+    private = privates(engine)
+    moved = [_as_moved(r) for r in rows]
+    outputs = [jax.ShapeDtypeStruct((size * m.shape[0], *m.shape[1:]), m.dtype) for m in moved]
+
+    def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for s, r in zip(sent, received, strict=True):
+            send = np.ascontiguousarray(s).reshape(-1).view(np.uint8)
+            private.allgather(send, r.reshape(-1).view(np.uint8))
+
+    done = _run(
+        moved, outputs, False, host, private, summary, "rows", "dp.allgather inside jax.jit"
+    )
+    return [_from_moved(d, leaf) for d, leaf in zip(done, leaves, strict=True)], None
+
+
+def _check_alltoall(
+    flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    _check_moved(dtypes, flat.paths, "alltoall")
+    if options.get("splits") is not None:
+        raise ValueError(
+            "dp.alltoall inside jax.jit sends equal parts only (splits=None, as mpi4jax's "
+            "alltoall): the counts of uneven splits are data, and a jitted program's shapes are "
+            "fixed when it is traced. Call it outside jax.jit for uneven splits."
+        )
+    for leaf, path in zip(leaves, flat.paths, strict=True):
+        if leaf.ndim == 0 or leaf.shape[0] % size:
+            raise ValueError(
+                f"{path}: dp.alltoall inside jax.jit needs a first axis that divides into "
+                f"{size} equal parts, got shape {tuple(leaf.shape)}."
+            )
+    return {}
+
+
+def _stage_alltoall(
+    leaves: list[jax.Array],
+    engine: Backend,
+    privates: Callable[[Backend], Backend],
+    summary: str,
+    options: dict[str, Any],
+) -> tuple[list[jax.Array], list[int]]:
+    size = engine.size
+    rows = leaves[0].shape[0] if leaves else 0
+    got = [rows // size] * size
+    if size == 1:
+        return list(leaves), got
+    private = privates(engine)
+    moved = [_as_moved(leaf) for leaf in leaves]
+    outputs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in moved]
+
+    def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for s, r in zip(sent, received, strict=True):
+            send = np.ascontiguousarray(s).reshape(-1).view(np.uint8)
+            counts = [send.size // size] * size
+            private.alltoallv(send, counts, r.reshape(-1).view(np.uint8), counts)
+
+    done = _run(moved, outputs, False, host, private, summary, "rows", "dp.alltoall inside jax.jit")
+    return [_from_moved(d, leaf) for d, leaf in zip(done, leaves, strict=True)], got
+
+
+# --- barrier ----------------------------------------------------------------------------------
+
+
+def _stage_barrier(engine: Backend, privates: Callable[[Backend], Backend]) -> None:
+    """Stage a barrier: one FFI call on a dummy buffer, kept by its ordered effect."""
+    if engine.size == 1:
+        return
+    handshake(engine, "jit barrier", lambda: {"collective": "barrier (inside jax.jit)"})
+    private = privates(engine)
+
+    def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        private.barrier()
+
+    dummy = jnp.zeros(1, jnp.int32)
+    outputs = [jax.ShapeDtypeStruct((1,), jnp.int32)]
+    _run([dummy], outputs, True, host, private, "jit barrier", "opaque", "dp.barrier")
+
+
+_STAGERS = {
+    "allreduce": _Stager(_check_reduction, _stage_reduction),
+    "reduce": _Stager(_check_reduction, _stage_reduction),
+    "broadcast": _Stager(_check_broadcast, _stage_broadcast),
+    "allgather": _Stager(_check_gather, _stage_allgather),
+    "alltoall": _Stager(_check_alltoall, _stage_alltoall),
+}

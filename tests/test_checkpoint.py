@@ -1,0 +1,396 @@
+"""`dp.checkpoint`: sharded checkpoints in torch DCP's format, at any world size.
+
+The tests without `spawns` run in whatever world pytest runs in (1, 2, 3 ranks; MPI, Gloo): a
+round trip of a model, a plain or ZeRO optimizer, a sampler and values, bit for bit; `async_save`
+writing the state as it was at the call; a checkpoint without its metadata or a shard file
+refused with a message that names what is missing. The `spawns` tests run jobs of other sizes
+(tests/scripts/checkpoint_job.py): saved at 3 ranks, loaded at 2 and at 4, and back; a rank killed
+while it writes; and a plain torch program (tests/scripts/plain_dcp.py) reading a checkpoint
+written here, and writing one that loads here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("dp.checkpoint needs torch", allow_module_level=True)
+
+import torch
+from _jobs import outer_world_size, run_job
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+from dataparallel.checkpoint import Shards
+from dataparallel.checkpoint._shards import flat_boxes
+
+SCRIPTS = Path(__file__).parent / "scripts"
+JOB = SCRIPTS / "checkpoint_job.py"
+PLAIN = SCRIPTS / "plain_dcp.py"
+
+
+@pytest.fixture
+def folder(world: Backend) -> Iterator[Path]:
+    """A folder every rank sees (rank 0 makes it), removed after the test."""
+    made = tempfile.mkdtemp(prefix="dp-ckpt-") if dp.rank() == 0 else None
+    path = Path(dp.broadcast_object(made))
+    yield path / "ckpt"
+    dp.barrier()
+    if dp.rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "plain":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    stage: Literal[1, 2] = 1 if kind == "zero1" else 2
+    return dp.torch.ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, stage=stage, bucket_bytes=64, lr=0.01
+    )
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + dp.rank())
+        model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+        if not isinstance(opt, dp.torch.ZeroRedundancyOptimizer):
+            for p in model.parameters():  # the plain optimizer: every rank the same gradients
+                assert p.grad is not None
+                p.grad.copy_(dp.allreduce(p.grad, op="avg"))
+        opt.step()
+        opt.zero_grad()
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    if isinstance(opt, dp.torch.ZeroRedundancyOptimizer):
+        opt.consolidate_state_dict(to=None)
+    return opt.state_dict()
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Equal bit for bit, tensors and all."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        bits = [x.reshape(-1).view(torch.uint8) for x in (a, b)]
+        assert torch.equal(*bits), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+# -- Shards --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 3), (2, 3, 4), (3, 1, 2, 5)])
+def test_flat_boxes_tile_every_range_once_in_order(shape: tuple[int, ...]) -> None:
+    n = math.prod(shape)
+    whole = torch.arange(n).reshape(shape)
+    for start in range(n):
+        for stop in range(start + 1, n + 1):
+            boxes = flat_boxes(shape, start, stop)
+            assert len(boxes) <= 2 * len(shape) - 1
+            got, at = [], 0
+            for (offsets, sizes), first in boxes:
+                assert first == at
+                box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+                got += box.reshape(-1).tolist()
+                at += box.numel()
+            assert got == list(range(start, stop)), (start, stop)
+
+
+def test_shards_from_a_flat_slice_are_views_of_it() -> None:
+    flat = torch.zeros(5)
+    s = Shards.from_flat((4, 3), 3, flat)
+    for _, piece in s.pieces:
+        piece.fill_(1.0)
+    assert flat.tolist() == [1.0] * 5
+    with pytest.raises(KeyError, match=r"no piece at offsets \[0, 0\]"):
+        s.piece((0, 0))
+
+
+# -- in this world -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["plain", "zero1", "zero2"])
+def test_a_round_trip_is_bit_for_bit(kind: str, folder: Path) -> None:
+    model = make_model()
+    opt = make_optimizer(model, kind)
+    train(model, opt, range(2))
+    sampler = dp.elastic.ElasticSampler(list(range(10)), seed=1)
+    sampler.record_batch(0, 2)
+    extra = np.arange(6.0).reshape(2, 3)
+    dp.checkpoint.save(
+        {"model": model, "optim": opt, "step": 2, "sampler": sampler, "extra": {"a": extra}},
+        folder,
+    )
+    fresh = make_model(seed=1)
+    fresh_opt = make_optimizer(fresh, kind)
+    fresh_sampler = dp.elastic.ElasticSampler(list(range(10)), seed=1)
+    target = np.zeros((2, 3))
+    state: dict[str, Any] = {
+        "model": fresh,
+        "optim": fresh_opt,
+        "step": 0,
+        "sampler": fresh_sampler,
+        "extra": {"a": target},
+    }
+    out = dp.checkpoint.load(state, folder)
+    assert out is state and state["step"] == 2
+    assert_same(fresh.state_dict(), model.state_dict(), "model")
+    assert_same(optimizer_state(fresh_opt), optimizer_state(opt), "optim")
+    assert fresh_sampler.state_dict() == sampler.state_dict()
+    assert target.tolist() == extra.tolist()
+    train(model, opt, range(2, 4))  # and both go on alike
+    train(fresh, fresh_opt, range(2, 4))
+    assert_same(fresh.state_dict(), model.state_dict(), "model after two more steps")
+
+
+def test_a_zero_checkpoint_loads_into_a_plain_optimizer(folder: Path) -> None:
+    model = make_model()
+    opt = make_optimizer(model, "zero2")
+    train(model, opt, range(2))
+    dp.checkpoint.save({"model": model, "optim": opt}, folder)
+    plain = make_model(seed=3)
+    plain_opt = make_optimizer(plain, "plain")
+    dp.checkpoint.load({"model": plain, "optim": plain_opt}, folder)
+    assert_same(plain_opt.state_dict(), optimizer_state(opt), "optim")
+
+
+def fully_sharded(seed: int) -> nn.Module:
+    model = make_model(seed)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            dp.torch.fully_shard(layer)
+    return dp.torch.fully_shard(model)
+
+
+def test_a_fully_sharded_model_and_its_optimizer_round_trip(folder: Path) -> None:
+    """ZeRO-3: each rank writes its rows of the parameters and of their Adam state; loaded
+    into a fresh sharded model bit for bit, and whole into a plain model and Adam."""
+    if not hasattr(dp.torch, "fully_shard"):
+        pytest.skip("dp.torch.fully_shard (ZeRO-3) is not in this tree yet")
+    model = fully_sharded(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + dp.rank())
+        model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dp.checkpoint.save({"model": model, "optim": opt, "step": 2}, folder)
+    fresh = fully_sharded(1)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    dp.checkpoint.load({"model": fresh, "optim": fresh_opt, "step": 0}, folder)
+    mine = model.parameter_shards()  # type: ignore[operator]
+    theirs = fresh.parameter_shards()  # type: ignore[operator]
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert_same(theirs[name].param.detach(), mine[name].param.detach(), name)
+    assert_same(fresh_opt.state_dict(), opt.state_dict(), "optim")
+    plain = make_model(seed=2)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.5)
+    dp.checkpoint.load({"model": plain, "optim": plain_opt}, folder)
+    whole = dict(plain.named_parameters())
+    plain_state = plain_opt.state_dict()["state"]
+    index = {name: i for i, (name, _) in enumerate(plain.named_parameters())}
+    sharded_state = opt.state_dict()["state"]
+    for k, (name, info) in enumerate(mine.items()):
+        rows = tuple(slice(o, o + n) for o, n in zip(info.offsets, info.param.shape, strict=False))
+        assert_same(whole[name].detach()[rows], info.param.detach(), name)
+        for key, value in sharded_state.get(k, {}).items():
+            if value.dim():
+                assert_same(plain_state[index[name]][key][rows], value, f"{name} {key}")
+
+
+def test_async_save_writes_the_state_as_it_was_at_the_call(folder: Path) -> None:
+    model = make_model()
+    opt = make_optimizer(model, "zero2")
+    train(model, opt, range(2))
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_optim = optimizer_state(opt)
+    future = dp.checkpoint.async_save({"model": model, "optim": opt, "step": 2}, folder)
+    train(model, opt, range(2, 4))  # the state changes while the files are written
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    future.result()
+    assert future.done()
+    fresh = make_model(seed=1)
+    fresh_opt = make_optimizer(fresh, "zero2")
+    state = dp.checkpoint.load({"model": fresh, "optim": fresh_opt, "step": 0}, folder)
+    assert state["step"] == 2
+    assert_same(fresh.state_dict(), want_model, "model")
+    assert_same(optimizer_state(fresh_opt), want_optim, "optim")
+
+
+def test_async_saves_one_after_another_each_write_their_own_state(folder: Path) -> None:
+    """The second `async_save` copies into the first's host buffers, after its write."""
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = dp.checkpoint.async_save({"model": model}, folder / "a")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)
+    second = dp.checkpoint.async_save({"model": model}, folder / "b")
+    assert first.done()
+    second.result()
+    fresh = make_model(seed=1)
+    dp.checkpoint.load({"model": fresh}, folder / "a")
+    assert_same(fresh.state_dict(), before, "first")
+    dp.checkpoint.load({"model": fresh}, folder / "b")
+    assert_same(fresh.state_dict(), model.state_dict(), "second")
+
+
+def test_the_next_save_waits_for_an_async_save_in_flight(folder: Path) -> None:
+    model = make_model()
+    first = dp.checkpoint.async_save({"model": model, "step": 1}, folder)
+    dp.checkpoint.save({"model": model, "step": 2}, folder)  # waits for `first` first
+    assert first.done()
+    assert dp.checkpoint.load({"model": model, "step": 0}, folder)["step"] == 2
+
+
+def test_a_checkpoint_without_its_metadata_is_refused(folder: Path) -> None:
+    model = make_model()
+    dp.checkpoint.save({"model": model}, folder)
+    dp.barrier()
+    if dp.rank() == 0:
+        (folder / ".metadata").unlink()
+    dp.barrier()
+    files = ", ".join(f"__{r}_0\\.distcp" for r in range(min(dp.size(), 4)))
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"\.metadata, which a save writes last.*"
+        rf"is missing; it holds {dp.size()} shard file\(s\) \({files}.*\) of a save "
+        r"that did not finish",
+    ):
+        dp.checkpoint.load({"model": model}, folder)
+
+
+def test_a_checkpoint_missing_a_shard_file_is_refused(folder: Path) -> None:
+    model = make_model()
+    opt = make_optimizer(model, "zero1")
+    train(model, opt, range(1))
+    dp.checkpoint.save({"model": model, "optim": opt}, folder)
+    dp.barrier()
+    last = dp.size() - 1
+    if dp.rank() == 0:
+        (folder / f"__{last}_0.distcp").unlink()
+    dp.barrier()
+    with pytest.raises(FileNotFoundError, match=rf"__{last}_0\.distcp \(missing\)"):
+        dp.checkpoint.load({"model": model, "optim": opt}, folder)
+
+
+def test_loading_what_the_checkpoint_lacks_names_it(folder: Path) -> None:
+    model = make_model()
+    dp.checkpoint.save({"model": model}, folder)
+    with pytest.raises(KeyError, match=r"nothing under 'optim'.*holds \['model'\]"):
+        dp.checkpoint.load({"model": model, "optim": make_optimizer(model, "plain")}, folder)
+
+
+def test_no_folder_is_named(world: Backend) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*: no such folder"):
+        dp.checkpoint.load({}, "/nonexistent/dp-ckpt")
+
+
+# -- jobs of other sizes -------------------------------------------------------------------------
+
+
+def job(args: list[Any], ranks: int, backend: str, ok: bool = True) -> str:
+    launcher: Literal["python", "run"] = "python" if backend == "plain" else "run"
+    done = run_job(
+        [JOB if backend != "plain" else PLAIN, *args],
+        launcher=launcher,
+        ranks=ranks,
+        backend=None if backend == "plain" else backend,
+        job_timeout=None if backend == "plain" else 200,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert (done.returncode == 0) == ok, output
+    return output
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((3, "mpi"), [(2, "gloo"), (4, "mpi")]),
+        ((2, "gloo"), [(3, "mpi")]),
+        ((4, "gloo"), [(3, "gloo")]),
+    ],
+)
+@pytest.mark.parametrize("stage", [2])
+@pytest.mark.spawns
+def test_saved_at_one_size_loads_bit_for_bit_at_others(
+    saved: tuple[int, str], loaded: list[tuple[int, str]], stage: int, tmp_path: Path
+) -> None:
+    if outer_world_size() > 1:
+        pytest.skip("launches its own jobs: run this file in a world of one")
+    folder, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
+    job(["save", folder, ref, "--stage", str(stage)], *saved)
+    want = torch.load(ref, weights_only=False)
+    for ranks, backend in loaded:
+        out = tmp_path / f"out{ranks}.pt"
+        job(["load", folder, out, "--stage", str(stage)], ranks, backend)
+        assert_same(torch.load(out, weights_only=False), want, f"loaded at {ranks} ({backend})")
+
+
+@pytest.mark.spawns
+def test_a_rank_killed_while_writing_leaves_no_checkpoint(tmp_path: Path) -> None:
+    """A complete checkpoint in the folder, then a save into it in which rank 1 dies while it
+    writes: the folder is refused, not taken for the old checkpoint nor for the new one."""
+    if outer_world_size() > 1:
+        pytest.skip("launches its own jobs: run this file in a world of one")
+    folder, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
+    job(["save", folder, ref, "--die-rank", "1"], 3, "gloo", ok=False)
+    assert (folder / "__0_0.distcp").exists()  # the first save was complete
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        dp.checkpoint.load({"model": make_model()}, folder)
+    out = job(["load", folder, tmp_path / "out.pt"], 2, "mpi", ok=False)
+    assert "did not finish" in out
+
+
+@pytest.mark.spawns
+def test_a_plain_torch_program_reads_and_writes_these_checkpoints(tmp_path: Path) -> None:
+    """DCP both ways: torch.distributed.checkpoint in a process without dataparallel loads a
+    checkpoint saved by 3 ranks under ZeRO, and one it saves loads into 2 ranks under ZeRO."""
+    if outer_world_size() > 1:
+        pytest.skip("launches its own jobs: run this file in a world of one")
+    folder, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
+    job(["save", folder, ref], 3, "mpi")
+    job(["load", folder, tmp_path / "plain.pt"], 1, "plain")
+    want = torch.load(ref, weights_only=False)
+    got = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert_same(got["model"], want["model"], "model")
+    assert_same(got["optim"], want["optim"], "optim")
+    assert got["step"] == want["step"]
+
+    plain, plain_ref = tmp_path / "plain", tmp_path / "plain_ref.pt"
+    job(["save", plain, plain_ref], 1, "plain")
+    job(["load", plain, tmp_path / "here.pt", "--plain"], 2, "gloo")
+    want = torch.load(plain_ref, weights_only=False)
+    got = torch.load(tmp_path / "here.pt", weights_only=False)
+    assert_same(got["model"], want["model"], "model")
+    assert_same(got["optim"], want["optim"], "optim")
+    assert got["step"] == want["step"]

@@ -1,0 +1,319 @@
+"""dp's collectives inside `jax.jit` (`dataparallel.jax.staged`), passing at any world size.
+
+`pytest tests/test_jax_jit_collectives.py` runs them in a world of one (nothing is staged there:
+the values are the result); under `mpiexec -n 3 python -m pytest ...` or `dataparallel run -n 3
+--backend gloo -m pytest ...` every rank runs them in lockstep. Every jitted result is checked
+against the eager call on the same values, or against an exact expectation. The last part is
+mpi4jax's own examples and tests, with the calls renamed (`mpi4jax.allreduce(x, op=MPI.SUM,
+comm=comm)` -> `dp.allreduce(x)`), checked as mpi4jax checks them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+from _engine_calls import count_engine_calls  # noqa: E402
+from _jobs import outer_world_size, run_job  # noqa: E402
+from _readme import blocks  # noqa: E402
+
+import dataparallel as dp  # noqa: E402
+from dataparallel import world  # noqa: E402
+from dataparallel.errors import CollectiveMismatchError  # noqa: E402
+from dataparallel.jax import staged  # noqa: E402
+
+
+def private() -> Any:
+    """The engine the jitted calls run on: a duplicate of the world's private duplicate."""
+    privates = world.current().private
+    return privates(privates(dp.get_backend()))
+
+
+@pytest.fixture(params=["ffi", "callback"])
+def bridge(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on both bridges: the XLA FFI call, and the ordered io_callback used where it
+    cannot run (JAX off the CPU, several devices per process)."""
+    if request.param == "callback":
+        monkeypatch.setattr(staged, "ffi_reason", lambda: "forced by the test")
+    jax.clear_caches()  # a jitted function traced on the other bridge is traced again
+    return str(request.param)
+
+
+def values(rank: int) -> dict[str, Any]:
+    """A tree whose leaves differ per rank, in every dtype the jitted allreduce takes."""
+    base = np.arange(6, dtype=np.float64).reshape(2, 3) + rank
+    return {
+        "f32": jnp.asarray(base, jnp.float32) / 4,
+        "f64": jnp.asarray(base, jnp.float64) if jax.config.jax_enable_x64 else None,
+        "f16": jnp.asarray(base / 8, jnp.float16),
+        "bf16": jnp.asarray(base, jnp.bfloat16),
+        "i32": jnp.asarray(base, jnp.int32) - 2,
+        "u8": jnp.asarray(base, jnp.uint8),
+        "bool": jnp.asarray(base % 2 == 0),
+        "scalar": jnp.float32(rank + 0.5),
+    }
+
+
+def eager(tree: Any) -> Any:
+    """`tree` as writable NumPy arrays (what the eager path is given to compare with)."""
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+def test_jitted_allreduce_equals_the_eager_one(op: str, rank: int, bridge: str) -> None:
+    x = values(rank)
+    if op == "prod":
+        x = {k: v for k, v in x.items() if k not in ("u8", "bool", "bf16", "f16")}  # overflow
+    got = jax.jit(lambda t: dp.allreduce(t, op))(x)
+    want = dp.allreduce(eager(x), op)
+    assert jax.tree.structure(got) == jax.tree.structure(x)
+    for key, leaf in got.items():
+        if leaf is None:
+            continue
+        assert leaf.dtype == x[key].dtype, key
+        np.testing.assert_array_equal(np.asarray(leaf), want[key].astype(leaf.dtype), err_msg=key)
+
+
+def test_avg_and_scale_follow_the_eager_rules(size: int, rank: int, bridge: str) -> None:
+    x = jnp.arange(4.0) * (rank + 1)
+    got = jax.jit(lambda v: (dp.allreduce(v, "avg"), dp.allreduce(v, scale=0.5)))(x)
+    total = np.arange(4.0) * sum(range(1, size + 1))
+    np.testing.assert_allclose(np.asarray(got[0]), total / size, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), total * 0.5, rtol=1e-6)
+    with pytest.raises(TypeError, match="op='avg' on int32 values would truncate"):
+        jax.jit(lambda v: dp.allreduce(v, "avg"))(jnp.arange(3))
+
+
+def test_jitted_reduce_gives_root_the_sum_and_the_others_their_own(
+    size: int, rank: int, bridge: str
+) -> None:
+    root = size - 1
+    x = jnp.full(3, rank + 1.0)
+    got = np.asarray(jax.jit(lambda v: dp.reduce(v, root=root))(x))
+    want = np.full(3, size * (size + 1) / 2) if rank == root else np.full(3, rank + 1.0)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_jitted_broadcast_gives_every_rank_roots_values(size: int, rank: int, bridge: str) -> None:
+    root = size - 1
+    x = values(rank)
+    x["c64"] = jnp.asarray([1 + 2j, rank * 1j], jnp.complex64)
+    got = jax.jit(lambda t: dp.broadcast(t, root=root))(x)
+    want = values(root)
+    want["c64"] = jnp.asarray([1 + 2j, root * 1j], jnp.complex64)
+    for key, leaf in got.items():
+        if leaf is not None:
+            assert leaf.dtype == want[key].dtype
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want[key]), err_msg=key)
+
+
+def test_jitted_allgather_concatenates_in_rank_order(size: int, rank: int, bridge: str) -> None:
+    x = {"rows": jnp.full((2, 3), rank, jnp.int32), "n": jnp.float32(rank), "b": jnp.bfloat16(1)}
+    got = jax.jit(dp.allgather)(x)
+    want = dp.allgather(eager(x))
+    assert got["rows"].shape == (2 * size, 3) and got["n"].shape == (size,)
+    for key in x:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+
+
+def test_jitted_alltoall_sends_equal_parts(size: int, rank: int, bridge: str) -> None:
+    x = jnp.arange(2 * size, dtype=jnp.float32).reshape(size, 2) + 100 * rank
+    got, splits = jax.jit(dp.alltoall)(x)
+    want, want_splits = dp.alltoall(np.array(x))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert splits == want_splits == [1] * size
+    with pytest.raises(ValueError, match="equal parts only"):
+        jax.jit(lambda v: dp.alltoall(v, splits=[size] + [0] * (size - 1)))(x)
+
+
+def test_calls_run_once_per_execution_in_program_order_unused_ones_too(
+    monkeypatch: pytest.MonkeyPatch, size: int, rank: int, bridge: str
+) -> None:
+    if size == 1:
+        pytest.skip("a world of one stages nothing")
+    calls = count_engine_calls(monkeypatch, private())
+
+    @jax.jit
+    def step(x: jax.Array) -> jax.Array:
+        dp.allreduce(x[:1])  # result unused: XLA must still run it, first
+        y = dp.allreduce(x)
+        return dp.allreduce(y[:2]) + 0 * dp.allreduce(x[:3]).sum()
+
+    for _ in range(3):
+        out = step(jnp.ones(5) * (rank + 1))
+    assert calls.calls == [1, 5, 2, 3] * 3
+    total = size * (size + 1) / 2
+    np.testing.assert_allclose(np.asarray(out), np.full(2, total * size))
+
+
+def test_mismatch_is_found_when_traced_and_the_world_survives(
+    monkeypatch: pytest.MonkeyPatch, size: int, rank: int, bridge: str
+) -> None:
+    if size == 1:
+        pytest.skip("needs peers")
+    with pytest.raises(
+        CollectiveMismatchError, match=r"(?s)inside jax\.jit.*float32\[3\] on rank 0"
+    ):
+        jax.jit(dp.allreduce)(jnp.ones(3 + rank))
+    with pytest.raises(CollectiveMismatchError, match="root"):
+        jax.jit(lambda v: dp.broadcast(v, root=rank % 2))(jnp.ones(2))
+    # The agreement is made once per traced program: its later runs make no handshake.
+    step = jax.jit(lambda v: dp.allreduce(v) * 2)
+    np.testing.assert_array_equal(np.asarray(step(jnp.ones(2))), np.full(2, 2.0 * size))
+    handshakes = count_engine_calls(monkeypatch, dp.get_backend())
+    for _ in range(3):
+        step(jnp.ones(2))
+    assert handshakes.calls == []
+    assert dp.allreduce(1.0) == size  # the world is usable
+
+
+def test_sum_differentiates_as_mpi4jax(size: int, rank: int, bridge: str) -> None:
+    if bridge == "callback" and size > 1:
+        pytest.skip("the io_callback bridge has no derivative rules (only the FFI call's)")
+    x = jnp.arange(3.0) + rank
+    w = jnp.asarray([1.0, 2.0, 3.0]) * (rank + 1)
+    # mpi4jax's rules: the transpose of a sum is the identity; an average divides by the size.
+    grad = jax.jit(jax.grad(lambda v: (dp.allreduce(v) * w).sum()))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(w))
+    grad = jax.jit(jax.grad(lambda v: (dp.allreduce(v, "avg") * w).sum()))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(w) / size, rtol=1e-6)
+    _, tangent = jax.jvp(lambda v: dp.allreduce(v), (x,), (w,))
+    np.testing.assert_allclose(np.asarray(tangent), np.asarray(dp.allreduce(np.asarray(w))))
+    if size > 1:
+        with pytest.raises(TypeError, match=r"no derivative .*op='sum' or 'avg'"):
+            jax.grad(lambda v: dp.allreduce(v, "max").sum())(x)
+        with pytest.raises(TypeError, match=r"dp\.broadcast inside jax\.jit has no derivative"):
+            jax.grad(lambda v: dp.broadcast(v).sum())(x)
+
+
+def test_vmap_is_the_stack_of_the_calls(size: int, rank: int, bridge: str) -> None:
+    if bridge == "callback" and size > 1:
+        pytest.skip("the io_callback bridge cannot be vmapped (ordered effects do not batch)")
+    x = jnp.arange(6.0).reshape(2, 3) + rank
+    got = jax.jit(jax.vmap(dp.allreduce))(x)
+    np.testing.assert_array_equal(np.asarray(got), dp.allreduce(np.array(x)))
+    gathered = jax.jit(jax.vmap(dp.allgather, in_axes=1, out_axes=1))(x)
+    want = np.stack([dp.allgather(np.array(x[:, j])) for j in range(3)], axis=1)
+    np.testing.assert_array_equal(np.asarray(gathered), want)
+
+
+def test_other_collectives_say_what_works_inside_jit(size: int) -> None:
+    with pytest.raises(TypeError, match=r"inside jax.jit use dp.allreduce, dp.reduce"):
+        jax.jit(lambda v: dp.reducescatter(v))(jnp.ones(size))
+    with pytest.raises(TypeError, match="does not compress"):
+        jax.jit(lambda v: dp.allreduce(v, compression=dp.Compression.fp16))(jnp.ones(2))
+
+
+# --- mpi4jax's own examples, the calls renamed --------------------------------------------------
+
+
+def test_mpi4jax_readme_global_sum(size: int, rank: int) -> None:
+    # mpi4jax's README and docs/usage.rst "Global sum", as written there but for the call
+    # (`arr_sum, _ = mpi4jax.allreduce(arr, op=MPI.SUM, comm=comm)`; recent mpi4jax returns the
+    # array alone, as dp does).
+    @jax.jit
+    def foo(arr: jax.Array) -> jax.Array:
+        arr = arr + rank
+        arr_sum = dp.allreduce(arr, op="sum")
+        return arr_sum
+
+    a = jnp.zeros((3, 3))
+    result = foo(a)
+    # "The result is an array full of the value 6 [on 4 processes]": sum of the ranks.
+    np.testing.assert_array_equal(np.asarray(result), np.full((3, 3), size * (size - 1) / 2))
+
+
+def test_mpi4jax_tests_allreduce(size: int) -> None:
+    # tests/collective_ops/test_allreduce.py: the jit, scalar, vmap, transpose and grad cases.
+    arr = jnp.ones((3, 2))
+    _arr = arr.copy()
+    res = jax.jit(lambda x: dp.allreduce(x, op="sum"))(arr)
+    assert jnp.array_equal(res, arr * size)
+    assert jnp.array_equal(_arr, arr)
+    res = jax.jit(lambda x: dp.allreduce(x, op="sum"))(1)
+    assert jnp.array_equal(res, 1 * size)
+    res = jax.jit(jax.vmap(lambda x: dp.allreduce(x, op="sum"), in_axes=0, out_axes=0))(arr)
+    assert jnp.array_equal(res, arr * size)
+    (res,) = jax.linear_transpose(lambda x: dp.allreduce(x, op="sum"), arr)(_arr)
+    assert jnp.array_equal(_arr, res)
+
+    def lt(y: jax.Array) -> jax.Array:
+        return jax.linear_transpose(lambda x: dp.allreduce(x, op="sum"), arr)(y)[0]
+
+    (res,) = jax.jit(lambda x: jax.linear_transpose(lt, _arr)(x))(_arr)
+    assert jnp.array_equal(dp.allreduce(np.array(_arr), op="sum"), res)
+    res, grad = jax.value_and_grad(lambda x: dp.allreduce(x, op="sum").sum())(arr)
+    assert jnp.array_equal(res, arr.sum() * size)
+    assert jnp.array_equal(_arr, grad)
+
+
+def test_mpi4jax_tests_bcast_and_allgather(size: int, rank: int) -> None:
+    # tests/collective_ops/test_bcast.py and test_allgather.py, jitted. mpi4jax's allgather
+    # stacks (`res[p]` is rank p's array); dp's concatenates along the first axis, so the port
+    # gives each rank's array a leading axis of one (`arr[None]`), as the docs page says.
+    arr = jnp.ones((3, 2))
+    _arr = arr.copy()
+    if rank != 0:
+        _arr = _arr * 0
+    res = jax.jit(lambda x: dp.broadcast(x, root=0))(_arr)
+    assert jnp.array_equal(res, arr)
+    arr = jnp.ones((3, 2)) * rank
+    res = jax.jit(lambda x: dp.allgather(x[None]))(arr)
+    for p in range(size):
+        assert jnp.array_equal(res[p], jnp.ones((3, 2)) * p)
+
+
+def test_barrier_is_staged_and_runs_each_time(
+    monkeypatch: pytest.MonkeyPatch, size: int, bridge: str
+) -> None:
+    if size == 1:
+        pytest.skip("a world of one stages nothing")
+    engine = private()
+    barriers: list[int] = []
+    real = engine.barrier
+
+    def counted() -> None:
+        barriers.append(1)
+        real()
+
+    monkeypatch.setattr(engine, "barrier", counted)
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        dp.barrier()
+        return x + 1
+
+    for _ in range(3):
+        f(jnp.ones(2)).block_until_ready()
+    assert len(barriers) == 3
+
+
+# --- The docs page for mpi4jax's users runs as written ------------------------------------------
+
+PAGE = Path(__file__).parent.parent / "docs" / "migrate" / "mpi4jax.md"
+
+
+@pytest.mark.spawns
+@pytest.mark.skipif(outer_world_size() > 1, reason="launches its own jobs: run in a world of one")
+@pytest.mark.parametrize(
+    ("launcher", "ranks", "backend"),
+    [("python", 1, None), ("run", 3, "mpi"), ("run", 2, "gloo")],
+    ids=["1-rank", "3-ranks-mpi", "2-ranks-gloo"],
+)
+def test_the_mpi4jax_page_runs_as_written(launcher: Any, ranks: int, backend: str | None) -> None:
+    target = [Path(__file__).parent / "_readme.py", PAGE]
+    job = run_job(target, launcher=launcher, ranks=ranks, backend=backend, timeout=300)
+    assert job.returncode == 0, job.stdout + job.stderr
+    found = blocks(PAGE.read_text(encoding="utf-8"))
+    assert len(found) == 3
+    # Gloo jobs prefix each line with its rank ("[rank 0] "): the verdicts are read past it.
+    lines = job.stdout.splitlines()
+    verdicts = [line[line.index("mpi4jax.md ") :] for line in lines if "mpi4jax.md block" in line]
+    assert verdicts == [
+        f"mpi4jax.md block {k} (line {b.line}): ok" for k, b in enumerate(found, 1)
+    ], job.stdout + job.stderr
