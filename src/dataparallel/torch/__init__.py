@@ -12,7 +12,7 @@
 - Sparse gradients in `GradientSync` (`_sparse`): gathered and coalesced, or made dense.
 - `join` (`_join`): uneven data; a rank that leaves its loop first answers the others' steps.
 - `ZeroRedundancyOptimizer` (`_zero`, a package): optimizer state (and gradients) sharded
-  across ranks.
+  across ranks; `fully_shard` (`_zero.fully_shard`): parameters too (ZeRO stage 3).
 
 Loaded on first access to `dp.torch`, so that `import dataparallel` does not import PyTorch.
 """
@@ -37,11 +37,14 @@ from dataparallel.torch._model import DataParallelModel
 from dataparallel.torch._optimizer import distributed_torch_optimizer
 from dataparallel.torch._syncbn import SyncBatchNorm
 from dataparallel.torch._synchronize import synchronize_torch
+from dataparallel.torch._zero.fully_shard import FullyShardedModule, ParameterShard, fully_shard
 from dataparallel.torch._zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
     "DataParallelModel",
+    "FullyShardedModule",
     "Join",
+    "ParameterShard",
     "SyncBatchNorm",
     "ZeroRedundancyOptimizer",
     "allgather",
@@ -49,6 +52,7 @@ __all__ = [
     "alltoall",
     "broadcast",
     "distributed_torch_optimizer",
+    "fully_shard",
     "join",
     "reducescatter",
     "synchronize_torch",

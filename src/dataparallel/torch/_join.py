@@ -16,6 +16,7 @@ from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives.join import answer
 from dataparallel.torch._gradsync import GradientSync
+from dataparallel.torch._zero.fully_shard import FullyShardedModule
 from dataparallel.torch._zero.join import ZeroJoin, ZeroReplay
 from dataparallel.torch._zero.optimizer import ZeroRedundancyOptimizer
 
@@ -44,6 +45,13 @@ class Join:
     """
 
     def __init__(self, *joinables: nn.Module | optim.Optimizer, enable: bool = True) -> None:
+        if any(isinstance(j, FullyShardedModule) for j in joinables):
+            raise ValueError(
+                "dp.torch.join cannot take a fully_shard model: a rank that has left its loop "
+                "would have to answer every module's gathers and reduce-scatters in the others' "
+                "order, which it cannot know. Give every rank as many batches "
+                "(dp.DistributedDataLoader does) when the model is fully sharded."
+            )
         zeros = [j for j in joinables if isinstance(j, ZeroRedundancyOptimizer)]
         self._syncs = [_gradient_sync(j) for j in joinables if j not in zeros]
         self._zeros = [ZeroJoin(z, i, self._syncs) for i, z in enumerate(zeros)]

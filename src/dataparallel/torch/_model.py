@@ -14,6 +14,7 @@ from dataparallel.groups import Group, backend_of
 from dataparallel.torch._buckets import NamedParams
 from dataparallel.torch._gradsync import GradientSync
 from dataparallel.torch._synchronize import synchronize_torch
+from dataparallel.torch._zero.fully_shard import FullyShardedModule
 from dataparallel.types import Op
 
 if TYPE_CHECKING:
@@ -89,6 +90,12 @@ class DataParallelModel(nn.Module):
             raise TypeError(
                 f"DataParallelModel wraps a torch.nn.Module, got {type(module).__module__}."
                 f"{type(module).__qualname__}."
+            )
+        if any(isinstance(m, FullyShardedModule) for m in module.modules()):
+            raise ValueError(
+                "DataParallelModel cannot wrap a model with fully_shard modules: they gather "
+                "their parameters and reduce-scatter their gradients themselves, and this "
+                "wrapper would average them a second time. Use the fully sharded model as it is."
             )
         super().__init__()
         self.module = module
