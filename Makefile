@@ -43,15 +43,26 @@ TEST_ENV := $(RUN_ENV) JAX_COMPILATION_CACHE_DIR=$(CURDIR)/$(VENV)/jax-cache \
 	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
 	JAX_COMPILATION_CACHE_MAX_SIZE=1000000000
 
+# A rank killed by a signal (a crash in C) leaves Python's faulthandler stacks but no report that
+# names its test: in the multi-rank passes each rank keeps a note of the test it is in
+# (tests/conftest.py), and a pass that fails prints the notes last.
+TRAIL := $(CURDIR)/$(VENV)/rank-trail
+RANKS_ENV := $(TEST_ENV) PYTEST_RANK_TRAIL=$(TRAIL)
+SHOW_TRAIL := { cat $(TRAIL)/rank-* 2>/dev/null; exit 1; }
+
 test-mpi: $(STAMP)
-	$(TEST_ENV) $(BIN)/mpiexec -n 2 $(PYTEST) -x -q
-	$(TEST_ENV) $(BIN)/mpiexec -n 3 $(PYTEST) -x -q
+	rm -rf $(TRAIL)
+	$(RANKS_ENV) $(BIN)/mpiexec -n 2 $(PYTEST) -x -q || $(SHOW_TRAIL)
+	rm -rf $(TRAIL)
+	$(RANKS_ENV) $(BIN)/mpiexec -n 3 $(PYTEST) -x -q || $(SHOW_TRAIL)
 
 test-gloo: $(STAMP)
-	$(TEST_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) \
-		-m pytest -x -q $(PYTEST_ARGS)
-	$(TEST_ENV) $(BIN)/dataparallel run -n 3 --backend gloo --timeout $(JOB_TIMEOUT) \
-		-m pytest -x -q $(PYTEST_ARGS)
+	rm -rf $(TRAIL)
+	$(RANKS_ENV) $(BIN)/dataparallel run -n 2 --backend gloo --timeout $(JOB_TIMEOUT) \
+		-m pytest -x -q $(PYTEST_ARGS) || $(SHOW_TRAIL)
+	rm -rf $(TRAIL)
+	$(RANKS_ENV) $(BIN)/dataparallel run -n 3 --backend gloo --timeout $(JOB_TIMEOUT) \
+		-m pytest -x -q $(PYTEST_ARGS) || $(SHOW_TRAIL)
 
 # The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
 # job ends on a plain pytest summary. Its tests mostly start jobs and wait on them: two

@@ -72,6 +72,7 @@ _OUTER_NAMES = frozenset(
         "ROLE_NAME",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "PYTEST_RANK_TRAIL",  # the outer suite's notes of its ranks' tests (conftest.py)
     }
 )
 

@@ -12,7 +12,11 @@ When the world has several ranks:
 - every rank must collect the same tests, in the same order (checked once, after collection);
 - only rank 0 prints pytest's usual report, so the job's last line is rank 0's summary;
 - tests marked `spawns` (they launch their own processes) are skipped; they run in the world of one;
-- hypothesis draws the same examples on every rank (`derandomize=True`).
+- hypothesis draws the same examples on every rank (`derandomize=True`);
+- with `PYTEST_RANK_TRAIL` set to a folder, each rank keeps there a one-line note of the test it
+  is in (`rank-R`): a rank killed by a signal (a crash in C: Python's faulthandler prints only
+  its stacks) leaves no report naming its test, and the Makefile prints the notes when a pass
+  fails.
 
 A test marked `matrix` (a product: families x dtypes x ops, say) runs every case at MPI with two
 ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in every other world,
@@ -34,6 +38,7 @@ import io
 import itertools
 import os
 import tempfile
+import time
 from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any
@@ -88,6 +93,11 @@ def pytest_configure(config: pytest.Config) -> None:
     hypothesis_settings.load_profile("dataparallel-world" if multi else "dataparallel")
     if multi and backend.rank > 0:
         _quiet(config)
+    trail = os.environ.get("PYTEST_RANK_TRAIL")
+    if multi and trail:
+        _state["trail"] = Path(trail)
+        _state["trail"].mkdir(parents=True, exist_ok=True)
+        _note("has set up its world")
     if multi:
         # pytest prunes old temporary folders at exit: ranks sharing a root would race on it.
         root = Path(tempfile.gettempdir()) / f"pytest-dataparallel-rank-{backend.rank}"
@@ -145,6 +155,27 @@ def _abort(header: str, text: str) -> None:
     if backend.name == "mpi":
         backend.abort(1)
     os._exit(1)
+
+
+def _note(text: str) -> None:
+    """Replace this rank's note in the trail folder (`PYTEST_RANK_TRAIL`), if there is one."""
+    trail = _state.get("trail")
+    if trail is None:
+        return
+    rank = _state["backend"].rank
+    line = f"[rank {rank}] {text} (pid {os.getpid()}, {time.strftime('%H:%M:%S')})\n"
+    with open(trail / f"rank-{rank}", "w") as note:
+        note.write(line)
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """Note the test this rank is starting (a crash in it then names it)."""
+    _note(f"was running {nodeid}")
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """Note that this rank finished the test (a crash before the next names the last one)."""
+    _note(f"had finished {nodeid}")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

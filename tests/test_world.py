@@ -219,7 +219,7 @@ def test_auto_backend_resolution(
 
 
 def run_test_job(
-    tmp_path: Path, test_source: str, ranks: int = 2
+    tmp_path: Path, test_source: str, ranks: int = 2, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run pytest on `test_source` under `mpiexec -n ranks`, with this suite's conftest."""
     require_mpiexec()
@@ -229,7 +229,7 @@ def run_test_job(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_job.py"],
         launcher="mpiexec",
         ranks=ranks,
-        env={"PYTHONDONTWRITEBYTECODE": "1"},
+        env={"PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
         cwd=tmp_path,
     )
 
@@ -280,6 +280,40 @@ def test_guard_aborts_the_job_when_one_rank_fails(tmp_path: Path) -> None:
     assert "AssertionError: rank 1 is broken" in job.stderr
     assert "[rank 0] FAILED" not in output
     assert "APPLICATION TIMED OUT" not in output, output  # aborted, not ended by MPIEXEC_TIMEOUT
+
+
+@pytest.mark.spawns
+def test_a_rank_killed_by_a_signal_leaves_a_note_naming_its_test(tmp_path: Path) -> None:
+    # A crash in C (SIGABRT from a corrupted heap, say) ends a rank before pytest can report:
+    # faulthandler prints its stacks, which do not name the test; the trail does (Makefile).
+    trail = tmp_path / "trail"
+    job = run_test_job(
+        tmp_path,
+        """
+        import os
+        import dataparallel as dp
+
+        def test_passes(world):
+            world.barrier()
+
+        def test_crashes_on_rank_1(rank):
+            if rank == 1:
+                os.abort()
+            dp.barrier()  # rank 0 waits here until mpiexec ends the job
+        """,
+        env={"PYTEST_RANK_TRAIL": str(trail)},
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode != 0, output
+    assert "Fatal Python error: Aborted" in output, output  # faulthandler's stacks, unnamed
+    notes = {path.name: path.read_text() for path in trail.iterdir()}
+    assert sorted(notes) == ["rank-0", "rank-1"], notes
+    for rank, note in enumerate(notes[f"rank-{r}"] for r in range(2)):
+        assert note.startswith(f"[rank {rank}] was running test_job.py::test_crashes_on_rank_1 ")
+    # Without the variable, no note is kept (an outer suite's is not inherited: `_jobs`).
+    job = run_test_job(tmp_path, "def test_nothing(world):\n    world.barrier()\n")
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert {path.name: path.read_text() for path in trail.iterdir()} == notes
 
 
 @pytest.mark.spawns

@@ -603,3 +603,6 @@ def test_a_model_converted_after_the_optimizer_is_named(stage: int, world: Backe
     wrapped(model, stage)(torch.randn(3, 4)).sum().backward()
     with pytest.raises(RuntimeError, match=r"converted \(model.float\(\).*Convert the model first"):
         opt.step()
+    # The pass's reduce-scatters (stage 2) landed before the error: dropped in flight, MPI would
+    # write their results into memory freed with the optimizer.
+    assert opt._shards is None or not opt._shards.in_flight

@@ -12,6 +12,13 @@ times the buffer at `p` ranks against a ring's `2 (p - 1) / p`, which is why onl
 way: PROD, MIN and MAX keep `half.TwoPhase`. The ops belong to no world: made once per process,
 freed with the caches at `dp.finalize()` (mpi4py has a few dozen slots for user-defined ops).
 
+A call in flight holds its buffers until MPI has completed it, even when its caller lets go of
+it first (an error raised between the start and the wait, an object dropped with a call in
+flight): mpi4py frees a dropped request with `MPI_Request_free`, which lets the call run on, and
+MPI would go on writing into memory that Python has freed, corrupting the heap (a crash later,
+anywhere). `MPIHandle` hands such a call to `Unfinished` instead, which keeps it until MPI says
+it completed.
+
 The library itself (imported, CUDA-aware or not, able to start under the launcher's PMI):
 `library.py`; the count of calls that makes leaving collective: `board.py`.
 """
@@ -19,9 +26,11 @@ The library itself (imported, CUDA-aware or not, able to start under the launche
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -41,7 +50,7 @@ from dataparallel.types import WireDtype
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["MPIBackend", "MPIHandle", "half_sum", "wait_request"]
+__all__ = ["UNFINISHED", "MPIBackend", "MPIHandle", "Unfinished", "half_sum", "wait_request"]
 
 
 def _by_rank(buf: Buffer, counts: list[int]) -> list[object]:
@@ -66,19 +75,78 @@ def wait_request(request: MPI.Request, timeout: float | None, what: str, rank: i
         time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
 
 
+class Unfinished:
+    """Calls whose caller let go of them before MPI completed them, kept with their buffers.
+
+    `keep` takes a request and the buffers MPI reads and writes for it; `release` lets go of
+    those MPI has completed. Every call of an engine begins with `release`, so what a program
+    drops is let go of at its next call. Module-level and never cleared at `dp.finalize()`: a
+    call outlives its engine (MPI completes the calls in flight on a freed communicator), and
+    letting go of one before MPI completes it is what this prevents. After `MPI_Finalize` MPI
+    writes nothing more: everything is let go of.
+    """
+
+    def __init__(self) -> None:
+        # Appended to from `MPIHandle.__del__`, on whatever thread a collection runs: a deque's
+        # append and popleft are atomic, so `keep` takes no lock and makes no MPI call.
+        self._held: collections.deque[tuple[MPI.Request, tuple[object, ...]]]
+        self._held = collections.deque()
+        self._releasing = threading.Lock()  # one thread tests the requests at a time
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def keep(self, request: MPI.Request, buffers: tuple[object, ...]) -> None:
+        """Keep `request` and `buffers` until MPI has completed the call (no MPI call here)."""
+        if request:  # MPI.REQUEST_NULL once a wait or test saw it complete
+            self._held.append((request, buffers))
+
+    def release(self) -> None:
+        """Let go of the calls MPI has completed (each tested once; no wait)."""
+        if not self._held or not self._releasing.acquire(blocking=False):
+            return
+        try:
+            mpi = sys.modules.get("mpi4py.MPI")
+            if mpi is None or mpi.Is_finalized():
+                self._held.clear()
+                return
+            for _ in range(len(self._held)):  # those kept meanwhile wait for the next call
+                request, buffers = self._held.popleft()
+                if not request.Test():
+                    self._held.append((request, buffers))
+        finally:
+            self._releasing.release()
+
+
+# Every MPI engine's calls dropped in flight (see `Unfinished`).
+UNFINISHED = Unfinished()
+
+
 class MPIHandle:
-    """An MPI request in flight; waited for against the engine's timeout."""
+    """An MPI request in flight, and the buffers MPI uses for it; waited for against the
+    engine's timeout. Dropped before its completion was seen, it hands both to `UNFINISHED`."""
 
-    __slots__ = ("_rank", "_request", "_timeout", "_what")
+    __slots__ = ("_buffers", "_rank", "_request", "_timeout", "_what")
 
-    def __init__(self, request: MPI.Request, timeout: float | None, what: str, rank: int) -> None:
+    def __init__(
+        self,
+        request: MPI.Request,
+        timeout: float | None,
+        what: str,
+        rank: int,
+        buffers: tuple[object, ...],
+    ) -> None:
         self._request, self._timeout, self._what, self._rank = request, timeout, what, rank
+        self._buffers = buffers
 
     def wait(self) -> None:
         wait_request(self._request, self._timeout, self._what, self._rank)
 
     def test(self) -> bool:
         return bool(self._request.Test())
+
+    def __del__(self) -> None:
+        UNFINISHED.keep(self._request, self._buffers)
 
 
 _OPS: dict[WireDtype, MPI.Op] = {}
@@ -199,17 +267,38 @@ class MPIBackend(Backend):
         """
         return device == "cpu" or (self.cuda_aware and device.startswith("cuda"))
 
+    def _begin(self) -> None:
+        """What every call does first: count it (`CallBoard`), and let go of the calls dropped
+        in flight that MPI has completed since (`Unfinished`)."""
+        self._board.tick()
+        if UNFINISHED:
+            UNFINISHED.release()
+
     def _complete(
-        self, what: str, blocking: Callable[[], object], start: Callable[[], MPI.Request]
+        self,
+        what: str,
+        blocking: Callable[[], object],
+        start: Callable[[], MPI.Request],
+        *buffers: object,
     ) -> None:
-        """Run `blocking()`, or with a timeout `start()` and poll it against the deadline."""
+        """Run `blocking()`, or with a timeout `start()` and poll it against the deadline; a
+        call that times out keeps `buffers` until MPI completes it (`Unfinished`)."""
         if self.timeout is None:
             blocking()
         else:
-            wait_request(start(), self.timeout, what, self.rank)
+            self._wait(start(), what, buffers)
+
+    def _wait(self, request: MPI.Request, what: str, buffers: tuple[object, ...]) -> None:
+        """Wait for `request` against the timeout; past it, `UNFINISHED` keeps it and `buffers`
+        (the caller lets go of them as the error unwinds)."""
+        try:
+            wait_request(request, self.timeout, what, self.rank)
+        except BaseException:
+            UNFINISHED.keep(request, buffers)
+            raise
 
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
-        self._board.tick()
+        self._begin()
         mpi_op, comm, in_place = self._ops[op], self.comm, self._mpi.IN_PLACE
         if self.timeout is None:  # every blocking allreduce: no closures on its way
             comm.Allreduce(in_place, buf, mpi_op)
@@ -218,10 +307,11 @@ class MPIBackend(Backend):
             "allreduce",
             lambda: comm.Allreduce(in_place, buf, mpi_op),
             lambda: comm.Iallreduce(in_place, buf, mpi_op),
+            buf,
         )
 
     def allreduce_into(self, send: HostBuffer, recv: HostBuffer, op: ReduceOp) -> None:
-        self._board.tick()
+        self._begin()
         mpi_op, comm = self._ops[op], self.comm
         if self.timeout is None:
             comm.Allreduce(send, recv, mpi_op)
@@ -230,47 +320,53 @@ class MPIBackend(Backend):
             "allreduce",
             lambda: comm.Allreduce(send, recv, mpi_op),
             lambda: comm.Iallreduce(send, recv, mpi_op),
+            send,
+            recv,
         )
 
     def iallreduce(self, buf: Buffer, op: ReduceOp) -> Handle:
-        self._board.tick()
+        self._begin()
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, buf, self._ops[op])
-        return MPIHandle(request, self.timeout, "iallreduce", self.rank)
+        return MPIHandle(request, self.timeout, "iallreduce", self.rank, (buf,))
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
         """A sum is one `Iallreduce` with this module's own 16-bit sum (`half_sum`): MPI has no
         bfloat16, and MPICH's float16 sum is a scalar loop. Other ops go `half.TwoPhase`."""
         if op is not ReduceOp.SUM:
             return TwoPhase(self, buf, op, dtype)
-        self._board.tick()
+        self._begin()
         typed = [buf, self._mpi.UINT16_T]
         request = self.comm.Iallreduce(self._mpi.IN_PLACE, typed, half_sum(self._mpi, dtype))
-        return MPIHandle(request, self.timeout, "iallreduce", self.rank)
+        return MPIHandle(request, self.timeout, "iallreduce", self.rank, (buf,))
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
-        self._board.tick()
+        self._begin()
         send, recv = (self._mpi.IN_PLACE, buf) if self.rank == root else (buf, None)
         mpi_op, comm = self._ops[op], self.comm
         self._complete(
             "reduce",
             lambda: comm.Reduce(send, recv, mpi_op, root),
             lambda: comm.Ireduce(send, recv, mpi_op, root),
+            buf,
         )
 
     def broadcast(self, buf: Buffer, root: int) -> None:
-        self._board.tick()
+        self._begin()
         self._broadcast(buf, root)
 
     def _broadcast(self, buf: Buffer, root: int) -> None:
         comm = self.comm
-        self._complete("broadcast", lambda: comm.Bcast(buf, root), lambda: comm.Ibcast(buf, root))
+        self._complete(
+            "broadcast", lambda: comm.Bcast(buf, root), lambda: comm.Ibcast(buf, root), buf
+        )
 
     def ibroadcast(self, buf: Buffer, root: int) -> Handle:
-        self._board.tick()
-        return MPIHandle(self.comm.Ibcast(buf, root), self.timeout, "ibroadcast", self.rank)
+        self._begin()
+        request = self.comm.Ibcast(buf, root)
+        return MPIHandle(request, self.timeout, "ibroadcast", self.rank, (buf,))
 
     def allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
-        self._board.tick()
+        self._begin()
         self._allgatherv(send, recv, counts)
 
     def _allgatherv(self, send: Buffer, recv: Buffer, counts: list[int]) -> None:
@@ -280,55 +376,62 @@ class MPIBackend(Backend):
             "allgather",
             lambda: comm.Allgatherv(send, target),
             lambda: comm.Iallgatherv(send, target),
+            send,
+            recv,
         )
 
     def allgather(self, send: Buffer, recv: Buffer) -> None:
-        self._board.tick()
+        self._begin()
         if self.timeout is None:  # the handshake of every call: no closures on its way
             self.comm.Allgather(send, recv)
         else:
-            wait_request(self.comm.Iallgather(send, recv), self.timeout, "allgather", self.rank)
+            self._wait(self.comm.Iallgather(send, recv), "allgather", (send, recv))
 
     def iallgather(self, send: Buffer, recv: Buffer) -> Handle:
-        self._board.tick()
-        return MPIHandle(self.comm.Iallgather(send, recv), self.timeout, "iallgather", self.rank)
+        self._begin()
+        request = self.comm.Iallgather(send, recv)
+        return MPIHandle(request, self.timeout, "iallgather", self.rank, (send, recv))
 
     def reduce_scatter(self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp) -> None:
-        self._board.tick()
+        self._begin()
         mpi_op, comm = self._ops[op], self.comm
         self._complete(
             "reduce_scatter",
             lambda: comm.Reduce_scatter(send, recv, counts, mpi_op),
             lambda: comm.Ireduce_scatter(send, recv, counts, mpi_op),
+            send,
+            recv,
         )
 
     def ireduce_scatter(
         self, send: Buffer, recv: Buffer, counts: list[int], op: ReduceOp
     ) -> Handle:
-        self._board.tick()
+        self._begin()
         request = self.comm.Ireduce_scatter(send, recv, counts, self._ops[op])
-        return MPIHandle(request, self.timeout, "ireduce_scatter", self.rank)
+        return MPIHandle(request, self.timeout, "ireduce_scatter", self.rank, (send, recv))
 
     def alltoallv(
         self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> None:
-        self._board.tick()
+        self._begin()
         source, target, comm = _by_rank(send, send_counts), _by_rank(recv, recv_counts), self.comm
         self._complete(
             "alltoall",
             lambda: comm.Alltoallv(source, target),
             lambda: comm.Ialltoallv(source, target),
+            send,
+            recv,
         )
 
     def ialltoallv(
         self, send: Buffer, send_counts: list[int], recv: Buffer, recv_counts: list[int]
     ) -> Handle:
-        self._board.tick()
+        self._begin()
         request = self.comm.Ialltoallv(_by_rank(send, send_counts), _by_rank(recv, recv_counts))
-        return MPIHandle(request, self.timeout, "ialltoall", self.rank)
+        return MPIHandle(request, self.timeout, "ialltoall", self.rank, (send, recv))
 
     def broadcast_object(self, obj: object, root: int) -> Received:
-        self._board.tick()
+        self._begin()
         if self.timeout is None:
             return self.comm.bcast(obj, root)
         payload = pickle.dumps(obj) if self.rank == root else b""
@@ -340,7 +443,7 @@ class MPIBackend(Backend):
         return pickle.loads(data.tobytes())
 
     def allgather_object(self, obj: object) -> list[Received]:
-        self._board.tick()
+        self._begin()
         if self.timeout is None:
             return list(self.comm.allgather(obj))
         payload = np.frombuffer(pickle.dumps(obj), np.uint8)
@@ -352,7 +455,7 @@ class MPIBackend(Backend):
         return [pickle.loads(received[a:b].tobytes()) for a, b in itertools.pairwise(edges)]
 
     def barrier(self) -> None:
-        self._board.tick()
+        self._begin()
         self._complete("barrier", self.comm.Barrier, self.comm.Ibarrier)
 
     def split(self, ranks: Sequence[int]) -> MPIBackend | None:

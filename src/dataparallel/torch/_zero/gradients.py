@@ -366,6 +366,11 @@ class GradientShards:
         if not in_place:
             self._pool.give(base)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether some reduce-scatter started has not landed yet."""
+        return bool(self._flights)
+
     def land(self) -> None:
         """Complete every reduce-scatter in flight."""
         flights, self._flights = self._flights, []

@@ -282,7 +282,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Give every piece its gradient (None where no rank had one); once per step."""
         if self._have_grads:
             return
-        self._check_moved()
+        try:
+            self._check_moved()
+        except RuntimeError:
+            if self._shards is not None:  # every rank started them: they complete before it raises
+                self._shards.land()
+            raise
         if self._shards is not None:
             had = self._shards.wait()
             for pieces in self._pieces:
