@@ -42,25 +42,11 @@ from dataparallel.arrays.actions import parse_op, reduction_error
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.jax._ffi import Rule, ffi_reason, reduce_ffi
 from dataparallel.jax._jit import traced_here
+from dataparallel.jax._packed import WIRE  # each reduced dtype's wire dtype: the optimizer's
 from dataparallel.protocol import handshake
 
 __all__ = ["stage_collective"]
 
-# The dtype each reduced dtype travels as: exact for every op (float16 and bfloat16 as float32,
-# the small integers and bool as int32), as the jitted optimizer's buffers travel.
-_WIRE = {
-    "float32": "float32",
-    "float64": "float64",
-    "int32": "int32",
-    "int64": "int64",
-    "float16": "float32",
-    "bfloat16": "float32",
-    "int8": "int32",
-    "int16": "int32",
-    "uint8": "int32",
-    "uint16": "int32",
-    "bool": "int32",
-}
 _MOVED = {  # dtypes moved unchanged (broadcast, gathers): every fixed-size one but bfloat16's
     "bool",
     "int8",
@@ -220,9 +206,9 @@ def _check_reduction(
     if scale is not None:
         scale = float(scale)
     for dtype, path in zip(dtypes, flat.paths, strict=True):
-        if dtype not in _WIRE:
+        if dtype not in WIRE:
             raise TypeError(
-                f"{path}: dp.allreduce inside jax.jit reduces {', '.join(_WIRE)} values, got "
+                f"{path}: dp.allreduce inside jax.jit reduces {', '.join(WIRE)} values, got "
                 f"{dtype}; convert the leaf (x.astype(...)), or reduce it outside jax.jit."
             )
         error = reduction_error(dtype, op, scale)
@@ -248,7 +234,7 @@ def _stage_reduction(
     if size == 1:
         return [_finish(leaf, leaf, factor) for leaf in leaves], None
     private = privates(engine)
-    wires = [leaf.astype(_WIRE[str(np.dtype(leaf.dtype))]) for leaf in leaves]
+    wires = [leaf.astype(WIRE[str(np.dtype(leaf.dtype))]) for leaf in leaves]
     outputs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in wires]
 
     def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
