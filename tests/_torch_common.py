@@ -8,6 +8,7 @@ leave the others waiting.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -106,3 +107,37 @@ class Branchy(nn.Module):
         if dp.rank() == 0:
             out = out + self.b(x)
         return out
+
+
+def resumable(
+    face: str, compression: Any, widths: tuple[int, int, int]
+) -> tuple[nn.Module, nn.Module, Any]:
+    """A model of `widths` (in, hidden, out; the same on every rank), what runs it (`face`: the
+    model under a `DistributedOptimizer`, or a `DataParallelModel`), and its Adam, compressed."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(widths[0], widths[1]), nn.Tanh(), nn.Linear(*widths[1:]))
+    opt: Any = torch.optim.Adam(model.parameters(), lr=0.01)
+    if face == "model":
+        return model, dp.torch.DataParallelModel(model, compression=compression), opt
+    return model, model, dp.DistributedOptimizer(opt, compression=compression)
+
+
+def train_own_rows(net: nn.Module, opt: Any, steps: range) -> None:
+    """Train `steps` on each rank's own rows, sized from `net`'s first and last layers: what
+    compression leaves behind then differs from rank to rank."""
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    width_in, width_out = linears[0].in_features, linears[-1].out_features
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + dp.rank())
+        x, y = torch.randn(4, width_in, generator=g), torch.randn(4, width_out, generator=g)
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def through_disk(*objects: Any) -> list[Any]:
+    """Each object's state dict through torch.save/torch.load (weights only), as on disk."""
+    buffer = io.BytesIO()
+    torch.save([o.state_dict() for o in objects], buffer)
+    buffer.seek(0)
+    return torch.load(buffer)  # type: ignore[no-any-return]

@@ -4,12 +4,11 @@ of torch's `DistributedOptimizer` and `DataParallelModel`."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
 import torch
-from _torch_common import assert_same_on_every_rank
+from _torch_common import assert_same_on_every_rank, resumable, through_disk, train_own_rows
 from torch import nn
 
 import dataparallel as dp
@@ -183,29 +182,8 @@ RESUME_STEPS = 8
 
 
 def _resumable(face: str) -> tuple[nn.Module, nn.Module, Any]:
-    torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 8))
     compression = dp.Compression.powersgd(rank=2, start_iter=2, min_compression_rate=1)
-    opt: Any = torch.optim.Adam(model.parameters(), lr=0.01)
-    if face == "model":
-        return model, dp.torch.DataParallelModel(model, compression=compression), opt
-    return model, model, dp.DistributedOptimizer(opt, compression=compression)
-
-
-def _train(net: nn.Module, opt: Any, steps: range) -> None:
-    for step in steps:
-        g = torch.Generator().manual_seed(100 * step + dp.rank())
-        x, y = torch.randn(4, 10, generator=g), torch.randn(4, 8, generator=g)
-        opt.zero_grad()
-        ((net(x) - y) ** 2).mean().backward()
-        opt.step()
-
-
-def _checkpoint(*objects: Any) -> list[Any]:
-    buffer = io.BytesIO()
-    torch.save([o.state_dict() for o in objects], buffer)
-    buffer.seek(0)
-    return torch.load(buffer)  # type: ignore[no-any-return]
+    return resumable(face, compression, (10, 12, 8))
 
 
 @pytest.mark.parametrize("face", ["optimizer", "model"])
@@ -214,12 +192,12 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str) -> Non
     optimizer load it and go on, and end where the uninterrupted run ends, bit for bit. Without
     PowerSGD's bases and step count the run goes elsewhere."""
     model, net, opt = _resumable(face)
-    _train(net, opt, range(RESUME_STEPS))
+    train_own_rows(net, opt, range(RESUME_STEPS))
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
     model, net, opt = _resumable(face)
-    _train(net, opt, range(RESUME_STEPS // 2))
-    saved = _checkpoint(net, opt)
+    train_own_rows(net, opt, range(RESUME_STEPS // 2))
+    saved = through_disk(net, opt)
     keeper = saved[0] if face == "model" else saved[1]
     key = "_powersgd" if face == "model" else "powersgd"
     assert keeper[key]["iteration"] == RESUME_STEPS // 2
@@ -227,10 +205,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str) -> Non
 
     def resume(state: list[Any]) -> list[torch.Tensor]:
         model, net, opt = _resumable(face)
-        _train(net, opt, range(3))  # a new run's state, which the checkpoint replaces
+        train_own_rows(net, opt, range(3))  # a new run's state, which the checkpoint replaces
         net.load_state_dict(state[0])
         opt.load_state_dict(state[1])
-        _train(net, opt, range(RESUME_STEPS // 2, RESUME_STEPS))
+        train_own_rows(net, opt, range(RESUME_STEPS // 2, RESUME_STEPS))
         return [p.detach().clone() for p in model.parameters()]
 
     for resumed, reference in zip(resume(saved), uninterrupted, strict=True):
@@ -244,7 +222,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str) -> Non
 
 def test_a_basis_that_fits_no_matrix_is_named() -> None:
     _, net, opt = _resumable("optimizer")
-    _train(net, opt, range(3))
+    train_own_rows(net, opt, range(3))
     state = opt.state_dict()
     name = next(iter(state["powersgd"]["q"]))
     state["powersgd"]["q"][name] = torch.zeros(3, 1)
@@ -255,17 +233,18 @@ def test_a_basis_that_fits_no_matrix_is_named() -> None:
 def test_elastic_state_commits_and_restores_powersgd() -> None:
     _, net, opt = _resumable("optimizer")
     state = dp.elastic.TorchState(net, opt)
-    _train(net, opt, range(3))
+    train_own_rows(net, opt, range(3))
     state.commit()
     low = opt.gradient_sync._low
     committed = (low.iteration, {i: q.clone() for i, q in low.qs.items()})
-    _train(net, opt, range(3, 5))
+    train_own_rows(net, opt, range(3, 5))
     assert low.iteration == 5
     state.restore()
     low = opt.gradient_sync._low
     assert low.iteration == committed[0]
     assert all(torch.equal(low.qs[i], q) for i, q in committed[1].items())
-    _train(net, opt, range(3, 4))  # every rank alike: the handshake agrees on the step count
+    # every rank alike: the handshake agrees on the step count
+    train_own_rows(net, opt, range(3, 4))
     dp.join()
 
 

@@ -4,12 +4,11 @@ gradient and adds it at the next step, so what was sent tracks what was computed
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import pytest
 import torch
-from _torch_common import assert_same_on_every_rank
+from _torch_common import assert_same_on_every_rank, resumable, through_disk, train_own_rows
 from torch import nn
 
 import dataparallel as dp
@@ -124,30 +123,7 @@ RESUME_STEPS = 6  # the run is interrupted after half of them
 
 def _resumable(face: str, wire: str) -> tuple[nn.Module, nn.Module, Any]:
     """A model (the same on every rank), what runs it, and its Adam, compressed with feedback."""
-    torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
-    compression = getattr(dp.Compression, f"{wire}_feedback")
-    opt: Any = torch.optim.Adam(model.parameters(), lr=0.01)
-    if face == "model":
-        return model, dp.torch.DataParallelModel(model, compression=compression), opt
-    return model, model, dp.DistributedOptimizer(opt, compression=compression)
-
-
-def _train(net: nn.Module, opt: Any, steps: range) -> None:
-    for step in steps:  # each rank its own rows: the residuals differ from rank to rank
-        g = torch.Generator().manual_seed(100 * step + dp.rank())
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
-        opt.zero_grad()
-        ((net(x) - y) ** 2).mean().backward()
-        opt.step()
-
-
-def _checkpoint(*objects: Any) -> list[Any]:
-    """Each object's state dict through torch.save/torch.load (weights only), as on disk."""
-    buffer = io.BytesIO()
-    torch.save([o.state_dict() for o in objects], buffer)
-    buffer.seek(0)
-    return torch.load(buffer)  # type: ignore[no-any-return]
+    return resumable(face, getattr(dp.Compression, f"{wire}_feedback"), (6, 5, 2))
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -161,12 +137,12 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str, wire: 
     reduction keeps them) halfway, a new model, wrapper and optimizer load it and go on; they end
     where the run that was never interrupted ends, bit for bit, on every rank."""
     model, net, opt = _resumable(face, wire)
-    _train(net, opt, range(RESUME_STEPS))
+    train_own_rows(net, opt, range(RESUME_STEPS))
     uninterrupted = _params(model)
 
     model, net, opt = _resumable(face, wire)
-    _train(net, opt, range(RESUME_STEPS // 2))
-    saved = _checkpoint(net, opt)
+    train_own_rows(net, opt, range(RESUME_STEPS // 2))
+    saved = through_disk(net, opt)
     keeper = saved[0] if face == "model" else saved[1]
     key = "_error_feedback" if face == "model" else "error_feedback"
     assert (keeper[key]["rank"], keeper[key]["size"]) == (dp.rank(), dp.size())
@@ -175,10 +151,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str, wire: 
 
     def resume(state: list[Any]) -> list[torch.Tensor]:
         model, net, opt = _resumable(face, wire)
-        _train(net, opt, range(1))  # a new run's residuals, which the checkpoint replaces
+        train_own_rows(net, opt, range(1))  # a new run's residuals, which the checkpoint replaces
         net.load_state_dict(state[0])
         opt.load_state_dict(state[1])
-        _train(net, opt, range(RESUME_STEPS // 2, RESUME_STEPS))
+        train_own_rows(net, opt, range(RESUME_STEPS // 2, RESUME_STEPS))
         return _params(model)
 
     for resumed, reference in zip(resume(saved), uninterrupted, strict=True):
@@ -194,7 +170,7 @@ def test_another_ranks_residuals_are_not_taken() -> None:
     residuals (another rank's are what its rounding dropped); a plain optimizer and the bare
     module load the state as torch's; a residual that fits no parameter is named."""
     model, net, opt = _resumable("optimizer", "bf16")
-    _train(net, opt, range(2))
+    train_own_rows(net, opt, range(2))
     state = dp.broadcast_object(opt.state_dict(), root=0)
     assert opt.gradient_sync._feedback is not None
     opt.load_state_dict(state)
@@ -209,7 +185,7 @@ def test_another_ranks_residuals_are_not_taken() -> None:
         opt.load_state_dict(state)
 
     model, net, opt = _resumable("model", "fp16")
-    _train(net, opt, range(1))
+    train_own_rows(net, opt, range(1))
     parent = nn.ModuleDict({"net": net})
     nested = parent.state_dict()
     assert "net._error_feedback" in nested
@@ -226,11 +202,11 @@ def test_elastic_state_keeps_each_ranks_residuals() -> None:
     for face in ("optimizer", "model"):
         _, net, opt = _resumable(face, "bf16")
         state = dp.elastic.TorchState(net, opt)
-        _train(net, opt, range(2))
+        train_own_rows(net, opt, range(2))
         reducer = net if face == "model" else opt
         state.commit()
         committed = {i: r.clone() for i, r in reducer.gradient_sync._feedback.residuals.items()}
-        _train(net, opt, range(2, 3))
+        train_own_rows(net, opt, range(2, 3))
         ahead = {i: r.clone() for i, r in reducer.gradient_sync._feedback.residuals.items()}
         assert any(not torch.equal(ahead[i], committed[i]) for i in committed)
         state.sync()
