@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _jobs import outer_world_size, run_job
+from _jobs import Arg, outer_world_size, run_job
 
 pytestmark = [
     pytest.mark.spawns,
@@ -53,6 +53,23 @@ def elastic(
         options=options,
         timeout=timeout,
         cwd=tmp_path,
+    )
+
+
+def three_lose_one(
+    script: str, args: list[Arg], tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`script` (of tests/scripts) run elastically by 3 Gloo workers that may fall to 2, one of
+    them made to die by `args`."""
+    return run_job(
+        [SCRIPTS / script, *args],
+        ranks=3,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+        env=env,
     )
 
 
@@ -275,15 +292,7 @@ def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str, wr
     0 or not): the wrappers carry their hooks over the same way whoever is lost."""
     out = tmp_path / "out.json"
     ddp = ["--ddp"] if wrapper == "model" else []
-    done = run_job(
-        [SCRIPTS / "elastic_hvd.py", "--out", out, "--die", victim, *ddp],
-        ranks=3,
-        backend="gloo",
-        job_timeout=LIMIT - 30,
-        options=["--min-np", "2"],
-        timeout=LIMIT,
-        cwd=tmp_path,
-    )
+    done = three_lose_one("elastic_hvd.py", ["--out", out, "--die", victim, *ddp], tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
 
@@ -296,16 +305,8 @@ def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: 
     same, and the step, compiled for the old world, is traced again for the new one. The script
     converts nothing and clears no cache itself; the end is one process's training."""
     out = tmp_path / "out.json"
-    done = run_job(
-        [SCRIPTS / "elastic_jax.py", "--out", out, "--route", route, "--die", victim],
-        ranks=3,
-        backend="gloo",
-        job_timeout=LIMIT - 30,
-        options=["--min-np", "2"],
-        timeout=LIMIT,
-        cwd=tmp_path,
-        env={"JAX_PLATFORMS": "cpu"},
-    )
+    args = ["--out", out, "--route", route, "--die", victim]
+    done = three_lose_one("elastic_jax.py", args, tmp_path, env={"JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr
     assert f"worker {victim[1:]} was lost" in done.stderr
     result = json.loads(out.read_text())
@@ -321,14 +322,7 @@ def test_a_zero_run_reshards_what_it_committed(tmp_path: Path, stage: int, victi
     survivors lay the optimizer out again over 2 ranks (other segments, other padding) and its
     consolidated state is, bit for bit, the one committed last; the run then finishes."""
     out = tmp_path / "out.json"
-    done = run_job(
-        [SCRIPTS / "elastic_zero.py", "--out", out, "--die", victim, "--stage", str(stage)],
-        ranks=3,
-        backend="gloo",
-        job_timeout=LIMIT - 30,
-        options=["--min-np", "2"],
-        timeout=LIMIT,
-        cwd=tmp_path,
-    )
+    args = ["--out", out, "--die", victim, "--stage", str(stage)]
+    done = three_lose_one("elastic_zero.py", args, tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True, True]}
