@@ -166,6 +166,33 @@ def sweep_work(args: argparse.Namespace) -> None:
     dp.finalize()
 
 
+@dataclasses.dataclass
+class Job:
+    """One 4-rank MPI job of this file's worker across the link, started over ssh from host 0."""
+
+    link: Link
+    launcher: Path
+    bindir: Path
+    worker: list[str]
+    timeout: float
+
+    def result(self, layout: str, env: dict[str, str]) -> dict[str, dict[str, float]]:
+        """Run it with ranks laid out as `layout`; return its RESULT line's figures. A job that
+        fails prints what it wrote and ends this benchmark with its status."""
+        hosts = ",".join(f"{a}:{LAYOUTS[layout]}" for a in self.link.addresses)
+        job = [str(self.bindir / "mpiexec"), "-hosts", hosts, "-launcher", "ssh",
+               "-launcher-exec", str(self.launcher), "-n", "4", *self.worker]  # fmt: skip
+        done = subprocess.run(
+            self.link.command(0, job), env=env, timeout=self.timeout,
+            capture_output=True, text=True,
+        )  # fmt: skip
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            print(done.stdout, done.stderr, sep="\n")
+            raise SystemExit(done.returncode or 1)
+        return json.loads(lines[0][len("RESULT ") :])
+
+
 def sweep(args: argparse.Namespace) -> int:
     """`--sweep`: one job per link and layout, in turn, `--pairs` times."""
     reason = why_not()
@@ -182,22 +209,11 @@ def sweep(args: argparse.Namespace) -> int:
     worker += ["--sizes", args.sizes, "--calls", str(args.calls)]
     try:
         with tempfile.TemporaryDirectory() as folder:
-            launcher = link.launcher(Path(folder))
+            job = Job(link, link.launcher(Path(folder)), bindir, worker, args.timeout)
             for _ in range(args.pairs):
                 for rate, layout in cases:
                     link.shape(None if rate == "none" else rate)
-                    hosts = ",".join(f"{a}:{LAYOUTS[layout]}" for a in link.addresses)
-                    job = [str(bindir / "mpiexec"), "-hosts", hosts, "-launcher", "ssh",
-                           "-launcher-exec", str(launcher), "-n", "4", *worker]  # fmt: skip
-                    done = subprocess.run(
-                        link.command(0, job), env=env, timeout=args.timeout,
-                        capture_output=True, text=True,
-                    )  # fmt: skip
-                    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-                    if done.returncode != 0 or not lines:
-                        print(done.stdout, done.stderr, sep="\n")
-                        return done.returncode or 1
-                    runs[rate, layout].append(json.loads(lines[0][len("RESULT ") :]))
+                    runs[rate, layout].append(job.result(layout, env))
     finally:
         link.shape(None)
         link.close()
@@ -230,22 +246,10 @@ def launch(args: argparse.Namespace) -> int:
             link.shape(args.rate)
             worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker"]
             worker += ["--mib", str(args.mib), "--calls", str(args.calls)]
+            job = Job(link, launcher, bindir, worker, args.timeout)
             for _ in range(args.pairs):
                 for layout, how in cases:
-                    env = {**base, **COMPOSITIONS[how]}
-                    slots = LAYOUTS[layout]
-                    hosts = ",".join(f"{a}:{slots}" for a in link.addresses)
-                    job = [str(bindir / "mpiexec"), "-hosts", hosts, "-launcher", "ssh",
-                           "-launcher-exec", str(launcher), "-n", "4", *worker]  # fmt: skip
-                    done = subprocess.run(
-                        link.command(0, job), env=env, timeout=args.timeout,
-                        capture_output=True, text=True,
-                    )  # fmt: skip
-                    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-                    if done.returncode != 0 or not lines:
-                        print(done.stdout, done.stderr, sep="\n")
-                        return done.returncode or 1
-                    runs[layout, how].append(json.loads(lines[0][len("RESULT ") :]))
+                    runs[layout, how].append(job.result(layout, {**base, **COMPOSITIONS[how]}))
     finally:
         link.shape(None)
         link.close()
