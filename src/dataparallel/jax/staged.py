@@ -39,6 +39,7 @@ from jax.experimental import io_callback
 from dataparallel import world
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import parse_op, reduction_error
+from dataparallel.arrays.dtypes import SUPPORTED_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.jax._ffi import Rule, ffi_reason, reduce_ffi
 from dataparallel.jax._jit import traced_here
@@ -47,22 +48,6 @@ from dataparallel.protocol import handshake
 
 __all__ = ["stage_collective"]
 
-_MOVED = {  # dtypes moved unchanged (broadcast, gathers): every fixed-size one but bfloat16's
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-}
 _COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "alltoall", "barrier")
 HostCall = Callable[[list[np.ndarray], list[np.ndarray]], None]
 
@@ -178,7 +163,7 @@ def _from_moved(moved: jax.Array, leaf: jax.Array) -> jax.Array:
 
 def _check_moved(dtypes: list[str], paths: list[str], collective: str) -> None:
     for dtype, path in zip(dtypes, paths, strict=True):
-        if dtype not in _MOVED and dtype != "bfloat16":
+        if dtype not in SUPPORTED_DTYPES:  # every one moves: bfloat16 as its bits
             raise TypeError(f"{path}: dp.{collective} inside jax.jit cannot move {dtype} values.")
 
 
