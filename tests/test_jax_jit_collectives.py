@@ -1,11 +1,12 @@
-"""dp's collectives inside `jax.jit` (`dataparallel.jax.staged`), passing at any world size.
+"""dp's collectives inside `jax.jit` (`dataparallel.jax.traced`), passing at any world size.
 
-`pytest tests/test_jax_jit_collectives.py` runs them in a world of one (nothing is staged there:
-the values are the result); under `mpiexec -n 3 python -m pytest ...` or `dataparallel run -n 3
---backend gloo -m pytest ...` every rank runs them in lockstep. Every jitted result is checked
-against the eager call on the same values, or against an exact expectation. The last part is
-mpi4jax's own examples and tests, with the calls renamed (`mpi4jax.allreduce(x, op=MPI.SUM,
-comm=comm)` -> `dp.allreduce(x)`), checked as mpi4jax checks them.
+`pytest tests/test_jax_jit_collectives.py` runs them in a world of one (nothing is put in the
+program there: the values are the result); under `mpiexec -n 3 python -m pytest ...` or
+`dataparallel run -n 3 --backend gloo -m pytest ...` every rank runs them in lockstep. Every
+jitted result is checked against the eager call on the same values, or against an exact
+expectation. The last part is mpi4jax's own examples and tests, with the calls renamed
+(`mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)` -> `dp.allreduce(x)`), checked as mpi4jax checks
+them; its shallow-water example (point-to-point) is `test_jax_shallow_water.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from _readme import blocks  # noqa: E402
 import dataparallel as dp  # noqa: E402
 from dataparallel import world  # noqa: E402
 from dataparallel.errors import CollectiveMismatchError  # noqa: E402
-from dataparallel.jax import staged  # noqa: E402
+from dataparallel.jax import traced  # noqa: E402
 
 
 def private() -> Any:
@@ -39,7 +40,7 @@ def bridge(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """Each test on both bridges: the XLA FFI call, and the ordered io_callback used where it
     cannot run (JAX off the CPU, several devices per process)."""
     if request.param == "callback":
-        monkeypatch.setattr(staged, "ffi_reason", lambda: "forced by the test")
+        monkeypatch.setattr(traced, "ffi_reason", lambda: "forced by the test")
     jax.clear_caches()  # a jitted function traced on the other bridge is traced again
     return str(request.param)
 
@@ -135,7 +136,7 @@ def test_calls_run_once_per_execution_in_program_order_unused_ones_too(
     monkeypatch: pytest.MonkeyPatch, size: int, rank: int, bridge: str
 ) -> None:
     if size == 1:
-        pytest.skip("a world of one stages nothing")
+        pytest.skip("a world of one puts nothing in the program")
     calls = count_engine_calls(monkeypatch, private())
 
     @jax.jit
@@ -268,11 +269,11 @@ def test_mpi4jax_tests_bcast_and_allgather(size: int, rank: int) -> None:
         assert jnp.array_equal(res[p], jnp.ones((3, 2)) * p)
 
 
-def test_barrier_is_staged_and_runs_each_time(
+def test_barrier_is_traced_and_runs_each_time(
     monkeypatch: pytest.MonkeyPatch, size: int, bridge: str
 ) -> None:
     if size == 1:
-        pytest.skip("a world of one stages nothing")
+        pytest.skip("a world of one puts nothing in the program")
     engine = private()
     barriers: list[int] = []
     real = engine.barrier
@@ -310,7 +311,7 @@ def test_the_mpi4jax_page_runs_as_written(launcher: Any, ranks: int, backend: st
     job = run_job(target, launcher=launcher, ranks=ranks, backend=backend, timeout=300)
     assert job.returncode == 0, job.stdout + job.stderr
     found = blocks(PAGE.read_text(encoding="utf-8"))
-    assert len(found) == 3
+    assert len(found) == 4
     # Gloo jobs prefix each line with its rank ("[rank 0] "): the verdicts are read past it.
     lines = job.stdout.splitlines()
     verdicts = [line[line.index("mpi4jax.md ") :] for line in lines if "mpi4jax.md block" in line]

@@ -21,10 +21,11 @@ from dataparallel.collectives.exchanges import alltoall
 from dataparallel.collectives.gathers import allgather
 from dataparallel.collectives.join import join
 from dataparallel.collectives.objects import allgather_object, barrier, broadcast_object
+from dataparallel.collectives.pointtopoint import recv, send, sendrecv
 from dataparallel.collectives.reductions import allreduce, allreduce_gradients, iallreduce, reduce
 from dataparallel.collectives.requests import Request, wait_all
 from dataparallel.collectives.scatters import reducescatter
-from dataparallel.collectives.staged import stage_with as _stage_with
+from dataparallel.collectives.traced import handled_by as _traced_by
 from dataparallel.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -60,9 +61,10 @@ from dataparallel.world import (
 # torch's group, when made as torch is imported after `dp.initialize()`, begins with the
 # handshake of a collective call, a layer above `torch_distributed`: wired here.
 _torch_distributed.check_calls_with(_verify_same_call)
-# Collectives on values JAX is tracing (inside `jax.jit`) are staged by `dataparallel.jax`, a
-# layer above them: named here, loaded on the first traced call, so JAX is not imported before.
-_stage_with("dataparallel.jax.staged")
+# Collectives on values JAX is tracing (inside `jax.jit`) are put in the program by
+# `dataparallel.jax`, a layer above them: named here, loaded on the first traced call, so JAX is not
+# imported before.
+_traced_by("dataparallel.jax.traced")
 
 __version__ = _VERSION
 """This package's version, from its installed metadata (`"0+unknown"` when not installed)."""
@@ -105,8 +107,11 @@ __all__ = [
     "new_group",
     "progress",
     "rank",
+    "recv",
     "reduce",
     "reducescatter",
+    "send",
+    "sendrecv",
     "size",
     "synchronize",
     "timeline",

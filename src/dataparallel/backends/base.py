@@ -311,6 +311,22 @@ class Backend(ABC):
         self.alltoallv(send, send_counts, recv, recv_counts)
         return DoneHandle()
 
+    def sendrecv(
+        self,
+        send: HostBuffer | None,
+        dest: int,
+        recv: HostBuffer | None,
+        source: int,
+        sendtag: int = 0,
+        recvtag: int = 0,
+    ) -> None:
+        """Send `send` to rank `dest` and receive rank `source`'s message into `recv` at once
+        (MPI's `Sendrecv`, which cannot deadlock on a ring); `send` None only receives, `recv`
+        None only sends. Both peers are other ranks than this one; the bytes sent and the bytes
+        received must be as many on both ends (the caller agrees on that first).
+        """
+        raise NotImplementedError(f"the {self.name!r} backend has no point-to-point calls.")
+
     @abstractmethod
     def broadcast_object(self, obj: object, root: int) -> Received:
         """Return `root`'s picklable `obj` on every rank."""

@@ -8,7 +8,7 @@ from typing import Any, cast
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
 from dataparallel.backends.base import Backend, Handle
-from dataparallel.collectives import staged
+from dataparallel.collectives import traced
 from dataparallel.collectives._agree import Call, agree, inline_fits
 from dataparallel.collectives._call import (
     CallContext,
@@ -50,8 +50,8 @@ def broadcast(
     x: TreeT, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
 ) -> TreeT:
     """Give every rank `root`'s values of `x` (an array, a number, or a pytree of them)."""
-    if staged.traced(x):  # inside jax.jit: staged into the program
-        return staged.stage("broadcast", x, backend_of(backend, group), root=root)
+    if traced.is_traced(x):  # inside jax.jit: traced into the program
+        return traced.call("broadcast", x, backend_of(backend, group), root=root)
     fusion, finish, _ = _start_broadcast(x, root, backend_of(backend, group), async_op=False)
     fusion.wait()
     return cast(TreeT, finish())

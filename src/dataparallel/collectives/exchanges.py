@@ -10,7 +10,7 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Exchange
 from dataparallel.backends.base import Backend
-from dataparallel.collectives import staged
+from dataparallel.collectives import traced
 from dataparallel.collectives._agree import Call, agree
 from dataparallel.collectives._call import Leaf, context, leaves_of, prepared
 from dataparallel.collectives._split import check_rows, run_split
@@ -63,8 +63,8 @@ def alltoall(
     >>> dp.alltoall(np.arange(3), splits=[3])
     (array([0, 1, 2]), [3])
     """
-    if staged.traced(x):  # inside jax.jit: staged into the program (equal splits)
-        return staged.stage("alltoall", x, backend_of(backend, group), splits=splits)
+    if traced.is_traced(x):  # inside jax.jit: traced into the program (equal splits)
+        return traced.call("alltoall", x, backend_of(backend, group), splits=splits)
     ctx = context(backend_of(backend, group))
     b = ctx.backend
 

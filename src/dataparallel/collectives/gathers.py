@@ -7,7 +7,7 @@ import numpy as np
 from dataparallel.arrays import tree
 from dataparallel.arrays.dtypes import storage_dtype
 from dataparallel.backends.base import Backend
-from dataparallel.collectives import staged
+from dataparallel.collectives import traced
 from dataparallel.collectives._agree import Call, agree
 from dataparallel.collectives._call import Leaf, context, leaves_of, log, prepared
 from dataparallel.groups import Group, backend_of
@@ -23,8 +23,8 @@ def allgather(x: Tree, *, backend: Backend | None = None, group: Group | None = 
     0-d arrays count as one row each, so they gather into a 1-D array of `size()` items.
     Results are new arrays of each leaf's family (NumPy arrays for numbers).
     """
-    if staged.traced(x):  # inside jax.jit: staged into the program
-        return staged.stage("allgather", x, backend_of(backend, group))
+    if traced.is_traced(x):  # inside jax.jit: traced into the program
+        return traced.call("allgather", x, backend_of(backend, group))
     ctx = context(backend_of(backend, group))
     b = ctx.backend
 

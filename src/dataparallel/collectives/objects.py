@@ -6,7 +6,7 @@ from typing import Any
 
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
-from dataparallel.collectives import staged
+from dataparallel.collectives import traced
 from dataparallel.collectives._call import check_root, context, prepared
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import verify_same_call
@@ -36,10 +36,10 @@ def allgather_object(
 def barrier(*, backend: Backend | None = None, group: Group | None = None) -> None:
     """Block until every rank has reached the barrier (ranks that have joined, `dp.join`, too).
 
-    Inside `jax.jit` the barrier is staged into the program: it runs each time the program runs.
+    Inside `jax.jit` the barrier is traced into the program: it runs each time the program runs.
     """
-    if staged.tracing():
-        staged.stage("barrier", None, backend_of(backend, group))
+    if traced.tracing():
+        traced.call("barrier", None, backend_of(backend, group))
         return
     ctx = context(backend_of(backend, group))
     verify_same_call(ctx.backend, {"collective": "barrier"}, replay=_barrier)

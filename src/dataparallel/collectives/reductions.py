@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataparallel.arrays.compression import Compressor
 from dataparallel.backends.base import Backend
-from dataparallel.collectives import _plans, staged
+from dataparallel.collectives import _plans, traced
 from dataparallel.collectives._call import context
 from dataparallel.collectives.requests import Request
 from dataparallel.groups import Group, backend_of
@@ -46,9 +46,9 @@ def allreduce(
     >>> dp.allreduce({"w": np.ones(2), "n": 3.0}, op="avg")
     {'w': array([1., 1.]), 'n': 3.0}
     """
-    if staged.traced(x):  # inside jax.jit: staged into the program
+    if traced.is_traced(x):  # inside jax.jit: traced into the program
         engine = backend_of(backend, group)
-        return staged.stage("allreduce", x, engine, op=op, scale=scale, compression=compression)
+        return traced.call("allreduce", x, engine, op=op, scale=scale, compression=compression)
     # The world itself when no backend or group is named: the commonest call, by the shortest way.
     ctx = current() if backend is None and group is None else context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "allreduce", x, "x", op, scale, compression=compression)
@@ -87,9 +87,9 @@ def reduce(
     group: Group | None = None,
 ) -> TreeT:
     """Reduce `x` across all ranks into `root`; the other ranks get their own values back."""
-    if staged.traced(x):  # inside jax.jit: staged into the program
+    if traced.is_traced(x):  # inside jax.jit: traced into the program
         engine = backend_of(backend, group)
-        return staged.stage("reduce", x, engine, op=op, root=root, scale=scale)
+        return traced.call("reduce", x, engine, op=op, root=root, scale=scale)
     ctx = context(backend_of(backend, group))
     handle, finish = _plans.start(ctx, "reduce", x, "x", op, scale, root=root)
     handle.wait()

@@ -1,6 +1,6 @@
 """The bridges by which a jitted step's buffers reach the engine, one engine call per buffer.
 
-A bridge is how a step staged out by XLA reaches this library's engine; the public `route=`
+A bridge is how a step compiled by XLA reaches this library's engine; the public `route=`
 argument of `dp.jax.distributed_optax` chooses one.
 
 With mpi4jax installed, on MPI, its XLA custom call on each buffer (`through_mpi4jax`); else,
@@ -39,7 +39,7 @@ __all__ = [
     "through_mpi4jax",
 ]
 
-# The bridge a packed step stages out: "auto" takes mpi4jax where `mpi4jax_reason` finds
+# The bridge a packed step is compiled with: "auto" takes mpi4jax where `mpi4jax_reason` finds
 # nothing against it, else the FFI call where `ffi_reason` finds nothing, else the callback.
 Bridge = Literal["auto", "callback", "ffi", "mpi4jax"]
 Details = Callable[[], dict[str, object]]  # the call field by field, to explain a mismatch

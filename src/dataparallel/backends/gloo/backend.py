@@ -563,6 +563,47 @@ class GlooBackend(Backend):
             raw_recv[offset : offset + size] = gathered[r, :size]
             offset += size
 
+    def sendrecv(
+        self,
+        send: HostBuffer | None,
+        dest: int,
+        recv: HostBuffer | None,
+        source: int,
+        sendtag: int = 0,
+        recvtag: int = 0,
+    ) -> None:
+        """The receive posted first, then the send, both on Gloo's threads, then both waited
+        for: a ring of blocking sends could wait on each other."""
+        torch, works = self._torch, []
+        if recv is not None:
+            target = torch.from_numpy(writable(flat(recv, "recv"), "recv").view(np.uint8))
+            works.append(
+                (
+                    "recv",
+                    target,
+                    self._call_tensors(
+                        "recv", self._dist.irecv, target, src=self._global(source), tag=recvtag
+                    ),
+                )
+            )
+        if send is not None:
+            raw = flat(send, "send").view(np.uint8)
+            tensor = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+            works.append(
+                (
+                    "send",
+                    tensor,
+                    self._call_tensors(
+                        "send", self._dist.isend, tensor, dst=self._global(dest), tag=sendtag
+                    ),
+                )
+            )
+        for what, _tensor, work in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise translate_error(exc, what, self.rank) from exc
+
     def broadcast_object(self, obj: object, root: int) -> Received:
         box = [obj]
         self._call_tensors(

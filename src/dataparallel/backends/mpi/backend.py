@@ -430,6 +430,42 @@ class MPIBackend(Backend):
         request = self.comm.Ialltoallv(_by_rank(send, send_counts), _by_rank(recv, recv_counts))
         return MPIHandle(request, self.timeout, "ialltoall", self.rank, (send, recv))
 
+    def sendrecv(
+        self,
+        send: HostBuffer | None,
+        dest: int,
+        recv: HostBuffer | None,
+        source: int,
+        sendtag: int = 0,
+        recvtag: int = 0,
+    ) -> None:
+        """Not counted on the `CallBoard`: only the two ends take part, not every rank."""
+        if UNFINISHED:
+            UNFINISHED.release()
+        comm = self.comm
+        if send is not None and recv is not None:
+            self._complete(
+                "sendrecv",
+                lambda: comm.Sendrecv(send, dest, sendtag, recv, source, recvtag),
+                lambda: comm.Isendrecv(send, dest, sendtag, recv, source, recvtag),
+                send,
+                recv,
+            )
+        elif send is not None:
+            self._complete(
+                "send",
+                lambda: comm.Send(send, dest, sendtag),
+                lambda: comm.Isend(send, dest, sendtag),
+                send,
+            )
+        elif recv is not None:
+            self._complete(
+                "recv",
+                lambda: comm.Recv(recv, source, recvtag),
+                lambda: comm.Irecv(recv, source, recvtag),
+                recv,
+            )
+
     def broadcast_object(self, obj: object, root: int) -> Received:
         self._begin()
         if self.timeout is None:

@@ -1,13 +1,13 @@
-"""`dp.allreduce` and friends inside `jax.jit`: each call staged into the compiled program.
+"""`dp.allreduce` and friends inside `jax.jit`: each call traced into the compiled program.
 
 What mpi4jax's users write (`mpi4jax.allreduce(x, op=MPI.SUM)` inside a jitted function) is
-written here as the eager call (`dp.allreduce(x)`): `dataparallel.collectives.staged` hands a
-call on traced values to `stage_collective`, which
+written here as the eager call (`dp.allreduce(x)`): `dataparallel.collectives.traced` hands a
+call on traced values to `trace_collective`, which
 
 1. agrees on the call with every rank **once, when it is traced** (the handshake on the world's
    engine, as eager calls make it per call): a different collective, tree, shape, dtype, op or
    root raises `CollectiveMismatchError` on every rank, from the traced call;
-2. stages one engine call per leaf into the program, on a private duplicate of the engine
+2. puts one engine call per leaf into the program, on a private duplicate of the engine
    (`_own_engine`), through the XLA FFI call of
    `_ffi.py` (the buffers in XLA's own memory, reduced and broadcast in place), or where it
    cannot run (JAX off the CPU, several devices per process) an ordered `io_callback`. Both
@@ -15,14 +15,18 @@ call on traced values to `stage_collective`, which
    drops one whose result is unused;
 3. converts back inside the program (the wire dtype to the leaf's, the average's division).
 
-Under JAX's transformations the staged call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
+Under JAX's transformations the traced call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
 with `op="sum"` or `"avg"` has `jax.jvp` (the sum of the tangents), `jax.grad` and
 `jax.linear_transpose` (the transpose of a sum is the identity: each rank keeps its cotangent);
 the other ops and collectives raise a `TypeError` naming themselves when differentiated; every
 one batches under `jax.vmap` (one engine call on the batched buffer). The io_callback has none
 of these.
 
-A world of one stages nothing: the values are the result.
+`dp.send`, `dp.recv` and `dp.sendrecv` (`_trace_pointtopoint`) agree with their peers only,
+when traced (`dataparallel.collectives.pointtopoint`), and move each tree as one message on
+the same engine; they have no transformation rules.
+
+A world of one puts nothing in the program: the values are the result.
 """
 
 from __future__ import annotations
@@ -41,37 +45,42 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import parse_op, reduction_error
 from dataparallel.arrays.dtypes import SUPPORTED_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
+from dataparallel.collectives.pointtopoint import agree_pair, check_peer, check_tag, describe
+from dataparallel.errors import CollectiveMismatchError
 from dataparallel.jax._ffi import Rule, ffi_reason, reduce_ffi
 from dataparallel.jax._jit import traced_here
 from dataparallel.jax._packed import WIRE  # each reduced dtype's wire dtype: the optimizer's
 from dataparallel.protocol import handshake
 
-__all__ = ["stage_collective"]
+__all__ = ["trace_collective"]
 
 _COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "alltoall", "barrier")
+_POINT_TO_POINT = ("send", "recv", "sendrecv")
 HostCall = Callable[[list[np.ndarray], list[np.ndarray]], None]
 
 
-def stage_collective(collective: str, x: object, backend: Backend | None, **options: Any) -> Any:
-    """Stage `collective(x, **options)` on traced values into the program being traced.
+def trace_collective(collective: str, x: object, backend: Backend | None, **options: Any) -> Any:
+    """Put `collective(x, **options)` on traced values into the program being traced.
 
     `backend`: the engine (a group's), or None for the world's. Returns what the eager call
     returns: `x`'s structure with traced results (and, for `alltoall`, the received splits).
     """
+    if collective in _POINT_TO_POINT:
+        return _trace_pointtopoint(collective, x, backend, **options)
     if collective not in _COLLECTIVES:
         raise TypeError(f"dp.{collective} cannot take traced JAX values (inside jax.jit).")
     active = world.current()
     engine = backend if backend is not None else active.backend
     privates = functools.partial(_own_engine, active.private)
     if collective == "barrier":
-        _stage_barrier(engine, privates)
+        _trace_barrier(engine, privates)
         return None
     flat = tree.flatten(x, "x")
     leaves = [jnp.asarray(leaf) for leaf in flat.leaves]
     dtypes = [str(np.dtype(leaf.dtype)) for leaf in leaves]
     signatures = [f"{d}{list(leaf.shape)}" for d, leaf in zip(dtypes, leaves, strict=True)]
-    stager = _STAGERS[collective]
-    options = stager.check(flat, leaves, dtypes, engine.size, options)
+    parts = _PARTS[collective]
+    options = parts.check(flat, leaves, dtypes, engine.size, options)
     summary = (
         f"jit {collective}|{sorted(options.items())}|{flat.structure()}|{'|'.join(signatures)}"
     )
@@ -84,28 +93,28 @@ def stage_collective(collective: str, x: object, backend: Backend | None, **opti
 
     if engine.size > 1:
         handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
-    results, extra = stager.stage(leaves, engine, privates, summary, options)
+    results, extra = parts.trace(leaves, engine, privates, summary, options)
     out = tree.unflatten(flat.spec, list(results))
     return (out, extra) if collective == "alltoall" else out
 
 
 def _own_engine(private: Callable[[Backend], Backend], engine: Backend) -> Backend:
-    """The engine staged calls run on: a duplicate of the world's private one, which the jitted
+    """The engine traced calls run on: a duplicate of the world's private one, which the jitted
     optimizer's steps use. On the mpi4jax route those steps carry mpi4jax's ordered effect, not
     ours, so XLA may run one of theirs and one of these at the same time: never on one
     communicator."""
     return private(private(engine))
 
 
-class _Stager:
-    """One collective's parts: what it checks, and what it stages."""
+class _Parts:
+    """One collective's parts: what it checks, and what it puts in the program."""
 
     def __init__(
         self,
         check: Callable[..., dict[str, Any]],
-        stage: Callable[..., tuple[list[jax.Array], Any]],
+        trace: Callable[..., tuple[list[jax.Array], Any]],
     ) -> None:
-        self.check, self.stage = check, stage
+        self.check, self.trace = check, trace
 
 
 def _run(
@@ -118,10 +127,10 @@ def _run(
     rule: Rule,
     name: str,
 ) -> list[jax.Array]:
-    """Stage `host(inputs, outputs)` on NumPy views: the FFI call (outputs aliasing inputs where
-    `in_place`; `rule`: how it transforms, `_ffi.Rule`), or an ordered io_callback where the FFI
-    call cannot run (no vmap, no derivative there). `host` takes buffers of any shape a batch
-    gives them."""
+    """Put `host(inputs, outputs)` on NumPy views in the program: the FFI call (outputs aliasing
+    inputs where `in_place`; `rule`: how it transforms, `_ffi.Rule`), or an ordered io_callback
+    where the FFI call cannot run (no vmap, no derivative there). `host` takes buffers of any
+    shape a batch gives them."""
     traced_here()  # dp.finalize() drops JAX's caches: traced again in the next world
     if not inputs:
         return []
@@ -130,7 +139,7 @@ def _run(
             inputs,
             host,
             [in_place] * len(inputs),
-            key=(id(private), "staged", summary),
+            key=(id(private), "traced", summary),
             outputs=None if in_place else outputs,
             rule=rule,
             name=name,
@@ -205,7 +214,7 @@ def _check_reduction(
     return checked
 
 
-def _stage_reduction(
+def _trace_reduction(
     leaves: list[jax.Array],
     engine: Backend,
     privates: Callable[[Backend], Backend],
@@ -264,7 +273,7 @@ def _check_broadcast(
     return {"root": _check_root(options["root"], size)}
 
 
-def _stage_broadcast(
+def _trace_broadcast(
     leaves: list[jax.Array],
     engine: Backend,
     privates: Callable[[Backend], Backend],
@@ -300,7 +309,7 @@ def _check_gather(
     return {}
 
 
-def _stage_allgather(
+def _trace_allgather(
     leaves: list[jax.Array],
     engine: Backend,
     privates: Callable[[Backend], Backend],
@@ -345,7 +354,7 @@ def _check_alltoall(
     return {}
 
 
-def _stage_alltoall(
+def _trace_alltoall(
     leaves: list[jax.Array],
     engine: Backend,
     privates: Callable[[Backend], Backend],
@@ -374,8 +383,8 @@ def _stage_alltoall(
 # --- barrier ----------------------------------------------------------------------------------
 
 
-def _stage_barrier(engine: Backend, privates: Callable[[Backend], Backend]) -> None:
-    """Stage a barrier: one FFI call on a dummy buffer, kept by its ordered effect."""
+def _trace_barrier(engine: Backend, privates: Callable[[Backend], Backend]) -> None:
+    """Put a barrier in the program: one FFI call on a dummy buffer, kept by its ordered effect."""
     if engine.size == 1:
         return
     handshake(engine, "jit barrier", lambda: {"collective": "barrier (inside jax.jit)"})
@@ -389,10 +398,96 @@ def _stage_barrier(engine: Backend, privates: Callable[[Backend], Backend]) -> N
     _run([dummy], outputs, True, host, private, "jit barrier", "opaque", "dp.barrier")
 
 
-_STAGERS = {
-    "allreduce": _Stager(_check_reduction, _stage_reduction),
-    "reduce": _Stager(_check_reduction, _stage_reduction),
-    "broadcast": _Stager(_check_broadcast, _stage_broadcast),
-    "allgather": _Stager(_check_gather, _stage_allgather),
-    "alltoall": _Stager(_check_alltoall, _stage_alltoall),
+# --- send, recv and sendrecv ----------------------------------------------------------------
+
+
+def _trace_pointtopoint(
+    call: str,
+    pair: tuple[object, object],
+    backend: Backend | None,
+    *,
+    dest: int | None,
+    source: int | None,
+    sendtag: int,
+    recvtag: int,
+) -> Any:
+    """Put `dp.send`, `dp.recv` or `dp.sendrecv` in the program: the two ends of each transfer
+    agree when it is traced (`pointtopoint.agree_pair`), then every run moves the sent tree's
+    bytes in one message, on the engine the traced collectives use. A message to this rank
+    itself (`sendrecv` to and from it) is the sent values, with no call at all."""
+    active = world.current()
+    engine = backend if backend is not None else active.backend
+    sending, receiving = dest is not None, source is not None
+    dest = check_peer(dest, engine, "dest", call) if sending else engine.rank
+    source = check_peer(source, engine, "source", call) if receiving else engine.rank
+    sendtag, recvtag = check_tag(sendtag, call), check_tag(recvtag, call)
+    send_flat = tree.flatten(pair[0], "sendbuf") if sending else None
+    recv_flat = tree.flatten(pair[1], "recvbuf") if receiving else None
+    sends = [jnp.asarray(leaf) for leaf in send_flat.leaves] if send_flat is not None else []
+    templates = [jnp.asarray(leaf) for leaf in recv_flat.leaves] if recv_flat is not None else []
+    for leaves, flat in ((sends, send_flat), (templates, recv_flat)):
+        if flat is not None:
+            _check_moved([str(np.dtype(leaf.dtype)) for leaf in leaves], flat.paths, call)
+    sent = _description(send_flat, sends, sendtag)
+    expected = _description(recv_flat, templates, recvtag)
+    to_self, from_self = sending and dest == engine.rank, receiving and source == engine.rank
+    if to_self != from_self or (to_self and call != "sendrecv"):
+        raise ValueError(
+            f"dp.{call} on rank {engine.rank}: a message to this rank itself is only a sendrecv "
+            f"with dest and source both {engine.rank} (a copy); got "
+            f"dest={dest if sending else None}, source={source if receiving else None}."
+        )
+    if to_self:
+        if sent != expected:
+            raise CollectiveMismatchError(
+                f"dp.sendrecv on rank {engine.rank} to itself: it sends {sent} and expects "
+                f"{expected}."
+            )
+        assert recv_flat is not None
+        return tree.unflatten(recv_flat.spec, list(sends))
+    private = _own_engine(active.private, engine)  # collective the first time (`_own_engine`)
+    agree_pair(engine, call, sent, dest, expected, source)  # once per trace
+    moved = [_as_moved(leaf) for leaf in sends] + [_as_moved(leaf) for leaf in templates]
+    outputs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in moved]
+    count = len(sends)
+
+    def host(arrays: list[np.ndarray], received: list[np.ndarray]) -> None:
+        parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays[:count]]
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else None
+        targets = [r.reshape(-1).view(np.uint8) for r in received[count:]]
+        into = targets[0] if len(targets) == 1 else None
+        if into is None and targets:
+            into = np.empty(sum(t.size for t in targets), np.uint8)
+        out = out if sending and out is not None and out.size else None
+        into = into if receiving and into is not None and into.size else None
+        if out is None and into is None:
+            return
+        private.sendrecv(out, dest, into, source, sendtag, recvtag)
+        if into is not None and len(targets) > 1:
+            offset = 0
+            for target in targets:
+                target[...] = into[offset : offset + target.size]
+                offset += target.size
+
+    summary = f"jit {call}|to {dest}: {sent}|from {source}: {expected}"
+    done = _run(moved, outputs, True, host, private, summary, "opaque", f"dp.{call} inside jax.jit")
+    if recv_flat is None:
+        return None
+    received = [_from_moved(d, t) for d, t in zip(done[count:], templates, strict=True)]
+    return tree.unflatten(recv_flat.spec, received)
+
+
+def _description(flat: tree.Flat | None, leaves: list[jax.Array], tag: int) -> str | None:
+    if flat is None:
+        return None
+    dtypes = [str(np.dtype(leaf.dtype)) for leaf in leaves]
+    return describe(flat, dtypes, [tuple(leaf.shape) for leaf in leaves], tag)
+
+
+_PARTS = {
+    "allreduce": _Parts(_check_reduction, _trace_reduction),
+    "reduce": _Parts(_check_reduction, _trace_reduction),
+    "broadcast": _Parts(_check_broadcast, _trace_broadcast),
+    "allgather": _Parts(_check_gather, _trace_allgather),
+    "alltoall": _Parts(_check_alltoall, _trace_alltoall),
 }
