@@ -212,3 +212,22 @@ def test_jitted_ends_that_differ_raise_when_traced(rank: int, size: int) -> None
     right, left = ring(rank, size)
     got = jax.jit(lambda x: dp.sendrecv(x, x, source=left, dest=right))(jnp.full(2, rank * 1.0))
     assert (got == left).all()
+
+
+def test_mpi_calls_under_a_timeout_poll_their_requests(rank: int, size: int) -> None:
+    """With a timeout MPI's engine starts `Isendrecv`, `Isend`, `Irecv` and polls them."""
+    engine = dp.get_backend()
+    if engine.name != "mpi" or size == 1:
+        pytest.skip("MPI's requests, between peers")
+    timed = engine.duplicate()  # collective: every rank
+    timed.timeout = 60.0  # type: ignore[attr-defined]
+    try:
+        right, left = ring(rank, size)
+        got = dp.sendrecv(np.full(3, rank), np.zeros(3, np.int64), left, right, backend=timed)
+        assert (got == left).all()
+        if rank == 0:
+            dp.send(np.arange(4.0), dest=size - 1, backend=timed)
+        elif rank == size - 1:
+            assert (dp.recv(np.zeros(4), source=0, backend=timed) == np.arange(4.0)).all()
+    finally:
+        timed.close()
