@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,8 @@ def trace_collective(collective: str, x: object, backend: Backend | None, **opti
     returns: `x`'s structure with traced results (and, for `alltoall`, the received splits).
     """
     if collective in _POINT_TO_POINT:
-        return _trace_pointtopoint(collective, x, backend, **options)
+        send_tree, recv_tree = cast(tuple[object, object], x)  # the public calls' pair
+        return _trace_pointtopoint(collective, (send_tree, recv_tree), backend, **options)
     if collective not in _COLLECTIVES:
         raise TypeError(f"dp.{collective} cannot take traced JAX values (inside jax.jit).")
     active = world.current()
@@ -473,7 +474,9 @@ def _trace_pointtopoint(
     done = _run(moved, outputs, True, host, private, summary, "opaque", f"dp.{call} inside jax.jit")
     if recv_flat is None:
         return None
-    received = [_from_moved(d, t) for d, t in zip(done[count:], templates, strict=True)]
+    received: list[object] = [
+        _from_moved(d, t) for d, t in zip(done[count:], templates, strict=True)
+    ]
     return tree.unflatten(recv_flat.spec, received)
 
 
