@@ -139,7 +139,6 @@ class GradientSync:
     _sparse: SparseGrads
     _options: Options
     _buckets: list[Bucket]
-    _bucket_of: list[int]  # each parameter's bucket (-1: none, a gathered sparse gradient)
     _summary: str  # what every step's handshake compares (`_buckets.summarize`)
     _signature: list[tuple[int, torch.dtype, torch.device]]
     _host: bool  # every parameter on the host: buckets may go to the communication thread
@@ -224,7 +223,6 @@ class GradientSync:
         self._params: NamedParams = []
         self._hooks = GradientHooks(self)
         self._buckets: list[Bucket] = []
-        self._bucket_of: list[int] = []
         self._rebuilt = False
         self._lay_out(trainable, None)
         self._clear()
@@ -262,7 +260,7 @@ class GradientSync:
             order = list(range(len(self._params)))[::-1]
         order = self._sparse.dense_order(order)
         full = world.current().settings.check if world.initialized() else True
-        self._buckets, self._bucket_of, self._summary = layout(
+        self._buckets, self._summary = layout(
             self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
         self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
@@ -490,7 +488,7 @@ class GradientSync:
         self._arrival.append(index)
         if not self._arrival[1:] and self._begins_early:
             self._early = start_handshake(self.backend, self._step_summary())
-        if self.overlap and self._bucket_of[index] == hooks.next:  # else a sparse one (-1)
+        if self.overlap:  # a gathered sparse gradient is in no bucket: reduced in wait()
             hooks.launch_ready(self._launch)
 
     def _end_of_pass(self) -> None:

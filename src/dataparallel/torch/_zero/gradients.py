@@ -158,10 +158,6 @@ class GradientShards:
         self._hooks = GradientHooks(self)
         self._hooks.hook(params)
         self._hooks.lay_out([buckets[b].params for b in self.order], len(params))
-        self._in = [0] * len(params)  # how many buckets each parameter is packed in
-        for b in buckets:
-            for k in b.params:
-                self._in[k] += 1
         self.shards = [
             torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in slabs
         ]
@@ -231,7 +227,7 @@ class GradientShards:
         self._hooks.clear()
         self._probing = None
         self._joining = None
-        self._left = list(self._in)
+        self._left = [len(positions) for positions in self._hooks.buckets_of]
 
     def _end_of_pass(self) -> None:
         self.check()
