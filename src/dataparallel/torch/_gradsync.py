@@ -1,10 +1,11 @@
 """Gradient reduction during `backward()`: `GradientSync`, under `DataParallelModel` and
 `DistributedOptimizer` (`_model`, `_optimizer`).
 
-A post-accumulate-grad hook on every parameter (`_hooks.GradientHooks`, the hook engine ZeRO's
-stage 2 stands on too) tells `on_grad` when its gradient is final for the pass; its bucket (fixed members, as DDP's: `_buckets`) is ready once all its
-members are, and ready buckets go out while backward runs, on the communication thread, or all
-at its end (the mode, `_buckets.Modes`). Why every rank makes the same calls:
+A post-accumulate-grad hook on every parameter (`_hooks.GradientHooks`, the hook engine that
+ZeRO's stage 2 stands on too) tells `on_grad` when its gradient is final for the pass; its
+bucket (fixed members, as DDP's: `_buckets`) is ready once all its members are, and ready
+buckets go out while backward runs, on the communication thread, or all at its end (the mode,
+`_buckets.Modes`). Why every rank makes the same calls:
 
 - Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it, so
   ranks whose hooks fire in different orders still make the same calls in the same order.

@@ -155,7 +155,7 @@ class GradientHooks:
         return True
 
     def launch_ready(self, launch: Callable[[int], None]) -> None:
-        """Launch, in order, the buckets whose members are all ready, up to the first that is not."""
+        """Launch in order the buckets whose members are all ready, up to the first that is not."""
         while self.next < len(self._pending) and self._pending[self.next] == 0:
             launch(self.next)
             self.next += 1

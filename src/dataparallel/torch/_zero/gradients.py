@@ -1,12 +1,13 @@
 """Stage 2 of `ZeroRedundancyOptimizer`: gradients reduce-scattered during `backward()`.
 
-The hook engine of `GradientSync` (`torch._hooks.GradientHooks`) tells it which parameters are
-ready, at the end of every pass too; a bucket whose parameters are all ready is packed into a send buffer (its parameters' `.grad` freed once every
-bucket they overlap is packed) and reduce-scattered, so that this rank receives the sum of its
-segment only, into its gradient shard. Buckets are launched strictly in one order, the same on
-every rank (`launch_order`), while backward runs when the node has a core to spare, else all at
-the end of the pass; at the end of every pass the buckets not launched yet go out, parameters
-without a gradient sending zeros. Every backward pass is reduced (as DeepSpeed's stage 2): each
+The hook engine that `dp.torch.DataParallelModel` reduces through marks each parameter ready
+and launches the buckets whose parameters all are; here a launch packs a
+bucket into a send buffer (its parameters' `.grad` freed once every bucket they overlap is
+packed) and reduce-scatters it, so that this rank receives the sum of its segment only, into its
+gradient shard. Buckets go out strictly in one order, the same on every rank (`launch_order`),
+while backward runs when the node has a core to spare, else all at the end of the pass; at the
+end of every pass the buckets not launched yet go out, parameters without a gradient sending
+zeros. Every backward pass is reduced (as DeepSpeed's stage 2): each
 pass's shard adds into the last, so no rank holds more than its shard and the buckets in flight.
 Whether a parameter had a gradient on some rank travels once per step (an allreduce of one flag
 per parameter), so that a parameter no rank used keeps no gradient, as in one process.
@@ -30,15 +31,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dataparallel.arrays.fusion import MAX_IN_FLIGHT
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._hooks import GradientHooks
 from dataparallel.torch._zero.layout import Bucket, Slab, host_buffer
 
 __all__ = ["GradientShards"]
-
-# Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
-MAX_IN_FLIGHT = 1
 
 # A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
 # parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
