@@ -16,7 +16,10 @@ per rank. Cases, in the same processes, each on its own copy of the model:
 - `torch ZeRO + DDP (gloo)`: torch's `ZeroRedundancyOptimizer` under `DistributedDataParallel`, on
   the Gloo group that `dataparallel run` sets up beside the engine (or one made here).
 - extra stage-2 cases in the same run: `--unmerged` (one allgather per bucket, as on MPI, where
-  Gloo merges them into one call) and `--stage2-also BYTES ...` (other bucket sizes).
+  Gloo merges them into one call) and `--stage2-also BYTES ...` (other bucket sizes);
+  `--before FILE`: stage 2 with the gradient reducer (`GradientShards`) of FILE, another
+  commit's `src/dataparallel/torch/_zero/gradients.py` (`git show REV:PATH > FILE`), beside this
+  one's: a change to the reducer measured before and after in the same processes.
 
 Printed: optimizer state bytes per rank and gradient bytes per rank between steps (each rank's,
 the largest shown), the step times (median over interleaved batches of steps: the cases take turns,
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from train_step import init_gloo
 
 import dataparallel as dp
+from dataparallel.torch._zero import optimizer as zero_optimizer
 
 Step = Callable[[], None]
 UNSHARDED = "dp.DistributedOptimizer (unsharded)"
@@ -45,6 +50,7 @@ STAGE1 = "ZeRO stage 1 + DataParallelModel"
 STAGE2 = "ZeRO stage 2"
 GATHERED = ", one allgather a call"  # the extra cases of `--allgather`
 UNMERGED = "ZeRO stage 2, allgather per bucket"
+BEFORE = "ZeRO stage 2, reducer of --before"
 TORCH = "torch ZeRO + DDP (gloo)"
 OVERLAPPED = ", overlapped"
 STAGE1_DDP = "ZeRO stage 1 + torch DDP"
@@ -63,10 +69,27 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 512, generator=g), torch.randint(0, 10, (size,), generator=g)
 
 
+def reducer_of(path: str) -> type:
+    """The `GradientShards` class of another commit's stage-2 module at `path`."""
+    spec = importlib.util.spec_from_file_location("zero_gradients_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GradientShards
+
+
 def make(
-    name: str, base: nn.Module, lr: float, bucket_bytes: int | None = None
+    name: str, base: nn.Module, lr: float, bucket_bytes: int | None = None, before: type = object
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Return the module to call and the optimizer to step for case `name`."""
+    """Return the module to call and the optimizer to step for case `name` (`before`: the
+    stage-2 reducer of `--before`)."""
+    if name == BEFORE:
+        current = zero_optimizer.GradientShards
+        zero_optimizer.GradientShards = before  # type: ignore[misc]
+        try:
+            return make(STAGE2, base, lr, bucket_bytes)
+        finally:
+            zero_optimizer.GradientShards = current  # type: ignore[misc]
     model = copy.deepcopy(base)
     overlap = model if OVERLAPPED in name else None
     if " @ " in name:  # an extra case: "<case> @ <bytes>"
@@ -237,7 +260,14 @@ def main() -> None:
         default=[],
         help="extra overlapped stage-1 cases with these bucket sizes (bytes), in the same run",
     )
+    parser.add_argument(
+        "--before",
+        metavar="FILE",
+        help="an extra stage-2 case with the gradient reducer of FILE (another commit's "
+        "src/dataparallel/torch/_zero/gradients.py), for a before/after in the same run",
+    )
     args = parser.parse_args()
+    before = reducer_of(args.before) if args.before else object
     torch.set_num_threads(1)
     dp.initialize()
     init_gloo()  # torch's case needs a default group (dp.initialize made one with torch)
@@ -247,6 +277,7 @@ def main() -> None:
     extra = [
         *gathered,
         *([UNMERGED] if args.unmerged else []),
+        *([BEFORE] if args.before else []),
         *(f"{STAGE2} @ {b}" for b in args.stage2_also),
         *(f"{STAGE1} @ {b}" for b in args.stage1_also),
         *(f"{STAGE1}{OVERLAPPED} @ {b}" for b in args.overlap_also),
@@ -254,7 +285,7 @@ def main() -> None:
     overlapped = [STAGE1 + OVERLAPPED, STAGE2 + OVERLAPPED]
     ddp = [STAGE1_DDP, STAGE1_DDP + OVERLAPPED]
     names = [UNSHARDED, STAGE1, STAGE2, *overlapped, *ddp, *extra, TORCH]
-    made = {name: make(name, base, 1e-3, args.bucket_bytes) for name in names}
+    made = {name: make(name, base, 1e-3, args.bucket_bytes, before) for name in names}
     steps = {name: trainer(model, opt, args.batch) for name, (model, opt) in made.items()}
     for step in steps.values():
         step()  # state exists, buckets rebuilt
@@ -274,9 +305,9 @@ def main() -> None:
 
     # Parity: the same start, the same batches, `--steps` Adam steps.
     finals = {}
-    checked = (STAGE1, STAGE2, *overlapped)
+    checked = (STAGE1, STAGE2, *overlapped, *([BEFORE] if args.before else []))
     for name in (UNSHARDED, *checked):
-        model, opt = make(name, base, 1e-3, args.bucket_bytes)
+        model, opt = make(name, base, 1e-3, args.bucket_bytes, before)
         for s in range(args.steps):
             x, y = batch(s + 1, args.batch)
             opt.zero_grad()
@@ -313,6 +344,8 @@ def main() -> None:
         print(f"{name}: gradients reduced {sync}")
     for name, diff in parity.items():
         print(f"{name}: max |param - unsharded| after {args.steps} Adam steps = {diff:.2e}")
+    if args.before:
+        print(f"{STAGE2} / {BEFORE}: {times[STAGE2] / times[BEFORE]:.3f} (step time, this run)")
     for name, ms in waited.items():
         print(f"{name}: waited {ms:.2f} ms a step for the updated slices")
 

@@ -127,18 +127,14 @@ def layout(
     order: list[int],
     bucket_bytes: int,
     full: bool,
-) -> tuple[list[Bucket], list[int], str]:
-    """Return the buckets, each parameter's bucket, and the reduction's summary (`summarize`)."""
+) -> tuple[list[Bucket], str]:
+    """Return the buckets and the reduction's summary (`summarize`)."""
     # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
-    # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket (-1).
+    # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket.
     flags = 4 * (2 * len(params) + 1)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
     buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
-    bucket_of = [-1] * len(params)
-    for b, bucket in enumerate(buckets):
-        for i in bucket.members:
-            bucket_of[i] = b
-    return buckets, bucket_of, summarize(owner, options, params, buckets, full)
+    return buckets, summarize(owner, options, params, buckets, full)
 
 
 def step_flags(n: int, filled: list[int], abandoned: bool, sparse: np.ndarray) -> np.ndarray:

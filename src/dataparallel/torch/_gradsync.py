@@ -1,10 +1,11 @@
 """Gradient reduction during `backward()`: `GradientSync`, under `DataParallelModel` and
 `DistributedOptimizer` (`_model`, `_optimizer`).
 
-A post-accumulate-grad hook on every parameter (`_hooks`) tells `on_grad` when its gradient is
-final for the pass; its bucket (fixed members, as DDP's: `_buckets`) is ready once all its
-members are, and ready buckets go out while backward runs, on the communication thread, or all
-at its end (the mode, `_buckets.Modes`). Why every rank makes the same calls:
+A post-accumulate-grad hook on every parameter (`_hooks.GradientHooks`, the hook engine that
+ZeRO's stage 2 stands on too) tells `on_grad` when its gradient is final for the pass; its
+bucket (fixed members, as DDP's: `_buckets`) is ready once all its members are, and ready
+buckets go out while backward runs, on the communication thread, or all at its end (the mode,
+`_buckets.Modes`). Why every rank makes the same calls:
 
 - Buckets are launched strictly in bucket order: a ready bucket waits for the ones before it, so
   ranks whose hooks fire in different orders still make the same calls in the same order.
@@ -64,15 +65,13 @@ from dataparallel.torch._buckets import (
     step_flags,
 )
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._hooks import claim, make_hook, remove_hooks
+from dataparallel.torch._hooks import GradientHooks
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._powersgd import LowRank, PowerSGDReplay
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op, WireDtype
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
     from dataparallel.torch._buckets import Compressing, Options
 
 __all__ = ["FeedbackState", "GradientSync", "State"]
@@ -135,13 +134,12 @@ class GradientSync:
     enabled: bool  # False for the backward of a forward run inside `no_sync()`
     _source: Callable[[], NamedParams]  # the parameters, named, in registration order
     _params: NamedParams  # those reduced, in registration order
-    _handles: list[RemovableHandle]  # their hooks
+    _hooks: GradientHooks  # their hooks, this pass's callback, which buckets are ready
     _feedback: ErrorFeedback | None  # residuals, kept by parameter index
     _low: LowRank | None  # PowerSGD's state (`dp.Compression.powersgd`)
     _sparse: SparseGrads
     _options: Options
     _buckets: list[Bucket]
-    _bucket_of: list[int]  # each parameter's bucket (-1: none, a gathered sparse gradient)
     _summary: str  # what every step's handshake compares (`_buckets.summarize`)
     _signature: list[tuple[int, torch.dtype, torch.device]]
     _host: bool  # every parameter on the host: buckets may go to the communication thread
@@ -224,10 +222,8 @@ class GradientSync:
         self._router = Router(fusion_on, self.backend, private, active.comm_thread)
         self._source = params
         self._params: NamedParams = []
-        self._handles: list[RemovableHandle] = []
-        self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
+        self._hooks = GradientHooks(self)
         self._buckets: list[Bucket] = []
-        self._bucket_of: list[int] = []
         self._rebuilt = False
         self._lay_out(trainable, None)
         self._clear()
@@ -252,15 +248,8 @@ class GradientSync:
     def _lay_out(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
         if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
-            remove_hooks(self._handles)
             self._params = list(params)
-            ref = weakref.ref(self)
-            displaced = set()
-            for index, (_, p) in enumerate(self._params):
-                old = claim(p, self)
-                if old is not None:
-                    displaced.add(old)
-                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, index)))
+            displaced = self._hooks.hook([p for _, p in self._params])
             self._rebuilt = False
             if self._feedback is not None:
                 self._feedback.clear()  # residuals are kept by index
@@ -272,9 +261,10 @@ class GradientSync:
             order = list(range(len(self._params)))[::-1]
         order = self._sparse.dense_order(order)
         full = world.current().settings.check if world.initialized() else True
-        self._buckets, self._bucket_of, self._summary = layout(
+        self._buckets, self._summary = layout(
             self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
+        self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
         self._signature = signature(self._params)
         if self._low is not None:
             self._low.lay_out(self._params, {i for b in self._buckets for i in b.members})
@@ -327,7 +317,7 @@ class GradientSync:
                 f"{self.owner} reduces over a group, which went with its world: only a "
                 "DistributedOptimizer of the whole world is carried over to a re-formed world."
             )
-        self._cleanup()
+        self._hooks.close()
         residuals = self.feedback_state()  # before the new one claims the parameters
         low_rank = self.low_rank_state()
         made = GradientSync(self._source, **self._made)  # type: ignore[arg-type]
@@ -448,10 +438,8 @@ class GradientSync:
         """Begin a new step's state: no gradient yet, no bucket launched, no handshake made."""
         self._state: State = State.OPEN
         self._passes = 0
-        self._queued = False
-        self._ready = [False] * len(self._params)
-        self._pending = [len(b.members) for b in self._buckets]
-        self._next = 0
+        self._hooks.queued = False
+        self._hooks.clear()
         self._filled: list[int] = []
         self._arrival: list[int] = []
         self._flags: np.ndarray | None = None
@@ -480,7 +468,7 @@ class GradientSync:
     @property
     def started(self) -> bool:
         """Whether a backward pass of this step has run (or its reduction has started)."""
-        return self._state != State.OPEN or self._passes > 0 or self._queued
+        return self._state != State.OPEN or self._passes > 0 or self._hooks.queued
 
     def on_grad(self, index: int) -> None:
         """Take note that parameter `index`'s gradient is final for this pass (its hook fired)."""
@@ -490,28 +478,22 @@ class GradientSync:
             self._clear()
         if self._state != State.OPEN:
             raise RuntimeError(message("late gradient", self.owner, self.passes))
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
-            self._queued = True
-            if not self._began:
-                self._began = time.perf_counter()
-        if self._passes + 1 < self.passes or self._ready[index]:
+        hooks = self._hooks
+        if hooks.queue(self._end_of_pass) and not self._began:
+            self._began = time.perf_counter()
+        if self._passes + 1 < self.passes or hooks.ready[index]:
             return
-        if self._next > 0:
+        if hooks.next > 0:
             self._router.progress()
-        self._ready[index] = True
+        hooks.mark(index)
         self._arrival.append(index)
         if not self._arrival[1:] and self._begins_early:
             self._early = start_handshake(self.backend, self._step_summary())
-        b = self._bucket_of[index]
-        if b < 0:  # a gathered sparse gradient: reduced in wait()
-            return
-        self._pending[b] -= 1
-        if b == self._next and self._pending[b] == 0 and self.overlap:
-            self._launch_ready()
+        if self.overlap:  # a gathered sparse gradient is in no bucket: reduced in wait()
+            hooks.launch_ready(self._launch)
 
     def _end_of_pass(self) -> None:
-        self._queued = False
+        self._hooks.queued = False
         self._passes += 1
         if self._passes >= self.passes:
             self._launch_rest()
@@ -521,21 +503,11 @@ class GradientSync:
                 finally:
                     self.reset()
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self._buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
-            self._next += 1
-
     def _launch_rest(self) -> None:
         """Launch every bucket not launched yet; parameters without a gradient send zeros."""
         if self._state != State.OPEN:
             return
-        for index, ready in enumerate(self._ready):
-            if not ready:
-                self._ready[index] = True
-                if self._bucket_of[index] >= 0:
-                    self._pending[self._bucket_of[index]] -= 1
-        self._launch_ready()
+        self._hooks.launch_rest(self._launch)
         self._state = State.LAUNCHED
         # Parameters trainable since the buckets were laid out (identical on every rank).
         laid_out = {id(p) for _, p in self._params}

@@ -1,12 +1,13 @@
 """Stage 2 of `ZeroRedundancyOptimizer`: gradients reduce-scattered during `backward()`.
 
-A post-accumulate-grad hook on every trainable parameter marks it ready; a bucket whose
-parameters are all ready is packed into a send buffer (its parameters' `.grad` freed once every
-bucket they overlap is packed) and reduce-scattered, so that this rank receives the sum of its
-segment only, into its gradient shard. Buckets are launched strictly in one order, the same on
-every rank (`launch_order`), while backward runs when the node has a core to spare, else all at
-the end of the pass; at the end of every pass the buckets not launched yet go out, parameters
-without a gradient sending zeros. Every backward pass is reduced (as DeepSpeed's stage 2): each
+The hook engine that `dp.torch.DataParallelModel` reduces through marks each parameter ready
+and launches the buckets whose parameters all are; here a launch packs a
+bucket into a send buffer (its parameters' `.grad` freed once every bucket they overlap is
+packed) and reduce-scatters it, so that this rank receives the sum of its segment only, into its
+gradient shard. Buckets go out strictly in one order, the same on every rank (`launch_order`),
+while backward runs when the node has a core to spare, else all at the end of the pass; at the
+end of every pass the buckets not launched yet go out, parameters without a gradient sending
+zeros. Every backward pass is reduced (as DeepSpeed's stage 2): each
 pass's shard adds into the last, so no rank holds more than its shard and the buckets in flight.
 Whether a parameter had a gradient on some rank travels once per step (an allreduce of one flag
 per parameter), so that a parameter no rank used keeps no gradient, as in one process.
@@ -25,25 +26,18 @@ added to the shard.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from dataparallel.arrays.fusion import MAX_IN_FLIGHT
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError
-from dataparallel.torch._hooks import claim, make_hook, remove_hooks
+from dataparallel.torch._hooks import GradientHooks
 from dataparallel.torch._zero.layout import Bucket, Slab, host_buffer
 
-if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
 __all__ = ["GradientShards"]
-
-# Reduce-scatters left in flight when the next starts, on engines that progress by themselves.
-MAX_IN_FLIGHT = 1
 
 # A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
 # parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
@@ -139,15 +133,11 @@ class GradientShards:
         staged: the parameters are on a device: stage every bucket through host buffers.
     """
 
-    # This pass's state (`_new_pass`): a callback queued, parameters ready, their buckets'
-    # parameters not ready yet, buckets each parameter has left to be packed in, the next bucket.
-    _queued: bool
+    # This pass's state (`_new_pass`), beside the hooks' (which parameters are ready, which
+    # bucket is next, in `order`'s positions): buckets each parameter has left to be packed in.
     _probing: Handle | None  # this pass's check, begun at its first gradient (passes after one)
     _joining: Callable[[], None] | None  # this pass's join handshake, to finish (`join_pass`)
-    _ready: list[bool]
-    _pending: list[int]
     _left: list[int]
-    _next: int
 
     def __init__(
         self,
@@ -164,11 +154,9 @@ class GradientShards:
         self.scale = 1.0 / backend.size if average else 1.0
         self.overlap, self.displaced = overlap, False
         self.order = launch_order(buckets)
-        position = {b: i for i, b in enumerate(self.order)}
-        self.buckets_of: list[list[int]] = [[] for _ in params]
-        for b in self.order:
-            for k in buckets[b].params:
-                self.buckets_of[k].append(position[b])
+        self._hooks = GradientHooks(self)
+        self._hooks.hook(params)
+        self._hooks.lay_out([buckets[b].params for b in self.order], len(params))
         self.shards = [
             torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in slabs
         ]
@@ -177,13 +165,6 @@ class GradientShards:
         # Staged: buffers on the parameters' device, that buckets are packed in and land in.
         self._staging = SpareBuffers(slabs[0].data.device) if staged and slabs else None
         self._flights: list[_Pending] = []
-        self._handles: list[RemovableHandle] = []
-        self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
-        ref = weakref.ref(self)
-        for k, p in enumerate(params):
-            if p.requires_grad:
-                claim(p, self)
-                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(ref, k)))
         # Whether each parameter had a gradient, then one slot per rank (`PASS`/`STEP`).
         self.had = np.zeros(len(params) + backend.size, np.float32)
         self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
@@ -203,7 +184,7 @@ class GradientShards:
 
     def close(self) -> None:
         """Remove the hooks (the layout changed: a new `GradientShards` takes over)."""
-        self._cleanup()
+        self._hooks.close()
 
     # -- the hooks' side ---------------------------------------------------------------------
 
@@ -213,22 +194,15 @@ class GradientShards:
         return False
 
     def on_grad(self, k: int) -> None:
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
-            self._queued = True
+        if self._hooks.queue(self._end_of_pass):
             if self.join_pass is not None and self.backend.size > 1:
                 if not self.backend.progresses:
                     self.land()  # MPI: one call in flight at a time
                 self._joining = self.join_pass()
             if self._joining is None:
                 self._begin_pass()  # else once the handshake is done (`_settle_probe`)
-        if self._ready[k]:
-            return
-        self._ready[k] = True
-        for position in self.buckets_of[k]:
-            self._pending[position] -= 1
-        if self.overlap:
-            self._launch_ready()
+        if self._hooks.mark(k) and self.overlap:
+            self._hooks.launch_ready(self._launch_at)
 
     def _begin_pass(self) -> None:
         """A pass's first gradient: after a step's first pass, begin its check."""
@@ -248,26 +222,21 @@ class GradientShards:
         self._end_of_pass()
 
     def _new_pass(self) -> None:
-        self._queued = False
+        self._hooks.queued = False
+        self._hooks.clear()
         self._probing = None
         self._joining = None
-        self._ready = [False] * len(self.params)
-        self._pending = [len(self.buckets[b].params) for b in self.order]
-        self._left = [len(positions) for positions in self.buckets_of]
-        self._next = 0
+        self._left = [len(positions) for positions in self._hooks.buckets_of]
 
     def _end_of_pass(self) -> None:
         self.check()
-        self._pending = [0] * len(self.order)
-        self._launch_ready()
+        self._hooks.launch_rest(self._launch_at)
         self._settle_probe()  # where no bucket was sent (no trainable parameter)
         self._passes += 1
         self._new_pass()
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self.order) and self._pending[self._next] == 0:
-            self._launch(self.order[self._next])
-            self._next += 1
+    def _launch_at(self, position: int) -> None:
+        self._launch(self.order[position])
 
     def _settle_probe(self) -> None:
         """Wait for this pass's check, if one is in flight; raise where the ranks disagree.
@@ -397,7 +366,7 @@ class GradientShards:
                 rank: that rank raises at its pass).
         """
         self.check()
-        if self._queued:  # a pass still running: not expected between backward and step
+        if self._hooks.queued:  # a pass still running: not expected between backward and step
             self._end_of_pass()
         had = self.had.copy()  # final: every bucket has been launched
         if self.backend.size == 1:
