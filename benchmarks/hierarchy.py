@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -166,6 +167,148 @@ def sweep_work(args: argparse.Namespace) -> None:
     dp.finalize()
 
 
+class HorovodWith:
+    """Horovod initialized with `HOROVOD_HIERARCHICAL_ALLREDUCE` set to `flag` while a case runs
+    (Horovod reads it at `init`); `train_step.Horovod` does the rest."""
+
+    def __init__(self, horovod: Any, flag: str) -> None:
+        self.horovod, self.flag = horovod, flag
+
+    def __enter__(self) -> None:
+        os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = self.flag
+        self.horovod.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.horovod.__exit__(*exc)
+
+
+def train_work(args: argparse.Namespace) -> None:
+    """A rank of `--train`: the transformer step of `network.py` with each way of reducing its
+    gradients, in interleaved rounds (`train_step.measure`), in the same 4 processes."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch import nn
+    from train_step import ALONE, Horovod, measure, trainer, transformer
+
+    import dataparallel as dp
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.config import Settings
+
+    torch.set_num_threads(1)
+    dp.initialize("mpi")  # Horovod (MPI) runs beside; dp's own MPI case too
+    comm = MPI.COMM_WORLD
+    if not dist.is_initialized():  # DDP's group, and the group dp's Gloo engines run over
+        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
+        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
+    settings = Settings.from_env()
+    engines = {
+        "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)": GlooBackend.create(
+            settings=dataclasses.replace(settings, hierarchical=True)
+        ),
+        "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)": GlooBackend.create(
+            settings=dataclasses.replace(settings, hierarchical=False)
+        ),
+    }
+    horovod = Horovod()
+    g = torch.Generator().manual_seed(comm.rank)
+    tokens = torch.randint(0, 1000, (args.batch, args.seq + 1), generator=g)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+
+    def adam(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(m.parameters(), lr=1e-4)
+
+    result: dict[str, Any] = {"horovod": horovod.version or horovod.reason}
+    for d in (int(v) for v in args.d.split(",")):
+        base = transformer(d)
+        single = copy.deepcopy(base)
+        cases: dict[str, tuple[Any, Any]] = {ALONE: (trainer(single, adam(single), batch), None)}
+        for name, engine in engines.items():
+            model = copy.deepcopy(base)
+            opt = dp.DistributedOptimizer(adam(model), backend=engine)
+            cases[name] = (trainer(model, opt, batch), None)
+        model = copy.deepcopy(base)
+        cases["dp MPI (MPICH's own allreduce)"] = (
+            trainer(model, dp.DistributedOptimizer(adam(model)), batch),
+            None,
+        )
+        if horovod.hvd is not None:
+            for flag in ("1", "0"):
+                theirs = copy.deepcopy(base)
+                context = HorovodWith(horovod, flag)
+                with context:  # the constructor asks Horovod for the world size
+                    hopt = horovod.hvd.DistributedOptimizer(
+                        adam(theirs), named_parameters=theirs.named_parameters()
+                    )
+                name = f"Horovod {horovod.version} MPI, HOROVOD_HIERARCHICAL_ALLREDUCE={flag}"
+                cases[name] = (trainer(theirs, hopt, batch), context)
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        cases["torch DDP (Gloo)"] = (trainer(ddp, adam(ddp), batch), None)
+        if comm.rank == 0:
+            print(f"D={d}: {len(cases)} cases made; timing", flush=True)
+        samples = measure(cases, args.rounds, args.budget, args.tolerance)
+        n = sum(p.numel() for p in base.parameters())
+        result[str(d)] = {"parameters": n, "samples": samples}
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    for engine in engines.values():
+        engine.close()
+    dist.destroy_process_group()
+    dp.finalize()
+
+
+def train(args: argparse.Namespace) -> int:
+    """`--train`: one 4-rank job (ranks by host) across the link shaped to `--rate`."""
+    reason = why_not()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    hvd = Path(args.hvd_venv) / "bin"
+    bindir = hvd if args.hvd_venv and (hvd / "python").exists() else Path(sys.executable).parent
+    link = Link()
+    env = link.environment()
+    worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker", "--train"]
+    worker += ["--d", args.d, "--rounds", str(args.rounds), "--budget", str(args.budget)]
+    worker += ["--tolerance", str(args.tolerance), "--batch", str(args.batch)]
+    worker += ["--seq", str(args.seq)]
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            link.shape(args.rate)
+            job = Job(link, link.launcher(Path(folder)), bindir, worker, args.timeout)
+            result = job.result("by host", env)
+    finally:
+        link.shape(None)
+        link.close()
+    from train_step import ALONE
+
+    print(f"Horovod: {result.pop('horovod')}")
+    for d, figures in result.items():
+        samples = figures["samples"]
+        alone = samples[ALONE]
+        over = {
+            name: statistics.median(s - a for s, a in zip(values, alone, strict=True))
+            for name, values in samples.items()
+            if name != ALONE
+        }
+        flat = over["dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)"]
+        print(
+            f"\n2 hosts x 2 ranks (by host), link {args.rate or 'not shaped'}, D={d}, "
+            f"{figures['parameters'] / 1e6:.2f} M parameters; one process alone "
+            f"{statistics.median(alone) * 1e3:.1f} ms a step, {len(alone)} rounds"
+        )
+        print("| case | overhead (median) | range | / dp flat |")
+        print("| --- | --- | --- | --- |")
+        for name, median in over.items():
+            values = [(s - a) * 1e3 for s, a in zip(samples[name], alone, strict=True)]
+            print(
+                f"| {name} | {median * 1e3:.1f} ms | {min(values):.0f}..{max(values):.0f} ms "
+                f"| {median / flat:.2f} |"
+            )
+    return 0
+
+
 @dataclasses.dataclass
 class Job:
     """One 4-rank MPI job of this file's worker across the link, started over ssh from host 0."""
@@ -182,10 +325,14 @@ class Job:
         hosts = ",".join(f"{a}:{LAYOUTS[layout]}" for a in self.link.addresses)
         job = [str(self.bindir / "mpiexec"), "-hosts", hosts, "-launcher", "ssh",
                "-launcher-exec", str(self.launcher), "-n", "4", *self.worker]  # fmt: skip
-        done = subprocess.run(
-            self.link.command(0, job), env=env, timeout=self.timeout,
-            capture_output=True, text=True,
-        )  # fmt: skip
+        try:
+            done = subprocess.run(
+                self.link.command(0, job), env=env, timeout=self.timeout,
+                capture_output=True, text=True,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as late:  # say what it had done
+            print(f"the job ran past {self.timeout:.0f} s:", late.stdout, late.stderr, sep="\n")
+            raise SystemExit(1) from None
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             print(done.stdout, done.stderr, sep="\n")
@@ -286,11 +433,24 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="dp Gloo: ring against by host")
     parser.add_argument("--sizes", default="64,256,1024,4096,16384", help="--sweep: KiB a rank")
     parser.add_argument("--rates", default="none,10gbit,1gbit", help="--sweep: links")
+    parser.add_argument("--train", action="store_true", help="the transformer step, each way")
+    parser.add_argument("--d", default="256", help="--train: transformer widths")
+    parser.add_argument("--rounds", type=int, default=5, help="--train: rounds kept")
+    parser.add_argument("--budget", type=float, default=0.3, help="--train: s per case a round")
+    parser.add_argument("--tolerance", type=float, default=0.25, help="see train_step.measure")
+    parser.add_argument("--batch", type=int, default=8, help="--train: sequences per rank")
+    parser.add_argument("--seq", type=int, default=32, help="--train: tokens per sequence")
+    parser.add_argument("--hvd-venv", default="", help="--train: Horovod's own venv, if any")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        sweep_work(args) if args.sweep else work(args)
+        if args.train:
+            train_work(args)
+        else:
+            sweep_work(args) if args.sweep else work(args)
         return 0
+    if args.train:
+        return train(args)
     return sweep(args) if args.sweep else launch(args)
 
 

@@ -27,7 +27,13 @@ dataparallel's cases first run until their mode trial has chosen (`torch/_bucket
 `--powersgd 1,2,4`: also dp's `DistributedOptimizer` with `dp.Compression.powersgd(rank=r)` and
 DDP with torch's `powerSGD_hook` at the same ranks (both `start_iter` 10, run past it before they
 are timed), and a second table: the loss after `--loss-steps` steps of each case from the same
-model, the same batches (each rank its own), against the uncompressed loss.
+model, the same batches (each rank its own), against the uncompressed loss. Over Gloo, torch's
+hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
+main thread starts the next bucket's: on one process group the ranks can then number their calls
+differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
+in a group of its own, leaves that race in place (it is inside one model's backward); so each of
+the hook's buckets gets a group of its own, which keeps what users of the hook get where it works
+(NCCL): its arithmetic, one state, its overlap with backward.
 """
 
 from __future__ import annotations
@@ -160,7 +166,7 @@ def launch(args: argparse.Namespace, worker: list[str]) -> int:
         print(f"skipped: {reason}")
         return 0
     hvd = Path(args.hvd_venv) / "bin"
-    use_hvd = args.backend == "mpi" and (hvd / "python").exists()
+    use_hvd = args.backend == "mpi" and bool(args.hvd_venv) and (hvd / "python").exists()
     bindir = hvd if use_hvd else Path(sys.executable).parent
     python = str(bindir / "python")
     link = Link()
@@ -238,19 +244,20 @@ def work(args: argparse.Namespace) -> None:
         cases[ALONE] = (trainer(single, adam(single), batch), None)
         cases |= raw_cases(n, mpi)
         warm = []
-        for bits, compression in (("fp32", None), ("fp16", dp.Compression.fp16)):
-            ours, wrapped = (
-                copy.deepcopy(base),
-                dp.torch.DataParallelModel(copy.deepcopy(base), compression=compression),
-            )
+        widths = [("fp16", dp.Compression.fp16)]
+        widths = widths if args.lean else [("fp32", None), *widths]
+        for bits, compression in widths:
+            ours = copy.deepcopy(base)
             opt = dp.DistributedOptimizer(adam(ours), compression=compression)
             cases[f"dp DistributedOptimizer {bits}"] = (trainer(ours, opt, batch), None)
-            cases[f"dp DataParallelModel {bits}"] = (
-                trainer(wrapped, adam(wrapped), batch),
-                None,
-            )
             warm += [(f"dp DistributedOptimizer {bits}", opt.gradient_sync)]
-            warm += [(f"dp DataParallelModel {bits}", wrapped.gradient_sync)]
+            if not args.lean:
+                wrapped = dp.torch.DataParallelModel(copy.deepcopy(base), compression=compression)
+                cases[f"dp DataParallelModel {bits}"] = (
+                    trainer(wrapped, adam(wrapped), batch),
+                    None,
+                )
+                warm += [(f"dp DataParallelModel {bits}", wrapped.gradient_sync)]
             if args.variants:
                 cases |= variants(base, adam, batch, compression, bits)
             if horovod.hvd is not None:
@@ -296,7 +303,6 @@ def low_rank_makers(
 ) -> dict[str, Callable[[], tuple[Any, Any]]]:
     """Each case's maker of (what runs the model, its optimizer), fresh from `base`: dp
     uncompressed, fp16 and PowerSGD at each rank; DDP uncompressed, fp16 and its PowerSGD hook."""
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -317,11 +323,9 @@ def low_rank_makers(
                 ddp.register_comm_hook(None, fp16_compress_hook)
             elif rank is not None:
                 state = psgd.PowerSGDState(
-                    dist.group.WORLD,
-                    matrix_approximation_rank=rank,
-                    start_powerSGD_iter=LOW_RANK_START,
+                    None, matrix_approximation_rank=rank, start_powerSGD_iter=LOW_RANK_START
                 )
-                ddp.register_comm_hook(state, psgd.powerSGD_hook)
+                ddp.register_comm_hook(state, group_per_bucket(psgd.powerSGD_hook))
             return ddp, adam(ddp)
 
         return make
@@ -335,6 +339,35 @@ def low_rank_makers(
     for r in ranks:
         makers[f"DDP powerSGD_hook rank {r}"] = theirs(r)
     return makers
+
+
+def group_per_bucket(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """DDP's `hook`, each bucket's collectives on a process group of that bucket's own.
+
+    torch's `powerSGD_hook` issues a bucket's P and Q allreduces from the callbacks of the
+    bucket's futures, which over Gloo run on Gloo's worker thread, while the main thread goes on
+    with backward and starts the next bucket's first allreduce. On one group the two threads take
+    the group's sequence numbers in an order that differs from rank to rank whenever the link is
+    slow enough, and the ranks then pair unlike messages (Gloo's "op.preamble.length <=
+    op.nbytes", or a segfault): 4 of 8 runs of this benchmark died so. One DDP model per group
+    does not avoid it: the race is between the buckets of one model's backward. A group per bucket
+    does: each bucket's three calls follow one another on its group, started by one thread at a
+    time, in the same order on every rank, as on NCCL; the hook's arithmetic, its one state (its
+    step count, error feedback and Q's per bucket) and its overlap with backward are torch's.
+    The groups are made the first time each bucket is reduced (the untimed first steps), in
+    bucket order, which is the same on every rank."""
+    import torch.distributed as dist
+
+    groups: dict[int, Any] = {}
+
+    def each_on_its_own(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+        index = bucket.index()
+        if index not in groups:
+            groups[index] = dist.new_group(backend="gloo")
+        state.process_group = groups[index]  # the hook reads it once, on this thread
+        return hook(state, bucket)
+
+    return each_on_its_own
 
 
 def low_rank_cases(
@@ -483,6 +516,12 @@ def report(
             f"| {name}{note} | {med[name] * 1e3:.1f} ms | {raw * 1e3:.1f} ms | {hidden} | "
             f"{low:.0f}..{high:.0f} ms |"
         )
+    for name in (n for n in med if n.startswith("dp PowerSGD rank ")):
+        peer = f"DDP powerSGD_hook rank {name.rsplit(' ', 1)[1]}"
+        print(
+            f"{name}: overhead {med[name] / med['dp DistributedOptimizer fp16']:.2f}x dp fp16's, "
+            f"{med[name] / med[peer]:.2f}x {peer}'s"
+        )
     sys.stdout.flush()
 
 
@@ -506,7 +545,10 @@ def main() -> int:
         "--powersgd", default="", help="PowerSGD ranks to run (dp and DDP's hook), e.g. 1,2,4"
     )
     parser.add_argument("--loss-steps", type=int, default=40, help="steps before the loss")
-    parser.add_argument("--hvd-venv", default="/work/hvdvenv", help="Horovod's own venv")
+    parser.add_argument(
+        "--lean", action="store_true", help="time only fp16 beside PowerSGD (no fp32, no model)"
+    )
+    parser.add_argument("--hvd-venv", default="", help="Horovod's own venv, if any")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--init", default="", help=argparse.SUPPRESS)
@@ -526,6 +568,7 @@ def main() -> int:
     worker += ["--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
     worker += ["--variants"] if args.variants else []
+    worker += ["--lean"] if args.lean else []
     worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
     return launch(args, worker)
 

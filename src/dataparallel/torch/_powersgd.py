@@ -168,8 +168,8 @@ class LowRank:
                 q = buffer[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
                 torch.matmul(self._ms[i].t(), p, out=q)
                 self._q_of[i] = q
-                if self.config.use_error_feedback:  # P (M^T P)^T: this rank's M, projected
-                    self._kept[i] = torch.matmul(p, q.t())
+                if self.config.use_error_feedback:  # P (M^T P)^T is this rank's M, projected
+                    self._kept[i] = q.clone()  # thin: the projection is formed once, in finish
                 offset += m.cols * m.rank
             buffers.append(buffer)
         return buffers
@@ -179,18 +179,21 @@ class LowRank:
         approximation, times `world` for a sum), the residual `M - P P^T M` (what this rank's
         own matrix lost to the projection), and `Q` is kept."""
         for i, q in self._q_of.items():
-            if self.world != 1:
-                q.div_(self.world)  # the average's Q
             g, m, p = self._grads[i], self._ms[i], self._ps[i]
-            approx = torch.matmul(p, q.t())
             if self.config.use_error_feedback:
                 residual = self.residuals.get(i)
                 if residual is None or residual.shape != g.shape or residual.dtype != g.dtype:
                     residual = self.residuals[i] = torch.empty_like(g, memory_format=_DENSE)
-                torch.sub(m, self._kept[i], out=residual.view(m.shape))
+                # M - P (M^T P)^T in one pass over the matrix, before M (maybe g) is overwritten
+                torch.addmm(m, p, self._kept[i].t(), alpha=-1, out=residual.view(m.shape))
+            # P Q^T with the reduced Q as it came (a sum's when `world` != 1: the gradient is the
+            # ranks' sum then), written straight into the gradient where M is its view
+            if g.is_contiguous() and m.data_ptr() == g.data_ptr():
+                torch.matmul(p, q.t(), out=m)
+            else:
+                g.copy_(torch.matmul(p, q.t()).view(g.shape))
             if self.world != 1:
-                approx.mul_(self.world)
-            g.copy_(approx.view(g.shape))
+                q.div_(self.world)  # the average's Q, kept for the next step
             self.qs[i] = q.clone()
         self.discard()
 
