@@ -37,6 +37,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dataparallel.checkpoint._optax import (
+    OptaxShards,
+    host_numpy,
+    host_tensor,
+    is_sharded_optax_state,
+)
 from dataparallel.checkpoint._shards import Shards
 
 __all__ = ["Loading", "saveable"]
@@ -171,9 +177,21 @@ def _zero_state(zero: Any, names: dict[int, str]) -> dict[str, Any]:
     return {"state": state, "param_groups": _groups(local["param_groups"], fqns)}
 
 
+def _bare(value: Any) -> TypeError:
+    return TypeError(
+        "dp.checkpoint: a sharded optax state (dp.jax.ShardedState) is each rank's slices and "
+        "is laid out by its parameters: put dp.checkpoint.OptaxShards(state, params) in the "
+        "checkpoint's state in its place."
+    )
+
+
 def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
     if isinstance(value, Shards | torch.Tensor):
         return value
+    if isinstance(value, OptaxShards):
+        return value.saved()
+    if is_sharded_optax_state(value):
+        raise _bare(value)
     if isinstance(value, torch.nn.Module):
         return _module_state(value)
     if _is_zero(value):
@@ -185,7 +203,7 @@ def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if _is_jax(value):
-        return torch.from_numpy(np.array(value))
+        return host_tensor(value)
     if isinstance(value, Mapping):
         return _tree(value, names, placed)
     return value
@@ -301,6 +319,12 @@ class Loading:
     def _value(self, value: Any, prefix: Path) -> Any:
         if isinstance(value, Shards | torch.Tensor):
             return value
+        if isinstance(value, OptaxShards):
+            if not self._under(prefix):
+                raise self._missing(prefix, "OptaxShards")
+            return value.template()
+        if is_sharded_optax_state(value):
+            raise _bare(value)
         if isinstance(value, torch.nn.Module):
             return _module_state(value)
         if _is_zero(value):
@@ -314,7 +338,7 @@ class Loading:
                 torch.from_numpy(value) if value.flags.writeable else torch.from_numpy(value.copy())
             )
         if _is_jax(value):
-            return torch.from_numpy(np.array(value))
+            return host_tensor(value)
         if isinstance(value, Mapping):
             return self._tree(value, prefix)
         return value
@@ -336,6 +360,9 @@ class Loading:
             if isinstance(value, torch.nn.Module):
                 if not callable(getattr(value, "parameter_shards", None)):
                     value.load_state_dict(part)  # (a fully sharded one is filled in place)
+            elif isinstance(value, OptaxShards):
+                value.state = value.loaded(part)
+                out[key] = value.state
             elif _is_zero(value):
                 self._load_zero(value, part)
             elif isinstance(value, torch.optim.Optimizer):
@@ -348,7 +375,7 @@ class Loading:
             elif _is_jax(value):
                 import jax.numpy as jnp
 
-                out[key] = jnp.asarray(part.numpy())
+                out[key] = jnp.asarray(host_numpy(part, value))
             elif isinstance(value, Mapping):
                 out[key] = self._install(value, part)
             elif not isinstance(value, Shards | torch.Tensor):
