@@ -60,11 +60,12 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dataparallel import caches, world
 from dataparallel.backends.base import Backend
 from dataparallel.checkpoint._shards import Shards
-from dataparallel.checkpoint._states import Loading, saveable
+from dataparallel.checkpoint._states import Loading, saveable, stepped_storages
 
 __all__ = ["SaveFuture", "async_save", "load", "read_metadata", "save"]
 
@@ -124,31 +125,61 @@ class _SavePlanner(DefaultSavePlanner):
             return data
         return super().resolve_data(write_item)
 
-    def copy_all(self, plan: SavePlan) -> None:
-        """Copy every piece this rank writes into host memory (`async_save`): into the buffers
-        the last `async_save` copied the same pieces into, where they fit (`_kept`)."""
-        global _kept
-        copies: dict[MetadataIndex, Any] = {}
-        kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    def copy_all(self, plan: SavePlan, stepped: set[int]) -> None:
+        """Copy every piece this rank writes into host memory (`async_save`), but those in
+        `stepped` memory (what changes only in an optimizer's step: `stepped_storages`), which
+        are noted with their version counters for `stage()`, on the save's thread."""
+        self.copies = {}
+        self.kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.later: list[tuple[WriteItem, torch.Tensor, int]] = []
         for item in plan.items:
-            data = super().resolve_data(item)
-            if isinstance(data, torch.Tensor):
-                key = (item.index.fqn, tuple(item.index.offset or ()))
-                buffer = _kept.get(key)
-                if buffer is not None and buffer.shape == data.shape and buffer.dtype == data.dtype:
-                    buffer.copy_(data.detach())
-                else:
-                    buffer = data.detach().to("cpu", copy=True)
-                kept[key] = buffer
-                data = buffer
-            copies[item.index] = data
-        self.copies = copies
-        _kept = kept
+            if item.type != WriteItemType.BYTE_IO:
+                live = self.lookup_object(item.index)
+                if (
+                    isinstance(live, torch.Tensor)
+                    and live.device.type == "cpu"
+                    and live.numel()
+                    and live.untyped_storage().data_ptr() in stepped
+                ):
+                    self.later.append((item, live, live._version))
+                    continue
+            self.copies[item.index] = self._copy(item, super().resolve_data(item))
+
+    def _copy(self, item: WriteItem, data: Any) -> Any:
+        """`data` copied into the buffer the last `async_save` copied the same piece into,
+        where it fits (`_kept`), else into new host memory."""
+        if not isinstance(data, torch.Tensor):
+            return data
+        key = (item.index.fqn, tuple(item.index.offset or ()))
+        buffer = _kept.get(key)
+        if buffer is not None and buffer.shape == data.shape and buffer.dtype == data.dtype:
+            buffer.copy_(data.detach())
+        else:
+            buffer = data.detach().to("cpu", copy=True)
+        self.kept[key] = buffer
+        return buffer
+
+    def stage(self) -> None:
+        """Copy the pieces `copy_all` left (on the save's thread, before it writes), noting
+        those changed in place since the call: torch counts each in-place change of a tensor
+        in its version, read here after each copy."""
+        global _kept
+        assert self.copies is not None
+        self.moved: list[str] = []
+        for item, live, version in self.later:
+            self.copies[item.index] = self._copy(item, live)
+            if live._version != version:
+                self.moved.append(item.index.fqn)
+        _kept = self.kept
+
+    def changed(self) -> list[str]:
+        """The pieces that `stage()` found changed since `async_save` was called."""
+        return sorted(set(getattr(self, "moved", [])))
 
 
 # `async_save`'s host copies, kept for the next one: copying into memory already touched costs
-# a copy, into new memory a copy and a page fault per page (most of the blocking time). They
-# hold this rank's part of the state; `dp.finalize()` lets them go.
+# a copy, into new memory a copy and a page fault per page. They hold this rank's part of the
+# state; `dp.finalize()` lets them go.
 _kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
 
@@ -303,6 +334,15 @@ class _Save:
             future = self.writer.write_data(plan, self.planner)
             future.wait()
             results = future.value()
+            changed = self.planner.changed() if self.planner.copies is not None else []
+            if changed:
+                error = RuntimeError(
+                    f"dp.checkpoint.async_save: {', '.join(changed[:4])} changed in place after "
+                    "async_save returned and before its copy was made, outside an optimizer's "
+                    "step() (which waits for the copy): the checkpoint would mix two states and "
+                    "is not written. Call future.staged() before changing the state outside "
+                    "step()."
+                )
         except Exception as exc:
             error = exc
         _raise_any(backend, error, f"write its shards into {self.path}")
@@ -336,16 +376,24 @@ def save(state: Mapping[str, Any], path: PathLike) -> None:
 
 class SaveFuture:
     """An `async_save` in progress: `result()` (or `wait()`) returns once every rank's shards
-    and the metadata are on disk, and raises what the save raised."""
+    and the metadata are on disk, and raises what the save raised; `staged()` returns once
+    this rank's part of the state is copied."""
 
-    def __init__(self, run: Any, pending: list[Any]) -> None:
+    def __init__(self, stage: Any, run: Any, pending: list[Any]) -> None:
+        self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._pending = pending
         pending.append(self)
+        _staging.add(self)
 
         def body() -> None:
             try:
+                try:
+                    stage()
+                finally:
+                    self._staged.set()
+                    _staging.discard(self)
                 run()
             except BaseException as exc:
                 self._error = exc
@@ -353,6 +401,12 @@ class SaveFuture:
 
         self._thread = threading.Thread(target=body, name="dp-checkpoint", daemon=True)
         self._thread.start()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Wait until this rank's part of the state is copied into host memory: from then on
+        it may change in any way (an optimizer's `step()` waits for this by itself)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"dp.checkpoint.async_save: not copied within {timeout} s")
 
     def done(self) -> bool:
         """Whether the save has ended (written, or failed)."""
@@ -373,17 +427,31 @@ class SaveFuture:
         self.result()
 
 
+# The saves whose pieces are being copied on their threads, and the hook that makes every torch
+# optimizer's step wait for them (registered at the first `async_save`).
+_staging: set[SaveFuture] = set()
+_hook: Any = None
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for future in list(_staging):
+        future.staged()
+
+
 def async_save(state: Mapping[str, Any], path: PathLike) -> SaveFuture:
     """See `dataparallel.checkpoint.async_save`."""
+    global _hook
     _settle_previous()
     active = world.current()
     b = active.backend
     one = _Save(state, path, b)
     plan = one.plan(state)
-    one.planner.copy_all(plan)
+    one.planner.copy_all(plan, stepped_storages(state))
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_before_step)
     # The thread's engine: a duplicate of the communication thread's (collective when first made).
     engine = active.private(active.private(b)) if b.size > 1 else b
-    return SaveFuture(lambda: one.write(plan, engine), active.pending)
+    return SaveFuture(one.planner.stage, lambda: one.write(plan, engine), active.pending)
 
 
 # -- loading ------------------------------------------------------------------------------------

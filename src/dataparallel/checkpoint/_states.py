@@ -45,7 +45,7 @@ from dataparallel.checkpoint._optax import (
 )
 from dataparallel.checkpoint._shards import Shards
 
-__all__ = ["Loading", "saveable"]
+__all__ = ["Loading", "saveable", "stepped_storages"]
 
 Path = tuple[str | int, ...]
 
@@ -221,6 +221,37 @@ def saveable(state: Mapping[str, Any]) -> dict[str, Any]:
             f"'optimizer': optimizer, 'step': step}}), got {type(state).__name__}."
         )
     return _tree(state, param_names(state), placements(state))
+
+
+def _storages(tensors: Any) -> set[int]:
+    out = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            out.add(t.untyped_storage().data_ptr())
+    return out
+
+
+def stepped_storages(state: Mapping[str, Any]) -> set[int]:
+    """The memory (storages, by address) of what changes only in a step of an optimizer of the
+    state: its parameters and its state. `async_save` copies these on its thread, and the next
+    `step()` of any torch optimizer waits for the copy first."""
+    out: set[int] = set()
+
+    def visit(tree: Mapping[str, Any]) -> None:
+        for value in tree.values():
+            if _is_zero(value):
+                out.update(_storages(_params(value)))
+                for _, _, _, entry in value.local_state_dict()["pieces"]:
+                    out.update(_storages(entry.values()))
+            elif isinstance(value, torch.optim.Optimizer):
+                out.update(_storages(_params(value)))
+                for entry in value.state.values():
+                    out.update(_storages(entry.values()))
+            elif isinstance(value, Mapping):
+                visit(value)
+
+    visit(state)
+    return out
 
 
 class Loading:
