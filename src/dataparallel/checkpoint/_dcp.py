@@ -270,6 +270,13 @@ def _from_rank0(backend: Backend, value: Any) -> Any:
     return backend.broadcast_object(value, 0) if backend.size > 1 else value
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """What a rank sends in an exchange in place of its part when it failed."""
+
+    message: str
+
+
 def _raise_any(backend: Backend, error: BaseException | None, what: str) -> None:
     """Raise on every rank when `error` happened on any (collective)."""
     errors = _everyone(backend, None if error is None else f"{type(error).__name__}: {error}")
@@ -295,7 +302,12 @@ class _Save:
         self.metadata: Metadata | None = None
 
     def plan(self, state: Mapping[str, Any]) -> SavePlan:
-        """Step 1 (collective, on the caller's thread)."""
+        """Step 1 (collective, on the caller's thread): one exchange, of the local plans.
+
+        Every rank merges the plans itself (DCP's global planning is deterministic: the same
+        plans give every rank the same result), so no answer from rank 0 is awaited; rank 0
+        removes the folder's old `.metadata` before it joins the exchange, so before any rank
+        can have begun to write."""
         b, coordinator = self.backend, self.backend.rank == 0
         error: BaseException | None = None
         local: SavePlan | None = None
@@ -306,25 +318,29 @@ class _Save:
             with warnings.catch_warnings():  # "overwriting an existing checkpoint": step 1 does
                 warnings.simplefilter("ignore")
                 local = self.writer.prepare_local_plan(self.planner.create_local_plan())
+            stale = self.path / METADATA
+            if coordinator and stale.exists():  # the folder's old checkpoint goes first
+                stale.unlink()
         except Exception as exc:
             error = exc
-        _raise_any(b, error, "plan its part of the checkpoint")
-        plans = _everyone(b, local)
-        answer: Any = None
-        if coordinator:
-            try:
-                merged, self.metadata = self.planner.create_global_plan(plans)
-                merged = self.writer.prepare_global_plan(merged)
-                stale = self.path / METADATA
-                if stale.exists():  # the folder's old checkpoint is gone before any rank writes
-                    stale.unlink()
-                answer = merged
-            except Exception as exc:
-                answer = f"{type(exc).__name__}: {exc}"
-        answer = _from_rank0(b, answer)
-        if isinstance(answer, str):
-            raise ValueError(f"dp.checkpoint.save: the checkpoint cannot be planned: {answer}")
-        return self.planner.finish_plan(answer[b.rank])
+        failure = None if error is None else _Failed(f"{type(error).__name__}: {error}")
+        plans = _everyone(b, local if failure is None else failure)
+        if error is not None:
+            raise error
+        for r, plan in enumerate(plans):
+            if isinstance(plan, _Failed):
+                raise RuntimeError(
+                    f"dp.checkpoint: rank {r} failed to plan its part of the checkpoint: "
+                    f"{plan.message}"
+                )
+        try:
+            merged, self.metadata = self.planner.create_global_plan(plans)
+            merged = self.writer.prepare_global_plan(merged)
+        except Exception as exc:
+            raise ValueError(
+                f"dp.checkpoint.save: the checkpoint cannot be planned: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self.planner.finish_plan(merged[b.rank])
 
     def write(self, plan: SavePlan, backend: Backend) -> None:
         """Steps 2 and 3 (collective over `backend`)."""
@@ -345,8 +361,17 @@ class _Save:
                 )
         except Exception as exc:
             error = exc
-        _raise_any(backend, error, f"write its shards into {self.path}")
-        everyone = _everyone(backend, results)
+        # one exchange: what each rank wrote, or why it could not
+        failure = None if error is None else _Failed(f"{type(error).__name__}: {error}")
+        everyone = _everyone(backend, results if failure is None else failure)
+        if error is not None:
+            raise error
+        for r, result in enumerate(everyone):
+            if isinstance(result, _Failed):
+                raise RuntimeError(
+                    f"dp.checkpoint: rank {r} failed to write its shards into {self.path}: "
+                    f"{result.message}"
+                )
         done: str | None = None
         if backend.rank == 0:
             try:
