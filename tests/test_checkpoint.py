@@ -133,6 +133,35 @@ def test_shards_from_a_flat_slice_are_views_of_it() -> None:
         s.piece((0, 0))
 
 
+class ShardedThing:
+    """An object of its own whose `state_dict()` holds `Shards`: rank r's rows of a 6 x 2."""
+
+    def __init__(self, fill: float) -> None:
+        rows = [r for r in range(6) if r % dp.size() == dp.rank()]
+        self.rows = {r: torch.full((1, 2), fill + r) for r in rows}
+
+    def state_dict(self) -> dict[str, Any]:
+        pieces = tuple(((r, 0), t) for r, t in self.rows.items())
+        return {"table": Shards((6, 2), torch.float32, pieces), "note": "kept"}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        assert isinstance(sd["table"], Shards), type(sd["table"])  # its own boxes, not the whole
+        assert sd["note"] == "kept"
+
+
+def test_an_object_with_shards_in_its_state_dict_loads_its_own_boxes(world: Backend) -> None:
+    made = tempfile.mkdtemp(prefix="dp-ckpt-thing-") if dp.rank() == 0 else None
+    folder = Path(dp.broadcast_object(made)) / "ckpt"
+    dp.checkpoint.save({"thing": ShardedThing(10.0)}, folder)
+    fresh = ShardedThing(0.0)
+    dp.checkpoint.load({"thing": fresh}, folder)
+    for r, t in fresh.rows.items():
+        assert t.tolist() == [[10.0 + r] * 2], r
+    dp.barrier()
+    if dp.rank() == 0:
+        shutil.rmtree(folder.parent, ignore_errors=True)
+
+
 # -- in this world -------------------------------------------------------------------------------
 
 

@@ -363,7 +363,9 @@ class Loading:
         if isinstance(value, torch.optim.Optimizer):
             return self._optimizer(value, prefix)
         if _is_stateful(value):
-            return self._from_metadata(prefix, type(value).__name__)
+            part = self._from_metadata(prefix, type(value).__name__)
+            _overlay_shards(part, value.state_dict())  # its own boxes, filled in place
+            return part
         if isinstance(value, np.ndarray):
             return (
                 torch.from_numpy(value) if value.flags.writeable else torch.from_numpy(value.copy())
@@ -429,6 +431,16 @@ class Loading:
                     mine[key] = value
             states.append(mine)
         zero.load_local_state_dict(states, part["param_groups"])
+
+
+def _overlay_shards(part: dict[Any, Any], current: Mapping[Any, Any]) -> None:
+    """Put in `part` the `Shards` that `current` (an object's `state_dict()` now) holds at the
+    same places: each rank reads its own boxes, not the whole tensor."""
+    for key, value in current.items():
+        if isinstance(value, Shards) and key in part:
+            part[key] = value
+        elif isinstance(value, Mapping) and isinstance(part.get(key), dict):
+            _overlay_shards(part[key], value)
 
 
 def _empty(md: Any) -> Any:
