@@ -5,23 +5,24 @@ here may have none (MPI). So this module runs the same steps itself, with the wo
 the few exchanges, and DCP's own `DefaultSavePlanner`, `FileSystemWriter` and `FileSystemReader`
 for everything written or read, which makes the files DCP's, byte for byte:
 
-1. every rank plans its writes; rank 0 merges the plans into the global plan and the `Metadata`
-   (replicated values written by one rank only), removes the `.metadata` of any checkpoint the
-   folder held, and hands each rank its part;
+1. every rank plans its writes, rank 0 removes the folder's old `.metadata`, the plans are
+   exchanged, and every rank merges them (deterministic) into the global plan and `Metadata`
+   (replicated values written by one rank only) and takes its part;
 2. every rank writes its own file, `__<rank>_0.distcp`, and flushes it to disk (`fsync`);
 3. rank 0 gathers what each rank wrote and only then writes `.metadata` (to a temporary name,
    flushed, then renamed: atomic). A folder without `.metadata` is therefore a save that did not
    finish, never a complete checkpoint, and `read_metadata` says so, naming what it holds.
 
-`Shards` enter DCP's plans as chunks of their tensor, and loading reads each box of today's
-layout from the saved boxes that overlap it, whatever the world size that wrote them.
+`Shards` enter DCP's plans as chunks of their tensor; loading reads each of today's boxes from
+the saved boxes that overlap it, whatever the world size that wrote them.
 
-`async_save` runs step 1 and copies every piece to be written into new host memory on the
-caller's thread, then returns a `SaveFuture`; steps 2 and 3 run on a thread of their own, which
-exchanges on a private engine (a duplicate of the communication thread's, `World.private`), so
-that neither the program's collectives nor a training step's buckets meet it. The future is
-among the world's requests in flight: `dp.wait_all()`, `dp.finalize()` and the next save or load
-wait for it.
+`async_save` runs step 1, copies what may change at any moment into host memory on the caller's
+thread, and returns a `SaveFuture`; a thread of its own copies the parameters and optimizer
+state (they change only in an optimizer's step, whose pre-hook waits for the copy), then runs
+steps 2 and 3, exchanging on a private engine (a duplicate of the communication thread's,
+`World.private`), so that neither the program's collectives nor a training step's buckets meet
+it. The future is among the world's requests in flight: `dp.wait_all()`, `dp.finalize()` and
+the next save or load wait for it.
 """
 
 from __future__ import annotations
@@ -164,10 +165,13 @@ class _SavePlanner(DefaultSavePlanner):
         global _kept
         assert self.copies is not None
         self.moved: list[str] = []
-        for item, live, version in self.later:
-            self.copies[item.index] = self._copy(item, live)
-            if live._version != version:
-                self.moved.append(item.index.fqn)
+        try:
+            for item, live, version in self.later:
+                self.copies[item.index] = self._copy(item, live)
+                if live._version != version:
+                    self.moved.append(item.index.fqn)
+        except Exception as exc:  # raised by `write`, in step with the other ranks
+            self.failed: Exception | None = exc
         _kept = self.kept
 
     def changed(self) -> list[str]:
@@ -345,6 +349,9 @@ class _Save:
         error: BaseException | None = None
         results: Any = None
         try:
+            failed = getattr(self.planner, "failed", None)
+            if failed is not None:  # the copy on the save's thread
+                raise failed
             future = self.writer.write_data(plan, self.planner)
             future.wait()
             results = future.value()
