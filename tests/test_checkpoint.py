@@ -383,6 +383,32 @@ def test_a_change_outside_a_step_before_the_copy_fails_the_save(
         dp.checkpoint.load({"model": model}, folder)
 
 
+def test_a_copy_failing_on_the_saves_thread_fails_the_save_on_every_rank(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last rank's copy on the save's thread raises: every rank's `result()` raises (the
+    others do not wait for it in the write's exchange), and no checkpoint is left."""
+    from dataparallel.checkpoint import _dcp
+
+    copy_ = _dcp._SavePlanner._copy
+
+    def failing(planner: Any, item: Any, data: Any) -> Any:
+        on_thread = threading.current_thread().name == "dp-checkpoint"
+        if on_thread and dp.rank() == dp.size() - 1:
+            raise RuntimeError("no host memory left (test)")
+        return copy_(planner, item, data)
+
+    monkeypatch.setattr(_dcp._SavePlanner, "_copy", failing)
+    model = make_model()
+    opt = make_optimizer(model, "plain")
+    train(model, opt, range(1))
+    future = dp.checkpoint.async_save({"model": model, "optim": opt}, folder)
+    with pytest.raises(RuntimeError, match=r"no host memory left \(test\)"):
+        future.result()
+    with pytest.raises(FileNotFoundError, match=r"did not finish|no such folder|no shard files"):
+        dp.checkpoint.load({"model": model}, folder)
+
+
 def test_a_checkpoint_without_its_metadata_is_refused(folder: Path) -> None:
     model = make_model()
     dp.checkpoint.save({"model": model}, folder)
