@@ -36,10 +36,13 @@ lint: $(STAMP)
 # `make test PYTEST_ARGS=--matrix=full` runs every case everywhere.
 PYTEST_ARGS ?=
 PYTEST := $(BIN)/python -m pytest $(PYTEST_ARGS)
+# Every rank of every pass, and every process a test starts, imports the library and the test
+# modules: Python's bytecode is kept (PYTHONDONTWRITEBYTECODE, where the machine sets it, is
+# turned off), or each would compile them again (pytest's rewritten test modules too) as it starts.
 # Every pass compiles the same JAX steps: JAX keeps them in the venv for the passes after the first.
 # The size limit turns on the cache's file lock, so that ranks compiling the same step at once never
 # read each other's half-written entry.
-TEST_ENV := $(RUN_ENV) JAX_COMPILATION_CACHE_DIR=$(CURDIR)/$(VENV)/jax-cache \
+TEST_ENV := $(RUN_ENV) PYTHONDONTWRITEBYTECODE= JAX_COMPILATION_CACHE_DIR=$(CURDIR)/$(VENV)/jax-cache \
 	JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
 	JAX_COMPILATION_CACHE_MAX_SIZE=1000000000
 
@@ -66,11 +69,12 @@ test-gloo: $(STAMP)
 
 # The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
 # job ends on a plain pytest summary. Its tests mostly start jobs and wait on them: two
-# pytest-xdist workers keep both cores busy, a file to a worker (tests/conftest.py).
+# pytest-xdist workers keep both cores busy, each test to whichever is free, a few files whole
+# (`--dist loadgroup`: tests/conftest.py says which).
 TEST_WORKERS ?= 2
 test-1: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
-	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile
+	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: lint test-mpi test-gloo test-1
 

@@ -8,6 +8,7 @@ JAX has 64-bit dtypes only with `jax_enable_x64`: its `context()` turns it on fo
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ def as_float(a: np.ndarray) -> np.ndarray:
     return a
 
 
+@functools.cache  # asked for each case of every matrix test as it is collected
 def _cupy_reason() -> str | None:
     try:
         import cupy
@@ -63,6 +65,7 @@ def _cupy_reason() -> str | None:
     return None
 
 
+@functools.cache
 def _torch_cuda_reason() -> str | None:
     if torch is None:
         return "torch is not installed"

@@ -23,10 +23,13 @@ ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in
 a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
 deselected, unless named on the command line; `--matrix=full` or `sample` decides for every world.
 
-The world of one runs in two pytest-xdist workers (`make test-1`), a file to a worker: most of its
-time goes to tests that start jobs and wait on them, and a file's tests may share what is built
-once (the sdist, the docs site) or one thing of the machine (the Slurm cluster). No test may
-count what runs on the whole machine: another file's test runs beside it.
+The world of one runs in two pytest-xdist workers (`make test-1`, `--dist loadgroup`): most of
+its time goes to tests that start jobs and wait on them. Each test goes to whichever worker is
+free, except the files of `ONE_WORKER`, whose tests share what is built once (the sdist, the docs
+site) or one thing of the machine (the Slurm cluster): each goes whole to one worker. (Whole files
+for all, `loadfile`, left one worker running the few slow files at the end, on its own: xdist
+deals files out by their number of tests.) No test may count what runs on the whole machine, nor
+expect another test of its file to have run before it: any test may run beside it.
 
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
@@ -50,6 +53,18 @@ from hypothesis import settings as hypothesis_settings
 import dataparallel as dp
 from dataparallel.backends.base import Backend
 
+# Test files that go whole to one pytest-xdist worker (see the module docstring): their tests
+# share a module-scoped fixture or one thing of the machine.
+ONE_WORKER = frozenset(
+    {
+        "test_data.py",
+        "test_docs.py",
+        "test_nccl.py",
+        "test_package.py",
+        "test_slurm_cluster.py",
+        "test_torch_optim.py",
+    }
+)
 SPAWNS_REASON = "launches its own processes; runs in the world-of-one pass"
 # The world that runs every case of a `matrix` test: (engine, ranks).
 FULL_MATRIX = ("mpi", 2)
@@ -339,3 +354,22 @@ def rank(world: Backend) -> int:
 def size(world: Backend) -> int:
     """Return the world size."""
     return world.size
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup`: a test to whichever worker is free, a file of `ONE_WORKER` whole.
+
+    xdist's own loadgroup groups by `xdist_group` marks, which it writes into a node id that
+    pytest 9 no longer reads; the groups here are the files themselves, known by their names.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).name in ONE_WORKER else nodeid
+
+    return Scheduling(config, log)

@@ -233,15 +233,15 @@ def test_below_min_np_ends_after_the_elastic_timeout(tmp_path: Path) -> None:
 
 
 def test_a_commit_on_some_ranks_only_fails_on_every_rank(tmp_path: Path) -> None:
-    """Worker 1 skips its 2nd commit: the others' commit meets its next step's collective, and
+    """Worker 1 skips its 2nd commit: worker 0's commit meets its next step's collective, and
     the protocol says so on every rank (a bug, not a lost worker: the run ends)."""
-    done = elastic(3, ["--min-np", "2"], ["--skip", "w1:2"], tmp_path)
+    done = elastic(2, ["--min-np", "2"], ["--skip", "w1:2"], tmp_path)
     assert done.returncode == 1, done.stderr
     assert "CollectiveMismatchError" in done.stderr
 
 
 def test_reset_limit(tmp_path: Path) -> None:
-    done = elastic(3, ["--min-np", "1", "--reset-limit", "0"], ["--die", "w1:1"], tmp_path)
+    done = elastic(2, ["--min-np", "1", "--reset-limit", "0"], ["--die", "w1:1"], tmp_path)
     assert done.returncode == 1, done.stderr
     assert "--reset-limit is 0: stopping" in done.stderr
 
