@@ -11,10 +11,12 @@ written here, and writing one that loads here.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -129,6 +131,35 @@ def test_shards_from_a_flat_slice_are_views_of_it() -> None:
     assert flat.tolist() == [1.0] * 5
     with pytest.raises(KeyError, match=r"no piece at offsets \[0, 0\]"):
         s.piece((0, 0))
+
+
+class ShardedThing:
+    """An object of its own whose `state_dict()` holds `Shards`: rank r's rows of a 6 x 2."""
+
+    def __init__(self, fill: float) -> None:
+        rows = [r for r in range(6) if r % dp.size() == dp.rank()]
+        self.rows = {r: torch.full((1, 2), fill + r) for r in rows}
+
+    def state_dict(self) -> dict[str, Any]:
+        pieces = tuple(((r, 0), t) for r, t in self.rows.items())
+        return {"table": Shards((6, 2), torch.float32, pieces), "note": "kept"}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        assert isinstance(sd["table"], Shards), type(sd["table"])  # its own boxes, not the whole
+        assert sd["note"] == "kept"
+
+
+def test_an_object_with_shards_in_its_state_dict_loads_its_own_boxes(world: Backend) -> None:
+    made = tempfile.mkdtemp(prefix="dp-ckpt-thing-") if dp.rank() == 0 else None
+    folder = Path(dp.broadcast_object(made)) / "ckpt"
+    dp.checkpoint.save({"thing": ShardedThing(10.0)}, folder)
+    fresh = ShardedThing(0.0)
+    dp.checkpoint.load({"thing": fresh}, folder)
+    for r, t in fresh.rows.items():
+        assert t.tolist() == [[10.0 + r] * 2], r
+    dp.barrier()
+    if dp.rank() == 0:
+        shutil.rmtree(folder.parent, ignore_errors=True)
 
 
 # -- in this world -------------------------------------------------------------------------------
@@ -269,6 +300,113 @@ def test_the_next_save_waits_for_an_async_save_in_flight(folder: Path) -> None:
     dp.checkpoint.save({"model": model, "step": 2}, folder)  # waits for `first` first
     assert first.done()
     assert dp.checkpoint.load({"model": model, "step": 0}, folder)["step"] == 2
+
+
+class GatedStaging:
+    """`async_save`'s copy on its thread held until `release()`: `entered` once it is held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from dataparallel.checkpoint import _dcp
+
+        self.entered, self.go = threading.Event(), threading.Event()
+        stage = _dcp._SavePlanner.stage
+
+        def gated(planner: Any) -> None:
+            self.entered.set()
+            assert self.go.wait(60), "the test never released the copy"
+            stage(planner)
+
+        monkeypatch.setattr(_dcp._SavePlanner, "stage", gated)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def test_a_step_after_async_save_waits_for_the_copy(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parameters and the optimizer's state are copied on the save's thread; a step taken
+    at once waits for the copy, so the checkpoint holds the state as it was at the call."""
+    model = make_model()
+    opt = make_optimizer(model, "plain")
+    train(model, opt, range(2))
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_optim = copy.deepcopy(optimizer_state(opt))
+    gate = GatedStaging(monkeypatch)
+    future = dp.checkpoint.async_save({"model": model, "optim": opt}, folder)
+    assert gate.entered.wait(60)
+    model(torch.ones(4, 5)).pow(2).sum().backward()
+    waiting, stepped = threading.Event(), threading.Event()
+    staged = future.staged
+
+    def noted(timeout: float | None = None) -> None:
+        waiting.set()
+        staged(timeout)
+
+    monkeypatch.setattr(future, "staged", noted)
+
+    def step() -> None:
+        opt.step()
+        stepped.set()
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    while not (waiting.wait(0.01) or stepped.is_set()):  # the step waits, or it went through
+        pass
+    gate.release()
+    thread.join()
+    future.result()
+    fresh = make_model(seed=1)
+    fresh_opt = make_optimizer(fresh, "plain")
+    dp.checkpoint.load({"model": fresh, "optim": fresh_opt}, folder)
+    assert_same(fresh.state_dict(), want_model, "model")
+    assert_same(optimizer_state(fresh_opt), want_optim, "optim")
+
+
+def test_a_change_outside_a_step_before_the_copy_fails_the_save(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Changed in place before its copy, outside a step: torch's version counter shows it, and
+    the save fails on every rank, leaving no checkpoint, rather than write a mixed state."""
+    model = make_model()
+    opt = make_optimizer(model, "plain")
+    train(model, opt, range(1))
+    gate = GatedStaging(monkeypatch)
+    future = dp.checkpoint.async_save({"model": model, "optim": opt}, folder)
+    assert gate.entered.wait(60)
+    with torch.no_grad():  # on every rank: one rank writes it (DCP writes a replica once)
+        model[0].weight.add_(1.0)
+    gate.release()
+    with pytest.raises(RuntimeError, match=r"(0\.weight changed in place|rank \d+ failed)"):
+        future.result()
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        dp.checkpoint.load({"model": model}, folder)
+
+
+def test_a_copy_failing_on_the_saves_thread_fails_the_save_on_every_rank(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last rank's copy on the save's thread raises: every rank's `result()` raises (the
+    others do not wait for it in the write's exchange), and no checkpoint is left."""
+    from dataparallel.checkpoint import _dcp
+
+    copy_ = _dcp._SavePlanner._copy
+
+    def failing(planner: Any, item: Any, data: Any) -> Any:
+        on_thread = threading.current_thread().name == "dp-checkpoint"
+        if on_thread and dp.rank() == dp.size() - 1:
+            raise RuntimeError("no host memory left (test)")
+        return copy_(planner, item, data)
+
+    monkeypatch.setattr(_dcp._SavePlanner, "_copy", failing)
+    model = make_model()
+    opt = make_optimizer(model, "plain")
+    train(model, opt, range(1))
+    future = dp.checkpoint.async_save({"model": model, "optim": opt}, folder)
+    with pytest.raises(RuntimeError, match=r"no host memory left \(test\)"):
+        future.result()
+    with pytest.raises(FileNotFoundError, match=r"did not finish|no such folder|no shard files"):
+        dp.checkpoint.load({"model": model}, folder)
 
 
 def test_a_checkpoint_without_its_metadata_is_refused(folder: Path) -> None:

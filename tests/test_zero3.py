@@ -330,6 +330,14 @@ def test_errors() -> None:
         converted(torch.zeros(2, 5, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         fully_shard(object())  # type: ignore[type-var]
+    # The elastic state would hand every rank rank 0's rows: refused, model and optimizer.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"TorchState: 'model' holds parameters sharded"):
+        dp.elastic.TorchState(model=model)
+    with pytest.raises(ValueError, match=r"TorchState: 'optimizer' holds parameters sharded"):
+        dp.elastic.TorchState(optimizer=opt)
+    with pytest.raises(ValueError, match=r"TorchState: 'inner' holds parameters sharded"):
+        dp.elastic.TorchState(inner=nn.Sequential(model))
 
 
 def test_next_block_is_prefetched() -> None:

@@ -2,6 +2,8 @@
 world size. Its rooms:
 
 - `_shards`: `Shards`, this rank's pieces of a tensor with their places, whatever shards it;
+- `_optax`: `OptaxShards`, optax's sharded state (`shard_state=True`) written as every rank's
+  slices of each parameter's state;
 - `_states`: what is written for each thing in a state (modules, optimizers, ZeRO's shards,
   samplers, arrays, values), in torch's own layout, and how each is put back;
 - `_dcp`: the steps of a save and a load over this world, through torch DCP's planners and file
@@ -28,9 +30,10 @@ except ImportError as exc:
 
 from dataparallel.checkpoint import _dcp
 from dataparallel.checkpoint._dcp import SaveFuture
+from dataparallel.checkpoint._optax import OptaxShards
 from dataparallel.checkpoint._shards import Shards
 
-__all__ = ["SaveFuture", "Shards", "async_save", "load", "save"]
+__all__ = ["OptaxShards", "SaveFuture", "Shards", "async_save", "load", "save"]
 
 
 def save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
@@ -38,9 +41,10 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
 
     `state` is a dict (nested dicts allowed) of torch modules, optimizers (plain,
     `dp.DistributedOptimizer`, `dp.torch.ZeroRedundancyOptimizer`, whose sharded state is written
-    by the rank that holds it), objects with `state_dict()` and `load_state_dict()` (samplers,
-    learning-rate schedulers), `Shards`, tensors, NumPy and JAX arrays, and picklable values (the
-    step). Whatever is not `Shards` must be the same on every rank: it is written once.
+    by the rank that holds it), optax's sharded state as `OptaxShards(state, params)`, objects
+    with `state_dict()` and `load_state_dict()` (samplers, learning-rate schedulers), `Shards`,
+    tensors, NumPy and JAX arrays, and picklable values (the step). Whatever is not `Shards`
+    must be the same on every rank: it is written once.
 
     The folder is torch DCP's (`torch.distributed.checkpoint`): one file per rank and a
     `.metadata` written last, atomically, once every rank's file is on disk, so that a save cut

@@ -5,23 +5,24 @@ here may have none (MPI). So this module runs the same steps itself, with the wo
 the few exchanges, and DCP's own `DefaultSavePlanner`, `FileSystemWriter` and `FileSystemReader`
 for everything written or read, which makes the files DCP's, byte for byte:
 
-1. every rank plans its writes; rank 0 merges the plans into the global plan and the `Metadata`
-   (replicated values written by one rank only), removes the `.metadata` of any checkpoint the
-   folder held, and hands each rank its part;
+1. every rank plans its writes, rank 0 removes the folder's old `.metadata`, the plans are
+   exchanged, and every rank merges them (deterministic) into the global plan and `Metadata`
+   (replicated values written by one rank only) and takes its part;
 2. every rank writes its own file, `__<rank>_0.distcp`, and flushes it to disk (`fsync`);
 3. rank 0 gathers what each rank wrote and only then writes `.metadata` (to a temporary name,
    flushed, then renamed: atomic). A folder without `.metadata` is therefore a save that did not
    finish, never a complete checkpoint, and `read_metadata` says so, naming what it holds.
 
-`Shards` enter DCP's plans as chunks of their tensor, and loading reads each box of today's
-layout from the saved boxes that overlap it, whatever the world size that wrote them.
+`Shards` enter DCP's plans as chunks of their tensor; loading reads each of today's boxes from
+the saved boxes that overlap it, whatever the world size that wrote them.
 
-`async_save` runs step 1 and copies every piece to be written into new host memory on the
-caller's thread, then returns a `SaveFuture`; steps 2 and 3 run on a thread of their own, which
-exchanges on a private engine (a duplicate of the communication thread's, `World.private`), so
-that neither the program's collectives nor a training step's buckets meet it. The future is
-among the world's requests in flight: `dp.wait_all()`, `dp.finalize()` and the next save or load
-wait for it.
+`async_save` runs step 1, copies what may change at any moment into host memory on the caller's
+thread, and returns a `SaveFuture`; a thread of its own copies the parameters and optimizer
+state (they change only in an optimizer's step, whose pre-hook waits for the copy), then runs
+steps 2 and 3, exchanging on a private engine (a duplicate of the communication thread's,
+`World.private`), so that neither the program's collectives nor a training step's buckets meet
+it. The future is among the world's requests in flight: `dp.wait_all()`, `dp.finalize()` and
+the next save or load wait for it.
 """
 
 from __future__ import annotations
@@ -58,11 +59,12 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dataparallel import caches, world
 from dataparallel.backends.base import Backend
 from dataparallel.checkpoint._shards import Shards
-from dataparallel.checkpoint._states import Loading, saveable
+from dataparallel.checkpoint._states import Loading, saveable, stepped_storages
 
 __all__ = ["SaveFuture", "async_save", "load", "read_metadata", "save"]
 
@@ -122,31 +124,64 @@ class _SavePlanner(DefaultSavePlanner):
             return data
         return super().resolve_data(write_item)
 
-    def copy_all(self, plan: SavePlan) -> None:
-        """Copy every piece this rank writes into host memory (`async_save`): into the buffers
-        the last `async_save` copied the same pieces into, where they fit (`_kept`)."""
-        global _kept
-        copies: dict[MetadataIndex, Any] = {}
-        kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    def copy_all(self, plan: SavePlan, stepped: set[int]) -> None:
+        """Copy every piece this rank writes into host memory (`async_save`), but those in
+        `stepped` memory (what changes only in an optimizer's step: `stepped_storages`), which
+        are noted with their version counters for `stage()`, on the save's thread."""
+        self.copies = {}
+        self.kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.later: list[tuple[WriteItem, torch.Tensor, int]] = []
         for item in plan.items:
-            data = super().resolve_data(item)
-            if isinstance(data, torch.Tensor):
-                key = (item.index.fqn, tuple(item.index.offset or ()))
-                buffer = _kept.get(key)
-                if buffer is not None and buffer.shape == data.shape and buffer.dtype == data.dtype:
-                    buffer.copy_(data.detach())
-                else:
-                    buffer = data.detach().to("cpu", copy=True)
-                kept[key] = buffer
-                data = buffer
-            copies[item.index] = data
-        self.copies = copies
-        _kept = kept
+            if item.type != WriteItemType.BYTE_IO:
+                live = self.lookup_object(item.index)
+                if (
+                    isinstance(live, torch.Tensor)
+                    and live.device.type == "cpu"
+                    and live.numel()
+                    and live.untyped_storage().data_ptr() in stepped
+                ):
+                    self.later.append((item, live, live._version))
+                    continue
+            self.copies[item.index] = self._copy(item, super().resolve_data(item))
+
+    def _copy(self, item: WriteItem, data: Any) -> Any:
+        """`data` copied into the buffer the last `async_save` copied the same piece into,
+        where it fits (`_kept`), else into new host memory."""
+        if not isinstance(data, torch.Tensor):
+            return data
+        key = (item.index.fqn, tuple(item.index.offset or ()))
+        buffer = _kept.get(key)
+        if buffer is not None and buffer.shape == data.shape and buffer.dtype == data.dtype:
+            buffer.copy_(data.detach())
+        else:
+            buffer = data.detach().to("cpu", copy=True)
+        self.kept[key] = buffer
+        return buffer
+
+    def stage(self) -> None:
+        """Copy the pieces `copy_all` left (on the save's thread, before it writes), noting
+        those changed in place since the call: torch counts each in-place change of a tensor
+        in its version, read here after each copy."""
+        global _kept
+        assert self.copies is not None
+        self.moved: list[str] = []
+        try:
+            for item, live, version in self.later:
+                self.copies[item.index] = self._copy(item, live)
+                if live._version != version:
+                    self.moved.append(item.index.fqn)
+        except Exception as exc:  # raised by `write`, in step with the other ranks
+            self.failed: Exception | None = exc
+        _kept = self.kept
+
+    def changed(self) -> list[str]:
+        """The pieces that `stage()` found changed since `async_save` was called."""
+        return sorted(set(getattr(self, "moved", [])))
 
 
 # `async_save`'s host copies, kept for the next one: copying into memory already touched costs
-# a copy, into new memory a copy and a page fault per page (most of the blocking time). They
-# hold this rank's part of the state; `dp.finalize()` lets them go.
+# a copy, into new memory a copy and a page fault per page. They hold this rank's part of the
+# state; `dp.finalize()` lets them go.
 _kept: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
 
@@ -237,6 +272,13 @@ def _from_rank0(backend: Backend, value: Any) -> Any:
     return backend.broadcast_object(value, 0) if backend.size > 1 else value
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """What a rank sends in an exchange in place of its part when it failed."""
+
+    message: str
+
+
 def _raise_any(backend: Backend, error: BaseException | None, what: str) -> None:
     """Raise on every rank when `error` happened on any (collective)."""
     errors = _everyone(backend, None if error is None else f"{type(error).__name__}: {error}")
@@ -262,7 +304,12 @@ class _Save:
         self.metadata: Metadata | None = None
 
     def plan(self, state: Mapping[str, Any]) -> SavePlan:
-        """Step 1 (collective, on the caller's thread)."""
+        """Step 1 (collective, on the caller's thread): one exchange, of the local plans.
+
+        Every rank merges the plans itself (DCP's global planning is deterministic: the same
+        plans give every rank the same result), so no answer from rank 0 is awaited; rank 0
+        removes the folder's old `.metadata` before it joins the exchange, so before any rank
+        can have begun to write."""
         b, coordinator = self.backend, self.backend.rank == 0
         error: BaseException | None = None
         local: SavePlan | None = None
@@ -273,38 +320,63 @@ class _Save:
             with warnings.catch_warnings():  # "overwriting an existing checkpoint": step 1 does
                 warnings.simplefilter("ignore")
                 local = self.writer.prepare_local_plan(self.planner.create_local_plan())
+            stale = self.path / METADATA
+            if coordinator and stale.exists():  # the folder's old checkpoint goes first
+                stale.unlink()
         except Exception as exc:
             error = exc
-        _raise_any(b, error, "plan its part of the checkpoint")
-        plans = _everyone(b, local)
-        answer: Any = None
-        if coordinator:
-            try:
-                merged, self.metadata = self.planner.create_global_plan(plans)
-                merged = self.writer.prepare_global_plan(merged)
-                stale = self.path / METADATA
-                if stale.exists():  # the folder's old checkpoint is gone before any rank writes
-                    stale.unlink()
-                answer = merged
-            except Exception as exc:
-                answer = f"{type(exc).__name__}: {exc}"
-        answer = _from_rank0(b, answer)
-        if isinstance(answer, str):
-            raise ValueError(f"dp.checkpoint.save: the checkpoint cannot be planned: {answer}")
-        return self.planner.finish_plan(answer[b.rank])
+        failure = None if error is None else _Failed(f"{type(error).__name__}: {error}")
+        plans = _everyone(b, local if failure is None else failure)
+        if error is not None:
+            raise error
+        for r, plan in enumerate(plans):
+            if isinstance(plan, _Failed):
+                raise RuntimeError(
+                    f"dp.checkpoint: rank {r} failed to plan its part of the checkpoint: "
+                    f"{plan.message}"
+                )
+        try:
+            merged, self.metadata = self.planner.create_global_plan(plans)
+            merged = self.writer.prepare_global_plan(merged)
+        except Exception as exc:
+            raise ValueError(
+                f"dp.checkpoint.save: the checkpoint cannot be planned: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self.planner.finish_plan(merged[b.rank])
 
     def write(self, plan: SavePlan, backend: Backend) -> None:
         """Steps 2 and 3 (collective over `backend`)."""
         error: BaseException | None = None
         results: Any = None
         try:
+            failed = getattr(self.planner, "failed", None)
+            if failed is not None:  # the copy on the save's thread
+                raise failed
             future = self.writer.write_data(plan, self.planner)
             future.wait()
             results = future.value()
+            changed = self.planner.changed() if self.planner.copies is not None else []
+            if changed:
+                error = RuntimeError(
+                    f"dp.checkpoint.async_save: {', '.join(changed[:4])} changed in place after "
+                    "async_save returned and before its copy was made, outside an optimizer's "
+                    "step() (which waits for the copy): the checkpoint would mix two states and "
+                    "is not written. Call future.staged() before changing the state outside "
+                    "step()."
+                )
         except Exception as exc:
             error = exc
-        _raise_any(backend, error, f"write its shards into {self.path}")
-        everyone = _everyone(backend, results)
+        # one exchange: what each rank wrote, or why it could not
+        failure = None if error is None else _Failed(f"{type(error).__name__}: {error}")
+        everyone = _everyone(backend, results if failure is None else failure)
+        if error is not None:
+            raise error
+        for r, result in enumerate(everyone):
+            if isinstance(result, _Failed):
+                raise RuntimeError(
+                    f"dp.checkpoint: rank {r} failed to write its shards into {self.path}: "
+                    f"{result.message}"
+                )
         done: str | None = None
         if backend.rank == 0:
             try:
@@ -334,16 +406,24 @@ def save(state: Mapping[str, Any], path: PathLike) -> None:
 
 class SaveFuture:
     """An `async_save` in progress: `result()` (or `wait()`) returns once every rank's shards
-    and the metadata are on disk, and raises what the save raised."""
+    and the metadata are on disk, and raises what the save raised; `staged()` returns once
+    this rank's part of the state is copied."""
 
-    def __init__(self, run: Any, pending: list[Any]) -> None:
+    def __init__(self, stage: Any, run: Any, pending: list[Any]) -> None:
+        self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._pending = pending
         pending.append(self)
+        _staging.add(self)
 
         def body() -> None:
             try:
+                try:
+                    stage()
+                finally:
+                    self._staged.set()
+                    _staging.discard(self)
                 run()
             except BaseException as exc:
                 self._error = exc
@@ -351,6 +431,12 @@ class SaveFuture:
 
         self._thread = threading.Thread(target=body, name="dp-checkpoint", daemon=True)
         self._thread.start()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Wait until this rank's part of the state is copied into host memory: from then on
+        it may change in any way (an optimizer's `step()` waits for this by itself)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"dp.checkpoint.async_save: not copied within {timeout} s")
 
     def done(self) -> bool:
         """Whether the save has ended (written, or failed)."""
@@ -371,17 +457,31 @@ class SaveFuture:
         self.result()
 
 
+# The saves whose pieces are being copied on their threads, and the hook that makes every torch
+# optimizer's step wait for them (registered at the first `async_save`).
+_staging: set[SaveFuture] = set()
+_hook: Any = None
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for future in list(_staging):
+        future.staged()
+
+
 def async_save(state: Mapping[str, Any], path: PathLike) -> SaveFuture:
     """See `dataparallel.checkpoint.async_save`."""
+    global _hook
     _settle_previous()
     active = world.current()
     b = active.backend
     one = _Save(state, path, b)
     plan = one.plan(state)
-    one.planner.copy_all(plan)
+    one.planner.copy_all(plan, stepped_storages(state))
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_before_step)
     # The thread's engine: a duplicate of the communication thread's (collective when first made).
     engine = active.private(active.private(b)) if b.size > 1 else b
-    return SaveFuture(lambda: one.write(plan, engine), active.pending)
+    return SaveFuture(one.planner.stage, lambda: one.write(plan, engine), active.pending)
 
 
 # -- loading ------------------------------------------------------------------------------------

@@ -37,9 +37,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dataparallel.checkpoint._optax import (
+    OptaxShards,
+    host_numpy,
+    host_tensor,
+    is_sharded_optax_state,
+)
 from dataparallel.checkpoint._shards import Shards
 
-__all__ = ["Loading", "saveable"]
+__all__ = ["Loading", "saveable", "stepped_storages"]
 
 Path = tuple[str | int, ...]
 
@@ -171,9 +177,21 @@ def _zero_state(zero: Any, names: dict[int, str]) -> dict[str, Any]:
     return {"state": state, "param_groups": _groups(local["param_groups"], fqns)}
 
 
+def _bare(value: Any) -> TypeError:
+    return TypeError(
+        "dp.checkpoint: a sharded optax state (dp.jax.ShardedState) is each rank's slices and "
+        "is laid out by its parameters: put dp.checkpoint.OptaxShards(state, params) in the "
+        "checkpoint's state in its place."
+    )
+
+
 def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
     if isinstance(value, Shards | torch.Tensor):
         return value
+    if isinstance(value, OptaxShards):
+        return value.saved()
+    if is_sharded_optax_state(value):
+        raise _bare(value)
     if isinstance(value, torch.nn.Module):
         return _module_state(value)
     if _is_zero(value):
@@ -185,7 +203,7 @@ def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
     if _is_jax(value):
-        return torch.from_numpy(np.array(value))
+        return host_tensor(value)
     if isinstance(value, Mapping):
         return _tree(value, names, placed)
     return value
@@ -203,6 +221,37 @@ def saveable(state: Mapping[str, Any]) -> dict[str, Any]:
             f"'optimizer': optimizer, 'step': step}}), got {type(state).__name__}."
         )
     return _tree(state, param_names(state), placements(state))
+
+
+def _storages(tensors: Any) -> set[int]:
+    out = set()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            out.add(t.untyped_storage().data_ptr())
+    return out
+
+
+def stepped_storages(state: Mapping[str, Any]) -> set[int]:
+    """The memory (storages, by address) of what changes only in a step of an optimizer of the
+    state: its parameters and its state. `async_save` copies these on its thread, and the next
+    `step()` of any torch optimizer waits for the copy first."""
+    out: set[int] = set()
+
+    def visit(tree: Mapping[str, Any]) -> None:
+        for value in tree.values():
+            if _is_zero(value):
+                out.update(_storages(_params(value)))
+                for _, _, _, entry in value.local_state_dict()["pieces"]:
+                    out.update(_storages(entry.values()))
+            elif isinstance(value, torch.optim.Optimizer):
+                out.update(_storages(_params(value)))
+                for entry in value.state.values():
+                    out.update(_storages(entry.values()))
+            elif isinstance(value, Mapping):
+                visit(value)
+
+    visit(state)
+    return out
 
 
 class Loading:
@@ -301,6 +350,12 @@ class Loading:
     def _value(self, value: Any, prefix: Path) -> Any:
         if isinstance(value, Shards | torch.Tensor):
             return value
+        if isinstance(value, OptaxShards):
+            if not self._under(prefix):
+                raise self._missing(prefix, "OptaxShards")
+            return value.template()
+        if is_sharded_optax_state(value):
+            raise _bare(value)
         if isinstance(value, torch.nn.Module):
             return _module_state(value)
         if _is_zero(value):
@@ -308,13 +363,15 @@ class Loading:
         if isinstance(value, torch.optim.Optimizer):
             return self._optimizer(value, prefix)
         if _is_stateful(value):
-            return self._from_metadata(prefix, type(value).__name__)
+            part = self._from_metadata(prefix, type(value).__name__)
+            _overlay_shards(part, value.state_dict())  # its own boxes, filled in place
+            return part
         if isinstance(value, np.ndarray):
             return (
                 torch.from_numpy(value) if value.flags.writeable else torch.from_numpy(value.copy())
             )
         if _is_jax(value):
-            return torch.from_numpy(np.array(value))
+            return host_tensor(value)
         if isinstance(value, Mapping):
             return self._tree(value, prefix)
         return value
@@ -336,6 +393,9 @@ class Loading:
             if isinstance(value, torch.nn.Module):
                 if not callable(getattr(value, "parameter_shards", None)):
                     value.load_state_dict(part)  # (a fully sharded one is filled in place)
+            elif isinstance(value, OptaxShards):
+                value.state = value.loaded(part)
+                out[key] = value.state
             elif _is_zero(value):
                 self._load_zero(value, part)
             elif isinstance(value, torch.optim.Optimizer):
@@ -348,7 +408,7 @@ class Loading:
             elif _is_jax(value):
                 import jax.numpy as jnp
 
-                out[key] = jnp.asarray(part.numpy())
+                out[key] = jnp.asarray(host_numpy(part, value))
             elif isinstance(value, Mapping):
                 out[key] = self._install(value, part)
             elif not isinstance(value, Shards | torch.Tensor):
@@ -371,6 +431,16 @@ class Loading:
                     mine[key] = value
             states.append(mine)
         zero.load_local_state_dict(states, part["param_groups"])
+
+
+def _overlay_shards(part: dict[Any, Any], current: Mapping[Any, Any]) -> None:
+    """Put in `part` the `Shards` that `current` (an object's `state_dict()` now) holds at the
+    same places: each rank reads its own boxes, not the whole tensor."""
+    for key, value in current.items():
+        if isinstance(value, Shards) and key in part:
+            part[key] = value
+        elif isinstance(value, Mapping) and isinstance(part.get(key), dict):
+            _overlay_shards(part[key], value)
 
 
 def _empty(md: Any) -> Any:

@@ -226,6 +226,15 @@ class TorchState(ObjectState):
         extra: dict[str, object] = {"model": model} if model is not None else {}
         if optimizer is not None:
             extra["optimizer"] = optimizer
+        for name, value in {**extra, **attrs}.items():
+            if _fully_sharded(value):
+                raise ValueError(
+                    f"TorchState: {name!r} holds parameters sharded by dp.torch.fully_shard, "
+                    "which each rank holds different rows of: the elastic state would give "
+                    "every rank rank 0's rows (and its optimizer state), and cannot lay them "
+                    "out again over another world. Keep such a model in dp.checkpoint "
+                    "checkpoints (save, then load at the new world size) instead."
+                )
         self._feedback: dict[str, Any] = {}  # each reducer's residuals at the last commit
         self._consolidated = False  # inside `commit()`, after the ZeRO states were consolidated
         super().__init__(**extra, **attrs)
@@ -329,6 +338,27 @@ class TorchState(ObjectState):
                     tensor.copy_(received[key])
             return
         super()._sync_one(name, value)
+
+
+def _fully_sharded(value: object) -> bool:
+    """Whether `value` is a module under `dp.torch.fully_shard`, or an optimizer over the shards
+    of one (each rank's rows differ: nothing rank 0 could hand the others)."""
+    module = sys.modules.get("dataparallel.torch")
+    sharded = getattr(module, "FullyShardedModule", None)
+    if sharded is None:
+        return False
+    modules = getattr(value, "modules", None)
+    if callable(modules) and any(isinstance(m, sharded) for m in modules()):
+        return True
+    groups = getattr(value, "param_groups", None)
+    if isinstance(groups, list):
+        return any(
+            getattr(p, "_dp_shard", None) is not None
+            for g in groups
+            if isinstance(g, dict)
+            for p in g.get("params", [])
+        )
+    return False
 
 
 def _is_zero(value: object) -> TypeGuard[Any]:

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataparallel.jax._accumulate import multi_steps
 from dataparallel.jax._optax import DistributedState, distributed_optax
-from dataparallel.jax._sharded import ShardedState, consolidate_state, shard_state, sharded_optax
+from dataparallel.jax._sharded import (
+    ShardedState,
+    consolidate_state,
+    shard_state,
+    sharded_optax,
+    slice_places,
+)
 
 __all__ = [
     "DistributedState",
@@ -18,4 +24,5 @@ __all__ = [
     "multi_steps",
     "shard_state",
     "sharded_optax",
+    "slice_places",
 ]

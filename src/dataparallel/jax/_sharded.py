@@ -44,7 +44,7 @@ from dataparallel.jax._jit import traced_here
 from dataparallel.jax._optax import callback_backend
 from dataparallel.types import Op
 
-__all__ = ["ShardedState", "consolidate_state", "shard_state", "sharded_optax"]
+__all__ = ["ShardedState", "consolidate_state", "shard_state", "sharded_optax", "slice_places"]
 
 
 class ShardedState(NamedTuple):
@@ -308,6 +308,51 @@ def _owners(state: ShardedState, params: optax.Params) -> tuple[list[Any], list[
 def _engine(backend: Backend | None, group: Group | None) -> Backend:
     chosen = backend_of(backend, group)
     return chosen if chosen is not None else world.current().backend
+
+
+def slice_places(
+    state: ShardedState,
+    params: optax.Params,
+    *,
+    backend: Backend | None = None,
+    group: Group | None = None,
+) -> list[tuple[tuple[int, ...], int] | None]:
+    """Where each leaf of this rank's `ShardedState` lies in its parameter: for every leaf of
+    `state.inner_state`, in `jax.tree_util.tree_flatten_with_path` order, `(shape, start)` where
+    the leaf is items `[start, start + leaf.size)` of the row-major order of its parameter, of
+    `shape`; None where the leaf is not a slice (a step count: the same on every rank).
+
+    What a checkpoint needs to write a sharded state as pieces of whole tensors, each rank its
+    own (`dp.checkpoint.OptaxShards`), without gathering it. `params` gives the layout (the same
+    tree as at `init`; shapes and dtypes are all that is read).
+
+    Raises:
+        ValueError: a leaf does not have the size of this rank's slice of its parameter (the
+            state is from other parameters, or from another world size).
+    """
+    if not isinstance(state, ShardedState):
+        raise ValueError(
+            "slice_places expects the ShardedState of dp.DistributedOptimizer(tx, "
+            f"shard_state=True), got {type(state).__module__}.{type(state).__qualname__}."
+        )
+    b = _engine(backend, group)
+    layout, _ = _layout(params, b.size)
+    with_paths, owners, _ = _owners(state, params)
+    out: list[tuple[tuple[int, ...], int] | None] = []
+    for (path, leaf), i in zip(with_paths, owners, strict=True):
+        if i is None:
+            out.append(None)
+            continue
+        _, at, n = layout.cut(i, b.rank)
+        if np.shape(leaf) != (n,):
+            raise ValueError(
+                f"slice_places: state{jax.tree_util.keystr(path)} has shape "
+                f"{list(np.shape(leaf))}, but this rank's slice of its parameter has {n} items "
+                f"(rank {b.rank} of {b.size}): pass the parameters the state was made for, at "
+                "this world size."
+            )
+        out.append((tuple(int(d) for d in layout.shapes[i]), at))
+    return out
 
 
 def consolidate_state(

@@ -222,6 +222,41 @@ class ShardGroup:
         self._begin_backward()
         self._put(sharded=True)
 
+    def materialize(self, device: torch.device) -> None:
+        """Give a group made on the meta device memory on `device`: this rank's segments (and
+        so its shards, views of them: their values unset, for the caller to initialize) and
+        the whole parameters' buffers, empty until gathered. Nothing of another rank's rows
+        is ever allocated. The shards are new `nn.Parameter`s: make the optimizer after."""
+        if self.phase is not _Phase.SHARDED:
+            raise RuntimeError(
+                f"fully_shard({type(self.module).__name__}).to_empty: its parameters are "
+                "gathered now; call it between steps."
+            )
+        size = self.backend.size
+        remove_hooks(self._handles)
+        self._handles.clear()
+        ref = weakref.ref(self)
+        for segment in self.segments:
+            segment.data = torch.zeros(segment.items, dtype=segment.dtype, device=device)
+        with torch.no_grad():
+            for k, info in enumerate(self.params):
+                segment = self.segments[info.segment]
+                n = info.mine * info.row_items
+                view = segment.data[info.offset : info.offset + n].view(info.shard_shape())
+                info.sharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
+                info.sharded._dp_shard = ref  # type: ignore[attr-defined]
+                info.padded = torch.empty(size * info.items, dtype=info.dtype, device=device)
+                whole = info.padded[: info.numel].view(info.shape)
+                info.whole = nn.Parameter(whole, info.trainable)
+                info.whole.untyped_storage().resize_(0)
+                if info.trainable:
+                    self._handles.append(
+                        info.whole.register_post_accumulate_grad_hook(_on_grad(ref, k))
+                    )
+        self.device = torch.device(device)
+        self.staged = self.staged or self.device.type != "cpu"
+        self._put(sharded=True)
+
     # -- where the module's parameters are ---------------------------------------------------
 
     def _put(self, *, sharded: bool) -> None:
@@ -254,6 +289,12 @@ class ShardGroup:
         if context is not None:
             context.before_call()
         for segment in self.segments:  # all checked before any call starts
+            if segment.data.is_meta:
+                raise RuntimeError(
+                    f"fully_shard({type(self.module).__name__}): its parameters are on the meta "
+                    "device, which holds no values: call model.to_empty(device='cpu') (or a "
+                    "GPU) on the sharded model first, then initialize this rank's shards."
+                )
             self._check_views(segment)
         for segment in self.segments:
             nbytes = segment.nbytes
@@ -635,6 +676,31 @@ class FullyShardedModule(nn.Module):
         """Free this module's gathered parameters; the shards take their place again."""
         self._dp_group.reshard()
 
+    def to_empty(self, *, device: Any, recurse: bool = True) -> FullyShardedModule:
+        """Give a model built on the meta device (`with torch.device("meta"):`) and sharded
+        there memory on `device`, each rank for its own rows only: the whole parameters are
+        never allocated, on any rank. The shards' values are unset (zeros): initialize them
+        next (`reset_parameters()` of each module, which now sees this rank's rows, under a
+        seed of each rank's own; or `dp.checkpoint.load`). Buffers and parameters no
+        `fully_shard` took are made whole on `device`, as `nn.Module.to_empty` makes them.
+        Not collective. Returns the module."""
+        target = torch.device(device)
+        groups = _groups(self) if recurse else [self._dp_group]
+        for group in groups:
+            group.materialize(target)
+        taken = {id(info.sharded) for group in groups for info in group.params}
+        modules = self.modules() if recurse else iter([self])
+        for module in modules:
+            for attr, param in module._parameters.items():
+                if param is not None and id(param) not in taken:
+                    with torch.no_grad():
+                        empty = torch.empty_like(param, device=target)
+                    module._parameters[attr] = nn.Parameter(empty, param.requires_grad)
+            for attr, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[attr] = torch.empty_like(buffer, device=target)
+        return self
+
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
@@ -776,7 +842,7 @@ def fully_shard(
                 places[id(param)] = []
                 named.append((name, param))
             places[id(param)].append((inner, attr))
-    staged = _staged or any(p.device.type != "cpu" for _, p in named)
+    staged = _staged or any(p.device.type not in ("cpu", "meta") for _, p in named)
     made = ShardGroup(
         module,
         named,

@@ -1,0 +1,193 @@
+"""`dp.checkpoint` with optax's sharded state (`dp.DistributedOptimizer(tx, shard_state=True)`).
+
+The tests without `spawns` run in whatever world pytest runs in (1, 2, 3 ranks; MPI, Gloo): every
+rank writes its own slices of each parameter's state (`dp.checkpoint.OptaxShards`), and a fresh
+state loads them bit for bit and trains on alike; the saved tensors are the whole states of the
+parameters, of their shapes; a bare `ShardedState` is refused. The `spawns` test runs jobs of
+other sizes (tests/scripts/optax_checkpoint_job.py): saved at 3 and loaded at 2 and 1, saved at 2
+and loaded at 3, saved at 1 and loaded at 3, each loaded state, consolidated, equal bit for bit to
+the saving job's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("optax") is None:
+    pytest.skip("needs torch (dp.checkpoint) and optax", allow_module_level=True)
+
+import jax
+import jax.numpy as jnp
+import optax
+from _jobs import outer_world_size, run_job
+
+import dataparallel as dp
+from dataparallel.backends.base import Backend
+
+JOB = Path(__file__).parent / "scripts" / "optax_checkpoint_job.py"
+
+
+@pytest.fixture
+def folder(world: Backend) -> Iterator[Path]:
+    """A folder every rank sees (rank 0 makes it), removed after the test."""
+    made = tempfile.mkdtemp(prefix="dp-ckpt-optax-") if dp.rank() == 0 else None
+    path = Path(dp.broadcast_object(made))
+    yield path / "ckpt"
+    dp.barrier()
+    if dp.rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make_params() -> dict[str, Any]:
+    return {
+        "w": jnp.arange(35.0, dtype=jnp.float32).reshape(5, 7) / 10,  # odd: slices cut rows
+        "b": jnp.linspace(-1, 1, 7, dtype=jnp.float32),
+        "h": jnp.ones((3, 3), jnp.bfloat16),
+        "e": jnp.ones((0, 2), jnp.float32),  # no item: its empty state, written whole
+    }
+
+
+def train(opt: Any, params: Any, state: Any, steps: range) -> tuple[Any, Any]:
+    for step in steps:
+        grads = jax.tree.map(
+            lambda p, s=step: (
+                (jnp.cos(jnp.arange(p.size) + s + dp.rank()) * 3).reshape(p.shape).astype(p.dtype)
+            ),
+            params,
+        )
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def assert_same(a: Any, b: Any, where: str) -> None:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b), where
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{where} leaf {i}"
+        assert x.tobytes() == y.tobytes(), f"{where} leaf {i}: {x} != {y}"
+
+
+def test_a_sharded_optax_state_round_trips_bit_for_bit(folder: Path) -> None:
+    opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
+    params, state = train(opt, make_params(), opt.init(make_params()), range(2))
+    dp.checkpoint.save(
+        {"params": params, "opt": dp.checkpoint.OptaxShards(state, params), "step": 2}, folder
+    )
+    fresh = {
+        "params": make_params(),
+        "opt": dp.checkpoint.OptaxShards(opt.init(make_params()), make_params()),
+        "step": 0,
+    }
+    loaded = dp.checkpoint.load(fresh, folder)
+    assert loaded is fresh and loaded["step"] == 2
+    assert isinstance(loaded["opt"], dp.jax.ShardedState)
+    assert_same(loaded["opt"], state, "the state")
+    assert_same(loaded["params"], params, "the parameters")
+    # and both go on alike
+    a = train(opt, params, state, range(2, 4))
+    b = train(opt, loaded["params"], loaded["opt"], range(2, 4))
+    assert_same(b, a, "two more steps")
+
+
+def test_each_slice_is_written_into_its_parameters_whole_state(folder: Path) -> None:
+    """The checkpoint holds `mu/w` of `w`'s shape, as the ranks' slices together make it: no
+    rank's slice missing, none written twice."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
+    params, state = train(opt, make_params(), opt.init(make_params()), range(1))
+    dp.checkpoint.save({"opt": dp.checkpoint.OptaxShards(state, params)}, folder)
+    whole = dp.jax.consolidate_state(state, params, to=0)
+    dp.barrier()
+    if dp.rank() != 0:
+        return
+    md = FileSystemReader(folder).read_metadata().state_dict_metadata
+    assert tuple(md["opt.0/mu/w"].size) == (5, 7)
+    assert tuple(md["opt.0/nu/h"].size) == (3, 3)
+    assert tuple(md["opt.0/mu/e"].size) == (0, 2)
+    assert tuple(md["opt.0/count"].size) == ()
+    chunks = md["opt.0/mu/w"].chunks  # the slices of every rank tile the tensor once
+    assert sum(int(np.prod(c.sizes)) for c in chunks) == 35
+    assert whole is not None
+    # a plain torch DCP read gives the whole state of `w`, as consolidate_state gathers it
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    got = {"opt": {"0/mu/w": torch.zeros(5, 7), "0/nu/b": torch.zeros(7)}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(got, checkpoint_id=folder, no_dist=True)
+    want = whole.inner_state[0]
+    assert got["opt"]["0/mu/w"].numpy().tobytes() == np.asarray(want.mu["w"]).tobytes()
+    assert got["opt"]["0/nu/b"].numpy().tobytes() == np.asarray(want.nu["b"]).tobytes()
+
+
+def test_a_bare_sharded_state_is_refused(folder: Path) -> None:
+    opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
+    state = opt.init(make_params())
+    with pytest.raises(TypeError, match=r"put dp\.checkpoint\.OptaxShards\(state, params\)"):
+        dp.checkpoint.save({"opt": state}, folder)
+    with pytest.raises(TypeError, match="takes the ShardedState"):
+        dp.checkpoint.OptaxShards(optax.adam(0.1).init(make_params()), make_params())
+
+
+def test_a_state_of_other_parameters_is_named(folder: Path) -> None:
+    opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
+    state = opt.init(make_params())
+    other = {**make_params(), "w": jnp.ones((9, 9))}
+    with pytest.raises(ValueError, match=r"slice_places: state\[0\]\.mu\['w'\] has shape"):
+        dp.checkpoint.save({"opt": dp.checkpoint.OptaxShards(state, other)}, folder)
+
+
+# -- jobs of other sizes -------------------------------------------------------------------------
+
+
+def job(mode: str, folder: Path, out: Path, ranks: int, backend: str) -> dict[str, Any]:
+    launcher: Literal["run"] = "run"
+    done = run_job(
+        [JOB, mode, folder, out],
+        launcher=launcher,
+        ranks=ranks,
+        backend=backend,
+        job_timeout=200,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out, "rb") as f:
+        result: dict[str, Any] = pickle.load(f)
+    assert result["size"] == ranks
+    return result
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ((3, "mpi"), [(2, "gloo"), (1, "mpi")]),
+        ((2, "gloo"), [(3, "mpi")]),
+        ((1, "mpi"), [(3, "gloo")]),
+    ],
+)
+@pytest.mark.spawns
+def test_saved_at_one_size_loads_bit_for_bit_at_others(
+    saved: tuple[int, str], loaded: list[tuple[int, str]], tmp_path: Path
+) -> None:
+    if outer_world_size() > 1:
+        pytest.skip("launches its own jobs: run this file in a world of one")
+    folder = tmp_path / "ckpt"
+    want = job("save", folder, tmp_path / "ref.pkl", *saved)
+    for ranks, backend in loaded:
+        got = job("load", folder, tmp_path / f"out{ranks}.pkl", ranks, backend)
+        assert_same(got["params"], want["params"], f"parameters loaded at {ranks} ({backend})")
+        assert_same(got["state"], want["state"], f"state loaded at {ranks} ({backend})")
