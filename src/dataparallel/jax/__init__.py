@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataparallel.jax._accumulate import multi_steps
 from dataparallel.jax._optax import DistributedState, distributed_optax
+from dataparallel.jax._powersgd import PowerSGDState
 from dataparallel.jax._sharded import ShardedState, consolidate_state, shard_state, sharded_optax
 
 __all__ = [
     "DistributedState",
+    "PowerSGDState",
     "ShardedState",
     "consolidate_state",
     "distributed_optax",
