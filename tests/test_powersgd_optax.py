@@ -17,6 +17,8 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
 
+import jax.extend.core  # noqa: E402
+
 import dataparallel as dp  # noqa: E402
 from dataparallel.errors import CollectiveMismatchError  # noqa: E402
 from dataparallel.jax import PowerSGDState  # noqa: E402
@@ -272,7 +274,7 @@ def _equations(jaxpr: Any) -> list[Any]:
     out = []
     for e in jaxpr.eqns:
         out.append(e)
-        for sub in jax.core.jaxprs_in_params(e.params):
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
             out.extend(_equations(sub))
     return out
 
