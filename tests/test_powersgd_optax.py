@@ -95,8 +95,8 @@ def test_gradients_of_rank_at_most_r_arrive_exactly(rank: int, jit: bool) -> Non
         np.testing.assert_allclose(out["b"], _average(lambda r: _vector(r, COLS)), rtol=1e-6)
         small = _average(lambda r: _vector(50 + r, 4).reshape(2, 2))
         np.testing.assert_allclose(out["s"], small, rtol=1e-6)
-    assert int(state.count) == 3
-    _assert_same_on_every_rank((out, state.qs, state.count))
+    assert int(state.iteration) == 3
+    _assert_same_on_every_rank((out, state.qs, state.iteration))
 
     out, state = update(_grads(_low_rank(dp.rank(), rank + 1, 0), dp.rank()), state)
     exact = _average(lambda r: _low_rank(r, rank + 1, 0))
@@ -176,7 +176,7 @@ def test_start_iter_updates_are_exact_then_compressed(jit: bool) -> None:
             assert not np.any(np.asarray(state.residuals[0]))  # nothing dropped yet
         else:
             assert error > 1e-2 * np.linalg.norm(exact)
-    assert int(state.count) == 3
+    assert int(state.iteration) == 3
 
 
 def _run(jit: bool, state: Any, steps: range, opt: Any = None) -> tuple[Any, Any]:
@@ -202,11 +202,13 @@ def test_a_state_saved_and_loaded_resumes_bit_for_bit(jit: bool) -> None:
     _, half = _run(jit, None, range(3))
     saved = pickle.dumps(jax.tree.map(np.asarray, half))
     loaded = jax.tree.map(jnp.asarray, pickle.loads(saved))
-    assert isinstance(loaded, PowerSGDState) and int(loaded.count) == 3
+    assert isinstance(loaded, PowerSGDState) and int(loaded.iteration) == 3
     resumed, _ = _run(jit, loaded, range(3, 6))
     jax.tree.map(np.testing.assert_array_equal, resumed, whole[3:])
 
-    fresh = _run(jit, None, range(0))[1]._replace(inner_state=loaded.inner_state, count=loaded.count)
+    fresh = _run(jit, None, range(0))[1]._replace(
+        inner_state=loaded.inner_state, iteration=loaded.iteration
+    )
     elsewhere, _ = _run(jit, fresh, range(3, 6))
     assert not np.array_equal(elsewhere[-1]["w"], whole[-1]["w"])
 
@@ -224,7 +226,9 @@ def test_another_ranks_residuals_are_not_added(jit: bool) -> None:
         expected, _ = _run(jit, half, range(3, 4))
     else:
         zeros = tuple(jnp.zeros_like(r) for r in root.residuals)
-        expected, _ = _run(jit, root._replace(residuals=zeros, owner=root.owner + dp.rank()), range(3, 4))
+        expected, _ = _run(
+            jit, root._replace(residuals=zeros, owner=root.owner + dp.rank()), range(3, 4)
+        )
     jax.tree.map(np.testing.assert_array_equal, took, expected)
 
 
@@ -248,7 +252,9 @@ def test_16_bit_and_float64_leaves_keep_their_dtype(jit: bool) -> None:
     state = opt.init(params)
     assert [r.dtype for r in state.residuals] == [jnp.float32, jnp.float32]
     w = _low_rank(dp.rank(), 1, 0)
-    out, state = update({"h": jnp.asarray(w, jnp.float16), "g": jnp.asarray(w, jnp.bfloat16)}, state)
+    out, state = update(
+        {"h": jnp.asarray(w, jnp.float16), "g": jnp.asarray(w, jnp.bfloat16)}, state
+    )
     assert out["h"].dtype == jnp.float16 and out["g"].dtype == jnp.bfloat16
     exact = _average(lambda r: _low_rank(r, 1, 0))
     np.testing.assert_allclose(np.asarray(out["h"], np.float32), exact, rtol=2e-2, atol=2e-2)
@@ -307,7 +313,7 @@ def test_a_joined_rank_answers_an_eager_update_and_its_stale_state_is_named(size
         dp.join()
         exact = sum(_low_rank(r, 1, 1) for r in range(1, size)) / size
         np.testing.assert_allclose(out["w"], exact, rtol=1e-4, atol=1e-4)
-        assert int(state.count) == 2
+        assert int(state.iteration) == 2
     with pytest.raises(CollectiveMismatchError, match=r"different step counts"):
         update(_grads(_low_rank(dp.rank(), 1, 2), dp.rank()), state)
 
@@ -338,7 +344,7 @@ def test_multi_steps_carries_the_state_and_reduces_once_per_real_update() -> Non
     g = _grads(_low_rank(dp.rank(), 1, 0), dp.rank())
     _, state = step(g, state)
     out, state = step(g, state)
-    assert int(state.inner_state.count) == 1
+    assert int(state.inner_state.iteration) == 1
     exact = _average(lambda r: _low_rank(r, 1, 0))
     np.testing.assert_allclose(out["w"], exact, rtol=1e-4, atol=1e-4)
 

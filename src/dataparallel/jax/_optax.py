@@ -192,7 +192,7 @@ def _low_rank_optax(
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         layout = LowRankLayout.of(leaves, config)
         here = engine()
-        traced = any(isinstance(x, jax.core.Tracer) for x in (*leaves, state.count))
+        traced = any(isinstance(x, jax.core.Tracer) for x in (*leaves, state.iteration))
         if traced or layout not in agreed:  # once eagerly, at every trace under jit
             agree(here, config, layout)
             if not traced:

@@ -65,7 +65,7 @@ class PowerSGDState(NamedTuple):
 
     Attributes:
         inner_state: the wrapped transformation's state.
-        count: the updates made so far (int32), the same on every rank.
+        iteration: the updates made so far (int32), the same on every rank.
         qs: each compressed leaf's `Q` (`cols x rank`), in the order of the gradient tree's
             leaves, the same on every rank.
         residuals: this rank's residual of each compressed leaf, in its shape (float32 for
@@ -74,7 +74,7 @@ class PowerSGDState(NamedTuple):
     """
 
     inner_state: optax.OptState
-    count: jax.Array
+    iteration: jax.Array
     qs: tuple[jax.Array, ...]
     residuals: tuple[jax.Array, ...]
     owner: jax.Array
@@ -187,10 +187,10 @@ def low_rank_step(
     """Reduce the gradient's `leaves` (compressed once `start_iter` updates are made); return
     them with the new state (its `inner_state` unchanged). Eagerly or traced alike; `scale`:
     what the reducer's average divides by (1 for a sum), `rank`: this rank."""
-    traced = any(isinstance(x, jax.core.Tracer) for x in (*leaves, state.count))
+    traced = any(isinstance(x, jax.core.Tracer) for x in (*leaves, state.iteration))
     fits = len(state.qs) == len(state.residuals) == len(layout.matrices) and all(
         tuple(q.shape) == (cols, r) and tuple(e.shape) == np.shape(leaves[i])
-        for q, e, (i, _, cols, r) in zip(state.qs, state.residuals, layout.matrices)
+        for q, e, (i, _, cols, r) in zip(state.qs, state.residuals, layout.matrices, strict=False)
     )
     if not fits:
         shapes = [tuple(e.shape) for e in state.residuals]
@@ -208,7 +208,7 @@ def low_rank_step(
     def compressed(count: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
         return _compressed(leaves, state, count, config, layout, reduce, scale, rank)
 
-    count = state.count
+    count = state.iteration
     if not traced:
         step = exact if int(count) < config.start_iter or not layout.matrices else compressed
         out, qs, residuals, check = step(count)
