@@ -223,14 +223,15 @@ def low_rank_step(
             out, qs, residuals, check = jax.lax.cond(
                 count >= config.start_iter, compressed, exact, count
             )
-        _raise_if_broken(_broken(check, scale), count, out)
+        _raise_if_broken(_broken(check, scale), count, [*out, *qs])
     new = PowerSGDState(state.inner_state, count + 1, tuple(qs), tuple(residuals), state.owner)
     return out, new
 
 
 def _raise_if_broken(broken: Any, count: Any, after: list[Any]) -> None:
     """Inside `jit`: raise the mismatch from a host callback where `broken`; the callback takes
-    a value of the step's results, so it runs after both reductions on every rank."""
+    a value of `after`'s last array (a reduced `Q` where the step compressed), so it runs after
+    both reductions on every rank."""
 
     def fail(count: np.ndarray, _: np.ndarray) -> None:
         raise _mismatch(count)
