@@ -199,7 +199,8 @@ def _low_rank_optax(
                 agreed.append(layout)
 
         def reduce(tree: dict[str, Any]) -> dict[str, Any]:
-            return _allreduce_tree(tree, op, backend, None, route)
+            # The Qs' reduction is the step's second: ranks that join answer the first only.
+            return _allreduce_tree(tree, op, backend, None, route, first="Q" not in tree)
 
         scale = here.size if op == "avg" else 1
         reduced, low = low_rank_step(leaves, state, config, layout, reduce, scale, here.rank)
@@ -216,8 +217,11 @@ def _allreduce_tree(
     backend: Backend | None,
     compression: Compressing,
     bridge: Bridge,
+    *,
+    first: bool = True,
 ) -> optax.Updates:
-    """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
+    """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback
+    (`first`: whether it is the jitted step's first reduction, `_jit.allreduce_traced`)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     if not with_paths:
         return grads
@@ -226,7 +230,9 @@ def _allreduce_tree(
     leaves = original = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
-        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, bridge)
+        reduced = _jit.reduce_tree_traced(
+            paths, str(treedef), op, backend, compression, bridge, first=first
+        )
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
