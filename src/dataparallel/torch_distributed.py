@@ -1,33 +1,23 @@
 """`torch.distributed` initialized alongside the world, so torch's ecosystem works in every job.
 
-`DistributedSampler(ds)`, `dist.all_reduce`, `DistributedDataParallel`, and the libraries that
-check `dist.is_initialized()` (torchmetrics, Lightning, ...) need torch's default process group.
-The Gloo engine is one already; under MPI, NCCL (CuPy's) and a world of one, `dp.initialize()`
-makes one here, over the same processes in the same rank order:
+`DistributedSampler`, `dist.all_reduce`, `DistributedDataParallel`, and libraries that check
+`dist.is_initialized()` (torchmetrics, Lightning) need torch's default process group. The Gloo
+engine is one already; under MPI, NCCL and a world of one, `dp.initialize()` makes a Gloo group
+(plus NCCL for CUDA tensors on an NCCL world) over the same processes in the same rank order,
+through the world's own rendezvous, so nothing needs `MASTER_ADDR` or a port agreed beforehand.
 
-- through the world's own rendezvous: rank 0 opens a `TCPStore` on a free port and the world
-  broadcasts its address (a world of one uses an in-memory `HashStore`), so nothing needs
-  `MASTER_ADDR` or a free port agreed beforehand;
-- a Gloo group (plus NCCL for CUDA tensors when the world's engine is NCCL and torch sees GPUs);
-- at `dp.initialize()` when torch is imported already, or else as torch is first imported in
-  this world (`import torch` after `dp.initialize()`, or a library that imports it): the order of
-  two imports never decides whether torchmetrics' metrics are global. A NumPy or JAX program that
-  never imports torch never pays for it (importing torch costs seconds per rank; the group itself
-  costs little, docs/migrate/ddp.md);
-- not at all when torch's default group exists already (the user's own `init_process_group`,
-  which is then left alone), or with `DATAPARALLEL_TORCH_DISTRIBUTED=0`.
+It is made at `dp.initialize()` when torch is imported already, or else as torch is first
+imported in this world: the order of two imports must never decide whether a metric is global,
+and a NumPy or JAX program that never imports torch never pays for torch. It is not made when
+torch's default group exists already (the user's own, left alone) or with
+`DATAPARALLEL_TORCH_DISTRIBUTED=0`.
 
-Making the group is collective, so a group made as torch is imported is made where every rank
-imports it. It starts with the handshake of a collective call (`check_calls_with`): a rank that
-imports torch where another does not (`if dp.rank() == 0: import torch`) fails loudly there,
-with `CollectiveMismatchError` naming the fix on every rank at the other ranks' next collective
-(under MPI, also when they finish first: `backends/mpi/board.py`), instead of waiting forever.
-
-`dp.finalize()` destroys the group it made, and stops waiting for torch's import. A program that
-calls `dist.init_process_group()` after `dp.initialize()` (a Horovod program after `hvd.init()`;
-Horovod never made torch's group) gets its own group: the group made here gives way to it, as
-no engine of this library runs on it. Under Gloo the engine *is* torch's default group and
-cannot give way: that call then fails saying what to do (docs/migrate/ddp.md).
+Making the group is collective, so it starts with a collective call's handshake: a rank that
+imports torch where another does not fails loudly with `CollectiveMismatchError` on every rank
+instead of waiting forever. `dp.finalize()` destroys the group it made. A program that calls
+`dist.init_process_group()` after `dp.initialize()` (a Horovod program) gets its own group, as
+no engine of this library runs on the one made here; under Gloo the engine *is* torch's default
+group and that call fails saying what to do (docs/migrate/ddp.md).
 """
 
 from __future__ import annotations

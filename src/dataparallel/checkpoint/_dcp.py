@@ -5,25 +5,23 @@ here may have none (MPI). So this module runs the same steps itself, with the wo
 the few exchanges, and DCP's own `DefaultSavePlanner`, `FileSystemWriter` and `FileSystemReader`
 for everything written or read, which makes the files DCP's, byte for byte:
 
-1. every rank plans its writes (`create_local_plan`); rank 0 gathers the plans, merges them into
-   the global plan and the `Metadata` (replicated values, the same on every rank, are written by
-   one rank only), removes the `.metadata` of any checkpoint the folder held, and hands each rank
-   its part;
+1. every rank plans its writes; rank 0 merges the plans into the global plan and the `Metadata`
+   (replicated values written by one rank only), removes the `.metadata` of any checkpoint the
+   folder held, and hands each rank its part;
 2. every rank writes its own file, `__<rank>_0.distcp`, and flushes it to disk (`fsync`);
 3. rank 0 gathers what each rank wrote and only then writes `.metadata` (to a temporary name,
    flushed, then renamed: atomic). A folder without `.metadata` is therefore a save that did not
    finish, never a complete checkpoint, and `read_metadata` says so, naming what it holds.
 
-`Shards` enter DCP's plans as chunks of their tensor (`_SavePlanner`, `_LoadPlanner`), and
-loading reads each box of today's layout from the saved boxes that overlap it, whatever the world
-size that wrote them.
+`Shards` enter DCP's plans as chunks of their tensor, and loading reads each box of today's
+layout from the saved boxes that overlap it, whatever the world size that wrote them.
 
 `async_save` runs step 1 and copies every piece to be written into new host memory on the
 caller's thread, then returns a `SaveFuture`; steps 2 and 3 run on a thread of their own, which
 exchanges on a private engine (a duplicate of the communication thread's, `World.private`), so
 that neither the program's collectives nor a training step's buckets meet it. The future is
-among the world's requests in flight: `dp.wait_all()` and `dp.finalize()` wait for it, and so
-does the next save or load.
+among the world's requests in flight: `dp.wait_all()`, `dp.finalize()` and the next save or load
+wait for it.
 """
 
 from __future__ import annotations

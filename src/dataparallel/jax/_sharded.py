@@ -1,22 +1,18 @@
 """`sharded_optax`: optax state sharded across ranks (ZeRO stage 1 for optax).
 
 The face of `dp.DistributedOptimizer(tx, shard_state=True)`. The parameter tree's leaves are laid
-end to end per dtype (in tree order) into one flat vector each; rank r owns the r-th of `size`
-equal contiguous segments of every vector (padded with fewer than `size` zeros). The inner
-transformation sees the parameters' own tree, each leaf cut down to this rank's slice of it (a
-flat piece, empty where the rank owns none of the leaf), so its state is about `1 / size` of the
-unsharded state, and a mask or label tree picks leaves as it does unsharded. `update`
-reduce-scatters the gradients (averaged), runs the inner update on this rank's slices and
-allgathers the updates' segments back into the tree, one call per dtype each: eagerly on the
-host, under `jax.jit` through an ordered host callback on the private duplicate of the engine,
-with the inner update left in the compiled program.
+end to end per dtype into one flat vector each; rank r owns the r-th of `size` equal segments of
+every vector, so one reduce-scatter and one allgather per dtype carry a step. The inner
+transformation sees the parameters' own tree with each leaf cut down to this rank's slice (empty
+where the rank owns none of it), so its state is about `1 / size` of the unsharded state and a
+mask or label tree picks leaves as it does unsharded. Under `jax.jit` the calls go through an
+ordered host callback on the private duplicate of the engine, the inner update stays compiled.
 
-Slices keep their leaves' places but not their shapes nor the other ranks' items, so the inner
-transformation must be element-wise: what cannot run on slices (a global norm, a callable mask)
-is refused when the optimizer is built (`dataparallel.jax._elementwise`). Half-precision
-gradients are summed in float32 and averaged there, then rounded once, as the unsharded
-optimizer does. `consolidate_state` gathers a whole state (the same at every world size) to one
-rank for a checkpoint; `shard_state` keeps this rank's slices of it.
+Slices keep their leaves' places but not their shapes, so the inner transformation must be
+element-wise: what cannot run on slices (a global norm, a callable mask) is refused when the
+optimizer is built (`dataparallel.jax._elementwise`). Half-precision gradients are summed and
+averaged in float32, then rounded once, as unsharded. `consolidate_state` gathers a whole state
+(the same at every world size) to one rank; `shard_state` keeps this rank's slices of it.
 
 >>> import jax.numpy as jnp, optax, dataparallel as dp
 >>> _ = dp.initialize()

@@ -1,26 +1,19 @@
 """Run one rank of a job: `python -m dataparallel.launch.runner [options] (script | -m module) ...`.
 
 `dataparallel run` starts every rank through this wrapper, as `python -m mpi4py` does for MPI
-programs. It runs the script (or module) as `__main__` with `sys.argv` set, and turns a failure on
-one rank into the end of the whole job instead of a hang:
-
-- an uncaught exception prints its traceback once, each line prefixed with the rank, then aborts
-  the job (`MPI.COMM_WORLD.Abort` under MPI; elsewhere a non-zero exit, on which the launcher
-  stops the others); a `SystemExit` other than 0 or None is a failure with that code;
-- Ctrl-C prints `[rank R] KeyboardInterrupt` and leaves with status 130, without `MPI_Abort`
-  (its launcher has signalled every rank, so the job ends quietly). A rank blocked inside a
-  collective, in the engine's C code where Python sees no signal, does it too (`_Interrupts`),
-  and each rank waits a moment for the others of its machine to get there before it exits:
-  under MPI the first rank to exit makes mpiexec kill the rest;
-- at a normal exit, `dp.finalize()` runs if the script initialized the world;
-- torchrun's variables are set before the script runs, under MPI too, so a torchrun script runs
-  unchanged. Under `dataparallel run` the rank notes in the run folder when it started and how it
-  ended, `os._exit` included (`dataparallel.runnotes`).
+programs, so that a failure on one rank ends the whole job instead of leaving the others waiting
+in a collective for ever. It runs the script as `__main__` with `sys.argv` set; an uncaught
+exception prints its traceback once, prefixed with the rank, and aborts the job
+(`MPI.COMM_WORLD.Abort`, or a non-zero exit on which the launcher stops the others); Ctrl-C
+prints `[rank R] KeyboardInterrupt` and leaves with 130 without aborting (the launcher signalled
+every rank), even for a rank blocked in an engine's C code where Python sees no signal
+(`_Interrupts`); a normal exit runs `dp.finalize()`. torchrun's variables are set before the
+script runs, under MPI too, so a torchrun script runs unchanged; the run folder gets notes of how
+each rank ended (`dataparallel.runnotes`). Exit statuses: docs/launching.md.
 
 Under an MPI launcher MPI is initialized *before* the script runs (mpi4py's defaults, so
 `MPI_THREAD_MULTIPLE`): a rank that fails before its own `dp.initialize()` could not abort the job
-otherwise, and the others would wait in `MPI_Init` for ever. `python -m mpi4py` differs: it lets
-the script set `mpi4py.rc` first.
+otherwise. `python -m mpi4py` differs: it lets the script set `mpi4py.rc` first.
 
 Options (before the script):
     --prefixed     the launcher already prefixes every output line with the rank (Gloo).

@@ -1,40 +1,24 @@
 """`dataparallel run --backend gloo`: start this machine's processes of a job, and supervise them.
 
-One loop serves every local launch. A plain one is an elastic launch with a fixed n: its processes
-are ranks from the start, placed by torchrun's variables (`Topology`), and the first failure, a
-death by signal included, ends the job. An elastic launch (`--min-np`, `ElasticOptions`) starts
-*workers* instead: the launcher holds a TCP store that outlives them, and publishes there the
-members of each successive world (`dataparallel.elastic`). Then
+One loop serves every local launch, because a plain launch is an elastic one with a fixed n:
+its processes are ranks from the start, placed by torchrun's variables (`Topology`), and the
+first failure, a death by signal included, ends the job. An elastic launch (`--min-np`,
+`ElasticOptions`) starts *workers* instead, and holds a TCP store that outlives them, where it
+publishes the members of each successive world (`dataparallel.elastic`). Which departures
+re-form the world and which end the run is the policy of docs/elastic.md: a worker killed by a
+signal (or whose ssh ends with 255) is lost and the survivors re-form, since re-forming cannot
+fix a bug that raised; a worker that exits 0 finished and leaves; `--blacklist-cooldown-range`
+sets a failing host aside for a doubling cool-down (Horovod's blacklist); the discovery script
+is followed every second and its later failures keep the last slots (Horovod's rule); too few
+workers for `--elastic-timeout`, or more than `--reset-limit` re-formed worlds (counted when a
+world forms), end the run with status 1.
 
-- a worker killed by a signal (SIGKILL, the OOM killer) is *lost*: its slot is not used again
-  and, while at least `--min-np` remain, the survivors re-form; any other failure ends the run,
-  since re-forming fixes no bug. On another host, a worker whose ssh ends with 255 (the host
-  or its link gone) is lost too. With `--blacklist-cooldown-range LOW HIGH` (horovodrun's) a
-  host where a worker was lost is set aside instead: no worker starts there for a cool-down
-  that doubles with each time (Horovod's blacklist), after which all its slots count again;
-- a worker that exits 0 *finished* its script and leaves the run: the others either finish
-  too or re-form without it, whatever `--min-np` says (the run is ending: no worker starts
-  after a finish, so waiting for `--min-np` would wait in vain);
-- `--host-discovery-script` (Horovod's `HOST:SLOTS` lines) runs every second: more slots (up to
-  `--max-np`) start workers, on this machine or over ssh on the host named (as `-H` starts
-  ranks: `dataparallel.launch.hosts`), hosts in the order listed; fewer remove the newest of
-  the hosts that shrank, which leave with status 0 at their next commit while the others
-  re-form. Its first call must succeed; a later failure keeps the slots it reported last
-  (Horovod's rule). Without a script, `-H`'s hosts are the slots;
-- fewer than `--min-np` workers for `--elastic-timeout` seconds, or more than `--reset-limit`
-  re-formed worlds, end the run with status 1. A world counts when it forms: losing two workers
-  at once opens a round that never forms (its members include the second) before the one that
-  does, and is one re-forming.
-
-With a host list (`dataparallel run -H a:2,b:2`, `slots`), the ranks of the other hosts start
-over ssh (`dataparallel.launch.hosts`) and are supervised as the local ones: their lines are
-prefixed with rank and host (`[rank R on HOST] `), Ctrl-C and the launcher's SIGTERM reach them
-through their ssh channel, and the first failure on any host ends the job.
-
-Either way every output line is prefixed with its process (`[rank R] `, `[worker N] `), Ctrl-C
-gives each process time to report its `KeyboardInterrupt`, `--timeout` stops the job with status
-124, and the job succeeds (status 0) only when every process still in it finished its script: a
-rank that exits 0 through `os._exit` before that fails the job (status 1, `process.RunDir`).
+With a host list (`-H a:2,b:2`, `--hostfile`) the ranks of other hosts start over ssh
+(`dataparallel.launch.hosts`) and are supervised as the local ones, so one rule covers both:
+every output line is prefixed with its process (`[rank R] `, `[rank R on HOST] `,
+`[worker N] `), Ctrl-C gives each process time to report its `KeyboardInterrupt`, `--timeout`
+stops the job with status 124, and the job succeeds only when every process still in it finished
+its script (a rank that leaves through `os._exit(0)` first fails it: `process.RunDir`).
 """
 
 from __future__ import annotations

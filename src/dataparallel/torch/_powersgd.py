@@ -1,30 +1,24 @@
 """Low-rank gradient compression (`dp.Compression.powersgd`) on a `GradientSync`'s buckets.
 
-PowerSGD (Vogels et al., 2019), as torch's batched `powerSGD_hook` does it, fitted into the
-buckets `GradientSync` already sends: each compressed gradient, viewed as a matrix `M` (first
-dimension by the rest; with error feedback, this rank's residual added first), leaves its bucket
-and is replaced there by `P = M Q`, so the thin `P`s of a bucket's layers travel in that bucket's
-one fused call while backward still runs, beside the members that are not compressed (1-D
-tensors, matrices too small to gain: `PowerSGDCompressor.min_compression_rate`). When every bucket
-is back, each averaged `P` is orthonormalized, `Q = M^T P` is computed for every matrix and all the
-`Q`s travel in one more fused call; the gradient becomes `P Q^T` (the average's approximation)
-and the residual `M - P Q^T`. Where the average of the ranks' matrices has rank at most `rank`,
-and `Q` is not orthogonal to it, `P` spans its columns and `P Q^T` is the average exactly.
+PowerSGD (Vogels et al., 2019), as torch's batched `powerSGD_hook`, fitted into the buckets
+`GradientSync` already sends, so the thin factors still travel during backward: each compressed
+gradient, viewed as a matrix `M` (first dimension by the rest; this rank's residual added first),
+is replaced in its bucket by `P = M Q`, beside the members not worth compressing (1-D tensors,
+small matrices: `PowerSGDCompressor.min_compression_rate`). When every bucket is back, each
+averaged `P` is orthonormalized and all the `Q = M^T P` travel in one more fused call; the
+gradient becomes `P Q^T`, exact where the ranks' average has rank at most `rank`.
 
-Error feedback: `P Q^T = P P^T mean(M)` is the average of the ranks' projections `P P^T M`, so
-each rank keeps what the projection took from its own matrix, `M - P P^T M`, and the residuals'
-average is what the approximation dropped from the average. (torch's hook keeps `M - P Q^T`
-instead, whose average is the same; but each rank's then also holds its difference from the
-average, which a rank that has joined, contributing zeros, would leave unbalanced.)
+Error feedback keeps `M - P P^T M`, what the projection took from this rank's own matrix: the
+residuals' average is what the approximation dropped from the average. (torch's hook keeps
+`M - P Q^T`, whose average is the same, but each rank's then also holds its difference from the
+average, which a joined rank contributing zeros would leave unbalanced.)
 
-State, kept by parameter index (as `_feedback`'s residuals): the `Q` of each matrix, the same on
-every rank (drawn from `random_seed` and the parameter's index, then the averaged `Q` of the last
-step: warm start); the residuals, each rank's own; and the step count that decides `start_iter`.
-The count and the `Q`s are shared state (a checkpoint of any rank carries them; elastic runs
-synchronize them from rank 0 with the rest); the residuals are not. Every step's handshake carries
-the count, so ranks whose `Q`s may have diverged (one answered steps in a plain `dp.join`, one
-started afresh in a re-formed elastic world) raise `CollectiveMismatchError` instead of summing
-unrelated bases.
+State, by parameter index: each matrix's `Q`, the same on every rank (drawn from `random_seed`
+and the index, then last step's averaged `Q`: warm start), and the step count that decides
+`start_iter`, are shared (any rank's checkpoint carries them; elastic runs take rank 0's); the
+residuals are each rank's own. Every step's handshake carries the count, so ranks whose `Q`s may
+have diverged (one answered steps in `dp.join`, one started afresh in a re-formed world) raise
+`CollectiveMismatchError` instead of summing unrelated bases.
 """
 
 from __future__ import annotations

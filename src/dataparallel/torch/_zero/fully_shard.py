@@ -2,44 +2,27 @@
 
 Applied to each block of a model and then to the model (as torch's FSDP2), every call makes a
 `ShardGroup` of the parameters its module holds that no inner call took. Each parameter is cut
-along its first dimension into `size` chunks of `ceil(rows / size)` rows (the last ones shorter
-or empty, as `torch.chunk`); rank r keeps chunk r. A group's chunks of one dtype lie end to end
-in one flat buffer (a *segment*, the same length on every rank: chunks are padded to the full
-chunk), so one allgather per dtype brings the group back and one reduce-scatter per dtype
-scatters its gradients. Between uses the module's parameters are the shards themselves
-(`nn.Parameter`s of the chunk's shape, views of the segment): an optimizer made on
-`model.parameters()` after `fully_shard` steps this rank's rows only, and `parameter_shards()`
-says where each sits in the whole parameter (what a sharded checkpoint writes).
+along its first dimension into `size` chunks as `torch.chunk` would; rank r keeps chunk r. A
+group's chunks of one dtype lie end to end in one flat buffer (a *segment*, padded to the same
+length on every rank), so one allgather per dtype brings the group back and one reduce-scatter
+per dtype scatters its gradients. Between uses the parameters are the shards themselves
+(`nn.Parameter`s viewing the segment), so any optimizer made on `model.parameters()` afterwards
+steps this rank's rows only, and `parameter_shards()` says where each sits in the whole (what a
+sharded checkpoint writes).
 
-What happens in a step:
+A step: a forward pre-hook gathers the group, waiting for the gather the module before it
+prefetched, and prefetches the module that ran after it in the last forward; the forward hook
+frees the parameters (storage resized to 0, as FSDP: autograd's saved tensors stay the same
+objects) and hooks the outputs so that backward gathers again and prefetches. Each whole
+parameter's post-accumulate hook counts it; a group whose trainable parameters all have their
+gradient is reduce-scattered (averaged) into this rank's `.grad`s, in one order on every rank
+(the last forward's, reversed). The end of backward reduces what is left; a flag per parameter
+in every reduce-scatter keeps `grad=None` for one no rank used. The root keeps its parameters
+until backward ends, as FSDP2's; `no_sync()` keeps whole gradients until a pass outside it.
 
-- **Forward.** A forward pre-hook gathers the group (waiting for the gather prefetched by the
-  module before it), puts the whole parameters in the module's place, and starts the gather of
-  the module that ran after it in the last forward; the forward hook frees them again (the
-  storage resized to 0, as FSDP does: the tensors the autograd graph saved stay the same
-  objects) and hooks the module's outputs, so that backward gathers them again. The outermost
-  module (the *root*) keeps its parameters until backward ends, as FSDP2's.
-- **Backward.** The first gradient reaching a module's outputs gathers its group again and
-  prefetches the next one backward will need. A post-accumulate-grad hook on each whole
-  parameter counts it; a group whose trainable parameters all have their gradient is
-  reduce-scattered (averaged) into this rank's sharded `.grad`s, its whole gradients dropped
-  and its parameters freed. Groups are reduced in one order on every rank (the last forward's,
-  reversed): a group ready early waits for the ones before it. A callback at the end of
-  backward reduces what is left (parameters no one used send zeros), waits, and frees every
-  group. Whether a parameter had a gradient on some rank rides in each reduce-scatter (one
-  flag per parameter, repeated in every rank's part): one that no rank used keeps `grad=None`.
-- **Accumulation.** Each backward pass adds its reduced shard into `.grad` (as torch does);
-  `no_sync()` / `set_requires_gradient_sync(False)` keep the whole gradients instead (memory
-  of one unsharded gradient) until a pass outside it reduces their sum.
-
-Engines: every call is a plain allgather or reduce-scatter of equal parts over bytes (any dtype;
-gradients travel in a dtype the engine reduces: `gradients.reduced_dtype`). Calls start in the
-same order on every rank; where the engine cannot move a call on by itself (MPI), the call in
-flight lands before the next starts. Parameters on a device are staged as
-`ZeroRedundancyOptimizer`'s: host buffers for the engine, one copy each way.
-
-Every rank must run the same modules in the same order (FSDP's rule): a module run on one rank
-only makes its gathers pair with another's reduce-scatters. Usage: docs/zero.md.
+Every rank must run the same modules in the same order (FSDP's rule), and calls start in one
+order on every rank; where the engine cannot move a call on by itself (MPI), the call in flight
+lands before the next starts. Device parameters are staged as ZeRO 1/2's. Usage: docs/zero.md.
 """
 
 from __future__ import annotations
