@@ -232,6 +232,26 @@ def test_another_ranks_residuals_are_not_added(jit: bool) -> None:
     jax.tree.map(np.testing.assert_array_equal, took, expected)
 
 
+def test_elastic_tree_state_commits_restores_and_synchronizes_it() -> None:
+    """`dp.elastic.TreeState` commits the PowerSGD state with the rest and rolls back to it;
+    synchronized from rank 0 (a re-formed world), the bases are rank 0's, and so is `owner`, so
+    the other ranks start again from zero residuals (as the test above checks)."""
+    from dataparallel.elastic import TreeState
+
+    _, state = _run(False, None, range(3))
+    elastic = TreeState(opt_state=state)
+    elastic.commit()
+    committed = jax.tree.map(np.asarray, state)
+    _, elastic.opt_state = _run(False, elastic.opt_state, range(3, 5))
+    assert int(elastic.opt_state.iteration) == 5
+    elastic.restore()
+    restored = jax.tree.map(np.asarray, elastic.opt_state)
+    jax.tree.map(np.testing.assert_array_equal, restored, committed)
+    elastic.sync()
+    assert int(elastic.opt_state.owner) == 0
+    _assert_same_on_every_rank(elastic.opt_state)
+
+
 def test_eager_and_jitted_updates_agree() -> None:
     """The same run eagerly and inside jax.jit: the same updates and state (the same jnp
     operations; XLA may fuse them differently, so to float32's rounding)."""
