@@ -15,12 +15,19 @@ in 8), each row is the median of several timed repetitions, every rank in lock s
   compute floor); `jit` is the jitted step with `DistributedOptimizer`; `split` is what a user
   would write without it: jitted gradients, eager `dp.allreduce`, jitted Adam update.
 
+With `--compression` (only these rows; `--models small,medium` to choose models): the jitted
+train step uncompressed (`jit`), with `dp.Compression.fp16` and with
+`dp.Compression.powersgd(rank=r, start_iter=0)` for r in `--ranks` (default 1,4), in the same
+processes; the reference is the uncompressed step. On one host bytes are cheap: these rows show
+what the compression costs, not what it saves across a slow link (benchmarks/network.py).
+
 Columns: milliseconds per call; `vs` is the named reference's time divided by this row's time
 (below 1: this row is slower).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -131,10 +138,56 @@ def bench(name: str, sizes: tuple[int, ...], comm: MPI.Comm) -> list[tuple[str, 
     ]
 
 
+def bench_compression(
+    name: str, sizes: tuple[int, ...], comm: MPI.Comm, ranks: list[int]
+) -> list[tuple[str, float, str, float]]:
+    """The jitted train step (Adam) uncompressed, in fp16 and with PowerSGD at each rank."""
+    params = init_mlp(sizes)
+    n = sum(leaf.size for leaf in jax.tree.leaves(params))
+    tag = f"{name} ({n / 1e6:.2f} M params) step"
+    rng = np.random.default_rng(dp.rank())
+    x = jnp.asarray(rng.normal(size=(BATCH, sizes[0])), jnp.float32)
+    y = jnp.asarray(rng.integers(0, sizes[-1], BATCH), jnp.int32)
+
+    def looped(compression: Any) -> Callable[[], None]:
+        opt = dp.DistributedOptimizer(optax.adam(1e-3), compression=compression)
+
+        @jax.jit
+        def step(p: Any, s: Any) -> Any:
+            g = jax.grad(loss_fn)(p, x, y)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        carry = [(params, opt.init(params))]
+
+        def once() -> None:
+            carry[0] = ready(step(*carry[0]))
+
+        return once
+
+    plain = timed(looped(None), comm)
+    rows = [(f"{tag} jit", plain, "jit", plain)]
+    rows.append((f"{tag} fp16", timed(looped(dp.Compression.fp16), comm), "jit", plain))
+    for r in ranks:
+        psgd = dp.Compression.powersgd(rank=r, start_iter=0)
+        rows.append((f"{tag} powersgd rank {r}", timed(looped(psgd), comm), "jit", plain))
+    return rows
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--compression", action="store_true", help="only the compression rows")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
+    parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks (with --compression)")
+    args = parser.parse_args()
+    models = {name: MODELS[name] for name in args.models.split(",")}
     dp.initialize("mpi")
     comm = MPI.COMM_WORLD.Dup()
-    rows = [row for name, sizes in MODELS.items() for row in bench(name, sizes, comm)]
+    if args.compression:
+        ranks = [int(r) for r in args.ranks.split(",")]
+        rows = [r for name, sz in models.items() for r in bench_compression(name, sz, comm, ranks)]
+    else:
+        rows = [row for name, sizes in models.items() for row in bench(name, sizes, comm)]
 
     if dp.is_main():
         print(f"{dp.size()} ranks, jax {jax.__version__} on {jax.devices()[0].platform}")

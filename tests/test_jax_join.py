@@ -29,6 +29,8 @@ CASES = [
     ("mpi", 2, "callback", ["big"], "120"),
     ("gloo", 2, "callback", ["big"], ""),
     ("gloo", 3, "ffi", [], ""),
+    ("mpi", 3, "ffi", ["powersgd"], ""),
+    ("gloo", 2, "callback", ["powersgd"], ""),
 ]
 
 

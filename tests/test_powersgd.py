@@ -363,10 +363,13 @@ def test_where_it_is_not_offered_the_error_says_what_to_use() -> None:
         )
 
 
-def test_optax_refuses_it_with_what_to_use() -> None:
+def test_optax_sharded_refuses_it_with_what_to_use() -> None:
+    """The optax DistributedOptimizer takes it (tests/test_powersgd_optax.py), but not with
+    shard_state=True."""
     optax = pytest.importorskip("optax")
-    with pytest.raises(TypeError, match=r"only torch's dp.DistributedOptimizer"):
-        dp.DistributedOptimizer(optax.sgd(0.1), compression=dp.Compression.powersgd(rank=1))
+    psgd = dp.Compression.powersgd(rank=1)
+    with pytest.raises(TypeError, match=r"shard_state=True\) takes no compression=.*drop"):
+        dp.DistributedOptimizer(optax.sgd(0.1), compression=psgd, shard_state=True)
 
 
 # --- a real run ---------------------------------------------------------------------------------

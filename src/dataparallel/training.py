@@ -70,6 +70,13 @@ def DistributedOptimizer(optimizer: Any, *, op: Op = "avg", **options: Any) -> o
                 "DistributedOptimizer(shard_state=True) takes an optax transformation; for "
                 "PyTorch use dp.torch.ZeroRedundancyOptimizer(params, optimizer_class, ...)."
             )
+        if options.get("compression") is not None:
+            raise TypeError(
+                "DistributedOptimizer(shard_state=True) takes no compression=: each rank "
+                "receives only its slice of the gradients (a reduce-scatter), which neither a "
+                "16-bit wire nor PowerSGD's low-rank factors fit; drop shard_state to compress "
+                "(DistributedOptimizer(optimizer, compression=dp.Compression.powersgd(...)))."
+            )
         from dataparallel.jax import sharded_optax
 
         return sharded_optax(optimizer, op=op, **options)

@@ -1,7 +1,9 @@
 """Rank 0 joins (`dp.join`) while the others go on, after a jitted `DistributedOptimizer` step.
 
-`python jax_join.py ROUTE [big]`, two cases, one after the other (`big`: the step has a leaf over
-the bucket size too, a buffer of its own, sent after the first):
+`python jax_join.py ROUTE [big|powersgd]`, two cases, one after the other (`big`: the step has a
+leaf over the bucket size too, a buffer of its own, sent after the first; `powersgd`: the step
+compresses with `dp.Compression.powersgd(rank=1, start_iter=0)`, two reductions, its gradients of
+rank 1 so that the results are the same):
 
 1. the others make eager allreduces, then join: rank 0 answers them with zeros, every `dp.join`
    returns, and a jitted step after it is right;
@@ -27,7 +29,9 @@ import dataparallel as dp
 route = sys.argv[1]
 dp.initialize()
 rank, size = dp.rank(), dp.size()
-opt = dp.DistributedOptimizer(optax.sgd(1.0), route=route)  # type: ignore[arg-type]
+low_rank = sys.argv[2:] == ["powersgd"]
+psgd = dp.Compression.powersgd(rank=1, start_iter=0, min_compression_rate=1) if low_rank else None
+opt = dp.DistributedOptimizer(optax.sgd(1.0), route=route, compression=psgd)  # type: ignore[arg-type]
 params = {"w": jnp.zeros(8), "b": jnp.zeros((2, 3))}
 if sys.argv[2:] == ["big"]:
     params["big"] = jnp.zeros(100_000)  # 400 kB: over the 256 KiB bucket, reduced alone

@@ -125,9 +125,10 @@ class PowerSGDCompressor(Compressor):
     Each gradient viewed as a matrix `M` (its first dimension by the rest) travels as two thin
     matrices: `P = M Q` is averaged over ranks and orthonormalized, `Q = M^T P` is averaged, and
     the gradient becomes `P Q^T`, one step of power iteration towards `M`'s best rank-`rank`
-    approximation. Only torch's `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` take
-    it (the state below lives on their gradient reduction, `dataparallel.torch`); what it keeps
-    and when it pays: docs/compression.md. The names and defaults are those of torch's
+    approximation. torch's `dp.DistributedOptimizer` and `dp.torch.DataParallelModel` take it
+    (the state below lives on their gradient reduction, `dataparallel.torch`), and the optax
+    `dp.DistributedOptimizer` (the state lives in its optax state, `dataparallel.jax`); what it
+    keeps and when it pays: docs/compression.md. The names and defaults are those of torch's
     `PowerSGDState` where they mean the same.
 
     Attributes:
@@ -194,14 +195,15 @@ class PowerSGDCompressor(Compressor):
         raise TypeError(
             "dp.Compression.powersgd compresses gradients across ranks (power iteration needs "
             "two reductions per step), not one tensor: pass it as compression= to "
-            "dp.DistributedOptimizer or dp.torch.DataParallelModel over torch."
+            "dp.DistributedOptimizer (torch or optax) or dp.torch.DataParallelModel."
         )
 
 
 class Compression:
     """The compressors, by Horovod's names: `none`, `fp16`, and `bf16`; and `fp16_feedback`,
     `bf16_feedback`: the same with error feedback, for gradient reductions that keep state;
-    `powersgd(rank=...)`: low-rank compression of torch's gradient reductions.
+    `powersgd(rank=...)`: low-rank compression of the gradient reductions of torch's and
+    optax's `DistributedOptimizer` and of `dp.torch.DataParallelModel`.
 
     >>> import numpy as np, dataparallel as dp
     >>> _ = dp.initialize("single")
@@ -239,7 +241,8 @@ def wire_dtype(compression: object, *, stateful: bool = False) -> WireDtype | No
             raise TypeError(
                 "compression=dp.Compression.powersgd(...) keeps a low-rank basis and residuals "
                 "per parameter from step to step, which only torch's dp.DistributedOptimizer and "
-                "dp.torch.DataParallelModel can (they hold the parameters); here use "
+                "dp.torch.DataParallelModel and the optax dp.DistributedOptimizer (without "
+                "shard_state) can (they hold the parameters or the state); here use "
                 "dp.Compression.fp16 or dp.Compression.bf16."
             )
         if isinstance(compression, type):

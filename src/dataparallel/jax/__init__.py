@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataparallel.jax._accumulate import multi_steps
 from dataparallel.jax._optax import DistributedState, distributed_optax
+from dataparallel.jax._powersgd import PowerSGDState
 from dataparallel.jax._sharded import (
     ShardedState,
     consolidate_state,
@@ -18,6 +19,7 @@ from dataparallel.jax._sharded import (
 
 __all__ = [
     "DistributedState",
+    "PowerSGDState",
     "ShardedState",
     "consolidate_state",
     "distributed_optax",

@@ -77,12 +77,16 @@ def allreduce_traced(
     engine: Backend,
     private: Backend,
     bridge: Bridge = "auto",
+    *,
+    first: bool = True,
 ) -> list[jax.Array] | None:
     """Stage out the sum or average of traced `leaves` across ranks; None: not packable.
 
     `describe` and `summary` describe the call for the handshake (`summary` equal on two ranks
     exactly when their trees, dtypes, shapes and op are); `engine` is the world's engine (the
     handshake is made there, on the tracing thread), `private` its duplicate the steps reduce on.
+    `first`: whether this is its step's first reduction, which ranks that join answer (a step
+    that reduces twice, PowerSGD's, registers only its first).
     """
     engine_op, average = parse_op(op)
     if engine_op is not ReduceOp.SUM:
@@ -102,7 +106,7 @@ def allreduce_traced(
         return {**describe(), "route": chosen, "packed": f"leaves of at most {alone} B"}
 
     handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
-    if packed.ticket:  # ranks that join later answer its first call (`collectives/jitted.py`)
+    if packed.ticket and first:  # ranks that join answer its first call (`collectives/jitted.py`)
         register_step(engine, packed.first_call(private, chosen))
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
@@ -136,9 +140,12 @@ def reduce_tree_traced(
     backend: Backend | None,
     compression: Compressing,
     bridge: Bridge = "auto",
+    *,
+    first: bool = True,
 ) -> list[jax.Array]:
     """Reduce the traced leaves of a gradient tree (`(path, leaf)` pairs): packed where it can
-    (`allreduce_traced`), else through `general`. `backend`: None for the world's engine."""
+    (`allreduce_traced`), else through `general`. `backend`: None for the world's engine;
+    `first`: whether this is the step's first reduction (`allreduce_traced`)."""
     active = world.current()
     engine = backend if backend is not None else active.backend
     private = active.private(engine)
@@ -154,7 +161,9 @@ def reduce_tree_traced(
             return call
 
         summary = f"{structure}|{'|'.join(signatures)}"
-        reduced = allreduce_traced(leaves, describe, summary, op, engine, private, bridge)
+        reduced = allreduce_traced(
+            leaves, describe, summary, op, engine, private, bridge, first=first
+        )
         if reduced is not None:
             return reduced
     return general(leaves, op, private, compression)

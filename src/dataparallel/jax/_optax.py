@@ -38,15 +38,22 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 
 from dataparallel import world
 from dataparallel.arrays.actions import parse_op, validate_reduction
-from dataparallel.arrays.compression import Compressing, wire_dtype
+from dataparallel.arrays.compression import Compressing, PowerSGDCompressor, wire_dtype
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import reductions
 from dataparallel.groups import Group, backend_of
 from dataparallel.jax import _jit
 from dataparallel.jax._bridges import Bridge
+from dataparallel.jax._powersgd import (
+    LowRankLayout,
+    PowerSGDState,
+    agree,
+    init_low_rank,
+    low_rank_step,
+)
 from dataparallel.types import Op
 
-__all__ = ["DistributedState", "callback_backend", "distributed_optax"]
+__all__ = ["DistributedState", "PowerSGDState", "callback_backend", "distributed_optax"]
 
 
 class DistributedState(NamedTuple):
@@ -77,7 +84,10 @@ def distributed_optax(
         backend: the engine to reduce on (default: the active one, looked up at each update).
         group: reduce among the ranks of this `dp.new_group` group (default: the world).
         compression: `dp.Compression.fp16` or `.bf16`: floating gradients travel as 16-bit
-            floats and come back in their dtype (default: none).
+            floats and come back in their dtype (default: none). `dp.Compression.powersgd(...)`
+            (with `op="avg"` or `"sum"`): gradients viewed as matrices travel as low-rank
+            factors, with error feedback and warm start; the state is then a `PowerSGDState`
+            carrying the bases and this rank's residuals (`_powersgd.py`, docs/compression.md).
         route: the bridge by which a jitted update reaches the engine (docs/jax.md):
             `"auto"` (default) takes mpi4jax's custom call where it is installed and the engine
             is MPI on the CPU, else dataparallel's XLA FFI call where JAX runs on one CPU device
@@ -85,13 +95,14 @@ def distributed_optax(
             choose.
 
     Returns:
-        An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`,
+        An `optax.GradientTransformationExtraArgs`: `init(params)` returns a `DistributedState`
+        (a `PowerSGDState` with `dp.Compression.powersgd`),
         `update(updates, state, params=None, **extra_args)` reduces `updates` and returns the
         inner transformation's updates with the new `DistributedState`. Both work eagerly and
         inside `jax.jit`.
 
     Raises:
-        ValueError: `op` is not a reduction.
+        ValueError: `op` is not a reduction, or not `"avg"` or `"sum"` with PowerSGD.
         TypeError: (at `update`) `op="avg"` meets an integer or bool gradient; the message names
             its path (`grads['fc1']['w']`).
 
@@ -112,11 +123,20 @@ def distributed_optax(
     parse_op(op)
     if route not in ("auto", "callback", "ffi", "mpi4jax"):
         raise ValueError(f"route={route!r}: use 'auto', 'ffi', 'callback' or 'mpi4jax'.")
-    wire_dtype(compression)  # a bad one raises here, not at the first update
+    low_rank = compression if isinstance(compression, PowerSGDCompressor) else None
+    if low_rank is None:
+        wire_dtype(compression)  # a bad one raises here, not at the first update
+    elif op not in ("avg", "sum"):
+        raise ValueError(
+            f"compression=dp.Compression.powersgd(...) approximates an average or a sum of the "
+            f"ranks' gradients: op={op!r} is neither; use op='avg' (default) or op='sum'."
+        )
     backend = backend_of(backend, group)
     inner = optax.with_extra_args_support(inner)
     if world.initialized():
         callback_backend(backend)  # collective: create the private communicator now, everywhere
+    if low_rank is not None:
+        return _low_rank_optax(inner, low_rank, op, backend, route)
 
     def init_fn(params: optax.Params) -> DistributedState:
         return DistributedState(inner_state=inner.init(params))
@@ -140,14 +160,68 @@ def distributed_optax(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _low_rank_optax(
+    inner: optax.GradientTransformationExtraArgs,
+    config: PowerSGDCompressor,
+    op: Op,
+    backend: Backend | None,
+    route: Bridge,
+) -> optax.GradientTransformationExtraArgs:
+    """`distributed_optax` with PowerSGD: its gradients reduced by `low_rank_step`."""
+    agreed: list[LowRankLayout] = []  # the layouts agreed eagerly (once each)
+
+    def engine() -> Backend:
+        return backend if backend is not None else world.current().backend
+
+    def init_fn(params: optax.Params) -> PowerSGDState:
+        rank = engine().rank if world.initialized() else 0
+        return init_low_rank(inner.init(params), params, config, rank)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, PowerSGDState]:
+        if not isinstance(state, PowerSGDState):
+            raise TypeError(
+                "update expected the PowerSGDState made by this transformation's init, got "
+                f"{type(state).__module__}.{type(state).__qualname__}: pass the state returned "
+                "by the distributed transformation's init (or update), not the inner one's."
+            )
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        layout = LowRankLayout.of(leaves, config)
+        here = engine()
+        traced = any(isinstance(x, jax.core.Tracer) for x in (*leaves, state.iteration))
+        if traced or layout not in agreed:  # once eagerly, at every trace under jit
+            agree(here, config, layout)
+            if not traced:
+                agreed.append(layout)
+
+        def reduce(tree: dict[str, Any]) -> dict[str, Any]:
+            # The Qs' reduction is the step's second: ranks that join answer the first only.
+            return _allreduce_tree(tree, op, backend, None, route, first="Q" not in tree)
+
+        scale = here.size if op == "avg" else 1
+        reduced, low = low_rank_step(leaves, state, config, layout, reduce, scale, here.rank)
+        grads = jax.tree_util.tree_unflatten(treedef, reduced)
+        new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        return new_updates, low._replace(inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def _allreduce_tree(
     grads: optax.Updates,
     op: Op,
     backend: Backend | None,
     compression: Compressing,
     bridge: Bridge,
+    *,
+    first: bool = True,
 ) -> optax.Updates:
-    """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback."""
+    """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback
+    (`first`: whether it is the jitted step's first reduction, `_jit.allreduce_traced`)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     if not with_paths:
         return grads
@@ -156,7 +230,9 @@ def _allreduce_tree(
     leaves = original = [leaf for _, leaf in with_paths]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
-        reduced = _jit.reduce_tree_traced(paths, str(treedef), op, backend, compression, bridge)
+        reduced = _jit.reduce_tree_traced(
+            paths, str(treedef), op, backend, compression, bridge, first=first
+        )
     else:
         # NumPy leaves are copied first: the collectives write them in place, optax never does.
         leaves = [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves]
