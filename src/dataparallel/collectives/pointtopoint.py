@@ -33,7 +33,17 @@ from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import digest
 from dataparallel.types import Tree, TreeT
 
-__all__ = ["HEADER_TAG", "agree_pair", "check_peer", "check_tag", "recv", "send", "sendrecv"]
+__all__ = [
+    "HEADER_TAG",
+    "agree_pair",
+    "check_copy",
+    "check_ends",
+    "check_peer",
+    "check_tag",
+    "recv",
+    "send",
+    "sendrecv",
+]
 
 HEADER_TAG = 32767  # the largest tag every MPI must offer: the headers' own, below it the users'
 _HEADER_BYTES = 512  # the digest (8 bytes) and as much of the description as fits
@@ -105,6 +115,36 @@ def check_tag(tag: object, call: str) -> int:
     if not 0 <= int(tag) < HEADER_TAG:
         raise ValueError(f"dp.{call}: tag {tag} is out of range: give 0 to {HEADER_TAG - 1}.")
     return int(tag)
+
+
+def check_ends(
+    call: str, engine: Backend, dest: object, source: object, sendtag: object, recvtag: object
+) -> tuple[int, int, int, int, bool]:
+    """Return `dest` and `source` as ranks of `engine` (this rank where there is no such
+    transfer: None), both tags, and whether the message is to this rank itself; raise saying
+    what was wrong, and for a message to itself that is not a `sendrecv` to and from it (the one
+    such call with a meaning: a copy)."""
+    sending, receiving = dest is not None, source is not None
+    to = check_peer(dest, engine, "dest", call) if sending else engine.rank
+    of = check_peer(source, engine, "source", call) if receiving else engine.rank
+    tags = check_tag(sendtag, call), check_tag(recvtag, call)
+    to_self, from_self = sending and to == engine.rank, receiving and of == engine.rank
+    if to_self != from_self or (to_self and call != "sendrecv"):
+        raise ValueError(
+            f"dp.{call} on rank {engine.rank}: a message to this rank itself is only a sendrecv "
+            f"with dest and source both {engine.rank} (a copy); got "
+            f"dest={to if sending else None}, source={of if receiving else None}."
+        )
+    return to, of, tags[0], tags[1], to_self
+
+
+def check_copy(rank: int, sent: str | None, expected: str | None) -> None:
+    """Raise `CollectiveMismatchError` where a `sendrecv` to this rank itself sends other than
+    it expects (`describe`'s lines of both)."""
+    if sent != expected:
+        raise CollectiveMismatchError(
+            f"dp.sendrecv on rank {rank} to itself: it sends {sent} and expects {expected}."
+        )
 
 
 def describe(flat: tree.Flat, dtypes: list[str], shapes: list[tuple[int, ...]], tag: int) -> str:
@@ -191,28 +231,15 @@ def _exchange(
     ctx = context(engine)
     b = ctx.backend
     sending, receiving = dest is not None, source is not None
-    dest = check_peer(dest, b, "dest", call) if sending else b.rank
-    source = check_peer(source, b, "source", call) if receiving else b.rank
-    sendtag = check_tag(sendtag, call)
-    recvtag = check_tag(recvtag, call)
+    dest, source, sendtag, recvtag, to_self = check_ends(call, b, dest, source, sendtag, recvtag)
     send_flat = tree.flatten(sendbuf, "sendbuf") if sending else None
     recv_flat = tree.flatten(recvbuf, "recvbuf") if receiving else None
     send_leaves = leaves_of(send_flat) if send_flat is not None else []
     recv_leaves = leaves_of(recv_flat) if recv_flat is not None else []
     sent = _describe(send_flat, send_leaves, sendtag)
     expected = _describe(recv_flat, recv_leaves, recvtag)
-    to_self, from_self = sending and dest == b.rank, receiving and source == b.rank
-    if to_self != from_self or (to_self and call != "sendrecv"):
-        raise ValueError(
-            f"dp.{call} on rank {b.rank}: a message to this rank itself is only a sendrecv with "
-            f"dest and source both {b.rank} (a copy); got dest={dest if sending else None}, "
-            f"source={source if receiving else None}."
-        )
     if to_self:
-        if sent is not None and expected is not None and digest(sent) != digest(expected):
-            raise CollectiveMismatchError(
-                f"dp.sendrecv on rank {b.rank} to itself: it sends {sent} and expects {expected}."
-            )
+        check_copy(b.rank, sent, expected)
     elif ctx.settings.check:
         agree_pair(b, call, sent, dest, expected, source)
     outgoing = _outgoing(send_leaves) if sending else None

@@ -45,8 +45,7 @@ from dataparallel.arrays import tree
 from dataparallel.arrays.actions import parse_op, reduction_error
 from dataparallel.arrays.dtypes import SUPPORTED_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.collectives.pointtopoint import agree_pair, check_peer, check_tag, describe
-from dataparallel.errors import CollectiveMismatchError
+from dataparallel.collectives.pointtopoint import agree_pair, check_copy, check_ends, describe
 from dataparallel.jax._ffi import Rule, ffi_reason, reduce_ffi
 from dataparallel.jax._jit import traced_here
 from dataparallel.jax._packed import WIRE  # each reduced dtype's wire dtype: the optimizer's
@@ -419,9 +418,9 @@ def _trace_pointtopoint(
     active = world.current()
     engine = backend if backend is not None else active.backend
     sending, receiving = dest is not None, source is not None
-    dest = check_peer(dest, engine, "dest", call) if sending else engine.rank
-    source = check_peer(source, engine, "source", call) if receiving else engine.rank
-    sendtag, recvtag = check_tag(sendtag, call), check_tag(recvtag, call)
+    dest, source, sendtag, recvtag, to_self = check_ends(
+        call, engine, dest, source, sendtag, recvtag
+    )
     send_flat = tree.flatten(pair[0], "sendbuf") if sending else None
     recv_flat = tree.flatten(pair[1], "recvbuf") if receiving else None
     sends = [jnp.asarray(leaf) for leaf in send_flat.leaves] if send_flat is not None else []
@@ -431,19 +430,8 @@ def _trace_pointtopoint(
             _check_moved([str(np.dtype(leaf.dtype)) for leaf in leaves], flat.paths, call)
     sent = _description(send_flat, sends, sendtag)
     expected = _description(recv_flat, templates, recvtag)
-    to_self, from_self = sending and dest == engine.rank, receiving and source == engine.rank
-    if to_self != from_self or (to_self and call != "sendrecv"):
-        raise ValueError(
-            f"dp.{call} on rank {engine.rank}: a message to this rank itself is only a sendrecv "
-            f"with dest and source both {engine.rank} (a copy); got "
-            f"dest={dest if sending else None}, source={source if receiving else None}."
-        )
     if to_self:
-        if sent != expected:
-            raise CollectiveMismatchError(
-                f"dp.sendrecv on rank {engine.rank} to itself: it sends {sent} and expects "
-                f"{expected}."
-            )
+        check_copy(engine.rank, sent, expected)
         assert recv_flat is not None
         return tree.unflatten(recv_flat.spec, list(sends))
     private = _own_engine(active.private, engine)  # collective the first time (`_own_engine`)
