@@ -4,6 +4,7 @@ of torch's `DistributedOptimizer` and `DataParallelModel`."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -34,13 +35,15 @@ def _vectors(seed: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _low_rank_grad(rank: int, of: int, step: int) -> torch.Tensor:
-    """Rank `rank`'s gradient at `step`: a combination of `of` fixed outer products that
-    changes from rank to rank and step to step, so the average has rank at most `of`."""
+def _low_rank_grad(rank: int, of: int, step: int, layer: int = 0) -> torch.Tensor:
+    """Rank `rank`'s gradient at `step`: a combination of `of` fixed outer products (fixed per
+    `layer`) that changes from rank to rank and step to step, so the average has rank at most
+    `of`."""
     grad = torch.zeros(ROWS, COLS)
     for k in range(of):
         weight = 1.0 + rank + 0.5 * k * (step + 1)
-        grad += weight * torch.outer(_vectors(10 + k, ROWS), _vectors(20 + k, COLS))
+        seed = 10 + k + 100 * layer
+        grad += weight * torch.outer(_vectors(seed, ROWS), _vectors(seed + 50, COLS))
     return grad
 
 
@@ -94,6 +97,63 @@ def test_gradients_of_rank_at_most_r_arrive_exactly(face: str, rank: int) -> Non
     _step(net, opt, _low_rank_grad(dp.rank(), rank + 1, 0), d, e)
     exact = _average(lambda r: _low_rank_grad(r, rank + 1, 0))
     assert float((model.w.grad - exact).norm()) > 1e-3 * float(exact.norm())
+
+
+class _Layers(nn.Module):
+    """loss = sum_k sum(w_k * c_k): three matrices whose gradients are exactly the `c_k`;
+    backward reaches `w3` first and `w1` last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.zeros(ROWS, COLS)) for _ in range(3))
+
+    def forward(self, cs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((w * c).sum() for w, c in zip(self.ws, cs, strict=True))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline", "after backward"])
+def test_each_bucket_sends_its_q_while_backward_still_runs(mode: str) -> None:
+    """A bucket per matrix: a bucket's Q goes out once the next bucket is sent, so where buckets
+    go out during backward (on the communication thread, or inline for device tensors), the
+    first bucket's Q has gone out before backward reaches the last matrix; after backward, none
+    has. Either way each gradient is the exact average (rank <= r), on every rank alike."""
+    compression = dp.Compression.powersgd(rank=1, start_iter=0, use_error_feedback=False)
+    model = _Layers()
+    opt = dp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), compression=compression, bucket_bytes=64
+    )
+    sync = opt.gradient_sync
+    sync.overlap = mode != "after backward"
+    if mode == "inline":
+        sync._host = False  # as for device tensors: sent from backward's own thread
+    low = sync._low
+    second, q_sent, events = low.second, threading.Event(), []
+
+    def recording(b: int) -> torch.Tensor:
+        q_sent.set()
+        return second(b)
+
+    def reached(grad: torch.Tensor) -> None:
+        if sync.overlap and sync._compressing:  # the thread's job may not have run yet: wait
+            assert q_sent.wait(timeout=120), "no Q went out during backward"
+        events.append("Q sent" if q_sent.is_set() else "no Q yet")
+
+    low.second = recording
+    model.ws[0].register_hook(reached)
+    for step in range(3):
+        q_sent.clear()
+        events.clear()
+        cs = [_low_rank_grad(dp.rank(), 1, step, layer) for layer in range(3)]
+        opt.zero_grad()
+        model(cs).backward()
+        opt.step()
+        assert len(sync.buckets) >= 3
+        assert events == ["no Q yet" if mode == "after backward" else "Q sent"], (step, events)
+        for layer, w in enumerate(model.ws):
+            exact = _average(lambda r, step=step, layer=layer: _low_rank_grad(r, 1, step, layer))
+            torch.testing.assert_close(w.grad, exact, rtol=1e-4, atol=1e-5)
+    assert sorted(low.matrices) == [0, 1, 2]
+    assert_same_on_every_rank([w.grad for w in model.ws] + [low.qs[i] for i in range(3)])
 
 
 @pytest.mark.parametrize("face", ["optimizer", "model"])
@@ -255,24 +315,36 @@ def _batch(r: int, step: int) -> torch.Tensor:
     return torch.tensor([[r + 1.0, step + 1.0, 0.5 * (r + step)]])
 
 
+def _joinable_net(layers: int) -> nn.Module:
+    if layers == 1:
+        return nn.Linear(3, 2)
+    return nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("face", ["optimizer", "model"])
-def test_a_joined_rank_answers_and_keeps_the_basis(face: str) -> None:
+def test_a_joined_rank_answers_and_keeps_the_basis(face: str, layers: int) -> None:
     """Uneven batches in `dp.torch.join`: the joined rank answers the compressed steps with
     zeros and keeps the others' Q and step count, so a step after the block still agrees. The
-    2x3 weight at rank 2 is approximated exactly: the result is the full-precision average."""
+    2x3 (and 2x2) weights at rank 2 are approximated exactly: the result is the full-precision
+    average. Two layers: each parameter in a bucket of its own, each bucket's Q one bucket
+    later, which the joined rank's calls must follow."""
     counts = [3 + (r % 3) for r in range(dp.size())]
     compression = dp.Compression.powersgd(rank=2, start_iter=1, min_compression_rate=0)
+    bucket_bytes = None if layers == 1 else 8
     torch.manual_seed(0)
-    model: nn.Module = nn.Linear(3, 2)
-    reference = nn.Linear(3, 2)
+    model: nn.Module = _joinable_net(layers)
+    reference = _joinable_net(layers)
     reference.load_state_dict(model.state_dict())
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     if face == "optimizer":
-        opt: Any = dp.DistributedOptimizer(inner, compression=compression)
+        opt: Any = dp.DistributedOptimizer(
+            inner, compression=compression, bucket_bytes=bucket_bytes
+        )
         joinable: Any = opt
         net: nn.Module = model
     else:
-        net = dp.torch.DataParallelModel(model, compression=compression)
+        net = dp.torch.DataParallelModel(model, compression=compression, bucket_bytes=bucket_bytes)
         opt, joinable = inner, net
     with dp.torch.join(joinable):
         for step in range(counts[dp.rank()]):

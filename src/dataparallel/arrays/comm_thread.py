@@ -189,10 +189,30 @@ class Router:
         self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None
     ) -> None:
         """Send one bucket: `leaves` (validated, with their family), then `extra` host float32."""
+        self.run(lambda: self.put(leaves, extra))
+
+    def run(self, fn: Callable[[], object]) -> None:
+        """Run `fn` where this step's calls are made, after the buckets sent before it: on the
+        communication thread when the step is there (what it raises, `finish` raises), else now.
+        A step's later phases (PowerSGD's) go this way, so that its calls keep their order."""
         if self.thread is not None and self.threaded:
-            self._jobs.append(self.thread.submit(lambda: self._land(leaves, extra)))
+            self._jobs.append(self.thread.submit(lambda: self._land(fn)))
         else:
-            self._add(leaves, extra)
+            fn()
+
+    def put(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None) -> None:
+        """Send `leaves` and `extra` as `send` does, from the thread the step's calls are made on
+        (inside a `run` function, or `send`).
+
+        On the communication thread, on an engine that moves calls on by itself (Gloo, NCCL),
+        the call is left in flight, as DDP leaves its buckets: the next bucket's launch lands it
+        (`fusion.MAX_IN_FLIGHT`), `finish` the last, so the link never waits for a bucket's
+        results to be written. On MPI the thread waits for it (GIL released).
+        """
+        self._add(leaves, extra)
+        if self.threaded and not (LEAVE_IN_FLIGHT and self.fusion.backend.progresses):
+            self.fusion.wait()
+        else:
             self.fusion.flush()
 
     def _add(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
@@ -202,21 +222,12 @@ class Router:
         if extra is not None:
             fusion.add(extra, "float32", HOST_KEY)
 
-    def _land(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
-        """On the thread: send, wait in the engine (GIL released), write the results.
-
-        On an engine that moves calls on by itself (Gloo, NCCL) the call is left in flight, as
-        DDP leaves its buckets: the next bucket's launch lands it (`fusion.MAX_IN_FLIGHT`),
-        `finish` the last, so the link never waits for a bucket's results to be written.
-        """
+    def _land(self, fn: Callable[[], object]) -> None:
+        """On the thread: run a job of the step, unless one before it failed."""
         if self._failed:  # the other ranks' calls no longer line up with this rank's
             raise RuntimeError("an earlier bucket of this step failed")  # finish() raises that
         try:
-            self._add(leaves, extra)
-            if LEAVE_IN_FLIGHT and self.fusion.backend.progresses:
-                self.fusion.flush()
-            else:
-                self.fusion.wait()
+            fn()
         except BaseException:
             self._failed = True
             raise

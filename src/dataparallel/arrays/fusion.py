@@ -123,12 +123,13 @@ Flight: TypeAlias = HostFlight | DeviceFlight | SegmentFlight
 
 
 class InFlight(NamedTuple):
-    """A started `Flight`: the engine's handle (None: it completed in the call) and the
-    timeline's id of its communicate phase."""
+    """A started `Flight`: the engine's handle (None: it completed in the call), the
+    timeline's id of its communicate phase, and its number among the calls (`Fusion.calls`)."""
 
     flight: Flight
     handle: Handle | None
     span: int
+    call: int
 
 
 class Fusion:
@@ -322,6 +323,13 @@ class Fusion:
         """Return whether every call started so far has completed."""
         return all(f.handle is None or f.handle.test() for f in self._flights)
 
+    def land_before(self, calls: int) -> None:
+        """Wait for the calls started before the `calls`-th (a value of `calls` taken earlier)
+        and write their results, leaving later ones in flight: a caller that needs an earlier
+        bucket's results (PowerSGD's second phase) while the next bucket travels."""
+        while self._flights and self._flights[0].call < calls:
+            self._land(self._flights.pop(0))
+
     def wait(self) -> list[object]:
         """Flush, wait for every call, write the results into the queued arrays.
 
@@ -364,7 +372,8 @@ class Fusion:
                 nbytes = flight.buf.nbytes
             timeline.complete("pack", packing, dtype=dtype, arrays=len(works), bytes=nbytes)
             span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
-        started = InFlight(flight, start(self.backend, self.action, flight, self.async_op), span)
+        handle = start(self.backend, self.action, flight, self.async_op)
+        started = InFlight(flight, handle, span, self.calls)
         self.calls += 1
         if self.async_op:
             self._flights.append(started)

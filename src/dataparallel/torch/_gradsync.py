@@ -420,7 +420,8 @@ class GradientSync:
     def answer_low_rank(self, replay: PowerSGDReplay, backend: Backend, pool: Any) -> None:
         """Answer a compressed step of the other ranks (this rank has joined: `dp.torch.join`)."""
         assert self._low is not None
-        self._low.answer(replay, self._params, backend, pool)
+        buckets = [b.members for b in self._buckets]
+        self._low.answer(replay, self._params, buckets, backend, pool)
 
     @property
     def calls(self) -> int:
@@ -508,6 +509,8 @@ class GradientSync:
         if self._state != State.OPEN:
             return
         self._hooks.launch_rest(self._launch)
+        if self._compressing:
+            self._low_rank_phase(len(self._buckets))  # the last bucket's Qs
         self._state = State.LAUNCHED
         # Parameters trainable since the buckets were laid out (identical on every rank).
         laid_out = {id(p) for _, p in self._params}
@@ -566,15 +569,15 @@ class GradientSync:
 
     def _low_rank_replay(self) -> PowerSGDReplay:
         """A compressed step's calls: each bucket's uncompressed members and its `P`s (`extra`),
-        then the `Q`s; the joined rank's `dp.torch.join` keeps the `Q`s (`_join`)."""
+        each bucket's `Q`s after the next bucket (`_low_rank_phase`); the joined rank's
+        `dp.torch.join` keeps the `Q`s (`_join`)."""
         low = self._low
         assert low is not None
         buckets: list[Bucket] = []
         extra: list[list[Add]] = []
-        for b in self._buckets:
-            kept = [i for i in b.members if i not in low.matrices]
-            buckets.append(Bucket(kept, b.key))
-            ps = [i for i in b.members if i in low.matrices]
+        compressed = low.compressed([b.members for b in self._buckets])
+        for b, ps in zip(self._buckets, compressed, strict=True):
+            buckets.append(Bucket([i for i in b.members if i not in low.matrices], b.key))
             total = sum(low.matrices[i].rows * low.matrices[i].rank for i in ps)
             device, dtype = b.key
             key = HOST_KEY if device == "cpu" else ("torch", device)
@@ -582,21 +585,34 @@ class GradientSync:
         made = replay_of(
             self._params, buckets, self._current(), self._action, self.bucket_bytes, extra=extra
         )
-        then = Replay.of(
-            self._action,
-            [low.replay_q(self._params)],
-            bucket_bytes=self.bucket_bytes,
-            async_op=True,
-        )
+        n = len(self._buckets)
+        flushes: list[tuple[Add, ...]] = []
+        qs: list[int] = []
+        given = 0  # arrays given so far
+
+        def q_of(b: int) -> None:
+            nonlocal given
+            if 0 <= b < n and compressed[b]:
+                flushes.append((low.q_add(compressed[b], extra[b][0]),))
+                qs.append(given)
+                given += 1
+
+        for b, flush in enumerate(made.flushes[:n]):
+            flushes.append(flush)
+            given += len(flush)
+            q_of(b - 1)
+        q_of(n - 1)
+        flushes.extend(made.flushes[n:])  # the late parameters'
         return PowerSGDReplay(
             made.action,
-            made.flushes,
+            tuple(flushes),
             made.bucket_bytes,
             made.async_op,
             made.contiguous,
-            then,
+            None,
             None,
             sync=self.join_index,
+            qs=tuple(qs),
         )
 
     def _launch(self, b: int) -> None:
@@ -624,12 +640,14 @@ class GradientSync:
                 continue
             leaves.append((family, p.grad))
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
-            factors = low.first(compressed, self._params, computed_now)
+            factors = low.first(b, compressed, self._params, computed_now)
             leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
             self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
         self._router.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
+        if low is not None:
+            self._low_rank_phase(b)
 
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
@@ -681,20 +699,44 @@ class GradientSync:
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
 
+    def _low_rank_phase(self, b: int) -> None:
+        """PowerSGD's later phases, as torch's hook runs them per bucket, in one order on every
+        rank: once bucket `b` is sent (`b` = the bucket count: once all are), bucket `b - 1`'s
+        averaged `P`s are back (its calls are older than `b`'s): its `Q`s are computed and sent;
+        bucket `b - 2`'s `Q`s are back: its gradients are written. All on the thread the
+        step's calls are made on (`Router.run`), so that on the communication thread they
+        run beside backward, and only the last buckets' phases are left after it."""
+        low = self._low
+        assert low is not None
+        if b not in low.buckets and b - 1 not in low.buckets and b - 2 not in low.buckets:
+            return  # (tested one by one: the communication thread may change the dict)
+        router = self._router
+
+        def phase() -> None:
+            fusion = router.fusion
+            low.sent[b] = fusion.calls
+            if b - 1 in low.buckets:
+                fusion.land_before(low.sent[b - 1])
+                q = low.second(b - 1)
+                router.put([(grad_family(self.owner, "PowerSGD Q", q), q)])
+                low.q_sent[b - 1] = fusion.calls
+            if b - 2 in low.q_sent:
+                fusion.land_before(low.q_sent.pop(b - 2))
+                low.finish(b - 2)
+
+        router.run(phase)
+
     def _low_rank_finish(self) -> None:
-        """With every bucket back (the `P`s averaged): reduce the `Q`s in one fused call and
-        write each compressed gradient's approximation; count the step (on every rank alike)."""
+        """With every call back: write the gradients of the buckets whose `Q`s came last; count
+        the step (on every rank alike)."""
         low = self._low
         assert low is not None
         if self._compressing:
             try:
-                qs = low.second()
-                self._router.send([(grad_family(self.owner, "PowerSGD Q", q), q) for q in qs])
-                self._router.finish()
-                low.finish()
-            except BaseException:
+                for b in sorted(low.q_sent):
+                    low.finish(b)
+            finally:
                 low.discard()
-                raise
         low.iteration += 1
 
     def _switch(self, overlap: bool) -> None:

@@ -4,9 +4,10 @@ PowerSGD (Vogels et al., 2019), as torch's batched `powerSGD_hook`, fitted into 
 `GradientSync` already sends, so the thin factors still travel during backward: each compressed
 gradient, viewed as a matrix `M` (first dimension by the rest; this rank's residual added first),
 is replaced in its bucket by `P = M Q`, beside the members not worth compressing (1-D tensors,
-small matrices: `PowerSGDCompressor.min_compression_rate`). When every bucket is back, each
-averaged `P` is orthonormalized and all the `Q = M^T P` travel in one more fused call; the
-gradient becomes `P Q^T`, exact where the ranks' average has rank at most `rank`.
+small matrices: `PowerSGDCompressor.min_compression_rate`). As torch's hook, per bucket: once
+the next bucket is sent, a bucket's averaged `P`s are orthonormalized and its `Q = M^T P` sent;
+one bucket later its gradients become `P Q^T`, exact where the ranks' average has rank at most
+`rank` (`GradientSync` runs these phases beside backward, leaving the last buckets' after it).
 
 Error feedback keeps `M - P P^T M`, what the projection took from this rank's own matrix: the
 residuals' average is what the approximation dropped from the average. (torch's hook keeps
@@ -31,8 +32,7 @@ import numpy as np
 import torch
 
 from dataparallel.arrays.compression import PowerSGDCompressor
-from dataparallel.arrays.dtypes import BF16_BITS, dtype_name
-from dataparallel.arrays.fusion import HOST_KEY
+from dataparallel.arrays.dtypes import BF16_BITS
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
@@ -54,17 +54,20 @@ class Matrix:
 
 @dataclass(frozen=True)
 class PowerSGDReplay(Replay):
-    """A compressed step's calls for a rank that has joined: the buckets (with their `P`s), then
-    the `Q`s (`then`). Under `dp.torch.join` the joined rank keeps the averaged `Q`s and counts
-    the step, so that its basis stays the others' (`LowRank.answer`); under a plain `dp.join` it
-    only makes the calls, and its next compressed step raises `CollectiveMismatchError` (the step
-    counts differ) instead of mixing bases.
+    """A compressed step's calls for a rank that has joined: each bucket (with its `P`s), each
+    bucket's `Q`s one bucket later, as `GradientSync` makes them. Under `dp.torch.join` the
+    joined rank keeps the averaged `Q`s and counts the step, so that its basis stays the
+    others' (`LowRank.answer`); under a plain `dp.join` it only makes the calls, and its next
+    compressed step raises `CollectiveMismatchError` (the step counts differ) instead of mixing
+    bases.
 
     Attributes:
         sync: which of the block's gradient reductions (their order in `dp.torch.join(...)`).
+        qs: where each compressed bucket's `Q` buffer is among the arrays given, in bucket order.
     """
 
     sync: int = 0
+    qs: tuple[int, ...] = ()
 
 
 class LowRank:
@@ -83,6 +86,11 @@ class LowRank:
         self._ps: dict[int, torch.Tensor] = {}
         self._q_of: dict[int, torch.Tensor] = {}  # this step's Qs, in the buffers reduced
         self._kept: dict[int, torch.Tensor] = {}  # P P^T M: what of this rank's M travels
+        # This step's buckets that carry Ps: their matrices, and `Fusion.calls` once their P
+        # (`sent`) and their Q (`q_sent`) went out, to land no later call than theirs.
+        self.buckets: dict[int, list[int]] = {}
+        self.sent: dict[int, int] = {}
+        self.q_sent: dict[int, int] = {}
 
     # -- which parameters, and what travels -----------------------------------------------------
 
@@ -127,9 +135,12 @@ class LowRank:
             q = self.qs[i] = q.to(device=p.device, dtype=p.dtype)
         return q
 
-    def first(self, members: list[int], params: NamedParams, computed: set[int]) -> torch.Tensor:
+    def first(
+        self, bucket: int, members: list[int], params: NamedParams, computed: set[int]
+    ) -> torch.Tensor:
         """Compute the `P`s of a bucket's compressed `members` (gradients present), residuals
         added to those `computed` this step; return the bucket's `P` buffer, to be reduced."""
+        self.buckets[bucket] = members
         grads = [params[i][1].grad for i in members]
         total = sum(self.matrices[i].rows * self.matrices[i].rank for i in members)
         first = grads[0]
@@ -150,42 +161,37 @@ class LowRank:
             offset += m.rows * m.rank
         return buffer
 
-    def second(self) -> list[torch.Tensor]:
-        """Orthonormalize each averaged `P`, compute `Q = M^T P`: the `Q` buffers to reduce, one
-        per (device, dtype), in `replay_q`'s order."""
-        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i in sorted(self._ps):
-            p = self._ps[i]
-            by_key.setdefault((p.device, p.dtype), []).append(i)
-        buffers = []
-        for (device, dtype), members in by_key.items():
-            total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
-            buffer = torch.empty(total, dtype=dtype, device=device)
-            offset = 0
-            for i in members:
-                m, p = self.matrices[i], self._ps[i]
-                _orthonormalize(p)
-                q = buffer[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
-                torch.matmul(self._ms[i].t(), p, out=q)
-                self._q_of[i] = q
-                if self.config.use_error_feedback:  # P (M^T P)^T is this rank's M, projected
-                    self._kept[i] = q.clone()  # thin: the projection is formed once, in finish
-                offset += m.cols * m.rank
-            buffers.append(buffer)
-        return buffers
+    def second(self, bucket: int) -> torch.Tensor:
+        """With the bucket's averaged `P`s back: orthonormalize each, compute `Q = M^T P`;
+        return the bucket's `Q` buffer, to be reduced."""
+        members = self.buckets[bucket]
+        first = self._ps[members[0]]
+        total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
+        buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        offset = 0
+        for i in members:
+            m, p = self.matrices[i], self._ps[i]
+            _orthonormalize(p)
+            q = buffer[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
+            torch.matmul(self._ms[i].t(), p, out=q)
+            self._q_of[i] = q
+            if self.config.use_error_feedback:  # P (M^T P)^T is this rank's M, projected
+                self._kept[i] = q.clone()  # thin: the projection is formed once, in finish
+            offset += m.cols * m.rank
+        return buffer
 
-    def finish(self) -> None:
-        """With the reduced `Q`s back: each gradient becomes `P Q^T` (the average's
+    def finish(self, bucket: int) -> None:
+        """With the bucket's reduced `Q`s back: each gradient becomes `P Q^T` (the average's
         approximation, times `world` for a sum), the residual `M - P P^T M` (what this rank's
         own matrix lost to the projection), and `Q` is kept."""
-        for i, q in self._q_of.items():
-            g, m, p = self._grads[i], self._ms[i], self._ps[i]
+        for i in self.buckets.pop(bucket):
+            g, m, p, q = self._grads.pop(i), self._ms.pop(i), self._ps.pop(i), self._q_of.pop(i)
             if self.config.use_error_feedback:
                 residual = self.residuals.get(i)
                 if residual is None or residual.shape != g.shape or residual.dtype != g.dtype:
                     residual = self.residuals[i] = torch.empty_like(g, memory_format=_DENSE)
                 # M - P (M^T P)^T in one pass over the matrix, before M (maybe g) is overwritten
-                torch.addmm(m, p, self._kept[i].t(), alpha=-1, out=residual.view(m.shape))
+                torch.addmm(m, p, self._kept.pop(i).t(), alpha=-1, out=residual.view(m.shape))
             # P Q^T with the reduced Q as it came (a sum's when `world` != 1: the gradient is the
             # ranks' sum then), written straight into the gradient where M is its view
             if g.is_contiguous() and m.data_ptr() == g.data_ptr():
@@ -195,39 +201,38 @@ class LowRank:
             if self.world != 1:
                 q.div_(self.world)  # the average's Q, kept for the next step
             self.qs[i] = q.clone()
-        self.discard()
 
     def discard(self) -> None:
         """Drop this step's matrices (done, or failed)."""
         self._grads, self._ms, self._ps, self._q_of, self._kept = {}, {}, {}, {}, {}
+        self.buckets, self.sent, self.q_sent = {}, {}, {}
 
     # -- ranks that have joined ------------------------------------------------------------------
 
-    def _q_groups(self, params: NamedParams) -> dict[tuple[str, str], list[int]]:
-        """The compressed parameters by (device, dtype), as `second` groups their `Q`s."""
-        groups: dict[tuple[str, str], list[int]] = {}
-        for i in sorted(self.matrices):
-            p = params[i][1]
-            groups.setdefault((str(p.device), dtype_name(p.dtype)), []).append(i)
-        return groups
+    def compressed(self, buckets: list[list[int]]) -> list[list[int]]:
+        """Each bucket's compressed members, in the order `first` takes them."""
+        return [[i for i in members if i in self.matrices] for members in buckets]
 
-    def replay_q(self, params: NamedParams) -> list[Add]:
-        """The `Q` buffers' arrays, as `second` makes them, for a replay."""
-        adds: list[Add] = []
-        for (device, dtype), members in self._q_groups(params).items():
-            total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
-            adds.append((HOST_KEY if device == "cpu" else ("torch", device), dtype, (total,)))
-        return adds
+    def q_add(self, members: list[int], key: Add) -> Add:
+        """The `Q` buffer of a bucket whose compressed `members` travel in `key`'s buffers (the
+        `P`'s array, for a replay)."""
+        total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
+        return (key[0], key[1], (total,))
 
     def answer(
-        self, replay: PowerSGDReplay, params: NamedParams, backend: Backend, pool: BufferPool
+        self,
+        replay: PowerSGDReplay,
+        params: NamedParams,
+        buckets: list[list[int]],
+        backend: Backend,
+        pool: BufferPool,
     ) -> None:
         """Make a compressed step's calls on zeros (this rank has joined) and keep the averaged
         `Q`s it brings back, so that this rank's basis stays the others'."""
-        Replay.run(_plain(replay), backend, pool)
-        assert replay.then is not None
-        given = replay.then.reduce_zeros(backend, pool)
-        for values, members in zip(given, self._q_groups(params).values(), strict=True):
+        given = replay.reduce_zeros(backend, pool)
+        compressed = [members for members in self.compressed(buckets) if members]
+        for at, members in zip(replay.qs, compressed, strict=True):
+            values = given[at]
             if values.dtype == BF16_BITS:  # bfloat16, as its bits
                 flat = torch.from_numpy(values.reshape(-1).view(np.int16)).view(torch.bfloat16)
             else:
@@ -265,19 +270,6 @@ class LowRank:
             qs[i] = q.detach().to(device=p.device, dtype=p.dtype, copy=True)
         self.qs = qs
         self.iteration = int(state["iteration"])
-
-
-def _plain(replay: PowerSGDReplay) -> Replay:
-    """The bucket calls of `replay` alone (its `then`, the `Q`s, is made by the caller)."""
-    return Replay(
-        replay.action,
-        replay.flushes,
-        replay.bucket_bytes,
-        replay.async_op,
-        replay.contiguous,
-        None,
-        replay.compression,
-    )
 
 
 def _orthonormalize(p: torch.Tensor) -> None:
