@@ -27,7 +27,9 @@ dataparallel's cases first run until their mode trial has chosen (`torch/_bucket
 `--powersgd 1,2,4`: also dp's `DistributedOptimizer` with `dp.Compression.powersgd(rank=r)` and
 DDP with torch's `powerSGD_hook` at the same ranks (both `start_iter` 10, run past it before they
 are timed), and a second table: the loss after `--loss-steps` steps of each case from the same
-model, the same batches (each rank its own), against the uncompressed loss. Over Gloo, torch's
+model, the same batches (each rank its own), against the uncompressed loss (`--loss-only`: that
+table alone; the link does not change it, so `mpiexec -n 2 python benchmarks/network.py --worker
+--loss-only --powersgd 1,2,4 --master 127.0.0.1` gives it on one host). Over Gloo, torch's
 hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
 main thread starts the next bucket's: on one process group the ranks can then number their calls
 differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
@@ -236,9 +238,15 @@ def work(args: argparse.Namespace) -> None:
     def adam(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(m.parameters(), lr=1e-4)
 
+    ranks = [int(v) for v in args.powersgd.split(",") if v]
     for d in (int(v) for v in args.d.split(",")):
         base = transformer(d)
         n = sum(p.numel() for p in base.parameters())
+        if args.loss_only:
+            final = losses(base, adam, batch, ranks, args.loss_steps)
+            if dp.is_main():
+                report_losses(d, final, args.loss_steps)
+            continue
         cases: dict[str, tuple[Callable[[], None], Any]] = {}
         single = copy.deepcopy(base)
         cases[ALONE] = (trainer(single, adam(single), batch), None)
@@ -275,7 +283,6 @@ def work(args: argparse.Namespace) -> None:
             if compression is not None:
                 ddp.register_comm_hook(None, fp16_compress_hook)
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
-        ranks = [int(v) for v in args.powersgd.split(",") if v]
         for name, step in low_rank_cases(base, adam, batch, ranks).items():
             for _ in range(LOW_RANK_START + 2):  # past start_iter: timed compressed
                 step()
@@ -548,6 +555,9 @@ def main() -> int:
     parser.add_argument(
         "--lean", action="store_true", help="time only fp16 beside PowerSGD (no fp32, no model)"
     )
+    parser.add_argument(
+        "--loss-only", action="store_true", help="only the loss table (with --powersgd)"
+    )
     parser.add_argument("--hvd-venv", default="", help="Horovod's own venv, if any")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per link rate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -569,6 +579,7 @@ def main() -> int:
     worker += ["--tolerance", str(args.tolerance), "--master", f"{SUBNET}.1"]
     worker += ["--variants"] if args.variants else []
     worker += ["--lean"] if args.lean else []
+    worker += ["--loss-only"] if args.loss_only else []
     worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
     return launch(args, worker)
 
