@@ -576,10 +576,11 @@ class GradientSync:
         buckets: list[Bucket] = []
         extra: list[list[Add]] = []
         compressed = low.compressed([b.members for b in self._buckets])
-        for b, ps in zip(self._buckets, compressed, strict=True):
-            buckets.append(Bucket([i for i in b.members if i not in low.matrices], b.key))
+        for bucket, ps in zip(self._buckets, compressed, strict=True):
+            kept = [i for i in bucket.members if i not in low.matrices]
+            buckets.append(Bucket(kept, bucket.key))
             total = sum(low.matrices[i].rows * low.matrices[i].rank for i in ps)
-            device, dtype = b.key
+            device, dtype = bucket.key
             key = HOST_KEY if device == "cpu" else ("torch", device)
             extra.append([(key, dtype, (total,))] if ps else [])
         made = replay_of(
