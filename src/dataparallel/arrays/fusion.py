@@ -401,8 +401,10 @@ class Fusion:
             flight = pack()
             if isinstance(flight, DeviceFlight):
                 nbytes = flight.bucket.ops.nbytes(flight.bucket.buf)
+            elif isinstance(flight, ShardFlight):
+                nbytes = flight.wire.nbytes
             else:
-                nbytes = flight.wire.nbytes if type(flight) is ShardFlight else flight.buf.nbytes
+                nbytes = flight.buf.nbytes
             dtype = flight.dtype
             timeline.complete("pack", packing, dtype=dtype, arrays=arrays, bytes=nbytes)
             span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
