@@ -13,7 +13,9 @@ handed to the engine there, or staged through pinned host memory once per bucket
 Reduce-scatter (`Scatter`) and all-to-all (`Exchange`) split every array along its first axis
 by rank: a bucket is laid out rank by rank (`segments.py`) so that one call moves it all, and the
 results, which change shape, are handed to a `deliver` function per array instead of being
-written back. They take host arrays only.
+written back. They take host arrays only. A reduce-scatter of a bucket its caller packs and
+splits itself (a ZeRO bucket's padded segments: `ShardFlight`) is one of the flights too, so that
+one record bounds what is in flight.
 
 The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducescatter`,
 `dp.alltoall`, ...), the reducers and the optimizers all run on `Fusion`; there is no second engine.
@@ -59,6 +61,7 @@ __all__ = [
     "HostFlight",
     "InFlight",
     "SegmentFlight",
+    "ShardFlight",
     "allreduce_into_scaled",
     "allreduce_scaled",
     "bucket_views",
@@ -118,8 +121,22 @@ class SegmentFlight:
     pooled: tuple[np.ndarray, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ShardFlight:
+    """A reduce-scatter of a buffer its caller packed, split by the per-rank `counts` it gives:
+    this rank's part of the sum lands in `recv`, which is then handed to `land` (that writes it
+    where it belongs, by copy or add, and takes the caller's buffers back)."""
+
+    dtype: str
+    wire: np.ndarray  # what the engine reads, the counts' sum of items
+    recv: np.ndarray  # what the engine fills: this rank's count of items
+    counts: tuple[int, ...]
+    land: Deliver
+    pooled: tuple[np.ndarray, ...] = ()  # nothing of the pool's: the caller's buffers
+
+
 # One engine call's worth of a bucket, packed; dispatched on by type when it starts and lands.
-Flight: TypeAlias = HostFlight | DeviceFlight | SegmentFlight
+Flight: TypeAlias = HostFlight | DeviceFlight | SegmentFlight | ShardFlight
 
 
 class InFlight(NamedTuple):
@@ -336,11 +353,31 @@ class Fusion:
             self.flush()
         finally:
             flights, self._flights = self._flights, []
-        for flight in flights:
-            self._land(flight)  # on an error the later flights are dropped, buffers not reused
+        self._land_all(flights)
         if not self._receives():
             return [x for _, x, _, _ in leaves]
         return write_back(leaves)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some call started has not landed yet."""
+        return bool(self._flights)
+
+    def land(self) -> None:
+        """Complete every call in flight (what is queued stays queued)."""
+        flights, self._flights = self._flights, []
+        self._land_all(flights)
+
+    def _land_all(self, flights: list[InFlight]) -> None:
+        for flight in flights:
+            self._land(flight)  # on an error the later flights are dropped, buffers not reused
+
+    def reduce_scatter(self, pack: Callable[[], ShardFlight]) -> None:
+        """Start a reduce-scatter of a bucket the caller packs, as this fusion's next flight:
+        `pack` runs once the calls it must follow have landed (on MPI, all of them), so that it
+        may reuse their buffers."""
+        assert isinstance(self.action, Scatter)
+        self._start(pack, 1)
 
     def _trace_queue(self, bucket_key: BucketKey, arrays: int) -> None:
         assert self.timeline is not None
@@ -349,20 +386,27 @@ class Fusion:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
     def _launch(self, works: list[Work], dtype: str, delivers: list[Deliver]) -> None:
+        self._start(lambda: self._pack(works, dtype, delivers), len(works))
+
+    def _start(self, pack: Callable[[], Flight], arrays: int) -> None:
+        """Pack a bucket (`pack`), start its call, keep it in flight or land it."""
         if not self.backend.progresses:  # one call in flight at a time (`Backend.progresses`)
             while self._flights:
                 self._land(self._flights.pop(0))
         timeline, span = self.timeline, 0
         if timeline is None:
-            flight = self._pack(works, dtype, delivers)
+            flight = pack()
         else:
             packing = timeline.now()
-            flight = self._pack(works, dtype, delivers)
+            flight = pack()
             if isinstance(flight, DeviceFlight):
                 nbytes = flight.bucket.ops.nbytes(flight.bucket.buf)
+            elif isinstance(flight, ShardFlight):
+                nbytes = flight.wire.nbytes
             else:
                 nbytes = flight.buf.nbytes
-            timeline.complete("pack", packing, dtype=dtype, arrays=len(works), bytes=nbytes)
+            dtype = flight.dtype
+            timeline.complete("pack", packing, dtype=dtype, arrays=arrays, bytes=nbytes)
             span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
         started = InFlight(flight, start(self.backend, self.action, flight, self.async_op), span)
         self.calls += 1
@@ -487,7 +531,7 @@ class Fusion:
                 if type(flight) is HostFlight
                 else len(flight.deliver)
                 if type(flight) is SegmentFlight
-                else 0
+                else int(type(flight) is ShardFlight)
             )
             timeline.complete("unpack", unpacking, arrays=arrays)
 
@@ -517,6 +561,13 @@ _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
 def start(backend: Backend, action: Action, flight: Flight, async_op: bool) -> Handle | None:
     """Make the engine call that carries `flight`; return its handle when `async_op` (None: the
     call completed before returning)."""
+    if type(flight) is ShardFlight:  # a reduce-scatter by the caller's counts
+        assert isinstance(action, Scatter)
+        counts = list(flight.counts)
+        if async_op:
+            return backend.ireduce_scatter(flight.wire, flight.recv, counts, action.op)
+        backend.reduce_scatter(flight.wire, flight.recv, counts, action.op)
+        return None
     if type(flight) is SegmentFlight:  # a reduce-scatter or an all-to-all
         assert isinstance(action, (Scatter, Exchange))
         op = action.op if isinstance(action, Scatter) else ReduceOp.SUM
@@ -600,6 +651,10 @@ def unpack(
     match flight:
         case DeviceFlight(bucket=bucket):
             bucket.land(receives, scale)
+        case ShardFlight():
+            if scale is not None and scale != 1:
+                scale_in_place(flight.recv, scale)
+            flight.land(flight.recv)
         case SegmentFlight():
             if receives:
                 _from_wire(flight.recv_wire, flight.recv, flight.dtype, scale)
