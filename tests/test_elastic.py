@@ -410,8 +410,8 @@ def test_torch_state_carries_a_fully_sharded_model_and_its_optimizer(
 
 def test_the_holders_of_a_lost_ranks_rows() -> None:
     """Each commit copies a rank's rows to the rank before it: a lost rank's rows are found
-    there, and two neighbours lost at once (or a loss before any commit copied them) are
-    said, not loaded in part."""
+    there, and two neighbours lost at once (or copies never made) are said, not loaded in
+    part."""
     pytest.importorskip("torch")
     from dataparallel.torch._zero.carry import holders
 

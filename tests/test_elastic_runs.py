@@ -351,8 +351,9 @@ def check_fully_sharded(tmp_path: Path, sizes: list[int]) -> None:
     expected = replay(out["history"])
     assert out["params"].keys() == expected.keys()
     for name, value in out["params"].items():
-        torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), expected[name],
-                                   rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(
+            torch.tensor(value, dtype=torch.float64), expected[name], rtol=1e-9, atol=1e-11
+        )
 
 
 @pytest.mark.parametrize("victim", ["w1", "w0"])
@@ -372,8 +373,13 @@ def test_a_fully_sharded_run_grows(tmp_path: Path) -> None:
     and their Adam state from the two that were there, without rolling back."""
     script = discovery_script(tmp_path, "localhost:2")
     done = run_job(
-        [SCRIPTS / "elastic_fully_shard.py", "--out", tmp_path / "out.json",
-         "--slots", f"{tmp_path / 'slots'}:2:localhost:3"],
+        [
+            SCRIPTS / "elastic_fully_shard.py",
+            "--out",
+            tmp_path / "out.json",
+            "--slots",
+            f"{tmp_path / 'slots'}:2:localhost:3",
+        ],
         ranks=2,
         backend="gloo",
         job_timeout=LIMIT - 30,

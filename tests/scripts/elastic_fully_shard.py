@@ -126,7 +126,11 @@ def main() -> None:
 
     def commit() -> None:
         nonlocal commits, rediscovered
-        state.commit()
+        try:
+            state.commit()
+        except dp.elastic.HostsUpdatedInterrupt:  # committed all the same, on every rank
+            committed.update(size=dp.size(), whole=whole(model, opt))
+            raise
         commits += 1
         committed.update(size=dp.size(), whole=whole(model, opt))
         if args.slots and not rediscovered and dp.rank() == 0:
@@ -145,9 +149,9 @@ def main() -> None:
 
     @dp.elastic.run
     def train(state: dp.elastic.TorchState) -> None:
-        if committed and committed["size"] != dp.size():  # entered again on a re-formed world
-            checks.append(same(whole(model, opt), committed["whole"]))
-            committed["size"] = dp.size()
+        now = whole(model, opt)  # collective: every rank, a newcomer too
+        if "whole" in committed and committed["size"] != dp.size():  # on a re-formed world
+            checks.append(same(now, committed["whole"]))
         while state.epoch < args.epochs:
             s = state.sampler
             for b in range(s.steps(args.batch)):

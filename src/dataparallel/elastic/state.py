@@ -215,6 +215,13 @@ class TorchState(ObjectState):
     optimizer is laid out again over the new world (`rebind_world`). Until the first commit a
     rank keeps only its own slice: commit once before the first step if the optimizer already
     has state (a checkpoint loaded), or a re-form before then fails with a message saying so.
+
+    A model under `dp.torch.fully_shard` holds only its rows on each rank, and so does any
+    optimizer over its shards: each commit keeps this rank's rows and a copy of the next
+    rank's (`FullyShardedModule.commit_rows`), and after a re-form the survivors cut every
+    shard, and the optimizers' state of it, again for the new world (`carry_over`), after
+    agreeing on one commit (a loss during a commit can leave them one apart: the commit before
+    the last is kept for that).
     """
 
     def __init__(
@@ -355,6 +362,16 @@ class TorchState(ObjectState):
         with self._residuals_kept_out():
             super().sync()
         if survivor is None:  # the same world: every rank holds its rows already
+            if any(saved["next"] is None for rows in self._rows.values() for saved in rows):
+                # Made at construction, which is not collective: each rank copies its
+                # committed rows to the rank before it now (every rank syncs).
+                self._rows = {
+                    name: [
+                        root.commit_rows(self._over_shards, of=saved)
+                        for root, saved in zip(roots, self._rows[name], strict=True)
+                    ]
+                    for name, roots in self._sharded.items()
+                }
             return
         for name, roots in self._sharded.items():
             for root, saved in zip(roots, self._rows[name], strict=True):

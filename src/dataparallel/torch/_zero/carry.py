@@ -69,11 +69,17 @@ def _loads(data: np.ndarray) -> Any:
 
 
 def record(
-    groups: Groups, optimizers: Optimizers, backend: Backend, *, exchange: bool
+    groups: Groups,
+    optimizers: Optimizers,
+    backend: Backend,
+    *,
+    exchange: bool,
+    of: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """This rank's commit of `groups` (laid out over `backend`): its own rows and, with
-    `exchange` (collective: a ring of `sendrecv`s), the next rank's."""
-    own = _entries(groups, optimizers)
+    """This rank's commit of `groups` (laid out over `backend`): its own rows (`of`'s, a
+    commit made earlier in this layout, instead of today's) and, with `exchange` (collective:
+    a ring of `sendrecv`s), the next rank's."""
+    own = _entries(groups, optimizers) if of is None else of["own"]
     rank, size = backend.rank, backend.size
     following = None
     if exchange and size > 1:
@@ -129,10 +135,9 @@ def holders(marks: list[tuple[int, int, bool] | None]) -> dict[int, tuple[int, s
         else:
             raise RuntimeError(
                 f"the rows of a fully sharded model that rank {old} of {size} held are on no "
-                "surviving worker: each state.commit() keeps a copy of a rank's rows on the rank "
-                "before it, so two neighbouring ranks lost at once, or a loss before the first "
-                "commit, cannot be carried over. Commit once before the first step; after such "
-                "a loss, restart from a dp.checkpoint."
+                "surviving worker: each state.commit() (and the elastic run's first sync) keeps "
+                "a copy of a rank's rows on the rank before it, so two neighbouring ranks lost "
+                "at once cannot be carried over. Restart from a dp.checkpoint after such a loss."
             )
     return out
 
@@ -171,9 +176,7 @@ def carry_over(
         at += count
 
 
-def _fill(
-    info: Any, by_rank: list[dict[str, Any]], optimizers: Optimizers, rank: int
-) -> None:
+def _fill(info: Any, by_rank: list[dict[str, Any]], optimizers: Optimizers, rank: int) -> None:
     """Give this rank's shard of `info` (laid out already) its rows, and its optimizers' state,
     from every old rank's committed entry for it."""
     shard = info.sharded

@@ -216,7 +216,6 @@ class ShardGroup:
         self._gather: _Gather | None = None
         self._has_frozen = any(not info.trainable for info in self.params)
         self.context: _Context | None = None
-        self.world: world.World | None = None  # the world it shards over (set by fully_shard)
         self.on_world = False  # over the whole world, not a group (set by fully_shard)
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
@@ -784,11 +783,16 @@ class FullyShardedModule(nn.Module):
         return shards
 
     def commit_rows(
-        self, optimizers: Mapping[str, torch.optim.Optimizer], *, exchange: bool = True
+        self,
+        optimizers: Mapping[str, torch.optim.Optimizer],
+        *,
+        exchange: bool = True,
+        of: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A copy of this rank's rows of every parameter in this module and of `optimizers`'
         state for them (by name) and, with `exchange` (collective), of the next rank's: what
-        `dp.elastic.TorchState` commits, so that a lost worker's rows outlive it.
+        `dp.elastic.TorchState` commits, so that a lost worker's rows outlive it. `of`: a
+        commit made earlier in this layout, whose rows to exchange instead of today's.
 
         Raises:
             ValueError: the module shards over a group (`group=`), which a re-formed world
@@ -802,7 +806,7 @@ class FullyShardedModule(nn.Module):
                 "checkpoints."
             )
         backend = self._dp_group.backend
-        return carry.record(_groups(self), optimizers, backend, exchange=exchange)
+        return carry.record(_groups(self), optimizers, backend, exchange=exchange, of=of)
 
     def restore_rows(
         self, optimizers: Mapping[str, torch.optim.Optimizer], saved: Mapping[str, Any]
@@ -811,11 +815,6 @@ class FullyShardedModule(nn.Module):
         where the module was laid out over another world since."""
         return carry.restore(_groups(self), optimizers, saved)
 
-    @property
-    def outlived(self) -> bool:
-        """Whether the world this module is sharded over is gone (an elastic re-form)."""
-        return not world.initialized() or self._dp_group.world is not world.current()
-
     def carry_over(
         self, optimizers: Mapping[str, torch.optim.Optimizer], saved: Mapping[str, Any] | None
     ) -> None:
@@ -823,10 +822,7 @@ class FullyShardedModule(nn.Module):
         `optimizers`' state for them, from the survivors' `commit_rows` (collective: every
         rank of the new world, a newcomer with `saved=None`). The shards stay the same
         `nn.Parameter`s (of other shapes now): optimizers made on them keep working."""
-        current = world.current()
-        carry.carry_over(_groups(self), optimizers, saved, current.backend)
-        for group in _groups(self):
-            group.world = current
+        carry.carry_over(_groups(self), optimizers, saved, world.current().backend)
 
     def parameter_bytes(self) -> tuple[int, int]:
         """Bytes of parameters this rank holds now for this module: its shards, and the whole
@@ -925,8 +921,7 @@ def fully_shard(
     for info, (_, original) in zip(made.params, named, strict=True):
         original._dp_taken_by = weakref.ref(made)  # type: ignore[attr-defined]
         info.sharded._dp_shard = weakref.ref(made)  # type: ignore[attr-defined]
-    made.world = world.current()
-    made.on_world = engine is made.world.backend
+    made.on_world = engine is world.current().backend
     module.__class__ = _sharded_class(type(module))
     setattr(module, "_dp_group", made)  # noqa: B010 - not a tensor or module: a plain attribute
     module.register_forward_pre_hook(_pre_forward, prepend=True)
