@@ -424,10 +424,11 @@ class TorchState(ObjectState):
             # else: the same world, where every rank holds its slice of one state, or no state
             return
         if name in self._over_shards:  # its state of the shards: `carry_over`
-            received = _root_pickled(name, _without_shards(value))
-            kept = {p: value.state[p] for p in _shard_params(value) if p in value.state}
-            value.load_state_dict(received)
-            value.state.update(kept)
+            opt: Any = value
+            received = _root_pickled(name, _without_shards(opt))
+            kept = {p: opt.state[p] for p in _shard_params(opt) if p in opt.state}
+            opt.load_state_dict(received)
+            opt.state.update(kept)
             return
         if isinstance(value, torch.nn.Module):
             tensors = _unsharded_state(value) if name in self._sharded else value.state_dict()

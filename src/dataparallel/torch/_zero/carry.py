@@ -198,7 +198,7 @@ def _fill(info: Any, by_rank: list[dict[str, Any]], optimizers: Optimizers, rank
         entry = by_rank[source]["state"].get(name)
         if entry is None:
             continue
-        state = {}
+        state: dict[str, object] = {}
         for key, value in entry.items():
             if not scalar and _is_rows(value, by_rank[source]["param"]):
                 whole = torch.cat([e["state"][name][key] for e in by_rank])
