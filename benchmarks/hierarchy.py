@@ -318,8 +318,9 @@ class Job:
                 self.link.command(0, job), env=env, timeout=self.timeout,
                 capture_output=True, text=True,
             )  # fmt: skip
-        except subprocess.TimeoutExpired as late:  # say what it had done
-            print(f"the job ran past {self.timeout:.0f} s:", late.stdout, late.stderr, sep="\n")
+        except subprocess.TimeoutExpired as late:  # say what it had done (bytes, even so)
+            said = [b.decode(errors="replace") if b else "" for b in (late.stdout, late.stderr)]
+            print(f"the job ran past {self.timeout:.0f} s:", *said, sep="\n")
             raise SystemExit(1) from None
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
