@@ -113,7 +113,7 @@ def prescaled_copy(values: np.ndarray, out: np.ndarray, scale: float | None) -> 
     """`prescale` of `values` written into `out` (read-only memory's shares: one pass, where a
     copy then a scaling after the call make two). Return whether it did; if not, `out` is left
     as it was."""
-    if not prescalable(values.dtype, scale):
+    if scale is None or not prescalable(values.dtype, scale):
         return False
     np.multiply(values, scale, out=out)
     return True

@@ -504,7 +504,7 @@ def pack_bucket(works: list[np.ndarray], buf: np.ndarray, scale: float | None = 
 
     With `scale`, write them times `scale` where `prescale` would scale the bucket (a sum's
     shares), in the same one pass; return whether it did."""
-    if not prescalable(buf.dtype, scale):
+    if scale is None or not prescalable(buf.dtype, scale):
         np.concatenate(works, axis=None, out=buf)
         return False
     offset = 0
