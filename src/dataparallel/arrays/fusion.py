@@ -38,6 +38,7 @@ from dataparallel.arrays.device import DeviceBucket, DeviceWork
 from dataparallel.arrays.dtypes import (
     bf16_to_f32,
     f32_to_bf16,
+    prescalable,
     prescale,
     prescaled_copy,
     scale_in_place,
@@ -432,21 +433,26 @@ class Fusion:
         """Pack host `works` into one buffer (one contiguous writable array: itself, in place)."""
         pooled: list[np.ndarray] = []
         slots: tuple[tuple[np.ndarray, int], ...] = ()
+        compressed = self._compressed(dtype)
+        action, scale = self.action, None  # a sum's shares' scale (`prescale`)
+        if isinstance(action, Reduction) and action.root is None and action.op is ReduceOp.SUM:
+            scale = action.scale if compressed is None else None
+        # Scaled as they are packed where the engine takes the bucket as it is: one pass, not two.
+        folded = scale if dtype in self.backend.native_dtypes else None
+        prescaled = False
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
         else:
             buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
             pooled.append(buf)
-            pack_bucket(works, buf)
+            prescaled = pack_bucket(works, buf, folded)
             offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
             slots = tuple(zip(works, offsets, strict=True))
-        compressed = self._compressed(dtype)
-        wire, prescaled = buf, False
+        wire = buf
         if compressed is None:
             wire = self._wire(buf, dtype, pooled)
-            action = self.action
-            if isinstance(action, Reduction) and action.root is None and action.op is ReduceOp.SUM:
-                prescaled = prescale(wire, action.scale)  # a sum's shares only
+            if not prescaled:
+                prescaled = prescale(wire, scale)
         elif dtype != compressed:
             wire = self.pool.take(storage_dtype(compressed), buf.size)
             to_wire(buf, dtype, compressed, out=wire)
@@ -536,10 +542,20 @@ class Fusion:
             timeline.complete("unpack", unpacking, arrays=arrays)
 
 
-def pack_bucket(works: list[np.ndarray], buf: np.ndarray) -> None:
+def pack_bucket(works: list[np.ndarray], buf: np.ndarray, scale: float | None = None) -> bool:
     """Write `works` one after the other into `buf`, in C order: a host bucket's layout, whoever
-    packs it (`Fusion`, or a call plan that keeps a bucket of its own). One copy, in C."""
-    np.concatenate(works, axis=None, out=buf)
+    packs it (`Fusion`, or a call plan that keeps a bucket of its own). One copy, in C.
+
+    With `scale`, write them times `scale` where `prescale` would scale the bucket (a sum's
+    shares), in the same one pass; return whether it did."""
+    if scale is None or not prescalable(buf.dtype, scale):
+        np.concatenate(works, axis=None, out=buf)
+        return False
+    offset = 0
+    for work in works:
+        np.multiply(work.reshape(-1), scale, out=buf[offset : offset + work.size])
+        offset += work.size
+    return True
 
 
 def bucket_views(buf: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
