@@ -259,28 +259,16 @@ def train_work(args: argparse.Namespace) -> None:
     dp.finalize()
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     """`--train`: one 4-rank job (ranks by host) across the link shaped to `--rate`."""
-    reason = why_not()
-    if reason is not None:
-        print(f"skipped: {reason}")
-        return 0
     hvd = Path(args.hvd_venv) / "bin"
     bindir = hvd if args.hvd_venv and (hvd / "python").exists() else Path(sys.executable).parent
-    link = Link()
-    env = link.environment()
     worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker", "--train"]
     worker += ["--d", args.d, "--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--batch", str(args.batch)]
     worker += ["--seq", str(args.seq)]
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            link.shape(args.rate)
-            job = Job(link, link.launcher(Path(folder)), bindir, worker, args.timeout)
-            result = job.result("by host", env)
-    finally:
-        link.shape(None)
-        link.close()
+    link.shape(args.rate)
+    result = Job(link, launcher, bindir, worker, args.timeout).result("by host", link.environment())
     from train_step import ALONE
 
     print(f"Horovod: {result.pop('horovod')}")
@@ -330,8 +318,9 @@ class Job:
                 self.link.command(0, job), env=env, timeout=self.timeout,
                 capture_output=True, text=True,
             )  # fmt: skip
-        except subprocess.TimeoutExpired as late:  # say what it had done
-            print(f"the job ran past {self.timeout:.0f} s:", late.stdout, late.stderr, sep="\n")
+        except subprocess.TimeoutExpired as late:  # say what it had done (bytes, even so)
+            said = [b.decode(errors="replace") if b else "" for b in (late.stdout, late.stderr)]
+            print(f"the job ran past {self.timeout:.0f} s:", *said, sep="\n")
             raise SystemExit(1) from None
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
@@ -340,30 +329,20 @@ class Job:
         return json.loads(lines[0][len("RESULT ") :])
 
 
-def sweep(args: argparse.Namespace) -> int:
+def sweep(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     """`--sweep`: one job per link and layout, in turn, `--pairs` times."""
-    reason = why_not()
-    if reason is not None:
-        print(f"skipped: {reason}")
-        return 0
     bindir = Path(sys.executable).parent
-    link = Link()
     env = link.environment()
     rates = args.rates.split(",")
     cases = [(rate, layout) for rate in rates for layout in LAYOUTS]
     runs: dict[tuple[str, str], list[dict[str, dict[str, float]]]] = {c: [] for c in cases}
     worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker", "--sweep"]
     worker += ["--sizes", args.sizes, "--calls", str(args.calls)]
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            job = Job(link, link.launcher(Path(folder)), bindir, worker, args.timeout)
-            for _ in range(args.pairs):
-                for rate, layout in cases:
-                    link.shape(None if rate == "none" else rate)
-                    runs[rate, layout].append(job.result(layout, env))
-    finally:
-        link.shape(None)
-        link.close()
+    job = Job(link, launcher, bindir, worker, args.timeout)
+    for _ in range(args.pairs):
+        for rate, layout in cases:
+            link.shape(None if rate == "none" else rate)
+            runs[rate, layout].append(job.result(layout, env))
     print(f"2 hosts x 2 ranks, dp's Gloo engine, float32 allreduce, median ms per call "
           f"(slowest rank), {args.pairs} jobs each")  # fmt: skip
     print("| link | ranks | KiB a rank | one ring | by host | ring / by host |")
@@ -376,30 +355,20 @@ def sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def launch(args: argparse.Namespace) -> int:
-    reason = why_not()
-    if reason is not None:
-        print(f"skipped: {reason}")
-        return 0
+def launch(args: argparse.Namespace, link: Link, launcher: Path) -> int:
+    """The default mode: MPICH's compositions and the Gloo engines, bytes across the link."""
     bindir = Path(sys.executable).parent
-    link = Link()
     base = link.environment()
     size = args.mib * 2**20
     cases = [(layout, how) for layout in LAYOUTS for how in COMPOSITIONS]
     runs: dict[tuple[str, str], list[dict[str, dict[str, float]]]] = {c: [] for c in cases}
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            launcher = link.launcher(Path(folder))
-            link.shape(args.rate)
-            worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker"]
-            worker += ["--mib", str(args.mib), "--calls", str(args.calls)]
-            job = Job(link, launcher, bindir, worker, args.timeout)
-            for _ in range(args.pairs):
-                for layout, how in cases:
-                    runs[layout, how].append(job.result(layout, {**base, **COMPOSITIONS[how]}))
-    finally:
-        link.shape(None)
-        link.close()
+    link.shape(args.rate)
+    worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker"]
+    worker += ["--mib", str(args.mib), "--calls", str(args.calls)]
+    job = Job(link, launcher, bindir, worker, args.timeout)
+    for _ in range(args.pairs):
+        for layout, how in cases:
+            runs[layout, how].append(job.result(layout, {**base, **COMPOSITIONS[how]}))
     print(
         f"2 hosts x 2 ranks, MPI_Allreduce of {args.mib} MiB float32 a rank, {args.calls} calls, "
         f"link {args.rate or 'not shaped'}"
@@ -449,9 +418,14 @@ def main() -> int:
         else:
             sweep_work(args) if args.sweep else work(args)
         return 0
-    if args.train:
-        return train(args)
-    return sweep(args) if args.sweep else launch(args)
+    reason = why_not()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    mode = train if args.train else sweep if args.sweep else launch
+    # One link for whichever mode runs: unshaped and removed however the mode ends.
+    with Link() as link, tempfile.TemporaryDirectory() as folder:
+        return mode(args, link, link.launcher(Path(folder)))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,20 @@ first `--skip`, the slowest rank's. Cases:
 A case's overhead in a round is its step time minus that round's one-process time. Printed: each
 case's median step time and median overhead over rounds, and the ratios `DataParallelStrategy /
 ddp` of both (below 1: this library's strategy is faster).
+
+`--before FILE` (another commit's `src/dataparallel/arrays/fusion.py`) adds a case
+`DataParallelStrategy, --before`: the same strategy whose buckets that file's `Fusion` packs and
+unpacks, taken in turn with the others, and prints the overhead ratio after / before: a change to
+the bucket path measured before and after in the same processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -33,7 +41,10 @@ from pytorch_lightning.strategies import SingleDeviceStrategy
 from torch import nn
 
 import dataparallel as dp
+import dataparallel.torch._gradsync as gradsync
 from dataparallel.lightning import DataParallelStrategy
+
+OURS, DDP, BEFORE = "DataParallelStrategy", 'strategy="ddp"', "DataParallelStrategy, --before"
 
 
 class Timer(pl.Callback):
@@ -66,12 +77,23 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def step_time(case: str, args: argparse.Namespace) -> float:
+def fusion_of(path: str) -> type:
+    """The `Fusion` class of another commit's `arrays/fusion.py` at `path`."""
+    spec = importlib.util.spec_from_file_location("fusion_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.Fusion
+
+
+def step_time(case: str, args: argparse.Namespace, before: type | None = None) -> float:
     """Fit once with `case`'s strategy; return the slowest rank's median batch time."""
     strategies: dict[str, Any] = {
         "one process": SingleDeviceStrategy(device=torch.device("cpu")),
-        "DataParallelStrategy": DataParallelStrategy(),
-        'strategy="ddp"': "ddp",
+        OURS: DataParallelStrategy(),
+        BEFORE: DataParallelStrategy(),
+        DDP: "ddp",
     }
     timer = Timer()
     # Lightning's DDP checks devices x nodes against the launcher's world.
@@ -91,9 +113,22 @@ def step_time(case: str, args: argparse.Namespace) -> float:
     torch.manual_seed(0)
     rows = args.steps * args.batch
     data = torch.utils.data.TensorDataset(torch.randn(rows, 256), torch.randint(0, 10, (rows,)))
-    trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))
+    with contextlib.ExitStack() as stack:
+        if case == BEFORE:  # the reducer made in this fit packs with the other commit's Fusion
+            stack.enter_context(_swapped(gradsync, "Fusion", before))
+        trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))
     mine = statistics.median(timer.times[args.skip :])
     return float(dp.allreduce(torch.tensor(mine, dtype=torch.float64), op="max"))
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, name: str, value: Any) -> Any:
+    kept = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, kept)
 
 
 def main() -> None:
@@ -104,15 +139,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument(
+        "--before",
+        metavar="FILE",
+        help="another commit's fusion.py (src/dataparallel/arrays/fusion.py), for a "
+        "before/after of the bucket path in the same run",
+    )
     args = parser.parse_args()
+    before = fusion_of(args.before) if args.before else None
     torch.set_num_threads(1)
     dp.initialize()
-    cases = ["one process", "DataParallelStrategy", 'strategy="ddp"']
+    cases = ["one process", OURS, DDP, *([BEFORE] if before else [])]
     times: dict[str, list[float]] = {case: [] for case in cases}
     overheads: dict[str, list[float]] = {case: [] for case in cases[1:]}
     for r in range(args.rounds):
         order = cases[1:] if r % 2 == 0 else cases[:0:-1]
-        this_round = {case: step_time(case, args) for case in ["one process", *order]}
+        this_round = {case: step_time(case, args, before) for case in ["one process", *order]}
         for case, t in this_round.items():
             times[case].append(t)
         for case in cases[1:]:
@@ -125,15 +167,19 @@ def main() -> None:
         f"{params / 1e6:.2f} M parameters, batch {args.batch}, {args.rounds} rounds of "
         f"{args.steps} steps (median of steps {args.skip + 1}..{args.steps}, slowest rank)"
     )
-    print(f"{'case':<22} {'step ms':>9} {'overhead ms':>12}")
+    print(f"{'case':<32} {'step ms':>9} {'overhead ms':>12}")
     for case in cases:
         step = statistics.median(times[case]) * 1e3
         over = statistics.median(overheads[case]) * 1e3 if case in overheads else 0.0
-        print(f"{case:<22} {step:9.2f} {over:12.2f}")
-    ours, ddp = "DataParallelStrategy", 'strategy="ddp"'
-    step_ratio = statistics.median(times[ours]) / statistics.median(times[ddp])
-    over_ratio = statistics.median(overheads[ours]) / statistics.median(overheads[ddp])
+        print(f"{case:<32} {step:9.2f} {over:12.2f}")
+    step_ratio = statistics.median(times[OURS]) / statistics.median(times[DDP])
+    over_ratio = statistics.median(overheads[OURS]) / statistics.median(overheads[DDP])
     print(f"ratio DataParallelStrategy / ddp: step {step_ratio:.2f}, overhead {over_ratio:.2f}")
+    if before:
+        after = statistics.median(overheads[OURS]) / statistics.median(overheads[BEFORE])
+        print(f"ratio after / before (overhead): {after:.3f}")
+        over_ratio = statistics.median(overheads[BEFORE]) / statistics.median(overheads[DDP])
+        print(f"ratio --before / ddp: overhead {over_ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ def why_not() -> str | None:
 
 
 class Link:
-    """Two namespaces, `<tag>a` and `<tag>b`, joined by a veth pair; removed by `close()`."""
+    """Two namespaces, `<tag>a` and `<tag>b`, joined by a veth pair; removed by `close()`, or
+    at the end of a `with Link() as link:` block."""
 
     def __init__(self) -> None:
         tag = f"dpn{os.getpid() % 10000}"
@@ -160,6 +161,14 @@ class Link:
     def close(self) -> None:
         for space in self.made:  # deleting a namespace deletes its end of the veth pair
             _run("ip", "netns", "delete", space)
+
+    def __enter__(self) -> Link:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Unshape and remove the link, whatever happened inside the block."""
+        self.shape(None)
+        self.close()
 
 
 def launch(args: argparse.Namespace, worker: list[str]) -> int:

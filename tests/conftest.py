@@ -28,8 +28,9 @@ its time goes to tests that start jobs and wait on them. Each test goes to which
 free, except the files of `ONE_WORKER`, whose tests share what is built once (the sdist, the docs
 site) or one thing of the machine (the Slurm cluster): each goes whole to one worker. (Whole files
 for all, `loadfile`, left one worker running the few slow files at the end, on its own: xdist
-deals files out by their number of tests.) No test may count what runs on the whole machine, nor
-expect another test of its file to have run before it: any test may run beside it.
+deals files out by their number of tests.) The `spawns` tests go out first, the quick ones last.
+No test may count what runs on the whole machine, nor expect another test of its file to
+have run before it: any test may run beside it.
 
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
@@ -309,6 +310,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if id(item) in keep]
     if not _multi():
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # Jobs first: a test that starts one takes seconds, one in this process milliseconds,
+            # so the pass ends on short tests and no worker waits long for the other at the end.
+            items.sort(key=lambda item: "spawns" not in item.keywords)
         return
     skip = pytest.mark.skip(reason=SPAWNS_REASON)
     for item in items:

@@ -261,6 +261,27 @@ def test_buffer_pool_reuses_buffers_by_dtype_and_size_class() -> None:
     pool.give(big)
     assert np.shares_memory(pool.take(np.dtype(np.uint8), 4097), big)
     assert pool.take(np.dtype(np.uint8), 0).size == 0
+    assert pool.allocated == 4096 + 4096 + 8192 + 8192  # the buffers it made, out or free
+
+
+def test_an_exact_pool_keeps_no_more_than_is_in_use_and_counts_it() -> None:
+    pool = BufferPool(exact=True)
+    f32 = np.dtype(np.float32)
+    a = pool.take(f32, 10)
+    assert a.shape == (10,) and pool.allocated == 40  # no size class: what was asked for
+    pool.give(a)
+    b = pool.take(f32, 6)  # a free buffer that holds the request serves it
+    assert np.shares_memory(a, b) and b.shape == (6,) and pool.allocated == 40
+    pool.give(b)
+    c = pool.take(f32, 30)  # the free one is too small: dropped, a new one made
+    assert not np.shares_memory(a, c) and pool.allocated == 160  # a's still held here
+    del a, b
+    assert pool.allocated == 120  # the dropped buffer is no longer counted once it is gone
+    d = pool.take(f32, 30)  # c is out: another buffer
+    assert pool.allocated == 240
+    pool.give(c)
+    pool.give(d)
+    assert pool.allocated == 240 and np.shares_memory(pool.take(f32, 1), c)  # first fit
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

@@ -275,6 +275,69 @@ def test_optax_distributed_optimizer_compresses_eagerly_and_under_jit(rank: int,
         assert np.all(np.abs(-np.asarray(updates["w"], np.float64) - mean) <= limit)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(COMPRESSIONS))
+def test_optax_compresses_under_jit_in_packed_16_bit_buffers_as_eagerly(
+    name: str, dtype: str, rank: int, size: int
+) -> None:
+    """A jitted compressed update (packed 16-bit buffers, cast inside the step) gives the eager
+    update's results: equal up to two ranks, at three within the rounding of the 16-bit sums
+    (their order may differ with the buffers' sizes)."""
+    optax = pytest.importorskip("optax")
+    jax = pytest.importorskip("jax")
+    grads = {  # a large leaf (a buffer of its own), two small ones packed, and integers
+        "big": jax.numpy.asarray(draw(rank, 5, 70_000), dtype),
+        "small": jax.numpy.asarray(draw(rank, 6, 300), dtype),
+        "tiny": jax.numpy.asarray(draw(rank, 7, 3).reshape(3, 1), dtype),
+        "count": jax.numpy.arange(4, dtype=jax.numpy.int32),
+    }
+    opt = dp.DistributedOptimizer(optax.sgd(1.0), compression=COMPRESSIONS[name], op="sum")
+    params = jax.tree_util.tree_map(jax.numpy.zeros_like, grads)
+    state = opt.init(params)
+    eager, _ = opt.update(grads, state, params)
+    jitted, _ = jax.jit(opt.update)(grads, state, params)
+    wire = {"fp16": "float16", "bf16": "bfloat16"}[name]
+    for key, leaf in grads.items():
+        assert jitted[key].dtype == eager[key].dtype  # sgd's update of integers is floating
+        assert key == "count" or jitted[key].dtype == leaf.dtype
+        got, want = (np.asarray(x[key], np.float64) for x in (jitted, eager))
+        if size <= 2 or key == "count":
+            np.testing.assert_array_equal(got, want, err_msg=key)
+        else:
+            salt = {"big": 5, "small": 6, "tiny": 7}[key]
+            limit = bound(size, dtype, wire, salt, leaf.size).reshape(leaf.shape)
+            assert np.all(np.abs(got - want) <= limit), key
+    if dtype == "float32":  # it went through 16 bits
+        exact = sum(draw(r, 5, 70_000).astype(np.float32).astype(np.float64) for r in range(size))
+        assert np.any(-np.asarray(jitted["big"], np.float64) != exact)
+
+
+def test_optax_ranks_that_disagree_on_compression_under_jit_raise_a_mismatch(
+    rank: int, size: int
+) -> None:
+    if size == 1:
+        pytest.skip("a mismatch needs two ranks")
+    optax = pytest.importorskip("optax")
+    jax = pytest.importorskip("jax")
+    compression = dp.Compression.fp16 if rank == 0 else dp.Compression.bf16
+    opt = dp.DistributedOptimizer(optax.sgd(1.0), compression=compression)
+    params = {"w": jax.numpy.zeros(N, jax.numpy.float32)}
+    with pytest.raises(CollectiveMismatchError, match="compress"):
+        jax.jit(opt.update)(params, opt.init(params), params)
+    assert dp.allreduce(1.0) == size
+
+
+def test_optax_compression_refuses_the_mpi4jax_route_by_name(rank: int, size: int) -> None:
+    if size == 1:
+        pytest.skip("one rank reduces nothing: no route is taken")
+    optax = pytest.importorskip("optax")
+    jax = pytest.importorskip("jax")
+    opt = dp.DistributedOptimizer(optax.sgd(1.0), compression=dp.Compression.fp16, route="mpi4jax")
+    params = {"w": jax.numpy.zeros(N, jax.numpy.float32)}
+    with pytest.raises(RuntimeError, match="16-bit"):
+        jax.jit(opt.update)(params, opt.init(params), params)
+
+
 # -- the engines' 16-bit reduction --------------------------------------------------------------
 
 

@@ -342,3 +342,88 @@ def test_a_zero_state_never_committed_cannot_be_carried_over(
         state.sync()
     state.commit()  # a commit makes it whole: the same re-form now carries it
     state.sync()
+
+
+def _sharded_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fully sharded MLP of odd widths (padded chunks, ranks with no rows) and a scalar
+    parameter (held by rank 0 alone), with Adam over its shards."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model.register_parameter("gain", torch.nn.Parameter(torch.tensor(1.5)))
+    for block in (model[0], model[2]):
+        dp.torch.fully_shard(block)
+    dp.torch.fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _sharded_steps(model: Any, opt: Any, steps: range) -> None:
+    import torch
+
+    for step in steps:
+        g = torch.Generator().manual_seed(10 * step + dp.rank())
+        opt.zero_grad()
+        (model(torch.randn(3, 4, generator=g)).pow(2).mean() * model.gain).backward()
+        opt.step()
+
+
+def _rows(model: Any, opt: Any) -> list[Any]:
+    """This rank's shards and their Adam state, copied."""
+    out = []
+    for shard in model.parameter_shards().values():
+        state = {k: v.clone() for k, v in opt.state.get(shard.param, {}).items()}
+        out.append([shard.param.detach().clone(), list(shard.offsets), state])
+    return out
+
+
+def test_torch_state_carries_a_fully_sharded_model_and_its_optimizer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`TorchState(fully_shard model, Adam)`: `restore()` puts each rank's committed rows and
+    their Adam state back; after a re-form (here another round of the same size) `sync()` lays
+    every shard out again and fills it from the ranks' commits; the run then steps as the
+    uninterrupted one does, bit for bit."""
+    torch = pytest.importorskip("torch")
+    from dataparallel.elastic import state as state_module
+
+    model, opt = _sharded_run()
+    state = TorchState(model, opt, step=0)
+    _sharded_steps(model, opt, range(2))
+    state.commit()
+    committed = _rows(model, opt)
+    _sharded_steps(model, opt, range(2, 4))
+    assert not _same(_rows(model, opt), committed)
+    state.restore()
+    assert _same(_rows(model, opt), committed)
+    monkeypatch.setattr(state_module, "_generation", lambda: 1)
+    state.sync()
+    assert _same(_rows(model, opt), committed)
+    _sharded_steps(model, opt, range(2, 4))
+    after = _rows(model, opt)
+
+    model, opt = _sharded_run()  # the same run, never rolled back
+    _sharded_steps(model, opt, range(4))
+    assert _same(_rows(model, opt), after)
+    assert all(isinstance(p, torch.Tensor) for p, _, _ in after)
+
+
+def test_the_holders_of_a_lost_ranks_rows() -> None:
+    """Each commit copies a rank's rows to the rank before it: a lost rank's rows are found
+    there, and two neighbours lost at once (or copies never made) are said, not loaded in
+    part."""
+    pytest.importorskip("torch")
+    from dataparallel.torch._zero.carry import holders
+
+    # old ranks 0 and 2 of 3 survive as new ranks 0 and 1: old 1's rows are old 0's copy
+    assert holders([(0, 3, True), (2, 3, True)]) == {0: (0, "own"), 1: (0, "next"), 2: (1, "own")}
+    # a newcomer (None) holds nothing; old 0's rows come from old 2 (the rank before it)
+    assert holders([(1, 3, True), (2, 3, True), None]) == {
+        0: (1, "next"),
+        1: (0, "own"),
+        2: (1, "own"),
+    }
+    with pytest.raises(RuntimeError, match="rank 1 of 3 held are on no surviving worker"):
+        holders([(0, 3, False), (2, 3, False)])  # never committed: no copies
+    with pytest.raises(RuntimeError, match="rank 2 of 4 held are on no surviving worker"):
+        holders([(0, 4, True), (3, 4, True)])  # 1 and 2 lost together

@@ -351,3 +351,33 @@ def test_nccl_reduce_scatter_calls() -> None:
     assert device_pair(np.ones(2), np.ones(1), "x") is None
     with pytest.raises(TypeError, match=r"both be host arrays or both CUDA buffers"):
         device_pair(np.ones(2), recv, "reduce_scatter")
+
+
+def test_fusion_reduce_scatters_by_the_counts_its_caller_gives(rank: int, size: int) -> None:
+    """A bucket its caller packs and splits (ZeRO's padded segments, not rows): each rank gets
+    the sum of its count of items, handed to the caller's landing, and the flights are held to
+    `Fusion`'s bound (on MPI one at a time)."""
+    from dataparallel.arrays.actions import Scatter
+    from dataparallel.arrays.fusion import MAX_IN_FLIGHT, Fusion, ShardFlight
+
+    backend = world_module.current().backend
+    fusion = Fusion(backend, Scatter(ReduceOp.SUM), bucket_bytes=1)
+    landed: list[tuple[int, np.ndarray]] = []
+    most = 0
+    for b in range(5):
+        counts = [(b + r) % 3 for r in range(size)]  # some ranks get nothing
+        send = np.arange(sum(counts), dtype=np.float32) * (rank + 1) + b
+        recv = np.full(counts[rank], -1.0, np.float32)
+        land = lambda got, b=b: landed.append((b, got.copy()))  # noqa: E731
+        flight = ShardFlight("float32", send, recv, tuple(counts), land)
+        fusion.reduce_scatter(lambda flight=flight: flight)
+        most = max(most, len(fusion._flights))
+    fusion.land()
+    assert not fusion.in_flight and most <= MAX_IN_FLIGHT
+    assert [b for b, _ in landed] == list(range(5))  # landed in order
+    ranks = size * (size + 1) / 2  # the sum of (r + 1) over the ranks
+    for b, got in landed:
+        counts = [(b + r) % 3 for r in range(size)]
+        start = sum(counts[:rank])
+        mine = np.arange(start, start + counts[rank], dtype=np.float32)
+        np.testing.assert_array_equal(got, mine * ranks + b * size)

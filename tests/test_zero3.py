@@ -330,14 +330,18 @@ def test_errors() -> None:
         converted(torch.zeros(2, 5, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         fully_shard(object())  # type: ignore[type-var]
-    # The elastic state would hand every rank rank 0's rows: refused, model and optimizer.
+    # The elastic state carries a model sharded over the world with the optimizers over its
+    # shards (tests/test_elastic.py), not such an optimizer without its model, nor a model
+    # sharded over a group, which goes with its world.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"TorchState: 'model' holds parameters sharded"):
-        dp.elastic.TorchState(model=model)
-    with pytest.raises(ValueError, match=r"TorchState: 'optimizer' holds parameters sharded"):
+    with pytest.raises(ValueError, match=r"optimizer 'optimizer' steps parameters sharded"):
         dp.elastic.TorchState(optimizer=opt)
-    with pytest.raises(ValueError, match=r"TorchState: 'inner' holds parameters sharded"):
-        dp.elastic.TorchState(inner=nn.Sequential(model))
+    with pytest.raises(ValueError, match=r"optimizer 'opt' steps parameters sharded"):
+        dp.elastic.TorchState(model=Net(), opt=opt)
+    dp.elastic.TorchState(inner=nn.Sequential(model), opt=opt)  # inside another module: found
+    grouped = shard(Net(), group=dp.new_group(range(dp.size())))
+    with pytest.raises(ValueError, match=r"shards over a group \(fully_shard\(group=...\)\)"):
+        dp.elastic.TorchState(model=grouped)
 
 
 def test_next_block_is_prefetched() -> None:

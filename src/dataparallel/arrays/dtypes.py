@@ -113,12 +113,17 @@ def prescaled_copy(values: np.ndarray, out: np.ndarray, scale: float | None) -> 
     """`prescale` of `values` written into `out` (read-only memory's shares: one pass, where a
     copy then a scaling after the call make two). Return whether it did; if not, `out` is left
     as it was."""
-    if scale is None or not 0 < scale < 1 or values.dtype not in _PRESCALED:
-        return False
-    if np.frexp(scale)[0] != 0.5:  # not a power of two
+    if scale is None or not prescalable(values.dtype, scale):
         return False
     np.multiply(values, scale, out=out)
     return True
+
+
+def prescalable(dtype: np.dtype[Any], scale: float | None) -> bool:
+    """Whether shares of `dtype` about to be summed are scaled by `scale` first (`prescale`)."""
+    if scale is None or not 0 < scale < 1 or dtype not in _PRESCALED:
+        return False
+    return bool(np.frexp(scale)[0] == 0.5)  # a power of two
 
 
 _PRESCALED = (np.dtype(np.float32), np.dtype(np.float64))

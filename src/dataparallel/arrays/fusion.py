@@ -13,7 +13,9 @@ handed to the engine there, or staged through pinned host memory once per bucket
 Reduce-scatter (`Scatter`) and all-to-all (`Exchange`) split every array along its first axis
 by rank: a bucket is laid out rank by rank (`segments.py`) so that one call moves it all, and the
 results, which change shape, are handed to a `deliver` function per array instead of being
-written back. They take host arrays only.
+written back. They take host arrays only. A reduce-scatter of a bucket its caller packs and
+splits itself (a ZeRO bucket's padded segments: `ShardFlight`) is one of the flights too, so that
+one record bounds what is in flight.
 
 The tree collectives (`dp.allreduce`, `dp.reduce`, `dp.broadcast`, `dp.reducescatter`,
 `dp.alltoall`, ...), the reducers and the optimizers all run on `Fusion`; there is no second engine.
@@ -36,6 +38,7 @@ from dataparallel.arrays.device import DeviceBucket, DeviceWork
 from dataparallel.arrays.dtypes import (
     bf16_to_f32,
     f32_to_bf16,
+    prescalable,
     prescale,
     prescaled_copy,
     scale_in_place,
@@ -59,6 +62,7 @@ __all__ = [
     "HostFlight",
     "InFlight",
     "SegmentFlight",
+    "ShardFlight",
     "allreduce_into_scaled",
     "allreduce_scaled",
     "bucket_views",
@@ -118,8 +122,22 @@ class SegmentFlight:
     pooled: tuple[np.ndarray, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ShardFlight:
+    """A reduce-scatter of a buffer its caller packed, split by the per-rank `counts` it gives:
+    this rank's part of the sum lands in `recv`, which is then handed to `land` (that writes it
+    where it belongs, by copy or add, and takes the caller's buffers back)."""
+
+    dtype: str
+    wire: np.ndarray  # what the engine reads, the counts' sum of items
+    recv: np.ndarray  # what the engine fills: this rank's count of items
+    counts: tuple[int, ...]
+    land: Deliver
+    pooled: tuple[np.ndarray, ...] = ()  # nothing of the pool's: the caller's buffers
+
+
 # One engine call's worth of a bucket, packed; dispatched on by type when it starts and lands.
-Flight: TypeAlias = HostFlight | DeviceFlight | SegmentFlight
+Flight: TypeAlias = HostFlight | DeviceFlight | SegmentFlight | ShardFlight
 
 
 class InFlight(NamedTuple):
@@ -344,11 +362,31 @@ class Fusion:
             self.flush()
         finally:
             flights, self._flights = self._flights, []
-        for flight in flights:
-            self._land(flight)  # on an error the later flights are dropped, buffers not reused
+        self._land_all(flights)
         if not self._receives():
             return [x for _, x, _, _ in leaves]
         return write_back(leaves)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some call started has not landed yet."""
+        return bool(self._flights)
+
+    def land(self) -> None:
+        """Complete every call in flight (what is queued stays queued)."""
+        flights, self._flights = self._flights, []
+        self._land_all(flights)
+
+    def _land_all(self, flights: list[InFlight]) -> None:
+        for flight in flights:
+            self._land(flight)  # on an error the later flights are dropped, buffers not reused
+
+    def reduce_scatter(self, pack: Callable[[], ShardFlight]) -> None:
+        """Start a reduce-scatter of a bucket the caller packs, as this fusion's next flight:
+        `pack` runs once the calls it must follow have landed (on MPI, all of them), so that it
+        may reuse their buffers."""
+        assert isinstance(self.action, Scatter)
+        self._start(pack, 1)
 
     def _trace_queue(self, bucket_key: BucketKey, arrays: int) -> None:
         assert self.timeline is not None
@@ -357,20 +395,27 @@ class Fusion:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
     def _launch(self, works: list[Work], dtype: str, delivers: list[Deliver]) -> None:
+        self._start(lambda: self._pack(works, dtype, delivers), len(works))
+
+    def _start(self, pack: Callable[[], Flight], arrays: int) -> None:
+        """Pack a bucket (`pack`), start its call, keep it in flight or land it."""
         if not self.backend.progresses:  # one call in flight at a time (`Backend.progresses`)
             while self._flights:
                 self._land(self._flights.pop(0))
         timeline, span = self.timeline, 0
         if timeline is None:
-            flight = self._pack(works, dtype, delivers)
+            flight = pack()
         else:
             packing = timeline.now()
-            flight = self._pack(works, dtype, delivers)
+            flight = pack()
             if isinstance(flight, DeviceFlight):
                 nbytes = flight.bucket.ops.nbytes(flight.bucket.buf)
+            elif isinstance(flight, ShardFlight):
+                nbytes = flight.wire.nbytes
             else:
                 nbytes = flight.buf.nbytes
-            timeline.complete("pack", packing, dtype=dtype, arrays=len(works), bytes=nbytes)
+            dtype = flight.dtype
+            timeline.complete("pack", packing, dtype=dtype, arrays=arrays, bytes=nbytes)
             span = timeline.begin("communicate", dtype=dtype, bytes=flight.wire.nbytes)
         handle = start(self.backend, self.action, flight, self.async_op)
         started = InFlight(flight, handle, span, self.calls)
@@ -397,21 +442,26 @@ class Fusion:
         """Pack host `works` into one buffer (one contiguous writable array: itself, in place)."""
         pooled: list[np.ndarray] = []
         slots: tuple[tuple[np.ndarray, int], ...] = ()
+        compressed = self._compressed(dtype)
+        action, scale = self.action, None  # a sum's shares' scale (`prescale`)
+        if isinstance(action, Reduction) and action.root is None and action.op is ReduceOp.SUM:
+            scale = action.scale if compressed is None else None
+        # Scaled as they are packed where the engine takes the bucket as it is: one pass, not two.
+        folded = scale if dtype in self.backend.native_dtypes else None
+        prescaled = False
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
         else:
             buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
             pooled.append(buf)
-            pack_bucket(works, buf)
+            prescaled = pack_bucket(works, buf, folded)
             offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
             slots = tuple(zip(works, offsets, strict=True))
-        compressed = self._compressed(dtype)
-        wire, prescaled = buf, False
+        wire = buf
         if compressed is None:
             wire = self._wire(buf, dtype, pooled)
-            action = self.action
-            if isinstance(action, Reduction) and action.root is None and action.op is ReduceOp.SUM:
-                prescaled = prescale(wire, action.scale)  # a sum's shares only
+            if not prescaled:
+                prescaled = prescale(wire, scale)
         elif dtype != compressed:
             wire = self.pool.take(storage_dtype(compressed), buf.size)
             to_wire(buf, dtype, compressed, out=wire)
@@ -496,15 +546,25 @@ class Fusion:
                 if type(flight) is HostFlight
                 else len(flight.deliver)
                 if type(flight) is SegmentFlight
-                else 0
+                else int(type(flight) is ShardFlight)
             )
             timeline.complete("unpack", unpacking, arrays=arrays)
 
 
-def pack_bucket(works: list[np.ndarray], buf: np.ndarray) -> None:
+def pack_bucket(works: list[np.ndarray], buf: np.ndarray, scale: float | None = None) -> bool:
     """Write `works` one after the other into `buf`, in C order: a host bucket's layout, whoever
-    packs it (`Fusion`, or a call plan that keeps a bucket of its own). One copy, in C."""
-    np.concatenate(works, axis=None, out=buf)
+    packs it (`Fusion`, or a call plan that keeps a bucket of its own). One copy, in C.
+
+    With `scale`, write them times `scale` where `prescale` would scale the bucket (a sum's
+    shares), in the same one pass; return whether it did."""
+    if scale is None or not prescalable(buf.dtype, scale):
+        np.concatenate(works, axis=None, out=buf)
+        return False
+    offset = 0
+    for work in works:
+        np.multiply(work.reshape(-1), scale, out=buf[offset : offset + work.size])
+        offset += work.size
+    return True
 
 
 def bucket_views(buf: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
@@ -526,6 +586,13 @@ _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
 def start(backend: Backend, action: Action, flight: Flight, async_op: bool) -> Handle | None:
     """Make the engine call that carries `flight`; return its handle when `async_op` (None: the
     call completed before returning)."""
+    if type(flight) is ShardFlight:  # a reduce-scatter by the caller's counts
+        assert isinstance(action, Scatter)
+        counts = list(flight.counts)
+        if async_op:
+            return backend.ireduce_scatter(flight.wire, flight.recv, counts, action.op)
+        backend.reduce_scatter(flight.wire, flight.recv, counts, action.op)
+        return None
     if type(flight) is SegmentFlight:  # a reduce-scatter or an all-to-all
         assert isinstance(action, (Scatter, Exchange))
         op = action.op if isinstance(action, Scatter) else ReduceOp.SUM
@@ -609,6 +676,10 @@ def unpack(
     match flight:
         case DeviceFlight(bucket=bucket):
             bucket.land(receives, scale)
+        case ShardFlight():
+            if scale is not None and scale != 1:
+                scale_in_place(flight.recv, scale)
+            flight.land(flight.recv)
         case SegmentFlight():
             if receives:
                 _from_wire(flight.recv_wire, flight.recv, flight.dtype, scale)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import torch as _torch  # noqa: F401 - fail here, with what to install, not deep in a submodule
@@ -28,10 +28,11 @@ except ImportError as exc:
         name="torch",
     ) from exc
 
-from dataparallel.checkpoint import _dcp
-from dataparallel.checkpoint._dcp import SaveFuture
 from dataparallel.checkpoint._optax import OptaxShards
 from dataparallel.checkpoint._shards import Shards
+
+if TYPE_CHECKING:
+    from dataparallel.checkpoint._dcp import SaveFuture
 
 __all__ = ["OptaxShards", "SaveFuture", "Shards", "async_save", "load", "save"]
 
@@ -63,6 +64,8 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     Note: torch's `dcp.save` takes `get_state_dict(model, optimizer)`'s dicts; this takes the
     objects, and writes the same layout (the optimizer's state keyed by parameter names).
     """
+    from dataparallel.checkpoint import _dcp
+
     _dcp.save(state, path)
 
 
@@ -74,6 +77,8 @@ def async_save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> SaveFu
     what the save raised. The next `save`, `async_save` or `load`, `dp.wait_all()` and
     `dp.finalize()` wait for it first. Collective, as `save` is.
     """
+    from dataparallel.checkpoint import _dcp
+
     return _dcp.async_save(state, path)
 
 
@@ -92,4 +97,16 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str]) -> Mapping[str,
         KeyError, ValueError: the state asks for what the checkpoint does not hold, or holds
             with other shapes or parameters.
     """
+    from dataparallel.checkpoint import _dcp
+
     return _dcp.load(state, path)
+
+
+def __getattr__(name: str) -> object:
+    # torch DCP (`_dcp`) takes most of this package's import time: it loads at the first save or
+    # load, or when `SaveFuture` is first asked for, not in every process that imports the package.
+    if name == "SaveFuture":
+        from dataparallel.checkpoint._dcp import SaveFuture
+
+        return SaveFuture
+    raise AttributeError(f"module 'dataparallel.checkpoint' has no attribute {name!r}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from dataparallel import world
 from dataparallel.collectives.broadcasts import broadcast
-from dataparallel.collectives.objects import broadcast_object
+from dataparallel.collectives.objects import allgather_object, broadcast_object
 from dataparallel.collectives.reductions import allreduce
 from dataparallel.config import Settings
 from dataparallel.elastic import rounds
@@ -215,6 +215,13 @@ class TorchState(ObjectState):
     optimizer is laid out again over the new world (`rebind_world`). Until the first commit a
     rank keeps only its own slice: commit once before the first step if the optimizer already
     has state (a checkpoint loaded), or a re-form before then fails with a message saying so.
+
+    A model under `dp.torch.fully_shard` holds only its rows on each rank, and so does any
+    optimizer over its shards: each commit keeps this rank's rows and a copy of the next
+    rank's (`FullyShardedModule.commit_rows`), and after a re-form the survivors cut every
+    shard, and the optimizers' state of it, again for the new world (`carry_over`), after
+    agreeing on one commit (a loss during a commit can leave them one apart: the commit before
+    the last is kept for that).
     """
 
     def __init__(
@@ -226,17 +233,35 @@ class TorchState(ObjectState):
         extra: dict[str, object] = {"model": model} if model is not None else {}
         if optimizer is not None:
             extra["optimizer"] = optimizer
-        for name, value in {**extra, **attrs}.items():
-            if _fully_sharded(value):
-                raise ValueError(
-                    f"TorchState: {name!r} holds parameters sharded by dp.torch.fully_shard, "
-                    "which each rank holds different rows of: the elastic state would give "
-                    "every rank rank 0's rows (and its optimizer state), and cannot lay them "
-                    "out again over another world. Keep such a model in dp.checkpoint "
-                    "checkpoints (save, then load at the new world size) instead."
-                )
         self._feedback: dict[str, Any] = {}  # each reducer's residuals at the last commit
         self._consolidated = False  # inside `commit()`, after the ZeRO states were consolidated
+        # Fully sharded models (`dp.torch.fully_shard`), by attribute: their outermost sharded
+        # modules, and the optimizers over their shards (by attribute), whose state of the
+        # shards is committed with the model's rows, not through `state_dict()`.
+        self._sharded: dict[str, list[Any]] = {}
+        self._over_shards: dict[str, Any] = {}
+        self._rows: dict[str, list[dict[str, Any]]] = {}  # each root's rows, last commit
+        self._rows_generation = 0  # the round the rows were committed in
+        self._commits = 0  # commits made (agreed after a re-form)
+        self._previous: tuple[int, dict[str, object], dict[str, Any]] | None = None
+        taken: set[int] = set()
+        named = {**extra, **attrs}
+        for name, value in named.items():
+            roots = _sharded_roots(value)
+            if roots:
+                self._sharded[name] = roots
+                taken |= {id(p) for root in roots for p in root.parameters()}
+        for name, value in named.items():
+            shards = _shard_params(value)
+            if shards and name not in self._sharded:
+                if any(id(p) not in taken for p in shards):
+                    raise ValueError(
+                        f"TorchState: optimizer {name!r} steps parameters sharded by "
+                        "dp.torch.fully_shard whose model is not in this state: give the model "
+                        "to the same TorchState (its rows and this optimizer's state for them "
+                        "are committed and laid out again together)."
+                    )
+                self._over_shards[name] = value
         super().__init__(**extra, **attrs)
 
     def _reducers(self) -> dict[str, Any]:
@@ -269,11 +294,28 @@ class TorchState(ObjectState):
             self._consolidated = False
 
     def save(self) -> None:
+        # The sharded rows first: their exchange (in a commit) is collective, and a failure in
+        # it leaves the last commit whole.
+        exchange = self._consolidated
+        rows = {
+            name: [root.commit_rows(self._over_shards, exchange=exchange) for root in roots]
+            for name, roots in self._sharded.items()
+        }
+        before = (self._commits, self._saved, self._rows)
         with self._residuals_kept_out():
             super().save()
         self._feedback = {name: s.feedback_state() for name, s in self._reducers().items()}
+        if self._sharded:
+            if exchange:  # survivors may differ by one commit: keep the one before
+                self._previous = before
+                self._commits += 1
+            self._rows, self._rows_generation = rows, _generation()
 
     def _saved_of(self, value: object) -> object:
+        if any(value is getattr(self, name) for name in self._sharded):
+            return _unsharded_state(value)
+        if any(value is opt for opt in self._over_shards.values()):
+            return _without_shards(value)
         if not _is_zero(value):
             return super()._saved_of(value)
         if self._consolidated:
@@ -286,8 +328,14 @@ class TorchState(ObjectState):
             super().restore()
         for name, gradient_sync in self._reducers().items():  # this process's own, by name
             gradient_sync.load_feedback_state(self._feedback.get(name), own=True)
+        for name, roots in self._sharded.items():  # (laid out again since: `sync` fills them)
+            for root, saved in zip(roots, self._rows[name], strict=True):
+                root.restore_rows(self._over_shards, saved)
 
     def _restore_one(self, name: str, value: object, saved: object) -> None:
+        if name in self._sharded:
+            value.load_state_dict(saved, strict=False)  # type: ignore[attr-defined]
+            return
         if not _is_zero(value):
             super()._restore_one(name, value, saved)
             return
@@ -304,6 +352,7 @@ class TorchState(ObjectState):
         """Carry distributed optimizers over to a re-formed world (collective, first, where a
         newcomer made its optimizer), then give every rank rank 0's values (each keeps its own
         error-feedback residuals; a ZeRO optimizer gets rank 0's last commit)."""
+        survivor = self._agree_on_a_commit() if self._sharded else None
         for name in self._names:
             value = getattr(self, name)
             gradient_sync = getattr(value, "gradient_sync", None)
@@ -312,6 +361,50 @@ class TorchState(ObjectState):
                 value.rebind_world()
         with self._residuals_kept_out():
             super().sync()
+        if survivor is None:  # the same world: every rank holds its rows already
+            if any(saved["next"] is None for rows in self._rows.values() for saved in rows):
+                # Made at construction, which is not collective: each rank copies its
+                # committed rows to the rank before it now (every rank syncs).
+                self._rows = {
+                    name: [
+                        root.commit_rows(self._over_shards, of=saved)
+                        for root, saved in zip(roots, self._rows[name], strict=True)
+                    ]
+                    for name, roots in self._sharded.items()
+                }
+            return
+        for name, roots in self._sharded.items():
+            for root, saved in zip(roots, self._rows[name], strict=True):
+                root.carry_over(self._over_shards, saved if survivor else None)
+        # Commit the rows again in the new layout (each copied to the rank before it), so that
+        # a loss before the next commit finds them.
+        self._rows = {
+            name: [root.commit_rows(self._over_shards) for root in roots]
+            for name, roots in self._sharded.items()
+        }
+        self._rows_generation, self._previous = _generation(), None
+
+    def _agree_on_a_commit(self) -> bool | None:
+        """After a re-form (collective): go back to the commit before the last where another
+        survivor did not finish the last one, so that every rank's rows, and rank 0's other
+        values, are of one commit. Returns whether this rank holds rows of the old world
+        (False: a newcomer), None where nothing was re-formed."""
+        survivor = self._rows_generation < _generation()
+        marks = allgather_object((survivor, self._commits))
+        if not any(s for s, _ in marks):
+            return None
+        agreed = min(n for s, n in marks if s)
+        if survivor and self._commits != agreed:
+            if self._previous is None or self._previous[0] != agreed:
+                raise RuntimeError(
+                    f"TorchState: this worker's last commit is number {self._commits} and "
+                    f"another survivor's {agreed}: more than one apart, which commits made on "
+                    "every rank cannot be."
+                )
+            self._commits, self._saved, self._rows = self._previous
+            self.restore()
+        self._commits = agreed
+        return survivor
 
     def _sync_one(self, name: str, value: object) -> None:
         import torch
@@ -330,8 +423,15 @@ class TorchState(ObjectState):
                 )
             # else: the same world, where every rank holds its slice of one state, or no state
             return
+        if name in self._over_shards:  # its state of the shards: `carry_over`
+            opt: Any = value
+            received = _root_pickled(name, _without_shards(opt))
+            kept = {p: opt.state[p] for p in _shard_params(opt) if p in opt.state}
+            opt.load_state_dict(received)
+            opt.state.update(kept)
+            return
         if isinstance(value, torch.nn.Module):
-            tensors = value.state_dict()
+            tensors = _unsharded_state(value) if name in self._sharded else value.state_dict()
             received = broadcast(dict(tensors))
             with torch.no_grad():
                 for key, tensor in tensors.items():
@@ -340,25 +440,49 @@ class TorchState(ObjectState):
         super()._sync_one(name, value)
 
 
-def _fully_sharded(value: object) -> bool:
-    """Whether `value` is a module under `dp.torch.fully_shard`, or an optimizer over the shards
-    of one (each rank's rows differ: nothing rank 0 could hand the others)."""
+def _sharded_roots(value: object) -> list[Any]:
+    """The outermost `dp.torch.fully_shard` modules in `value` (a module), in module order."""
     module = sys.modules.get("dataparallel.torch")
     sharded = getattr(module, "FullyShardedModule", None)
-    if sharded is None:
-        return False
     modules = getattr(value, "modules", None)
-    if callable(modules) and any(isinstance(m, sharded) for m in modules()):
-        return True
+    if sharded is None or not callable(modules):
+        return []
+    roots: list[Any] = []
+    inside: set[int] = set()
+    for m in modules():
+        if isinstance(m, sharded) and id(m) not in inside:
+            roots.append(m)
+            inside |= {id(x) for x in m.modules()}
+    return roots
+
+
+def _is_shard(param: object) -> bool:
+    return getattr(param, "_dp_shard", None) is not None
+
+
+def _shard_params(value: object) -> list[Any]:
+    """The parameters of an optimizer that `dp.torch.fully_shard` shards (none for another
+    value)."""
     groups = getattr(value, "param_groups", None)
-    if isinstance(groups, list):
-        return any(
-            getattr(p, "_dp_shard", None) is not None
-            for g in groups
-            if isinstance(g, dict)
-            for p in g.get("params", [])
-        )
-    return False
+    if not isinstance(groups, list):
+        return []
+    return [p for g in groups if isinstance(g, dict) for p in g.get("params", []) if _is_shard(p)]
+
+
+def _unsharded_state(model: Any) -> dict[str, Any]:
+    """A fully sharded model's `state_dict()` but its shards: buffers and the parameters no
+    `fully_shard` took, the same on every rank."""
+    held = model.state_dict(keep_vars=True)
+    return {k: v.detach() for k, v in held.items() if not _is_shard(v)}
+
+
+def _without_shards(optimizer: Any) -> dict[str, Any]:
+    """An optimizer's `state_dict()` without its state of sharded parameters (their rows are
+    committed, and cut again, with the model's)."""
+    sd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sharded = {i for i, p in enumerate(params) if _is_shard(p)}
+    return {**sd, "state": {i: v for i, v in sd["state"].items() if i not in sharded}}
 
 
 def _is_zero(value: object) -> TypeGuard[Any]:

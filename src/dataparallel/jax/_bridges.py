@@ -21,12 +21,13 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
+from dataparallel.arrays.compression import WIRE_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
 from dataparallel.collectives.jitted import refuse
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.jax._ffi import Reduce, ffi_reason, host_device_reason, reduce_ffi
-from dataparallel.jax._packed import Packed
+from dataparallel.jax._packed import HALVES, Packed
 
 __all__ = [
     "Bridge",
@@ -60,13 +61,18 @@ def mpi4jax_reason(engine: Backend) -> str | None:
     )
 
 
-def choose_bridge(asked: Bridge, private: Backend) -> Literal["callback", "ffi", "mpi4jax"]:
+def choose_bridge(
+    asked: Bridge, private: Backend, compressed: bool = False
+) -> Literal["callback", "ffi", "mpi4jax"]:
     """The bridge a step takes: the one asked for, or for "auto" the fastest available
-    (mpi4jax's custom call, then the FFI call, then the callback: benchmarks/jax_step.py)."""
+    (mpi4jax's custom call, then the FFI call, then the callback: benchmarks/jax_step.py).
+    `compressed`: some buffers are 16-bit floats, which mpi4jax cannot sum (MPI has no such
+    type): the engine's own 16-bit sum reduces them, through the FFI call or the callback."""
     if asked == "callback":
         return "callback"
     if asked in ("auto", "mpi4jax"):
-        reason = mpi4jax_reason(private)
+        reason = "16-bit compressed buffers need the engine's 16-bit sum" if compressed else None
+        reason = reason or mpi4jax_reason(private)
         if asked == "mpi4jax" and reason is not None:
             raise RuntimeError(f"route='mpi4jax' cannot be used: {reason}.")
         if reason is None:
@@ -81,10 +87,17 @@ def on_host(packed: Packed, engine: Backend, private: Backend, describe: Details
     """Each buffer reduced by one engine call from `sent` into `received` (in place where they
     are the same memory, as the FFI call makes them); the order check after the first."""
 
+    # The 16-bit (compressed) buffers' wire dtypes, by index.
+    halves = {i: WIRE_DTYPES[b.wire] for i, b in enumerate(packed.buckets) if b.wire in HALVES}
+
     def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
         for index, (shaped, into) in enumerate(zip(sent, received, strict=True)):
             buf, recv = shaped.reshape(-1), into.reshape(-1)  # views: a leaf keeps its shape
-            if buf.ctypes.data == recv.ctypes.data:
+            if index in halves:  # compressed: the engine's 16-bit sum (bfloat16 as its bits)
+                if buf.ctypes.data != recv.ctypes.data:
+                    recv[...] = buf
+                private.iallreduce_half(recv, ReduceOp.SUM, halves[index]).wait()
+            elif buf.ctypes.data == recv.ctypes.data:
                 private.allreduce(recv, ReduceOp.SUM)
             else:
                 private.allreduce_into(buf, recv, ReduceOp.SUM)

@@ -6,7 +6,9 @@ it step by step):
 1. Inside the traced function the leaves of at most `bucket_bytes` are packed into one buffer per
    wire dtype, where XLA fuses the packing with the gradient's computation; a larger leaf is a
    buffer of its own, in its own shape (packing it would cost more than the calls it saves).
-   Half floats travel as float32, small integers and bool as int32: exact (`_packed.py`).
+   Half floats travel as float32, small integers and bool as int32: exact (`_packed.py`). With
+   `dp.Compression.fp16` or `.bf16` the floating leaves are cast to the 16-bit wire dtype there
+   instead, and the engine sums the 16-bit buffers (as the eager path: `arrays/compression.py`).
 2. One reduction per step, each buffer by one engine call, over a bridge (`_bridges.py`).
 3. The unpacking back inside the traced function, where XLA fuses it with what consumes it.
 
@@ -17,7 +19,8 @@ is checked: the first buffer carries `t` and `t * t`, `t` derived from the signa
 sum every rank holds `n * t` and `n * t * t` exactly when every rank ran a step of the same
 signature (`_packed.py` says what it cannot tell apart).
 
-Everything else (min, max, prod, compression, uint32, uint64 and complex leaves) goes through
+Everything else (min, max, prod, compressors with error feedback, uint32, uint64 and complex
+leaves) goes through
 `dp.allreduce` inside one ordered callback per step (`general`), with its per-call handshake.
 """
 
@@ -30,7 +33,7 @@ from jax.experimental import io_callback
 
 from dataparallel import caches, world
 from dataparallel.arrays.actions import parse_op
-from dataparallel.arrays.compression import Compressing
+from dataparallel.arrays.compression import COMPRESSIBLE, Compressing, wire_dtype
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.collectives import reductions
 from dataparallel.collectives.jitted import register_step
@@ -79,6 +82,7 @@ def allreduce_traced(
     bridge: Bridge = "auto",
     *,
     first: bool = True,
+    compression: str | None = None,
 ) -> list[jax.Array] | None:
     """Stage out the sum or average of traced `leaves` across ranks; None: not packable.
 
@@ -86,24 +90,30 @@ def allreduce_traced(
     exactly when their trees, dtypes, shapes and op are); `engine` is the world's engine (the
     handshake is made there, on the tracing thread), `private` its duplicate the steps reduce on.
     `first`: whether this is its step's first reduction, which ranks that join answer (a step
-    that reduces twice, PowerSGD's, registers only its first).
+    that reduces twice, PowerSGD's, registers only its first). `compression`: the wire dtype
+    of floating leaves (`"float16"`, `"bfloat16"`), or None.
     """
     engine_op, average = parse_op(op)
     if engine_op is not ReduceOp.SUM:
         return None
     size = engine.size
-    if size == 1:  # nothing to reduce; an average over one rank is the value
-        return list(leaves)
-    chosen = choose_bridge(bridge, private)
+    if size == 1:  # nothing to reduce; an average over one rank is the value (as it travels)
+        if compression is None:
+            return list(leaves)
+        return [x.astype(compression).astype(x.dtype) if _floating(x) else x for x in leaves]
+    chosen = choose_bridge(bridge, private, compressed=compression is not None)
     summary = f"jit allreduce|{op}|{chosen}|{summary}"
+    if compression is not None:
+        summary = f"{summary}|compressed to {compression}"
     alone = world.current().settings.bucket_bytes
     summary = f"{summary}|alone over {alone} B"
-    packed = Packed.of(leaves, summary, size, alone)
+    packed = Packed.of(leaves, summary, size, alone, compression)
     if packed is None:
         return None
 
     def details() -> dict[str, object]:
-        return {**describe(), "route": chosen, "packed": f"leaves of at most {alone} B"}
+        packing = {"route": chosen, "packed": f"leaves of at most {alone} B"}
+        return {**describe(), **packing, "compression": compression}
 
     handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
     if packed.ticket and first:  # ranks that join answer its first call (`collectives/jitted.py`)
@@ -116,6 +126,10 @@ def allreduce_traced(
     else:
         reduced = through_callback(flats, packed, engine, private, details)
     return packed.unpack(reduced, size if average else 1)
+
+
+def _floating(leaf: jax.Array) -> bool:
+    return str(np.dtype(leaf.dtype)) in COMPRESSIBLE
 
 
 def general(
@@ -151,19 +165,19 @@ def reduce_tree_traced(
     private = active.private(engine)
     traced_here()
     leaves = [leaf for _, leaf in with_paths]
-    if compression is None:
-        signatures = [f"{np.dtype(x.dtype)}{list(x.shape)}" for x in leaves]
+    wire = wire_dtype(compression)  # checked already (`distributed_optax`): no feedback here
+    signatures = [f"{np.dtype(x.dtype)}{list(x.shape)}" for x in leaves]
 
-        def describe() -> dict[str, object]:
-            call: dict[str, object] = {"collective": "jit allreduce", "op": op}
-            call["tree structure"] = structure
-            call.update(zip([path for path, _ in with_paths], signatures, strict=True))
-            return call
+    def describe() -> dict[str, object]:
+        call: dict[str, object] = {"collective": "jit allreduce", "op": op}
+        call["tree structure"] = structure
+        call.update(zip([path for path, _ in with_paths], signatures, strict=True))
+        return call
 
-        summary = f"{structure}|{'|'.join(signatures)}"
-        reduced = allreduce_traced(
-            leaves, describe, summary, op, engine, private, bridge, first=first
-        )
-        if reduced is not None:
-            return reduced
+    summary = f"{structure}|{'|'.join(signatures)}"
+    reduced = allreduce_traced(
+        leaves, describe, summary, op, engine, private, bridge, first=first, compression=wire
+    )
+    if reduced is not None:
+        return reduced
     return general(leaves, op, private, compression)

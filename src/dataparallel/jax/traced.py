@@ -128,7 +128,8 @@ def _run(
     name: str,
 ) -> list[jax.Array]:
     """Put `host(inputs, outputs)` on NumPy views in the program: the FFI call (outputs aliasing
-    inputs where `in_place`; `rule`: how it transforms, `_ffi.Rule`), or an ordered io_callback
+    inputs where `in_place`, else new, as many as `outputs` says; `rule`: how it transforms,
+    `_ffi.Rule`), or an ordered io_callback
     where the FFI call cannot run (no vmap, no derivative there). `host` takes buffers of any
     shape a batch gives them."""
     traced_here()  # dp.finalize() drops JAX's caches: traced again in the next world
@@ -147,10 +148,10 @@ def _run(
 
     def on_host(*arrays: jax.Array) -> list[np.ndarray]:
         sent = [np.asarray(a) for a in arrays]
-        received = [
-            np.array(a, copy=True) if in_place else np.empty(o.shape, o.dtype)
-            for a, o in zip(sent, outputs, strict=True)
-        ]
+        if in_place:
+            received = [np.array(a, copy=True) for a in sent]
+        else:
+            received = [np.empty(o.shape, o.dtype) for o in outputs]
         host(sent, received)
         return received
 
@@ -436,14 +437,18 @@ def _trace_pointtopoint(
         return tree.unflatten(recv_flat.spec, list(sends))
     private = _own_engine(active.private, engine)  # collective the first time (`_own_engine`)
     agree_pair(engine, call, sent, dest, expected, source)  # once per trace
-    moved = [_as_moved(leaf) for leaf in sends] + [_as_moved(leaf) for leaf in templates]
-    outputs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in moved]
+    # The sent leaves are read where they are and the received ones land in new outputs: an
+    # input aliased to an output is copied first by XLA when it is a parameter of the program or
+    # read again (a halo exchange's array always is). `dp.recv` alone passes its templates,
+    # aliased: the call needs an input, and nothing else reads them.
+    moved = [_as_moved(leaf) for leaf in (sends if sending else templates)]
+    outputs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in map(_as_moved, templates)]
     count = len(sends)
 
     def host(arrays: list[np.ndarray], received: list[np.ndarray]) -> None:
         parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays[:count]]
         out = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else None
-        targets = [r.reshape(-1).view(np.uint8) for r in received[count:]]
+        targets = [r.reshape(-1).view(np.uint8) for r in received]
         into = targets[0] if len(targets) == 1 else None
         if into is None and targets:
             into = np.empty(sum(t.size for t in targets), np.uint8)
@@ -459,12 +464,11 @@ def _trace_pointtopoint(
                 offset += target.size
 
     summary = f"jit {call}|to {dest}: {sent}|from {source}: {expected}"
-    done = _run(moved, outputs, True, host, private, summary, "opaque", f"dp.{call} inside jax.jit")
+    name = f"dp.{call} inside jax.jit"
+    done = _run(moved, outputs, not sending, host, private, summary, "opaque", name)
     if recv_flat is None:
         return None
-    received: list[object] = [
-        _from_moved(d, t) for d, t in zip(done[count:], templates, strict=True)
-    ]
+    received: list[object] = [_from_moved(d, t) for d, t in zip(done, templates, strict=True)]
     return tree.unflatten(recv_flat.spec, received)
 
 

@@ -31,7 +31,7 @@ import contextlib
 import enum
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,6 +44,7 @@ from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.groups import Group, backend_of
 from dataparallel.torch._hooks import owner as owner_of
 from dataparallel.torch._hooks import remove_hooks
+from dataparallel.torch._zero import carry
 from dataparallel.torch._zero.gradients import reduced_dtype
 from dataparallel.torch._zero.layout import host_buffer
 from dataparallel.torch._zero.optimizer import clip_slices
@@ -93,24 +94,28 @@ class _Param:
         self.dtype = param.dtype
         self.trainable = param.requires_grad
         self.rows = param.shape[0] if param.dim() else 1
-        self.chunk = -(-self.rows // size)  # rows per rank (the last ranks' fewer or none)
         self.row_items = math.prod(param.shape[1:]) if param.dim() else 1
-        self.items = self.chunk * self.row_items  # this parameter's part of every segment
-        self.mine = min(self.chunk, max(0, self.rows - rank * self.chunk))
-        self.first = rank * self.chunk if self.mine else 0  # the first row this rank holds
         self.numel = param.numel()
         self.offset = 0  # in its segment (set by `_Segment`)
         self.segment = 0
         # Where the module holds it: (module, attribute) pairs (several when tied).
         self.places: list[tuple[nn.Module, str]] = []
+        self.lay(rank, size, param.device)
+        self.sharded: nn.Parameter  # set by the group, a view of its segment
+
+    def lay(self, rank: int, size: int, device: torch.device) -> None:
+        """Cut the parameter for `rank` of `size`, and make its whole form's buffer on
+        `device` (storage freed)."""
+        self.chunk = -(-self.rows // size)  # rows per rank (the last ranks' fewer or none)
+        self.items = self.chunk * self.row_items  # this parameter's part of every segment
+        self.mine = min(self.chunk, max(0, self.rows - rank * self.chunk))
+        self.first = rank * self.chunk if self.mine else 0  # the first row this rank holds
         # The whole parameter, a view of `padded` (size * chunk rows); its storage is freed
         # between uses. Writes go through `padded.data`, whose version counter is not the
         # parameter's: the tensors the autograd graph saved stay valid when refilled.
-        padded = torch.empty(size * self.items, dtype=param.dtype, device=param.device)
-        self.padded = padded
-        self.whole = nn.Parameter(padded[: self.numel].view(param.shape), param.requires_grad)
+        self.padded = torch.empty(size * self.items, dtype=self.dtype, device=device)
+        self.whole = nn.Parameter(self.padded[: self.numel].view(self.shape), self.trainable)
         self.whole.untyped_storage().resize_(0)  # at once: one parameter's worth at a time
-        self.sharded: nn.Parameter  # set by the group, a view of its segment
 
     def shard_shape(self) -> tuple[int, ...]:
         if not self.shape:
@@ -211,6 +216,7 @@ class ShardGroup:
         self._gather: _Gather | None = None
         self._has_frozen = any(not info.trainable for info in self.params)
         self.context: _Context | None = None
+        self.on_world = False  # over the whole world, not a group (set by fully_shard)
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         ref = weakref.ref(self)
@@ -232,29 +238,48 @@ class ShardGroup:
                 f"fully_shard({type(self.module).__name__}).to_empty: its parameters are "
                 "gathered now; call it between steps."
             )
-        size = self.backend.size
+        self._lay_out(self.backend, torch.device(device), same_params=False)
+
+    def relayout(self, backend: Backend) -> None:
+        """Cut the parameters again for `backend`'s rank and size (a re-formed elastic world):
+        new segments (zeros, for the caller to fill), whole-parameter buffers and hooks. The
+        shards stay the same `nn.Parameter` objects, holding other rows now, so an optimizer
+        made on them keeps them (its state of the old rows is the caller's to cut again). A
+        gather or a backward the old world left unfinished is dropped, and the order of the
+        modules is learnt again at the next forward. Not collective."""
+        self._gather = None
+        self.phase = _Phase.SHARDED
+        self.context = None
+        self._lay_out(backend, self.device, same_params=True)
+
+    def _lay_out(self, backend: Backend, device: torch.device, *, same_params: bool) -> None:
+        """Make the segments, the shards' views of them and the whole parameters for `backend`
+        on `device` (new shard parameters unless `same_params`)."""
         remove_hooks(self._handles)
         self._handles.clear()
+        self.backend = backend
         ref = weakref.ref(self)
-        for segment in self.segments:
-            segment.data = torch.zeros(segment.items, dtype=segment.dtype, device=device)
+        for info in self.params:
+            info.lay(backend.rank, backend.size, device)
+        self.segments = [_Segment(s.params, device, backend) for s in self.segments]
         with torch.no_grad():
             for k, info in enumerate(self.params):
                 segment = self.segments[info.segment]
                 n = info.mine * info.row_items
                 view = segment.data[info.offset : info.offset + n].view(info.shard_shape())
-                info.sharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
-                info.sharded._dp_shard = ref  # type: ignore[attr-defined]
-                info.padded = torch.empty(size * info.items, dtype=info.dtype, device=device)
-                whole = info.padded[: info.numel].view(info.shape)
-                info.whole = nn.Parameter(whole, info.trainable)
-                info.whole.untyped_storage().resize_(0)
+                if same_params:
+                    info.sharded.grad = None
+                    info.sharded.data = view
+                else:
+                    info.sharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
+                    info.sharded._dp_shard = ref  # type: ignore[attr-defined]
                 if info.trainable:
                     self._handles.append(
                         info.whole.register_post_accumulate_grad_hook(_on_grad(ref, k))
                     )
-        self.device = torch.device(device)
+        self.device = device
         self.staged = self.staged or self.device.type != "cpu"
+        self._begin_backward()
         self._put(sharded=True)
 
     # -- where the module's parameters are ---------------------------------------------------
@@ -757,6 +782,48 @@ class FullyShardedModule(nn.Module):
                 shards[name] = ParameterShard(info.sharded, info.shape, info.offsets)
         return shards
 
+    def commit_rows(
+        self,
+        optimizers: Mapping[str, torch.optim.Optimizer],
+        *,
+        exchange: bool = True,
+        of: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A copy of this rank's rows of every parameter in this module and of `optimizers`'
+        state for them (by name) and, with `exchange` (collective), of the next rank's: what
+        `dp.elastic.TorchState` commits, so that a lost worker's rows outlive it. `of`: a
+        commit made earlier in this layout, whose rows to exchange instead of today's.
+
+        Raises:
+            ValueError: the module shards over a group (`group=`), which a re-formed world
+                cannot carry over.
+        """
+        if not self._dp_group.on_world:
+            raise ValueError(
+                f"{type(self).__name__} shards over a group (fully_shard(group=...)), which "
+                "goes with its world: only a model sharded over the whole world is carried "
+                "over to a re-formed one. Shard it over the world, or keep it in dp.checkpoint "
+                "checkpoints."
+            )
+        backend = self._dp_group.backend
+        return carry.record(_groups(self), optimizers, backend, exchange=exchange, of=of)
+
+    def restore_rows(
+        self, optimizers: Mapping[str, torch.optim.Optimizer], saved: Mapping[str, Any]
+    ) -> bool:
+        """Put back the rows `commit_rows` copied (not collective); False, changing nothing,
+        where the module was laid out over another world since."""
+        return carry.restore(_groups(self), optimizers, saved)
+
+    def carry_over(
+        self, optimizers: Mapping[str, torch.optim.Optimizer], saved: Mapping[str, Any] | None
+    ) -> None:
+        """Shard this module over the current world again and fill each rank's rows, and
+        `optimizers`' state for them, from the survivors' `commit_rows` (collective: every
+        rank of the new world, a newcomer with `saved=None`). The shards stay the same
+        `nn.Parameter`s (of other shapes now): optimizers made on them keep working."""
+        carry.carry_over(_groups(self), optimizers, saved, world.current().backend)
+
     def parameter_bytes(self) -> tuple[int, int]:
         """Bytes of parameters this rank holds now for this module: its shards, and the whole
         parameters and gradients gathered or kept at this moment (0 between steps)."""
@@ -854,6 +921,7 @@ def fully_shard(
     for info, (_, original) in zip(made.params, named, strict=True):
         original._dp_taken_by = weakref.ref(made)  # type: ignore[attr-defined]
         info.sharded._dp_shard = weakref.ref(made)  # type: ignore[attr-defined]
+    made.on_world = engine is world.current().backend
     module.__class__ = _sharded_class(type(module))
     setattr(module, "_dp_group", made)  # noqa: B010 - not a tensor or module: a plain attribute
     module.register_forward_pre_hook(_pre_forward, prepend=True)

@@ -17,8 +17,10 @@ with an exchange of the flags' shape, and both end in one slot per rank saying w
 doing (`PASS` or `STEP`): where the slots differ, every rank raises `CollectiveMismatchError`
 before sending anything else. A step of one pass costs nothing more (its slots ride on the flags).
 
-Send buffers come from a pool (at most `MAX_IN_FLIGHT + 1` in use at once); a bucket of one
-parameter sends its gradient in place. `staged` (parameters on a device, which the engines
+Each reduce-scatter is one of a `Fusion`'s flights, so that what is in flight is bounded as
+every other bucket's call is. Send and receive buffers come from the one `BufferPool`, taken at
+their exact sizes (they count in `gradient_bytes`); a bucket of one parameter sends its gradient
+in place. `staged` (parameters on a device, which the engines
 cannot read): the shards stay on the device; a bucket is packed there, crosses to a pinned host
 buffer in one copy, and what this rank receives comes back in one copy before it is scaled and
 added to the shard.
@@ -26,23 +28,20 @@ added to the shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
-from dataparallel.arrays.fusion import MAX_IN_FLIGHT
+from dataparallel.arrays.actions import Scatter
+from dataparallel.arrays.fusion import Fusion, ShardFlight
+from dataparallel.arrays.pool import BufferPool
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._hooks import GradientHooks
 from dataparallel.torch._zero.layout import Bucket, Slab, host_buffer
 
-__all__ = ["GradientShards"]
-
-# A reduce-scatter in flight: its bucket, its handle, what it sends (a pooled buffer, or a
-# parameter's gradient sent in place), the pooled buffer it receives into (or None: the shard),
-# and whether it sends in place.
-_Pending = tuple[int, Handle, torch.Tensor, torch.Tensor | None, bool]
+__all__ = ["GradientShards", "TorchMemory"]
 
 
 def launch_order(buckets: list[Bucket]) -> list[int]:
@@ -64,36 +63,24 @@ def sent_counts(bucket: Bucket) -> list[int]:
     return [min(part, max(0, items - r * part)) for r in range(len(bucket.counts))]
 
 
-class SpareBuffers:
-    """Tensors taken and given back: a buffer is reused by any later request it can hold.
-
-    Beside `arrays.pool.BufferPool` (host NumPy buffers in power-of-two size classes) because
-    these are torch tensors, on a device or in pinned host memory, and exact in size: what they
-    hold counts in `ZeroRedundancyOptimizer.gradient_bytes`.
-    """
+class TorchMemory:
+    """Where a `BufferPool` of torch tensors makes them: on `device`, or (None) on the host,
+    pinned if `staged` (`host_buffer`), so that the copies to and from the device are DMA."""
 
     def __init__(self, device: torch.device | None = None, staged: bool = False) -> None:
-        self.device = device  # None: host buffers (`host_buffer`: pinned if `staged`)
-        self.staged = staged
-        self._free = dict[torch.dtype, list[torch.Tensor]]()
-        self.allocated = 0  # bytes of the buffers alive (given out or free)
+        self.device, self.staged = device, staged
 
-    def take(self, dtype: torch.dtype, items: int) -> torch.Tensor:
-        free = self._free.setdefault(dtype, [])
-        for i, buf in enumerate(free):
-            if buf.numel() >= items:
-                return free.pop(i)
-        if free:  # too small: dropped, so that no more buffers live than are in use at once
-            self.allocated -= free.pop().nbytes
+    def empty(self, dtype: Hashable, items: int) -> torch.Tensor:
+        assert isinstance(dtype, torch.dtype)
         if self.device is None:
-            buf = host_buffer(items, dtype, self.staged)
-        else:
-            buf = torch.empty(items, dtype=dtype, device=self.device)
-        self.allocated += buf.nbytes
-        return buf
+            return host_buffer(items, dtype, self.staged)
+        return torch.empty(items, dtype=dtype, device=self.device)
 
-    def give(self, buf: torch.Tensor) -> None:
-        self._free[buf.dtype].append(buf)
+    def base(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf if buf._base is None else buf._base
+
+    def nbytes(self, buf: torch.Tensor) -> int:
+        return buf.nbytes
 
 
 # What a rank is doing, in its slot of a step's flags (or of a later pass's check): it began
@@ -161,10 +148,16 @@ class GradientShards:
             torch.zeros(f.shard_items, dtype=f.dtype, device=f.data.device) for f in slabs
         ]
         self._wires = [reduced_dtype(f.dtype, backend) for f in slabs]
-        self._pool = SpareBuffers(staged=staged)  # what the engine reads and writes: host buffers
+        # What the engine reads and writes: host buffers (pinned when staged).
+        self._pool = BufferPool(TorchMemory(staged=staged), exact=True)
         # Staged: buffers on the parameters' device, that buckets are packed in and land in.
-        self._staging = SpareBuffers(slabs[0].data.device) if staged and slabs else None
-        self._flights: list[_Pending] = []
+        self._staging = (
+            BufferPool(TorchMemory(slabs[0].data.device), exact=True) if staged and slabs else None
+        )
+        # The reduce-scatters in flight, summed and not scaled (the shards are scaled in torch,
+        # `_land`); nothing is queued on it (every flight is packed by `_pack`), so its
+        # bucket size does not matter.
+        self._fusion = Fusion(backend, Scatter(ReduceOp.SUM), bucket_bytes=1)
         # Whether each parameter had a gradient, then one slot per rank (`PASS`/`STEP`).
         self.had = np.zeros(len(params) + backend.size, np.float32)
         self._probe = np.zeros_like(self.had)  # a later pass's check: no flags, its slot
@@ -252,12 +245,13 @@ class GradientShards:
 
     def _launch(self, b: int) -> None:
         self._settle_probe()  # this pass's check, before its first bucket
+        self._fusion.reduce_scatter(lambda: self._pack(b))
+
+    def _pack(self, b: int) -> ShardFlight:
+        """Pack bucket `b` for its reduce-scatter (the calls before it have landed as
+        `Fusion` requires, so their buffers are free again)."""
         bucket, rank = self.buckets[b], self.backend.rank
         slab, wire = self.slabs[bucket.slab], self._wires[bucket.slab]
-        if not self.backend.progresses:  # MPI: one call in flight at a time (`fusion.py`)
-            self.land()
-        elif len(self._flights) > MAX_IN_FLIGHT:
-            self._land(self._flights.pop(0))
         base, send = None, None if self._staging is not None else self._alone(bucket, wire)
         if send is not None:  # one parameter: its gradient goes as it is
             self.had[bucket.params[0]] = 1
@@ -290,14 +284,21 @@ class GradientShards:
         spare = None
         # Into the shard only for the step's first reduction of the bucket: a later pass's
         # must not overwrite the shard while the first is still in flight (it adds on landing).
-        first = self._fresh[b] and all(flight[0] != b for flight in self._flights)
-        if first and wire == slab.dtype and self._staging is None:
+        fresh, self._fresh[b] = self._fresh[b], False
+        if fresh and wire == slab.dtype and self._staging is None:
             recv = shard
         else:
             spare = self._pool.take(wire, mine)
             recv = spare[:mine]
-        handle = self.backend.ireduce_scatter(send.numpy(), recv.numpy(), counts, ReduceOp.SUM)
-        self._flights.append((b, handle, base if base is not None else send, spare, base is None))
+        sent = base if base is not None else send
+
+        def land(_: np.ndarray) -> None:
+            self._land(b, shard, spare, fresh)
+            if sent is not send:  # packed into a pooled buffer, not sent in place
+                self._pool.give(sent)
+
+        name = str(wire).removeprefix("torch.")
+        return ShardFlight(name, send.numpy(), recv.numpy(), tuple(counts), land)
 
     def _alone(self, bucket: Bucket, wire: torch.dtype) -> torch.Tensor | None:
         """The gradient of a bucket's one parameter, when it can be sent in place."""
@@ -308,43 +309,36 @@ class GradientShards:
             return None
         return grad.view(-1)
 
-    def _land(self, flight: _Pending) -> None:
-        b, handle, base, spare, in_place = flight
-        handle.wait()
-        bucket = self.buckets[b]
-        mine = sent_counts(bucket)[self.backend.rank]
-        shard = self.shards[bucket.slab][bucket.shard_at : bucket.shard_at + mine]
+    def _land(self, b: int, shard: torch.Tensor, spare: torch.Tensor | None, fresh: bool) -> None:
+        """Bring bucket `b`'s landed sum into its `shard`: received there, or in `spare`, copied
+        (the step's first reduction of it) or added."""
         if spare is None:
             if self.scale != 1.0:
                 shard.mul_(self.scale)
+            return
+        mine = shard.numel()
+        received = spare[:mine]
+        if self._staging is not None:  # one host-to-device copy, then as on the host
+            landed = self._staging.take(received.dtype, mine)
+            landed[:mine].copy_(received)
+            self._pool.give(spare)
+            spare, received = landed, landed[:mine]
+        if self.scale != 1.0:
+            received.mul_(self.scale)  # in the wire dtype, before any narrowing
+        if fresh:
+            shard.copy_(received)
         else:
-            received = spare[:mine]
-            if self._staging is not None:  # one host-to-device copy, then as on the host
-                landed = self._staging.take(received.dtype, mine)
-                landed[:mine].copy_(received)
-                self._pool.give(spare)
-                spare, received = landed, landed[:mine]
-            if self.scale != 1.0:
-                received.mul_(self.scale)  # in the wire dtype, before any narrowing
-            if self._fresh[b]:
-                shard.copy_(received)
-            else:
-                shard.add_(received)
-            (self._pool if self._staging is None else self._staging).give(spare)
-        self._fresh[b] = False
-        if not in_place:
-            self._pool.give(base)
+            shard.add_(received)
+        (self._pool if self._staging is None else self._staging).give(spare)
 
     @property
     def in_flight(self) -> bool:
         """Whether some reduce-scatter started has not landed yet."""
-        return bool(self._flights)
+        return self._fusion.in_flight
 
     def land(self) -> None:
         """Complete every reduce-scatter in flight."""
-        flights, self._flights = self._flights, []
-        for flight in flights:
-            self._land(flight)
+        self._fusion.land()
 
     # -- the step's side ---------------------------------------------------------------------
 
