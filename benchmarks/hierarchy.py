@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import statistics
@@ -197,6 +198,8 @@ def train_work(args: argparse.Namespace) -> None:
     from dataparallel.backends.gloo.backend import GlooBackend
     from dataparallel.config import Settings
 
+    if args.stacks_after > 0:  # a job that hangs shows where each rank waits before it is killed
+        faulthandler.dump_traceback_later(args.stacks_after, exit=False)
     torch.set_num_threads(1)
     dp.initialize("mpi")  # Horovod (MPI) runs beside; dp's own MPI case too
     comm = MPI.COMM_WORLD
@@ -266,7 +269,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker", "--train"]
     worker += ["--d", args.d, "--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--batch", str(args.batch)]
-    worker += ["--seq", str(args.seq)]
+    worker += ["--seq", str(args.seq), "--stacks-after", str(max(1.0, args.timeout - 20))]
     link.shape(args.rate)
     result = Job(link, launcher, bindir, worker, args.timeout).result("by host", link.environment())
     from train_step import ALONE
@@ -411,6 +414,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=32, help="--train: tokens per sequence")
     parser.add_argument("--hvd-venv", default="", help="--train: Horovod's own venv, if any")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stacks-after", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         if args.train:
