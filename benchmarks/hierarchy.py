@@ -29,6 +29,7 @@ the steps pay).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,41 @@ def counters() -> tuple[int, int]:
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
+@contextlib.contextmanager
+def gloo_world() -> Iterator[tuple[Any, Any, Any]]:
+    """A worker's world: dp over MPI (ranks, barriers, maxima), torch's Gloo group over the same
+    processes, and dp's two Gloo engines over it (one ring, and by host where the ranks span
+    hosts); yields (MPI's world communicator, ring, by host), and ends them all afterwards."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import dataparallel as dp
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.config import Settings
+
+    dp.initialize("mpi")
+    comm = MPI.COMM_WORLD
+    if not dist.is_initialized():  # torch's own Gloo group: DDP's, and what dp's engines run over
+        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
+        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
+    settings = Settings.from_env()
+    ring = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=False))
+    by_host = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=True))
+    try:
+        yield comm, ring, by_host
+    finally:
+        by_host.close()
+        ring.close()
+        dist.destroy_process_group()
+        dp.finalize()
+
+
+def report(comm: Any, result: dict[str, Any]) -> None:
+    """Print a worker's figures as the one RESULT line the launching side reads (`Job`)."""
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
 def work(args: argparse.Namespace) -> None:
     """A rank: `--calls` Allreduces of each kind, the link's bytes read around each kind by the
     host's first rank (the counters are the namespace's: both of its ranks' traffic)."""
@@ -68,104 +105,71 @@ def work(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import dataparallel as dp
-
-    dp.initialize("mpi")
-    comm = MPI.COMM_WORLD
-    if not dist.is_initialized():  # torch's own Gloo group, for the ring's figure
-        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
-        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
     from dataparallel.backends.base import ReduceOp
-    from dataparallel.backends.gloo.backend import GlooBackend
-    from dataparallel.config import Settings
 
-    # dp's own Gloo engines over the same processes: by host (`hierarchy.py`) and one ring.
-    settings = Settings.from_env()
-    by_host = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=True))
-    ring = GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=False))
-    assert by_host.hierarchy is not None and ring.hierarchy is None
-    n = args.mib * 2**20 // 4
-    x = np.full(n, comm.rank + 1.0, np.float32)
-    out = np.empty_like(x)
-    t = torch.from_numpy(x.copy())
-    result: dict[str, dict[str, float]] = {}
-    kinds = {
-        "MPI_Allreduce": lambda: comm.Allreduce(x, out, MPI.SUM),
-        "dp.allreduce (MPI)": lambda: dp.allreduce(x),
-        "torch Gloo all_reduce": lambda: dist.all_reduce(t),
-        "dp Gloo, one ring": lambda: ring.allreduce(x, ReduceOp.SUM),
-        "dp Gloo, by host": lambda: by_host.allreduce(x, ReduceOp.SUM),
-    }
-    for name, call in kinds.items():
-        call()  # warm: connections made, buffers pooled
-        comm.Barrier()
-        before = counters()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            call()
-        comm.Barrier()
-        took = (time.perf_counter() - start) / args.calls
-        after = counters()
-        result[name] = {
-            "tx": (after[0] - before[0]) / args.calls,
-            "rx": (after[1] - before[1]) / args.calls,
-            "ms": took * 1e3,
+    with gloo_world() as (comm, ring, by_host):
+        assert by_host.hierarchy is not None and ring.hierarchy is None
+        n = args.mib * 2**20 // 4
+        x = np.full(n, comm.rank + 1.0, np.float32)
+        out = np.empty_like(x)
+        t = torch.from_numpy(x.copy())
+        result: dict[str, dict[str, float]] = {}
+        kinds = {
+            "MPI_Allreduce": lambda: comm.Allreduce(x, out, MPI.SUM),
+            "dp.allreduce (MPI)": lambda: dp.allreduce(x),
+            "torch Gloo all_reduce": lambda: dist.all_reduce(t),
+            "dp Gloo, one ring": lambda: ring.allreduce(x, ReduceOp.SUM),
+            "dp Gloo, by host": lambda: by_host.allreduce(x, ReduceOp.SUM),
         }
-    check = np.full(1024, comm.rank + 1.0, np.float32)
-    assert float(dp.allreduce(check)[0]) == sum(range(1, comm.size + 1)), "wrong sum"
-    if comm.rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    by_host.close()
-    ring.close()
-    dist.destroy_process_group()
-    dp.finalize()
+        for name, call in kinds.items():
+            call()  # warm: connections made, buffers pooled
+            comm.Barrier()
+            before = counters()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                call()
+            comm.Barrier()
+            took = (time.perf_counter() - start) / args.calls
+            after = counters()
+            result[name] = {
+                "tx": (after[0] - before[0]) / args.calls,
+                "rx": (after[1] - before[1]) / args.calls,
+                "ms": took * 1e3,
+            }
+        check = np.full(1024, comm.rank + 1.0, np.float32)
+        assert float(dp.allreduce(check)[0]) == sum(range(1, comm.size + 1)), "wrong sum"
+        report(comm, result)
 
 
 def sweep_work(args: argparse.Namespace) -> None:
     """A rank of `--sweep`: dp's Gloo engine as one ring and by host, alternating call by call
     at every size, so both see the same machine; each call's time is the slowest rank's."""
     import numpy as np
-    import torch.distributed as dist
     from mpi4py import MPI
 
-    import dataparallel as dp
     from dataparallel.backends.base import ReduceOp
-    from dataparallel.backends.gloo.backend import GlooBackend
-    from dataparallel.config import Settings
 
-    dp.initialize("mpi")  # only the launch: ranks and the timing's barriers and maxima
-    comm = MPI.COMM_WORLD
-    if not dist.is_initialized():  # the processes dp's Gloo engines run over
-        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
-        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
-    settings = Settings.from_env()
-    engines = {
-        "ring": GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=False)),
-        "by host": GlooBackend.create(settings=dataclasses.replace(settings, hierarchical=True)),
-    }
-    assert engines["by host"].hierarchy is not None and engines["ring"].hierarchy is None
-    result: dict[str, dict[str, float]] = {}
-    for kib in (int(k) for k in args.sizes.split(",")):
-        x = np.full(kib * 256, comm.rank + 1.0, np.float32)
-        calls = max(args.calls, min(100, (64 * 1024) // kib))  # small sizes: more calls
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        for engine in engines.values():  # warm: connections made, buffers pooled
-            engine.allreduce(x.copy(), ReduceOp.SUM)
-        for i in range(calls):
-            for name in sorted(engines, reverse=bool(i % 2)):  # each goes first half the time
-                y = x.copy()
-                comm.Barrier()
-                start = time.perf_counter()
-                engines[name].allreduce(y, ReduceOp.SUM)
-                took = comm.allreduce(time.perf_counter() - start, MPI.MAX)
-                times[name].append(took)
-                assert float(y[-1]) == sum(range(1, comm.size + 1)), f"{name}: wrong sum"
-        result[str(kib)] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    if comm.rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    for engine in engines.values():
-        engine.close()
-    dist.destroy_process_group()
-    dp.finalize()
+    with gloo_world() as (comm, ring, by_host):
+        engines = {"ring": ring, "by host": by_host}
+        assert engines["by host"].hierarchy is not None and engines["ring"].hierarchy is None
+        result: dict[str, dict[str, float]] = {}
+        for kib in (int(k) for k in args.sizes.split(",")):
+            x = np.full(kib * 256, comm.rank + 1.0, np.float32)
+            calls = max(args.calls, min(100, (64 * 1024) // kib))  # small sizes: more calls
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            for engine in engines.values():  # warm: connections made, buffers pooled
+                engine.allreduce(x.copy(), ReduceOp.SUM)
+            for i in range(calls):
+                for name in sorted(engines, reverse=bool(i % 2)):  # each goes first half the time
+                    y = x.copy()
+                    comm.Barrier()
+                    start = time.perf_counter()
+                    engines[name].allreduce(y, ReduceOp.SUM)
+                    took = comm.allreduce(time.perf_counter() - start, MPI.MAX)
+                    times[name].append(took)
+                    assert float(y[-1]) == sum(range(1, comm.size + 1)), f"{name}: wrong sum"
+            result[str(kib)] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        report(comm, result)
 
 
 class HorovodWith:
@@ -189,77 +193,62 @@ def train_work(args: argparse.Namespace) -> None:
     import copy
 
     import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
     from torch import nn
     from train_step import ALONE, Horovod, measure, trainer, transformer
 
     import dataparallel as dp
-    from dataparallel.backends.gloo.backend import GlooBackend
-    from dataparallel.config import Settings
 
     if args.stacks_after > 0:  # a job that hangs shows where each rank waits before it is killed
         faulthandler.dump_traceback_later(args.stacks_after, exit=False)
     torch.set_num_threads(1)
-    dp.initialize("mpi")  # Horovod (MPI) runs beside; dp's own MPI case too
-    comm = MPI.COMM_WORLD
-    if not dist.is_initialized():  # DDP's group, and the group dp's Gloo engines run over
-        url = f"tcp://{os.environ['MASTER_ADDR']}:{PORT}"
-        dist.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
-    settings = Settings.from_env()
-    engines = {
-        "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)": GlooBackend.create(
-            settings=dataclasses.replace(settings, hierarchical=True)
-        ),
-        "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)": GlooBackend.create(
-            settings=dataclasses.replace(settings, hierarchical=False)
-        ),
-    }
-    horovod = Horovod()
-    g = torch.Generator().manual_seed(comm.rank)
-    tokens = torch.randint(0, 1000, (args.batch, args.seq + 1), generator=g)
-    batch = (tokens[:, :-1], tokens[:, 1:])
+    # dp over MPI (Horovod, also MPI, runs beside it), torch's Gloo group for DDP, dp's Gloo engines
+    with gloo_world() as (comm, ring, by_host):
+        engines = {
+            "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)": by_host,
+            "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)": ring,
+        }
+        horovod = Horovod()
+        g = torch.Generator().manual_seed(comm.rank)
+        tokens = torch.randint(0, 1000, (args.batch, args.seq + 1), generator=g)
+        batch = (tokens[:, :-1], tokens[:, 1:])
 
-    def adam(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.Adam(m.parameters(), lr=1e-4)
+        def adam(m: nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.Adam(m.parameters(), lr=1e-4)
 
-    result: dict[str, Any] = {"horovod": horovod.version or horovod.reason}
-    for d in (int(v) for v in args.d.split(",")):
-        base = transformer(d)
-        single = copy.deepcopy(base)
-        cases: dict[str, tuple[Any, Any]] = {ALONE: (trainer(single, adam(single), batch), None)}
-        for name, engine in engines.items():
+        result: dict[str, Any] = {"horovod": horovod.version or horovod.reason}
+        for d in (int(v) for v in args.d.split(",")):
+            base = transformer(d)
+            single = copy.deepcopy(base)
+            cases: dict[str, tuple[Any, Any]] = {
+                ALONE: (trainer(single, adam(single), batch), None)
+            }
+            for name, engine in engines.items():
+                model = copy.deepcopy(base)
+                opt = dp.DistributedOptimizer(adam(model), backend=engine)
+                cases[name] = (trainer(model, opt, batch), None)
             model = copy.deepcopy(base)
-            opt = dp.DistributedOptimizer(adam(model), backend=engine)
-            cases[name] = (trainer(model, opt, batch), None)
-        model = copy.deepcopy(base)
-        cases["dp MPI (MPICH's own allreduce)"] = (
-            trainer(model, dp.DistributedOptimizer(adam(model)), batch),
-            None,
-        )
-        if horovod.hvd is not None:
-            for flag in ("1", "0"):
-                theirs = copy.deepcopy(base)
-                context = HorovodWith(horovod, flag)
-                with context:  # the constructor asks Horovod for the world size
-                    hopt = horovod.hvd.DistributedOptimizer(
-                        adam(theirs), named_parameters=theirs.named_parameters()
-                    )
-                name = f"Horovod {horovod.version} MPI, HOROVOD_HIERARCHICAL_ALLREDUCE={flag}"
-                cases[name] = (trainer(theirs, hopt, batch), context)
-        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-        cases["torch DDP (Gloo)"] = (trainer(ddp, adam(ddp), batch), None)
-        if comm.rank == 0:
-            print(f"D={d}: {len(cases)} cases made; timing", flush=True)
-        samples = measure(cases, args.rounds, args.budget, args.tolerance)
-        n = sum(p.numel() for p in base.parameters())
-        result[str(d)] = {"parameters": n, "samples": samples}
-    if comm.rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    for engine in engines.values():
-        engine.close()
-    dist.destroy_process_group()
-    dp.finalize()
+            cases["dp MPI (MPICH's own allreduce)"] = (
+                trainer(model, dp.DistributedOptimizer(adam(model)), batch),
+                None,
+            )
+            if horovod.hvd is not None:
+                for flag in ("1", "0"):
+                    theirs = copy.deepcopy(base)
+                    context = HorovodWith(horovod, flag)
+                    with context:  # the constructor asks Horovod for the world size
+                        hopt = horovod.hvd.DistributedOptimizer(
+                            adam(theirs), named_parameters=theirs.named_parameters()
+                        )
+                    name = f"Horovod {horovod.version} MPI, HOROVOD_HIERARCHICAL_ALLREDUCE={flag}"
+                    cases[name] = (trainer(theirs, hopt, batch), context)
+            ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            cases["torch DDP (Gloo)"] = (trainer(ddp, adam(ddp), batch), None)
+            if comm.rank == 0:
+                print(f"D={d}: {len(cases)} cases made; timing", flush=True)
+            samples = measure(cases, args.rounds, args.budget, args.tolerance)
+            n = sum(p.numel() for p in base.parameters())
+            result[str(d)] = {"parameters": n, "samples": samples}
+        report(comm, result)
 
 
 def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
