@@ -6,12 +6,15 @@ first failure, a death by signal included, ends the job. An elastic launch (`--m
 `ElasticOptions`) starts *workers* instead, and holds a TCP store that outlives them, where it
 publishes the members of each successive world (`dataparallel.elastic`). Which departures
 re-form the world and which end the run is the policy of docs/elastic.md: a worker killed by a
-signal (or whose ssh ends with 255) is lost and the survivors re-form, since re-forming cannot
-fix a bug that raised; a worker that exits 0 finished and leaves; `--blacklist-cooldown-range`
-sets a failing host aside for a doubling cool-down (Horovod's blacklist); the discovery script
-is followed every second and its later failures keep the last slots (Horovod's rule); too few
-workers for `--elastic-timeout`, or more than `--reset-limit` re-formed worlds (counted when a
-world forms), end the run with status 1.
+signal (or whose ssh ends with 255: its host or link gone, which ssh notices within
+`--link-timeout`) is lost and the survivors re-form, since re-forming cannot fix a bug that
+raised; a round that leaves out workers lost by their link lists them, so that the others cut
+their connections to them instead of waiting on them (`dataparallel.elastic.liveness`); a
+worker that exits 0 finished and leaves; `--blacklist-cooldown-range` sets a failing host aside
+for a doubling cool-down (Horovod's blacklist); the discovery script is followed every second
+and its later failures keep the last slots (Horovod's rule); too few workers for
+`--elastic-timeout`, or more than `--reset-limit` re-formed worlds (counted when a world forms),
+end the run with status 1.
 
 With a host list (`-H a:2,b:2`, `--hostfile`) the ranks of other hosts start over ssh
 (`dataparallel.launch.hosts`) and are supervised as the local ones, so one rule covers both:
