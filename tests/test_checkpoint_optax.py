@@ -79,6 +79,7 @@ def assert_same(a: Any, b: Any, where: str) -> None:
         assert x.tobytes() == y.tobytes(), f"{where} leaf {i}: {x} != {y}"
 
 
+@pytest.mark.heavy
 def test_a_sharded_optax_state_round_trips_bit_for_bit(folder: Path) -> None:
     opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
     params, state = train(opt, make_params(), opt.init(make_params()), range(2))

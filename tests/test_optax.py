@@ -607,6 +607,7 @@ def test_jitted_sum_of_bool_small_integers_and_large_leaves(
     np.testing.assert_array_equal(out["big"], np.full(big, float(total), np.float32))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("route", ROUTES)
 def test_multi_steps_communicates_once_per_real_update(
     route: str, engine_calls: list[int], rank: int, size: int

@@ -78,6 +78,7 @@ def _assert_same_on_every_rank(tree: Any) -> None:
         jax.tree.map(np.testing.assert_array_equal, every[0], other)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("rank", [1, 2])
 def test_gradients_of_rank_at_most_r_arrive_exactly(rank: int, jit: bool) -> None:
@@ -125,6 +126,7 @@ def test_error_feedback_carries_exactly_what_was_dropped(jit: bool) -> None:
         carried = residual
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_warm_start_reaches_the_best_rank_one_approximation(jit: bool) -> None:
     """With warm start the power iteration goes on across steps and reaches the best rank-1
@@ -193,6 +195,7 @@ def _run(jit: bool, state: Any, steps: range, opt: Any = None) -> tuple[Any, Any
     return outs, state
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_a_state_saved_and_loaded_resumes_bit_for_bit(jit: bool) -> None:
     """The state (inner state, count, bases, residuals) is a pytree of arrays: saved halfway
@@ -409,6 +412,7 @@ def _regression(compression: Any, steps: int = 400) -> float:
     return float(loss(params, x, y))
 
 
+@pytest.mark.heavy
 def test_training_reaches_the_uncompressed_loss_within_one_percent() -> None:
     """PowerSGD at rank 8 after 10 exact steps (the two larger matrices compressed) ends within
     1% of the uncompressed run's loss after 400 steps; rank 1 ends far from it, so the run does
