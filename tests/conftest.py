@@ -309,11 +309,10 @@ def _full_matrix(config: pytest.Config) -> bool:
     return (backend.name, backend.size) == FULL_MATRIX
 
 
-def _heavy_elsewhere(items: Iterable[pytest.Item]) -> set[int]:
-    """Return the `heavy` items whose worlds (`HEAVY_WORLDS`) this multi-rank world is not."""
-    backend: Backend = _state["backend"]
-    here = (backend.name, backend.size)
-    if backend.size == 1 or all(here not in worlds for worlds in HEAVY_WORLDS):
+def heavy_elsewhere(items: Iterable[pytest.Item], here: tuple[str, int]) -> set[int]:
+    """Return the ids of the `heavy` items whose worlds (`HEAVY_WORLDS`) are not `here`, the
+    (engine, ranks) of this world: none in the world of one, or in a world of none of its pairs."""
+    if all(here not in worlds for worlds in HEAVY_WORLDS):
         return set()
     cases: dict[str, int] = {}
     elsewhere = set()
@@ -339,7 +338,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 assert marker is not None
                 sample = covering_sample(group, int(marker.kwargs.get("strength", 2)))
                 drop |= {id(item) for item in group} - {id(item) for item in sample}
-        drop |= _heavy_elsewhere(items)
+        backend: Backend = _state["backend"]
+        drop |= heavy_elsewhere(items, (backend.name, backend.size))
         dropped = [item for item in items if id(item) in drop and not _named(config, item)]
         if dropped:
             gone = {id(item) for item in dropped}
