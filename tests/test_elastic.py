@@ -427,3 +427,44 @@ def test_the_holders_of_a_lost_ranks_rows() -> None:
         holders([(0, 3, False), (2, 3, False)])  # never committed: no copies
     with pytest.raises(RuntimeError, match="rank 2 of 4 held are on no surviving worker"):
         holders([(0, 4, True), (3, 4, True)])  # 1 and 2 lost together
+
+
+_SERVE = """
+import socket, sys
+servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+print(*(s.getsockname()[1] for s in servers), flush=True)
+peers = [s.accept()[0] for s in servers]
+for peer in peers:
+    print(repr(peer.recv(1)), flush=True)
+"""
+
+
+def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
+    """The cut of a peer behind a dead link (`elastic.liveness`): a thread blocked reading a
+    connection to the address wakes with the stream's end, at once; the store's stays open."""
+    import socket
+    import subprocess
+    import sys
+
+    from dataparallel.elastic.liveness import cut_connections
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True
+    ) as server:
+        assert server.stdout is not None
+        peer_port, store_port = map(int, server.stdout.readline().split())
+        peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
+        store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(peer.recv(1)))
+        reader.start()
+        assert cut_connections({"10.255.255.1"}) == 0  # no connection there
+        assert cut_connections({"127.0.0.1"}, keep=("127.0.0.1", store_port)) == 1
+        reader.join(timeout=60)
+        assert got == [b""]  # the end of the stream, as if the peer had closed it
+        store.sendall(b"s")
+        assert server.stdout.readline() == "b''\n"  # the peer's end saw the cut too
+        assert server.stdout.readline() == "b's'\n"  # the store's connection still carries
+        peer.close()
+        store.close()
+    assert server.returncode == 0
