@@ -46,7 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from network import DEVICE, PORT, Link, why_not  # noqa: E402
+from network import DEVICE, PORT, Link, described, variants, why_not  # noqa: E402
 
 # MPICH's CH4 device picks how an Allreduce is composed: `auto` (its own choice), or 2, "NM
 # only": the network module's algorithm over every rank, no step inside the hosts (flat).
@@ -222,15 +222,17 @@ def train_work(args: argparse.Namespace) -> None:
             cases: dict[str, tuple[Any, Any]] = {
                 ALONE: (trainer(single, adam(single), batch), None)
             }
+            syncs = {}  # each dp case's reduction: the mode its trial chose
             for name, engine in engines.items():
                 model = copy.deepcopy(base)
                 opt = dp.DistributedOptimizer(adam(model), backend=engine)
-                cases[name] = (trainer(model, opt, batch), None)
+                cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
             model = copy.deepcopy(base)
-            cases["dp MPI (MPICH's own allreduce)"] = (
-                trainer(model, dp.DistributedOptimizer(adam(model)), batch),
-                None,
-            )
+            opt = dp.DistributedOptimizer(adam(model))
+            name = "dp MPI (MPICH's own allreduce)"
+            cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
+            if args.modes:  # dp MPI held in each mode: what its trial chose between
+                cases.update(variants(base, adam, batch, None, "MPI"))
             if horovod.hvd is not None:
                 for flag in ("1", "0"):
                     theirs = copy.deepcopy(base)
@@ -247,7 +249,8 @@ def train_work(args: argparse.Namespace) -> None:
                 print(f"D={d}: {len(cases)} cases made; timing", flush=True)
             samples = measure(cases, args.rounds, args.budget, args.tolerance)
             n = sum(p.numel() for p in base.parameters())
-            result[str(d)] = {"parameters": n, "samples": samples}
+            chosen = {name: described(sync) for name, sync in syncs.items()}
+            result[str(d)] = {"parameters": n, "samples": samples, "chosen": chosen}
         report(comm, result)
 
 
@@ -259,6 +262,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     worker += ["--d", args.d, "--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--batch", str(args.batch)]
     worker += ["--seq", str(args.seq), "--stacks-after", str(max(1.0, args.timeout - 20))]
+    worker += ["--modes"] if args.modes else []
     link.shape(args.rate)
     result = Job(link, launcher, bindir, worker, args.timeout).result("by host", link.environment())
     from train_step import ALONE
@@ -286,6 +290,8 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
                 f"| {name} | {median * 1e3:.1f} ms | {min(values):.0f}..{max(values):.0f} ms "
                 f"| {median / flat:.2f} |"
             )
+        for name, mode in figures.get("chosen", {}).items():
+            print(f"{name}: {mode}")
     return 0
 
 
@@ -402,6 +408,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="--train: sequences per rank")
     parser.add_argument("--seq", type=int, default=32, help="--train: tokens per sequence")
     parser.add_argument("--hvd-venv", default="", help="--train: Horovod's own venv, if any")
+    parser.add_argument(
+        "--modes", action="store_true", help="--train: also dp MPI held in each mode, no trial"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stacks-after", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
