@@ -67,7 +67,7 @@ from dataparallel.torch._buckets import (
 from dataparallel.torch._feedback import ErrorFeedback
 from dataparallel.torch._hooks import GradientHooks
 from dataparallel.torch._hooks import owner as owner_of
-from dataparallel.torch._powersgd import Q_LAG, LowRank, PowerSGDReplay
+from dataparallel.torch._powersgd import LowRank, PowerSGDReplay, q_lag
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op, WireDtype
 
@@ -196,7 +196,7 @@ class GradientSync:
         self._modes = Modes(self.backend, private, trainable, active.settings)
         self.overlap = self._modes.first()
         self._given = bucket_bytes
-        self.bucket_bytes = bucket_bytes or self._modes.bucket_bytes(
+        self.bucket_bytes = bucket_bytes or self._default_bucket_bytes(
             self.overlap, self._modes.offload
         )
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
@@ -206,6 +206,7 @@ class GradientSync:
         if self._low is not None:
             self._options |= {"compression": repr(compression), "sparse_as_dense": sparse_as_dense}
             self._low.world = self.backend.size if op == "sum" else 1
+            self._low.lag = q_lag(self.backend)
         self.wait_after_backward = wait_after_backward
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
@@ -709,17 +710,18 @@ class GradientSync:
 
     def _low_rank_call(self, b: int, leaves: list[Any], flags: np.ndarray | None) -> None:
         """Send bucket `b`'s call in a compressed step (`b` = the bucket count: the call after
-        the last bucket's), with the `Q`s due in it, and the phases of PowerSGD that come first,
-        as torch's hook runs them per bucket, in one order on every rank: the buckets whose
-        `Q`s are due have their averaged `P`s back (their calls are `Q_LAG` calls older): their
-        `Q`s are computed; the buckets whose `Q`s came back in those calls have their gradients
-        written. On the thread the step's calls are made on (`Router.run`), so that on the
+        the last bucket's), with the `Q`s due in it, and the phases of PowerSGD around it, as
+        torch's hook runs them per bucket: the buckets whose `Q`s are due have their averaged
+        `P`s back (their calls are `LowRank.lag` calls older): their `Q`s are computed (in one
+        order on every rank); the buckets whose `Q`s are back have their gradients written
+        (before the call, those landed with the `P`s; after it, all, when no call is left in
+        flight). On the thread the step's calls are made on (`Router.run`), so that on the
         communication thread it runs beside backward, and only the last buckets' phases are left
         after it."""
         low, router = self._low, self._router
         assert low is not None
         fusion, n = router.fusion, len(self._buckets)
-        newest = b - Q_LAG if b < n else n - 1  # the newest bucket whose call must have landed
+        newest = b - low.lag if b < n else n - 1  # the newest bucket whose call must have landed
         due = low.due(b, n)
         back = sorted(c for c, at in low.q_in.items() if at <= newest)
         if (due or back) and newest >= 0:
@@ -734,6 +736,10 @@ class GradientSync:
         if leaves or flags is not None:
             router.put(leaves, flags)
         low.sent[b] = fusion.calls
+        if not fusion.in_flight:  # every call has landed (MPI, on the thread): every Q is back
+            for c in sorted(low.q_in):
+                del low.q_in[c]
+                low.finish(c)
 
     def _low_rank_finish(self) -> None:
         """With every call back: write the gradients of the buckets whose `Q`s came last; count
@@ -748,12 +754,21 @@ class GradientSync:
                 low.discard()
         low.iteration += 1
 
+    def _default_bucket_bytes(self, overlap: bool, offload: bool) -> int:
+        """A mode's bucket size (`_buckets.Modes.bucket_bytes`); under PowerSGD, the
+        communication thread's in either mode: a compressed bucket carries a few thin factors,
+        so the small buckets that pipeline packing with sending after backward buy nothing, and
+        each call's own cost (and each bucket's phases) would dominate."""
+        if self._low is not None:
+            overlap = offload = True
+        return self._modes.bucket_bytes(overlap, offload)
+
     def _switch(self, overlap: bool) -> None:
         """Reduce on the communication thread (True) or after backward from the next step on,
         with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
         self.overlap = overlap
         if self._given is None:
-            self.bucket_bytes = self._modes.bucket_bytes(overlap, True)
+            self.bucket_bytes = self._default_bucket_bytes(overlap, True)
             self._options["bucket_bytes"] = self.bucket_bytes
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:

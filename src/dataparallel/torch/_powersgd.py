@@ -7,8 +7,8 @@ is replaced in its bucket by `P = M Q`, beside the members not worth compressing
 small matrices: `PowerSGDCompressor.min_compression_rate`). As torch's hook, per bucket: once
 its averaged `P`s are back, they are orthonormalized and its `Q = M^T P` is sent; once the `Q`s
 are back, its gradients become `P Q^T`, exact where the ranks' average has rank at most `rank`.
-Unlike the hook, the `Q`s make no call of their own: those of bucket `b` travel in bucket
-`b + Q_LAG`'s call (and the last buckets' in one call after them), so that a step makes one call
+Unlike the hook, the `Q`s make no call of their own: those of bucket `b` travel in a later
+bucket's call (`q_lag`; the last buckets' in one call after them), so that a step makes one call
 per bucket and one more, as an uncompressed step does (the per-call cost dominates buckets this
 thin). `GradientSync` runs these phases beside backward, leaving the last buckets' after it.
 
@@ -36,21 +36,25 @@ import torch
 
 from dataparallel.arrays.compression import PowerSGDCompressor
 from dataparallel.arrays.dtypes import BF16_BITS
+from dataparallel.arrays.fusion import MAX_IN_FLIGHT
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 
-__all__ = ["Q_LAG", "LowRank", "Matrix", "PowerSGDReplay"]
+__all__ = ["LowRank", "Matrix", "PowerSGDReplay", "q_lag"]
 
 NamedParams = list[tuple[str, torch.Tensor]]
 _DENSE = torch.contiguous_format
 
-# Bucket `b`'s `Q`s travel in bucket `b + Q_LAG`'s call. They need `b`'s averaged `P`s, so `b`'s
-# call must have landed before that call starts: two calls on, it has on every engine (at most
-# one call stays in flight once the next starts: `fusion.MAX_IN_FLIGHT`), so the `Q`s wait for
-# nothing the buckets' calls did not wait for. One call on, Gloo would wait for the call just
-# started instead of leaving it in flight beside the next.
-Q_LAG = 2
+
+def q_lag(backend: Backend) -> int:
+    """How many calls after bucket `b`'s its `Q`s travel, on `backend`. They need `b`'s averaged
+    `P`s, so `b`'s call must have landed before that call starts: chosen so that it has already,
+    and the `Q`s wait for nothing the buckets' calls did not wait for. On MPI each call lands
+    before the next starts: one call on. Where calls are left in flight (Gloo, NCCL:
+    `fusion.MAX_IN_FLIGHT` of them once the next starts), one call more. The same on every rank
+    (engines of one kind)."""
+    return 1 if not backend.progresses else 1 + MAX_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,7 @@ class Matrix:
 @dataclass(frozen=True)
 class PowerSGDReplay(Replay):
     """A compressed step's calls for a rank that has joined: each bucket (with its `P`s and the
-    `Q`s of the bucket `Q_LAG` before it), then the last buckets' `Q`s, as `GradientSync` makes
-    them. Under `dp.torch.join` the
+    `Q`s due in its call: `q_lag`), then the last buckets' `Q`s, as `GradientSync` makes them. Under `dp.torch.join` the
     joined rank keeps the averaged `Q`s and counts the step, so that its basis stays the
     others' (`LowRank.answer`); under a plain `dp.join` it only makes the calls, and its next
     compressed step raises `CollectiveMismatchError` (the step counts differ) instead of mixing
@@ -91,6 +94,7 @@ class LowRank:
         self.qs: dict[int, torch.Tensor] = {}  # their Q (rows: cols, columns: rank)
         self.residuals: dict[int, torch.Tensor] = {}  # this rank's, by parameter index
         self.world = 1  # what the reduced Qs are divided by: the world's size for a sum
+        self.lag = 1  # bucket `b`'s Qs travel in bucket `b + lag`'s call (`q_lag`)
         # This step's gradients, Ms (their matrix views, residual added) and Ps, by index.
         self._grads: dict[int, torch.Tensor] = {}
         self._ms: dict[int, torch.Tensor] = {}
@@ -127,7 +131,7 @@ class LowRank:
     def due(self, b: int, count: int) -> list[int]:
         """The buckets whose `Q`s travel in bucket `b`'s call (`b` = `count`, the bucket count:
         in the call after the last bucket's), in bucket order."""
-        first, last = (b - Q_LAG, b - Q_LAG) if b < count else (count - Q_LAG, count - 1)
+        first, last = (b - self.lag, b - self.lag) if b < count else (count - self.lag, count - 1)
         return [c for c in range(max(first, 0), last + 1) if c in self.carrying]
 
     def clear(self) -> None:
