@@ -119,7 +119,8 @@ def test_each_bucket_sends_its_q_while_backward_still_runs(mode: str) -> None:
     """A bucket per matrix: the first bucket's Q goes out in the second bucket's call (MPI) or
     the third's (where calls are left in flight), so where buckets go out during backward (on the
     communication thread, or inline for device tensors), it has gone out before backward
-    reaches the fourth and last matrix; after backward, none has. Either way each gradient is the exact average (rank <= r), on every rank alike."""
+    reaches the fourth and last matrix; after backward, none has. Either way each gradient is
+    the exact average (rank <= r), on every rank alike."""
     compression = dp.Compression.powersgd(rank=1, start_iter=0, use_error_feedback=False)
     model = _Layers()
     opt = dp.DistributedOptimizer(

@@ -69,11 +69,11 @@ class Matrix:
 @dataclass(frozen=True)
 class PowerSGDReplay(Replay):
     """A compressed step's calls for a rank that has joined: each bucket (with its `P`s and the
-    `Q`s due in its call: `q_lag`), then the last buckets' `Q`s, as `GradientSync` makes them. Under `dp.torch.join` the
-    joined rank keeps the averaged `Q`s and counts the step, so that its basis stays the
-    others' (`LowRank.answer`); under a plain `dp.join` it only makes the calls, and its next
-    compressed step raises `CollectiveMismatchError` (the step counts differ) instead of mixing
-    bases.
+    `Q`s due in its call: `q_lag`), then the last buckets' `Q`s, as `GradientSync` makes them.
+    Under `dp.torch.join` the joined rank keeps the averaged `Q`s and counts the step, so that
+    its basis stays the others' (`LowRank.answer`); under a plain `dp.join` it only makes the
+    calls, and its next compressed step raises `CollectiveMismatchError` (the step counts
+    differ) instead of mixing bases.
 
     Attributes:
         sync: which of the block's gradient reductions (their order in `dp.torch.join(...)`).
