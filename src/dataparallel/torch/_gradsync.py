@@ -755,12 +755,13 @@ class GradientSync:
         low.iteration += 1
 
     def _default_bucket_bytes(self, overlap: bool, offload: bool) -> int:
-        """A mode's bucket size (`_buckets.Modes.bucket_bytes`); under PowerSGD, the
-        communication thread's in either mode: a compressed bucket carries a few thin factors,
-        so the small buckets that pipeline packing with sending after backward buy nothing, and
-        each call's own cost (and each bucket's phases) would dominate."""
+        """A mode's bucket size (`_buckets.Modes.bucket_bytes`); under PowerSGD, DDP's (the
+        limit, `Settings.thread_bucket_bytes`) in either mode: a compressed bucket carries a
+        few thin factors, whose wire time is small beside each call's own cost and each
+        bucket's phases, so fewer, larger buckets win even though less of the step overlaps
+        backward (figures: docs/compression.md)."""
         if self._low is not None:
-            overlap = offload = True
+            return self._modes.settings.thread_bucket_bytes
         return self._modes.bucket_bytes(overlap, offload)
 
     def _switch(self, overlap: bool) -> None:
