@@ -295,10 +295,11 @@ def work(args: argparse.Namespace) -> None:
                 ddp.register_comm_hook(None, fp16_compress_hook)
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
         sizes = tuple(args.psgd_buckets.split(","))
-        for name, step in low_rank_cases(base, adam, batch, ranks, sizes).items():
+        for name, (step, sync) in low_rank_cases(base, adam, batch, ranks, sizes).items():
             for _ in range(LOW_RANK_START + 2):  # past start_iter: timed compressed
                 step()
             cases[name] = (step, None)
+            warm += [(name, sync)] if sync is not None else []
         # measure warms every case up until dp's mode trial has chosen
         samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
@@ -394,8 +395,9 @@ def group_per_bucket(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
 
 def low_rank_cases(
     base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int], sizes: tuple[str, ...]
-) -> dict[str, Callable[[], None]]:
-    """The PowerSGD cases to time (the fp16 and fp32 ones are timed already)."""
+) -> dict[str, tuple[Callable[[], None], Any]]:
+    """The PowerSGD cases to time (the fp16 and fp32 ones are timed already), each with dp's
+    `GradientSync` (None for DDP's), whose mode and bucket size the table names."""
     from train_step import trainer
 
     makers = low_rank_makers(base, adam, ranks, sizes)
@@ -403,7 +405,7 @@ def low_rank_cases(
     for name, make in makers.items():
         if "PowerSGD" in name or "powerSGD" in name:
             net, opt = make()
-            cases[name] = trainer(net, opt, batch)
+            cases[name] = (trainer(net, opt, batch), getattr(opt, "gradient_sync", None))
     return cases
 
 
