@@ -593,7 +593,7 @@ class GradientSync:
             due = low.due(b, n)
             for at, c in enumerate(due):
                 qs[c] = given + at
-            return [low.q_add(compressed[c], ps[c]) for c in due if ps[c] is not None]
+            return [low.q_add(compressed[c], p) for c in due if (p := ps[c]) is not None]
 
         for b, bucket in enumerate(buckets):
             p = ps[b]
