@@ -26,10 +26,12 @@ dataparallel's cases first run until their mode trial has chosen (`torch/_bucket
 
 `--powersgd 1,2,4`: also dp's `DistributedOptimizer` with `dp.Compression.powersgd(rank=r)` and
 DDP with torch's `powerSGD_hook` at the same ranks (both `start_iter` 10, run past it before they
-are timed), and a second table: the loss after `--loss-steps` steps of each case from the same
-model, the same batches (each rank its own), against the uncompressed loss (`--loss-only`: that
-table alone; the link does not change it, so `mpiexec -n 2 python benchmarks/network.py --worker
---loss-only --powersgd 1,2,4 --master 127.0.0.1` gives it on one host). Over Gloo, torch's
+are timed), and a second table: the held-out loss after `--loss-steps` steps of each case from
+the same model, each step on fresh batches of a fixed Markov chain (`markov_batch`, each rank its
+own, the same for every case), against the uncompressed loss (`--loss-only`: that table alone;
+the link does not change it, so `mpiexec -n 2 python benchmarks/network.py --worker --loss-only
+--powersgd 1,2,4 --master 127.0.0.1` gives it on one host). `--psgd-buckets auto,0.25,64` also
+times dp's PowerSGD with those bucket sizes (MiB; auto: dp's own). Over Gloo, torch's
 hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
 main thread starts the next bucket's: on one process group the ranks can then number their calls
 differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
@@ -252,7 +254,7 @@ def work(args: argparse.Namespace) -> None:
         base = transformer(d)
         n = sum(p.numel() for p in base.parameters())
         if args.loss_only:
-            final = losses(base, adam, batch, ranks, args.loss_steps)
+            final = losses(base, adam, (args.batch, args.seq), ranks, args.loss_steps)
             if dp.is_main():
                 report_losses(d, final, args.loss_steps)
             continue
@@ -292,17 +294,19 @@ def work(args: argparse.Namespace) -> None:
             if compression is not None:
                 ddp.register_comm_hook(None, fp16_compress_hook)
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
-        for name, step in low_rank_cases(base, adam, batch, ranks).items():
+        sizes = tuple(args.psgd_buckets.split(","))
+        for name, (step, sync) in low_rank_cases(base, adam, batch, ranks, sizes).items():
             for _ in range(LOW_RANK_START + 2):  # past start_iter: timed compressed
                 step()
             cases[name] = (step, None)
+            warm += [(name, sync)] if sync is not None else []
         # measure warms every case up until dp's mode trial has chosen
         samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
             chosen = {name: described(s) for name, s in warm}
             report(d, n, samples, chosen, dp.get_backend().name)
-        if ranks:
-            final = losses(base, adam, batch, ranks, args.loss_steps)
+        if ranks and args.loss_steps > 0:
+            final = losses(base, adam, (args.batch, args.seq), ranks, args.loss_steps)
             if dp.is_main():
                 report_losses(d, final, args.loss_steps)
     if mpi:
@@ -315,20 +319,23 @@ LOW_RANK_START = 10
 
 
 def low_rank_makers(
-    base: Any, adam: Callable[[Any], Any], ranks: list[int]
+    base: Any, adam: Callable[[Any], Any], ranks: list[int], sizes: tuple[str, ...] = ("auto",)
 ) -> dict[str, Callable[[], tuple[Any, Any]]]:
     """Each case's maker of (what runs the model, its optimizer), fresh from `base`: dp
-    uncompressed, fp16 and PowerSGD at each rank; DDP uncompressed, fp16 and its PowerSGD hook."""
+    uncompressed, fp16 and PowerSGD at each rank (and each bucket size of `sizes`, in MiB;
+    "auto": dp's own); DDP uncompressed, fp16 and its PowerSGD hook."""
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
     import dataparallel as dp
 
-    def ours(compression: Any) -> Callable[[], tuple[Any, Any]]:
+    def ours(compression: Any, size: str = "auto") -> Callable[[], tuple[Any, Any]]:
         def make() -> tuple[Any, Any]:
             model = copy.deepcopy(base)
-            return model, dp.DistributedOptimizer(adam(model), compression=compression)
+            given = None if size == "auto" else int(float(size) * 2**20)
+            opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=given)
+            return model, opt
 
         return make
 
@@ -348,9 +355,9 @@ def low_rank_makers(
 
     makers = {"dp fp32": ours(None), "dp fp16": ours(dp.Compression.fp16)}
     for r in ranks:
-        makers[f"dp PowerSGD rank {r}"] = ours(
-            dp.Compression.powersgd(rank=r, start_iter=LOW_RANK_START)
-        )
+        for size in sizes:
+            name = f"dp PowerSGD rank {r}" + ("" if size == "auto" else f" ({size} MiB buckets)")
+            makers[name] = ours(dp.Compression.powersgd(rank=r, start_iter=LOW_RANK_START), size)
     makers |= {"DDP fp32": theirs(None), "DDP fp16 hook": theirs(None, fp16=True)}
     for r in ranks:
         makers[f"DDP powerSGD_hook rank {r}"] = theirs(r)
@@ -387,50 +394,72 @@ def group_per_bucket(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
 
 
 def low_rank_cases(
-    base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int]
-) -> dict[str, Callable[[], None]]:
-    """The PowerSGD cases to time (the fp16 and fp32 ones are timed already)."""
+    base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int], sizes: tuple[str, ...]
+) -> dict[str, tuple[Callable[[], None], Any]]:
+    """The PowerSGD cases to time (the fp16 and fp32 ones are timed already), each with dp's
+    `GradientSync` (None for DDP's), whose mode and bucket size the table names."""
     from train_step import trainer
 
-    makers = low_rank_makers(base, adam, ranks)
+    makers = low_rank_makers(base, adam, ranks, sizes)
     cases = {}
     for name, make in makers.items():
         if "PowerSGD" in name or "powerSGD" in name:
             net, opt = make()
-            cases[name] = trainer(net, opt, batch)
+            cases[name] = (trainer(net, opt, batch), getattr(opt, "gradient_sync", None))
     return cases
 
 
+def markov_batch(rank: int, step: int, batch: int, seq: int) -> tuple[Any, Any]:
+    """A fresh batch of a fixed Markov chain, for rank `rank` at step `step` (-1: held out):
+    each token is a fixed successor of the one before it (a permutation drawn once) three times
+    in four, else uniform. There is something to learn (a table) that no number of steps can
+    memorize from one batch, so the loss measures fitting, not recall."""
+    import torch
+    from train_step import VOCAB
+
+    successor = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(1_000_003 * (step + 2) + rank)
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, VOCAB, (batch,), generator=g)
+    for t in range(seq):
+        follow = torch.rand(batch, generator=g) < 0.75
+        noise = torch.randint(0, VOCAB, (batch,), generator=g)
+        tokens[:, t + 1] = torch.where(follow, successor[tokens[:, t]], noise)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def losses(
-    base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int], steps: int
+    base: Any, adam: Callable[[Any], Any], shape: tuple[int, int], ranks: list[int], steps: int
 ) -> dict[str, float]:
-    """Each case's loss over every rank's batch after `steps` steps from `base` (collective)."""
+    """Each case's loss on held-out batches (every rank's) after `steps` steps from `base`, each
+    step on fresh batches (`markov_batch`, the same for every case): collective."""
     import torch
     from torch import nn
 
     import dataparallel as dp
 
-    x, y = batch
     loss_fn = nn.CrossEntropyLoss()
+    batches = [markov_batch(dp.rank(), s, *shape) for s in range(steps)]
+    held_x, held_y = markov_batch(dp.rank(), -1, 4 * shape[0], shape[1])
     final = {}
     for name, make in low_rank_makers(base, adam, ranks).items():
         net, opt = make()
-        for _ in range(steps):
+        for x, y in batches:
             opt.zero_grad()
             out = net(x)
             loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             opt.step()
         with torch.no_grad():
-            out = net.module(x) if hasattr(net, "module") else net(x)
-            mine = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            out = net.module(held_x) if hasattr(net, "module") else net(held_x)
+            mine = loss_fn(out.reshape(-1, out.shape[-1]), held_y.reshape(-1))
         final[name] = float(dp.allreduce(mine.reshape(1), op="avg")[0])
     return final
 
 
 def report_losses(d: int, final: dict[str, float], steps: int) -> None:
     print(
-        f"\nD={d}: loss after {steps} steps (every rank's batch), PowerSGD from step "
-        f"{LOW_RANK_START}"
+        f"\nD={d}: held-out loss after {steps} steps of fresh batches (`markov_batch`), "
+        f"PowerSGD from step {LOW_RANK_START}"
     )
     print("| case | loss | vs uncompressed |")
     print("| --- | --- | --- |")
@@ -533,7 +562,7 @@ def report(
             f"{low:.0f}..{high:.0f} ms |"
         )
     for name in (n for n in med if n.startswith("dp PowerSGD rank ")):
-        peer = f"DDP powerSGD_hook rank {name.rsplit(' ', 1)[1]}"
+        peer = f"DDP powerSGD_hook rank {name.split()[3]}"
         print(
             f"{name}: overhead {med[name] / med['dp DistributedOptimizer fp16']:.2f}x dp fp16's, "
             f"{med[name] / med[peer]:.2f}x {peer}'s"
@@ -560,7 +589,14 @@ def main() -> int:
     parser.add_argument(
         "--powersgd", default="", help="PowerSGD ranks to run (dp and DDP's hook), e.g. 1,2,4"
     )
-    parser.add_argument("--loss-steps", type=int, default=40, help="steps before the loss")
+    parser.add_argument(
+        "--psgd-buckets",
+        default="auto",
+        help="bucket sizes of dp's PowerSGD cases, MiB (auto: dp's own), e.g. auto,4,16",
+    )
+    parser.add_argument(
+        "--loss-steps", type=int, default=40, help="steps before the loss (0: no loss table)"
+    )
     parser.add_argument(
         "--lean", action="store_true", help="time only fp16 beside PowerSGD (no fp32, no model)"
     )
@@ -590,6 +626,7 @@ def main() -> int:
     worker += ["--lean"] if args.lean else []
     worker += ["--loss-only"] if args.loss_only else []
     worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
+    worker += ["--psgd-buckets", args.psgd_buckets]
     return launch(args, worker)
 
 

@@ -99,13 +99,16 @@ def test_gradients_of_rank_at_most_r_arrive_exactly(face: str, rank: int) -> Non
     assert float((model.w.grad - exact).norm()) > 1e-3 * float(exact.norm())
 
 
+LAYERS = 4
+
+
 class _Layers(nn.Module):
-    """loss = sum_k sum(w_k * c_k): three matrices whose gradients are exactly the `c_k`;
-    backward reaches `w3` first and `w1` last."""
+    """loss = sum_k sum(w_k * c_k): `LAYERS` matrices whose gradients are exactly the `c_k`;
+    backward reaches the last first and `w_0` last."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ws = nn.ParameterList(nn.Parameter(torch.zeros(ROWS, COLS)) for _ in range(3))
+        self.ws = nn.ParameterList(nn.Parameter(torch.zeros(ROWS, COLS)) for _ in range(LAYERS))
 
     def forward(self, cs: list[torch.Tensor]) -> torch.Tensor:
         return sum((w * c).sum() for w, c in zip(self.ws, cs, strict=True))  # type: ignore[return-value]
@@ -113,10 +116,11 @@ class _Layers(nn.Module):
 
 @pytest.mark.parametrize("mode", ["thread", "inline", "after backward"])
 def test_each_bucket_sends_its_q_while_backward_still_runs(mode: str) -> None:
-    """A bucket per matrix: a bucket's Q goes out once the next bucket is sent, so where buckets
-    go out during backward (on the communication thread, or inline for device tensors), the
-    first bucket's Q has gone out before backward reaches the last matrix; after backward, none
-    has. Either way each gradient is the exact average (rank <= r), on every rank alike."""
+    """A bucket per matrix: the first bucket's Q goes out in the second bucket's call (MPI) or
+    the third's (where calls are left in flight), so where buckets go out during backward (on the
+    communication thread, or inline for device tensors), it has gone out before backward
+    reaches the fourth and last matrix; after backward, none has. Either way each gradient is
+    the exact average (rank <= r), on every rank alike."""
     compression = dp.Compression.powersgd(rank=1, start_iter=0, use_error_feedback=False)
     model = _Layers()
     opt = dp.DistributedOptimizer(
@@ -143,17 +147,49 @@ def test_each_bucket_sends_its_q_while_backward_still_runs(mode: str) -> None:
     for step in range(3):
         q_sent.clear()
         events.clear()
-        cs = [_low_rank_grad(dp.rank(), 1, step, layer) for layer in range(3)]
+        cs = [_low_rank_grad(dp.rank(), 1, step, layer) for layer in range(LAYERS)]
         opt.zero_grad()
         model(cs).backward()
         opt.step()
-        assert len(sync.buckets) >= 3
+        assert len(sync.buckets) >= LAYERS
         assert events == ["no Q yet" if mode == "after backward" else "Q sent"], (step, events)
         for layer, w in enumerate(model.ws):
             exact = _average(lambda r, step=step, layer=layer: _low_rank_grad(r, 1, step, layer))
             torch.testing.assert_close(w.grad, exact, rtol=1e-4, atol=1e-5)
-    assert sorted(low.matrices) == [0, 1, 2]
-    assert_same_on_every_rank([w.grad for w in model.ws] + [low.qs[i] for i in range(3)])
+    assert sorted(low.matrices) == list(range(LAYERS))
+    assert_same_on_every_rank([w.grad for w in model.ws] + [low.qs[i] for i in range(LAYERS)])
+
+
+@pytest.mark.parametrize("mode", ["thread", "after backward"])
+def test_a_compressed_step_makes_one_call_per_bucket_and_one_more(mode: str) -> None:
+    """The Qs make no call of their own: they travel in a later bucket's call, the last
+    buckets' in one call after them, as many calls as an uncompressed step's and one more (the
+    per-call cost dominates buckets this thin); the gradients are still the exact average."""
+    # One matrix a bucket, which holds the step's flags too (one call), as does a P and a Q.
+    bucket_bytes = ROWS * COLS * 4 + 64
+    counted = []
+    for compression in (None, dp.Compression.powersgd(rank=1, start_iter=0)):
+        model = _Layers()
+        opt = dp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            compression=compression,
+            bucket_bytes=bucket_bytes,
+        )
+        sync = opt.gradient_sync
+        sync._modes.trial = None  # this mode at every step
+        sync.overlap = mode == "thread"
+        for step in range(3):
+            cs = [_low_rank_grad(dp.rank(), 1, step, layer) for layer in range(LAYERS)]
+            before = sync.calls
+            opt.zero_grad()
+            model(cs).backward()
+            opt.step()
+            assert len(sync.buckets) == LAYERS
+            for layer, w in enumerate(model.ws):
+                exact = _average(lambda r, s=step, k=layer: _low_rank_grad(r, 1, s, k))
+                torch.testing.assert_close(w.grad, exact, rtol=1e-4, atol=1e-5)
+        counted.append(sync.calls - before)
+    assert counted == [LAYERS, LAYERS + 1], counted
 
 
 @pytest.mark.parametrize("face", ["optimizer", "model"])

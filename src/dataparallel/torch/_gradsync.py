@@ -67,7 +67,7 @@ from dataparallel.torch._buckets import (
 from dataparallel.torch._feedback import ErrorFeedback
 from dataparallel.torch._hooks import GradientHooks
 from dataparallel.torch._hooks import owner as owner_of
-from dataparallel.torch._powersgd import LowRank, PowerSGDReplay
+from dataparallel.torch._powersgd import LowRank, PowerSGDReplay, q_lag
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op, WireDtype
 
@@ -196,7 +196,7 @@ class GradientSync:
         self._modes = Modes(self.backend, private, trainable, active.settings)
         self.overlap = self._modes.first()
         self._given = bucket_bytes
-        self.bucket_bytes = bucket_bytes or self._modes.bucket_bytes(
+        self.bucket_bytes = bucket_bytes or self._default_bucket_bytes(
             self.overlap, self._modes.offload
         )
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
@@ -206,6 +206,7 @@ class GradientSync:
         if self._low is not None:
             self._options |= {"compression": repr(compression), "sparse_as_dense": sparse_as_dense}
             self._low.world = self.backend.size if op == "sum" else 1
+            self._low.lag = q_lag(self.backend)
         self.wait_after_backward = wait_after_backward
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
@@ -267,7 +268,7 @@ class GradientSync:
         self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
         self._signature = signature(self._params)
         if self._low is not None:
-            self._low.lay_out(self._params, {i for b in self._buckets for i in b.members})
+            self._low.lay_out(self._params, [b.members for b in self._buckets])
         self._host = on_host(self._params)  # only host buckets go to the communication thread
         # Where the engine moves calls on by itself (Gloo), the step's handshake begins at its
         # first gradient, so that its rendezvous overlaps backward instead of adding to the step.
@@ -509,8 +510,8 @@ class GradientSync:
         if self._state != State.OPEN:
             return
         self._hooks.launch_rest(self._launch)
-        if self._compressing:
-            self._low_rank_phase(len(self._buckets))  # the last bucket's Qs
+        if self._compressing:  # the last buckets' Qs, in one call
+            self._router.run(partial(self._low_rank_call, len(self._buckets), [], None))
         self._state = State.LAUNCHED
         # Parameters trainable since the buckets were laid out (identical on every rank).
         laid_out = {id(p) for _, p in self._params}
@@ -568,41 +569,46 @@ class GradientSync:
         return made if self.then_replay is None else self.then_replay(made)
 
     def _low_rank_replay(self) -> PowerSGDReplay:
-        """A compressed step's calls: each bucket's uncompressed members and its `P`s (`extra`),
-        each bucket's `Q`s after the next bucket (`_low_rank_phase`); the joined rank's
-        `dp.torch.join` keeps the `Q`s (`_join`)."""
+        """A compressed step's calls: each bucket's uncompressed members, its `P`s and the `Q`s
+        due in its call (`extra`), then the last buckets' `Q`s (`_low_rank_call`); the joined
+        rank's `dp.torch.join` keeps the `Q`s (`_join`)."""
         low = self._low
         assert low is not None
         buckets: list[Bucket] = []
         extra: list[list[Add]] = []
         compressed = low.compressed([b.members for b in self._buckets])
-        for bucket, ps in zip(self._buckets, compressed, strict=True):
+        ps: list[Add | None] = []  # each bucket's P array
+        for bucket, members in zip(self._buckets, compressed, strict=True):
             kept = [i for i in bucket.members if i not in low.matrices]
             buckets.append(Bucket(kept, bucket.key))
-            total = sum(low.matrices[i].rows * low.matrices[i].rank for i in ps)
+            total = sum(low.matrices[i].rows * low.matrices[i].rank for i in members)
             device, dtype = bucket.key
             key = HOST_KEY if device == "cpu" else ("torch", device)
-            extra.append([(key, dtype, (total,))] if ps else [])
+            ps.append((key, dtype, (total,)) if members else None)
+        n = len(self._buckets)
+        qs: dict[int, int] = {}  # each compressed bucket's Q: its place among the arrays given
+        given = 0  # arrays given before this bucket's extra
+
+        def q_adds(b: int) -> list[Add]:
+            due = low.due(b, n)
+            for at, c in enumerate(due):
+                qs[c] = given + at
+            return [low.q_add(compressed[c], p) for c in due if (p := ps[c]) is not None]
+
+        for b, bucket in enumerate(buckets):
+            p = ps[b]
+            mine: list[Add] = [] if p is None else [p]
+            given += len(bucket.members) + len(mine)
+            extra.append(mine + q_adds(b))
+            given += len(extra[-1]) - len(mine)
         made = replay_of(
             self._params, buckets, self._current(), self._action, self.bucket_bytes, extra=extra
         )
-        n = len(self._buckets)
-        flushes: list[tuple[Add, ...]] = []
-        qs: list[int] = []
-        given = 0  # arrays given so far
-
-        def q_of(b: int) -> None:
-            nonlocal given
-            if 0 <= b < n and compressed[b]:
-                flushes.append((low.q_add(compressed[b], extra[b][0]),))
-                qs.append(given)
-                given += 1
-
-        for b, flush in enumerate(made.flushes[:n]):
-            flushes.append(flush)
-            given += len(flush)
-            q_of(b - 1)
-        q_of(n - 1)
+        flushes = list(made.flushes[:n])
+        given += 1 if n else 0  # the flags, with the last bucket
+        last = q_adds(n)
+        if last:
+            flushes.append(tuple(last))
         flushes.extend(made.flushes[n:])  # the late parameters'
         return PowerSGDReplay(
             made.action,
@@ -613,7 +619,7 @@ class GradientSync:
             None,
             None,
             sync=self.join_index,
-            qs=tuple(qs),
+            qs=tuple(qs[c] for c in sorted(qs)),
         )
 
     def _launch(self, b: int) -> None:
@@ -646,9 +652,11 @@ class GradientSync:
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
             self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
-        self._router.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
-        if low is not None:
-            self._low_rank_phase(b)
+        flags = self._flags if b == len(self._buckets) - 1 else None
+        if low is None:
+            self._router.send(leaves, flags)
+        else:
+            self._router.run(partial(self._low_rank_call, b, leaves, flags))
 
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
@@ -700,32 +708,38 @@ class GradientSync:
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
 
-    def _low_rank_phase(self, b: int) -> None:
-        """PowerSGD's later phases, as torch's hook runs them per bucket, in one order on every
-        rank: once bucket `b` is sent (`b` = the bucket count: once all are), bucket `b - 1`'s
-        averaged `P`s are back (its calls are older than `b`'s): its `Q`s are computed and sent;
-        bucket `b - 2`'s `Q`s are back: its gradients are written. All on the thread the
-        step's calls are made on (`Router.run`), so that on the communication thread they
-        run beside backward, and only the last buckets' phases are left after it."""
-        low = self._low
+    def _low_rank_call(self, b: int, leaves: list[Any], flags: np.ndarray | None) -> None:
+        """Send bucket `b`'s call in a compressed step (`b` = the bucket count: the call after
+        the last bucket's), with the `Q`s due in it, and the phases of PowerSGD around it, as
+        torch's hook runs them per bucket: the buckets whose `Q`s are due have their averaged
+        `P`s back (their calls are `LowRank.lag` calls older): their `Q`s are computed (in one
+        order on every rank); the buckets whose `Q`s are back have their gradients written
+        (before the call, those landed with the `P`s; after it, all, when no call is left in
+        flight). On the thread the step's calls are made on (`Router.run`), so that on the
+        communication thread it runs beside backward, and only the last buckets' phases are left
+        after it."""
+        low, router = self._low, self._router
         assert low is not None
-        if b not in low.buckets and b - 1 not in low.buckets and b - 2 not in low.buckets:
-            return  # (tested one by one: the communication thread may change the dict)
-        router = self._router
-
-        def phase() -> None:
-            fusion = router.fusion
-            low.sent[b] = fusion.calls
-            if b - 1 in low.buckets:
-                fusion.land_before(low.sent[b - 1])
-                q = low.second(b - 1)
-                router.put([(grad_family(self.owner, "PowerSGD Q", q), q)])
-                low.q_sent[b - 1] = fusion.calls
-            if b - 2 in low.q_sent:
-                fusion.land_before(low.q_sent.pop(b - 2))
-                low.finish(b - 2)
-
-        router.run(phase)
+        fusion, n = router.fusion, len(self._buckets)
+        newest = b - low.lag if b < n else n - 1  # the newest bucket whose call must have landed
+        due = low.due(b, n)
+        back = sorted(c for c, at in low.q_in.items() if at <= newest)
+        if (due or back) and newest >= 0:
+            fusion.land_before(low.sent[newest])
+        for c in back:
+            del low.q_in[c]
+            low.finish(c)
+        for c in due:
+            q = low.second(c)
+            leaves.append((grad_family(self.owner, "PowerSGD Q", q), q))
+            low.q_in[c] = b
+        if leaves or flags is not None:
+            router.put(leaves, flags)
+        low.sent[b] = fusion.calls
+        if not fusion.in_flight:  # every call has landed (MPI, on the thread): every Q is back
+            for c in sorted(low.q_in):
+                del low.q_in[c]
+                low.finish(c)
 
     def _low_rank_finish(self) -> None:
         """With every call back: write the gradients of the buckets whose `Q`s came last; count
@@ -734,18 +748,28 @@ class GradientSync:
         assert low is not None
         if self._compressing:
             try:
-                for b in sorted(low.q_sent):
+                for b in sorted(low.q_in):
                     low.finish(b)
             finally:
                 low.discard()
         low.iteration += 1
+
+    def _default_bucket_bytes(self, overlap: bool, offload: bool) -> int:
+        """A mode's bucket size (`_buckets.Modes.bucket_bytes`); under PowerSGD, DDP's (the
+        limit, `Settings.thread_bucket_bytes`) in either mode: a compressed bucket carries a
+        few thin factors, whose wire time is small beside each call's own cost and each
+        bucket's phases, so fewer, larger buckets win even though less of the step overlaps
+        backward (figures: docs/compression.md)."""
+        if self._low is not None:
+            return self._modes.settings.thread_bucket_bytes
+        return self._modes.bucket_bytes(overlap, offload)
 
     def _switch(self, overlap: bool) -> None:
         """Reduce on the communication thread (True) or after backward from the next step on,
         with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
         self.overlap = overlap
         if self._given is None:
-            self.bucket_bytes = self._modes.bucket_bytes(overlap, True)
+            self.bucket_bytes = self._default_bucket_bytes(overlap, True)
             self._options["bucket_bytes"] = self.bucket_bytes
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:

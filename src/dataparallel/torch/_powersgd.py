@@ -5,9 +5,12 @@ PowerSGD (Vogels et al., 2019), as torch's batched `powerSGD_hook`, fitted into 
 gradient, viewed as a matrix `M` (first dimension by the rest; this rank's residual added first),
 is replaced in its bucket by `P = M Q`, beside the members not worth compressing (1-D tensors,
 small matrices: `PowerSGDCompressor.min_compression_rate`). As torch's hook, per bucket: once
-the next bucket is sent, a bucket's averaged `P`s are orthonormalized and its `Q = M^T P` sent;
-one bucket later its gradients become `P Q^T`, exact where the ranks' average has rank at most
-`rank` (`GradientSync` runs these phases beside backward, leaving the last buckets' after it).
+its averaged `P`s are back, they are orthonormalized and its `Q = M^T P` is sent; once the `Q`s
+are back, its gradients become `P Q^T`, exact where the ranks' average has rank at most `rank`.
+Unlike the hook, the `Q`s make no call of their own: those of bucket `b` travel in a later
+bucket's call (`q_lag`; the last buckets' in one call after them), so that a step makes one call
+per bucket and one more, as an uncompressed step does (the per-call cost dominates buckets this
+thin). `GradientSync` runs these phases beside backward, leaving the last buckets' after it.
 
 Error feedback keeps `M - P P^T M`, what the projection took from this rank's own matrix: the
 residuals' average is what the approximation dropped from the average. (torch's hook keeps
@@ -33,14 +36,25 @@ import torch
 
 from dataparallel.arrays.compression import PowerSGDCompressor
 from dataparallel.arrays.dtypes import BF16_BITS
+from dataparallel.arrays.fusion import MAX_IN_FLIGHT
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 
-__all__ = ["LowRank", "Matrix", "PowerSGDReplay"]
+__all__ = ["LowRank", "Matrix", "PowerSGDReplay", "q_lag"]
 
 NamedParams = list[tuple[str, torch.Tensor]]
 _DENSE = torch.contiguous_format
+
+
+def q_lag(backend: Backend) -> int:
+    """How many calls after bucket `b`'s its `Q`s travel, on `backend`. They need `b`'s averaged
+    `P`s, so `b`'s call must have landed before that call starts: chosen so that it has already,
+    and the `Q`s wait for nothing the buckets' calls did not wait for. On MPI each call lands
+    before the next starts: one call on. Where calls are left in flight (Gloo, NCCL:
+    `fusion.MAX_IN_FLIGHT` of them once the next starts), one call more. The same on every rank
+    (engines of one kind)."""
+    return 1 if not backend.progresses else 1 + MAX_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -54,12 +68,12 @@ class Matrix:
 
 @dataclass(frozen=True)
 class PowerSGDReplay(Replay):
-    """A compressed step's calls for a rank that has joined: each bucket (with its `P`s), each
-    bucket's `Q`s one bucket later, as `GradientSync` makes them. Under `dp.torch.join` the
-    joined rank keeps the averaged `Q`s and counts the step, so that its basis stays the
-    others' (`LowRank.answer`); under a plain `dp.join` it only makes the calls, and its next
-    compressed step raises `CollectiveMismatchError` (the step counts differ) instead of mixing
-    bases.
+    """A compressed step's calls for a rank that has joined: each bucket (with its `P`s and the
+    `Q`s due in its call: `q_lag`), then the last buckets' `Q`s, as `GradientSync` makes them.
+    Under `dp.torch.join` the joined rank keeps the averaged `Q`s and counts the step, so that
+    its basis stays the others' (`LowRank.answer`); under a plain `dp.join` it only makes the
+    calls, and its next compressed step raises `CollectiveMismatchError` (the step counts
+    differ) instead of mixing bases.
 
     Attributes:
         sync: which of the block's gradient reductions (their order in `dp.torch.join(...)`).
@@ -80,23 +94,27 @@ class LowRank:
         self.qs: dict[int, torch.Tensor] = {}  # their Q (rows: cols, columns: rank)
         self.residuals: dict[int, torch.Tensor] = {}  # this rank's, by parameter index
         self.world = 1  # what the reduced Qs are divided by: the world's size for a sum
+        self.lag = 1  # bucket `b`'s Qs travel in bucket `b + lag`'s call (`q_lag`)
         # This step's gradients, Ms (their matrix views, residual added) and Ps, by index.
         self._grads: dict[int, torch.Tensor] = {}
         self._ms: dict[int, torch.Tensor] = {}
         self._ps: dict[int, torch.Tensor] = {}
         self._q_of: dict[int, torch.Tensor] = {}  # this step's Qs, in the buffers reduced
         self._kept: dict[int, torch.Tensor] = {}  # P P^T M: what of this rank's M travels
-        # This step's buckets that carry Ps: their matrices, and `Fusion.calls` once their P
-        # (`sent`) and their Q (`q_sent`) went out, to land no later call than theirs.
+        self.carrying: set[int] = set()  # the buckets that carry Ps (by layout)
+        # This step's buckets whose Ps went out: their matrices; `Fusion.calls` once each bucket's
+        # call went out (`sent`), to land no later call than it; the bucket whose call carries
+        # each bucket's Qs, once computed (`q_in`).
         self.buckets: dict[int, list[int]] = {}
         self.sent: dict[int, int] = {}
-        self.q_sent: dict[int, int] = {}
+        self.q_in: dict[int, int] = {}
 
     # -- which parameters, and what travels -----------------------------------------------------
 
-    def lay_out(self, params: NamedParams, dense: set[int]) -> None:
-        """Choose the parameters to compress (among `dense`, those reduced in buckets)."""
+    def lay_out(self, params: NamedParams, buckets: list[list[int]]) -> None:
+        """Choose the parameters to compress (among those reduced in `buckets`, by index)."""
         rank, rate = self.config.rank, self.config.min_compression_rate
+        dense = {i for members in buckets for i in members}
         self.matrices = {}
         for i, (_, p) in enumerate(params):
             if i not in dense or p.dim() < 2 or not p.is_floating_point() or p.numel() == 0:
@@ -108,6 +126,13 @@ class LowRank:
                 self.matrices[i] = Matrix(rows, cols, r)
         for gone in set(self.qs) - set(self.matrices):
             del self.qs[gone]
+        self.carrying = {b for b, members in enumerate(buckets) if self.compressed([members])[0]}
+
+    def due(self, b: int, count: int) -> list[int]:
+        """The buckets whose `Q`s travel in bucket `b`'s call (`b` = `count`, the bucket count:
+        in the call after the last bucket's), in bucket order."""
+        first, last = (b - self.lag, b - self.lag) if b < count else (count - self.lag, count - 1)
+        return [c for c in range(max(first, 0), last + 1) if c in self.carrying]
 
     def clear(self) -> None:
         """Forget every `Q` and residual (the parameters were renumbered)."""
@@ -205,7 +230,7 @@ class LowRank:
     def discard(self) -> None:
         """Drop this step's matrices (done, or failed)."""
         self._grads, self._ms, self._ps, self._q_of, self._kept = {}, {}, {}, {}, {}
-        self.buckets, self.sent, self.q_sent = {}, {}, {}
+        self.buckets, self.sent, self.q_in = {}, {}, {}
 
     # -- ranks that have joined ------------------------------------------------------------------
 
