@@ -36,15 +36,16 @@ their bases may differ. The check cannot tell apart counts that differ by a mult
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import io_callback
+from jax.typing import ArrayLike, DTypeLike
 
 from dataparallel.arrays.compression import PowerSGDCompressor
 from dataparallel.backends.base import Backend
@@ -56,8 +57,21 @@ __all__ = ["TICKETS", "LowRankLayout", "PowerSGDState", "Reducer", "low_rank_ste
 TICKETS = 31  # step counts are compared modulo this: t * t * size stays exact in float32
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
-# Reduces a tree of arrays across ranks with the transformation's op (eagerly or traced).
-Reducer = Callable[[dict[str, Any]], dict[str, Any]]
+
+class Reduction(TypedDict, total=False):
+    """What one of a step's reductions carries: the check and the uncompressed leaves (the
+    first), the `P`s (the first, where the step compresses), the `Q`s (the second)."""
+
+    check: jax.Array
+    leaves: list[ArrayLike]
+    P: list[jax.Array]
+    Q: list[jax.Array]
+
+
+# Reduces across ranks with the transformation's op (eagerly or traced), keeping the structure.
+Reducer = Callable[[Reduction], Reduction]
+# A step's leaves, the new Qs and residuals, and the reduced check.
+Stepped = tuple[list[ArrayLike], tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array]
 
 
 class PowerSGDState(NamedTuple):
@@ -90,7 +104,7 @@ class LowRankLayout:
     count: int  # leaves in the tree
 
     @classmethod
-    def of(cls, leaves: list[Any], config: PowerSGDCompressor) -> LowRankLayout:
+    def of(cls, leaves: Sequence[ArrayLike], config: PowerSGDCompressor) -> LowRankLayout:
         matrices = []
         for i, leaf in enumerate(leaves):
             shape, dtype = np.shape(leaf), str(np.dtype(jnp.result_type(leaf)))
@@ -109,12 +123,14 @@ class LowRankLayout:
         return [i for i in range(self.count) if i not in compressed]
 
 
-def _wide(dtype: Any) -> Any:
+def _wide(dtype: DTypeLike) -> DTypeLike:
     """The dtype a leaf's matrices are computed in: float64 stays, the rest in float32."""
     return jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32
 
 
-def _fresh_q(config: PowerSGDCompressor, k: int, cols: int, r: int, step: Any, dtype: Any) -> Any:
+def _fresh_q(
+    config: PowerSGDCompressor, k: int, cols: int, r: int, step: ArrayLike, dtype: DTypeLike
+) -> jax.Array:
     """A `Q` drawn from the seed, the matrix's place `k` and `step`: the same on every rank."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.random_seed), k), step)
     return jax.random.normal(key, (cols, r), dtype)
@@ -135,20 +151,20 @@ def init_low_rank(
     return PowerSGDState(inner_state, zero, tuple(qs), tuple(residuals), zero + rank)
 
 
-def _check(count: Any) -> Any:
+def _check(count: jax.Array) -> jax.Array:
     """The step count's check `[1, t, t * t]` (see the module)."""
     t = (count % TICKETS + 1).astype(jnp.float32)
     return jnp.stack([jnp.ones((), jnp.float32), t, t * t])
 
 
-def _broken(check: Any, scale: int) -> Any:
+def _broken(check: jax.Array, scale: int) -> jax.Array:
     """Whether the reduced check says that the ranks that sent had different step counts
     (`scale`: the ranks an average divided by, to undo it)."""
     s = jnp.round(check * scale).astype(jnp.int32)
     return s[1] * s[1] != s[0] * s[2]
 
 
-def _mismatch(count: Any) -> CollectiveMismatchError:
+def _mismatch(count: jax.Array | np.ndarray) -> CollectiveMismatchError:
     return CollectiveMismatchError(
         f"Ranks ran PowerSGD updates at different step counts (this rank's: {int(count)}), so "
         "their low-rank bases differ: a rank whose state did not advance (it answered updates "
@@ -176,14 +192,14 @@ def agree(engine: Backend, config: PowerSGDCompressor, layout: LowRankLayout) ->
 
 
 def low_rank_step(
-    leaves: list[Any],
+    leaves: list[ArrayLike],
     state: PowerSGDState,
     config: PowerSGDCompressor,
     layout: LowRankLayout,
     reduce: Reducer,
     scale: int,
     rank: int,
-) -> tuple[list[Any], PowerSGDState]:
+) -> tuple[list[ArrayLike], PowerSGDState]:
     """Reduce the gradient's `leaves` (compressed once `start_iter` updates are made); return
     them with the new state (its `inner_state` unchanged). Eagerly or traced alike; `scale`:
     what the reducer's average divides by (1 for a sum), `rank`: this rank."""
@@ -201,11 +217,11 @@ def low_rank_step(
             "that this transformation's init made for the same parameters."
         )
 
-    def exact(count: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
+    def exact(count: jax.Array) -> Stepped:
         out = reduce({"check": _check(count), "leaves": list(leaves)})
         return out["leaves"], state.qs, state.residuals, out["check"]
 
-    def compressed(count: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
+    def compressed(count: jax.Array) -> Stepped:
         return _compressed(leaves, state, count, config, layout, reduce, scale, rank)
 
     count = state.iteration
@@ -228,7 +244,7 @@ def low_rank_step(
     return out, new
 
 
-def _raise_if_broken(broken: Any, count: Any, after: list[Any]) -> None:
+def _raise_if_broken(broken: jax.Array, count: jax.Array, after: list[ArrayLike]) -> None:
     """Inside `jit`: raise the mismatch from a host callback where `broken`; the callback takes
     a value of `after`'s last array (a reduced `Q` where the step compressed), so it runs after
     both reductions on every rank."""
@@ -245,15 +261,15 @@ def _raise_if_broken(broken: Any, count: Any, after: list[Any]) -> None:
 
 
 def _compressed(
-    leaves: list[Any],
+    leaves: list[ArrayLike],
     state: PowerSGDState,
-    count: Any,
+    count: jax.Array,
     config: PowerSGDCompressor,
     layout: LowRankLayout,
     reduce: Reducer,
     scale: int,
     rank: int,
-) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
+) -> Stepped:
     plain = layout.plain()
     own = state.owner == rank  # another rank's residuals are not this rank's to add
     ms, ps = [], []
@@ -287,7 +303,7 @@ def _compressed(
     return out, qs, tuple(residuals), first["check"]
 
 
-def _orthonormalize(p: Any) -> Any:
+def _orthonormalize(p: jax.Array) -> jax.Array:
     """An orthonormal basis of the columns of `p` (Householder QR: a column the others already
     span gives a unit vector, not NaN)."""
     wide = p if p.dtype == jnp.float64 else p.astype(jnp.float32)

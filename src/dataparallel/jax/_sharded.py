@@ -189,7 +189,7 @@ def sharded_optax(
         updates: optax.Updates,
         state: optax.OptState,
         params: optax.Params | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[optax.Updates, ShardedState]:
         if not isinstance(state, ShardedState):
             raise TypeError(
