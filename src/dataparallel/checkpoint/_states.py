@@ -46,6 +46,8 @@ from dataparallel.checkpoint._optax import (
 from dataparallel.checkpoint._shards import Shards
 
 if TYPE_CHECKING:
+    import jax
+
     from dataparallel.torch import ZeroRedundancyOptimizer
 
 __all__ = ["Loading", "saveable", "stepped_storages"]
@@ -74,7 +76,7 @@ def _is_stateful(value: object) -> TypeGuard[Stateful]:
     )
 
 
-def _is_jax(value: object) -> bool:
+def _is_jax(value: object) -> TypeGuard[jax.Array]:
     return type(value).__module__.startswith(("jax", "jaxlib")) and hasattr(value, "shape")
 
 
