@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 try:
     import torch as _torch  # noqa: F401 - fail here, with what to install, not deep in a submodule

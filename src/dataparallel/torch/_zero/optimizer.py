@@ -228,7 +228,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pieces.append(pieces)
         self._gather = None
 
-    def _inner_group(self, g: int) -> dict[str, Any]:
+    def _inner_group(self, g: int) -> dict[str, object]:
         """Group `g` for the inner optimizer: its options, over this rank's pieces."""
         options = {k: v for k, v in self.param_groups[g].items() if k != "params"}
         return {**options, "params": [piece.tensor for piece in self._pieces[g]]}
@@ -641,7 +641,9 @@ WRAPPER_OPTIONS: dict[str, str | None] = {
 }
 
 
-def refuse_wrapper_options(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> None:
+def refuse_wrapper_options(
+    cls: type[torch.optim.Optimizer], defaults: Mapping[str, object]
+) -> None:
     """Raise `TypeError` for a gradient-reduction option among `defaults` that `cls` does not
     take, naming it and what to use instead (else `cls(...)` fails far from the call)."""
     taken = inspect.signature(cls.__init__).parameters
