@@ -486,14 +486,14 @@ def _shard_params(value: object) -> list[torch.Tensor]:
     return [p for g in groups if isinstance(g, dict) for p in g.get("params", []) if _is_shard(p)]
 
 
-def _unsharded_state(model: Any) -> dict[str, Any]:
+def _unsharded_state(model: Any) -> dict[str, torch.Tensor]:
     """A fully sharded model's `state_dict()` but its shards: buffers and the parameters no
     `fully_shard` took, the same on every rank."""
     held = model.state_dict(keep_vars=True)
     return {k: v.detach() for k, v in held.items() if not _is_shard(v)}
 
 
-def _without_shards(optimizer: Any) -> dict[str, Any]:
+def _without_shards(optimizer: Any) -> dict[str, object]:
     """An optimizer's `state_dict()` without its state of sharded parameters (their rows are
     committed, and cut again, with the model's)."""
     sd = optimizer.state_dict()
