@@ -3,35 +3,24 @@
 PowerSGD (Vogels et al., 2019) with the meaning it has on torch's `DistributedOptimizer`
 (docs/compression.md), written as JAX operations so that the same code runs eagerly and inside
 `jax.jit`, where XLA fuses the compression with the gradient's computation and only the two
-reductions leave the program (over the bridge the step takes, `_jit.py`):
+reductions leave the program:
 
 1. Each compressed leaf, viewed as a matrix `M` (its first dimension by the rest; with error
    feedback, this rank's residual added first), becomes `P = M Q`. The `P`s travel in one
-   reduction with the leaves that are not compressed (1-D leaves, non-floating ones, matrices too
-   small to gain: `PowerSGDCompressor.min_compression_rate`), packed into fused buckets as every
-   jitted step's leaves are (`_packed.py`).
-2. Each reduced `P` is orthonormalized (QR, in float32 at least), `Q = M^T P` computed, and all
-   the `Q`s travel in a second reduction. The gradient becomes `P Q^T`, the average's rank-`rank`
-   approximation (exact where the average has rank at most `rank`); each rank keeps
-   `M - P P^T M`, what the projection took from its own matrix (the residuals' average is what
-   the approximation dropped from the average, as in torch's `_powersgd`).
+   reduction with the leaves that are not compressed (`LowRankLayout` tells them apart).
+2. Each reduced `P` is orthonormalized (QR, in float32 at least), `Q = M^T P` computed, and the
+   `Q`s travel in a second reduction. The gradient becomes `P Q^T`, the average's rank-`rank`
+   approximation; each rank keeps `M - P P^T M`, what the projection took from its own matrix.
 
-State (`PowerSGDState`, a NamedTuple beside the wrapped transformation's `inner_state`, so that
-checkpoints and elastic commits of the optax state carry it): the step count (`start_iter`
-reductions are exact), each compressed leaf's `Q` (the same on every rank: drawn from
-`random_seed` and the leaf's index, then the reduced `Q` of the last step: warm start), this
-rank's residuals, and `owner`, the rank whose residuals they are: a state loaded on another rank
-(rank 0's checkpoint, an elastic world synchronized from rank 0) starts from zero residuals, as
-torch's does.
+The state (`PowerSGDState`) stands beside the wrapped transformation's, so whatever saves the
+optax state saves it; a state loaded on another rank than its `owner` starts from zero residuals.
 
-Agreement: the settings and the leaves' layout are agreed once (a handshake at the first eager
-update and at each trace), and every step's first reduction carries `[1, t, t * t]`, `t` derived
-from the step count: after the sum every rank holds the same three values, and
-`(sum t)^2 == (number of ranks that sent) * sum t^2` exactly when every rank that sent had the
-same count (ranks that have joined send zeros, and count for nothing). Otherwise every rank
-raises `CollectiveMismatchError` after the step's second reduction (no call left half made):
-their bases may differ. The check cannot tell apart counts that differ by a multiple of
-`TICKETS`.
+Agreement: the settings and the layout are agreed once (`agree`), and every step's first
+reduction carries `[1, t, t * t]`, `t` derived from the step count. After the sum,
+`(sum t)^2 == n * sum t^2` (`n` the ranks that sent; ranks that have joined send zeros) exactly
+when every rank that sent had the same count; otherwise every rank raises
+`CollectiveMismatchError` after the step's second reduction (no call left half made). Counts
+that differ by a multiple of `TICKETS` pass unseen.
 """
 
 from __future__ import annotations

@@ -4,29 +4,22 @@ What mpi4jax's users write (`mpi4jax.allreduce(x, op=MPI.SUM)` inside a jitted f
 written here as the eager call (`dp.allreduce(x)`): `dataparallel.collectives.traced` hands a
 call on traced values to `trace_collective`, which
 
-1. agrees on the call with every rank **once, when it is traced** (the handshake on the world's
-   engine, as eager calls make it per call): a different collective, tree, shape, dtype, op or
-   root raises `CollectiveMismatchError` on every rank, from the traced call;
+1. agrees on the call with every rank **once, when it is traced**: a different collective, tree,
+   shape, dtype, op or root raises `CollectiveMismatchError` on every rank, from the traced call;
 2. puts one engine call per leaf into the program, on a private duplicate of the engine
-   (`_own_engine`), through the XLA FFI call of
-   `_ffi.py` (the buffers in XLA's own memory, reduced and broadcast in place), or where it
-   cannot run (JAX off the CPU, several devices per process) an ordered `io_callback`. Both
-   carry an ordered effect: XLA runs the calls once per execution, in program order, and never
-   drops one whose result is unused;
+   (`_own_engine`), through the XLA FFI call of `_ffi.py` (the buffers in XLA's own memory,
+   reduced and broadcast in place), or where it cannot run (JAX off the CPU, several devices per
+   process) an ordered `io_callback`. Both carry an ordered effect: XLA runs the calls once per
+   execution, in program order, and never drops one whose result is unused;
 3. converts back inside the program (the wire dtype to the leaf's, the average's division).
 
-Under JAX's transformations the traced call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
-with `op="sum"` or `"avg"` has `jax.jvp` (the sum of the tangents), `jax.grad` and
-`jax.linear_transpose` (the transpose of a sum is the identity: each rank keeps its cotangent);
-the other ops and collectives raise a `TypeError` naming themselves when differentiated; every
-one batches under `jax.vmap` (one engine call on the batched buffer). The io_callback has none
-of these.
-
-`dp.send`, `dp.recv` and `dp.sendrecv` (`_trace_pointtopoint`) agree with their peers only,
-when traced (`dataparallel.collectives.pointtopoint`), and move each tree as one message on
-the same engine; they have no transformation rules.
-
-A world of one puts nothing in the program: the values are the result.
+Under JAX's transformations a traced call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
+with `op="sum"` or `"avg"` has `jax.jvp`, `jax.grad` and `jax.linear_transpose` (a sum's
+transpose is the identity: each rank keeps its cotangent); the other ops and collectives raise a
+`TypeError` naming themselves when differentiated; every one batches under `jax.vmap`. The
+io_callback has none of these. `dp.send`, `dp.recv` and `dp.sendrecv` agree with their peers
+only, and move each tree as one message on the same engine, with no transformation rules. A
+world of one puts nothing in the program: the values are the result.
 """
 
 from __future__ import annotations
