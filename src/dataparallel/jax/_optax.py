@@ -47,8 +47,8 @@ from dataparallel.jax import _jit
 from dataparallel.jax._bridges import Bridge
 from dataparallel.jax._powersgd import (
     LowRankLayout,
+    Payload,
     PowerSGDState,
-    Reduction,
     agree,
     init_low_rank,
     low_rank_step,
@@ -202,7 +202,7 @@ def _low_rank_optax(
             if not traced:
                 agreed.append(layout)
 
-        def reduce(tree: Reduction) -> Reduction:
+        def reduce(tree: Payload) -> Payload:
             # The Qs' reduction is the step's second: ranks that join answer the first only.
             return _allreduce_tree(tree, op, backend, None, route, first="Q" not in tree)
 

@@ -47,7 +47,7 @@ TICKETS = 31  # step counts are compared modulo this: t * t * size stays exact i
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-class Reduction(TypedDict, total=False):
+class Payload(TypedDict, total=False):
     """What one of a step's reductions carries: the check and the uncompressed leaves (the
     first), the `P`s (the first, where the step compresses), the `Q`s (the second)."""
 
@@ -58,7 +58,7 @@ class Reduction(TypedDict, total=False):
 
 
 # Reduces across ranks with the transformation's op (eagerly or traced), keeping the structure.
-Reducer = Callable[[Reduction], Reduction]
+Reducer = Callable[[Payload], Payload]
 # A step's leaves, the new Qs and residuals, and the reduced check.
 Stepped = tuple[list[ArrayLike], tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array]
 
