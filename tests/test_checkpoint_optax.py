@@ -152,6 +152,34 @@ def test_a_state_of_other_parameters_is_named(folder: Path) -> None:
         dp.checkpoint.save({"opt": dp.checkpoint.OptaxShards(state, other)}, folder)
 
 
+def test_a_state_sharded_over_a_group_of_the_whole_world_round_trips(folder: Path) -> None:
+    group = dp.new_group(range(dp.size()))
+    try:
+        opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True, group=group)
+        params, state = train(opt, make_params(), opt.init(make_params()), range(2))
+        saved = dp.checkpoint.OptaxShards(state, params, group=group)
+        dp.checkpoint.save({"opt": saved}, folder)
+        fresh = dp.checkpoint.OptaxShards(opt.init(make_params()), make_params(), group=group)
+        loaded = dp.checkpoint.load({"opt": fresh}, folder)
+        assert_same(loaded["opt"], state, "the state")
+    finally:
+        group.free()
+
+
+def test_a_group_short_of_the_world_is_refused(folder: Path) -> None:
+    if dp.size() == 1:
+        pytest.skip("a group short of the world needs two ranks")
+    group = dp.new_group([0])
+    try:
+        opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
+        state = opt.init(make_params())
+        shards = dp.checkpoint.OptaxShards(state, make_params(), group=group)
+        with pytest.raises(ValueError, match=r"a group of 1 ranks, the world has \d: every rank"):
+            dp.checkpoint.save({"opt": shards}, folder)
+    finally:
+        group.free()
+
+
 # -- jobs of other sizes -------------------------------------------------------------------------
 
 

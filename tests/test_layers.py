@@ -9,18 +9,22 @@ still an arrow. The rules of `docs/design.md`:
 - no module imports another module's private names, and a private module (`_name.py`) is imported
   only from the package that holds it (its subpackages included);
 - inside `backends/`, a framework appears only where the engine is that framework's own (Gloo is
-  torch's, NCCL is reached through CuPy, MPI through mpi4py); an entry names a module or a package.
+  torch's, NCCL is reached through CuPy, MPI through mpi4py); an entry names a module or a package;
+- the word `Any` appears at most `ANY_CEILING` times in the source, counted as
+  `git grep -ow Any -- 'src/*.py'` counts it (imports and prose included): a type that says
+  nothing is the exception, so a new one displaces an old one.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import sys
 
 import pytest
 from _jobs import outer_world_size
-from _source import MODULES
+from _source import MODULES, ROOT
 
 # The source is the same in every world: several ranks would each read it and prove nothing more.
 pytestmark = pytest.mark.skipif(
@@ -194,3 +198,24 @@ def test_backends_name_no_framework_but_their_own() -> None:
             if root in FRAMEWORKS and root not in allowed:
                 offences.append(f"{name} imports {target}")
     assert offences == []
+
+
+ANY_CEILING = 150
+_ANY = re.compile(r"(?<![A-Za-z0-9_])Any(?![A-Za-z0-9_])")  # git grep -w's notion of a word
+
+
+def test_any_stays_under_its_ceiling() -> None:
+    counts = {
+        str(path.relative_to(ROOT)): n
+        for path in MODULES.values()
+        if (n := len(_ANY.findall(path.read_text())))
+    }
+    total = sum(counts.values())
+    by_file = "\n".join(
+        f"{n:5d} {name}" for name, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    )
+    assert total <= ANY_CEILING, (
+        f"`Any` appears {total} times in src/, more than {ANY_CEILING}. Give the new values a type "
+        f"that says what they are (a TypedDict, a Protocol, a TypeVar, `object` for a value only "
+        f"passed on), or type an old one. By file:\n{by_file}"
+    )

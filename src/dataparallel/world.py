@@ -60,6 +60,12 @@ class _Freeable(Protocol):
     def free(self) -> None: ...
 
 
+class Waitable(Protocol):
+    """What is in flight until waited on (`dp.Request`, a checkpoint's `SaveFuture`)."""
+
+    def wait(self) -> object: ...
+
+
 class Plans(dict[Hashable, Any]):
     """What the collectives decided about calls this world has made, by the calls' signatures
     (their call plans, `CallPlan`): the oldest go first beyond `KEPT` plans or `KEPT_BYTES` of the
@@ -94,7 +100,7 @@ class World:
     settings: Settings
     device: int | None
     verbose: bool = False
-    pending: list[Any] = field(default_factory=list)  # dp.Request objects not yet waited on
+    pending: list[Waitable] = field(default_factory=list)  # what is not yet waited on
     buffers: BufferPool = field(default_factory=BufferPool)
     recording: Timeline | None = None
     plans: Plans = field(default_factory=Plans)  # by signature (collectives/_plans.py)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -44,7 +43,7 @@ class Job:
 
     __slots__ = ("_done", "_error", "fn")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], object]) -> None:
         self.fn = fn
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -77,7 +76,7 @@ class CommThread:
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, fn: Callable[[], Any]) -> Job:
+    def submit(self, fn: Callable[[], object]) -> Job:
         """Queue `fn` to run after every job submitted before it; return its `Job`."""
         job = Job(fn)
         with self._lock:

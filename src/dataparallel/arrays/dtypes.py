@@ -7,6 +7,7 @@ exactly to float32 for a reduction and rounded back to nearest even.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ INTEGER_DTYPES = frozenset(
 BF16_BITS = np.dtype(np.uint16)  # how bfloat16 values are held on the host
 
 
-_DTYPE_NAMES: dict[Any, str] = {}  # a pure function of the dtype; cleared by dp.finalize()
+_DTYPE_NAMES: dict[Hashable, str] = {}  # a pure function of the dtype; cleared by dp.finalize()
 caches.register(_DTYPE_NAMES.clear)
 
 
@@ -119,7 +120,7 @@ def prescaled_copy(values: np.ndarray, out: np.ndarray, scale: float | None) -> 
     return True
 
 
-def prescalable(dtype: np.dtype[Any], scale: float | None) -> bool:
+def prescalable(dtype: np.dtype[np.generic], scale: float | None) -> bool:
     """Whether shares of `dtype` about to be summed are scaled by `scale` first (`prescale`)."""
     if scale is None or not 0 < scale < 1 or dtype not in _PRESCALED:
         return False

@@ -263,7 +263,7 @@ class Fusion:
             self.flush()
         elif self._flights:
             # MPI progresses non-blocking collectives only inside MPI calls: testing the oldest
-            # flight (about 1 us) moves them all along while the caller is still producing arrays.
+            # flight, a cheap call, moves them all along while the caller is still producing arrays.
             oldest = self._flights[0].handle
             if oldest is not None:
                 oldest.test()

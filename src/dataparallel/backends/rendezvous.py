@@ -28,6 +28,7 @@ import struct
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple
 
 from dataparallel.config import Settings
@@ -258,7 +259,7 @@ def rendezvous_error(exc: BaseException, rendezvous: Rendezvous) -> BaseExceptio
 # dp.finalize() (`dataparallel.caches` says so): a world made again meets through it under a fresh
 # key prefix, instead of binding the port anew while the first server may still be listening (a
 # rank could then reach the stale one and its keys). Keyed on the address, not on a world.
-_STORES: dict[tuple[str, int, int], Any] = {}
+_STORES: dict[tuple[str, int, int], object] = {}
 # Worlds met through a store by this process: every rank makes the same worlds in the same order,
 # so the count names the same prefix on every rank.
 _GENERATIONS = itertools.count()
@@ -272,7 +273,7 @@ class Meeting(NamedTuple):
 
 
 def rendezvous_store(
-    dist: Any,
+    dist: ModuleType,
     rendezvous: Rendezvous,
     timeout: datetime.timedelta | None,
     *,

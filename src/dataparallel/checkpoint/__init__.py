@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 try:
     import torch as _torch  # noqa: F401 - fail here, with what to install, not deep in a submodule
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["OptaxShards", "SaveFuture", "Shards", "async_save", "load", "save"]
 
 
-def save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+def save(state: Mapping[str, object], path: str | os.PathLike[str]) -> None:
     """Write `state` into the folder `path`, each rank its own shards (collective).
 
     `state` is a dict (nested dicts allowed) of torch modules, optimizers (plain,
@@ -69,7 +69,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     _dcp.save(state, path)
 
 
-def async_save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> SaveFuture:
+def async_save(state: Mapping[str, object], path: str | os.PathLike[str]) -> SaveFuture:
     """Start `save(state, path)`; return once the state is copied into host memory.
 
     The files are written on a thread while the program goes on (it may change the state at
@@ -82,7 +82,7 @@ def async_save(state: Mapping[str, Any], path: str | os.PathLike[str]) -> SaveFu
     return _dcp.async_save(state, path)
 
 
-def load(state: Mapping[str, Any], path: str | os.PathLike[str]) -> Mapping[str, Any]:
+def load(state: Mapping[str, object], path: str | os.PathLike[str]) -> Mapping[str, object]:
     """Load the checkpoint in `path` into `state` (collective); return `state`.
 
     `state` holds the same keys as the saved one, its objects laid out for this world, whatever

@@ -32,9 +32,9 @@ import io
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from dataparallel import caches, world
 from dataparallel.backends.base import Backend
@@ -70,6 +71,7 @@ __all__ = ["SaveFuture", "async_save", "load", "read_metadata", "save"]
 
 METADATA = ".metadata"
 PathLike = str | os.PathLike[str]
+T = TypeVar("T")  # what every rank sends in an exchange: the same kind on each
 
 
 # -- Shards in DCP's plans ----------------------------------------------------------------------
@@ -98,7 +100,7 @@ class _SavePlanner(DefaultSavePlanner):
     """DCP's default planner, with `Shards` written as chunks of their tensor, and (for
     `async_save`) every piece read from the copy made at the call."""
 
-    copies: dict[MetadataIndex, Any] | None = None
+    copies: dict[MetadataIndex, torch.Tensor | io.BytesIO] | None = None
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
@@ -110,7 +112,7 @@ class _SavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
 
-    def lookup_object(self, index: MetadataIndex) -> Any:
+    def lookup_object(self, index: MetadataIndex) -> object:
         value = self.state_dict.get(index.fqn)
         if isinstance(value, Shards):
             return value.piece(index.offset or ())
@@ -144,7 +146,7 @@ class _SavePlanner(DefaultSavePlanner):
                     continue
             self.copies[item.index] = self._copy(item, super().resolve_data(item))
 
-    def _copy(self, item: WriteItem, data: Any) -> Any:
+    def _copy(self, item: WriteItem, data: torch.Tensor | io.BytesIO) -> torch.Tensor | io.BytesIO:
         """`data` copied into the buffer the last `async_save` copied the same piece into,
         where it fits (`_kept`), else into new host memory."""
         if not isinstance(data, torch.Tensor):
@@ -196,13 +198,13 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(
         self,
-        state_dict: dict[str, Any],
+        state_dict: dict[str, object],
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
         # torch's set-up walks the state and keeps only the types it knows: `Shards` stand
         # aside meanwhile (a tensor in their place), and come back under their flattened keys.
-        aside: dict[tuple[Any, ...], Shards] = {}
+        aside: dict[tuple[object, ...], Shards] = {}
         _swap(state_dict, (), aside, into=True)
         try:
             super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -243,7 +245,10 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 def _swap(
-    tree: dict[str, Any], path: tuple[Any, ...], aside: dict[Any, Shards], into: bool
+    tree: dict[str, object],
+    path: tuple[object, ...],
+    aside: dict[tuple[object, ...], Shards],
+    into: bool,
 ) -> None:
     """Put the `Shards` of `tree` aside (`into`), a tensor in their place, or back."""
     for key, value in tree.items():
@@ -264,11 +269,11 @@ def _engine() -> Backend:
     return world.current().backend
 
 
-def _everyone(backend: Backend, value: Any) -> list[Any]:
+def _everyone(backend: Backend, value: object) -> list[Any]:
     return backend.allgather_object(value) if backend.size > 1 else [value]
 
 
-def _from_rank0(backend: Backend, value: Any) -> Any:
+def _from_rank0(backend: Backend, value: T) -> T:
     return backend.broadcast_object(value, 0) if backend.size > 1 else value
 
 
@@ -296,14 +301,14 @@ def _raise_any(backend: Backend, error: BaseException | None, what: str) -> None
 class _Save:
     """One save's steps (see the module's notes)."""
 
-    def __init__(self, state: Mapping[str, Any], path: PathLike, backend: Backend) -> None:
+    def __init__(self, state: Mapping[str, object], path: PathLike, backend: Backend) -> None:
         self.path = Path(path)
         self.backend = backend
         self.writer = FileSystemWriter(self.path, sync_files=True, overwrite=True)
         self.planner = _SavePlanner()
         self.metadata: Metadata | None = None
 
-    def plan(self, state: Mapping[str, Any]) -> SavePlan:
+    def plan(self, state: Mapping[str, object]) -> SavePlan:
         """Step 1 (collective, on the caller's thread): one exchange, of the local plans.
 
         Every rank merges the plans itself (DCP's global planning is deterministic: the same
@@ -396,7 +401,7 @@ def _settle_previous() -> None:
             request.wait()
 
 
-def save(state: Mapping[str, Any], path: PathLike) -> None:
+def save(state: Mapping[str, object], path: PathLike) -> None:
     """See `dataparallel.checkpoint.save`."""
     _settle_previous()
     b = _engine()
@@ -409,7 +414,9 @@ class SaveFuture:
     and the metadata are on disk, and raises what the save raised; `staged()` returns once
     this rank's part of the state is copied."""
 
-    def __init__(self, stage: Any, run: Any, pending: list[Any]) -> None:
+    def __init__(
+        self, stage: Callable[[], None], run: Callable[[], None], pending: list[world.Waitable]
+    ) -> None:
         self._staged = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -460,15 +467,15 @@ class SaveFuture:
 # The saves whose pieces are being copied on their threads, and the hook that makes every torch
 # optimizer's step wait for them (registered at the first `async_save`).
 _staging: set[SaveFuture] = set()
-_hook: Any = None
+_hook: RemovableHandle | None = None
 
 
-def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     for future in list(_staging):
         future.staged()
 
 
-def async_save(state: Mapping[str, Any], path: PathLike) -> SaveFuture:
+def async_save(state: Mapping[str, object], path: PathLike) -> SaveFuture:
     """See `dataparallel.checkpoint.async_save`."""
     global _hook
     _settle_previous()
@@ -536,7 +543,7 @@ def read_metadata(path: PathLike) -> Metadata:
     return metadata
 
 
-def load(state: Mapping[str, Any], path: PathLike) -> Mapping[str, Any]:
+def load(state: Mapping[str, object], path: PathLike) -> Mapping[str, object]:
     """See `dataparallel.checkpoint.load`."""
     _settle_previous()
     b = _engine()

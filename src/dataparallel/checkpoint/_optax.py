@@ -16,13 +16,21 @@ replaces the `OptaxShards` in the state (as JAX arrays are replaced).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dataparallel import world
 from dataparallel.checkpoint._shards import Shards
+
+if TYPE_CHECKING:
+    import jax
+    import optax
+
+    from dataparallel.groups import Group
+    from dataparallel.jax import ShardedState
 
 __all__ = ["OptaxShards", "host_numpy", "host_tensor", "is_sharded_optax_state"]
 
@@ -33,7 +41,7 @@ def is_sharded_optax_state(value: object) -> bool:
     return cls.__name__ == "ShardedState" and cls.__module__.startswith("dataparallel.jax")
 
 
-def host_tensor(array: Any) -> torch.Tensor:
+def host_tensor(array: jax.typing.ArrayLike) -> torch.Tensor:
     """A writable CPU tensor over a copy of `array` (NumPy or JAX), bfloat16 included (torch
     cannot take NumPy's bfloat16: it crosses as its bits)."""
     data = np.array(array)  # a copy: JAX's host arrays are read-only
@@ -42,7 +50,7 @@ def host_tensor(array: Any) -> torch.Tensor:
     return torch.from_numpy(data)
 
 
-def host_numpy(tensor: torch.Tensor, like: Any) -> np.ndarray:
+def host_numpy(tensor: torch.Tensor, like: jax.Array) -> np.ndarray:
     """The tensor's items as a NumPy array of the dtype of `like` (a JAX array)."""
     dtype = np.dtype(like.dtype)
     if dtype.name == "bfloat16":
@@ -78,7 +86,9 @@ class OptaxShards:
             rank of the world (a checkpoint's pieces cover each tensor once across the world).
     """
 
-    def __init__(self, state: Any, params: Any, *, group: Any = None) -> None:
+    def __init__(
+        self, state: ShardedState, params: optax.Params, *, group: Group | None = None
+    ) -> None:
         if not is_sharded_optax_state(state):
             raise TypeError(
                 "dp.checkpoint.OptaxShards takes the ShardedState of "
@@ -90,20 +100,20 @@ class OptaxShards:
         self.params = params
         self.group = group
 
-    def _leaves(self) -> list[tuple[str, Any, tuple[tuple[int, ...], int] | None]]:
+    def _leaves(self) -> list[tuple[str, jax.Array, tuple[tuple[int, ...], int] | None]]:
         """(key, leaf, place) for every leaf of the inner state; place as `slice_places`'."""
         import jax
 
         from dataparallel.jax import slice_places
 
-        places = slice_places(self.state, self.params, group=self.group)
-        if self.group is not None and self.group.size() != world.current().backend.size:
+        if self.group is not None and len(self.group.ranks) != world.current().backend.size:
             raise ValueError(
                 f"dp.checkpoint.OptaxShards: the state is sharded over a group of "
-                f"{self.group.size()} ranks, the world has {world.current().backend.size}: "
+                f"{len(self.group.ranks)} ranks, the world has {world.current().backend.size}: "
                 "every rank writes its pieces, so the group must be the world. Save "
                 "dp.jax.consolidate_state(state, params, group=group) instead."
             )
+        places = slice_places(self.state, self.params, group=self.group)
         out = []
         seen: set[str] = set()
         with_paths = jax.tree_util.tree_flatten_with_path(self.state.inner_state)[0]
@@ -118,9 +128,9 @@ class OptaxShards:
             out.append((key, leaf, place))
         return out
 
-    def saved(self) -> dict[str, Any]:
+    def saved(self) -> dict[str, torch.Tensor | Shards]:
         """What to write: `Shards` of each slice, tensors of the rest."""
-        out: dict[str, Any] = {}
+        out: dict[str, torch.Tensor | Shards] = {}
         for key, leaf, place in self._leaves():
             tensor = host_tensor(leaf)
             if place is None:
@@ -131,9 +141,9 @@ class OptaxShards:
                 out[key] = Shards.from_flat(place[0], place[1], tensor)
         return out
 
-    def template(self) -> dict[str, Any]:
+    def template(self) -> dict[str, torch.Tensor | Shards]:
         """What to fill: host buffers of this rank's slices (as `Shards`) and of the rest."""
-        out: dict[str, Any] = {}
+        out: dict[str, torch.Tensor | Shards] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         for key, leaf, place in self._leaves():
             buffer = host_tensor(np.zeros(np.shape(leaf), np.dtype(leaf.dtype)))
@@ -146,7 +156,7 @@ class OptaxShards:
                 out[key] = Shards.from_flat(place[0], place[1], buffer)
         return out
 
-    def loaded(self, filled: dict[str, Any]) -> Any:
+    def loaded(self, filled: Mapping[str, torch.Tensor | Shards]) -> ShardedState:
         """The `ShardedState` of what `template()`'s buffers were filled with (`filled`: the
         template after reading, whose tensors may have been replaced rather than filled)."""
         import jax

@@ -26,8 +26,8 @@ returns the state with the values that are not filled in place (numbers, JAX arr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
-from typing import Any
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -45,27 +45,42 @@ from dataparallel.checkpoint._optax import (
 )
 from dataparallel.checkpoint._shards import Shards
 
+if TYPE_CHECKING:
+    import jax
+
+    from dataparallel.torch import ZeroRedundancyOptimizer
+
 __all__ = ["Loading", "saveable", "stepped_storages"]
 
 Path = tuple[str | int, ...]
+Saved = TensorStorageMetadata | BytesStorageMetadata  # what the metadata says of an entry
+Nested = dict[str | int, Any]  # a state dict built from saved paths: dicts down to tensors
 
 
-def _is_zero(value: object) -> bool:
+class Stateful(Protocol):
+    """What has its own state dict (torch DCP's `Stateful`: samplers, schedulers)."""
+
+    def state_dict(self) -> Mapping[str, object]: ...
+
+    def load_state_dict(self, state_dict: dict[str, object], /) -> None: ...
+
+
+def _is_zero(value: object) -> TypeGuard[ZeroRedundancyOptimizer]:
     """A ZeRO optimizer (`dp.torch.ZeroRedundancyOptimizer`), known by its local state."""
     return hasattr(value, "local_state_dict") and hasattr(value, "load_local_state_dict")
 
 
-def _is_stateful(value: object) -> bool:
+def _is_stateful(value: object) -> TypeGuard[Stateful]:
     return callable(getattr(value, "state_dict", None)) and callable(
         getattr(value, "load_state_dict", None)
     )
 
 
-def _is_jax(value: object) -> bool:
+def _is_jax(value: object) -> TypeGuard[jax.Array]:
     return type(value).__module__.startswith(("jax", "jaxlib")) and hasattr(value, "shape")
 
 
-def _modules(state: Mapping[str, Any], path: str = "") -> list[tuple[str, torch.nn.Module]]:
+def _modules(state: Mapping[str, object], path: str = "") -> list[tuple[str, torch.nn.Module]]:
     out = []
     for key, value in state.items():
         if isinstance(value, torch.nn.Module):
@@ -75,7 +90,7 @@ def _modules(state: Mapping[str, Any], path: str = "") -> list[tuple[str, torch.
     return out
 
 
-def param_names(state: Mapping[str, Any]) -> dict[int, str]:
+def param_names(state: Mapping[str, object]) -> dict[int, str]:
     """Each parameter's name (by `id`), as its module's `state_dict()` names it: with one module
     in the state, its own names (torch's `get_state_dict`'s); with several, each prefixed by the
     module's key in the state, so that they cannot collide."""
@@ -91,7 +106,7 @@ def param_names(state: Mapping[str, Any]) -> dict[int, str]:
 Placed = dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def placements(state: Mapping[str, Any]) -> Placed:
+def placements(state: Mapping[str, object]) -> Placed:
     """Where each fully sharded parameter (`dp.torch.fully_shard`'s, by `id`) sits: the whole
     parameter's shape and this rank's offsets in it, from its module's `parameter_shards()`."""
     out: Placed = {}
@@ -109,7 +124,7 @@ def _shards_of(tensor: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int,
     return Shards(shape, tensor.dtype, pieces)
 
 
-def _module_state(module: torch.nn.Module) -> dict[str, Any]:
+def _module_state(module: torch.nn.Module) -> dict[str, object]:
     """A module's `state_dict()`, its fully sharded parameters as `Shards` (views of them)."""
     sd = module.state_dict()
     shards = getattr(module, "parameter_shards", None)
@@ -120,24 +135,24 @@ def _module_state(module: torch.nn.Module) -> dict[str, Any]:
     return sd
 
 
-def _params(optimizer: Any) -> list[torch.Tensor]:
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _fqns(optimizer: Any, names: dict[int, str]) -> list[str]:
+def _fqns(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
     """The names of an optimizer's parameters, in order (a parameter that no module of the
     state holds is named by its index, as a plain `state_dict()` names it)."""
     return [names.get(id(p), str(i)) for i, p in enumerate(_params(optimizer))]
 
 
-def _groups(groups: list[dict[str, Any]], fqns: list[str]) -> list[dict[str, Any]]:
+def _groups(groups: list[dict[str, Any]], fqns: list[str]) -> list[dict[str, object]]:
     """Param groups with `params` as names (they come as indices)."""
     return [{**g, "params": [fqns[i] for i in g["params"]]} for g in groups]
 
 
 def _optimizer_state(
     optimizer: torch.optim.Optimizer, names: dict[int, str], placed: Placed
-) -> dict[str, Any]:
+) -> dict[str, object]:
     fqns = _fqns(optimizer, names)
     params = _params(optimizer)
     sd = optimizer.state_dict()
@@ -156,14 +171,14 @@ def _optimizer_state(
     return out
 
 
-def _sliced(value: object, start: int, stop: int) -> bool:
+def _sliced(value: object, start: int, stop: int) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == stop - start
 
 
-def _zero_state(zero: Any, names: dict[int, str]) -> dict[str, Any]:
+def _zero_state(zero: ZeroRedundancyOptimizer, names: dict[int, str]) -> dict[str, object]:
     fqns = _fqns(zero, names)
     local = zero.local_state_dict()
-    state: dict[str, dict[str, Any]] = {}
+    state: dict[str, dict[str, object]] = {}
     for k, start, stop, entry in local["pieces"]:
         shape = local["shapes"][k]
         out = state.setdefault(fqns[k], {})
@@ -177,7 +192,7 @@ def _zero_state(zero: Any, names: dict[int, str]) -> dict[str, Any]:
     return {"state": state, "param_groups": _groups(local["param_groups"], fqns)}
 
 
-def _bare(value: Any) -> TypeError:
+def _bare(value: object) -> TypeError:
     return TypeError(
         "dp.checkpoint: a sharded optax state (dp.jax.ShardedState) is each rank's slices and "
         "is laid out by its parameters: put dp.checkpoint.OptaxShards(state, params) in the "
@@ -185,7 +200,7 @@ def _bare(value: Any) -> TypeError:
     )
 
 
-def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
+def _value(value: object, names: dict[int, str], placed: Placed) -> object:
     if isinstance(value, Shards | torch.Tensor):
         return value
     if isinstance(value, OptaxShards):
@@ -209,11 +224,11 @@ def _value(value: Any, names: dict[int, str], placed: Placed) -> Any:
     return value
 
 
-def _tree(state: Mapping[str, Any], names: dict[int, str], placed: Placed) -> dict[str, Any]:
+def _tree(state: Mapping[str, object], names: dict[int, str], placed: Placed) -> dict[str, object]:
     return {str(key): _value(value, names, placed) for key, value in state.items()}
 
 
-def saveable(state: Mapping[str, Any]) -> dict[str, Any]:
+def saveable(state: Mapping[str, object]) -> dict[str, object]:
     """The state dict to write for `state` (see the module's notes); tensors are the live ones."""
     if not isinstance(state, Mapping):
         raise TypeError(
@@ -223,7 +238,7 @@ def saveable(state: Mapping[str, Any]) -> dict[str, Any]:
     return _tree(state, param_names(state), placements(state))
 
 
-def _storages(tensors: Any) -> set[int]:
+def _storages(tensors: Iterable[object]) -> set[int]:
     out = set()
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.numel():
@@ -231,13 +246,13 @@ def _storages(tensors: Any) -> set[int]:
     return out
 
 
-def stepped_storages(state: Mapping[str, Any]) -> set[int]:
+def stepped_storages(state: Mapping[str, object]) -> set[int]:
     """The memory (storages, by address) of what changes only in a step of an optimizer of the
     state: its parameters and its state. `async_save` copies these on its thread, and the next
     `step()` of any torch optimizer waits for the copy first."""
     out: set[int] = set()
 
-    def visit(tree: Mapping[str, Any]) -> None:
+    def visit(tree: Mapping[str, object]) -> None:
         for value in tree.values():
             if _is_zero(value):
                 out.update(_storages(_params(value)))
@@ -257,7 +272,7 @@ def stepped_storages(state: Mapping[str, Any]) -> set[int]:
 class Loading:
     """One load: the state dict to fill from a checkpoint, then each object given its part."""
 
-    def __init__(self, state: Mapping[str, Any], metadata: Metadata) -> None:
+    def __init__(self, state: Mapping[str, object], metadata: Metadata) -> None:
         if not isinstance(state, Mapping):
             raise TypeError(
                 "dp.checkpoint.load: the state is a dict of what to load into ({'model': "
@@ -268,7 +283,7 @@ class Loading:
         self.placed = placements(state)
         # every saved entry by its path in the nested state dict (torch's flattening keeps it)
         planner_data = metadata.planner_data or {}
-        self.saved: dict[Path, Any] = {
+        self.saved: dict[Path, Saved] = {
             tuple(planner_data.get(key, (key,))): md
             for key, md in metadata.state_dict_metadata.items()
         }
@@ -278,7 +293,7 @@ class Loading:
 
     # -- what to fill ---------------------------------------------------------------------------
 
-    def _under(self, prefix: Path) -> dict[Path, Any]:
+    def _under(self, prefix: Path) -> dict[Path, Saved]:
         """The saved entries below `prefix`, by their paths relative to it."""
         n = len(prefix)
         return {path[n:]: md for path, md in self.saved.items() if path[:n] == prefix}
@@ -297,12 +312,12 @@ class Loading:
         entries = self._under(prefix)
         if not entries:
             raise self._missing(prefix, what)
-        out: dict[Any, Any] = {}
+        out: Nested = {}
         for path, md in entries.items():
             _put(out, path, _empty(md))
         return _lists(out)
 
-    def _optimizer(self, value: Any, prefix: Path) -> dict[str, Any]:
+    def _optimizer(self, value: torch.optim.Optimizer, prefix: Path) -> dict[str, Any]:
         part = self._from_metadata(prefix, type(value).__name__)
         # a fully sharded parameter's state: this rank's rows of what was saved
         for p, name in zip(_params(value), _fqns(value, self.names), strict=True):
@@ -316,7 +331,7 @@ class Loading:
                     entry[key] = _shards_of(mine, *where)
         return part
 
-    def _zero(self, zero: Any, prefix: Path) -> dict[str, Any]:
+    def _zero(self, zero: ZeroRedundancyOptimizer, prefix: Path) -> dict[str, object]:
         fqns = _fqns(zero, self.names)
         local = zero.local_state_dict()
         entries = self._under(prefix)
@@ -324,7 +339,7 @@ class Loading:
             raise self._missing(prefix, type(zero).__name__)
         params = _params(zero)
         device = params[0].device if params else torch.device("cpu")  # its state's, too
-        state: dict[str, dict[str, Any]] = {}
+        state: dict[str, dict[str, object]] = {}
         for k, start, stop, _ in local["pieces"]:
             shape = tuple(local["shapes"][k])
             out = state.setdefault(fqns[k], {})
@@ -341,13 +356,13 @@ class Loading:
                         out[key] = flat.reshape(shape)
                 else:
                     out[key] = _empty(md)
-        groups: dict[Any, Any] = {}
+        groups: Nested = {}
         for path, md in entries.items():
             if path and path[0] == "param_groups":
                 _put(groups, path[1:], _empty(md))
         return {"state": state, "param_groups": _lists(groups)}
 
-    def _value(self, value: Any, prefix: Path) -> Any:
+    def _value(self, value: object, prefix: Path) -> object:
         if isinstance(value, Shards | torch.Tensor):
             return value
         if isinstance(value, OptaxShards):
@@ -376,17 +391,19 @@ class Loading:
             return self._tree(value, prefix)
         return value
 
-    def _tree(self, state: Mapping[str, Any], prefix: Path) -> dict[str, Any]:
+    def _tree(self, state: Mapping[str, object], prefix: Path) -> dict[str, object]:
         return {str(k): self._value(v, (*prefix, str(k))) for k, v in state.items()}
 
     # -- each object given its part -------------------------------------------------------------
 
-    def install(self) -> Mapping[str, Any]:
+    def install(self) -> Mapping[str, object]:
         """Hand every object its loaded part; return the state, its values replaced where they
         cannot be filled in place (the given dicts are updated too)."""
         return self._install(self.state, self.template)
 
-    def _install(self, state: Mapping[str, Any], filled: Mapping[str, Any]) -> Mapping[str, Any]:
+    def _install(
+        self, state: Mapping[str, object], filled: Mapping[str, Any]
+    ) -> Mapping[str, object]:
         out = state if isinstance(state, MutableMapping) else dict(state)
         for key, value in state.items():
             part = filled[str(key)]
@@ -415,12 +432,12 @@ class Loading:
                 out[key] = part
         return out
 
-    def _load_zero(self, zero: Any, part: Mapping[str, Any]) -> None:
+    def _load_zero(self, zero: ZeroRedundancyOptimizer, part: Mapping[str, Any]) -> None:
         fqns = _indices(part, zero, self.names)
         states = []
         for k, _, _, _ in zero.local_state_dict()["pieces"]:
             entry = part["state"].get(fqns[k], {})
-            mine: dict[str, Any] = {}
+            mine: dict[str, object] = {}
             for key, value in entry.items():
                 flat = self.flats.get((id(zero), fqns[k], key))
                 if flat is not None:
@@ -433,7 +450,7 @@ class Loading:
         zero.load_local_state_dict(states, part["param_groups"])
 
 
-def _overlay_shards(part: dict[Any, Any], current: Mapping[Any, Any]) -> None:
+def _overlay_shards(part: dict[str, Any], current: Mapping[str, object]) -> None:
     """Put in `part` the `Shards` that `current` (an object's `state_dict()` now) holds at the
     same places: each rank reads its own boxes, not the whole tensor."""
     for key, value in current.items():
@@ -443,20 +460,20 @@ def _overlay_shards(part: dict[Any, Any], current: Mapping[Any, Any]) -> None:
             _overlay_shards(part[key], value)
 
 
-def _empty(md: Any) -> Any:
+def _empty(md: Saved) -> torch.Tensor | None:
     if isinstance(md, TensorStorageMetadata):
         return torch.empty(md.size, dtype=md.properties.dtype)
     assert isinstance(md, BytesStorageMetadata)
     return None
 
 
-def _put(tree: dict[Any, Any], path: Path, value: Any) -> None:
+def _put(tree: Nested, path: Path, value: torch.Tensor | None) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
 
 
-def _lists(tree: Any) -> Any:
+def _lists(tree: object) -> Any:
     """Dicts keyed 0..n-1 by ints (a saved list: `param_groups`) back into lists."""
     if not isinstance(tree, dict):
         return tree
@@ -466,7 +483,9 @@ def _lists(tree: Any) -> Any:
     return out
 
 
-def _indices(part: Mapping[str, Any], optimizer: Any, names: dict[int, str]) -> list[str]:
+def _indices(
+    part: Mapping[str, Any], optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> list[str]:
     """The optimizer's parameter names, checked against the saved param groups'."""
     fqns = _fqns(optimizer, names)
     saved = [list(g["params"]) for g in part["param_groups"]]
@@ -480,7 +499,7 @@ def _indices(part: Mapping[str, Any], optimizer: Any, names: dict[int, str]) -> 
     return fqns
 
 
-def _starts(optimizer: Any) -> list[tuple[int, dict[str, Any]]]:
+def _starts(optimizer: torch.optim.Optimizer) -> list[tuple[int, dict[str, Any]]]:
     out, at = [], 0
     for group in optimizer.param_groups:
         out.append((at, group))
@@ -488,7 +507,9 @@ def _starts(optimizer: Any) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-def _load_optimizer(optimizer: Any, part: Mapping[str, Any], names: dict[int, str]) -> None:
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, part: Mapping[str, Any], names: dict[int, str]
+) -> None:
     fqns = _indices(part, optimizer, names)
     index = {name: i for i, name in enumerate(fqns)}
     params = _params(optimizer)

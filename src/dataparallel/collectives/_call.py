@@ -15,7 +15,7 @@ import numbers
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class Context:
     backend: Backend
     settings: Settings
     buffers: BufferPool
-    pending: list[Any] | None
+    pending: list[world.Waitable] | None
     plans: world.Plans
     timeline: Timeline | None = None
 

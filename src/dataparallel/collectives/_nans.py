@@ -8,7 +8,6 @@ any rank had one (`arrays/nan.py` says why the engines alone cannot be trusted w
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -44,7 +43,7 @@ def nan_preserving(
     action: Reduction,
     async_op: bool,
     wire: str | None,
-) -> tuple[Handle, Callable[[], Any]]:
+) -> tuple[Handle, Callable[[], object]]:
     """Run a min/max reduction, then write NaN wherever any rank had one (see `arrays.nan`)."""
     floating = [leaf for leaf in leaves if leaf.dtype in FLOATING]
     masks = [nan_mask(_host_values(leaf), leaf.dtype) for leaf in floating]

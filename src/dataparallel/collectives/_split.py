@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
 
 import numpy as np
 
@@ -15,6 +14,7 @@ from dataparallel.arrays.fusion import Fusion
 from dataparallel.arrays.nan import set_nan
 from dataparallel.backends.base import ReduceOp
 from dataparallel.collectives._call import CallContext, Leaf, log
+from dataparallel.types import Tree
 
 __all__ = ["check_rows", "host_work", "run_split", "scatter_masks"]
 
@@ -43,7 +43,7 @@ def run_split(
     leaves: list[Leaf],
     action: Scatter | Exchange,
     nans: dict[int, np.ndarray] | None = None,
-) -> Any:
+) -> Tree:
     """Run a reduce-scatter or an all-to-all of the leaves; return the rebuilt tree.
 
     Results change shape, so each comes back as a new array of its leaf's family; GPU leaves are
@@ -64,11 +64,13 @@ def run_split(
         pool=ctx.buffers,
         timeline=ctx.timeline,
     )
-    out: list[Any] = [None] * len(leaves)
+    out: list[object] = [None] * len(leaves)
     for i, leaf in enumerate(leaves):
         work, storage = host_work(leaf), storage_dtype(leaf.dtype)
 
-        def deliver(host: np.ndarray, i: int = i, leaf: Leaf = leaf, kind: Any = storage) -> None:
+        def deliver(
+            host: np.ndarray, i: int = i, leaf: Leaf = leaf, kind: np.dtype = storage
+        ) -> None:
             if moves:  # bytes, one row per row: back to the leaf's dtype and shape
                 host = host.reshape(-1).view(kind).reshape(host.shape[0], *leaf.shape[1:])
             elif nans and leaf.index in nans:

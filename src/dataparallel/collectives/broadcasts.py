@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from dataparallel.arrays import tree
 from dataparallel.arrays.actions import Broadcast
@@ -29,7 +29,7 @@ __all__ = ["broadcast", "ibroadcast"]
 
 def _start_broadcast(
     x: Tree, root: int, backend: Backend | None, async_op: bool
-) -> tuple[Handle, Callable[[], Any], CallContext]:
+) -> tuple[Handle, Callable[[], object], CallContext]:
     ctx = context(backend)
     collective = "ibroadcast" if async_op else "broadcast"
 

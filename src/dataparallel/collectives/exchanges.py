@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 import numpy as np
 
@@ -22,7 +21,7 @@ __all__ = ["alltoall"]
 
 def alltoall(
     x: Tree,
-    splits: Any = None,
+    splits: object = None,
     *,
     backend: Backend | None = None,
     group: Group | None = None,
@@ -99,7 +98,7 @@ def _common_rows(flat: tree.Flat, leaves: list[Leaf]) -> int:
     return rows
 
 
-def _parse_splits(splits: Any, rows: int, size: int) -> list[int]:
+def _parse_splits(splits: object, rows: int, size: int) -> list[int]:
     """Return `splits` as `size` ints summing to `rows`, or raise saying what is wrong."""
     if splits is None:
         if rows % size:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
@@ -13,10 +13,12 @@ from dataparallel.protocol import verify_same_call
 
 __all__ = ["allgather_object", "barrier", "broadcast_object"]
 
+T = TypeVar("T")  # what each rank passes: the same kind on every rank
+
 
 def broadcast_object(
-    obj: Any, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
-) -> Any:
+    obj: T, *, root: int = 0, backend: Backend | None = None, group: Group | None = None
+) -> T:
     """Return `root`'s `obj` (anything picklable) on every rank."""
     ctx = context(backend_of(backend, group))
     rank = prepared(ctx, "broadcast_object", lambda: check_root(root, ctx.backend))
@@ -25,8 +27,8 @@ def broadcast_object(
 
 
 def allgather_object(
-    obj: Any, *, backend: Backend | None = None, group: Group | None = None
-) -> list[Any]:
+    obj: T, *, backend: Backend | None = None, group: Group | None = None
+) -> list[T]:
     """Return the list of every rank's `obj` (anything picklable), in rank order."""
     ctx = context(backend_of(backend, group))
     verify_same_call(ctx.backend, {"collective": "allgather_object"})

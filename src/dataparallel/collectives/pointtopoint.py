@@ -20,8 +20,6 @@ periodic edge held by one rank). A lone `send` or `recv` to itself would wait fo
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from dataparallel.arrays import tree
@@ -211,12 +209,12 @@ def _exchange(
     call: str,
     sendbuf: Tree | None,
     dest: int | None,
-    recvbuf: Any,
+    recvbuf: Tree | None,
     source: int | None,
     sendtag: int,
     recvtag: int,
     engine: Backend | None,
-) -> Any:
+) -> Tree:
     """The three calls' one path: checked, agreed with the peers, moved, written back."""
     if traced.is_traced((sendbuf, recvbuf)) or traced.tracing():  # inside jax.jit
         return traced.call(

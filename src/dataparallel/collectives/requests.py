@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar, cast, overload
 
 from dataparallel import world
 from dataparallel.backends.base import Handle
@@ -21,7 +21,7 @@ class Request(Generic[_R]):
     """
 
     def __init__(
-        self, fusion: Handle, finish: Callable[[], object], pending: list[Any] | None
+        self, fusion: Handle, finish: Callable[[], object], pending: list[world.Waitable] | None
     ) -> None:
         self._fusion, self._finish, self._pending = fusion, finish, pending
         self._done, self._result = False, cast(_R, None)
@@ -42,7 +42,15 @@ class Request(Generic[_R]):
         return self._result
 
 
-def wait_all(requests: list[Request[Any]] | None = None) -> list[Any]:
+@overload
+def wait_all(requests: None = None) -> list[object]: ...
+
+
+@overload
+def wait_all(requests: Sequence[Request[_R]]) -> list[_R]: ...
+
+
+def wait_all(requests: Sequence[world.Waitable] | None = None) -> list[Any]:
     """Wait for `requests`, or for every request this process has in flight; return the results.
 
     Flashlight's `syncDistributed`: afterwards every non-blocking collective has completed.

@@ -69,7 +69,7 @@ def synchronize_tree(
         return rank, flat, arrays, others, handled
 
     rank, flat, arrays, others, handled = prepared(ctx, "synchronize", prepare)
-    values: list[Any] = list(flat.leaves)
+    values: list[object] = list(flat.leaves)
     args = {"root": rank, "objects": objects, "object leaves": tuple(others)}
     inline = inline_fits(ctx, arrays)
     rows, _ = agree(Call(ctx, "synchronize", flat, arrays, args, inline=inline))

@@ -51,7 +51,7 @@ def tracing() -> bool:
     return clean is not None and not clean()
 
 
-def call(collective: str, x: object, backend: Backend | None, **options: Any) -> Any:
+def call(collective: str, x: object, backend: Backend | None, **options: object) -> Any:
     """Put the call `collective(x, **options)` into the program being traced; return its
     traced result. `backend`: the engine (a group's), or None for the world's."""
     if not _handlers:

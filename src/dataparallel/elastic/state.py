@@ -14,7 +14,7 @@ import contextlib
 import copy
 import pickle
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
@@ -30,7 +30,21 @@ from dataparallel.errors import DataParallelError
 if TYPE_CHECKING:
     import torch
 
+    from dataparallel.torch import FullyShardedModule, ZeroRedundancyOptimizer
+
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "TreeState"]
+
+
+class _Reducer(Protocol):
+    """What a commit reads of a model's gradient reducer (`gradient_sync`): its residuals."""
+
+    def feedback_state(self) -> Mapping[str, object] | None: ...
+
+    def load_feedback_state(
+        self, state: Mapping[str, object] | None, *, own: bool = False
+    ) -> None: ...
+
+    def feedback_kept_out(self) -> contextlib.AbstractContextManager[object]: ...
 
 
 class HostsUpdatedInterrupt(DataParallelError, RuntimeError):
@@ -111,7 +125,8 @@ def _root_pickled(name: str, value: object) -> object:
             payload = (False, f"{type(exc).__name__}: {exc}")
     else:
         payload = (True, b"")
-    ok, data = broadcast_object(payload)
+    received: tuple[bool, object] = broadcast_object(payload)
+    ok, data = received
     if not ok:
         raise TypeError(
             f"state attribute {name!r} cannot be sent to the other ranks ({data}): elastic "
@@ -233,17 +248,19 @@ class TorchState(ObjectState):
         extra: dict[str, object] = {"model": model} if model is not None else {}
         if optimizer is not None:
             extra["optimizer"] = optimizer
-        self._feedback: dict[str, Any] = {}  # each reducer's residuals at the last commit
+        self._feedback: dict[
+            str, Mapping[str, object] | None
+        ] = {}  # each reducer's residuals at the last commit
         self._consolidated = False  # inside `commit()`, after the ZeRO states were consolidated
         # Fully sharded models (`dp.torch.fully_shard`), by attribute: their outermost sharded
         # modules, and the optimizers over their shards (by attribute), whose state of the
         # shards is committed with the model's rows, not through `state_dict()`.
-        self._sharded: dict[str, list[Any]] = {}
-        self._over_shards: dict[str, Any] = {}
-        self._rows: dict[str, list[dict[str, Any]]] = {}  # each root's rows, last commit
+        self._sharded: dict[str, list[FullyShardedModule]] = {}
+        self._over_shards: dict[str, Any] = {}  # optimizers, known by their parameters
+        self._rows: dict[str, list[Any]] = {}  # each root's rows, last commit
         self._rows_generation = 0  # the round the rows were committed in
         self._commits = 0  # commits made (agreed after a re-form)
-        self._previous: tuple[int, dict[str, object], dict[str, Any]] | None = None
+        self._previous: tuple[int, dict[str, object], dict[str, list[Any]]] | None = None
         taken: set[int] = set()
         named = {**extra, **attrs}
         for name, value in named.items():
@@ -264,7 +281,7 @@ class TorchState(ObjectState):
                 self._over_shards[name] = value
         super().__init__(**extra, **attrs)
 
-    def _reducers(self) -> dict[str, Any]:
+    def _reducers(self) -> dict[str, _Reducer]:
         """The `GradientSync` of each attribute that reduces gradients (by attribute name)."""
         found = {}
         for name in self._names:
@@ -440,14 +457,14 @@ class TorchState(ObjectState):
         super()._sync_one(name, value)
 
 
-def _sharded_roots(value: object) -> list[Any]:
+def _sharded_roots(value: object) -> list[FullyShardedModule]:
     """The outermost `dp.torch.fully_shard` modules in `value` (a module), in module order."""
     module = sys.modules.get("dataparallel.torch")
     sharded = getattr(module, "FullyShardedModule", None)
     modules = getattr(value, "modules", None)
     if sharded is None or not callable(modules):
         return []
-    roots: list[Any] = []
+    roots: list[FullyShardedModule] = []
     inside: set[int] = set()
     for m in modules():
         if isinstance(m, sharded) and id(m) not in inside:
@@ -460,7 +477,7 @@ def _is_shard(param: object) -> bool:
     return getattr(param, "_dp_shard", None) is not None
 
 
-def _shard_params(value: object) -> list[Any]:
+def _shard_params(value: object) -> list[torch.Tensor]:
     """The parameters of an optimizer that `dp.torch.fully_shard` shards (none for another
     value)."""
     groups = getattr(value, "param_groups", None)
@@ -469,14 +486,14 @@ def _shard_params(value: object) -> list[Any]:
     return [p for g in groups if isinstance(g, dict) for p in g.get("params", []) if _is_shard(p)]
 
 
-def _unsharded_state(model: Any) -> dict[str, Any]:
+def _unsharded_state(model: Any) -> dict[str, torch.Tensor]:
     """A fully sharded model's `state_dict()` but its shards: buffers and the parameters no
     `fully_shard` took, the same on every rank."""
     held = model.state_dict(keep_vars=True)
     return {k: v.detach() for k, v in held.items() if not _is_shard(v)}
 
 
-def _without_shards(optimizer: Any) -> dict[str, Any]:
+def _without_shards(optimizer: Any) -> dict[str, object]:
     """An optimizer's `state_dict()` without its state of sharded parameters (their rows are
     committed, and cut again, with the model's)."""
     sd = optimizer.state_dict()
@@ -485,7 +502,7 @@ def _without_shards(optimizer: Any) -> dict[str, Any]:
     return {**sd, "state": {i: v for i, v in sd["state"].items() if i not in sharded}}
 
 
-def _is_zero(value: object) -> TypeGuard[Any]:
+def _is_zero(value: object) -> TypeGuard[ZeroRedundancyOptimizer]:
     """Whether `value` is a `dp.torch.ZeroRedundancyOptimizer` (loaded only if one was made)."""
     module = sys.modules.get("dataparallel.torch")
     zero = getattr(module, "ZeroRedundancyOptimizer", None)

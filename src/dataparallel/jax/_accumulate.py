@@ -70,7 +70,7 @@ def multi_steps(
         updates: optax.Updates,
         state: MultiStepsState,
         params: optax.Params | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[optax.Updates, MultiStepsState]:
         n = state.mini_step
         acc = jax.tree.map(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -106,7 +106,7 @@ _WHY = {
 }
 
 
-def _builder(fn: Callable[..., Any]) -> str | None:
+def _builder(fn: object) -> str | None:
     """The optax function that built `fn` (`clip_by_global_norm` for its `update_fn`), the class
     of an optax method (`MultiSteps`), or None: not optax's, or a plain module-level function
     (a helper such as `init_empty_state`, or a factory, which builds nothing until called)."""
@@ -119,12 +119,12 @@ def _builder(fn: Callable[..., Any]) -> str | None:
     return qualname.split(".")[0]
 
 
-def _parts(tx: Any) -> list[tuple[str, dict[str, Any]]]:
+def _parts(tx: object) -> list[tuple[str, dict[str, object]]]:
     """Every optax builder reachable from `tx`, with its closure's variables, outermost first."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    seen: dict[int, Any] = {}  # by id, holding each object so that no id is reused meanwhile
+    found: list[tuple[str, dict[str, object]]] = []
+    seen: dict[int, object] = {}  # by id, holding each object so that no id is reused meanwhile
 
-    def visit(obj: Any) -> None:
+    def visit(obj: object) -> None:
         if id(obj) in seen:
             return
         seen[id(obj)] = obj
@@ -157,7 +157,7 @@ def _parts(tx: Any) -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
-def _sample(cells: dict[str, Any]) -> Any:
+def _sample(cells: Mapping[str, Any]) -> object:
     """The transformation `inject_hyperparams` builds at each update, built once to be looked at:
     its static hyperparameters as given, the others 1.0 (which parts it holds does not depend on
     their values)."""
@@ -180,7 +180,7 @@ def _sample(cells: dict[str, Any]) -> Any:
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _cells(fn: types.FunctionType) -> dict[str, Any]:
+def _cells(fn: types.FunctionType) -> dict[str, object]:
     """`fn`'s closure variables by name (those not yet assigned left out)."""
     out = {}
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
@@ -191,14 +191,14 @@ def _cells(fn: types.FunctionType) -> dict[str, Any]:
     return out
 
 
-def _callable_mask(cells: dict[str, Any], *names: str) -> bool:
+def _callable_mask(cells: Mapping[str, object], *names: str) -> bool:
     values = [cells[n] for n in names if n in cells and cells[n] is not None]
     return any(
         callable(v) or any(callable(leaf) for leaf in jax.tree_util.tree_leaves(v)) for v in values
     )
 
 
-def refuse_unshardable(tx: Any) -> None:
+def refuse_unshardable(tx: object) -> None:
     """Raise ValueError if `tx` holds an optax part that cannot run on slices of the leaves.
 
     `masked` and `partition` are accepted with their mask or labels given as a tree (the tree

@@ -41,7 +41,9 @@ from dataparallel import caches
 __all__ = ["Reduce", "ffi_reason", "host_device_reason", "reduce_ffi"]
 
 Reduce = Callable[[list[np.ndarray], list[np.ndarray]], None]  # (inputs, outputs) as NumPy
-Outputs = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] | None  # (shape, dtype); None: inputs'
+Outputs = (
+    tuple[tuple[tuple[int, ...], np.dtype[np.generic]], ...] | None
+)  # (shape, dtype); None: inputs'
 # How a call behaves under JAX's transformations: "opaque" (no vmap, no derivative: the
 # optimizer's step), "elementwise" (vmap: the same call on the batched buffers), "rows" (vmap:
 # the batch moved behind the first axis, which the call gathers or splits), "sum" (elementwise,
@@ -274,7 +276,7 @@ def _primitive() -> Primitive:
     primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
 
     def abstract(
-        *avals: jax.core.ShapedArray, outputs: Outputs, rule: Rule, **_: Any
+        *avals: jax.core.ShapedArray, outputs: Outputs, rule: Rule, **_: object
     ) -> tuple[list[object], set[object]]:
         shapes = outputs if outputs is not None else [(a.shape, a.dtype) for a in avals]
         out: list[object] = [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
@@ -286,7 +288,7 @@ def _primitive() -> Primitive:
         slot: int,
         in_place: tuple[bool, ...],
         rule: Rule,
-        **_: Any,
+        **_: object,
     ) -> Any:
         if rule == "transposed":  # a sum's transpose, as mpi4jax's: every rank's own cotangent
             return list(args)
@@ -302,7 +304,9 @@ def _primitive() -> Primitive:
         ctx.set_tokens_out(mlir.TokenSet({effect: results.pop()}))
         return results
 
-    def batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+    def batch(
+        args: Sequence[jax.Array], dims: Sequence[int | None], **params: Any
+    ) -> tuple[object, list[int | None]]:
         rule, outputs = params["rule"], params["outputs"]
         if rule == "opaque":
             raise ValueError(
@@ -324,7 +328,9 @@ def _primitive() -> Primitive:
         out_dims = [dim if dim is None else 1 for dim in dims]
         return primitive.bind(*moved, **params), out_dims
 
-    def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
+    def jvp(
+        primals: Sequence[jax.Array], tangents: Sequence[jax.Array], **params: Any
+    ) -> tuple[object, object]:
         if params["rule"] not in ("sum", "transposed"):
             raise TypeError(
                 f"{params['name']} has no derivative (as mpi4jax's): only dp.allreduce with "
@@ -333,7 +339,7 @@ def _primitive() -> Primitive:
         tangents = [ad.instantiate_zeros(t) for t in tangents]
         return primitive.bind(*primals, **params), primitive.bind(*tangents, **params)
 
-    def transpose(cotangents: Sequence[Any], *args: Any, **params: Any) -> list[Any]:
+    def transpose(cotangents: Sequence[jax.Array], *args: object, **params: Any) -> list[jax.Array]:
         flipped = "transposed" if params["rule"] == "sum" else "sum"
         cts = [ad.instantiate_zeros(c) for c in cotangents]
         return list(primitive.bind(*cts, **{**params, "rule": flipped}))

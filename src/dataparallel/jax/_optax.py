@@ -24,7 +24,8 @@ with the collectives that the main thread makes meanwhile.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from dataparallel.jax import _jit
 from dataparallel.jax._bridges import Bridge
 from dataparallel.jax._powersgd import (
     LowRankLayout,
+    Payload,
     PowerSGDState,
     agree,
     init_low_rank,
@@ -54,6 +56,8 @@ from dataparallel.jax._powersgd import (
 from dataparallel.types import Op
 
 __all__ = ["DistributedState", "PowerSGDState", "callback_backend", "distributed_optax"]
+
+Tree = TypeVar("Tree")  # a tree of arrays; a reduction gives one of the same structure
 
 
 class DistributedState(NamedTuple):
@@ -145,7 +149,7 @@ def distributed_optax(
         updates: optax.Updates,
         state: optax.OptState,
         params: optax.Params | None = None,
-        **extra_args: Any,  # optax's: whatever the inner transformation takes
+        **extra_args: object,  # optax's: whatever the inner transformation takes
     ) -> tuple[optax.Updates, DistributedState]:
         if not isinstance(state, DistributedState):
             raise TypeError(
@@ -181,7 +185,7 @@ def _low_rank_optax(
         updates: optax.Updates,
         state: optax.OptState,
         params: optax.Params | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[optax.Updates, PowerSGDState]:
         if not isinstance(state, PowerSGDState):
             raise TypeError(
@@ -198,7 +202,7 @@ def _low_rank_optax(
             if not traced:
                 agreed.append(layout)
 
-        def reduce(tree: dict[str, Any]) -> dict[str, Any]:
+        def reduce(tree: Payload) -> Payload:
             # The Qs' reduction is the step's second: ranks that join answer the first only.
             return _allreduce_tree(tree, op, backend, None, route, first="Q" not in tree)
 
@@ -212,14 +216,14 @@ def _low_rank_optax(
 
 
 def _allreduce_tree(
-    grads: optax.Updates,
+    grads: Tree,
     op: Op,
     backend: Backend | None,
     compression: Compressing,
     bridge: Bridge,
     *,
     first: bool = True,
-) -> optax.Updates:
+) -> Tree:
     """Reduce every leaf of `grads` across ranks, eagerly or through an ordered host callback
     (`first`: whether it is the jitted step's first reduction, `_jit.allreduce_traced`)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -228,6 +232,7 @@ def _allreduce_tree(
     for key, leaf in with_paths:
         validate_reduction(_dtype(leaf), op, None, "grads" + jax.tree_util.keystr(key))
     leaves = original = [leaf for _, leaf in with_paths]
+    reduced: Sequence[jax.typing.ArrayLike]
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         paths = [("grads" + jax.tree_util.keystr(key), leaf) for key, leaf in with_paths]
         reduced = _jit.reduce_tree_traced(
@@ -251,7 +256,7 @@ def _allreduce_tree(
     return jax.tree_util.tree_unflatten(treedef, reduced)
 
 
-def _narrow(wide: Any, leaf: Any) -> Any:
+def _narrow(wide: jax.typing.ArrayLike, leaf: object) -> np.ndarray | jax.Array:
     """`wide` back in float16, a NumPy array if `leaf` was one, else a JAX array."""
     if isinstance(leaf, np.ndarray):
         return np.asarray(wide).astype(np.float16)

@@ -3,48 +3,38 @@
 PowerSGD (Vogels et al., 2019) with the meaning it has on torch's `DistributedOptimizer`
 (docs/compression.md), written as JAX operations so that the same code runs eagerly and inside
 `jax.jit`, where XLA fuses the compression with the gradient's computation and only the two
-reductions leave the program (over the bridge the step takes, `_jit.py`):
+reductions leave the program:
 
 1. Each compressed leaf, viewed as a matrix `M` (its first dimension by the rest; with error
    feedback, this rank's residual added first), becomes `P = M Q`. The `P`s travel in one
-   reduction with the leaves that are not compressed (1-D leaves, non-floating ones, matrices too
-   small to gain: `PowerSGDCompressor.min_compression_rate`), packed into fused buckets as every
-   jitted step's leaves are (`_packed.py`).
-2. Each reduced `P` is orthonormalized (QR, in float32 at least), `Q = M^T P` computed, and all
-   the `Q`s travel in a second reduction. The gradient becomes `P Q^T`, the average's rank-`rank`
-   approximation (exact where the average has rank at most `rank`); each rank keeps
-   `M - P P^T M`, what the projection took from its own matrix (the residuals' average is what
-   the approximation dropped from the average, as in torch's `_powersgd`).
+   reduction with the leaves that are not compressed (`LowRankLayout` tells them apart).
+2. Each reduced `P` is orthonormalized (QR, in float32 at least), `Q = M^T P` computed, and the
+   `Q`s travel in a second reduction. The gradient becomes `P Q^T`, the average's rank-`rank`
+   approximation; each rank keeps `M - P P^T M`, what the projection took from its own matrix.
 
-State (`PowerSGDState`, a NamedTuple beside the wrapped transformation's `inner_state`, so that
-checkpoints and elastic commits of the optax state carry it): the step count (`start_iter`
-reductions are exact), each compressed leaf's `Q` (the same on every rank: drawn from
-`random_seed` and the leaf's index, then the reduced `Q` of the last step: warm start), this
-rank's residuals, and `owner`, the rank whose residuals they are: a state loaded on another rank
-(rank 0's checkpoint, an elastic world synchronized from rank 0) starts from zero residuals, as
-torch's does.
+The state (`PowerSGDState`) stands beside the wrapped transformation's, so whatever saves the
+optax state saves it; a state loaded on another rank than its `owner` starts from zero residuals.
 
-Agreement: the settings and the leaves' layout are agreed once (a handshake at the first eager
-update and at each trace), and every step's first reduction carries `[1, t, t * t]`, `t` derived
-from the step count: after the sum every rank holds the same three values, and
-`(sum t)^2 == (number of ranks that sent) * sum t^2` exactly when every rank that sent had the
-same count (ranks that have joined send zeros, and count for nothing). Otherwise every rank
-raises `CollectiveMismatchError` after the step's second reduction (no call left half made):
-their bases may differ. The check cannot tell apart counts that differ by a multiple of
-`TICKETS`.
+Agreement: the settings and the layout are agreed once (`agree`), and every step's first
+reduction carries `[1, t, t * t]`, `t` derived from the step count. After the sum,
+`(sum t)^2 == n * sum t^2` (`n` the ranks that sent; ranks that have joined send zeros) exactly
+when every rank that sent had the same count; otherwise every rank raises
+`CollectiveMismatchError` after the step's second reduction (no call left half made). Counts
+that differ by a multiple of `TICKETS` pass unseen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import io_callback
+from jax.typing import ArrayLike, DTypeLike
 
 from dataparallel.arrays.compression import PowerSGDCompressor
 from dataparallel.backends.base import Backend
@@ -56,8 +46,21 @@ __all__ = ["TICKETS", "LowRankLayout", "PowerSGDState", "Reducer", "low_rank_ste
 TICKETS = 31  # step counts are compared modulo this: t * t * size stays exact in float32
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
-# Reduces a tree of arrays across ranks with the transformation's op (eagerly or traced).
-Reducer = Callable[[dict[str, Any]], dict[str, Any]]
+
+class Payload(TypedDict, total=False):
+    """What one of a step's reductions carries: the check and the uncompressed leaves (the
+    first), the `P`s (the first, where the step compresses), the `Q`s (the second)."""
+
+    check: jax.Array
+    leaves: list[ArrayLike]
+    P: list[jax.Array]
+    Q: list[jax.Array]
+
+
+# Reduces across ranks with the transformation's op (eagerly or traced), keeping the structure.
+Reducer = Callable[[Payload], Payload]
+# A step's leaves, the new Qs and residuals, and the reduced check.
+Stepped = tuple[list[ArrayLike], tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array]
 
 
 class PowerSGDState(NamedTuple):
@@ -90,7 +93,7 @@ class LowRankLayout:
     count: int  # leaves in the tree
 
     @classmethod
-    def of(cls, leaves: list[Any], config: PowerSGDCompressor) -> LowRankLayout:
+    def of(cls, leaves: Sequence[ArrayLike], config: PowerSGDCompressor) -> LowRankLayout:
         matrices = []
         for i, leaf in enumerate(leaves):
             shape, dtype = np.shape(leaf), str(np.dtype(jnp.result_type(leaf)))
@@ -109,12 +112,14 @@ class LowRankLayout:
         return [i for i in range(self.count) if i not in compressed]
 
 
-def _wide(dtype: Any) -> Any:
+def _wide(dtype: DTypeLike) -> DTypeLike:
     """The dtype a leaf's matrices are computed in: float64 stays, the rest in float32."""
     return jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32
 
 
-def _fresh_q(config: PowerSGDCompressor, k: int, cols: int, r: int, step: Any, dtype: Any) -> Any:
+def _fresh_q(
+    config: PowerSGDCompressor, k: int, cols: int, r: int, step: ArrayLike, dtype: DTypeLike
+) -> jax.Array:
     """A `Q` drawn from the seed, the matrix's place `k` and `step`: the same on every rank."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.random_seed), k), step)
     return jax.random.normal(key, (cols, r), dtype)
@@ -135,20 +140,20 @@ def init_low_rank(
     return PowerSGDState(inner_state, zero, tuple(qs), tuple(residuals), zero + rank)
 
 
-def _check(count: Any) -> Any:
+def _check(count: jax.Array) -> jax.Array:
     """The step count's check `[1, t, t * t]` (see the module)."""
     t = (count % TICKETS + 1).astype(jnp.float32)
     return jnp.stack([jnp.ones((), jnp.float32), t, t * t])
 
 
-def _broken(check: Any, scale: int) -> Any:
+def _broken(check: jax.Array, scale: int) -> jax.Array:
     """Whether the reduced check says that the ranks that sent had different step counts
     (`scale`: the ranks an average divided by, to undo it)."""
     s = jnp.round(check * scale).astype(jnp.int32)
     return s[1] * s[1] != s[0] * s[2]
 
 
-def _mismatch(count: Any) -> CollectiveMismatchError:
+def _mismatch(count: jax.Array | np.ndarray) -> CollectiveMismatchError:
     return CollectiveMismatchError(
         f"Ranks ran PowerSGD updates at different step counts (this rank's: {int(count)}), so "
         "their low-rank bases differ: a rank whose state did not advance (it answered updates "
@@ -176,14 +181,14 @@ def agree(engine: Backend, config: PowerSGDCompressor, layout: LowRankLayout) ->
 
 
 def low_rank_step(
-    leaves: list[Any],
+    leaves: list[ArrayLike],
     state: PowerSGDState,
     config: PowerSGDCompressor,
     layout: LowRankLayout,
     reduce: Reducer,
     scale: int,
     rank: int,
-) -> tuple[list[Any], PowerSGDState]:
+) -> tuple[list[ArrayLike], PowerSGDState]:
     """Reduce the gradient's `leaves` (compressed once `start_iter` updates are made); return
     them with the new state (its `inner_state` unchanged). Eagerly or traced alike; `scale`:
     what the reducer's average divides by (1 for a sum), `rank`: this rank."""
@@ -201,11 +206,11 @@ def low_rank_step(
             "that this transformation's init made for the same parameters."
         )
 
-    def exact(count: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
+    def exact(count: jax.Array) -> Stepped:
         out = reduce({"check": _check(count), "leaves": list(leaves)})
         return out["leaves"], state.qs, state.residuals, out["check"]
 
-    def compressed(count: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
+    def compressed(count: jax.Array) -> Stepped:
         return _compressed(leaves, state, count, config, layout, reduce, scale, rank)
 
     count = state.iteration
@@ -228,7 +233,7 @@ def low_rank_step(
     return out, new
 
 
-def _raise_if_broken(broken: Any, count: Any, after: list[Any]) -> None:
+def _raise_if_broken(broken: jax.Array, count: jax.Array, after: list[ArrayLike]) -> None:
     """Inside `jit`: raise the mismatch from a host callback where `broken`; the callback takes
     a value of `after`'s last array (a reduced `Q` where the step compressed), so it runs after
     both reductions on every rank."""
@@ -245,15 +250,15 @@ def _raise_if_broken(broken: Any, count: Any, after: list[Any]) -> None:
 
 
 def _compressed(
-    leaves: list[Any],
+    leaves: list[ArrayLike],
     state: PowerSGDState,
-    count: Any,
+    count: jax.Array,
     config: PowerSGDCompressor,
     layout: LowRankLayout,
     reduce: Reducer,
     scale: int,
     rank: int,
-) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...], Any]:
+) -> Stepped:
     plain = layout.plain()
     own = state.owner == rank  # another rank's residuals are not this rank's to add
     ms, ps = [], []
@@ -287,7 +292,7 @@ def _compressed(
     return out, qs, tuple(residuals), first["check"]
 
 
-def _orthonormalize(p: Any) -> Any:
+def _orthonormalize(p: jax.Array) -> jax.Array:
     """An orthonormal basis of the columns of `p` (Householder QR: a column the others already
     span gives a unit vector, not NaN)."""
     wide = p if p.dtype == jnp.float64 else p.astype(jnp.float32)

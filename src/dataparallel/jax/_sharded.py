@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import io_callback
+from jax.tree_util import KeyPath, PyTreeDef
+from jax.typing import ArrayLike
 
 from dataparallel import world
 from dataparallel.arrays.actions import parse_op
@@ -83,7 +85,7 @@ class _Layout(NamedTuple):
         return start - lo, start - first, max(0, end - start)
 
 
-def _layout(tree: Any, size: int) -> tuple[_Layout, list[Any]]:
+def _layout(tree: optax.Params, size: int) -> tuple[_Layout, list[ArrayLike]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dtypes: dict[str, list[int]] = {}
     names = [str(np.dtype(jnp.result_type(leaf))) for leaf in leaves]
@@ -102,7 +104,7 @@ def _layout(tree: Any, size: int) -> tuple[_Layout, list[Any]]:
     return _Layout(treedef, shapes, dtypes, counts, items, offsets, names), leaves
 
 
-def _flats(layout: _Layout, leaves: list[Any]) -> dict[str, jax.Array]:
+def _flats(layout: _Layout, leaves: list[ArrayLike]) -> dict[str, jax.Array]:
     """The leaves end to end per dtype, padded with zeros to `size` equal segments."""
     out = {}
     for d, idx in layout.dtypes.items():
@@ -111,7 +113,7 @@ def _flats(layout: _Layout, leaves: list[Any]) -> dict[str, jax.Array]:
     return out
 
 
-def _segments(layout: _Layout, leaves: list[Any], rank: int) -> dict[str, jax.Array]:
+def _segments(layout: _Layout, leaves: list[ArrayLike], rank: int) -> dict[str, jax.Array]:
     out = {}
     for d, flat in _flats(layout, leaves).items():
         start = sum(layout.counts[d][:rank])
@@ -119,7 +121,7 @@ def _segments(layout: _Layout, leaves: list[Any], rank: int) -> dict[str, jax.Ar
     return out
 
 
-def _slices(layout: _Layout, segments: dict[str, jax.Array], rank: int) -> Any:
+def _slices(layout: _Layout, segments: dict[str, jax.Array], rank: int) -> optax.Updates:
     """The tree of this rank's slices of each leaf, cut from its segments."""
     out = []
     for i, d in enumerate(layout.names):
@@ -128,7 +130,7 @@ def _slices(layout: _Layout, segments: dict[str, jax.Array], rank: int) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
-def _join(layout: _Layout, slices: Any, rank: int) -> dict[str, jax.Array]:
+def _join(layout: _Layout, slices: optax.Updates, rank: int) -> dict[str, jax.Array]:
     """This rank's segments from its slices (the inverse of `_slices`), padded with zeros: the
     slices of one dtype lie end to end in the segment, in tree order."""
     leaves = layout.treedef.flatten_up_to(slices)
@@ -189,7 +191,7 @@ def sharded_optax(
         updates: optax.Updates,
         state: optax.OptState,
         params: optax.Params | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[optax.Updates, ShardedState]:
         if not isinstance(state, ShardedState):
             raise TypeError(
@@ -283,7 +285,9 @@ def _allgather(comm: Backend, piece: np.ndarray, counts: list[int]) -> np.ndarra
     return whole
 
 
-def _owners(state: ShardedState, params: optax.Params) -> tuple[list[Any], list[int | None], Any]:
+def _owners(
+    state: ShardedState, params: optax.Params
+) -> tuple[list[tuple[KeyPath, jax.Array]], list[int | None], PyTreeDef]:
     """The inner state's leaves by path, and for each the parameter (its index in tree order)
     that it is a slice or a whole flat copy of, or None.
 

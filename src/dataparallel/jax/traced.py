@@ -4,36 +4,29 @@ What mpi4jax's users write (`mpi4jax.allreduce(x, op=MPI.SUM)` inside a jitted f
 written here as the eager call (`dp.allreduce(x)`): `dataparallel.collectives.traced` hands a
 call on traced values to `trace_collective`, which
 
-1. agrees on the call with every rank **once, when it is traced** (the handshake on the world's
-   engine, as eager calls make it per call): a different collective, tree, shape, dtype, op or
-   root raises `CollectiveMismatchError` on every rank, from the traced call;
+1. agrees on the call with every rank **once, when it is traced**: a different collective, tree,
+   shape, dtype, op or root raises `CollectiveMismatchError` on every rank, from the traced call;
 2. puts one engine call per leaf into the program, on a private duplicate of the engine
-   (`_own_engine`), through the XLA FFI call of
-   `_ffi.py` (the buffers in XLA's own memory, reduced and broadcast in place), or where it
-   cannot run (JAX off the CPU, several devices per process) an ordered `io_callback`. Both
-   carry an ordered effect: XLA runs the calls once per execution, in program order, and never
-   drops one whose result is unused;
+   (`_own_engine`), through the XLA FFI call of `_ffi.py` (the buffers in XLA's own memory,
+   reduced and broadcast in place), or where it cannot run (JAX off the CPU, several devices per
+   process) an ordered `io_callback`. Both carry an ordered effect: XLA runs the calls once per
+   execution, in program order, and never drops one whose result is unused;
 3. converts back inside the program (the wire dtype to the leaf's, the average's division).
 
-Under JAX's transformations the traced call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
-with `op="sum"` or `"avg"` has `jax.jvp` (the sum of the tangents), `jax.grad` and
-`jax.linear_transpose` (the transpose of a sum is the identity: each rank keeps its cotangent);
-the other ops and collectives raise a `TypeError` naming themselves when differentiated; every
-one batches under `jax.vmap` (one engine call on the batched buffer). The io_callback has none
-of these.
-
-`dp.send`, `dp.recv` and `dp.sendrecv` (`_trace_pointtopoint`) agree with their peers only,
-when traced (`dataparallel.collectives.pointtopoint`), and move each tree as one message on
-the same engine; they have no transformation rules.
-
-A world of one puts nothing in the program: the values are the result.
+Under JAX's transformations a traced call follows mpi4jax's rules (`_ffi.Rule`): `allreduce`
+with `op="sum"` or `"avg"` has `jax.jvp`, `jax.grad` and `jax.linear_transpose` (a sum's
+transpose is the identity: each rank keeps its cotangent); the other ops and collectives raise a
+`TypeError` naming themselves when differentiated; every one batches under `jax.vmap`. The
+io_callback has none of these. `dp.send`, `dp.recv` and `dp.sendrecv` agree with their peers
+only, and move each tree as one message on the same engine, with no transformation rules. A
+world of one puts nothing in the program: the values are the result.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +51,15 @@ _POINT_TO_POINT = ("send", "recv", "sendrecv")
 HostCall = Callable[[list[np.ndarray], list[np.ndarray]], None]
 
 
-def trace_collective(collective: str, x: object, backend: Backend | None, **options: Any) -> Any:
+class Checked(TypedDict, total=False):
+    """A traced call's options once checked: what its trace reads and the ranks agree on."""
+
+    op: str
+    scale: float | None
+    root: int
+
+
+def trace_collective(collective: str, x: object, backend: Backend | None, **options: Any) -> object:
     """Put `collective(x, **options)` on traced values into the program being traced.
 
     `backend`: the engine (a group's), or None for the world's. Returns what the eager call
@@ -80,20 +81,20 @@ def trace_collective(collective: str, x: object, backend: Backend | None, **opti
     dtypes = [str(np.dtype(leaf.dtype)) for leaf in leaves]
     signatures = [f"{d}{list(leaf.shape)}" for d, leaf in zip(dtypes, leaves, strict=True)]
     parts = _PARTS[collective]
-    options = parts.check(flat, leaves, dtypes, engine.size, options)
+    checked = parts.check(flat, leaves, dtypes, engine.size, options)
     summary = (
-        f"jit {collective}|{sorted(options.items())}|{flat.structure()}|{'|'.join(signatures)}"
+        f"jit {collective}|{sorted(checked.items())}|{flat.structure()}|{'|'.join(signatures)}"
     )
 
     def details() -> dict[str, object]:
-        call: dict[str, object] = {"collective": f"{collective} (inside jax.jit)", **options}
+        call: dict[str, object] = {"collective": f"{collective} (inside jax.jit)", **checked}
         call["tree structure"] = flat.structure()
         call.update(zip(flat.paths, signatures, strict=True))
         return call
 
     if engine.size > 1:
         handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
-    results, extra = parts.trace(leaves, engine, privates, summary, options)
+    results, extra = parts.trace(leaves, engine, privates, summary, checked)
     out = tree.unflatten(flat.spec, list(results))
     return (out, extra) if collective == "alltoall" else out
 
@@ -111,8 +112,8 @@ class _Parts:
 
     def __init__(
         self,
-        check: Callable[..., dict[str, Any]],
-        trace: Callable[..., tuple[list[jax.Array], Any]],
+        check: Callable[..., Checked],
+        trace: Callable[..., tuple[list[jax.Array], list[int] | None]],
     ) -> None:
         self.check, self.trace = check, trace
 
@@ -190,7 +191,7 @@ def _check_root(root: object, size: int) -> int:
 
 def _check_reduction(
     flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
-) -> dict[str, Any]:
+) -> Checked:
     op, scale = options["op"], options.get("scale")
     if options.get("compression") is not None:
         raise TypeError(
@@ -209,7 +210,7 @@ def _check_reduction(
         error = reduction_error(dtype, op, scale)
         if error is not None:
             raise TypeError(f"{path}: {error}")
-    checked = {"op": op, "scale": scale}
+    checked: Checked = {"op": op, "scale": scale}
     if "root" in options:
         checked["root"] = _check_root(options["root"], size)
     return checked
@@ -220,7 +221,7 @@ def _trace_reduction(
     engine: Backend,
     privates: Callable[[Backend], Backend],
     summary: str,
-    options: dict[str, Any],
+    options: Checked,
 ) -> tuple[list[jax.Array], None]:
     op, scale, root = options["op"], options["scale"], options.get("root")
     engine_op, average = parse_op(op)
@@ -269,7 +270,7 @@ def _finish(reduced: jax.Array, leaf: jax.Array, factor: float) -> jax.Array:
 
 def _check_broadcast(
     flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
-) -> dict[str, Any]:
+) -> Checked:
     _check_moved(dtypes, flat.paths, "broadcast")
     return {"root": _check_root(options["root"], size)}
 
@@ -279,7 +280,7 @@ def _trace_broadcast(
     engine: Backend,
     privates: Callable[[Backend], Backend],
     summary: str,
-    options: dict[str, Any],
+    options: Checked,
 ) -> tuple[list[jax.Array], None]:
     if engine.size == 1:
         return list(leaves), None
@@ -305,7 +306,7 @@ def _trace_broadcast(
 
 def _check_gather(
     flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
-) -> dict[str, Any]:
+) -> Checked:
     _check_moved(dtypes, flat.paths, "allgather")
     return {}
 
@@ -315,7 +316,7 @@ def _trace_allgather(
     engine: Backend,
     privates: Callable[[Backend], Backend],
     summary: str,
-    options: dict[str, Any],
+    options: Checked,
 ) -> tuple[list[jax.Array], None]:
     size = engine.size
     rows = [leaf.reshape(1) if leaf.ndim == 0 else leaf for leaf in leaves]  # a number: a row
@@ -338,7 +339,7 @@ def _trace_allgather(
 
 def _check_alltoall(
     flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
-) -> dict[str, Any]:
+) -> Checked:
     _check_moved(dtypes, flat.paths, "alltoall")
     if options.get("splits") is not None:
         raise ValueError(
@@ -360,7 +361,7 @@ def _trace_alltoall(
     engine: Backend,
     privates: Callable[[Backend], Backend],
     summary: str,
-    options: dict[str, Any],
+    options: Checked,
 ) -> tuple[list[jax.Array], list[int]]:
     size = engine.size
     rows = leaves[0].shape[0] if leaves else 0
@@ -411,7 +412,7 @@ def _trace_pointtopoint(
     source: int | None,
     sendtag: int,
     recvtag: int,
-) -> Any:
+) -> object:
     """Put `dp.send`, `dp.recv` or `dp.sendrecv` in the program: the two ends of each transfer
     agree when it is traced (`pointtopoint.agree_pair`), then every run moves the sent tree's
     bytes in one message, on the engine the traced collectives use. A message to this rank

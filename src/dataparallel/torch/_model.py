@@ -118,7 +118,7 @@ class DataParallelModel(nn.Module):
         self.register_state_dict_post_hook(_add_feedback)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         """Run the wrapped module; the backward of this forward reduces unless in `no_sync()`."""
         self._sync.enabled = self._require_sync
         return self.module(*args, **kwargs)

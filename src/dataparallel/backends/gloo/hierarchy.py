@@ -22,7 +22,9 @@ ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +45,14 @@ def interleaved(hosts: list[str]) -> bool:
     return changes > len(set(hosts))
 
 
+class _Work(Protocol):
+    """A started torch collective (`torch.distributed.Work`)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> object: ...
+
+
 class Steps:
     """The three steps of one hierarchical allreduce, as one torch work object: each step starts
     when the one before completed (`is_completed` advances without blocking; `wait` blocks).
@@ -51,9 +61,9 @@ class Steps:
     hosts ran while the next piece's step inside the host did came back wrong (benchmarks/
     NOTES.md, "Hierarchy across two emulated hosts"), though each step alone is right."""
 
-    def __init__(self, steps: list[Callable[[], Any]], finish: Callable[[], None] | None) -> None:
+    def __init__(self, steps: list[Callable[[], _Work]], finish: Callable[[], None] | None) -> None:
         self._steps, self._finish = steps, finish
-        self._work: Any = self._steps.pop(0)()
+        self._work: _Work | None = self._steps.pop(0)()
 
     def is_completed(self) -> bool:
         while self._work is not None and self._work.is_completed():
@@ -66,6 +76,7 @@ class Steps:
         return True
 
     def _advance(self) -> None:
+        assert self._work is not None  # (called while a step is in flight)
         self._work.wait()  # raises the step's own error, if it failed
         if self._steps:
             self._work = self._steps.pop(0)()
@@ -80,7 +91,9 @@ class Hierarchy:
     """This rank's two Gloo groups: the ranks of its host (`local`), and the ranks of the same
     local rank on every host (`across`)."""
 
-    def __init__(self, dist: Any, hosts: list[str], rank: int, timeout: Any) -> None:
+    def __init__(
+        self, dist: ModuleType, hosts: list[str], rank: int, timeout: timedelta | None
+    ) -> None:
         """Make the groups of a world whose rank `r` lives on host `hosts[r]` (collective over
         torch's default group, which this world must be: every rank makes every group, in the
         same order). Every host holds the same number of ranks."""
@@ -99,7 +112,12 @@ class Hierarchy:
 
     @classmethod
     def build(
-        cls, dist: Any, hosts: list[str], rank: int, settings: Settings, timeout: Any
+        cls,
+        dist: ModuleType,
+        hosts: list[str],
+        rank: int,
+        settings: Settings,
+        timeout: timedelta | None,
     ) -> Hierarchy | None:
         """Return the hierarchy of a world whose rank `r` lives on host `hosts[r]` (any label
         the ranks agree on), or None where the flat ring stays (collective, as the groups)."""
@@ -117,12 +135,12 @@ class Hierarchy:
             return None
         return cls(dist, hosts, rank, timeout)
 
-    def duplicate(self, timeout: Any) -> Hierarchy:
+    def duplicate(self, timeout: timedelta | None) -> Hierarchy:
         """The same hierarchy on groups of its own (collective): for an engine of the same
         processes used from another thread, whose calls must not meet these groups' calls."""
         return Hierarchy(self._dist, self.hosts, self.rank, timeout)
 
-    def start(self, tensor: torch.Tensor, op: Any) -> Steps:
+    def start(self, tensor: torch.Tensor, op: object) -> Steps:
         """Start the three steps on the contiguous 1-D `tensor`, reduced in place."""
         import torch
 
@@ -141,7 +159,7 @@ class Hierarchy:
         dist, local, across = self._dist, self.local, self.across
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        steps: list[Callable[[], Any]] = [
+        steps: list[Callable[[], _Work]] = [
             lambda: scatter(mine, whole, op=op, group=local, async_op=True),
             lambda: dist.all_reduce(mine, op=op, group=across, async_op=True),
             lambda: gather(whole, mine, group=local, async_op=True),

@@ -44,7 +44,7 @@ class Started(Protocol):
 
     def test(self) -> bool: ...
 
-    def wait(self) -> Any: ...
+    def wait(self) -> object: ...
 
 
 class Done:
@@ -56,7 +56,7 @@ class Done:
     def test(self) -> bool:
         return True
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         return self.result
 
 
@@ -69,7 +69,7 @@ class Then:
     def test(self) -> bool:
         return self.started.test()
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         return self.after(self.started.wait())
 
 

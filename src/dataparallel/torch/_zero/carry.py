@@ -20,8 +20,8 @@ name: {key: value}}}`; `next` is the next rank's (None when nothing was exchange
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, TypedDict
 
 import numpy as np
 import torch
@@ -33,7 +33,49 @@ from dataparallel.collectives.pointtopoint import sendrecv
 __all__ = ["carry_over", "record", "restore"]
 
 Optimizers = Mapping[str, torch.optim.Optimizer]
-Groups = list[Any]  # `ShardGroup`s, in model order
+
+
+class _Shard(Protocol):
+    """What a commit reads of one parameter of a `ShardGroup`."""
+
+    @property
+    def sharded(self) -> torch.Tensor: ...  # this rank's rows
+    @property
+    def shape(self) -> torch.Size: ...  # the whole parameter's
+    @property
+    def first(self) -> int: ...  # the first row this rank holds
+    @property
+    def mine(self) -> int: ...  # the rows it holds
+
+
+class _Group(Protocol):
+    """What a commit reads of a `ShardGroup` (without the import: it imports this module)."""
+
+    @property
+    def params(self) -> Sequence[_Shard]: ...
+    @property
+    def backend(self) -> Backend: ...
+    def relayout(self, backend: Backend) -> None: ...
+
+
+Groups = Sequence[_Group]  # in model order
+Held = Literal["own", "next"]  # which entries of a commit hold a rank's rows
+
+
+class Entry(TypedDict):
+    """One parameter's rows, and each optimizer's state of them (by the optimizer's name)."""
+
+    param: torch.Tensor
+    state: dict[str, dict[str, Any]]  # optimizer name -> key -> tensor of rows, or value
+
+
+class Rows(TypedDict):
+    """A rank's commit (`record`): its own entries, and the next rank's (None if not sent)."""
+
+    rank: int
+    size: int
+    own: list[Entry]
+    next: list[Entry] | None
 
 
 def _is_rows(value: object, shard: torch.Tensor) -> bool:
@@ -45,7 +87,7 @@ def _copy(value: object) -> object:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _entries(groups: Groups, optimizers: Optimizers) -> list[dict[str, Any]]:
+def _entries(groups: Groups, optimizers: Optimizers) -> list[Entry]:
     """A copy of this rank's rows of every parameter and of its optimizers' state."""
     out = []
     for group in groups:
@@ -56,7 +98,7 @@ def _entries(groups: Groups, optimizers: Optimizers) -> list[dict[str, Any]]:
                 for name, opt in optimizers.items()
                 if shard in opt.state
             }
-            out.append({"param": shard.detach().clone(), "state": state})
+            out.append(Entry(param=shard.detach().clone(), state=state))
     return out
 
 
@@ -64,7 +106,7 @@ def _bytes(value: object) -> np.ndarray:
     return np.frombuffer(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), np.uint8).copy()
 
 
-def _loads(data: np.ndarray) -> Any:
+def _loads(data: np.ndarray) -> list[Entry]:
     return pickle.loads(data.tobytes())
 
 
@@ -74,8 +116,8 @@ def record(
     backend: Backend,
     *,
     exchange: bool,
-    of: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+    of: Rows | None = None,
+) -> Rows:
     """This rank's commit of `groups` (laid out over `backend`): its own rows (`of`'s, a
     commit made earlier in this layout, instead of today's) and, with `exchange` (collective:
     a ring of `sendrecv`s), the next rank's."""
@@ -89,10 +131,10 @@ def record(
         got = sendrecv(count, np.zeros(1, np.int64), ahead, behind, backend=backend)
         into = np.empty(int(got[0]), np.uint8)
         following = _loads(sendrecv(data, into, ahead, behind, backend=backend))
-    return {"rank": rank, "size": size, "own": own, "next": following}
+    return Rows(rank=rank, size=size, own=own, next=following)
 
 
-def restore(groups: Groups, optimizers: Optimizers, saved: Mapping[str, Any]) -> bool:
+def restore(groups: Groups, optimizers: Optimizers, saved: Rows) -> bool:
     """Put this rank's committed rows back (the layout unchanged since: not collective).
     Returns False, changing nothing, when the groups were laid out again since."""
     params = [info for group in groups for info in group.params]
@@ -109,7 +151,7 @@ def restore(groups: Groups, optimizers: Optimizers, saved: Mapping[str, Any]) ->
     return True
 
 
-def holders(marks: list[tuple[int, int, bool] | None]) -> dict[int, tuple[int, str]]:
+def holders(marks: list[tuple[int, int, bool] | None]) -> dict[int, tuple[int, Held]]:
     """For each old rank, the new rank holding its rows and whether as its `own` or `next`,
     from what each new rank committed as (old rank, old size, whether it holds the next
     rank's copy), None for a newcomer.
@@ -125,7 +167,7 @@ def holders(marks: list[tuple[int, int, bool] | None]) -> dict[int, tuple[int, s
         )
     size = sizes[0]
     where = {m[0]: new for new, m in enumerate(marks) if m is not None}
-    out: dict[int, tuple[int, str]] = {}
+    out: dict[int, tuple[int, Held]] = {}
     for old in range(size):
         before = where.get((old - 1) % size)
         if old in where:
@@ -145,7 +187,7 @@ def holders(marks: list[tuple[int, int, bool] | None]) -> dict[int, tuple[int, s
 def carry_over(
     groups: Groups,
     optimizers: Optimizers,
-    saved: Mapping[str, Any] | None,
+    saved: Rows | None,
     backend: Backend,
 ) -> None:
     """Lay `groups` out over `backend` (the re-formed world) and fill each rank's new rows of
@@ -163,12 +205,14 @@ def carry_over(
     at = 0
     for group in groups:
         count = len(group.params)
-        mine: dict[int, list[dict[str, Any]]] = {}
+        mine: dict[int, list[Entry]] = {}
         if saved is not None:
             for old, (new, how) in held.items():
                 if new == backend.rank:
-                    mine[old] = saved[how][at : at + count]
-        every: dict[int, list[dict[str, Any]]] = {}
+                    rows = saved[how]
+                    assert rows is not None  # (`holders` names "next" only where it was sent)
+                    mine[old] = rows[at : at + count]
+        every: dict[int, list[Entry]] = {}
         for part in allgather_object(mine, backend=backend):
             every.update(part)
         for k, info in enumerate(group.params):
@@ -176,7 +220,7 @@ def carry_over(
         at += count
 
 
-def _fill(info: Any, by_rank: list[dict[str, Any]], optimizers: Optimizers, rank: int) -> None:
+def _fill(info: _Shard, by_rank: list[Entry], optimizers: Optimizers, rank: int) -> None:
     """Give this rank's shard of `info` (laid out already) its rows, and its optimizers' state,
     from every old rank's committed entry for it."""
     shard = info.sharded

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["FullyShardedModule", "ParameterShard", "ShardGroup", "fully_shard"]
 
 M = TypeVar("M", bound=nn.Module)
+Out = TypeVar("Out")  # a module's output, handed on as it came
 
 # Reduce-scatters in flight at once, on engines that move calls on by themselves: each holds a
 # module's gradients (its send buffer, and on Gloo the rows it receives) until it lands, and one
@@ -591,7 +592,7 @@ class _Context:
         if ahead is not None:
             ahead.start_gather()
 
-    def post_forward(self, group: ShardGroup, output: Any) -> Any:
+    def post_forward(self, group: ShardGroup, output: Out) -> Out:
         training = torch.is_grad_enabled()
         if group is self.root:
             self.order = list(self._forward)
@@ -656,7 +657,7 @@ def _after(group: ShardGroup, order: list[ShardGroup]) -> ShardGroup | None:
     return None
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
+def _tensors(output: object) -> Iterator[torch.Tensor]:
     """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
     if isinstance(output, torch.Tensor):
         yield output
@@ -787,8 +788,8 @@ class FullyShardedModule(nn.Module):
         optimizers: Mapping[str, torch.optim.Optimizer],
         *,
         exchange: bool = True,
-        of: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+        of: carry.Rows | None = None,
+    ) -> carry.Rows:
         """A copy of this rank's rows of every parameter in this module and of `optimizers`'
         state for them (by name) and, with `exchange` (collective), of the next rank's: what
         `dp.elastic.TorchState` commits, so that a lost worker's rows outlive it. `of`: a
@@ -809,14 +810,14 @@ class FullyShardedModule(nn.Module):
         return carry.record(_groups(self), optimizers, backend, exchange=exchange, of=of)
 
     def restore_rows(
-        self, optimizers: Mapping[str, torch.optim.Optimizer], saved: Mapping[str, Any]
+        self, optimizers: Mapping[str, torch.optim.Optimizer], saved: carry.Rows
     ) -> bool:
         """Put back the rows `commit_rows` copied (not collective); False, changing nothing,
         where the module was laid out over another world since."""
         return carry.restore(_groups(self), optimizers, saved)
 
     def carry_over(
-        self, optimizers: Mapping[str, torch.optim.Optimizer], saved: Mapping[str, Any] | None
+        self, optimizers: Mapping[str, torch.optim.Optimizer], saved: carry.Rows | None
     ) -> None:
         """Shard this module over the current world again and fill each rank's rows, and
         `optimizers`' state for them, from the survivors' `commit_rows` (collective: every
@@ -929,7 +930,7 @@ def fully_shard(
     return module
 
 
-def _pre_forward(module: nn.Module, _: Any) -> None:
+def _pre_forward(module: nn.Module, _: object) -> None:
     group: ShardGroup = module._dp_group  # type: ignore[assignment]
     if group.context is None:
         _make_root(group)
@@ -937,7 +938,7 @@ def _pre_forward(module: nn.Module, _: Any) -> None:
     group.context.pre_forward(group)
 
 
-def _post_forward(module: nn.Module, _: Any, output: Any) -> Any:
+def _post_forward(module: nn.Module, _: object, output: Out) -> Out:
     group: ShardGroup = module._dp_group  # type: ignore[assignment]
     assert group.context is not None
     return group.context.post_forward(group, output)

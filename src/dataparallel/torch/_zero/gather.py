@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -224,7 +224,7 @@ class ForwardOverlap:
             order += [b for b in held if b not in order]
         self.order = order + [b for b in range(len(buckets)) if b not in order]
         self._gather: SliceGather | None = None
-        self._pending: list[Any] | None = None
+        self._pending: list[world.Waitable] | None = None
         self._handles: list[RemovableHandle] = []
         self._cleanup = weakref.finalize(self, remove_hooks, self._handles)
         ref = weakref.ref(self)

@@ -1,29 +1,28 @@
 """Stage 2 of `ZeroRedundancyOptimizer`: gradients reduce-scattered during `backward()`.
 
-The hook engine that `dp.torch.DataParallelModel` reduces through marks each parameter ready
-and launches the buckets whose parameters all are; here a launch packs a
-bucket into a send buffer (its parameters' `.grad` freed once every bucket they overlap is
-packed) and reduce-scatters it, so that this rank receives the sum of its segment only, into its
-gradient shard. Buckets go out strictly in one order, the same on every rank (`launch_order`),
-while backward runs when the node has a core to spare, else all at the end of the pass; at the
-end of every pass the buckets not launched yet go out, parameters without a gradient sending
-zeros. Every backward pass is reduced (as DeepSpeed's stage 2): each
-pass's shard adds into the last, so no rank holds more than its shard and the buckets in flight.
-Whether a parameter had a gradient on some rank travels once per step (an allreduce of one flag
-per parameter), so that a parameter no rank used keeps no gradient, as in one process.
+The hook engine that `dp.torch.DataParallelModel` reduces through marks each parameter ready and
+launches the buckets whose parameters all are; here a launch packs a bucket into a send buffer
+(its parameters' `.grad` freed once every bucket they overlap is packed) and reduce-scatters it,
+so that this rank receives the sum of its segment only, into its gradient shard. Buckets go out
+strictly in one order, the same on every rank (`launch_order`), while backward runs when the
+node has a core to spare, else all at the end of the pass; at the end of every pass the buckets
+not launched yet go out, parameters without a gradient sending zeros. Every backward pass is
+reduced (as DeepSpeed's stage 2): each pass's shard adds into the last, so no rank holds more
+than its shard and the buckets in flight. Whether a parameter had a gradient on some rank
+travels once per step (an allreduce of one flag per parameter), so that a parameter no rank used
+keeps no gradient, as in one process.
 
 Every rank must run as many passes before each `step()`: a pass after a step's first begins
 with an exchange of the flags' shape, and both end in one slot per rank saying what that rank is
 doing (`PASS` or `STEP`): where the slots differ, every rank raises `CollectiveMismatchError`
 before sending anything else. A step of one pass costs nothing more (its slots ride on the flags).
 
-Each reduce-scatter is one of a `Fusion`'s flights, so that what is in flight is bounded as
-every other bucket's call is. Send and receive buffers come from the one `BufferPool`, taken at
-their exact sizes (they count in `gradient_bytes`); a bucket of one parameter sends its gradient
-in place. `staged` (parameters on a device, which the engines
-cannot read): the shards stay on the device; a bucket is packed there, crosses to a pinned host
-buffer in one copy, and what this rank receives comes back in one copy before it is scaled and
-added to the shard.
+Each reduce-scatter is one of a `Fusion`'s flights, so that what is in flight is bounded as every
+other bucket's call is. Send and receive buffers come from the one `BufferPool`, at their exact
+sizes (they count in `gradient_bytes`); a bucket of one parameter sends its gradient in place.
+`staged` (parameters on a device, which the engines cannot read): the shards stay on the device;
+a bucket is packed there, crosses to a pinned host buffer in one copy, and what this rank
+receives comes back in one copy before it is scaled and added to the shard.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any, Literal, NoReturn, SupportsIndex
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, NoReturn, SupportsIndex, TypedDict
 
 import numpy as np
 import torch
@@ -46,6 +46,14 @@ __all__ = ["Stage", "ZeroRedundancyOptimizer"]
 
 Stage = Literal[1, 2]
 Named = list[tuple[str, torch.Tensor]]
+
+
+class LocalState(TypedDict):
+    """This rank's own state (`ZeroRedundancyOptimizer.local_state_dict`)."""
+
+    pieces: list[tuple[int, int, int, dict[str, object]]]  # (param, start, stop, its state)
+    shapes: list[tuple[int, ...]]  # every parameter's
+    param_groups: list[dict[str, object]]  # the options, `params` as indices
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -220,7 +228,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pieces.append(pieces)
         self._gather = None
 
-    def _inner_group(self, g: int) -> dict[str, Any]:
+    def _inner_group(self, g: int) -> dict[str, object]:
         """Group `g` for the inner optimizer: its options, over this rank's pieces."""
         options = {k: v for k, v in self.param_groups[g].items() if k != "params"}
         return {**options, "params": [piece.tensor for piece in self._pieces[g]]}
@@ -472,7 +480,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         load(self, state_dict)
         self._consolidated = None
 
-    def local_state_dict(self) -> dict[str, Any]:
+    def local_state_dict(self) -> LocalState:
         """Return this rank's own state, without communicating: what a sharded checkpoint
         (`dataparallel.checkpoint`) writes where it lies, each rank its pieces.
 
@@ -499,7 +507,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         }
 
     def load_local_state_dict(
-        self, states: list[dict[str, Any]], groups: list[dict[str, Any]]
+        self, states: Sequence[Mapping[str, object]], groups: Sequence[Mapping[str, object]]
     ) -> None:
         """Take this rank's state back: `states[i]` is the state of `pieces[i]` (as
         `local_state_dict` gives it, flat tensors of the piece's items), `groups` the param
@@ -633,7 +641,9 @@ WRAPPER_OPTIONS: dict[str, str | None] = {
 }
 
 
-def refuse_wrapper_options(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> None:
+def refuse_wrapper_options(
+    cls: type[torch.optim.Optimizer], defaults: Mapping[str, object]
+) -> None:
     """Raise `TypeError` for a gradient-reduction option among `defaults` that `cls` does not
     take, naming it and what to use instead (else `cls(...)` fails far from the call)."""
     taken = inspect.signature(cls.__init__).parameters

@@ -19,6 +19,7 @@ keeps this rank's slices; a dict whose parameters do not match raises `ValueErro
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -133,7 +134,7 @@ def consolidate(zero: ZeroRedundancyOptimizer, to: int | None) -> dict[str, Any]
     return {"state": out, "param_groups": consolidated_groups(zero.param_groups)}
 
 
-def consolidated_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def consolidated_groups(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
     """The param groups as a consolidated state has them: `params` as indices, in order."""
     out, first = [], 0
     for group in groups:
@@ -143,19 +144,23 @@ def consolidated_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _options(group: dict[str, Any]) -> dict[str, Any]:
+def _options(group: Mapping[str, object]) -> dict[str, object]:
     """A param group's options: every entry but its parameters."""
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def copy_options(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+def copy_options(
+    source: Sequence[Mapping[str, object]], target: Sequence[MutableMapping[str, object]]
+) -> None:
     """Copy every option but the parameters, group by group (torch's `_sync_param_groups`):
     between the optimizer's param groups and its inner optimizer's."""
     for src, dst in zip(source, target, strict=True):
         dst.update(_options(src))
 
 
-def with_options(consolidated: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+def with_options(
+    consolidated: Mapping[str, Any], groups: Sequence[Mapping[str, object]]
+) -> dict[str, Any]:
     """A consolidated state with each param group's options as they are now (`state_dict()`),
     the parameters last, as in torch's."""
     out = [
@@ -192,7 +197,7 @@ def load(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
             )
         first = sum(len(x["params"]) for x in zero.param_groups[:g])
         index.update({saved_id: first + i for i, saved_id in enumerate(group["params"])})
-    states: dict[int, dict[str, Any]] = {}
+    states: dict[int, Mapping[str, object]] = {}
     for saved_id, state in state_dict["state"].items():
         if saved_id not in index:
             raise _mismatch(zero, f"it has state for parameter {saved_id!r}, in no param group")
@@ -212,7 +217,7 @@ def load(zero: ZeroRedundancyOptimizer, state_dict: dict[str, Any]) -> None:
         if state is None:
             continue
         p = zero._params[piece.param]
-        mine: dict[str, Any] = {}
+        mine: dict[str, object] = {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 if value.dim() > 0:
