@@ -439,32 +439,49 @@ for peer in peers:
 """
 
 
+_CUT = """
+import json, socket, sys, threading
+from dataparallel.elastic.liveness import cut_connections
+peer_port, store_port = map(int, sys.argv[1:3])
+peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
+store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
+got = []
+reader = threading.Thread(target=lambda: got.append(peer.recv(1)))
+reader.start()
+nowhere = cut_connections({"10.255.255.1"})
+cut = cut_connections({"127.0.0.1"}, keep=("127.0.0.1", store_port))
+reader.join(timeout=60)
+store.sendall(b"s")
+print(json.dumps({"nowhere": nowhere, "cut": cut, "got": [g.decode() for g in got]}))
+"""
+
+
 def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
     """The cut of a peer behind a dead link (`elastic.liveness`): a thread blocked reading a
-    connection to the address wakes with the stream's end, at once; the store's stays open."""
-    import socket
+    connection to the address wakes with the stream's end, at once; the store's stays open.
+
+    The cut runs in a process of its own: it cuts every connection of its process to the
+    address, and a rank of a multi-rank test pass holds its engine's connections to 127.0.0.1."""
+    import json
     import subprocess
     import sys
-
-    from dataparallel.elastic.liveness import cut_connections
 
     with subprocess.Popen(
         [sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True
     ) as server:
         assert server.stdout is not None
-        peer_port, store_port = map(int, server.stdout.readline().split())
-        peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
-        store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
-        got: list[bytes] = []
-        reader = threading.Thread(target=lambda: got.append(peer.recv(1)))
-        reader.start()
-        assert cut_connections({"10.255.255.1"}) == 0  # no connection there
-        assert cut_connections({"127.0.0.1"}, keep=("127.0.0.1", store_port)) == 1
-        reader.join(timeout=60)
-        assert got == [b""]  # the end of the stream, as if the peer had closed it
-        store.sendall(b"s")
+        peer_port, store_port = server.stdout.readline().split()
+        cutter = subprocess.run(
+            [sys.executable, "-c", _CUT, peer_port, store_port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cutter.returncode == 0, cutter.stderr
+        said = json.loads(cutter.stdout.splitlines()[-1])
+        assert said["nowhere"] == 0  # no connection there
+        assert said["cut"] == 1  # the peer's; the store's is kept
+        assert said["got"] == [""]  # the end of the stream, as if the peer had closed it
         assert server.stdout.readline() == "b''\n"  # the peer's end saw the cut too
         assert server.stdout.readline() == "b's'\n"  # the store's connection still carries
-        peer.close()
-        store.close()
     assert server.returncode == 0
