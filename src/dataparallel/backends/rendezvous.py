@@ -38,9 +38,7 @@ __all__ = [
     "RENDEZVOUS_FILE",
     "Meeting",
     "Rendezvous",
-    "address_toward",
     "gloo_interface",
-    "interface_address",
     "interface_toward",
     "parse_init_method",
     "remove_if_every_store_left",
@@ -176,37 +174,22 @@ def interface_toward(host: str, port: int) -> str | None:
     connect. Binding to the interface that routes to rank 0 avoids that (and for a rank 0 on
     loopback, binds to loopback without looking the hostname up).
     """
-    local = address_toward(host, port)
-    return None if local is None else _interface_of(local)
-
-
-def address_toward(host: str, port: int) -> str | None:
-    """Return this machine's IPv4 address on the route to `host` (None: no route, unknown)."""
     try:
         address = socket.gethostbyname(host)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((address, port))  # UDP: picks the route, sends nothing
-            return str(probe.getsockname()[0])
+            local = probe.getsockname()[0]
     except OSError:
         return None
-
-
-def interface_address(interface: str) -> str | None:
-    """Return the IPv4 address of network interface `interface` (Linux), or None."""
-    return next((address for name, address in _addresses() if name == interface), None)
+    return _interface_of(local)
 
 
 def _interface_of(address: str) -> str | None:
     """Return the name of the interface whose IPv4 address is `address` (Linux), or None."""
-    return next((name for name, each in _addresses() if each == address), None)
-
-
-def _addresses() -> Iterator[tuple[str, str]]:
-    """Each network interface's name and IPv4 address (Linux; none elsewhere)."""
     try:
         import fcntl
     except ImportError:  # not POSIX
-        return
+        return None
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -215,7 +198,9 @@ def _addresses() -> Iterator[tuple[str, str]]:
                 reply = fcntl.ioctl(s.fileno(), siocgifaddr, request)
             except OSError:
                 continue
-            yield name, socket.inet_ntoa(reply[20:24])
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
 
 
 @contextlib.contextmanager
