@@ -599,8 +599,9 @@ class GradientSync:
             p = ps[b]
             mine: list[Add] = [] if p is None else [p]
             given += len(bucket.members) + len(mine)
-            extra.append(mine + q_adds(b))
-            given += len(extra[-1]) - len(mine)
+            q = q_adds(b)  # (reads `given`: the Qs follow this bucket's members and its P)
+            extra.append(mine + q)
+            given += len(q)
         made = replay_of(
             self._params, buckets, self._current(), self._action, self.bucket_bytes, extra=extra
         )
