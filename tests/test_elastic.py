@@ -427,3 +427,61 @@ def test_the_holders_of_a_lost_ranks_rows() -> None:
         holders([(0, 3, False), (2, 3, False)])  # never committed: no copies
     with pytest.raises(RuntimeError, match="rank 2 of 4 held are on no surviving worker"):
         holders([(0, 4, True), (3, 4, True)])  # 1 and 2 lost together
+
+
+_SERVE = """
+import socket, sys
+servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+print(*(s.getsockname()[1] for s in servers), flush=True)
+peers = [s.accept()[0] for s in servers]
+for peer in peers:
+    print(repr(peer.recv(1)), flush=True)
+"""
+
+
+_CUT = """
+import json, socket, sys, threading
+from dataparallel.elastic.liveness import cut_connections
+peer_port, store_port = map(int, sys.argv[1:3])
+peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
+store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
+got = []
+reader = threading.Thread(target=lambda: got.append(peer.recv(1)))
+reader.start()
+nowhere = cut_connections({"10.255.255.1"})
+cut = cut_connections({"127.0.0.1"}, keep=("127.0.0.1", store_port))
+reader.join(timeout=60)
+store.sendall(b"s")
+print(json.dumps({"nowhere": nowhere, "cut": cut, "got": [g.decode() for g in got]}))
+"""
+
+
+def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
+    """The cut of a peer behind a dead link (`elastic.liveness`): a thread blocked reading a
+    connection to the address wakes with the stream's end, at once; the store's stays open.
+
+    The cut runs in a process of its own: it cuts every connection of its process to the
+    address, and a rank of a multi-rank test pass holds its engine's connections to 127.0.0.1."""
+    import json
+    import subprocess
+    import sys
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True
+    ) as server:
+        assert server.stdout is not None
+        peer_port, store_port = server.stdout.readline().split()
+        cutter = subprocess.run(
+            [sys.executable, "-c", _CUT, peer_port, store_port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cutter.returncode == 0, cutter.stderr
+        said = json.loads(cutter.stdout.splitlines()[-1])
+        assert said["nowhere"] == 0  # no connection there
+        assert said["cut"] == 1  # the peer's; the store's is kept
+        assert said["got"] == [""]  # the end of the stream, as if the peer had closed it
+        assert server.stdout.readline() == "b''\n"  # the peer's end saw the cut too
+        assert server.stdout.readline() == "b's'\n"  # the store's connection still carries
+    assert server.returncode == 0

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dataparallel.config import RUN_DIR_VARIABLE
+from dataparallel.config import DEFAULT_LINK_TIMEOUT, RUN_DIR_VARIABLE
 from dataparallel.errors import DataParallelError
 
 __all__ = [
@@ -197,15 +197,24 @@ class Ssh:
 
     Never a password prompt (`BatchMode`); a host's key is accepted the first time and checked
     afterwards (`StrictHostKeyChecking=accept-new`). Anything else goes in `~/.ssh/config`.
+
+    `link_timeout` (`dataparallel run --link-timeout`): ssh asks the host every second whether it
+    is there once it has been silent, and gives up (status 255) after that many unanswered
+    asks. Without it a host whose link went down holds its ssh open for hours (TCP's
+    keep-alive), and the launcher never learns that its ranks are out of reach.
     """
 
     port: int | None = None
     identity_file: str | None = None
+    link_timeout: int | None = DEFAULT_LINK_TIMEOUT
 
     def command(self, host: str, remote: str) -> list[str]:
         """Return the ssh command line that runs the shell command `remote` on `host`."""
         options = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
         options += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
+        if self.link_timeout is not None:
+            options += ["-o", "ServerAliveInterval=1"]
+            options += ["-o", f"ServerAliveCountMax={self.link_timeout}"]
         if self.port is not None:
             options += ["-p", str(self.port)]
         if self.identity_file is not None:
