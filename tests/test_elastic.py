@@ -485,3 +485,79 @@ def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
         assert server.stdout.readline() == "b''\n"  # the peer's end saw the cut too
         assert server.stdout.readline() == "b's'\n"  # the store's connection still carries
     assert server.returncode == 0
+
+
+_WATCHED_EXIT = """
+import datetime, os, sys, time
+from dataparallel.backends.gloo.group import import_torch_distributed
+from dataparallel.config import Settings
+from dataparallel.elastic import liveness
+
+dist = import_torch_distributed()
+server = dist.TCPStore(
+    sys.argv[1], 0, is_master=True, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+)
+port = server.port
+settings = Settings(elastic_store=(sys.argv[1], port), elastic_worker="w0")
+def connections():
+    return sum(remote[1] == port for _, remote in liveness._tcp_sockets())
+
+
+before = connections()  # the server's own client
+liveness.watch(settings, 0, tuple)
+# The watch's own connection to the store shows in this process's sockets once it is made.
+deadline = time.monotonic() + 60
+while connections() == before and time.monotonic() < deadline:
+    time.sleep(0.01)
+names = [t.name for t in __import__("threading").enumerate()]
+print(",".join(names), flush=True)
+
+
+class Waker:
+    # Opens rounds while the interpreter finalizes, as the launcher may at the end of a run:
+    # a thread of the watch still inside the store's C++ then wakes after Python has gone.
+    def __init__(self, store, sleep):
+        self.store, self.sleep = store, sleep
+
+    def __del__(self):
+        for generation in range(1, 6):
+            self.store.set(f"round/{generation}", "[]")
+            self.sleep(0.2)
+
+
+module = type(sys)("waker")
+module.waker = Waker(dist.TCPStore(
+    sys.argv[1], port, is_master=False, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+), time.sleep)
+sys.modules["waker"] = module  # the last module in: its globals go first as Python finalizes
+"""
+
+
+@pytest.mark.spawns
+def test_a_worker_whose_watch_runs_exits_cleanly_while_rounds_open() -> None:
+    """A worker's watch over the hosts (`elastic.liveness`) runs a thread beside the script: it
+    must be out of the store's C++ before the interpreter finalizes, or a round opened then
+    (the launcher goes on while a worker ends) wakes it into a finalized Python, and the worker
+    dies of SIGABRT after a run that went well. Several workers, each one's exit raced by
+    rounds opening."""
+    import socket
+    import subprocess
+    import sys
+
+    from dataparallel.backends.rendezvous import interface_address
+
+    addresses = [interface_address(name) for _, name in socket.if_nameindex()]
+    outside = [a for a in addresses if a is not None and not a.startswith("127.")]
+    if not outside:
+        pytest.skip("no network interface but loopback: the watch runs across hosts only")
+    for _ in range(3):
+        worker = subprocess.run(
+            [sys.executable, "-c", _WATCHED_EXIT, outside[0]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert worker.returncode == 0, worker.stderr
+        assert "dataparallel-rounds" in worker.stdout, worker.stdout  # the watch did run

@@ -10,7 +10,8 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
 - The launcher's ssh to each worker on another host gives up on a host that stopped answering
   (ssh's `ServerAliveInterval`), and the launcher notes the workers it lost so, by their link, in
   the round without them (`unreachable_key`) before it opens that round. Each worker follows the
-  rounds (`_follow`: a store client of its own, blocked on the next round's key). When a round
+  rounds (`_follow`: a store client of its own, asking every `POLL` seconds for the next round's
+  key). When a round
   opens that names members of this worker's world as lost by their link, it shuts down this
   process's connections to their addresses (`address_key`, which each worker publishes as it
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
@@ -21,12 +22,20 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
   it cannot reach. It says so and leaves, with its process group where it leads one (a worker
   started over ssh), so that nothing of it lingers on the cut host.
 
+Both run only where a link can be lost: a run whose store is on loopback has every worker on the
+launcher's host (no other host could reach the store). Their threads ask the store from Python,
+each call bounded by the link timeout, and stop at exit (`atexit`: a stop event, then a join)
+before the interpreter finalizes: a thread still inside the store's C++ then, woken by a round
+the launcher opens, would die by a forced unwind through code that may not throw, and abort the
+worker (SIGABRT) after a run that went well.
+
 Connections are found in Linux's `/proc/self/net/tcp{,6}` and `/proc/self/fd`; elsewhere none is
 cut, and the survivors wait out Gloo's timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import ipaddress
@@ -57,14 +66,16 @@ __all__ = [
 
 # How often a worker on another host checks that the launcher's store answers (seconds).
 PROBE_INTERVAL = 1.0
-# A wait for the next round that never times out in practice: a store's timed-out wait logs a
-# warning, and the next round may be hours away.
-_FOREVER = datetime.timedelta(days=365)
+# How often a worker asks the store for the next round (seconds): short against a lost link's
+# cost (peers waiting on it), long against the store's round trip.
+POLL = 0.2
 
 # Held while this worker leaves one world and makes the next: connections cut meanwhile could
 # be the new world's to a live worker sharing a lost one's address.
 _changing = threading.Lock()
 _watching = False
+_stop = threading.Event()  # set at exit: the watch's threads end
+_threads: list[threading.Thread] = []
 
 
 def address_key(worker: str) -> str:
@@ -98,41 +109,62 @@ def publish_address(store: Store, worker: str, settings: Settings) -> None:
 
 
 def watch(settings: Settings, generation: int, members: Callable[[], Sequence[str]]) -> None:
-    """Start this process's watches (once): follow the rounds after `generation`, cutting the
-    connections to members of this worker's world (`members()`) lost by their link; and, on
-    another host than the store's, leave when the store stops answering."""
+    """Start this process's watches (once, and only if the run may span hosts): follow the
+    rounds after `generation`, cutting the connections to members of this worker's world
+    (`members()`) lost by their link; and, on another host than the store's, leave when the
+    store stops answering. Both stop when the interpreter exits."""
     global _watching
-    if _watching:
+    assert settings.elastic_store is not None
+    if _watching or _is_loopback(settings.elastic_store[0]):
         return
     _watching = True
-    assert settings.elastic_store is not None
-    threading.Thread(
-        target=_follow,
-        args=(settings.elastic_store, generation, members),
-        name="dataparallel-rounds",
-        daemon=True,
-    ).start()
-    if not _is_here(settings.elastic_store[0]):
+    limit = settings.link_timeout
+    _threads.append(
         threading.Thread(
-            target=_probe,
-            args=(settings.elastic_store, settings.link_timeout, settings.elastic_worker),
-            name="dataparallel-store-probe",
+            target=_follow,
+            args=(settings.elastic_store, generation, members, limit),
+            name="dataparallel-rounds",
             daemon=True,
-        ).start()
+        )
+    )
+    if not _is_here(settings.elastic_store[0]):
+        _threads.append(
+            threading.Thread(
+                target=_probe,
+                args=(settings.elastic_store, limit, settings.elastic_worker),
+                name="dataparallel-store-probe",
+                daemon=True,
+            )
+        )
+    atexit.register(_stop_watching, limit)
+    for thread in _threads:
+        thread.start()
+
+
+def _stop_watching(limit: float) -> None:
+    """Stop the watch's threads and wait for them: each store call is bounded by `limit`."""
+    _stop.set()
+    for thread in _threads:
+        thread.join(timeout=limit + PROBE_INTERVAL + POLL)
 
 
 def _follow(
-    store_at: tuple[str, int], generation: int, members: Callable[[], Sequence[str]]
+    store_at: tuple[str, int],
+    generation: int,
+    members: Callable[[], Sequence[str]],
+    limit: float,
 ) -> None:
     from dataparallel.backends.gloo.group import import_torch_distributed
     from dataparallel.elastic.forming import round_key
 
     dist = import_torch_distributed()
+    timeout = datetime.timedelta(seconds=limit)
     try:
-        store = dist.TCPStore(*store_at, is_master=False, timeout=_FOREVER, wait_for_workers=False)
-        while True:
+        store = dist.TCPStore(*store_at, is_master=False, timeout=timeout, wait_for_workers=False)
+        while not _stop.wait(POLL):
+            if not store.check([round_key(generation + 1)]):
+                continue
             generation += 1
-            store.wait([round_key(generation)])
             key = unreachable_key(generation)
             if not store.check([key]):
                 continue
@@ -146,13 +178,13 @@ def _follow(
                 cut_connections(addresses, keep=_resolved(store_at))
             finally:
                 _changing.release()
-    except RuntimeError:  # the store is gone: `_probe` (or the launcher's end) settles it
+    except RuntimeError:  # the store is gone or silent: `_probe` (or the launcher's end) settles it
         return
 
 
 def _probe(store_at: tuple[str, int], limit: float, worker: str | None) -> None:
     answered = time.monotonic()
-    while True:
+    while not _stop.is_set():
         try:
             with socket.create_connection(store_at, timeout=PROBE_INTERVAL):
                 pass
@@ -160,10 +192,10 @@ def _probe(store_at: tuple[str, int], limit: float, worker: str | None) -> None:
             silent = time.monotonic() - answered
             if silent >= limit:
                 _leave(store_at, silent, worker)
-            time.sleep(0.1)
+            _stop.wait(0.1)
             continue
         answered = time.monotonic()
-        time.sleep(PROBE_INTERVAL)
+        _stop.wait(PROBE_INTERVAL)
 
 
 def _leave(store_at: tuple[str, int], silent: float, worker: str | None) -> None:
@@ -179,6 +211,15 @@ def _leave(store_at: tuple[str, int], silent: float, worker: str | None) -> None
         if os.getpgid(0) == os.getpid():  # a worker started over ssh leads its own group
             os.killpg(0, signal.SIGKILL)
     os._exit(1)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address: a store there is out of every other host's reach,
+    so the run has one host, and no link to lose."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _is_here(host: str) -> bool:
