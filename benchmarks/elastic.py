@@ -29,10 +29,16 @@ key made here): `dataparallel run -H a:2,b:2 --min-np 2`, launched in host a, st
 workers over ssh. Two kinds of failure run, in turns with the clean one: host b's two workers
 SIGKILLed at once (their connections close), and host b's link taken down (`ip link set ...
 down` on its end of the pair) while its two workers stand still in the middle of step 20, so
-that the others wait on them in the step's allreduce (nothing closes: the launcher's ssh must
-give up on the host, `--link-timeout`, and the survivors cut their connections to it). The link
-runs are made for each value of `--link-timeouts` (seconds); "death" is then the moment the
-link went down.
+that the others wait on them in the step's allreduce (nothing closes: the launcher must find b's
+workers' heartbeats silent, `--link-timeout`, and the survivors cut their connections to it).
+The link runs are made for each value of `--link-timeouts` (seconds, fractions too); "death" is
+then the moment the link went down. The runs without a failure use the least of them, so that a
+worker said lost in one (a false "lost": a busy machine taken for a dead link) shows.
+
+Every worker also runs a thread that wakes every 0.1 s, as the heartbeat's does, and notes the
+longest gap between two wakes: how long a busy machine keeps such a thread from its turn, the
+least a link timeout must exceed. `--busy N` keeps N more processes spinning in each host for
+the whole invocation (a machine busy with other work).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,8 +84,21 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool) -> None:
     me = os.environ["DATAPARALLEL_ELASTIC_WORKER"]
     log = open(notes / f"{me}.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the run
 
-    def note(kind: str) -> None:
-        log.write(json.dumps({"kind": kind, "t": time.time(), "who": me}) + "\n")
+    def note(kind: str, **more: float) -> None:
+        log.write(json.dumps({"kind": kind, "t": time.time(), "who": me, **more}) + "\n")
+
+    gaps = [0.0]
+    done = threading.Event()
+
+    def beat() -> None:  # as the heartbeat's thread: wake every 0.1 s, note the longest gap
+        last = time.monotonic()
+        while not done.wait(0.1):
+            now = time.monotonic()
+            gaps[0] = max(gaps[0], now - last - 0.1)
+            last = now
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
@@ -113,6 +133,9 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool) -> None:
             note("commit")
 
     train(state)
+    done.set()
+    beater.join()
+    note("gap", gap=gaps[0])
 
 
 class Hosts:
@@ -198,9 +221,10 @@ def one_run(
     victim: str | None,
     hosts: Hosts | None = None,
     sharded: bool = False,
-    link_timeout: int | None = None,
+    link_timeout: float | None = None,
+    stall: bool = False,
 ) -> dict[str, float]:
-    """One run; with `link_timeout`, the victims stand still and host b's link goes down."""
+    """One run; with `stall`, the victims stand still and host b's link goes down."""
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         command = [sys.executable, "-m", "dataparallel", "run", "-n", str(workers)]
         env = None
@@ -209,18 +233,18 @@ def one_run(
             command += ["-H", ",".join(f"{a}:{slots}" for a in hosts.link.addresses)]
             command += hosts.options
             if link_timeout is not None:
-                command += ["--link-timeout", str(link_timeout)]
+                command += ["--link-timeout", f"{link_timeout:g}"]
             env = hosts.env
         command += ["--min-np", "2", "--backend", "gloo", "--timeout", "300", __file__]
         command += ["--worker", tmp] + (["--victim", victim] if victim else [])
         command += ["--fully-shard"] if sharded else []
-        command += ["--stall"] if link_timeout is not None else []
+        command += ["--stall"] if stall else []
         if hosts is not None:
             command = hosts.link.command(0, command)
         start = time.time()
         run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env, start_new_session=True)  # fmt: skip
-        if hosts is not None and link_timeout is not None:
+        if hosts is not None and stall:
             stalled = False
             while not stalled and run.poll() is None:
                 time.sleep(0.01)
@@ -231,7 +255,7 @@ def one_run(
         try:
             _, stderr = run.communicate(timeout=330)
         finally:
-            if hosts is not None and link_timeout is not None:
+            if hosts is not None and stall:
                 hosts.wait_gone(tmp)  # b's workers leave by themselves; then the link is back
                 hosts.set_link(True)
         wall = time.time() - start
@@ -239,7 +263,8 @@ def one_run(
             raise SystemExit(f"the run failed ({run.returncode}):\n{stderr[-3000:]}")
         notes = [json.loads(line) for path in Path(tmp).glob("*.jsonl") for line in path.open()]
     commits = sorted(n["t"] for n in notes if n["kind"] == "commit")
-    figures = {"wall": wall}
+    figures = {"wall": wall, "lost": float("was lost" in stderr)}
+    figures["gap"] = max((n["gap"] for n in notes if n["kind"] == "gap"), default=0.0)
     deaths = [n["t"] for n in notes if n["kind"] == "died"]
     if deaths:
         died = min(deaths)
@@ -261,6 +286,7 @@ def main() -> None:
     parser.add_argument(
         "--link-timeouts", default="1,5", help="--hosts: the link runs' --link-timeout values"
     )
+    parser.add_argument("--busy", type=int, default=0, help="--hosts: spinning processes a host")
     parser.add_argument("--fully-shard", action="store_true", help="also a fully_shard model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--victim", help=argparse.SUPPRESS)
@@ -271,7 +297,8 @@ def main() -> None:
         return
     hosts = None
     victim, what = "w1", "worker 1"
-    timeouts = [int(t) for t in args.link_timeouts.split(",")] if args.hosts else []
+    timeouts = [float(t) for t in args.link_timeouts.split(",")] if args.hosts else []
+    least = min(timeouts, default=None)
     folder = tempfile.TemporaryDirectory(prefix="elastic-hosts-")
     if args.hosts:
         sys.path.insert(0, str(HERE))
@@ -288,23 +315,32 @@ def main() -> None:
         what = f"host b's {args.workers // 2} workers ({victim})"
         hosts = Hosts(Path(folder.name))
     failed, clean, sharded_failed, sharded_clean = [], [], [], []
-    cut: dict[int, list[dict[str, float]]] = {t: [] for t in timeouts}
+    cut: dict[float, list[dict[str, float]]] = {t: [] for t in timeouts}
+    spinning: list[subprocess.Popen[bytes]] = []
     try:
+        if hosts is not None:
+            spin = [sys.executable, "-c", "while True: pass"]
+            for host in (0, 1):
+                for _ in range(args.busy):
+                    spinning.append(subprocess.Popen(hosts.link.command(host, spin)))
         for _ in range(args.pairs):
             failed.append(one_run(args.workers, victim, hosts))
             for t in timeouts:
-                cut[t].append(one_run(args.workers, victim, hosts, link_timeout=t))
-            clean.append(one_run(args.workers, None, hosts))
+                cut[t].append(one_run(args.workers, victim, hosts, link_timeout=t, stall=True))
+            clean.append(one_run(args.workers, None, hosts, link_timeout=least))
             if args.fully_shard:
                 sharded_failed.append(one_run(args.workers, victim, hosts, sharded=True))
                 sharded_clean.append(one_run(args.workers, None, hosts, sharded=True))
     finally:
+        for process in spinning:
+            process.kill()
+            process.wait()
         if hosts is not None:
             hosts.close()
         folder.cleanup()
     report(args.workers, hosts is not None, f"{what} SIGKILLed", failed, clean, "")
     for t, runs in cut.items():
-        how = f"host b's link down (--link-timeout {t}) with {what} waiting"
+        how = f"host b's link down (--link-timeout {t:g}) with {what} waiting"
         report(args.workers, True, how, runs, clean, "")
     if args.fully_shard:
         report(
@@ -341,6 +377,12 @@ def report(
         )
     for i, f in enumerate(clean):
         print(f"| no failure {i + 1} | - | - | - | {f['wall']:.1f} s |")
+    runs = failed + clean
+    print(
+        f"longest wait of a 0.1 s thread beside the training: {max(f['gap'] for f in runs):.3f} s;"
+        f" runs without a failure that lost a worker anyway: {sum(f['lost'] for f in clean):g}"
+        f" of {len(clean)}"
+    )
     recovery = statistics.median(f["next_commit"] for f in failed)
     print(f"step without a failure (median, commit to commit): {step * 1e3:.1f} ms")
     print(f"death -> next commit (median): {recovery:.2f} s = {recovery / step:.0f} steps")

@@ -561,3 +561,36 @@ def test_a_worker_whose_watch_runs_exits_cleanly_while_rounds_open() -> None:
         )
         assert worker.returncode == 0, worker.stderr
         assert "dataparallel-rounds" in worker.stdout, worker.stdout  # the watch did run
+
+
+def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
+    """The launcher's ear (`elastic.liveness.Heartbeats`) on a real store: a worker that beats is
+    heard, one whose counter stands still for the limit is said silent (once, with how long),
+    one that never beat or that left (its watch stopped at exit) never is."""
+    import datetime
+    import time
+
+    from dataparallel.backends.gloo.group import import_torch_distributed
+    from dataparallel.elastic.liveness import LEFT, Heartbeats, heartbeat_key
+
+    dist = import_torch_distributed()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    ear = Heartbeats(0.3)
+    workers = ["w0", "w1", "w2", "w3"]  # w0 beats on, w1 falls silent, w2 never beats, w3 leaves
+    for worker in ("w0", "w1", "w3"):
+        store.add(heartbeat_key(worker), 1)
+    assert ear.silent(store, workers) == {}
+    store.set(heartbeat_key("w3"), LEFT)
+    begun = time.monotonic()
+    said: dict[str, float] = {}
+    while not said and time.monotonic() - begun < 30:  # a guard: w1 is said silent soon
+        store.add(heartbeat_key("w0"), 1)
+        said = ear.silent(store, workers)
+        time.sleep(0.02)
+    assert list(said) == ["w1"], said
+    assert 0.3 <= said["w1"] <= time.monotonic() - begun + 0.3
+    store.add(heartbeat_key("w1"), 1)  # beats again (a stalled worker): said once only
+    assert ear.silent(store, workers) == {}

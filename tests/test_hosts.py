@@ -120,6 +120,8 @@ def test_ssh_gives_up_on_a_host_silent_for_the_link_timeout() -> None:
     command = Ssh(link_timeout=3).command("node1", "true")
     assert "ServerAliveInterval=1" in command and "ServerAliveCountMax=3" in command
     assert not any("ServerAlive" in word for word in Ssh(link_timeout=None).command("n", "true"))
+    # ssh counts whole asks: a fraction of a second is one (the heartbeats notice it sooner).
+    assert "ServerAliveCountMax=1" in Ssh(link_timeout=0.5).command("node1", "true")
 
 
 def test_the_remote_command_runs_in_the_directory_with_the_environment(tmp_path: Path) -> None:

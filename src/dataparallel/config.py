@@ -40,6 +40,7 @@ __all__ = [
     "ELASTIC_TIMEOUT_VARIABLE",
     "ELASTIC_WORKER_VARIABLE",
     "LINK_TIMEOUT_VARIABLE",
+    "MIN_LINK_TIMEOUT",
     "MPI_LAUNCHER_VARIABLES",
     "MPI_RANK_VARIABLES",
     "MPI_SIZE_VARIABLES",
@@ -88,8 +89,11 @@ ELASTIC_STORE_VARIABLE = "DATAPARALLEL_ELASTIC_STORE"
 ELASTIC_WORKER_VARIABLE = "DATAPARALLEL_ELASTIC_WORKER"
 ELASTIC_TIMEOUT_VARIABLE = "DATAPARALLEL_ELASTIC_TIMEOUT"
 LINK_TIMEOUT_VARIABLE = "DATAPARALLEL_LINK_TIMEOUT"
-# `dataparallel run --link-timeout`'s default: seconds of silence after which a host is gone.
+# `dataparallel run --link-timeout`'s default: seconds of silence after which a host is gone,
+# and the least it takes: a loaded machine's stalls must not pass for a lost link
+# (docs/elastic.md, *Measured*).
 DEFAULT_LINK_TIMEOUT = 5
+MIN_LINK_TIMEOUT = 0.5
 # Set by launchers that prefix every output line with `[rank R] ` (`Settings.prefixed`).
 PREFIXED_VARIABLE = "DATAPARALLEL_PREFIXED"
 

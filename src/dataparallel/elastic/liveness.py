@@ -7,13 +7,15 @@ link goes down closes nothing: its peers' calls wait on connections that will ne
 Two watches bound that, both within `dataparallel run --link-timeout` seconds
 (`DATAPARALLEL_LINK_TIMEOUT`):
 
-- The launcher's ssh to each worker on another host gives up on a host that stopped answering
-  (ssh's `ServerAliveInterval`), and the launcher notes the workers it lost so, by their link, in
-  the round without them (`unreachable_key`) before it opens that round. Each worker follows the
-  rounds (`_follow`: a store client of its own, asking every `POLL` seconds for the next round's
-  key). When a round
-  opens that names members of this worker's world as lost by their link, it shuts down this
-  process's connections to their addresses (`address_key`, which each worker publishes as it
+- Each worker on another host than the launcher's store beats every `POLL` seconds (a counter
+  under `heartbeat_key`), and the launcher (`Heartbeats`) takes one whose counter stood still
+  for the link timeout for out of reach; its ssh to the worker gives up too, later (ssh's
+  `ServerAliveInterval` counts whole seconds). The launcher notes the workers it lost so, by
+  their link, in the round without them (`unreachable_key`) before it opens that round. Each
+  worker follows the rounds (`_follow`: a store client of its own, asking every `POLL` seconds
+  for the next round's key, and beating on the same turn). When a round opens that names
+  members of this worker's world as lost by their link, it shuts down this process's
+  connections to their addresses (`address_key`, which each worker publishes as it
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
   with "Connection closed", as when a peer dies (`RankFailedError`), and `elastic.run` re-forms.
 - A worker on another host than the launcher's store checks every second that the store still
@@ -24,7 +26,7 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
 
 Both run only where a link can be lost: a run whose store is on loopback has every worker on the
 launcher's host (no other host could reach the store). Their threads ask the store from Python,
-each call bounded by the link timeout, and stop at exit (`atexit`: a stop event, then a join)
+each call bounded (`CALL_TIMEOUT`), and stop at exit (`atexit`: a stop event, then a join)
 before the interpreter finalizes: a thread still inside the store's C++ then, woken by a round
 the launcher opens, would die by a forced unwind through code that may not throw, and abort the
 worker (SIGABRT) after a run that went well.
@@ -46,7 +48,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.rendezvous import address_toward, interface_address
@@ -56,9 +58,11 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
 __all__ = [
+    "Heartbeats",
     "address_key",
     "changing_world",
     "cut_connections",
+    "heartbeat_key",
     "publish_address",
     "unreachable_key",
     "watch",
@@ -66,9 +70,15 @@ __all__ = [
 
 # How often a worker on another host checks that the launcher's store answers (seconds).
 PROBE_INTERVAL = 1.0
-# How often a worker asks the store for the next round (seconds): short against a lost link's
-# cost (peers waiting on it), long against the store's round trip.
-POLL = 0.2
+# How often a worker asks the store for the next round, and beats (seconds): short against a
+# lost link's cost (peers waiting on it) and against the link timeout, long against the store's
+# round trip.
+POLL = 0.1
+# The longest a store call of the watch may take (seconds): long against a loaded machine's
+# stalls (a call that fails ends the watch, and its beats), short enough for an exit to wait on.
+CALL_TIMEOUT = 10.0
+# A worker's last heartbeat, as its watch stops: it is ending (its exit follows), not silent.
+LEFT = b"left"
 
 # Held while this worker leaves one world and makes the next: connections cut meanwhile could
 # be the new world's to a live worker sharing a lost one's address.
@@ -81,6 +91,11 @@ _threads: list[threading.Thread] = []
 def address_key(worker: str) -> str:
     """The key where `worker` publishes the address its Gloo connections use."""
     return f"address/{worker}"
+
+
+def heartbeat_key(worker: str) -> str:
+    """The key whose counter `worker` adds to every `POLL` seconds while it is in reach."""
+    return f"heartbeat/{worker}"
 
 
 def unreachable_key(generation: int) -> str:
@@ -108,26 +123,31 @@ def publish_address(store: Store, worker: str, settings: Settings) -> None:
         store.set(address_key(worker), address)
 
 
-def watch(settings: Settings, generation: int, members: Callable[[], Sequence[str]]) -> None:
+def watch(
+    settings: Settings, generation: int, world: Callable[[], tuple[int, Sequence[str]]]
+) -> None:
     """Start this process's watches (once, and only if the run may span hosts): follow the
     rounds after `generation`, cutting the connections to members of this worker's world
-    (`members()`) lost by their link; and, on another host than the store's, leave when the
-    store stops answering. Both stop when the interpreter exits."""
+    (`world()`: its round and members) lost by their link; and, on another host than the
+    store's, beat, and leave when the store stops answering. Both stop when the interpreter
+    exits."""
     global _watching
     assert settings.elastic_store is not None
     if _watching or _is_loopback(settings.elastic_store[0]):
         return
     _watching = True
     limit = settings.link_timeout
+    far = not _is_here(settings.elastic_store[0])
+    beat = heartbeat_key(settings.elastic_worker) if far and settings.elastic_worker else None
     _threads.append(
         threading.Thread(
             target=_follow,
-            args=(settings.elastic_store, generation, members, limit),
+            args=(settings.elastic_store, generation, world, beat),
             name="dataparallel-rounds",
             daemon=True,
         )
     )
-    if not _is_here(settings.elastic_store[0]):
+    if far:
         _threads.append(
             threading.Thread(
                 target=_probe,
@@ -136,32 +156,34 @@ def watch(settings: Settings, generation: int, members: Callable[[], Sequence[st
                 daemon=True,
             )
         )
-    atexit.register(_stop_watching, limit)
+    atexit.register(_stop_watching)
     for thread in _threads:
         thread.start()
 
 
-def _stop_watching(limit: float) -> None:
-    """Stop the watch's threads and wait for them: each store call is bounded by `limit`."""
+def _stop_watching() -> None:
+    """Stop the watch's threads and wait for them: each store call is bounded."""
     _stop.set()
     for thread in _threads:
-        thread.join(timeout=limit + PROBE_INTERVAL + POLL)
+        thread.join(timeout=2 * CALL_TIMEOUT + PROBE_INTERVAL)
 
 
 def _follow(
     store_at: tuple[str, int],
     generation: int,
-    members: Callable[[], Sequence[str]],
-    limit: float,
+    world: Callable[[], tuple[int, Sequence[str]]],
+    beat: str | None,
 ) -> None:
     from dataparallel.backends.gloo.group import import_torch_distributed
     from dataparallel.elastic.forming import round_key
 
     dist = import_torch_distributed()
-    timeout = datetime.timedelta(seconds=limit)
+    timeout = datetime.timedelta(seconds=CALL_TIMEOUT)
     try:
         store = dist.TCPStore(*store_at, is_master=False, timeout=timeout, wait_for_workers=False)
         while not _stop.wait(POLL):
+            if beat is not None:
+                store.add(beat, 1)
             if not store.check([round_key(generation + 1)]):
                 continue
             generation += 1
@@ -172,14 +194,53 @@ def _follow(
             if not _changing.acquire(blocking=False):
                 continue  # between worlds: the old one's connections are closing anyway
             try:
-                gone = [m for m in members() if m in lost]
+                joined, members = world()
+                if joined >= generation:
+                    continue  # this world is already without them: its connections stay
+                gone = [m for m in members if m in lost]
                 keys = [address_key(m) for m in gone]
                 addresses = {bytes(store.get(k)).decode() for k in keys if store.check([k])}
                 cut_connections(addresses, keep=_resolved(store_at))
             finally:
                 _changing.release()
+        if beat is not None:
+            store.set(beat, LEFT)
     except RuntimeError:  # the store is gone or silent: `_probe` (or the launcher's end) settles it
         return
+
+
+class Heartbeats:
+    """The launcher's ear on its workers of other hosts: each one's heartbeat counter, and when
+    (by the launcher's clock, so no two hosts' clocks are compared) it last saw it move.
+
+    A worker counts from its first world on (its watch starts there), and stops counting when
+    its watch stops (`LEFT`: it is ending, and its exit follows). One whose counter stood still
+    for `limit` seconds is out of reach: its host, its link, or its process stalled.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._heard: dict[str, tuple[bytes, float]] = {}
+        self._done: set[str] = set()  # said silent, or left
+
+    def silent(self, store: Store, workers: Iterable[str]) -> dict[str, float]:
+        """Return the `workers` silent for the limit, with how long (seconds); each once."""
+        now = time.monotonic()
+        quiet = {}
+        for worker in workers:
+            key = heartbeat_key(worker)
+            heard = self._heard.get(worker)
+            if worker in self._done or (heard is None and not store.check([key])):
+                continue  # done with, or not beating yet
+            value = bytes(store.get(key))
+            if value == LEFT:
+                self._done.add(worker)
+            elif heard is None or value != heard[0]:
+                self._heard[worker] = (value, now)
+            elif now - heard[1] >= self.limit:
+                quiet[worker] = now - heard[1]
+                self._done.add(worker)
+        return quiet
 
 
 def _probe(store_at: tuple[str, int], limit: float, worker: str | None) -> None:

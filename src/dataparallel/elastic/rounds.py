@@ -225,13 +225,13 @@ def join(after: int, settings: Settings | None = None) -> Round:
                         f"round {generation}'s Gloo group did not form: {exc}"
                     ) from exc
             else:
-                liveness.watch(settings, generation, _members)
+                liveness.watch(settings, generation, _world)
                 return chosen
         after = generation  # a member died before it formed: the launcher opened a newer one
 
 
-def _members() -> tuple[str, ...]:
-    return () if _current is None else _current.members
+def _world() -> tuple[int, tuple[str, ...]]:
+    return (-1, ()) if _current is None else (_current.generation, _current.members)
 
 
 def rejoin(error: BaseException) -> None:

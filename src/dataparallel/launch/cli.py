@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dataparallel.config import DEFAULT_LINK_TIMEOUT, Settings
+from dataparallel.config import DEFAULT_LINK_TIMEOUT, MIN_LINK_TIMEOUT, Settings
 from dataparallel.errors import DataParallelError
 
 if TYPE_CHECKING:
@@ -163,10 +163,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     hosts.add_argument(
         "--link-timeout",
-        type=int,
+        type=float,
         metavar="S",
-        help="Gloo: a host silent for S seconds is gone (its ssh gives up; an elastic run drops "
-        f"it and goes on, and its workers leave); default: {DEFAULT_LINK_TIMEOUT}",
+        help="Gloo: a host silent for S seconds is gone (an elastic run drops it and goes on, "
+        "and its workers leave; a fixed job ends); at least "
+        f"{MIN_LINK_TIMEOUT:g}, default: {DEFAULT_LINK_TIMEOUT}",
     )
     gloo = run.add_argument_group("Gloo across machines (torchrun's numbering)")
     gloo.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines (default: 1)")
@@ -403,8 +404,11 @@ def _check_hosts(
                 f"{', '.join(ssh)} with --backend mpi: mpiexec runs ssh itself; put Port, "
                 "IdentityFile and ServerAliveInterval in ~/.ssh/config, or add --backend gloo."
             )
-    if ns.link_timeout is not None and ns.link_timeout < 1:
-        parser.error(f"--link-timeout must be at least 1 (seconds), got {ns.link_timeout}.")
+    if ns.link_timeout is not None and not ns.link_timeout >= MIN_LINK_TIMEOUT:
+        parser.error(
+            f"--link-timeout must be at least {MIN_LINK_TIMEOUT:g} (seconds), got "
+            f"{ns.link_timeout:g}: a shorter silence may be a busy machine, not a lost link."
+        )
     if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
         parser.error(f"--ssh-port must be in 1..65535, got {ns.ssh_port}.")
     if ns.ssh_identity_file is not None and not os.path.isfile(ns.ssh_identity_file):

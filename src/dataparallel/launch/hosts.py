@@ -18,6 +18,7 @@ launch at once, named, instead of leaving the others waiting at the rendezvous.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import signal
@@ -200,13 +201,14 @@ class Ssh:
 
     `link_timeout` (`dataparallel run --link-timeout`): ssh asks the host every second whether it
     is there once it has been silent, and gives up (status 255) after that many unanswered
-    asks. Without it a host whose link went down holds its ssh open for hours (TCP's
-    keep-alive), and the launcher never learns that its ranks are out of reach.
+    asks (at least one; an elastic run's heartbeats notice sooner, `dataparallel.elastic`).
+    Without it a host whose link went down holds its ssh open for hours (TCP's keep-alive), and
+    the launcher never learns that its ranks are out of reach.
     """
 
     port: int | None = None
     identity_file: str | None = None
-    link_timeout: int | None = DEFAULT_LINK_TIMEOUT
+    link_timeout: float | None = DEFAULT_LINK_TIMEOUT
 
     def command(self, host: str, remote: str) -> list[str]:
         """Return the ssh command line that runs the shell command `remote` on `host`."""
@@ -214,7 +216,7 @@ class Ssh:
         options += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
         if self.link_timeout is not None:
             options += ["-o", "ServerAliveInterval=1"]
-            options += ["-o", f"ServerAliveCountMax={self.link_timeout}"]
+            options += ["-o", f"ServerAliveCountMax={max(1, math.ceil(self.link_timeout))}"]
         if self.port is not None:
             options += ["-p", str(self.port)]
         if self.identity_file is not None:

@@ -8,8 +8,9 @@ publishes the members of each successive world (`dataparallel.elastic`). Which d
 re-form the world and which end the run is the policy of docs/elastic.md: a worker killed by a
 signal (or whose ssh ends with 255: its host or link gone, which ssh notices within
 `--link-timeout`) is lost and the survivors re-form, since re-forming cannot fix a bug that
-raised; a round that leaves out workers lost by their link lists them, so that the others cut
-their connections to them instead of waiting on them (`dataparallel.elastic.liveness`); a
+raised; so is a worker of another host whose heartbeat stood still for `--link-timeout`; a
+round that leaves out workers lost by their link lists them, so that the others cut their
+connections to them instead of waiting on them (`dataparallel.elastic.liveness`); a
 worker that exits 0 finished and leaves; `--blacklist-cooldown-range` sets a failing host aside
 for a doubling cool-down (Horovod's blacklist); the discovery script is followed every second
 and its later failures keep the last slots (Horovod's rule); too few workers for
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataparallel.config import (
     ELASTIC_STORE_VARIABLE,
@@ -80,6 +81,9 @@ from dataparallel.launch.process import (
     torchrun_environment,
     warn,
 )
+
+if TYPE_CHECKING:
+    from dataparallel.elastic.liveness import Heartbeats
 
 __all__ = [
     "DiscoveryError",
@@ -277,6 +281,7 @@ class _Job:
         self.finished: list[int] = []
         self.lost: list[int] = []
         self.cut_off: list[str] = []  # workers lost by their link since the last round opened
+        self.heartbeats: Heartbeats | None = None  # elastic, with a link timeout
         # Ranks that failed because another rank went (`RankFailedError`), and since when: the
         # job's failure is that other rank's, once its exit shows.
         self.left_behind: dict[int, int] = {}  # rank -> its status
@@ -327,7 +332,10 @@ class _Job:
                 }
             )
             if self.ssh.link_timeout is not None:
-                self.env[LINK_TIMEOUT_VARIABLE] = str(self.ssh.link_timeout)
+                from dataparallel.elastic.liveness import Heartbeats
+
+                self.env[LINK_TIMEOUT_VARIABLE] = f"{self.ssh.link_timeout:g}"
+                self.heartbeats = Heartbeats(self.ssh.link_timeout)
 
     def _is_local(self, host: str) -> bool:
         if host not in self.local:
@@ -497,6 +505,7 @@ class _Job:
                 if status is not None:
                     return status
             if self.elastic is not None:
+                self._hear()
                 status = self._reform(changed=len(self.lost) + len(self.finished) > gone)
                 if status is None:
                     status = self._check_formed()
@@ -554,14 +563,29 @@ class _Job:
         self._lose(process, code)
         return None
 
-    def _lose(self, process: _Process, code: int) -> None:
-        """Note worker `process` lost (its exit `code`): its slot is not used again, or with
-        a cool-down its host is set aside (Horovod's blacklist)."""
+    def _hear(self) -> None:
+        """Lose the workers of other hosts whose heartbeat stood still for --link-timeout, and
+        end their ssh (where the link is up after all, the worker dies with it)."""
+        remote = {p.id: p for p in self.running.values() if isinstance(p.proc, RemoteRank)}
+        if self.heartbeats is None or not remote:
+            return
+        for worker, seconds in self.heartbeats.silent(self.store, remote).items():
+            process = self.running.pop(remote[worker].number)
+            process.proc.kill()
+            self._lose(process, 255, silent=seconds)
+
+    def _lose(self, process: _Process, code: int, silent: float | None = None) -> None:
+        """Note worker `process` lost (its exit `code`, or `silent` seconds without a
+        heartbeat): its slot is not used again, or with a cool-down its host is set aside
+        (Horovod's blacklist)."""
         assert self.elastic is not None and process.host is not None
         host = process.host
         self.lost.append(process.number)
         self.lost_on[host] += 1
-        if code < 0:
+        if silent is not None:
+            how = f"no heartbeat for {silent:.1f} s: the host or its link gone"
+            self.cut_off.append(process.id)  # its peers may wait on it: `elastic.liveness`
+        elif code < 0:
             how = signal_name(-code)
         elif code == 255:
             how = "its ssh failed with 255: the host or its link gone"
