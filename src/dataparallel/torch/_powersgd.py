@@ -227,6 +227,17 @@ class LowRank:
                 q.div_(self.world)  # the average's Q, kept for the next step
             self.qs[i] = q.clone()
 
+    def back(self, newest: int) -> bool:
+        """Whether some bucket's `Q`s travelled in bucket `newest`'s call or an earlier one."""
+        return any(at <= newest for at in self.q_in.values())
+
+    def finish_back(self, newest: int | None = None) -> None:
+        """`finish` each bucket whose `Q`s travelled in bucket `newest`'s call or an earlier one
+        (None: every bucket whose `Q`s went out), in bucket order: those calls have landed."""
+        for c in sorted(c for c, at in self.q_in.items() if newest is None or at <= newest):
+            del self.q_in[c]
+            self.finish(c)
+
     def discard(self) -> None:
         """Drop this step's matrices (done, or failed)."""
         self._grads, self._ms, self._ps, self._q_of, self._kept = {}, {}, {}, {}, {}
