@@ -34,9 +34,10 @@ the link does not change it, so `mpiexec -n 2 python benchmarks/network.py --wor
 times dp's PowerSGD with those bucket sizes (MiB; auto: dp's own). `--psgd-before REF` also
 times dp's PowerSGD with the arithmetic (`torch/_powersgd.py`'s `LowRank`) of git revision REF,
 in the same processes and rounds, and prints each rank's ratio to it (a change's before and
-after). The loss table's run is set by `--loss-steps`, `--loss-start` (PowerSGD's and the
-hook's `start_iter`), `--loss-lr` (Adam's) and `--loss-every` (also the held-out loss every so
-many steps: the curves). Over Gloo, torch's
+after); `--psgd-mode after` (or `thread`) holds dp's PowerSGD cases in that mode instead of
+their trial's choice, so that cases compared run alike. The loss table's run is set by
+`--loss-steps`, `--loss-start` (PowerSGD's and the hook's `start_iter`), `--loss-lr` (Adam's)
+and `--loss-every` (also the held-out loss every so many steps: the curves). Over Gloo, torch's
 hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
 main thread starts the next bucket's: on one process group the ranks can then number their calls
 differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
@@ -299,7 +300,7 @@ def work(args: argparse.Namespace) -> None:
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
         sizes = tuple(args.psgd_buckets.split(","))
         before = low_rank_before(args.psgd_before) if args.psgd_before else None
-        made = low_rank_cases(base, adam, batch, ranks, sizes, before)
+        made = low_rank_cases(base, adam, batch, ranks, sizes, before, args.psgd_mode)
         for name, (step, sync) in made.items():
             for _ in range(LOW_RANK_START + 2):  # past start_iter: timed compressed
                 step()
@@ -328,11 +329,14 @@ def low_rank_makers(
     sizes: tuple[str, ...] = ("auto",),
     before: type | None = None,
     start: int = 10,
+    mode: str = "auto",
 ) -> dict[str, Callable[[], tuple[Any, Any]]]:
     """Each case's maker of (what runs the model, its optimizer), fresh from `base`: dp
     uncompressed, fp16 and PowerSGD at each rank (and each bucket size of `sizes`, in MiB;
     "auto": dp's own; and with `before`'s arithmetic, `low_rank_before`); DDP uncompressed, fp16
-    and its PowerSGD hook. PowerSGD (dp's and the hook) compresses from step `start`."""
+    and its PowerSGD hook. PowerSGD (dp's and the hook) compresses from step `start`; dp's
+    PowerSGD cases are held on the communication thread or after backward (`mode`: "thread",
+    "after"; "auto": their trial chooses)."""
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -346,8 +350,12 @@ def low_rank_makers(
             model = copy.deepcopy(base)
             given = None if size == "auto" else int(float(size) * 2**20)
             opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=given)
+            sync = opt.gradient_sync
             if arithmetic is not None:  # before any step: no Q, no residual yet
-                opt.gradient_sync._low.__class__ = arithmetic
+                sync._low.__class__ = arithmetic
+            if sync._low is not None and mode != "auto":
+                sync._modes.trial = None  # no trial: this mode at every step
+                sync._switch(mode == "thread")
             return model, opt
 
         return make
@@ -442,12 +450,13 @@ def low_rank_cases(
     ranks: list[int],
     sizes: tuple[str, ...],
     before: type | None = None,
+    mode: str = "auto",
 ) -> dict[str, tuple[Callable[[], None], Any]]:
     """The PowerSGD cases to time (the fp16 and fp32 ones are timed already), each with dp's
     `GradientSync` (None for DDP's), whose mode and bucket size the table names."""
     from train_step import trainer
 
-    makers = low_rank_makers(base, adam, ranks, sizes, before, LOW_RANK_START)
+    makers = low_rank_makers(base, adam, ranks, sizes, before, LOW_RANK_START, mode)
     cases = {}
     for name, make in makers.items():
         if "PowerSGD" in name or "powerSGD" in name:
@@ -688,6 +697,12 @@ def main() -> int:
         help="bucket sizes of dp's PowerSGD cases, MiB (auto: dp's own), e.g. auto,4,16",
     )
     parser.add_argument(
+        "--psgd-mode",
+        default="auto",
+        choices=("auto", "thread", "after"),
+        help="hold dp's PowerSGD cases in this mode (auto: their trial chooses)",
+    )
+    parser.add_argument(
         "--psgd-before", default="", help="also time dp's PowerSGD arithmetic of this git revision"
     )
     parser.add_argument(
@@ -731,6 +746,7 @@ def main() -> int:
     worker += ["--loss-only"] if args.loss_only else []
     worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
     worker += ["--psgd-buckets", args.psgd_buckets, "--psgd-before", args.psgd_before]
+    worker += ["--psgd-mode", args.psgd_mode]
     worker += ["--loss-start", str(args.loss_start), "--loss-lr", str(args.loss_lr)]
     worker += ["--loss-every", str(args.loss_every), "--loss-cases", args.loss_cases]
     return launch(args, worker)
