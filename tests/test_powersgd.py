@@ -4,6 +4,7 @@ of torch's `DistributedOptimizer` and `DataParallelModel`."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -251,7 +252,7 @@ def test_the_residual_and_the_gradient_trade_memory_instead_of_allocating() -> N
             assert len(seen) == 2  # the view, and the one residual formed apart
         else:  # two buffers, traded at every step (from the second: the first residual)
             assert len(seen) == 2, seen
-            assert all(a != b for a, b in zip(where[1:], where[2:])), where
+            assert all(a != b for a, b in itertools.pairwise(where[1:])), where
         runs.append(grads)
     for (g, r), (g_in, r_in) in zip(*runs, strict=True):
         torch.testing.assert_close(g_in, g, rtol=0, atol=1e-6)
