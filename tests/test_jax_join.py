@@ -22,6 +22,9 @@ pytest.importorskip("optax")
 
 from _jobs import run_job
 
+from dataparallel.backends.single import SingleBackend
+from dataparallel.collectives import jitted
+
 SCRIPT = Path(__file__).parent / "scripts" / "jax_join.py"
 # (engine, ranks, cases, DATAPARALLEL_TIMEOUT or ""), each case ROUTE[:OPTION]: "big" adds a leaf
 # that is a buffer of its own (the step stops before it), "powersgd" compresses (two reductions).
@@ -35,6 +38,47 @@ JOBS = [
     ("gloo", 2, ["callback:big", "callback:powersgd"], ""),
     ("gloo", 3, ["callback:powersgd", "ffi"], ""),
 ]
+
+
+def test_the_answer_is_the_step_traced_or_else_the_step_run_since_the_ranks_agreed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which first call a rank that joins answers (`jitted.step_of`), on an engine of its own."""
+    monkeypatch.setattr(jitted, "_traced", {})
+    engine, private = SingleBackend(), SingleBackend()
+    settled: list[bool] = []
+
+    def step(length: int, dtype: str = "float32") -> jitted.JittedStep:
+        return jitted.JittedStep(private, length, dtype, lambda buf: None)
+
+    def trace(first: jitted.JittedStep, *, seen: bool = True) -> None:
+        jitted.register_step(engine, first, seen=seen, settle=lambda: settled.append(True))
+
+    a, b, a_in_f64 = step(16), step(20), step(16, "float64")
+    assert jitted.step_of(engine) is None  # nothing traced
+    trace(a)
+    jitted.ran(engine, a)
+    trace(step(16))  # the same first call again (a step of another tree, of the same size)
+    assert jitted.step_of(engine) == a and settled  # the steps dispatched ran first
+    trace(b)  # a second first call: the steps run since the ranks last agreed tell
+    assert jitted.step_of(engine) == a  # only `a` ran since
+    jitted.ran(engine, b)
+    assert jitted.step_of(engine) is None  # both ran: the next one cannot be told
+    jitted.agreed(engine)  # a join returned on every rank
+    assert jitted.step_of(engine) is None  # nothing ran since
+    jitted.ran(engine, b)
+    jitted.ran(engine, b)
+    assert jitted.step_of(engine) == b
+    trace(a_in_f64)  # another dtype is another first call
+    jitted.agreed(engine)
+    jitted.ran(engine, a_in_f64)
+    assert jitted.step_of(engine) == a_in_f64
+    trace(step(20), seen=False)  # an mpi4jax step beginning as `b`: its runs are not noted
+    assert jitted.step_of(engine) is None  # `b` may be what runs next
+    jitted.agreed(engine)
+    jitted.ran(engine, b)
+    assert jitted.step_of(engine) == b  # the unseen step begins as `b` does
+    assert jitted.step_of(SingleBackend()) is None  # another engine: nothing traced there
 
 
 @pytest.mark.spawns
