@@ -19,7 +19,9 @@ length and dtype); where they differ (a second optimizer, a new model), the firs
 steps run since the world last agreed (a `dp.join` that returned, or a `RankJoinedError` on every
 rank), where those all begin with the same one: ranks make the same steps in the same order, so
 every rank that joins at the same point chooses alike, and a program that moves from one step to
-another (a new phase of training) is answered. Where neither tells (steps of several first calls
+another (a new phase of training) is answered; a working rank that moves to a step of another
+first call after a rank joined meets an answer of another size, and fails in the engine as ranks
+running steps of different sizes do. Where neither tells (steps of several first calls
 run since, alternating), nothing is posted (`step_of` says None) and a jitted step after a join
 waits, as before. The steps run are noted by the host (`ran`, by the callback and FFI bridges,
 once per step before its first call); mpi4jax's calls never reach the host, so where one of its
