@@ -13,11 +13,20 @@ engine call as a step's first one (its first buffer: the packed leaves, then the
   world stays usable.
 - the others join too: their answers meet it, all zeros, and `dp.join` returns as usual.
 
-Each rank posts one answer per `dp.join`, so the k-th answers meet. The answer is a step's first
-call only where every step traced in the world begins with the same call (first buffers of one
-length and dtype); where two differ, nothing is posted (`step_of` says None) and a jitted step
-after a join waits, as before. Registered per engine by `jax/_jit.py` when it traces a packed
-step; `dp.finalize()` clears it.
+Each rank posts one answer per `dp.join`, so the k-th answers meet. Which call: the first call
+of every step traced in the world where they all begin with the same call (first buffers of one
+length and dtype); where they differ (a second optimizer, a new model), the first call of the
+steps run since the world last agreed (a `dp.join` that returned, or a `RankJoinedError` on every
+rank), where those all begin with the same one: ranks make the same steps in the same order, so
+every rank that joins at the same point chooses alike, and a program that moves from one step to
+another (a new phase of training) is answered; a working rank that moves to a step of another
+first call after a rank joined meets an answer of another size, and fails in the engine as ranks
+running steps of different sizes do. Where neither tells (steps of several first calls
+run since, alternating), nothing is posted (`step_of` says None) and a jitted step after a join
+waits, as before. The steps run are noted by the host (`ran`, by the callback and FFI bridges,
+once per step before its first call); mpi4jax's calls never reach the host, so where one of its
+steps begins otherwise, the runs cannot tell. Registered per engine by `jax/_jit.py` when it
+traces a packed step; `dp.finalize()` clears it.
 """
 
 from __future__ import annotations
@@ -34,7 +43,16 @@ from dataparallel.backends.base import Backend
 from dataparallel.errors import RankJoinedError
 from dataparallel.protocol import Describe, handshake
 
-__all__ = ["Answer", "JittedStep", "Refusal", "refuse", "register_step", "step_of"]
+__all__ = [
+    "Answer",
+    "JittedStep",
+    "Refusal",
+    "agreed",
+    "ran",
+    "refuse",
+    "register_step",
+    "step_of",
+]
 
 _FIX = (
     "Call dp.join() only after the last jitted step on every rank, give every rank the same "
@@ -55,21 +73,65 @@ class JittedStep:
     call: Callable[[np.ndarray], None] = field(compare=False)
 
 
-# Per engine (its id): the first call of every jitted step traced on it, or None where they differ.
-_steps: dict[int, JittedStep | None] = {}
-caches.register(_steps.clear)
+@dataclass
+class _Traced:
+    """What one engine's jitted steps tell a rank that joins (`step_of`)."""
+
+    steps: set[JittedStep] = field(default_factory=set)  # the first calls traced
+    unseen: set[JittedStep] = field(default_factory=set)  # those whose runs the host never sees
+    ran: set[JittedStep] = field(default_factory=set)  # those run since the world last agreed
+    settle: Callable[[], None] | None = None  # waits for the steps dispatched to finish
 
 
-def register_step(engine: Backend, step: JittedStep) -> None:
-    """Note that a jitted step whose first engine call is `step` was traced on `engine`."""
-    known = _steps.setdefault(id(engine), step)
-    if known is not None and known != step:
-        _steps[id(engine)] = None
+# Per engine (its id).
+_traced: dict[int, _Traced] = {}
+caches.register(_traced.clear)
+
+
+def register_step(
+    engine: Backend, step: JittedStep, *, seen: bool = True, settle: Callable[[], None]
+) -> None:
+    """Note that a jitted step whose first engine call is `step` was traced on `engine`. `seen`:
+    whether the host notes its runs (`ran`); `settle`: waits until every step dispatched so far
+    has run (JAX runs them asynchronously), so that the runs noted are all of them."""
+    traced = _traced.setdefault(id(engine), _Traced())
+    traced.steps.add(step)
+    if not seen:
+        traced.unseen.add(step)
+    traced.settle = settle
+
+
+def ran(engine: Backend, step: JittedStep) -> None:
+    """Note that a step beginning with `step` runs on `engine` (on the host, before its first
+    call: once per step, so it costs a set's lookup)."""
+    traced = _traced.get(id(engine))
+    if traced is not None and step not in traced.ran:
+        traced.ran.add(step)
+
+
+def agreed(engine: Backend) -> None:
+    """Every rank of `engine` is at the same point (a `dp.join` returned, or a jitted step met
+    ranks that have joined, on every rank): the steps run before no longer tell what runs next."""
+    traced = _traced.get(id(engine))
+    if traced is not None:
+        traced.ran.clear()
 
 
 def step_of(engine: Backend) -> JittedStep | None:
-    """The first call of every jitted step traced on `engine`, or None (none, or they differ)."""
-    return _steps.get(id(engine))
+    """The first call that the next jitted step on `engine` makes, or None where it cannot be
+    told: the one first call of every step traced, else of every step run since the world last
+    agreed (`agreed`) when no step the host cannot see begins otherwise; None where neither
+    tells (or nothing was traced). Waits first for the steps dispatched to run."""
+    traced = _traced.get(id(engine))
+    if traced is None:
+        return None
+    if traced.settle is not None:
+        traced.settle()
+    if len(traced.steps) == 1:
+        return next(iter(traced.steps))
+    if len(traced.ran) == 1 and traced.unseen <= traced.ran:
+        return next(iter(traced.ran))
+    return None
 
 
 class Answer:
@@ -118,6 +180,7 @@ def refuse(engine: Backend, joined: int, call: Describe) -> RankJoinedError:
     """On a working rank whose jitted step met `joined` answers: tell the joined ranks (one
     handshake on `engine`, made alike by every working rank), and return the error to raise."""
     handshake(engine, "jitted step met ranks that have joined", call, replay=lambda _: Refusal())
+    agreed(engine)
     return RankJoinedError(
         f"{joined} of the {engine.size} ranks have joined (dp.join) while this rank runs jitted "
         "DistributedOptimizer steps: a jitted step cannot answer a rank that has joined, so it "

@@ -19,7 +19,7 @@ from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives._call import context
-from dataparallel.collectives.jitted import Answer, Refusal, step_of
+from dataparallel.collectives.jitted import Answer, Refusal, agreed, step_of
 from dataparallel.groups import Group, backend_of
 from dataparallel.protocol import joined_round
 
@@ -74,8 +74,13 @@ def answer(backend: Backend | None, run: Run = Replay.run) -> int:
         done, last, replay = joined_round(b, newcomer)
         newcomer = False
         if isinstance(replay, Refusal):  # a jitted step met this rank's answer
+            agreed(b)
+            if jitted is not None and type(replay) is Refusal:
+                jitted.finish()  # met by that step: wait for it to return, so that nothing
+                # of it runs beside this rank's next call on the private duplicate
             raise replay.error(b.rank)
         if done:
+            agreed(b)  # every rank is here: the steps run before tell nothing (`jitted.py`)
             if jitted is not None:
                 jitted.finish()
             return last

@@ -24,7 +24,7 @@ from jax.experimental import io_callback
 from dataparallel.arrays.compression import WIRE_DTYPES
 from dataparallel.backends.base import Backend, ReduceOp
 from dataparallel.backends.mpi import MPIBackend
-from dataparallel.collectives.jitted import refuse
+from dataparallel.collectives.jitted import JittedStep, ran, refuse
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.jax._ffi import Reduce, ffi_reason, host_device_reason, reduce_ffi
 from dataparallel.jax._packed import HALVES, Packed
@@ -83,14 +83,20 @@ def choose_bridge(
     return "ffi" if reason is None else "callback"
 
 
-def on_host(packed: Packed, engine: Backend, private: Backend, describe: Details) -> Reduce:
+def on_host(
+    packed: Packed, engine: Backend, private: Backend, describe: Details, step: JittedStep | None
+) -> Reduce:
     """Each buffer reduced by one engine call from `sent` into `received` (in place where they
-    are the same memory, as the FFI call makes them); the order check after the first."""
+    are the same memory, as the FFI call makes them); the order check after the first. `step`:
+    the first call, noted as run (`collectives/jitted.py`), or None where ranks that join do not
+    answer it."""
 
     # The 16-bit (compressed) buffers' wire dtypes, by index.
     halves = {i: WIRE_DTYPES[b.wire] for i, b in enumerate(packed.buckets) if b.wire in HALVES}
 
     def reduce(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        if step is not None:
+            ran(engine, step)
         for index, (shaped, into) in enumerate(zip(sent, received, strict=True)):
             buf, recv = shaped.reshape(-1), into.reshape(-1)  # views: a leaf keeps its shape
             if index in halves:  # compressed: the engine's 16-bit sum (bfloat16 as its bits)
@@ -114,24 +120,31 @@ def through_ffi(
     private: Backend,
     describe: Details,
     summary: str,
+    step: JittedStep | None = None,
 ) -> list[jax.Array]:
     """The buffers through one XLA FFI call per step (`_ffi.py`), every one reduced in place in
     XLA's memory (its output aliases its input: a large leaf is reduced where backward wrote it,
     and no output is allocated, which the benchmarks found to cost well under new outputs:
     benchmarks/NOTES.md, "The FFI bridge reduces in place").
     The step's slot is keyed by its signature (`summary`) and engine, so retracing it does not
-    add one."""
-    reduce = on_host(packed, engine, private, describe)
+    add one. `step`: its first call, for ranks that join (`on_host`)."""
+    reduce = on_host(packed, engine, private, describe, step)
     return reduce_ffi(flats, reduce, [True] * len(flats), key=(id(private), summary))
 
 
 def through_callback(
-    flats: list[jax.Array], packed: Packed, engine: Backend, private: Backend, describe: Details
+    flats: list[jax.Array],
+    packed: Packed,
+    engine: Backend,
+    private: Backend,
+    describe: Details,
+    step: JittedStep | None = None,
 ) -> list[jax.Array]:
-    """One ordered host callback: each buffer reduced by one engine call, JAX's memory to ours."""
+    """One ordered host callback: each buffer reduced by one engine call, JAX's memory to ours.
+    `step`: its first call, for ranks that join (`on_host`)."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flats]
     received: list[np.ndarray] = []  # the arrays returned, reused: JAX copies them out at once
-    reduce = on_host(packed, engine, private, describe)
+    reduce = on_host(packed, engine, private, describe, step)
 
     def reduce_on_host(*buffers: jax.Array) -> list[np.ndarray]:
         if not received:

@@ -26,6 +26,8 @@ leaves) goes through
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,16 +118,26 @@ def allreduce_traced(
         return {**describe(), **packing, "compression": compression}
 
     handshake(engine, summary, details)  # once per trace: raises on every rank if they differ
-    if packed.ticket and first:  # ranks that join answer its first call (`collectives/jitted.py`)
-        register_step(engine, packed.first_call(private, chosen))
+    step = None  # ranks that join answer its first call (`collectives/jitted.py`)
+    if packed.ticket and first:
+        step = packed.first_call(private, chosen)
+        register_step(engine, step, seen=chosen != "mpi4jax", settle=_settle)
     flats = packed.pack(leaves)
     if chosen == "mpi4jax":
         reduced = through_mpi4jax(flats, packed, engine, private, details)
     elif chosen == "ffi":
-        reduced = through_ffi(flats, packed, engine, private, details, summary)
+        reduced = through_ffi(flats, packed, engine, private, details, summary, step)
     else:
-        reduced = through_callback(flats, packed, engine, private, details)
+        reduced = through_callback(flats, packed, engine, private, details, step)
     return packed.unpack(reduced, size if average else 1)
+
+
+def _settle() -> None:
+    """Wait until every jitted step dispatched from this thread has run (a rank that joins notes
+    which did: `collectives/jitted.py`). A step that failed raised its error where its results
+    were read; JAX raises it again here (its effect token keeps it): not this call's to raise."""
+    with contextlib.suppress(jax.errors.JaxRuntimeError):
+        jax.effects_barrier()
 
 
 def _floating(leaf: jax.Array) -> bool:
