@@ -41,6 +41,7 @@ import torch
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Router
+from dataparallel.arrays.families import Family
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.fusion import HOST_KEY, Fusion
 from dataparallel.arrays.replay import Add, Replay
@@ -621,7 +622,7 @@ class GradientSync:
         timeline = self._router.fusion.timeline
         if b == 0 and timeline is not None:
             self._started_at = timeline.now()
-        leaves = []
+        leaves, delivers = [], []
         low = self._low if self._compressing else None
         compressed, computed_now = [], set()
         for i in self._buckets[b].members:
@@ -640,13 +641,16 @@ class GradientSync:
                     computed_now.add(i)
                 continue
             leaves.append((family, p.grad))
+            delivers.append(partial(_adopt, family, p.grad))
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
             leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
+            delivers.append(None)
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
             self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
-        self._router.send(leaves, self._flags if b == len(self._buckets) - 1 else None)
+        last = b == len(self._buckets) - 1
+        self._router.send(leaves, self._flags if last else None, delivers)
         if low is not None:
             self._low_rank_phase(b)
 
@@ -751,3 +755,12 @@ class GradientSync:
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._lay_out(self._params, [i for b in self._buckets for i in b.members])
+
+
+def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
+    """Make `grad` the reduced values at `place`, its slot in its bucket's memory (`Fusion.add`),
+    instead of copying them into it: the same tensor object, so that whoever holds it sees the
+    result, as when it was written in place; the bucket's memory is lent until no gradient uses
+    it (DDP's `gradient_as_bucket_view`, without its fixed buffer)."""
+    with torch.no_grad():
+        grad.set_(family.adopt(grad, place))
