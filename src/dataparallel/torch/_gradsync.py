@@ -641,7 +641,7 @@ class GradientSync:
                     computed_now.add(i)
                 continue
             leaves.append((family, p.grad))
-            delivers.append(partial(_adopt, family, p.grad))
+            delivers.append(partial(_adopt, family, p.grad) if _alone(p.grad) else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
             leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
@@ -758,9 +758,25 @@ class GradientSync:
 
 
 def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
-    """Make `grad` the reduced values at `place`, its slot in its bucket's memory (`Fusion.add`),
-    instead of copying them into it: the same tensor object, so that whoever holds it sees the
-    result, as when it was written in place; the bucket's memory is lent until no gradient uses
-    it (DDP's `gradient_as_bucket_view`, without its fixed buffer)."""
+    """Make `grad` use `place`, its reduced values in its bucket's memory (`Fusion.add`), as its
+    memory instead of copying them into it (DDP's `gradient_as_bucket_view`, without its fixed
+    buffer: the bucket's memory is lent until no gradient uses it). The same tensor object, so
+    that whoever holds it sees the result; given only gradients nothing else sees the memory of
+    (`_alone`): a flat buffer the user made the gradients views of is written into, as before.
+    """
     with torch.no_grad():
-        grad.set_(family.adopt(grad, place))
+        grad.set_(family.adopt(grad, place).view(grad.shape))
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """Whether `t` is contiguous, all of its storage, and the only tensor using it (no view of
+    it, nor it a view of a larger buffer)."""
+    if not t.is_contiguous() or t.storage_offset() != 0:
+        return False
+    storage = t.untyped_storage()
+    if storage.nbytes() != t.nbytes or _USE_COUNT is None:
+        return False
+    return bool(_USE_COUNT(storage._cdata) == 2)  # `t`, and `storage` here
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
