@@ -92,6 +92,27 @@ def test_a_packed_buckets_gradients_are_its_memory_not_copies(
         torch.testing.assert_close(got, want)
 
 
+def test_gradients_that_are_views_of_your_own_buffer_are_written_into_it(world: Backend) -> None:
+    """A gradient whose memory something else sees (here: views of one flat buffer, as flat
+    optimizers make them) keeps its memory: the reduced values are written into it."""
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    loss_of(reference, x, y).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(flat, want)
+    for p in params:
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
 def test_wrapping_broadcasts_parameters_and_buffers_from_rank_0(world: Backend) -> None:
     torch.manual_seed(world.rank)
     bare = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))

@@ -20,8 +20,10 @@ buckets go out while backward runs, on the communication thread, or all at its e
   at its next `zero_grad()`/`step()`, flagged abandoned: the other ranks' `step()` raises
   `RankFailedError` instead of applying an incomplete average.
 
-The parameters are re-read at every step (`refresh`) and rebucketed once after the first, in the
-order rank 0's gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
+A gradient packed with others takes its place in the bucket's memory as its own once reduced
+(`_adopt`), instead of a copy out of it, where nothing else sees its memory. The parameters are
+re-read at every step (`refresh`) and rebucketed once after the first, in the order rank 0's
+gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
 docs/sharp-bits.md.
 """
 
