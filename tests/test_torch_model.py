@@ -79,7 +79,8 @@ def test_a_packed_buckets_gradients_are_its_memory_not_copies(
         held = [p.grad for p in model.parameters()]
         loss_of(model, share(x), share(y)).backward()
         loss_of(reference, x, y).backward()
-        for i, (got, want) in enumerate(zip(model.parameters(), reference.parameters())):
+        pairs = zip(model.parameters(), reference.parameters(), strict=True)
+        for i, (got, want) in enumerate(pairs):
             torch.testing.assert_close(got.grad, want.grad)
             if held[i] is not None:
                 assert got.grad is held[i], "the same tensor object, now on the bucket's memory"

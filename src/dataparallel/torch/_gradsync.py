@@ -43,8 +43,8 @@ import torch
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Router
-from dataparallel.arrays.families import Family
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
+from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Fusion
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
