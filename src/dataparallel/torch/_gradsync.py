@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -767,7 +767,8 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
     (`_alone`): a flat buffer the user made the gradients views of is written into, as before.
     """
     with torch.no_grad():
-        grad.set_(family.adopt(grad, place).view(grad.shape))
+        values = cast("torch.Tensor", family.adopt(grad, place))  # `place`'s memory itself
+        grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
 
 
 def _alone(t: torch.Tensor) -> bool:
