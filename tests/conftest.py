@@ -23,6 +23,12 @@ ranks (`FULL_MATRIX`, the cheapest world where an engine really reduces) and, in
 a sample that still holds every pair of its parameters' values (`covering_sample`). The rest are
 deselected, unless named on the command line; `--matrix=full` or `sample` decides for every world.
 
+A test marked `heavy` (seconds where most take milliseconds: a training run to a loss, many
+hypothesis examples) checks what no engine and no world size changes: of the four multi-rank
+worlds it runs in two, each engine once and each size once (`HEAVY_WORLDS`: MPI 2 and Gloo 3 for
+its first case, MPI 3 and Gloo 2 for the next, and so on), and in the world of one. Other worlds
+(4 ranks, NCCL) run it; so does `--matrix=full`, or naming the case on the command line.
+
 The world of one runs in two pytest-xdist workers (`make test-1`, `--dist loadgroup`): most of
 its time goes to tests that start jobs and wait on them. Each test goes to whichever worker is
 free, except the files of `ONE_WORKER`, whose tests share what is built once (the sdist, the docs
@@ -69,6 +75,9 @@ ONE_WORKER = frozenset(
 SPAWNS_REASON = "launches its own processes; runs in the world-of-one pass"
 # The world that runs every case of a `matrix` test: (engine, ranks).
 FULL_MATRIX = ("mpi", 2)
+# The multi-rank worlds of each case of a `heavy` test, case by case in turn: every engine and
+# every size once per case.
+HEAVY_WORLDS = ((("mpi", 2), ("gloo", 3)), (("mpi", 3), ("gloo", 2)))
 
 # On a GPU, JAX multiplies float32 matrices in TF32 by default (errors near 1e-3): the tests
 # compare sharded and one-process training at 1e-5, so they ask for full precision (launched
@@ -96,6 +105,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """Set up the world, the markers, the hypothesis profile, and quiet ranks > 0."""
     config.addinivalue_line(
         "markers", f"spawns: the test launches its own processes ({SPAWNS_REASON})"
+    )
+    config.addinivalue_line(
+        "markers",
+        "heavy: a slow test of what no engine or size changes; of the multi-rank worlds it runs "
+        "in MPI 2 + Gloo 3 or MPI 3 + Gloo 2, case by case",
     )
     config.addinivalue_line(
         "markers",
@@ -295,20 +309,42 @@ def _full_matrix(config: pytest.Config) -> bool:
     return (backend.name, backend.size) == FULL_MATRIX
 
 
+def heavy_elsewhere(items: Iterable[pytest.Item], here: tuple[str, int]) -> set[int]:
+    """Return the ids of the `heavy` items whose worlds (`HEAVY_WORLDS`) are not `here`, the
+    (engine, ranks) of this world: none in the world of one, or in a world of none of its pairs."""
+    if all(here not in worlds for worlds in HEAVY_WORLDS):
+        return set()
+    cases: dict[str, int] = {}
+    elsewhere = set()
+    for item in items:
+        if item.get_closest_marker("heavy") is None:
+            continue
+        function = item.nodeid.split("[", 1)[0]
+        case = cases.get(function, 0)
+        cases[function] = case + 1
+        if here not in HEAVY_WORLDS[case % len(HEAVY_WORLDS)]:
+            elsewhere.add(id(item))
+    return elsewhere
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep a covering sample of each `matrix` test; skip `spawns` tests when several ranks."""
-    if not _full_matrix(config):
-        keep: set[int] = {id(item) for item in items}
-        for group in _matrices(items).values():
-            marker = group[0].get_closest_marker("matrix")
-            assert marker is not None
-            sample = covering_sample(group, int(marker.kwargs.get("strength", 2)))
-            keep -= {id(item) for item in group} - {id(item) for item in sample}
-        dropped = [item for item in items if id(item) not in keep and not _named(config, item)]
-        keep |= {id(item) for item in items} - {id(item) for item in dropped}
+    """Keep a covering sample of each `matrix` test and the `heavy` tests of this world; skip
+    `spawns` tests when several ranks."""
+    if config.getoption("matrix") != "full":
+        drop: set[int] = set()
+        if not _full_matrix(config):
+            for group in _matrices(items).values():
+                marker = group[0].get_closest_marker("matrix")
+                assert marker is not None
+                sample = covering_sample(group, int(marker.kwargs.get("strength", 2)))
+                drop |= {id(item) for item in group} - {id(item) for item in sample}
+        backend: Backend = _state["backend"]
+        drop |= heavy_elsewhere(items, (backend.name, backend.size))
+        dropped = [item for item in items if id(item) in drop and not _named(config, item)]
         if dropped:
+            gone = {id(item) for item in dropped}
             config.hook.pytest_deselected(items=dropped)
-            items[:] = [item for item in items if id(item) in keep]
+            items[:] = [item for item in items if id(item) not in gone]
     if not _multi():
         if os.environ.get("PYTEST_XDIST_WORKER"):
             # Jobs first: a test that starts one takes seconds, one in this process milliseconds,

@@ -6,7 +6,7 @@ state loads them bit for bit and trains on alike; the saved tensors are the whol
 parameters, of their shapes; a bare `ShardedState` is refused. The `spawns` test runs jobs of
 other sizes (tests/scripts/optax_checkpoint_job.py): saved at 3 and loaded at 2 and 1, saved at 2
 and loaded at 3, saved at 1 and loaded at 3, each loaded state, consolidated, equal bit for bit to
-the saving job's.
+the saving job's; a job loads one checkpoint and saves the next, so five jobs do it all.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def assert_same(a: Any, b: Any, where: str) -> None:
         assert x.tobytes() == y.tobytes(), f"{where} leaf {i}: {x} != {y}"
 
 
+@pytest.mark.heavy
 def test_a_sharded_optax_state_round_trips_bit_for_bit(folder: Path) -> None:
     opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
     params, state = train(opt, make_params(), opt.init(make_params()), range(2))
@@ -154,10 +155,11 @@ def test_a_state_of_other_parameters_is_named(folder: Path) -> None:
 # -- jobs of other sizes -------------------------------------------------------------------------
 
 
-def job(mode: str, folder: Path, out: Path, ranks: int, backend: str) -> dict[str, Any]:
+def job(actions: list[tuple[str, Path, Path]], ranks: int, backend: str) -> list[dict[str, Any]]:
+    """Run `actions` (`save`/`load`, folder, pickle) in turn in one job; return their pickles."""
     launcher: Literal["run"] = "run"
     done = run_job(
-        [JOB, mode, folder, out],
+        [JOB, *(part for action in actions for part in action)],
         launcher=launcher,
         ranks=ranks,
         backend=backend,
@@ -165,29 +167,44 @@ def job(mode: str, folder: Path, out: Path, ranks: int, backend: str) -> dict[st
         timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    with open(out, "rb") as f:
-        result: dict[str, Any] = pickle.load(f)
-    assert result["size"] == ranks
-    return result
+    results = []
+    for _, _, out in actions:
+        with open(out, "rb") as f:
+            result: dict[str, Any] = pickle.load(f)
+        assert result["size"] == ranks
+        results.append(result)
+    return results
 
 
-@pytest.mark.parametrize(
-    ("saved", "loaded"),
-    [
-        ((3, "mpi"), [(2, "gloo"), (1, "mpi")]),
-        ((2, "gloo"), [(3, "mpi")]),
-        ((1, "mpi"), [(3, "gloo")]),
-    ],
-)
+# Each job (ranks, engine) loads the checkpoint a job before it saved and saves its own: saved at
+# 3 and loaded at 2 and 1, saved at 2 and loaded at 3, saved at 1 and loaded at 3.
+JOBS: list[tuple[int, str, str | None, str | None]] = [  # (ranks, engine, loads, saves)
+    (3, "mpi", None, "a"),
+    (2, "gloo", "a", "b"),
+    (1, "mpi", "a", "c"),
+    (3, "mpi", "b", None),
+    (3, "gloo", "c", None),
+]
+
+
 @pytest.mark.spawns
-def test_saved_at_one_size_loads_bit_for_bit_at_others(
-    saved: tuple[int, str], loaded: list[tuple[int, str]], tmp_path: Path
-) -> None:
+def test_saved_at_one_size_loads_bit_for_bit_at_others(tmp_path: Path) -> None:
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
-    folder = tmp_path / "ckpt"
-    want = job("save", folder, tmp_path / "ref.pkl", *saved)
-    for ranks, backend in loaded:
-        got = job("load", folder, tmp_path / f"out{ranks}.pkl", ranks, backend)
-        assert_same(got["params"], want["params"], f"parameters loaded at {ranks} ({backend})")
-        assert_same(got["state"], want["state"], f"state loaded at {ranks} ({backend})")
+    saved: dict[str, tuple[int, str, dict[str, Any]]] = {}
+    for ranks, backend, loads, saves in JOBS:
+        actions = []
+        if loads:
+            actions.append(("load", tmp_path / loads, tmp_path / f"out-{ranks}-{backend}.pkl"))
+        if saves:
+            actions.append(("save", tmp_path / saves, tmp_path / f"ref-{saves}.pkl"))
+        results = job(actions, ranks, backend)
+        if loads:
+            by, engine, want = saved[loads]
+            got = results[0]
+            where = f"saved at {by} ({engine}), loaded at {ranks} ({backend})"
+            assert_same(got["params"], want["params"], f"parameters {where}")
+            assert_same(got["state"], want["state"], f"state {where}")
+        if saves:
+            saved[saves] = (ranks, backend, results[-1])
+    assert len(saved) == 3

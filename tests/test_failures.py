@@ -115,6 +115,7 @@ def _wait_until(condition: Callable[[], bool], what: str, limit: float = LIMIT) 
         time.sleep(0.01)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("how", ["fifo", "pidfd"])
 def test_the_launcher_sees_which_rank_died_first_and_not_one_that_finished(how: str) -> None:
     run_dir = RunDir()

@@ -148,12 +148,14 @@ def check_fault(call: Call, fault: str, faulty: int) -> None:
 pytestmark = pytest.mark.skipif(dp.size() == 1, reason="a misbehaving rank needs two ranks")
 
 
+@pytest.mark.heavy
 @settings(max_examples=150)
 @given(call=calls, fault=st.sampled_from(FAULTS), faulty=st.integers(0, 2))
 def test_one_rank_that_differs_makes_every_rank_raise(call: Call, fault: str, faulty: int) -> None:
     check_fault(call, fault, faulty)
 
 
+@pytest.mark.heavy
 @settings(max_examples=80)
 @given(call=calls, fault=st.sampled_from(FAULTS_CHECKS_OFF), faulty=st.integers(0, 2))
 def test_with_checks_off_a_rank_that_differs_in_its_messages_makes_every_rank_raise(

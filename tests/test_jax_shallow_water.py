@@ -183,6 +183,7 @@ def test_the_halo_exchange_matches_one_process(
     np.testing.assert_allclose(result, alone, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.heavy
 def test_the_halo_exchange_runs_eagerly_too(rank: int, size: int) -> None:
     """`jax.disable_jit()`: the same calls on concrete arrays, the eager path."""
     rows, cols = layouts(size)[-1]

@@ -1,7 +1,8 @@
 """The `matrix` marker's sample (conftest.covering_sample): what every world but the full one runs.
 
 The sample must hold every pair of values that the whole matrix holds, and be the same however
-often it is drawn (every rank draws it alone and must collect the same tests).
+often it is drawn (every rank draws it alone and must collect the same tests). A `heavy` test's
+cases (conftest.heavy_elsewhere) each run on both engines and at both sizes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from _families import FAMILIES, OPS
-from conftest import covering_sample
+from conftest import HEAVY_WORLDS, covering_sample, heavy_elsewhere
 
 
 def cases(**axes: Any) -> list[Any]:
@@ -51,3 +52,20 @@ def test_strength_one_holds_every_value_and_the_sample_is_the_same_every_time() 
     assert held(sample, 1) == held(items, 1) and len(sample) == len(OPS)
     assert [id(i) for i in covering_sample(items, 1)] == [id(i) for i in sample]
     assert covering_sample(items, 2) == items  # with two axes, every pair is every case
+
+
+def test_each_case_of_a_heavy_test_runs_on_both_engines_at_both_sizes() -> None:
+    def item(nodeid: str, heavy: bool = True) -> Any:
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: heavy or None)
+
+    items = [item("t.py::a[eager]"), item("t.py::a[jit]"), item("t.py::b"), item("t.py::c", False)]
+    kept = {}
+    for worlds in HEAVY_WORLDS:
+        assert {engine for engine, _ in worlds} == {"mpi", "gloo"}
+        assert {size for _, size in worlds} == {2, 3}
+        for here in worlds:
+            gone = heavy_elsewhere(items, here)
+            kept[here] = [i.nodeid for i in items if id(i) not in gone]
+    assert kept[("mpi", 2)] == kept[("gloo", 3)] == ["t.py::a[eager]", "t.py::b", "t.py::c"]
+    assert kept[("mpi", 3)] == kept[("gloo", 2)] == ["t.py::a[jit]", "t.py::c"]
+    assert heavy_elsewhere(items, ("single", 1)) == heavy_elsewhere(items, ("mpi", 4)) == set()

@@ -460,6 +460,7 @@ def test_ranks_running_different_compiled_steps_raise_instead_of_mixing(
     np.testing.assert_allclose(out["a"], np.full(3, size))
 
 
+@pytest.mark.heavy
 def test_value_and_grad_train_step_with_apply_updates(rank: int, size: int) -> None:
     params, x, y = problem()
     opt = dp.DistributedOptimizer(optax.adam(1e-2))
@@ -607,6 +608,7 @@ def test_jitted_sum_of_bool_small_integers_and_large_leaves(
     np.testing.assert_array_equal(out["big"], np.full(big, float(total), np.float32))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("route", ROUTES)
 def test_multi_steps_communicates_once_per_real_update(
     route: str, engine_calls: list[int], rank: int, size: int
@@ -629,6 +631,7 @@ def test_multi_steps_communicates_once_per_real_update(
     assert_same_on_every_rank(mine)
 
 
+@pytest.mark.heavy
 def test_multisteps_around_the_distributed_optimizer_is_right_but_reduces_every_micro_step(
     engine_calls: list[int], rank: int, size: int
 ) -> None:

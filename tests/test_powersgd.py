@@ -471,6 +471,7 @@ def _regression(compression: Any, steps: int = 400) -> float:
         return float(((model(x) - y) ** 2).mean())
 
 
+@pytest.mark.heavy
 def test_training_reaches_the_uncompressed_loss_within_one_percent() -> None:
     """PowerSGD at rank 8 after 10 exact steps (the two larger matrices compressed to half and
     three quarters of their values) ends within 1% of the uncompressed run's loss after 400

@@ -78,6 +78,7 @@ def _assert_same_on_every_rank(tree: Any) -> None:
         jax.tree.map(np.testing.assert_array_equal, every[0], other)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("rank", [1, 2])
 def test_gradients_of_rank_at_most_r_arrive_exactly(rank: int, jit: bool) -> None:
@@ -103,6 +104,7 @@ def test_gradients_of_rank_at_most_r_arrive_exactly(rank: int, jit: bool) -> Non
     assert float(np.linalg.norm(out["w"] - exact)) > 1e-3 * float(np.linalg.norm(exact))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_error_feedback_carries_exactly_what_was_dropped(jit: bool) -> None:
     """Each rank's residual is what the projection on P took from its own matrix (gradient plus
@@ -125,6 +127,7 @@ def test_error_feedback_carries_exactly_what_was_dropped(jit: bool) -> None:
         carried = residual
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_warm_start_reaches_the_best_rank_one_approximation(jit: bool) -> None:
     """With warm start the power iteration goes on across steps and reaches the best rank-1
@@ -155,6 +158,7 @@ def test_warm_start_reaches_the_best_rank_one_approximation(jit: bool) -> None:
     assert errors[False] > best * 1.001, (errors, best)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_start_iter_updates_are_exact_then_compressed(jit: bool) -> None:
     """The first `start_iter` updates are exact reductions (full-rank gradients arrive as they
@@ -193,6 +197,7 @@ def _run(jit: bool, state: Any, steps: range, opt: Any = None) -> tuple[Any, Any
     return outs, state
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_a_state_saved_and_loaded_resumes_bit_for_bit(jit: bool) -> None:
     """The state (inner state, count, bases, residuals) is a pytree of arrays: saved halfway
@@ -213,6 +218,7 @@ def test_a_state_saved_and_loaded_resumes_bit_for_bit(jit: bool) -> None:
     assert not np.array_equal(elsewhere[-1]["w"], whole[-1]["w"])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_another_ranks_residuals_are_not_added(jit: bool) -> None:
     """Rank 0's state loaded on every rank (a checkpoint of rank 0, an elastic world
@@ -252,6 +258,7 @@ def test_elastic_tree_state_commits_restores_and_synchronizes_it() -> None:
     _assert_same_on_every_rank(elastic.opt_state)
 
 
+@pytest.mark.heavy
 def test_eager_and_jitted_updates_agree() -> None:
     """The same run eagerly and inside jax.jit: the same updates and state (the same jnp
     operations; XLA may fuse them differently, so to float32's rounding)."""
@@ -262,6 +269,7 @@ def test_eager_and_jitted_updates_agree() -> None:
     jax.tree.map(close, eager_state, jitted_state)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", MODES, ids=MODE_IDS)
 def test_16_bit_and_float64_leaves_keep_their_dtype(jit: bool) -> None:
     """float16 and bfloat16 matrices are compressed in float32 (their residuals float32), and
@@ -354,6 +362,7 @@ def test_where_it_is_not_offered_the_error_says_what_to_use() -> None:
         opt.update({"w": jnp.ones((9, 8))}, state)
 
 
+@pytest.mark.heavy
 def test_multi_steps_carries_the_state_and_reduces_once_per_real_update() -> None:
     """`dp.jax.multi_steps` takes it: the PowerSGD state is its inner state, advanced on the
     real updates only."""
@@ -409,6 +418,7 @@ def _regression(compression: Any, steps: int = 400) -> float:
     return float(loss(params, x, y))
 
 
+@pytest.mark.heavy
 def test_training_reaches_the_uncompressed_loss_within_one_percent() -> None:
     """PowerSGD at rank 8 after 10 exact steps (the two larger matrices compressed) ends within
     1% of the uncompressed run's loss after 400 steps; rank 1 ends far from it, so the run does

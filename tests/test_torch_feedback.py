@@ -99,6 +99,7 @@ def _regression(compression: Any, steps: int = 60) -> float:
         return float(((model(x).squeeze(1) - y) ** 2).mean())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
 def test_training_converges_no_worse_with_feedback(wire: str) -> None:
     plain = _regression(getattr(dp.Compression, wire))

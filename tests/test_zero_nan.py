@@ -106,6 +106,7 @@ def test_error_if_nonfinite_raises_on_every_rank(
     assert_same_on_every_rank(list(model.parameters()))
 
 
+@pytest.mark.heavy
 @settings(max_examples=30)
 @given(
     stage=st.sampled_from([1, 2]),

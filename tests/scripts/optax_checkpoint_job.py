@@ -1,14 +1,16 @@
 """Train a sharded optax state, or resume one, through `dp.checkpoint` at this job's world size.
 
-    optax_checkpoint_job.py save FOLDER REF
     optax_checkpoint_job.py load FOLDER OUT
+    optax_checkpoint_job.py save FOLDER REF
+    optax_checkpoint_job.py load FOLDER OUT save FOLDER2 REF2
 
 `save` trains two Adam steps (`shard_state=True`, each rank its own gradients) over parameters of
 three dtypes and odd sizes, writes FOLDER with `dp.checkpoint.save` (every rank its slices, as
 `dp.checkpoint.OptaxShards`), and rank 0 pickles REF: the parameters and the state consolidated
 with `dp.jax.consolidate_state` (the same at every world size), as NumPy leaves. `load` makes a
 fresh state at its own world size, loads FOLDER into it, and rank 0 pickles the same of what it
-got into OUT: any job's OUT must equal REF bit for bit.
+got into OUT: any job's OUT must equal REF bit for bit. Several actions run in turn, each from a
+fresh state, so that one job can load one checkpoint and save the next.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ def host(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
-def main() -> None:
-    mode, folder, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    dp.initialize()
+def act(mode: str, folder: str, out: str) -> None:
+    """`save` or `load` (see the module docstring), from a fresh state."""
     opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
     params = make_params()
     state = opt.init(params)
@@ -69,6 +70,13 @@ def main() -> None:
     if dp.rank() == 0:
         with open(out, "wb") as f:
             pickle.dump({"params": host(params), "state": host(whole), "size": dp.size()}, f)
+
+
+def main() -> None:
+    actions = sys.argv[1:]
+    dp.initialize()
+    for i in range(0, len(actions), 3):
+        act(*actions[i : i + 3])
     dp.finalize()
 
 
