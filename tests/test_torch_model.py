@@ -58,6 +58,62 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(name: str, worl
     assert len(model.gradient_sync.buckets) >= 3
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_packed_buckets_gradients_are_its_memory_not_copies(
+    set_to_none: bool, world: Backend
+) -> None:
+    """The reduced gradients of a bucket of several parameters are their places in the bucket's
+    memory (DDP's `gradient_as_bucket_view`), not copies written back. Each `.grad` stays the
+    same tensor object (a reference taken before backward sees the result); kept between steps,
+    backward accumulates into the bucket's memory, and the next steps are still right."""
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)  # the default size: one bucket of everything
+    assert len(model.gradient_sync.buckets) == 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch(step)
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        held = [p.grad for p in model.parameters()]
+        loss_of(model, share(x), share(y)).backward()
+        loss_of(reference, x, y).backward()
+        pairs = zip(model.parameters(), reference.parameters(), strict=True)
+        for i, (got, want) in enumerate(pairs):
+            torch.testing.assert_close(got.grad, want.grad)
+            if held[i] is not None:
+                assert got.grad is held[i], "the same tensor object, now on the bucket's memory"
+        places = sorted((p.grad.data_ptr(), p.grad.nbytes) for p in model.parameters())
+        ends = [start + nbytes for start, nbytes in places[:-1]]
+        assert ends == [start for start, _ in places[1:]], "one after the other in the bucket"
+        opt.step()
+        ref_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_gradients_that_are_views_of_your_own_buffer_are_written_into_it(world: Backend) -> None:
+    """A gradient whose memory something else sees (here: views of one flat buffer, as flat
+    optimizers make them) keeps its memory: the reduced values are written into it."""
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    loss_of(reference, x, y).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(flat, want)
+    for p in params:
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
 def test_wrapping_broadcasts_parameters_and_buffers_from_rank_0(world: Backend) -> None:
     torch.manual_seed(world.rank)
     bare = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))

@@ -20,8 +20,10 @@ buckets go out while backward runs, on the communication thread, or all at its e
   at its next `zero_grad()`/`step()`, flagged abandoned: the other ranks' `step()` raises
   `RankFailedError` instead of applying an incomplete average.
 
-The parameters are re-read at every step (`refresh`) and rebucketed once after the first, in the
-order rank 0's gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
+A gradient packed with others takes its place in the bucket's memory as its own once reduced
+(`_adopt`), instead of a copy out of it, where nothing else sees its memory. The parameters are
+re-read at every step (`refresh`) and rebucketed once after the first, in the order rank 0's
+gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
 docs/sharp-bits.md.
 """
 
@@ -33,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -42,6 +44,7 @@ from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Router
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
+from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Fusion
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
@@ -628,7 +631,7 @@ class GradientSync:
         timeline = self._router.fusion.timeline
         if b == 0 and timeline is not None:
             self._started_at = timeline.now()
-        leaves = []
+        leaves, delivers = [], []
         low = self._low if self._compressing else None
         compressed, computed_now = [], set()
         for i in self._buckets[b].members:
@@ -647,16 +650,18 @@ class GradientSync:
                     computed_now.add(i)
                 continue
             leaves.append((family, p.grad))
+            delivers.append(partial(_adopt, family, p.grad) if _alone(p.grad) else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
             leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
+            delivers.append(None)
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
             self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
         flags = self._flags if b == len(self._buckets) - 1 else None
         if low is None:
-            self._router.send(leaves, flags)
-        else:
+            self._router.send(leaves, flags, delivers)
+        else:  # PowerSGD's calls copy their results back (`_low_rank_call`)
             self._router.run(partial(self._low_rank_call, b, leaves, flags))
 
     def reset(self) -> None:
@@ -776,3 +781,29 @@ class GradientSync:
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._lay_out(self._params, [i for b in self._buckets for i in b.members])
+
+
+def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
+    """Make `grad` use `place`, its reduced values in its bucket's memory (`Fusion.add`), as its
+    memory instead of copying them into it (DDP's `gradient_as_bucket_view`, without its fixed
+    buffer: the bucket's memory is lent until no gradient uses it). The same tensor object, so
+    that whoever holds it sees the result; given only gradients nothing else sees the memory of
+    (`_alone`): a flat buffer the user made the gradients views of is written into, as before.
+    """
+    with torch.no_grad():
+        values = cast("torch.Tensor", family.adopt(grad, place))  # `place`'s memory itself
+        grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """Whether `t` is contiguous, all of its storage, and the only tensor using it (no view of
+    it, nor it a view of a larger buffer)."""
+    if not t.is_contiguous() or t.storage_offset() != 0:
+        return False
+    storage = t.untyped_storage()
+    if storage.nbytes() != t.nbytes or _USE_COUNT is None:
+        return False
+    return bool(_USE_COUNT(storage._cdata) == 2)  # `t`, and `storage` here
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
