@@ -29,6 +29,7 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
+from dataparallel.torch import _gradsync
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -91,6 +92,33 @@ def test_a_packed_buckets_gradients_are_its_memory_not_copies(
         ref_opt.step()
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_without_torchs_storage_use_count_gradients_are_copied_back(
+    world: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a gradient alone sees its memory is told by torch's private
+    `torch._C._storage_Use_Count`, checked once: where it is absent or counts otherwise, no
+    gradient becomes a view of its bucket (each keeps its own memory, written into), and the
+    results are the same."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert _gradsync._use_count() is None
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", lambda cdata: 1, raising=False)
+    assert _gradsync._use_count() is None
+    monkeypatch.setattr(_gradsync, "_USE_COUNT", None)
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    held = [(p.grad, p.grad.data_ptr()) for p in model.parameters()]
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    loss_of(reference, x, y).backward()
+    pairs = zip(model.parameters(), reference.parameters(), held, strict=True)
+    for got, want, (grad, place) in pairs:
+        torch.testing.assert_close(got.grad, want.grad)
+        assert got.grad is grad and got.grad.data_ptr() == place, "written into, not moved"
 
 
 def test_gradients_that_are_views_of_your_own_buffer_are_written_into_it(world: Backend) -> None:

@@ -479,6 +479,8 @@ class GradientSync:
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
         self._keeping = False  # this step is the one every rank promised (`_agree`)
+        if owed(self.backend) == self._end_then_keep:  # a step discarded before its end
+            owe(self.backend, None)
         self._early: Started | None = None  # this step's handshake, begun at its first gradient
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
@@ -619,6 +621,8 @@ class GradientSync:
             promise is not None
             and owed(self.backend) is promise
             and self._layouts == self._promised_layout
+            and self.then_replay is None  # `dp.torch.join` began since: its ranks must handshake
+            and self.on_join is None
         )
 
     def _owe(self) -> None:
@@ -630,6 +634,15 @@ class GradientSync:
         self._promise = partial(self._keep_on_zeros, params, buckets)
         self._promised_layout = self._layouts
         owe(self.backend, self._promise)
+
+    def _end_then_keep(self, joining: bool) -> None:
+        """This rank is about to make another call after sending its promise, before `wait()`:
+        end the step (which holds the promise if every rank made it), then keep the promise."""
+        self.wait()
+        promise = self._promise
+        if promise is not None and owed(self.backend) is promise:
+            owe(self.backend, None)
+            promise(joining)
 
     def _keep_on_zeros(self, params: NamedParams, buckets: list[list[int]], joining: bool) -> None:
         """This rank is about to make another call (`protocol.settle`) than the step it
@@ -777,6 +790,8 @@ class GradientSync:
             n = len(self._params)
             promises = self._may_promise()
             self._promising_layout = self._layouts if promises else -1
+            if promises:  # a call before `wait()` finds whether all did, and keeps it (`_owe`)
+                owe(self.backend, self._end_then_keep)
             self._flags = step_flags(
                 n, self._filled, self._abandoned, self._sparse.flags(n), promises
             )
@@ -806,6 +821,8 @@ class GradientSync:
             return
         if self._state == State.FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
+        if owed(self.backend) == self._end_then_keep:  # calls from here on are every rank's
+            owe(self.backend, None)
         self._launch_rest()
         self._router.finish()
         if self._low is not None:
@@ -926,13 +943,35 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
 
 def _alone(t: torch.Tensor) -> bool:
     """Whether `t` is contiguous, all of its storage, and the only tensor using it (no view of
-    it, nor it a view of a larger buffer)."""
-    if not t.is_contiguous() or t.storage_offset() != 0:
+    it, nor it a view of a larger buffer); False wherever that cannot be told (`_use_count`)."""
+    if _USE_COUNT is None or not t.is_contiguous() or t.storage_offset() != 0:
         return False
     storage = t.untyped_storage()
-    if storage.nbytes() != t.nbytes or _USE_COUNT is None:
+    if storage.nbytes() != t.nbytes:
         return False
     return bool(_USE_COUNT(storage._cdata) == 2)  # `t`, and `storage` here
 
 
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+def _use_count() -> Callable[[int], int] | None:
+    """How many tensors (and storage objects) use a storage: torch's private
+    `torch._C._storage_Use_Count` (the storage's reference count), since torch has no public
+    way to tell whether a tensor is the only one seeing its memory, and a gradient that a view
+    also sees (a flat buffer the user made the gradients views of) must be written into, never
+    moved. Checked once on a tensor and its view: where the function is absent, raises, or
+    counts otherwise (another torch), None, and every gradient is copied back as before."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        t = torch.empty(4)
+        storage = t.untyped_storage()
+        alone = count(storage._cdata)
+        view = t.view(2, 2)
+        shared = count(storage._cdata)
+        del view
+    except Exception:  # a torch whose private function takes other arguments
+        return None
+    return count if (alone, shared) == (2, 3) else None
+
+
+_USE_COUNT = _use_count()
