@@ -557,8 +557,36 @@ def test_steps_every_rank_promised_make_no_handshake_and_match_one_process(
     assert_same_on_every_rank(list(model.parameters()))
 
 
+@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
+def test_a_loss_averaged_between_backward_and_step_keeps_the_steps_right(world: Backend) -> None:
+    """Every rank averages its loss between backward and `step()`, after it promised the next
+    step in its last bucket: that call ends the step first and keeps the promise on zeros on
+    every rank (once: with a call between steps, no rank promises again), and every step still
+    averages what one process would."""
+    model, reference = make_model(), make_model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(6):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        loss = loss_of(model, share(x), share(y))
+        loss.backward()
+        mean = dp.allreduce(loss.detach(), op="avg")
+        opt.step()
+        ref_opt.zero_grad()
+        want = loss_of(reference, x, y)
+        want.backward()
+        ref_opt.step()
+        torch.testing.assert_close(mean, dp.allreduce(loss.detach(), op="avg"))
+        for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, expected)
+    assert protocol.owed(world) is None  # no promise made with calls between the steps
+
+
 @pytest.mark.skipif(dp.size() == 1, reason="a mismatch needs two ranks")
-@pytest.mark.parametrize("other", ["an allreduce", "a frozen parameter", "every rank"])
+@pytest.mark.parametrize(
+    "other", ["an allreduce", "an allreduce before step()", "a frozen parameter", "every rank"]
+)
 def test_a_rank_that_breaks_a_promised_step_raises_a_mismatch_on_every_rank(
     other: str, world: Backend
 ) -> None:
@@ -584,16 +612,31 @@ def test_a_rank_that_breaks_a_promised_step_raises_a_mismatch_on_every_rank(
         return
     if deviant and other == "a frozen parameter":
         model[0].bias.requires_grad_(False)  # taken into account by the step zero_grad begins
-    opt.zero_grad()
-    with pytest.raises(CollectiveMismatchError) as raised:
-        if deviant and other == "an allreduce":
-            dp.allreduce(torch.ones(3))
-        else:
-            loss_of(model, share(x), share(y)).backward()
+    if other == "an allreduce before step()":  # step 4 promises step 5 in its last bucket
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        if deviant:  # ends step 4, makes step 5 on zeros, then its own call
+            with pytest.raises(CollectiveMismatchError) as raised:
+                dp.allreduce(torch.ones(3))
             opt.step()
+        else:
+            opt.step()
+            x, y = global_batch(5)
+            opt.zero_grad()
+            with pytest.raises(CollectiveMismatchError) as raised:
+                loss_of(model, share(x), share(y)).backward()
+                opt.step()
+    else:
+        opt.zero_grad()
+        with pytest.raises(CollectiveMismatchError) as raised:
+            if deviant and other == "an allreduce":
+                dp.allreduce(torch.ones(3))
+            else:
+                loss_of(model, share(x), share(y)).backward()
+                opt.step()
     text = str(raised.value)
     assert "gradient reduction" in text
-    assert ("allreduce" in text) == (other == "an allreduce"), text
+    assert ("allreduce" in text) == other.startswith("an allreduce"), text
     del opt
     assert dp.allreduce(1) == world.size  # the world is still usable
 

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from dataparallel import caches
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError, RankJoinedError
@@ -122,6 +123,8 @@ Started = tuple["Records", Handle]
 # their order; and how many handshakes each engine has made (`settle`).
 _owed: dict[int, tuple[Backend, Callable[[bool], None]]] = {}
 _handshakes: dict[int, int] = {}
+caches.register(_owed.clear)  # `dp.finalize()`: the world's engines are gone
+caches.register(_handshakes.clear)
 
 
 def owe(backend: Backend, answer: Callable[[bool], None] | None) -> None:

@@ -600,7 +600,9 @@ class GradientSync:
         this step again: nothing but this step's own handshake was made on the engine since the
         last step ended (a step between others' calls would be made on zeros time and again),
         this reduction is one whose calls its layout alone decides (no PowerSGD, gathered sparse
-        gradients, nor `dp.torch.join`'s calls after it), and no other promise is held."""
+        gradients, nor `dp.torch.join`'s calls after it), and no other promise is held. Up to
+        `GATHER_LIMIT` ranks: the words are counted in the bucket's dtype, exact in 16 bits up
+        to 256."""
         b = self.backend
         return (
             1 < b.size <= GATHER_LIMIT
