@@ -26,7 +26,9 @@ buckets go out while backward runs, on the communication thread, or all at its e
   `RankFailedError` instead of applying an incomplete average.
 
 A gradient packed with others takes its place in the bucket's memory as its own once reduced
-(`_adopt`), instead of a copy out of it, where nothing else sees its memory. The parameters are
+(`_adopt`), instead of a copy out of it, where nothing else sees its memory and the engine moves
+calls on by itself (Gloo, NCCL; on MPI it made steps slower, for reasons not found: see
+`_views`). The parameters are
 re-read at every step (`refresh`) and rebucketed once after the first, in the order rank 0's
 gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
 docs/sharp-bits.md.
@@ -228,6 +230,11 @@ class GradientSync:
             self._low.world = self.backend.size if op == "sum" else 1
             self._low.lag = q_lag(self.backend)
         self.wait_after_backward = wait_after_backward
+        # Packed gradients become views of their bucket (`_adopt`) only on engines that move
+        # calls on by themselves: on MPI, adopting the few small gradients its packed buckets
+        # hold made whole steps slower than copying them back (the pool's buffers were reused,
+        # the cause was not found; figures in benchmarks/NOTES.md).
+        self._views = self.backend.progresses
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
@@ -783,7 +790,8 @@ class GradientSync:
                     computed_now.add(i)
                 continue
             leaves.append((family, p.grad))
-            delivers.append(partial(_adopt, family, p.grad) if _alone(p.grad) else None)
+            adopt = self._views and _alone(p.grad)
+            delivers.append(partial(_adopt, family, p.grad) if adopt else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
             leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
