@@ -24,12 +24,12 @@ ddp` of both (below 1: this library's strategy is faster).
 unpacks, taken in turn with the others, and prints the overhead ratio after / before: a change to
 the bucket path measured before and after in the same processes.
 
-`--without FEATURES` (repeatable; a comma-separated list of `promises`, `views`, `one-bucket`) adds
+`--without FEATURES` (repeatable; a comma-separated list of `promises`, `views`) adds
 a case `DataParallelStrategy without FEATURES`: the same strategy with those features of the
 gradient reduction turned off, in turn with the others, and prints its overhead against the
 full strategy's. `promises`: every step makes its handshake (no step made without one, as
 every rank promised); `views`: the gradients of a packed bucket are copied out of it instead of
-becoming views of it; `one-bucket`: the first bucket is capped (as DDP's) even after backward.
+becoming views of it.
 """
 
 from __future__ import annotations
@@ -55,14 +55,7 @@ from dataparallel.torch._gradsync import GradientSync
 
 OURS, DDP, BEFORE = "DataParallelStrategy", 'strategy="ddp"', "DataParallelStrategy, --before"
 WITHOUT = "DataParallelStrategy without "
-FEATURES = ("promises", "views", "one-bucket")
-
-
-def _capped_layout(*args: Any, first: bool = True) -> Any:
-    return _LAYOUT(*args, first=True)
-
-
-_LAYOUT = gradsync.layout
+FEATURES = ("promises", "views")
 
 
 class Timer(pl.Callback):
@@ -151,8 +144,6 @@ def step_time(case: str, args: argparse.Namespace, before: type | None = None) -
             stack.enter_context(_swapped(GradientSync, "_may_promise", lambda self: False))
         if "views" in off:
             stack.enter_context(_swapped(gradsync, "_alone", lambda t: False))
-        if "one-bucket" in off:
-            stack.enter_context(_swapped(gradsync, "layout", _capped_layout))
         trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))
     mine = statistics.median(timer.times[args.skip :])
     return float(dp.allreduce(torch.tensor(mine, dtype=torch.float64), op="max"))

@@ -17,7 +17,6 @@ from dataparallel.torch._buckets import (
     ModeTrial,
     assign,
     bucket_bytes_for,
-    layout,
     overlaps,
 )
 
@@ -32,19 +31,6 @@ def test_the_first_bucket_is_capped_and_the_others_are_not() -> None:
     # A first limit above the bucket size changes nothing.
     same = assign(params, list(range(len(sizes))), bucket_bytes=48, first_bytes=1000)
     assert [b.members for b in same] == [[0, 1, 2], [3, 4, 5]]
-
-
-def test_after_backward_the_first_bucket_is_not_capped() -> None:
-    """The first bucket's cap lets communication start early in backward; a reduction launched
-    after backward (`first=False`) has nothing to start early, and each bucket more is a call
-    more: a model under the bucket size is one bucket."""
-    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([1000, 300_000, 300_000])]
-    options: Any = {"op": "avg", "bucket_bytes": 25 * MiB}
-    order = [0, 1, 2]
-    overlapping, _ = layout("test", options, params, order, 25 * MiB, True)
-    assert [b.members for b in overlapping] == [[1], [0, 2]]  # 1.2 MB over the first 1 MiB
-    after, _ = layout("test", options, params, order, 25 * MiB, True, first=False)
-    assert [b.members for b in after] == [[0, 1, 2]]
 
 
 def test_thread_buckets_are_an_eighth_of_the_model_within_limits() -> None:

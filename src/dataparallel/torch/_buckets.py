@@ -128,19 +128,14 @@ def layout(
     order: list[int],
     bucket_bytes: int,
     full: bool,
-    *,
-    first: bool = True,
 ) -> tuple[list[Bucket], str]:
-    """Return the buckets and the reduction's summary (`summarize`). `first`: the first bucket
-    is capped at `FIRST_BUCKET_BYTES`, so that communication starts early in backward (as DDP's);
-    a reduction launched after backward has nothing to start early, and each bucket more is a
-    call more (on Gloo, a rendezvous of the ranks' threads)."""
+    """Return the buckets and the reduction's summary (`summarize`)."""
     # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
     # one for "a rank abandoned this step", and the promise's words). Parameters not in `order`
     # go in no bucket.
     flags = 4 * (2 * len(params) + 1 + WORDS)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
-    buckets = assign(params, order, budget, FIRST_BUCKET_BYTES if first else None)
+    buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
     return buckets, summarize(owner, options, params, buckets, full)
 
 

@@ -295,13 +295,7 @@ class GradientSync:
         order = self._sparse.dense_order(order)
         full = world.current().settings.check if world.initialized() else True
         self._buckets, self._summary = layout(
-            self.owner,
-            self._options,
-            self._params,
-            order,
-            self.bucket_bytes,
-            full,
-            first=self.overlap,
+            self.owner, self._options, self._params, order, self.bucket_bytes, full
         )
         self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
         self._signature = signature(self._params)
