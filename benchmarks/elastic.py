@@ -24,44 +24,58 @@ re-form cuts every shard and Adam's state again for the survivors; printed with 
 its death -> next commit to the unsharded run's.
 
 `--hosts` (as root) runs the same across two emulated hosts instead (benchmarks/network.py's
-`Link`: two network namespaces joined by a veth pair, unshaped): `dataparallel run -H a:2,b:2
---min-np 2`, launched in host a, starting host b's workers through an `ssh` that enters b's
-namespace (the launcher's own ssh command line, run without sshd); the failure run kills both
-workers of host b at once, so the survivors lose a whole host.
+`Link`: two network namespaces joined by a veth pair, unshaped, each running a real sshd with a
+key made here): `dataparallel run -H a:2,b:2 --min-np 2`, launched in host a, starting host b's
+workers over ssh. Two kinds of failure run, in turns with the clean one: host b's two workers
+SIGKILLed at once (their connections close), and host b's link taken down (`ip link set ...
+down` on its end of the pair) while its two workers stand still in the middle of step 20, so
+that the others wait on them in the step's allreduce (nothing closes: the launcher must find b's
+workers' heartbeats silent, `--link-timeout`, and the survivors cut their connections to it).
+The link runs are made for each value of `--link-timeouts` (seconds, fractions too); "death" is
+then the moment the link went down. The runs without a failure use the least of them, so that a
+worker said lost in one (a false "lost": a busy machine taken for a dead link) shows.
+
+Every worker also runs a thread that wakes every 0.1 s, as the heartbeat's does, and notes the
+longest gap between two wakes: how long a busy machine keeps such a thread from its turn, the
+least a link timeout must exceed. `--busy N` keeps N more processes spinning in each host for
+the whole invocation (a machine busy with other work).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 STEPS = 40
 VICTIM_STEP = 20
-# Stands in for ssh across the emulated hosts: `ssh [-o X | -p X | -i X]... HOST COMMAND`
-# runs COMMAND in HOST's namespace, under its hostname.
-FAKE_SSH = """#!/bin/sh
-while [ $# -gt 2 ]; do case $1 in -o|-p|-i) shift 2;; -*) shift;; *) break;; esac; done
-host=$1; shift
-case $host in
-{cases}
-  *) echo "no host $host" >&2; exit 255;;
-esac
-exec ip netns exec "$ns" unshare --uts sh -c "hostname $name; $1"
+SSH_PORT = 2222
+SSHD_CONFIG = """Port {port}
+ListenAddress {address}
+HostKey {keys}/host
+AuthorizedKeysFile {keys}/authorized_keys
+PidFile none
+StrictModes no
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
 """
 
 
-def worker(notes: Path, victim: str | None, sharded: bool) -> None:
+def worker(notes: Path, victim: str | None, sharded: bool, stall: bool) -> None:
     import torch
 
     import dataparallel as dp
@@ -70,8 +84,21 @@ def worker(notes: Path, victim: str | None, sharded: bool) -> None:
     me = os.environ["DATAPARALLEL_ELASTIC_WORKER"]
     log = open(notes / f"{me}.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the run
 
-    def note(kind: str) -> None:
-        log.write(json.dumps({"kind": kind, "t": time.time(), "who": me}) + "\n")
+    def note(kind: str, **more: float) -> None:
+        log.write(json.dumps({"kind": kind, "t": time.time(), "who": me, **more}) + "\n")
+
+    gaps = [0.0]
+    done = threading.Event()
+
+    def beat() -> None:  # as the heartbeat's thread: wake every 0.1 s, note the longest gap
+        last = time.monotonic()
+        while not done.wait(0.1):
+            now = time.monotonic()
+            gaps[0] = max(gaps[0], now - last - 0.1)
+            last = now
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
@@ -94,6 +121,10 @@ def worker(notes: Path, victim: str | None, sharded: bool) -> None:
             optimizer.zero_grad()
             model(data).pow(2).mean().backward()
             if victim is not None and me in victim.split(",") and state.step == VICTIM_STEP:
+                if stall:  # the link goes down meanwhile; the worker leaves by itself
+                    note("stalled")
+                    while True:
+                        time.sleep(1)
                 note("died")
                 os.kill(os.getpid(), signal.SIGKILL)
             optimizer.step()
@@ -102,38 +133,138 @@ def worker(notes: Path, victim: str | None, sharded: bool) -> None:
             note("commit")
 
     train(state)
+    done.set()
+    beater.join()
+    note("gap", gap=gaps[0])
+
+
+class Hosts:
+    """The two emulated hosts of `--hosts`: the link, an sshd in each, and how to reach them."""
+
+    def __init__(self, folder: Path) -> None:
+        sys.path.insert(0, str(HERE))
+        from network import DEVICE, Link
+
+        self.device = DEVICE
+        self.link = Link()
+        self.daemons: list[subprocess.Popen[bytes]] = []
+        keys = folder / "keys"
+        keys.mkdir()
+        for name in ("client", "host"):
+            key = keys / name
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
+                           check=True, stdin=subprocess.DEVNULL)  # fmt: skip
+        (keys / "authorized_keys").write_bytes((keys / "client.pub").read_bytes())
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        for host, address in enumerate(self.link.addresses):
+            config = folder / f"sshd{host}.conf"
+            config.write_text(SSHD_CONFIG.format(port=SSH_PORT, address=address, keys=keys))
+            command = self.link.command(host, [sshd, "-D", "-e", "-f", str(config)])
+            daemon = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True)
+            self.daemons.append(daemon)
+        wrapper = folder / "ssh"  # an ssh that neither reads nor writes known_hosts
+        wrapper.write_text(
+            f"#!/bin/sh\nexec {shutil.which('ssh')} -o UserKnownHostsFile=/dev/null "
+            '-o LogLevel=ERROR "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        self.options = ["-p", str(SSH_PORT), "-i", str(keys / "client")]
+        self.env = {**self.link.environment(), "PATH": f"{folder}:{os.environ['PATH']}"}
+        for address in self.link.addresses:  # sshd answers: a condition, with a guard
+            probe = [*self.link.command(0, ["ssh", *self.options, "-o", "BatchMode=yes",
+                     "-o", "StrictHostKeyChecking=no", address, "true"])]  # fmt: skip
+            for _ in range(100):
+                if subprocess.run(probe, env=self.env, capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.1)
+            else:
+                raise SystemExit(f"sshd in host {address} does not answer")
+
+    def set_link(self, up: bool) -> None:
+        """Take host b's end of the link down, or bring it up again."""
+        space = self.link.spaces[1]
+        state = "up" if up else "down"
+        subprocess.run(["ip", "-n", space, "link", "set", self.device, state], check=True)
+
+    def wait_gone(self, tag: str, seconds: float = 60.0) -> None:
+        """Wait until no process of host b has `tag` on its command line (a guard, `seconds`)."""
+        space = os.stat(f"/run/netns/{self.link.spaces[1]}").st_ino
+        deadline = time.monotonic() + seconds
+
+        def left() -> bool:
+            for entry in os.listdir("/proc"):
+                with contextlib.suppress(OSError):
+                    if (
+                        entry.isdigit()
+                        and os.stat(f"/proc/{entry}/ns/net").st_ino == space
+                        and tag.encode() in Path(f"/proc/{entry}/cmdline").read_bytes()
+                    ):
+                        return True
+            return False
+
+        while left():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"host b's workers did not leave within {seconds:g} s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for daemon in self.daemons:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        self.link.close()
 
 
 def one_run(
-    workers: int, victim: str | None, link: Any = None, sharded: bool = False
+    workers: int,
+    victim: str | None,
+    hosts: Hosts | None = None,
+    sharded: bool = False,
+    link_timeout: float | None = None,
+    stall: bool = False,
 ) -> dict[str, float]:
+    """One run; with `stall`, the victims stand still and host b's link goes down."""
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         command = [sys.executable, "-m", "dataparallel", "run", "-n", str(workers)]
         env = None
-        if link is not None:  # two hosts of workers // 2 each, launched in host a
+        if hosts is not None:  # two hosts of workers // 2 each, launched in host a
             slots = workers // 2
-            command += ["-H", ",".join(f"{a}:{slots}" for a in link.addresses)]
-            env = {**link.environment(), "PATH": f"{tmp}:{os.environ['PATH']}"}
-            cases = "\n".join(
-                f"  {a}) ns={s}; name={h};;"
-                for a, s, h in zip(link.addresses, link.spaces, link.hosts, strict=True)
-            )
-            ssh = Path(tmp) / "ssh"
-            ssh.write_text(FAKE_SSH.format(cases=cases))
-            ssh.chmod(0o755)
+            command += ["-H", ",".join(f"{a}:{slots}" for a in hosts.link.addresses)]
+            command += hosts.options
+            if link_timeout is not None:
+                command += ["--link-timeout", f"{link_timeout:g}"]
+            env = hosts.env
         command += ["--min-np", "2", "--backend", "gloo", "--timeout", "300", __file__]
         command += ["--worker", tmp] + (["--victim", victim] if victim else [])
         command += ["--fully-shard"] if sharded else []
-        if link is not None:
-            command = link.command(0, command)
+        command += ["--stall"] if stall else []
+        if hosts is not None:
+            command = hosts.link.command(0, command)
         start = time.time()
-        done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+        run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)  # fmt: skip
+        if hosts is not None and stall:
+            stalled = False
+            while not stalled and run.poll() is None:
+                time.sleep(0.01)
+                stalled = any('"stalled"' in path.read_text() for path in Path(tmp).glob("*.jsonl"))
+            hosts.set_link(False)
+            with open(Path(tmp) / "driver.jsonl", "w") as log:
+                log.write(json.dumps({"kind": "died", "t": time.time(), "who": "driver"}) + "\n")
+        try:
+            _, stderr = run.communicate(timeout=330)
+        finally:
+            if hosts is not None and stall:
+                hosts.wait_gone(tmp)  # b's workers leave by themselves; then the link is back
+                hosts.set_link(True)
         wall = time.time() - start
-        if done.returncode != 0:
-            raise SystemExit(f"the run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        if run.returncode != 0:
+            raise SystemExit(f"the run failed ({run.returncode}):\n{stderr[-3000:]}")
         notes = [json.loads(line) for path in Path(tmp).glob("*.jsonl") for line in path.open()]
     commits = sorted(n["t"] for n in notes if n["kind"] == "commit")
-    figures = {"wall": wall}
+    figures = {"wall": wall, "lost": float("was lost" in stderr)}
+    figures["gap"] = max((n["gap"] for n in notes if n["kind"] == "gap"), default=0.0)
     deaths = [n["t"] for n in notes if n["kind"] == "died"]
     if deaths:
         died = min(deaths)
@@ -152,44 +283,70 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--hosts", action="store_true", help="across two emulated hosts")
+    parser.add_argument(
+        "--link-timeouts", default="1,5", help="--hosts: the link runs' --link-timeout values"
+    )
+    parser.add_argument("--busy", type=int, default=0, help="--hosts: spinning processes a host")
     parser.add_argument("--fully-shard", action="store_true", help="also a fully_shard model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--victim", help=argparse.SUPPRESS)
+    parser.add_argument("--stall", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.victim, args.fully_shard)
+        worker(Path(args.worker), args.victim, args.fully_shard, args.stall)
         return
-    link = None
+    hosts = None
     victim, what = "w1", "worker 1"
+    timeouts = [float(t) for t in args.link_timeouts.split(",")] if args.hosts else []
+    least = min(timeouts, default=None)
+    folder = tempfile.TemporaryDirectory(prefix="elastic-hosts-")
     if args.hosts:
         sys.path.insert(0, str(HERE))
-        from network import Link, why_not
+        from network import why_not
 
         reason = why_not()
+        if reason is None and not os.path.exists(shutil.which("sshd") or "/usr/sbin/sshd"):
+            reason = "sshd is not installed: apt-get install -y openssh-server"
         if reason is not None:
             print(f"skipped: {reason}")
             return
         args.workers += args.workers % 2
         victim = ",".join(f"w{n}" for n in range(args.workers // 2, args.workers))
         what = f"host b's {args.workers // 2} workers ({victim})"
-        link = Link()
+        hosts = Hosts(Path(folder.name))
     failed, clean, sharded_failed, sharded_clean = [], [], [], []
+    cut: dict[float, list[dict[str, float]]] = {t: [] for t in timeouts}
+    spinning: list[subprocess.Popen[bytes]] = []
     try:
+        if hosts is not None:
+            spin = [sys.executable, "-c", "while True: pass"]
+            for host in (0, 1):
+                for _ in range(args.busy):
+                    spinning.append(subprocess.Popen(hosts.link.command(host, spin)))
         for _ in range(args.pairs):
-            failed.append(one_run(args.workers, victim, link))
-            clean.append(one_run(args.workers, None, link))
+            failed.append(one_run(args.workers, victim, hosts))
+            for t in timeouts:
+                cut[t].append(one_run(args.workers, victim, hosts, link_timeout=t, stall=True))
+            clean.append(one_run(args.workers, None, hosts, link_timeout=least))
             if args.fully_shard:
-                sharded_failed.append(one_run(args.workers, victim, link, sharded=True))
-                sharded_clean.append(one_run(args.workers, None, link, sharded=True))
+                sharded_failed.append(one_run(args.workers, victim, hosts, sharded=True))
+                sharded_clean.append(one_run(args.workers, None, hosts, sharded=True))
     finally:
-        if link is not None:
-            link.close()
-    report(args.workers, link is not None, what, failed, clean, "")
+        for process in spinning:
+            process.kill()
+            process.wait()
+        if hosts is not None:
+            hosts.close()
+        folder.cleanup()
+    report(args.workers, hosts is not None, f"{what} SIGKILLed", failed, clean, "")
+    for t, runs in cut.items():
+        how = f"host b's link down (--link-timeout {t:g}) with {what} waiting"
+        report(args.workers, True, how, runs, clean, "")
     if args.fully_shard:
         report(
             args.workers,
-            link is not None,
-            what,
+            hosts is not None,
+            f"{what} SIGKILLed",
             sharded_failed,
             sharded_clean,
             "fully_shard + Adam, ",
@@ -210,7 +367,7 @@ def report(
 ) -> None:
     step = statistics.median(f["step"] for f in clean)
     where = "" if not hosts else ", 2 emulated hosts"
-    print(f"{model}{workers} workers{where}, {what} SIGKILLed at step {VICTIM_STEP} of {STEPS}:")
+    print(f"\n{model}{workers} workers{where}, {what} at step {VICTIM_STEP} of {STEPS}:")
     print("| run | death -> re-formed | death -> state synced | death -> next commit | wall |")
     print("| --- | --- | --- | --- | --- |")
     for i, f in enumerate(failed):
@@ -220,6 +377,12 @@ def report(
         )
     for i, f in enumerate(clean):
         print(f"| no failure {i + 1} | - | - | - | {f['wall']:.1f} s |")
+    runs = failed + clean
+    print(
+        f"longest wait of a 0.1 s thread beside the training: {max(f['gap'] for f in runs):.3f} s;"
+        f" runs without a failure that lost a worker anyway: {sum(f['lost'] for f in clean):g}"
+        f" of {len(clean)}"
+    )
     recovery = statistics.median(f["next_commit"] for f in failed)
     print(f"step without a failure (median, commit to commit): {step * 1e3:.1f} ms")
     print(f"death -> next commit (median): {recovery:.2f} s = {recovery / step:.0f} steps")

@@ -53,6 +53,11 @@ from network import DEVICE, PORT, Link, described, variants, why_not  # noqa: E4
 COMPOSITIONS = {"auto": {}, "flat": {"MPIR_CVAR_ALLREDUCE_COMPOSITION": "2"}}
 # Hydra's slots a host: 2 fills host a first (ranks by host), 1 alternates the hosts.
 LAYOUTS = {"by host": 2, "alternating": 1}
+# --train's dp cases, and the modes `--modes` holds dp MPI in (`network.variants`' names).
+HIERARCHICAL = "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)"
+FLAT = "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)"
+MPI_CASE = "dp MPI (MPICH's own allreduce)"
+MODES = ("thread", "after backward")
 
 
 def counters() -> tuple[int, int]:
@@ -186,6 +191,11 @@ class HorovodWith:
     def __exit__(self, *exc: object) -> None:
         self.horovod.__exit__(*exc)
 
+    def optimizer(self, opt: Any, model: Any) -> Any:
+        """`train_step.Horovod.optimizer`, made with this flag set."""
+        os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = self.flag
+        return self.horovod.optimizer(opt, model)
+
 
 def train_work(args: argparse.Namespace) -> None:
     """A rank of `--train`: the transformer step of `network.py` with each way of reducing its
@@ -204,8 +214,8 @@ def train_work(args: argparse.Namespace) -> None:
     # dp over MPI (Horovod, also MPI, runs beside it), torch's Gloo group for DDP, dp's Gloo engines
     with gloo_world() as (comm, ring, by_host):
         engines = {
-            "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)": by_host,
-            "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)": ring,
+            HIERARCHICAL: by_host,
+            FLAT: ring,
         }
         horovod = Horovod()
         g = torch.Generator().manual_seed(comm.rank)
@@ -229,25 +239,26 @@ def train_work(args: argparse.Namespace) -> None:
                 cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
             model = copy.deepcopy(base)
             opt = dp.DistributedOptimizer(adam(model))
-            name = "dp MPI (MPICH's own allreduce)"
-            cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
+            cases[MPI_CASE], syncs[MPI_CASE] = (trainer(model, opt, batch), None), opt.gradient_sync
             if args.modes:  # dp MPI held in each mode: what its trial chose between
                 cases.update(variants(base, adam, batch, None, "MPI"))
             if horovod.hvd is not None:
                 for flag in ("1", "0"):
                     theirs = copy.deepcopy(base)
                     context = HorovodWith(horovod, flag)
-                    with context:  # the constructor asks Horovod for the world size
-                        hopt = horovod.hvd.DistributedOptimizer(
-                            adam(theirs), named_parameters=theirs.named_parameters()
-                        )
+                    hopt = context.optimizer(adam(theirs), theirs)
                     name = f"Horovod {horovod.version} MPI, HOROVOD_HIERARCHICAL_ALLREDUCE={flag}"
                     cases[name] = (trainer(theirs, hopt, batch), context)
             ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
             cases["torch DDP (Gloo)"] = (trainer(ddp, adam(ddp), batch), None)
             if comm.rank == 0:
                 print(f"D={d}: {len(cases)} cases made; timing", flush=True)
-            samples = measure(cases, args.rounds, args.budget, args.tolerance)
+            # Only the cases that run dp's mode trial need its steps before timing; the others
+            # need their first steps (buckets made, Horovod's names negotiated) out of the way.
+            warm = {name: 2 for name in cases if name not in syncs}
+            samples = measure(
+                cases, args.rounds, args.budget, args.tolerance, warm=warm, stall=args.stall
+            )
             n = sum(p.numel() for p in base.parameters())
             chosen = {name: described(sync) for name, sync in syncs.items()}
             result[str(d)] = {"parameters": n, "samples": samples, "chosen": chosen}
@@ -262,6 +273,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     worker += ["--d", args.d, "--rounds", str(args.rounds), "--budget", str(args.budget)]
     worker += ["--tolerance", str(args.tolerance), "--batch", str(args.batch)]
     worker += ["--seq", str(args.seq), "--stacks-after", str(max(1.0, args.timeout - 20))]
+    worker += ["--stall", str(args.stall)]
     worker += ["--modes"] if args.modes else []
     link.shape(args.rate)
     result = Job(link, launcher, bindir, worker, args.timeout).result("by host", link.environment())
@@ -276,7 +288,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
             for name, values in samples.items()
             if name != ALONE
         }
-        flat = over["dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)"]
+        flat = over[FLAT]
         print(
             f"\n2 hosts x 2 ranks (by host), link {args.rate or 'not shaped'}, D={d}, "
             f"{figures['parameters'] / 1e6:.2f} M parameters; one process alone "
@@ -290,8 +302,24 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
                 f"| {name} | {median * 1e3:.1f} ms | {min(values):.0f}..{max(values):.0f} ms "
                 f"| {median / flat:.2f} |"
             )
-        for name, mode in figures.get("chosen", {}).items():
+        chosen = figures.get("chosen", {})
+        for name, mode in chosen.items():
             print(f"{name}: {mode}")
+        peers = [n for n in over if n.startswith(("Horovod", "torch DDP"))]
+        for ours in (HIERARCHICAL, MPI_CASE):
+            ratios = [f"{over[ours] / over[peer]:.2f}x {peer}'s" for peer in peers]
+            ratios.insert(0, f"{over[ours] / flat:.2f}x dp flat's (goal 0.6x)")
+            print(f"goal, {ours}: " + "; ".join(ratios))
+        held = {mode: over.get(f"dp DistributedOptimizer MPI ({mode})") for mode in MODES}
+        if MPI_CASE in chosen and None not in held.values():
+            kept = next(mode for mode in MODES if chosen[MPI_CASE].startswith(mode))
+            faster = min(MODES, key=lambda mode: held[mode] or 0.0)
+            print(
+                f"mode choice, {MPI_CASE}: kept {kept}; held, "
+                + ", ".join(f"{mode} {(held[mode] or 0.0) * 1e3:.1f} ms" for mode in MODES)
+                + f": the faster is {faster}, so the choice "
+                + ("holds" if kept == faster else "does not hold")
+            )
     return 0
 
 
@@ -413,6 +441,13 @@ def main() -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stacks-after", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stall",
+        type=float,
+        default=120.0,
+        help="--train: a rank whose next step has not begun this many s after its last prints "
+        "its stacks and ends the job",
+    )
     args = parser.parse_args()
     if args.worker:
         if args.train:

@@ -31,7 +31,13 @@ the same model, each step on fresh batches of a fixed Markov chain (`markov_batc
 own, the same for every case), against the uncompressed loss (`--loss-only`: that table alone;
 the link does not change it, so `mpiexec -n 2 python benchmarks/network.py --worker --loss-only
 --powersgd 1,2,4 --master 127.0.0.1` gives it on one host). `--psgd-buckets auto,0.25,64` also
-times dp's PowerSGD with those bucket sizes (MiB; auto: dp's own). Over Gloo, torch's
+times dp's PowerSGD with those bucket sizes (MiB; auto: dp's own). `--psgd-before REF` also
+times dp's PowerSGD with the arithmetic (`torch/_powersgd.py`'s `LowRank`) of git revision REF,
+in the same processes and rounds, and prints each rank's ratio to it (a change's before and
+after); `--psgd-mode after` (or `thread`) holds dp's PowerSGD cases in that mode instead of
+their trial's choice, so that cases compared run alike. The loss table's run is set by
+`--loss-steps`, `--loss-start` (PowerSGD's and the hook's `start_iter`), `--loss-lr` (Adam's)
+and `--loss-every` (also the held-out loss every so many steps: the curves). Over Gloo, torch's
 hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
 main thread starts the next bucket's: on one process group the ranks can then number their calls
 differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
@@ -254,9 +260,7 @@ def work(args: argparse.Namespace) -> None:
         base = transformer(d)
         n = sum(p.numel() for p in base.parameters())
         if args.loss_only:
-            final = losses(base, adam, (args.batch, args.seq), ranks, args.loss_steps)
-            if dp.is_main():
-                report_losses(d, final, args.loss_steps)
+            loss_table(args, base, ranks, d)
             continue
         cases: dict[str, tuple[Callable[[], None], Any]] = {}
         single = copy.deepcopy(base)
@@ -295,7 +299,9 @@ def work(args: argparse.Namespace) -> None:
                 ddp.register_comm_hook(None, fp16_compress_hook)
             cases[f"DDP gloo {bits}"] = (trainer(ddp, adam(ddp), batch), None)
         sizes = tuple(args.psgd_buckets.split(","))
-        for name, (step, sync) in low_rank_cases(base, adam, batch, ranks, sizes).items():
+        before = low_rank_before(args.psgd_before) if args.psgd_before else None
+        made = low_rank_cases(base, adam, batch, ranks, sizes, before, args.psgd_mode)
+        for name, (step, sync) in made.items():
             for _ in range(LOW_RANK_START + 2):  # past start_iter: timed compressed
                 step()
             cases[name] = (step, None)
@@ -304,11 +310,9 @@ def work(args: argparse.Namespace) -> None:
         samples = measure(cases, args.rounds, args.budget, args.tolerance)
         if dp.is_main():
             chosen = {name: described(s) for name, s in warm}
-            report(d, n, samples, chosen, dp.get_backend().name)
+            report(d, n, samples, chosen, dp.get_backend().name, args.psgd_before)
         if ranks and args.loss_steps > 0:
-            final = losses(base, adam, (args.batch, args.seq), ranks, args.loss_steps)
-            if dp.is_main():
-                report_losses(d, final, args.loss_steps)
+            loss_table(args, base, ranks, d)
     if mpi:
         dist.destroy_process_group()
     dp.finalize()
@@ -319,22 +323,39 @@ LOW_RANK_START = 10
 
 
 def low_rank_makers(
-    base: Any, adam: Callable[[Any], Any], ranks: list[int], sizes: tuple[str, ...] = ("auto",)
+    base: Any,
+    adam: Callable[[Any], Any],
+    ranks: list[int],
+    sizes: tuple[str, ...] = ("auto",),
+    before: type | None = None,
+    start: int = 10,
+    mode: str = "auto",
 ) -> dict[str, Callable[[], tuple[Any, Any]]]:
     """Each case's maker of (what runs the model, its optimizer), fresh from `base`: dp
     uncompressed, fp16 and PowerSGD at each rank (and each bucket size of `sizes`, in MiB;
-    "auto": dp's own); DDP uncompressed, fp16 and its PowerSGD hook."""
+    "auto": dp's own; and with `before`'s arithmetic, `low_rank_before`); DDP uncompressed, fp16
+    and its PowerSGD hook. PowerSGD (dp's and the hook) compresses from step `start`; dp's
+    PowerSGD cases are held on the communication thread or after backward (`mode`: "thread",
+    "after"; "auto": their trial chooses)."""
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
     import dataparallel as dp
 
-    def ours(compression: Any, size: str = "auto") -> Callable[[], tuple[Any, Any]]:
+    def ours(
+        compression: Any, size: str = "auto", arithmetic: type | None = None
+    ) -> Callable[[], tuple[Any, Any]]:
         def make() -> tuple[Any, Any]:
             model = copy.deepcopy(base)
             given = None if size == "auto" else int(float(size) * 2**20)
             opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=given)
+            sync = opt.gradient_sync
+            if arithmetic is not None:  # before any step: no Q, no residual yet
+                sync._low.__class__ = arithmetic
+            if sync._low is not None and mode != "auto":
+                sync._modes.trial = None  # no trial: this mode at every step
+                sync._switch(mode == "thread")
             return model, opt
 
         return make
@@ -346,7 +367,7 @@ def low_rank_makers(
                 ddp.register_comm_hook(None, fp16_compress_hook)
             elif rank is not None:
                 state = psgd.PowerSGDState(
-                    None, matrix_approximation_rank=rank, start_powerSGD_iter=LOW_RANK_START
+                    None, matrix_approximation_rank=rank, start_powerSGD_iter=max(start, 2)
                 )
                 ddp.register_comm_hook(state, group_per_bucket(psgd.powerSGD_hook))
             return ddp, adam(ddp)
@@ -355,9 +376,12 @@ def low_rank_makers(
 
     makers = {"dp fp32": ours(None), "dp fp16": ours(dp.Compression.fp16)}
     for r in ranks:
+        compression = dp.Compression.powersgd(rank=r, start_iter=start)
         for size in sizes:
             name = f"dp PowerSGD rank {r}" + ("" if size == "auto" else f" ({size} MiB buckets)")
-            makers[name] = ours(dp.Compression.powersgd(rank=r, start_iter=LOW_RANK_START), size)
+            makers[name] = ours(compression, size)
+        if before is not None:
+            makers[f"dp PowerSGD rank {r} (before)"] = ours(compression, "auto", before)
     makers |= {"DDP fp32": theirs(None), "DDP fp16 hook": theirs(None, fp16=True)}
     for r in ranks:
         makers[f"DDP powerSGD_hook rank {r}"] = theirs(r)
@@ -393,14 +417,46 @@ def group_per_bucket(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
     return each_on_its_own
 
 
+def low_rank_before(ref: str) -> type:
+    """dp's PowerSGD arithmetic (`LowRank`) as git revision `ref` of this checkout had it, for
+    the cases that time a change's before beside its after: `torch/_powersgd.py` of `ref`,
+    loaded as a module of its own, with what `GradientSync` now calls that `ref` lacked taken
+    from today's."""
+    import importlib.util
+
+    from dataparallel.torch import _powersgd
+
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{ref}:src/dataparallel/torch/_powersgd.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    name = "_powersgd_before"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, f"{ref}:_powersgd.py", "exec"), module.__dict__)
+    then = module.LowRank
+    missing = {k: v for k, v in vars(_powersgd.LowRank).items() if not hasattr(then, k)}
+    return type("LowRankBefore", (then,), missing)
+
+
 def low_rank_cases(
-    base: Any, adam: Callable[[Any], Any], batch: Any, ranks: list[int], sizes: tuple[str, ...]
+    base: Any,
+    adam: Callable[[Any], Any],
+    batch: Any,
+    ranks: list[int],
+    sizes: tuple[str, ...],
+    before: type | None = None,
+    mode: str = "auto",
 ) -> dict[str, tuple[Callable[[], None], Any]]:
     """The PowerSGD cases to time (the fp16 and fp32 ones are timed already), each with dp's
     `GradientSync` (None for DDP's), whose mode and bucket size the table names."""
     from train_step import trainer
 
-    makers = low_rank_makers(base, adam, ranks, sizes)
+    makers = low_rank_makers(base, adam, ranks, sizes, before, LOW_RANK_START, mode)
     cases = {}
     for name, make in makers.items():
         if "PowerSGD" in name or "powerSGD" in name:
@@ -428,44 +484,80 @@ def markov_batch(rank: int, step: int, batch: int, seq: int) -> tuple[Any, Any]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def loss_table(args: argparse.Namespace, base: Any, ranks: list[int], d: int) -> None:
+    """The loss table of `--loss-*`'s run (collective), printed by the main rank."""
+    import torch
+
+    import dataparallel as dp
+
+    def adam(m: Any) -> Any:
+        return torch.optim.Adam(m.parameters(), lr=args.loss_lr)
+
+    names = [v for v in args.loss_cases.split(",") if v]
+    curves = losses(
+        base, adam, (args.batch, args.seq), ranks, args.loss_steps, args.loss_start,
+        args.loss_every, names,
+    )  # fmt: skip
+    if dp.is_main():
+        report_losses(d, curves, args)
+
+
 def losses(
-    base: Any, adam: Callable[[Any], Any], shape: tuple[int, int], ranks: list[int], steps: int
-) -> dict[str, float]:
-    """Each case's loss on held-out batches (every rank's) after `steps` steps from `base`, each
-    step on fresh batches (`markov_batch`, the same for every case): collective."""
+    base: Any,
+    adam: Callable[[Any], Any],
+    shape: tuple[int, int],
+    ranks: list[int],
+    steps: int,
+    start: int = LOW_RANK_START,
+    every: int = 0,
+    names: list[str] | None = None,
+) -> dict[str, dict[int, float]]:
+    """Each case's loss on held-out batches (every rank's) after `steps` steps from `base` (and
+    every `every` steps before), each step on fresh batches (`markov_batch`, the same for every
+    case), PowerSGD from step `start`; only the cases `names` (all: None or empty): collective."""
     import torch
     from torch import nn
 
     import dataparallel as dp
 
     loss_fn = nn.CrossEntropyLoss()
-    batches = [markov_batch(dp.rank(), s, *shape) for s in range(steps)]
     held_x, held_y = markov_batch(dp.rank(), -1, 4 * shape[0], shape[1])
-    final = {}
-    for name, make in low_rank_makers(base, adam, ranks).items():
+    curves: dict[str, dict[int, float]] = {}
+    for name, make in low_rank_makers(base, adam, ranks, start=start).items():
+        if names and name not in names:
+            continue
         net, opt = make()
-        for x, y in batches:
+        curve = curves[name] = {}
+        for s in range(steps + 1):
+            if s == steps or (every and s and s % every == 0):
+                with torch.no_grad():
+                    out = net.module(held_x) if hasattr(net, "module") else net(held_x)
+                    mine = loss_fn(out.reshape(-1, out.shape[-1]), held_y.reshape(-1))
+                curve[s] = float(dp.allreduce(mine.reshape(1), op="avg")[0])
+            if s == steps:
+                break
+            x, y = markov_batch(dp.rank(), s, *shape)
             opt.zero_grad()
             out = net(x)
             loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             opt.step()
-        with torch.no_grad():
-            out = net.module(held_x) if hasattr(net, "module") else net(held_x)
-            mine = loss_fn(out.reshape(-1, out.shape[-1]), held_y.reshape(-1))
-        final[name] = float(dp.allreduce(mine.reshape(1), op="avg")[0])
-    return final
+    return curves
 
 
-def report_losses(d: int, final: dict[str, float], steps: int) -> None:
+def report_losses(d: int, curves: dict[str, dict[int, float]], args: argparse.Namespace) -> None:
+    steps, start = args.loss_steps, args.loss_start
     print(
         f"\nD={d}: held-out loss after {steps} steps of fresh batches (`markov_batch`), "
-        f"PowerSGD from step {LOW_RANK_START}"
+        f"Adam lr {args.loss_lr:g}, PowerSGD (dp's, DDP's hook) from step {start}"
     )
-    print("| case | loss | vs uncompressed |")
-    print("| --- | --- | --- |")
-    for name, loss in final.items():
-        reference = final["DDP fp32" if name.startswith("DDP") else "dp fp32"]
-        print(f"| {name} | {loss:.4f} | {loss / reference - 1:+.2%} |")
+    at = sorted({s for curve in curves.values() for s in curve})
+    print("| case | " + " | ".join(f"step {s}" for s in at) + " | vs uncompressed |")
+    print("| --- " * (len(at) + 2) + "|")
+    for name, curve in curves.items():
+        ddp = name.startswith("DDP") and "DDP fp32" in curves
+        reference = curves["DDP fp32" if ddp else "dp fp32"][steps]
+        values = " | ".join(f"{curve[s]:.4f}" for s in at)
+        print(f"| {name} | {values} | {curve[steps] / reference - 1:+.2%} |")
     sys.stdout.flush()
 
 
@@ -531,7 +623,12 @@ def raw_cases(n: int, mpi: bool) -> dict[str, tuple[Callable[[], None], None]]:
 
 
 def report(
-    d: int, n: int, samples: dict[str, list[float]], chosen: dict[str, str], backend: str
+    d: int,
+    n: int,
+    samples: dict[str, list[float]],
+    chosen: dict[str, str],
+    backend: str,
+    before: str = "",
 ) -> None:
     from train_step import ALONE
 
@@ -566,6 +663,11 @@ def report(
         print(
             f"{name}: overhead {med[name] / med['dp DistributedOptimizer fp16']:.2f}x dp fp16's, "
             f"{med[name] / med[peer]:.2f}x {peer}'s"
+            + (
+                f", {med[name] / med[then]:.2f}x {before}'s"
+                if (then := f"{name} (before)") in med and not name.endswith("(before)")
+                else ""
+            )
         )
     sys.stdout.flush()
 
@@ -595,7 +697,24 @@ def main() -> int:
         help="bucket sizes of dp's PowerSGD cases, MiB (auto: dp's own), e.g. auto,4,16",
     )
     parser.add_argument(
+        "--psgd-mode",
+        default="auto",
+        choices=("auto", "thread", "after"),
+        help="hold dp's PowerSGD cases in this mode (auto: their trial chooses)",
+    )
+    parser.add_argument(
+        "--psgd-before", default="", help="also time dp's PowerSGD arithmetic of this git revision"
+    )
+    parser.add_argument(
         "--loss-steps", type=int, default=40, help="steps before the loss (0: no loss table)"
+    )
+    parser.add_argument(
+        "--loss-start", type=int, default=LOW_RANK_START, help="PowerSGD's start_iter (loss run)"
+    )
+    parser.add_argument("--loss-lr", type=float, default=1e-4, help="Adam's lr (loss run)")
+    parser.add_argument("--loss-every", type=int, default=0, help="also the loss every N steps")
+    parser.add_argument(
+        "--loss-cases", default="", help="only these cases in the loss run (comma-separated)"
     )
     parser.add_argument(
         "--lean", action="store_true", help="time only fp16 beside PowerSGD (no fp32, no model)"
@@ -626,7 +745,10 @@ def main() -> int:
     worker += ["--lean"] if args.lean else []
     worker += ["--loss-only"] if args.loss_only else []
     worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
-    worker += ["--psgd-buckets", args.psgd_buckets]
+    worker += ["--psgd-buckets", args.psgd_buckets, "--psgd-before", args.psgd_before]
+    worker += ["--psgd-mode", args.psgd_mode]
+    worker += ["--loss-start", str(args.loss_start), "--loss-lr", str(args.loss_lr)]
+    worker += ["--loss-every", str(args.loss_every), "--loss-cases", args.loss_cases]
     return launch(args, worker)
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import gc
 import os
 import statistics
@@ -90,7 +91,34 @@ class Horovod:
 
     def __exit__(self, *exc: object) -> None:
         if not self.throughout:
+            # Horovod's shutdown is collective: the first rank to call it stops every rank's
+            # background thread. A rank still inside `init` then (past the C call, before its
+            # Python side reads the global process set) returns with that set empty, and a
+            # `DistributedOptimizer` made next registers no hooks: its steps never reduce, and
+            # the other ranks wait for them for ever. No rank shuts down before all are past init.
+            dp.barrier()
             self.hvd.shutdown()
+
+    def optimizer(
+        self, opt: torch.optim.Optimizer, model: nn.Module, **options: Any
+    ) -> torch.optim.Optimizer:
+        """Horovod's `DistributedOptimizer` over `opt`, made while Horovod is initialized (the
+        constructor asks it for the world), checked on every rank: one that hooked no parameter
+        (the race `__exit__` closes, or any other cause) would skip its reductions and leave the
+        other ranks waiting, so it ends the run here instead."""
+        with self:
+            hopt = self.hvd.DistributedOptimizer(
+                opt, named_parameters=model.named_parameters(), **options
+            )
+            alone = self.hvd.size() == 1  # Horovod hooks nothing in a world of one
+        hooked = alone or len(getattr(hopt, "_requires_update", ())) > 0  # Horovod's own record
+        unhooked = round(float(dp.allreduce(0.0 if hooked else 1.0)))
+        if unhooked:
+            raise SystemExit(
+                f"Horovod's DistributedOptimizer registered no gradient hooks on {unhooked} "
+                "rank(s): its steps would not reduce and the others would wait on them"
+            )
+        return hopt
 
     def keep_initialized(self) -> None:
         """Initialize Horovod for the rest of the run, every case included (`--hvd-throughout`)."""
@@ -180,10 +208,7 @@ def cases_for(
     }
     if horovod.hvd is not None:
         theirs = copy.deepcopy(base)
-        with horovod:  # the constructor asks Horovod for the world size
-            opt = horovod.hvd.DistributedOptimizer(
-                make_opt(theirs), named_parameters=theirs.named_parameters()
-            )
+        opt = horovod.optimizer(make_opt(theirs), theirs)
         cases["Horovod DistributedOptimizer"] = (trainer(theirs, opt, batch), horovod)
     cases["torch DDP (gloo)"] = (trainer(ddp, make_opt(ddp), batch), None)
     return cases
@@ -210,6 +235,8 @@ def measure(
     budget: float,
     tolerance: float = 0.1,
     warmup: int = ModeTrial.SKIP + 2 * ModeTrial.TRIALS + 1,
+    warm: dict[str, int] | None = None,
+    stall: float = 0.0,
 ) -> dict[str, list[float]]:
     """Time every case in interleaved rounds; return each case's seconds per step, per round.
 
@@ -218,12 +245,39 @@ def measure(
     `tolerance` (the machine's load changed during it) is dropped; rounds are run until `rounds`
     are kept, or three times as many were tried. The one-process time of a kept round is the
     mean of its two. Each case first runs `warmup` untimed steps (by default until dp's mode
-    trial has chosen, `torch/_buckets.py`).
+    trial has chosen, `torch/_buckets.py`), or as many as `warm` names for it (a case with no
+    trial needs only its first steps out of the way). With `stall` > 0, a rank whose next step
+    has not started `stall` seconds after its last prints every thread's stack and exits: a
+    collective that never completes ends the job at once, saying where each rank waits.
     """
+    if stall > 0:
+        cases = {name: (_watched(step, stall), ctx) for name, (step, ctx) in cases.items()}
+    try:
+        return _measure(cases, rounds, budget, tolerance, warmup, warm or {})
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _watched(step: Step, stall: float) -> Step:
+    def watched() -> None:
+        faulthandler.dump_traceback_later(stall, exit=True)  # replaces the last step's timer
+        step()
+
+    return watched
+
+
+def _measure(
+    cases: dict[str, tuple[Step, Horovod | None]],
+    rounds: int,
+    budget: float,
+    tolerance: float,
+    warmup: int,
+    warm: dict[str, int],
+) -> dict[str, list[float]]:
     counts: dict[str, int] = {}
     for name, (step, context) in cases.items():  # warm up; size each case's timing to `budget`
         with context or _null():
-            for _ in range(warmup):
+            for _ in range(warm.get(name, warmup)):
                 step()
             counts[name] = max(1, min(50, round(budget / run_steps(step, 2))))
     others = [name for name in cases if name != ALONE]

@@ -427,3 +427,170 @@ def test_the_holders_of_a_lost_ranks_rows() -> None:
         holders([(0, 3, False), (2, 3, False)])  # never committed: no copies
     with pytest.raises(RuntimeError, match="rank 2 of 4 held are on no surviving worker"):
         holders([(0, 4, True), (3, 4, True)])  # 1 and 2 lost together
+
+
+_SERVE = """
+import socket, sys
+servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+print(*(s.getsockname()[1] for s in servers), flush=True)
+peers = [s.accept()[0] for s in servers]
+for peer in peers:
+    print(repr(peer.recv(1)), flush=True)
+"""
+
+
+_CUT = """
+import json, socket, sys, threading
+from dataparallel.elastic.liveness import cut_connections
+peer_port, store_port = map(int, sys.argv[1:3])
+peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
+store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
+got = []
+reader = threading.Thread(target=lambda: got.append(peer.recv(1)))
+reader.start()
+nowhere = cut_connections({"10.255.255.1"})
+cut = cut_connections({"127.0.0.1"}, keep=("127.0.0.1", store_port))
+reader.join(timeout=60)
+store.sendall(b"s")
+print(json.dumps({"nowhere": nowhere, "cut": cut, "got": [g.decode() for g in got]}))
+"""
+
+
+def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
+    """The cut of a peer behind a dead link (`elastic.liveness`): a thread blocked reading a
+    connection to the address wakes with the stream's end, at once; the store's stays open.
+
+    The cut runs in a process of its own: it cuts every connection of its process to the
+    address, and a rank of a multi-rank test pass holds its engine's connections to 127.0.0.1."""
+    import json
+    import subprocess
+    import sys
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True
+    ) as server:
+        assert server.stdout is not None
+        peer_port, store_port = server.stdout.readline().split()
+        cutter = subprocess.run(
+            [sys.executable, "-c", _CUT, peer_port, store_port],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cutter.returncode == 0, cutter.stderr
+        said = json.loads(cutter.stdout.splitlines()[-1])
+        assert said["nowhere"] == 0  # no connection there
+        assert said["cut"] == 1  # the peer's; the store's is kept
+        assert said["got"] == [""]  # the end of the stream, as if the peer had closed it
+        assert server.stdout.readline() == "b''\n"  # the peer's end saw the cut too
+        assert server.stdout.readline() == "b's'\n"  # the store's connection still carries
+    assert server.returncode == 0
+
+
+_WATCHED_EXIT = """
+import datetime, os, sys, time
+from dataparallel.backends.gloo.group import import_torch_distributed
+from dataparallel.config import Settings
+from dataparallel.elastic import liveness
+
+dist = import_torch_distributed()
+server = dist.TCPStore(
+    sys.argv[1], 0, is_master=True, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+)
+port = server.port
+settings = Settings(elastic_store=(sys.argv[1], port), elastic_worker="w0")
+def connections():
+    return sum(remote[1] == port for _, remote in liveness._tcp_sockets())
+
+
+before = connections()  # the server's own client
+liveness.watch(settings, 0, tuple)
+# The watch's own connection to the store shows in this process's sockets once it is made.
+deadline = time.monotonic() + 60
+while connections() == before and time.monotonic() < deadline:
+    time.sleep(0.01)
+names = [t.name for t in __import__("threading").enumerate()]
+print(",".join(names), flush=True)
+
+
+class Waker:
+    # Opens rounds while the interpreter finalizes, as the launcher may at the end of a run:
+    # a thread of the watch still inside the store's C++ then wakes after Python has gone.
+    def __init__(self, store, sleep):
+        self.store, self.sleep = store, sleep
+
+    def __del__(self):
+        for generation in range(1, 6):
+            self.store.set(f"round/{generation}", "[]")
+            self.sleep(0.2)
+
+
+module = type(sys)("waker")
+module.waker = Waker(dist.TCPStore(
+    sys.argv[1], port, is_master=False, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+), time.sleep)
+sys.modules["waker"] = module  # the last module in: its globals go first as Python finalizes
+"""
+
+
+@pytest.mark.spawns
+def test_a_worker_whose_watch_runs_exits_cleanly_while_rounds_open() -> None:
+    """A worker's watch over the hosts (`elastic.liveness`) runs a thread beside the script: it
+    must be out of the store's C++ before the interpreter finalizes, or a round opened then
+    (the launcher goes on while a worker ends) wakes it into a finalized Python, and the worker
+    dies of SIGABRT after a run that went well. Several workers, each one's exit raced by
+    rounds opening."""
+    import socket
+    import subprocess
+    import sys
+
+    from dataparallel.backends.rendezvous import interface_address
+
+    addresses = [interface_address(name) for _, name in socket.if_nameindex()]
+    outside = [a for a in addresses if a is not None and not a.startswith("127.")]
+    if not outside:
+        pytest.skip("no network interface but loopback: the watch runs across hosts only")
+    for _ in range(3):
+        worker = subprocess.run(
+            [sys.executable, "-c", _WATCHED_EXIT, outside[0]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert worker.returncode == 0, worker.stderr
+        assert "dataparallel-rounds" in worker.stdout, worker.stdout  # the watch did run
+
+
+def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
+    """The launcher's ear (`elastic.liveness.Heartbeats`) on a real store: a worker that beats is
+    heard, one whose counter stands still for the limit is said silent (once, with how long),
+    one that never beat or that left (its watch stopped at exit) never is."""
+    import datetime
+    import time
+
+    from dataparallel.backends.gloo.group import import_torch_distributed
+    from dataparallel.elastic.liveness import LEFT, Heartbeats, heartbeat_key
+
+    dist = import_torch_distributed()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    ear = Heartbeats(0.3)
+    workers = ["w0", "w1", "w2", "w3"]  # w0 beats on, w1 falls silent, w2 never beats, w3 leaves
+    for worker in ("w0", "w1", "w3"):
+        store.add(heartbeat_key(worker), 1)
+    assert ear.silent(store, workers) == {}
+    store.set(heartbeat_key("w3"), LEFT)
+    begun = time.monotonic()
+    said: dict[str, float] = {}
+    while not said and time.monotonic() - begun < 30:  # a guard: w1 is said silent soon
+        store.add(heartbeat_key("w0"), 1)
+        said = ear.silent(store, workers)
+        time.sleep(0.02)
+    assert list(said) == ["w1"], said
+    assert 0.3 <= said["w1"] <= time.monotonic() - begun + 0.3
+    store.add(heartbeat_key("w1"), 1)  # beats again (a stalled worker): said once only
+    assert ear.silent(store, workers) == {}

@@ -114,6 +114,16 @@ def test_ssh_takes_horovodruns_port_and_identity() -> None:
     assert "-p" not in Ssh().command("node1", "true")
 
 
+def test_ssh_gives_up_on_a_host_silent_for_the_link_timeout() -> None:
+    # ssh asks a silent host every second, and ends with 255 after that many unanswered asks:
+    # the launcher learns that a host whose link went down is gone (docs/elastic.md).
+    command = Ssh(link_timeout=3).command("node1", "true")
+    assert "ServerAliveInterval=1" in command and "ServerAliveCountMax=3" in command
+    assert not any("ServerAlive" in word for word in Ssh(link_timeout=None).command("n", "true"))
+    # ssh counts whole asks: a fraction of a second is one (the heartbeats notice it sooner).
+    assert "ServerAliveCountMax=1" in Ssh(link_timeout=0.5).command("node1", "true")
+
+
 def test_the_remote_command_runs_in_the_directory_with_the_environment(tmp_path: Path) -> None:
     # What the other host's shell runs, run here by a real sh: quoting, directory, status.
     code = "import os, sys; print(os.getcwd(), os.environ['MARK'], sys.argv[1:])"

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,9 +188,7 @@ def mpi_job(
 
 def received(host: Host) -> int:
     """Bytes `host`'s end of the veth pair has received so far."""
-    tag = host.namespace[:-1]
-    device = f"{tag}v{host.namespace[-1]}"
-    path = f"/sys/class/net/{device}/statistics/rx_bytes"
+    path = f"/sys/class/net/{_device(host)}/statistics/rx_bytes"
     done = subprocess.run(
         ["ip", "netns", "exec", host.namespace, "cat", path],
         capture_output=True, text=True, timeout=SETUP_TIMEOUT, check=True,
@@ -480,3 +479,73 @@ def test_elastic_host_set_aside_for_a_cool_down_then_joins_again(
     assert f"host {b.address}'s cool-down ended" in done.stderr, done.stderr
     check_run(tmp_path, [4, 3, 4])
     assert leftovers(hosts, "elastic_train.py") == []
+
+
+def test_elastic_run_drops_a_host_whose_link_goes_down_while_ranks_wait_on_it(
+    hosts: tuple[Host, Host], ssh: Ssh, tmp_path: Path
+) -> None:
+    """Worker 2 (host b) stops in the middle of a step after its 3rd commit, so that the others
+    wait on it in the step's collective; then host b's end of the link goes down. Nothing
+    closes: the launcher learns it from b's workers' heartbeats, which stop (`--link-timeout`),
+    and the workers of host a from the round without b's workers, which marks them lost by
+    their link (they cut their connections to b, and their collectives fail as if b's workers
+    had died).
+    The two of host a re-form and finish, every sample once an epoch and the weights the
+    replay's, long before Gloo's own timeout (630 s here); b's workers, cut off from the
+    launcher's store, leave by themselves."""
+    from test_elastic_runs import check_run
+
+    b = hosts[1]
+    stalled = tmp_path / "stalled"
+    options = ["--link-timeout", "2", "--timeout", "150"]
+    args = ["--stall", f"w2:3:{stalled}"]
+    job = elastic_hosts_job(hosts, ssh, tmp_path / "out.json", options, args)
+    said: dict[str, str] = {}
+    try:
+        with spawn(job, launcher=None, env=ssh.env, cwd=tmp_path, capture=True) as run:
+
+            def read() -> None:
+                said["stdout"], said["stderr"] = run.communicate()
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            _wait_for(lambda: stalled.exists() or run.poll() is not None, 120)
+            assert stalled.exists(), "worker 2 never stalled"
+            down = _ip("-n", b.namespace, "link", "set", _device(b), "down")
+            assert down.returncode == 0, down.stderr
+            reader.join(timeout=200)
+            assert not reader.is_alive(), "the job did not end"
+        err = said["stderr"]
+        assert run.returncode == 0, said["stdout"] + err
+        for worker in (2, 3):
+            lost = f"worker {worker} on {b.address} was lost (no heartbeat for"
+            assert lost in err, err
+        assert f"host {b.address} has no worker left" in err, err
+        check_run(tmp_path, [4, 2])
+        # b's workers, unreachable, leave once the launcher's store has been silent 2 s.
+        _wait_for(lambda: not leftovers(hosts, "elastic_train.py"), 60)
+    finally:
+        _kill_everything_in(b)  # sshd's sessions there wait on a client they cannot reach
+
+
+def _device(host: Host) -> str:
+    """`host`'s end of the veth pair (`hosts` names it after the namespace)."""
+    return f"{host.namespace[:-1]}v{host.namespace[-1]}"
+
+
+def _wait_for(condition: Any, seconds: float) -> None:
+    """Poll `condition()` until it holds or `seconds` have passed (a guard, not a clock)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _kill_everything_in(host: Host) -> None:
+    """SIGKILL every process in `host`'s network namespace."""
+    with contextlib.suppress(OSError):
+        space = os.stat(f"/run/netns/{host.namespace}").st_ino
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{entry}/ns/net").st_ino == space:
+                        os.kill(int(entry), signal.SIGKILL)

@@ -4,6 +4,7 @@ of torch's `DistributedOptimizer` and `DataParallelModel`."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -219,6 +220,43 @@ def test_error_feedback_carries_exactly_what_was_dropped(face: str) -> None:
     assert_same_on_every_rank([model.w.grad])
     state = sync.feedback_state()
     assert sorted(state["residuals"]) == [sync._params[index][0]]  # vectors, small ones: none
+
+
+def test_the_residual_and_the_gradient_trade_memory_instead_of_allocating() -> None:
+    """A gradient alone on its storage, kept across steps (`zero_grad(set_to_none=False)`): the
+    residual is formed in its memory and the gradient takes the last residual's, so the two
+    trade two buffers from step to step and the results are those of a run whose gradients
+    lie in a larger buffer (where nothing can be traded: the residual is formed apart)."""
+    compression = dp.Compression.powersgd(rank=1, start_iter=0)
+    runs = []
+    for inside in (False, True):
+        model, net, opt = _wrapped(compression, "optimizer")
+        sync = _sync(net, opt)
+        index = _index(sync, model.w)
+        flat = torch.zeros(ROWS * COLS + 7)
+        if inside:  # the gradient is a view of a larger buffer: accumulated into in place
+            model.w.grad = flat[3 : 3 + ROWS * COLS].view(ROWS, COLS)
+        seen, grads, where = set(), [], []
+        for step in range(5):
+            c = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(step + dp.rank()))
+            opt.zero_grad(set_to_none=False)
+            net(c, torch.zeros(COLS), torch.zeros(2, 2)).backward()
+            opt.step()
+            pair = (model.w.grad.data_ptr(), sync._low.residuals[index].data_ptr())
+            assert pair[0] != pair[1]
+            seen |= set(pair)
+            where.append(pair[0])
+            grads.append((model.w.grad.clone(), sync._low.residuals[index].clone()))
+        if inside:
+            assert model.w.grad.data_ptr() == flat.data_ptr() + 3 * flat.element_size()
+            assert len(seen) == 2  # the view, and the one residual formed apart
+        else:  # two buffers, traded at every step (from the second: the first residual)
+            assert len(seen) == 2, seen
+            assert all(a != b for a, b in itertools.pairwise(where[1:])), where
+        runs.append(grads)
+    for (g, r), (g_in, r_in) in zip(*runs, strict=True):
+        torch.testing.assert_close(g_in, g, rtol=0, atol=1e-6)
+        torch.testing.assert_close(r_in, r, rtol=0, atol=1e-6)
 
 
 def test_before_start_iter_the_gradients_are_reduced_exactly() -> None:

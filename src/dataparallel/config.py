@@ -17,6 +17,7 @@
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
 | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
+| `DATAPARALLEL_LINK_TIMEOUT` | ... and seconds its store may be silent before it leaves | `5` |
 | `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
 | `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
 
@@ -34,9 +35,12 @@ from dataparallel.slurm import SlurmJob
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_LINK_TIMEOUT",
     "ELASTIC_STORE_VARIABLE",
     "ELASTIC_TIMEOUT_VARIABLE",
     "ELASTIC_WORKER_VARIABLE",
+    "LINK_TIMEOUT_VARIABLE",
+    "MIN_LINK_TIMEOUT",
     "MPI_LAUNCHER_VARIABLES",
     "MPI_RANK_VARIABLES",
     "MPI_SIZE_VARIABLES",
@@ -84,6 +88,12 @@ RUN_DIR_VARIABLE = "DATAPARALLEL_RUN_DIR"
 ELASTIC_STORE_VARIABLE = "DATAPARALLEL_ELASTIC_STORE"
 ELASTIC_WORKER_VARIABLE = "DATAPARALLEL_ELASTIC_WORKER"
 ELASTIC_TIMEOUT_VARIABLE = "DATAPARALLEL_ELASTIC_TIMEOUT"
+LINK_TIMEOUT_VARIABLE = "DATAPARALLEL_LINK_TIMEOUT"
+# `dataparallel run --link-timeout`'s default: seconds of silence after which a host is gone,
+# and the least it takes: a loaded machine's stalls must not pass for a lost link
+# (docs/elastic.md, *Measured*).
+DEFAULT_LINK_TIMEOUT = 5
+MIN_LINK_TIMEOUT = 0.5
 # Set by launchers that prefix every output line with `[rank R] ` (`Settings.prefixed`).
 PREFIXED_VARIABLE = "DATAPARALLEL_PREFIXED"
 
@@ -164,11 +174,13 @@ class Settings:
     mpi_size: int | None = None
     # Where `dataparallel run` asks its ranks to note how they ended (launch/process.py).
     run_dir: str | None = None
-    # Elastic runs: the launcher's store (host, port), this worker's id, and how long a worker
-    # waits for the world to re-form (dataparallel.elastic).
+    # Elastic runs: the launcher's store (host, port), this worker's id, how long a worker
+    # waits for the world to re-form, and how long its store may be silent before the worker
+    # takes itself for cut off (dataparallel.elastic).
     elastic_store: tuple[str, int] | None = None
     elastic_worker: str | None = None
     elastic_timeout: float = 600.0
+    link_timeout: float = float(DEFAULT_LINK_TIMEOUT)
     # The launcher prefixes every output line with the rank (dp.print then leaves its own out).
     prefixed: bool = False
     # Whether to initialize torch.distributed alongside the world when torch is installed.
@@ -239,6 +251,7 @@ class Settings:
             elastic_store=_address(env, ELASTIC_STORE_VARIABLE),
             elastic_worker=env.get(ELASTIC_WORKER_VARIABLE) or None,
             elastic_timeout=float(_number(env, ELASTIC_TIMEOUT_VARIABLE, float) or 600.0),
+            link_timeout=float(_number(env, LINK_TIMEOUT_VARIABLE, float) or DEFAULT_LINK_TIMEOUT),
             prefixed=bool(_flag(env, PREFIXED_VARIABLE, False)),
             torch_distributed=bool(_flag(env, "DATAPARALLEL_TORCH_DISTRIBUTED", True)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",

@@ -10,6 +10,9 @@ Options:
     --die W:K           worker W (its id, `w0`...) kills itself with SIGKILL after its K-th
                         commit, in the middle of the next step (after computing its gradient)
     --skip W:K          worker W skips its K-th commit (a commit called by only some ranks)
+    --stall W:K:FILE    worker W, after its K-th commit, creates FILE in the middle of the next
+                        step and waits there for ever: its peers wait on it in the step's
+                        collective (the test then takes its host's link down)
     --die-forming W:G   worker W kills itself with SIGKILL once round G has formed, as it begins
                         making the round's Gloo group (before the others can reach it)
     --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
@@ -122,6 +125,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--die", action="append", default=[])
     parser.add_argument("--skip")
+    parser.add_argument("--stall", default="::")
     parser.add_argument("--die-forming", default="")
     parser.add_argument("--slots")
     parser.add_argument("--leave", default="")
@@ -133,6 +137,7 @@ def main() -> None:
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
     leaver, _, leaves_after = args.leave.partition(":")
+    staller, stalls_after, stall_file = args.stall.split(":", 2)
     skip_worker, _, skip_at = (args.skip or "").partition(":")
     tries = 0
     forming_worker, _, forming_round = args.die_forming.partition(":")
@@ -199,6 +204,9 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if me == leaver and commits >= int(leaves_after):
                     sys.exit(0)
+                if me == staller and commits >= int(stalls_after):
+                    open(stall_file, "w").close()
+                    wait_until(lambda: False)
                 parts = dp.allgather_object((indices, g))
                 state.w = update(state.w, parts)
                 state.history.append([state.epoch, dp.size(), [p[0] for p in parts]])

@@ -38,7 +38,9 @@ __all__ = [
     "RENDEZVOUS_FILE",
     "Meeting",
     "Rendezvous",
+    "address_toward",
     "gloo_interface",
+    "interface_address",
     "interface_toward",
     "parse_init_method",
     "remove_if_every_store_left",
@@ -174,22 +176,37 @@ def interface_toward(host: str, port: int) -> str | None:
     connect. Binding to the interface that routes to rank 0 avoids that (and for a rank 0 on
     loopback, binds to loopback without looking the hostname up).
     """
+    local = address_toward(host, port)
+    return None if local is None else _interface_of(local)
+
+
+def address_toward(host: str, port: int) -> str | None:
+    """Return this machine's IPv4 address on the route to `host` (None: no route, unknown)."""
     try:
         address = socket.gethostbyname(host)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((address, port))  # UDP: picks the route, sends nothing
-            local = probe.getsockname()[0]
+            return str(probe.getsockname()[0])
     except OSError:
         return None
-    return _interface_of(local)
+
+
+def interface_address(interface: str) -> str | None:
+    """Return the IPv4 address of network interface `interface` (Linux), or None."""
+    return next((address for name, address in _addresses() if name == interface), None)
 
 
 def _interface_of(address: str) -> str | None:
     """Return the name of the interface whose IPv4 address is `address` (Linux), or None."""
+    return next((name for name, each in _addresses() if each == address), None)
+
+
+def _addresses() -> Iterator[tuple[str, str]]:
+    """Each network interface's name and IPv4 address (Linux; none elsewhere)."""
     try:
         import fcntl
     except ImportError:  # not POSIX
-        return None
+        return
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -198,9 +215,7 @@ def _interface_of(address: str) -> str | None:
                 reply = fcntl.ioctl(s.fileno(), siocgifaddr, request)
             except OSError:
                 continue
-            if socket.inet_ntoa(reply[20:24]) == address:
-                return name
-    return None
+            yield name, socket.inet_ntoa(reply[20:24])
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from dataparallel.backends.rendezvous import gloo_interface, interface_toward
 from dataparallel.config import Settings
+from dataparallel.elastic import liveness
 from dataparallel.elastic.forming import round_key, watching
 from dataparallel.errors import DataParallelError, RankFailedError
 
@@ -214,7 +215,9 @@ def join(after: int, settings: Settings | None = None) -> Round:
         if store.get(ready_key(generation)) == FORMED.encode():
             chosen = Round(generation, members, me)
             try:
-                _make_group(store, chosen, settings)
+                with liveness.changing_world():
+                    _make_group(store, chosen, settings)
+                    _current = chosen
             except RuntimeError as exc:  # a member died while the group formed
                 leave()
                 if not _exists(store, round_key(generation + 1), _left(deadline)):
@@ -222,9 +225,13 @@ def join(after: int, settings: Settings | None = None) -> Round:
                         f"round {generation}'s Gloo group did not form: {exc}"
                     ) from exc
             else:
-                _current = chosen
+                liveness.watch(settings, generation, _world)
                 return chosen
         after = generation  # a member died before it formed: the launcher opened a newer one
+
+
+def _world() -> tuple[int, tuple[str, ...]]:
+    return (-1, ()) if _current is None else (_current.generation, _current.members)
 
 
 def rejoin(error: BaseException) -> None:
@@ -276,6 +283,7 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     seconds = settings.group_timeout
     timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
     assert settings.elastic_store is not None
+    liveness.publish_address(store, chosen.me, settings)
     # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
     # nothing and Gloo would bind to loopback, out of the other hosts' reach.
     interface = None

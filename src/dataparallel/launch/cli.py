@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dataparallel.config import Settings
+from dataparallel.config import DEFAULT_LINK_TIMEOUT, MIN_LINK_TIMEOUT, Settings
 from dataparallel.errors import DataParallelError
 
 if TYPE_CHECKING:
-    from dataparallel.launch.hosts import HostSlots
+    from dataparallel.launch.hosts import HostSlots, Ssh
     from dataparallel.launch.spawn import ElasticOptions
 
 __all__ = ["main"]
@@ -82,6 +82,7 @@ _RUN_VALUE_OPTIONS = frozenset(
         "--ssh-port",
         "-i",
         "--ssh-identity-file",
+        "--link-timeout",
         "--nnodes",
         "--node-rank",
         "--master-addr",
@@ -159,6 +160,14 @@ def _parser() -> argparse.ArgumentParser:
         "--ssh-identity-file",
         metavar="FILE",
         help="Gloo: ssh to the hosts with this private key",
+    )
+    hosts.add_argument(
+        "--link-timeout",
+        type=float,
+        metavar="S",
+        help="Gloo: a host silent for S seconds is gone (an elastic run drops it and goes on, "
+        "and its workers leave; a fixed job ends); at least "
+        f"{MIN_LINK_TIMEOUT:g}, default: {DEFAULT_LINK_TIMEOUT}",
     )
     gloo = run.add_argument_group("Gloo across machines (torchrun's numbering)")
     gloo.add_argument("--nnodes", type=int, default=1, metavar="K", help="machines (default: 1)")
@@ -356,7 +365,11 @@ def _host_list(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[
             return read_hostfile(ns.hostfile)
     except HostError as exc:
         parser.error(str(exc))
-    for flag, value in (("-p/--ssh-port", ns.ssh_port), ("-i", ns.ssh_identity_file)):
+    for flag, value in (
+        ("-p/--ssh-port", ns.ssh_port),
+        ("-i", ns.ssh_identity_file),
+        ("--link-timeout", ns.link_timeout),
+    ):
         if value is not None:
             parser.error(f"{flag} is for ranks started over ssh: give the hosts with -H.")
     return None
@@ -377,12 +390,25 @@ def _check_hosts(
             "-H or --hostfile the launcher starts every machine's ranks itself: drop them."
         )
     if ns.backend == "mpi":
-        ssh = [f for f, v in (("-p", ns.ssh_port), ("-i", ns.ssh_identity_file)) if v is not None]
+        ssh = [
+            f
+            for f, v in (
+                ("-p", ns.ssh_port),
+                ("-i", ns.ssh_identity_file),
+                ("--link-timeout", ns.link_timeout),
+            )
+            if v is not None
+        ]
         if ssh:
             parser.error(
-                f"{', '.join(ssh)} with --backend mpi: mpiexec runs ssh itself; put Port and "
-                "IdentityFile in ~/.ssh/config, or add --backend gloo."
+                f"{', '.join(ssh)} with --backend mpi: mpiexec runs ssh itself; put Port, "
+                "IdentityFile and ServerAliveInterval in ~/.ssh/config, or add --backend gloo."
             )
+    if ns.link_timeout is not None and not ns.link_timeout >= MIN_LINK_TIMEOUT:
+        parser.error(
+            f"--link-timeout must be at least {MIN_LINK_TIMEOUT:g} (seconds), got "
+            f"{ns.link_timeout:g}: a shorter silence may be a busy machine, not a lost link."
+        )
     if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
         parser.error(f"--ssh-port must be in 1..65535, got {ns.ssh_port}.")
     if ns.ssh_identity_file is not None and not os.path.isfile(ns.ssh_identity_file):
@@ -467,7 +493,6 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         return run_mpi(ns.n, runner_target, timeout=ns.timeout, hosts=hosts)
     if hosts is not None and ns.min_np is None:
         return _run_gloo_on_hosts(parser, ns, hosts, runner_target)
-    from dataparallel.launch.hosts import Ssh
     from dataparallel.launch.spawn import Topology, run_gloo
 
     port = ns.master_port
@@ -481,8 +506,16 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         master_port=port,
     )
     elastic = None if ns.min_np is None else _elastic_options(ns, hosts)
-    ssh = Ssh(port=ns.ssh_port, identity_file=ns.ssh_identity_file)
+    ssh = _ssh(ns)
     return run_gloo(runner_target, topology, elastic=elastic, timeout=ns.timeout, ssh=ssh)
+
+
+def _ssh(ns: argparse.Namespace) -> Ssh:
+    """How the launcher reaches other hosts: `-p`, `-i`, `--link-timeout`."""
+    from dataparallel.launch.hosts import Ssh
+
+    link = DEFAULT_LINK_TIMEOUT if ns.link_timeout is None else ns.link_timeout
+    return Ssh(port=ns.ssh_port, identity_file=ns.ssh_identity_file, link_timeout=link)
 
 
 def _run_gloo_on_hosts(
@@ -492,7 +525,7 @@ def _run_gloo_on_hosts(
     target: list[str],
 ) -> int:
     """Run a Gloo job over the machines of `hosts`: rank 0's host holds the rendezvous."""
-    from dataparallel.launch.hosts import Ssh, is_local, place
+    from dataparallel.launch.hosts import is_local, place
     from dataparallel.launch.spawn import Topology, run_gloo
 
     slots = place(hosts, ns.n)
@@ -507,7 +540,7 @@ def _run_gloo_on_hosts(
     if port is None and not is_local(master):
         port = 29500  # torchrun's default: the launcher cannot look for a free port there
     topology = Topology(nproc_per_node=ns.n, master_addr=master, master_port=port)
-    ssh = Ssh(port=ns.ssh_port, identity_file=ns.ssh_identity_file)
+    ssh = _ssh(ns)
     return run_gloo(target, topology, timeout=ns.timeout, slots=slots, ssh=ssh)
 
 

@@ -18,6 +18,7 @@ launch at once, named, instead of leaving the others waiting at the rendezvous.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import signal
@@ -27,7 +28,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dataparallel.config import RUN_DIR_VARIABLE
+from dataparallel.config import DEFAULT_LINK_TIMEOUT, RUN_DIR_VARIABLE
 from dataparallel.errors import DataParallelError
 
 __all__ = [
@@ -197,15 +198,25 @@ class Ssh:
 
     Never a password prompt (`BatchMode`); a host's key is accepted the first time and checked
     afterwards (`StrictHostKeyChecking=accept-new`). Anything else goes in `~/.ssh/config`.
+
+    `link_timeout` (`dataparallel run --link-timeout`): ssh asks the host every second whether it
+    is there once it has been silent, and gives up (status 255) after that many unanswered
+    asks (at least one; an elastic run's heartbeats notice sooner, `dataparallel.elastic`).
+    Without it a host whose link went down holds its ssh open for hours (TCP's keep-alive), and
+    the launcher never learns that its ranks are out of reach.
     """
 
     port: int | None = None
     identity_file: str | None = None
+    link_timeout: float | None = DEFAULT_LINK_TIMEOUT
 
     def command(self, host: str, remote: str) -> list[str]:
         """Return the ssh command line that runs the shell command `remote` on `host`."""
         options = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
         options += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT}"]
+        if self.link_timeout is not None:
+            options += ["-o", "ServerAliveInterval=1"]
+            options += ["-o", f"ServerAliveCountMax={max(1, math.ceil(self.link_timeout))}"]
         if self.port is not None:
             options += ["-p", str(self.port)]
         if self.identity_file is not None:

@@ -6,12 +6,16 @@ first failure, a death by signal included, ends the job. An elastic launch (`--m
 `ElasticOptions`) starts *workers* instead, and holds a TCP store that outlives them, where it
 publishes the members of each successive world (`dataparallel.elastic`). Which departures
 re-form the world and which end the run is the policy of docs/elastic.md: a worker killed by a
-signal (or whose ssh ends with 255) is lost and the survivors re-form, since re-forming cannot
-fix a bug that raised; a worker that exits 0 finished and leaves; `--blacklist-cooldown-range`
-sets a failing host aside for a doubling cool-down (Horovod's blacklist); the discovery script
-is followed every second and its later failures keep the last slots (Horovod's rule); too few
-workers for `--elastic-timeout`, or more than `--reset-limit` re-formed worlds (counted when a
-world forms), end the run with status 1.
+signal (or whose ssh ends with 255: its host or link gone, which ssh notices within
+`--link-timeout`) is lost and the survivors re-form, since re-forming cannot fix a bug that
+raised; so is a worker of another host whose heartbeat stood still for `--link-timeout`; a
+round that leaves out workers lost by their link lists them, so that the others cut their
+connections to them instead of waiting on them (`dataparallel.elastic.liveness`); a
+worker that exits 0 finished and leaves; `--blacklist-cooldown-range` sets a failing host aside
+for a doubling cool-down (Horovod's blacklist); the discovery script is followed every second
+and its later failures keep the last slots (Horovod's rule); too few workers for
+`--elastic-timeout`, or more than `--reset-limit` re-formed worlds (counted when a world forms),
+end the run with status 1.
 
 With a host list (`-H a:2,b:2`, `--hostfile`) the ranks of other hosts start over ssh
 (`dataparallel.launch.hosts`) and are supervised as the local ones, so one rule covers both:
@@ -37,12 +41,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dataparallel.config import (
     ELASTIC_STORE_VARIABLE,
     ELASTIC_TIMEOUT_VARIABLE,
     ELASTIC_WORKER_VARIABLE,
+    LINK_TIMEOUT_VARIABLE,
     PREFIXED_VARIABLE,
     RUN_DIR_VARIABLE,
 )
@@ -76,6 +81,9 @@ from dataparallel.launch.process import (
     torchrun_environment,
     warn,
 )
+
+if TYPE_CHECKING:
+    from dataparallel.elastic.liveness import Heartbeats
 
 __all__ = [
     "DiscoveryError",
@@ -272,6 +280,8 @@ class _Job:
         self.removed: dict[int, _Process] = {}  # left out of an elastic run, not yet gone
         self.finished: list[int] = []
         self.lost: list[int] = []
+        self.cut_off: list[str] = []  # workers lost by their link since the last round opened
+        self.heartbeats: Heartbeats | None = None  # elastic, with a link timeout
         # Ranks that failed because another rank went (`RankFailedError`), and since when: the
         # job's failure is that other rank's, once its exit shows.
         self.left_behind: dict[int, int] = {}  # rank -> its status
@@ -321,6 +331,11 @@ class _Job:
                     ELASTIC_TIMEOUT_VARIABLE: f"{elastic.elastic_timeout + _WORKER_MARGIN:g}",
                 }
             )
+            if self.ssh.link_timeout is not None:
+                from dataparallel.elastic.liveness import Heartbeats
+
+                self.env[LINK_TIMEOUT_VARIABLE] = f"{self.ssh.link_timeout:g}"
+                self.heartbeats = Heartbeats(self.ssh.link_timeout)
 
     def _is_local(self, host: str) -> bool:
         if host not in self.local:
@@ -490,6 +505,7 @@ class _Job:
                 if status is not None:
                     return status
             if self.elastic is not None:
+                self._hear()
                 status = self._reform(changed=len(self.lost) + len(self.finished) > gone)
                 if status is None:
                     status = self._check_formed()
@@ -547,17 +563,33 @@ class _Job:
         self._lose(process, code)
         return None
 
-    def _lose(self, process: _Process, code: int) -> None:
-        """Note worker `process` lost (its exit `code`): its slot is not used again, or with
-        a cool-down its host is set aside (Horovod's blacklist)."""
+    def _hear(self) -> None:
+        """Lose the workers of other hosts whose heartbeat stood still for --link-timeout, and
+        end their ssh (where the link is up after all, the worker dies with it)."""
+        remote = {p.id: p for p in self.running.values() if isinstance(p.proc, RemoteRank)}
+        if self.heartbeats is None or not remote:
+            return
+        for worker, seconds in self.heartbeats.silent(self.store, remote).items():
+            process = self.running.pop(remote[worker].number)
+            process.proc.kill()
+            self._lose(process, 255, silent=seconds)
+
+    def _lose(self, process: _Process, code: int, silent: float | None = None) -> None:
+        """Note worker `process` lost (its exit `code`, or `silent` seconds without a
+        heartbeat): its slot is not used again, or with a cool-down its host is set aside
+        (Horovod's blacklist)."""
         assert self.elastic is not None and process.host is not None
         host = process.host
         self.lost.append(process.number)
         self.lost_on[host] += 1
-        if code < 0:
+        if silent is not None:
+            how = f"no heartbeat for {silent:.1f} s: the host or its link gone"
+            self.cut_off.append(process.id)  # its peers may wait on it: `elastic.liveness`
+        elif code < 0:
             how = signal_name(-code)
         elif code == 255:
             how = "its ssh failed with 255: the host or its link gone"
+            self.cut_off.append(process.id)  # its peers may wait on it: `elastic.liveness`
         else:
             how = signal_name(code - 128)
         where = self._where(host)
@@ -712,6 +744,7 @@ class _Job:
         """Publish a round of the workers in the run, in joining order (rank order); return 1
         if the round before, found formed only now, exceeds --reset-limit."""
         from dataparallel.elastic.forming import round_key
+        from dataparallel.elastic.liveness import unreachable_key
         from dataparallel.elastic.rounds import LATEST, supersede
 
         status = None
@@ -722,6 +755,9 @@ class _Job:
         self.members[self.generation] = list(self.running)
         for number in self.running:
             self.started_in.setdefault(number, self.generation)
+        if self.cut_off:  # before the round: its watchers read it once it opens
+            self.store.set(unreachable_key(self.generation), json.dumps(self.cut_off))
+            self.cut_off = []
         self.store.set(round_key(self.generation), json.dumps(members))
         self.store.set(LATEST, str(self.generation))
         return status

@@ -392,17 +392,24 @@ class ModeTrial:
 
 
 class Modes:
-    """A `GradientSync`'s mode and bucket size, chosen from its parameters and engines, and its
-    trial if the mode is timed; a trial may switch the mode once, at a step's end on every rank
-    alike. A bucket size the user gave stays whatever the mode.
+    """A `GradientSync`'s mode and bucket size, chosen from its parameters, engines and
+    compression, and its trial if the mode is timed; a trial may switch the mode once, at a step's
+    end on every rank alike. A bucket size the user gave stays whatever the mode.
 
     Collective, as `GradientSync`'s construction: every rank makes it at the same point.
     """
 
     def __init__(
-        self, backend: Backend, private: Backend, trainable: NamedParams, settings: Settings
+        self,
+        backend: Backend,
+        private: Backend,
+        trainable: NamedParams,
+        settings: Settings,
+        *,
+        low_rank: bool = False,
     ) -> None:
         self.backend, self.settings = backend, settings
+        self.low_rank = low_rank  # PowerSGD's buckets (`bucket_bytes`)
         self.offload = offloadable(backend, private, on_host(trainable))
         # Thread or after backward: timed by the steps themselves where either can be and some
         # rank is on another node; on one node the cores tell (`overlaps`).
@@ -424,7 +431,13 @@ class Modes:
         return overlap
 
     def bucket_bytes(self, overlap: bool, offload: bool) -> int:
-        """The bucket size of a mode (`bucket_bytes_for`)."""
+        """The bucket size of a mode (`bucket_bytes_for`); under PowerSGD, DDP's (the limit,
+        `Settings.thread_bucket_bytes`) in either mode: a compressed bucket carries a few thin
+        factors, whose wire time is small beside each call's own cost and each bucket's phases,
+        so fewer, larger buckets win even though less of the step overlaps backward (figures:
+        docs/compression.md)."""
+        if self.low_rank:
+            return self.settings.thread_bucket_bytes
         # DDP's size where each call costs the most: a rendezvous of threads (Gloo, NCCL), or
         # device buckets staged one at a time.
         whole = not overlap and (self.backend.progresses or self.on_device)

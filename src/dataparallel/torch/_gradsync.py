@@ -215,10 +215,12 @@ class GradientSync:
         # Collective (World.private, offloadable): every rank makes it at the same point.
         private = active.private(self.backend)
         trainable = [(n, p) for n, p in params() if p.requires_grad]
-        self._modes = Modes(self.backend, private, trainable, active.settings)
+        self._modes = Modes(
+            self.backend, private, trainable, active.settings, low_rank=self._low is not None
+        )
         self.overlap = self._modes.first()
         self._given = bucket_bytes
-        self.bucket_bytes = bucket_bytes or self._default_bucket_bytes(
+        self.bucket_bytes = bucket_bytes or self._modes.bucket_bytes(
             self.overlap, self._modes.offload
         )
         self._options: Options = {"op": op, "bucket_bytes": self.bucket_bytes}
@@ -879,12 +881,9 @@ class GradientSync:
         fusion, n = router.fusion, len(self._buckets)
         newest = b - low.lag if b < n else n - 1  # the newest bucket whose call must have landed
         due = low.due(b, n)
-        back = sorted(c for c, at in low.q_in.items() if at <= newest)
-        if (due or back) and newest >= 0:
+        if (due or low.back(newest)) and newest >= 0:
             fusion.land_before(low.sent[newest])
-        for c in back:
-            del low.q_in[c]
-            low.finish(c)
+            low.finish_back(newest)
         for c in due:
             q = low.second(c)
             leaves.append((grad_family(self.owner, "PowerSGD Q", q), q))
@@ -893,9 +892,7 @@ class GradientSync:
             router.put(leaves, flags)
         low.sent[b] = fusion.calls
         if not fusion.in_flight:  # every call has landed (MPI, on the thread): every Q is back
-            for c in sorted(low.q_in):
-                del low.q_in[c]
-                low.finish(c)
+            low.finish_back()
 
     def _low_rank_finish(self) -> None:
         """With every call back: write the gradients of the buckets whose `Q`s came last; count
@@ -904,28 +901,17 @@ class GradientSync:
         assert low is not None
         if self._compressing:
             try:
-                for b in sorted(low.q_in):
-                    low.finish(b)
+                low.finish_back()
             finally:
                 low.discard()
         low.iteration += 1
-
-    def _default_bucket_bytes(self, overlap: bool, offload: bool) -> int:
-        """A mode's bucket size (`_buckets.Modes.bucket_bytes`); under PowerSGD, DDP's (the
-        limit, `Settings.thread_bucket_bytes`) in either mode: a compressed bucket carries a
-        few thin factors, whose wire time is small beside each call's own cost and each
-        bucket's phases, so fewer, larger buckets win even though less of the step overlaps
-        backward (figures: docs/compression.md)."""
-        if self._low is not None:
-            return self._modes.settings.thread_bucket_bytes
-        return self._modes.bucket_bytes(overlap, offload)
 
     def _switch(self, overlap: bool) -> None:
         """Reduce on the communication thread (True) or after backward from the next step on,
         with that mode's bucket size; every rank switches at the same step (`ModeTrial`)."""
         self.overlap = overlap
         if self._given is None:
-            self.bucket_bytes = self._default_bucket_bytes(overlap, True)
+            self.bucket_bytes = self._modes.bucket_bytes(overlap, True)
             self._options["bucket_bytes"] = self.bucket_bytes
             for fusion in (self._router.base, self._router.private):
                 if fusion is not None:

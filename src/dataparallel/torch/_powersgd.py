@@ -27,6 +27,7 @@ have diverged (one answered steps in `dp.join`, one started afresh in a re-forme
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,16 +92,18 @@ class LowRank:
         self.config = config
         self.iteration = 0  # steps completed (the same on every rank)
         self.matrices: dict[int, Matrix] = {}  # compressed parameters, by index
-        self.qs: dict[int, torch.Tensor] = {}  # their Q (rows: cols, columns: rank)
+        self.qs: dict[int, torch.Tensor] = {}  # their Q, transposed (`rank x cols`)
         self.residuals: dict[int, torch.Tensor] = {}  # this rank's, by parameter index
         self.world = 1  # what the reduced Qs are divided by: the world's size for a sum
         self.lag = 1  # bucket `b`'s Qs travel in bucket `b + lag`'s call (`q_lag`)
-        # This step's gradients, Ms (their matrix views, residual added) and Ps, by index.
+        # This step's gradients, Ms (their matrix views, residual added) and Ps (transposed,
+        # in the buffers reduced), by index; each bucket's P buffer.
         self._grads: dict[int, torch.Tensor] = {}
         self._ms: dict[int, torch.Tensor] = {}
         self._ps: dict[int, torch.Tensor] = {}
+        self._p_buffers: dict[int, torch.Tensor] = {}
         self._q_of: dict[int, torch.Tensor] = {}  # this step's Qs, in the buffers reduced
-        self._kept: dict[int, torch.Tensor] = {}  # P P^T M: what of this rank's M travels
+        self._kept: dict[int, torch.Tensor] = {}  # this rank's own Qs (P P^T M = P Q^T)
         self.carrying: set[int] = set()  # the buckets that carry Ps (by layout)
         # This step's buckets whose Ps went out: their matrices; `Fusion.calls` once each bucket's
         # call went out (`sent`), to land no later call than it; the bucket whose call carries
@@ -156,21 +159,29 @@ class LowRank:
             step = 0 if self.config.warm_start else self.iteration
             seed = (self.config.random_seed * 1_000_003 + i) * 1_000_033 + step
             gen = torch.Generator().manual_seed(seed % (1 << 63))
-            q = torch.randn(m.cols, m.rank, generator=gen, dtype=torch.float32)
-            q = self.qs[i] = q.to(device=p.device, dtype=p.dtype)
+            q = torch.randn(m.cols, m.rank, generator=gen, dtype=torch.float32).t()
+            q = self.qs[i] = q.to(device=p.device, dtype=p.dtype, memory_format=_DENSE)
         return q
 
     def first(
         self, bucket: int, members: list[int], params: NamedParams, computed: set[int]
     ) -> torch.Tensor:
         """Compute the `P`s of a bucket's compressed `members` (gradients present), residuals
-        added to those `computed` this step; return the bucket's `P` buffer, to be reduced."""
+        added to those `computed` this step; return the bucket's `P` buffer, to be reduced.
+
+        `P` and `Q` are kept transposed (`rank x rows`, `rank x cols`, row-major), so that both
+        products read the gradient row by row, as it lies (`P^T = Q^T M^T`, `Q^T = P^T M`):
+        with the factors' columns strided, each product took several times as long from rank 2
+        on. The `P`s lie in the buffer grouped by shape (`ordered`), for `second`'s batched
+        orthonormalization."""
+        members = self.ordered(members)
         self.buckets[bucket] = members
         grads = [params[i][1].grad for i in members]
         total = sum(self.matrices[i].rows * self.matrices[i].rank for i in members)
         first = grads[0]
         assert first is not None
         buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        self._p_buffers[bucket] = buffer
         offset = 0
         for i, g in zip(members, grads, strict=True):
             assert g is not None
@@ -180,63 +191,117 @@ class LowRank:
                 if residual is not None and residual.shape == g.shape:
                     g.add_(residual)
             matrix = g.reshape(m.rows, m.cols)  # a view, unless the gradient is not contiguous
-            p = buffer[offset : offset + m.rows * m.rank].view(m.rows, m.rank)
-            torch.matmul(matrix, self._q(i, g), out=p)
+            p = buffer[offset : offset + m.rows * m.rank].view(m.rank, m.rows)
+            torch.matmul(self._q(i, g), matrix.t(), out=p)
             self._grads[i], self._ms[i], self._ps[i] = g, matrix, p
             offset += m.rows * m.rank
         return buffer
 
     def second(self, bucket: int) -> torch.Tensor:
-        """With the bucket's averaged `P`s back: orthonormalize each, compute `Q = M^T P`;
-        return the bucket's `Q` buffer, to be reduced."""
+        """With the bucket's averaged `P`s back: orthonormalize them (one batched QR per shape),
+        compute each `Q = M^T P`; return the bucket's `Q` buffer, to be reduced."""
         members = self.buckets[bucket]
-        first = self._ps[members[0]]
+        ps = self._p_buffers.pop(bucket)
+        offset = 0
+        for (rows, rank), group in itertools.groupby(members, self._shape):
+            size = len(list(group)) * rows * rank
+            _orthonormalize(ps[offset : offset + size].view(-1, rank, rows))
+            offset += size
         total = sum(self.matrices[i].cols * self.matrices[i].rank for i in members)
-        buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        buffer = torch.empty(total, dtype=ps.dtype, device=ps.device)
+        kept = torch.empty_like(buffer) if self.config.use_error_feedback else None
         offset = 0
         for i in members:
-            m, p = self.matrices[i], self._ps[i]
-            _orthonormalize(p)
-            q = buffer[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
-            torch.matmul(self._ms[i].t(), p, out=q)
-            self._q_of[i] = q
-            if self.config.use_error_feedback:  # P (M^T P)^T is this rank's M, projected
-                self._kept[i] = q.clone()  # thin: the projection is formed once, in finish
+            m = self.matrices[i]
+            at = slice(offset, offset + m.cols * m.rank)
+            q = self._q_of[i] = buffer[at].view(m.rank, m.cols)
+            torch.matmul(self._ps[i], self._ms[i], out=q)
+            if kept is not None:  # P (M^T P)^T is this rank's M, projected (formed in finish)
+                self._kept[i] = kept[at].view(m.rank, m.cols)
             offset += m.cols * m.rank
+        if kept is not None:  # kept apart: the buffer is reduced in place
+            kept.copy_(buffer)
         return buffer
 
     def finish(self, bucket: int) -> None:
         """With the bucket's reduced `Q`s back: each gradient becomes `P Q^T` (the average's
         approximation, times `world` for a sum), the residual `M - P P^T M` (what this rank's
-        own matrix lost to the projection), and `Q` is kept."""
+        own matrix lost to the projection), and `Q` is kept (a view of the buffer it came back
+        in: nothing copied)."""
         for i in self.buckets.pop(bucket):
             g, m, p, q = self._grads.pop(i), self._ms.pop(i), self._ps.pop(i), self._q_of.pop(i)
+            p = p.t()  # rows x rank
             if self.config.use_error_feedback:
-                residual = self.residuals.get(i)
-                if residual is None or residual.shape != g.shape or residual.dtype != g.dtype:
-                    residual = self.residuals[i] = torch.empty_like(g, memory_format=_DENSE)
-                # M - P (M^T P)^T in one pass over the matrix, before M (maybe g) is overwritten
-                torch.addmm(m, p, self._kept.pop(i).t(), alpha=-1, out=residual.view(m.shape))
+                m = self._keep_residual(i, g, m, p, self._kept.pop(i))
             # P Q^T with the reduced Q as it came (a sum's when `world` != 1: the gradient is the
             # ranks' sum then), written straight into the gradient where M is its view
-            if g.is_contiguous() and m.data_ptr() == g.data_ptr():
-                torch.matmul(p, q.t(), out=m)
+            if m.data_ptr() == g.data_ptr() and g.is_contiguous():
+                torch.matmul(p, q, out=m)
             else:
-                g.copy_(torch.matmul(p, q.t()).view(g.shape))
+                g.copy_(torch.matmul(p, q).view(g.shape))
             if self.world != 1:
                 q.div_(self.world)  # the average's Q, kept for the next step
-            self.qs[i] = q.clone()
+            self.qs[i] = q
+
+    def _keep_residual(
+        self, i: int, g: torch.Tensor, m: torch.Tensor, p: torch.Tensor, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """Keep `M - P P^T M` (`kept`: this rank's `Q^T = P^T M`) as parameter `i`'s residual,
+        before `M` (maybe the gradient `g`) is overwritten; return where the gradient's matrix
+        now lies. Where `M` is all of `g`'s memory, the residual is formed in place and `g`
+        takes the last residual's memory instead (a swap of storages): one pass over the
+        matrix fewer than forming it elsewhere, and nothing allocated."""
+        residual = self.residuals.get(i)
+        fits = (
+            residual is not None
+            and residual.shape == g.shape
+            and residual.dtype == g.dtype
+            and residual.device == g.device
+        )
+        if fits and residual is not None and _owns_its_storage(residual) and _owns_its_storage(g):
+            m.addmm_(p, kept, alpha=-1)  # g holds the residual now
+            swapped = torch.empty(0, dtype=g.dtype, device=g.device)
+            swapped.set_(g.untyped_storage(), 0, g.shape, g.stride())
+            g.set_(residual.untyped_storage(), 0, g.shape, g.stride())
+            self.residuals[i] = swapped
+            return g.view(m.shape)
+        if not fits:
+            residual = self.residuals[i] = torch.empty_like(g, memory_format=_DENSE)
+        assert residual is not None
+        torch.addmm(m, p, kept, alpha=-1, out=residual.view(m.shape))
+        return m
+
+    def back(self, newest: int) -> bool:
+        """Whether some bucket's `Q`s travelled in bucket `newest`'s call or an earlier one."""
+        return any(at <= newest for at in self.q_in.values())
+
+    def finish_back(self, newest: int | None = None) -> None:
+        """`finish` each bucket whose `Q`s travelled in bucket `newest`'s call or an earlier one
+        (None: every bucket whose `Q`s went out), in bucket order: those calls have landed."""
+        for c in sorted(c for c, at in self.q_in.items() if newest is None or at <= newest):
+            del self.q_in[c]
+            self.finish(c)
 
     def discard(self) -> None:
         """Drop this step's matrices (done, or failed)."""
         self._grads, self._ms, self._ps, self._q_of, self._kept = {}, {}, {}, {}, {}
+        self._p_buffers = {}
         self.buckets, self.sent, self.q_in = {}, {}, {}
 
     # -- ranks that have joined ------------------------------------------------------------------
 
     def compressed(self, buckets: list[list[int]]) -> list[list[int]]:
-        """Each bucket's compressed members, in the order `first` takes them."""
-        return [[i for i in members if i in self.matrices] for members in buckets]
+        """Each bucket's compressed members, in the order `first` takes them (`ordered`)."""
+        return [self.ordered([i for i in members if i in self.matrices]) for members in buckets]
+
+    def ordered(self, members: list[int]) -> list[int]:
+        """Compressed `members` in the order their factors lie in a bucket's buffers: grouped by
+        the shape of `P` (the same on every rank), in bucket order within a group."""
+        return sorted(members, key=self._shape)
+
+    def _shape(self, i: int) -> tuple[int, int]:
+        m = self.matrices[i]
+        return m.rows, m.rank
 
     def q_add(self, members: list[int], key: Add) -> Add:
         """The `Q` buffer of a bucket whose compressed `members` travel in `key`'s buffers (the
@@ -265,7 +330,7 @@ class LowRank:
             offset = 0
             for i in members:
                 m, p = self.matrices[i], params[i][1]
-                part = flat[offset : offset + m.cols * m.rank].view(m.cols, m.rank)
+                part = flat[offset : offset + m.cols * m.rank].view(m.rank, m.cols)
                 offset += m.cols * m.rank
                 q = part.to(device=p.device, dtype=p.dtype, copy=True)
                 self.qs[i] = q.div_(self.world) if self.world != 1 else q
@@ -274,8 +339,9 @@ class LowRank:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def shared_state(self, params: NamedParams) -> dict[str, Any]:
-        """The state every rank holds alike: the step count and each matrix's `Q`, by name."""
-        qs = {params[i][0]: q.detach().clone() for i, q in sorted(self.qs.items())}
+        """The state every rank holds alike: the step count and each matrix's `Q` (`cols x
+        rank`), by name."""
+        qs = {params[i][0]: q.t().clone(memory_format=_DENSE) for i, q in sorted(self.qs.items())}
         return {"iteration": self.iteration, "q": qs}
 
     def load_shared_state(self, state: Mapping[str, Any], params: NamedParams, owner: str) -> None:
@@ -292,14 +358,24 @@ class LowRank:
                     "and dp.Compression.powersgd(...) settings."
                 )
             p = params[i][1]
-            qs[i] = q.detach().to(device=p.device, dtype=p.dtype, copy=True)
+            qs[i] = q.detach().t().to(device=p.device, dtype=p.dtype).clone(memory_format=_DENSE)
         self.qs = qs
         self.iteration = int(state["iteration"])
 
 
-def _orthonormalize(p: torch.Tensor) -> None:
-    """Replace the columns of `p` by an orthonormal basis of their span (QR, in float32 at
-    least: Householder, so a column the others already span gives a unit vector, not NaN)."""
-    wide = p if p.dtype == torch.float64 else p.float()
-    q, _ = torch.linalg.qr(wide)
-    p.copy_(q)
+def _orthonormalize(ps: torch.Tensor) -> None:
+    """Replace each of the `k x rank x rows` stack's matrices by an orthonormal basis of its rows'
+    span: one batched QR (in float32 at least: Householder, so a row the others already span,
+    or a zero one, gives a unit vector, not NaN, and the basis never collapses to zero)."""
+    wide = ps if ps.dtype == torch.float64 else ps.float()
+    q, _ = torch.linalg.qr(wide.transpose(1, 2))
+    ps.copy_(q.transpose(1, 2))
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    """Whether `t` is contiguous and alone on its storage (no view of a larger buffer)."""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )

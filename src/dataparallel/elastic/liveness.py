@@ -1,0 +1,356 @@
+"""A worker's watch over the hosts of an elastic run: peers behind a dead link are cut off, and
+a worker cut off from the launcher leaves.
+
+A worker that dies closes its connections, and its peers' Gloo calls fail at once. A host whose
+link goes down closes nothing: its peers' calls wait on connections that will never deliver
+(Gloo's timeout, `DATAPARALLEL_TIMEOUT`, is minutes), and the host's own workers wait on theirs.
+Two watches bound that, both within `dataparallel run --link-timeout` seconds
+(`DATAPARALLEL_LINK_TIMEOUT`):
+
+- Each worker on another host than the launcher's store beats every `POLL` seconds (a counter
+  under `heartbeat_key`), and the launcher (`Heartbeats`) takes one whose counter stood still
+  for the link timeout for out of reach; its ssh to the worker gives up too, later (ssh's
+  `ServerAliveInterval` counts whole seconds). The launcher notes the workers it lost so, by
+  their link, in the round without them (`unreachable_key`) before it opens that round. Each
+  worker follows the rounds (`_follow`: a store client of its own, asking every `POLL` seconds
+  for the next round's key, and beating on the same turn). When a round opens that names
+  members of this worker's world as lost by their link, it shuts down this process's
+  connections to their addresses (`address_key`, which each worker publishes as it
+  makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
+  with "Connection closed", as when a peer dies (`RankFailedError`), and `elastic.run` re-forms.
+- A worker on another host than the launcher's store checks every second that the store still
+  accepts a connection (`_probe`). When it has not for `link_timeout` seconds, the worker is on
+  the far side of the dead link: the launcher has dropped it, and its collectives wait on peers
+  it cannot reach. It says so and leaves, with its process group where it leads one (a worker
+  started over ssh), so that nothing of it lingers on the cut host.
+
+Both run only where a link can be lost: a run whose store is on loopback has every worker on the
+launcher's host (no other host could reach the store). Their threads ask the store from Python,
+each call bounded (`CALL_TIMEOUT`), and stop at exit (`atexit`: a stop event, then a join)
+before the interpreter finalizes: a thread still inside the store's C++ then, woken by a round
+the launcher opens, would die by a forced unwind through code that may not throw, and abort the
+worker (SIGABRT) after a run that went well.
+
+Connections are found in Linux's `/proc/self/net/tcp{,6}` and `/proc/self/fd`; elsewhere none is
+cut, and the survivors wait out Gloo's timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from dataparallel.backends.rendezvous import address_toward, interface_address
+from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+__all__ = [
+    "Heartbeats",
+    "address_key",
+    "changing_world",
+    "cut_connections",
+    "heartbeat_key",
+    "publish_address",
+    "unreachable_key",
+    "watch",
+]
+
+# How often a worker on another host checks that the launcher's store answers (seconds).
+PROBE_INTERVAL = 1.0
+# How often a worker asks the store for the next round, and beats (seconds): short against a
+# lost link's cost (peers waiting on it) and against the link timeout, long against the store's
+# round trip.
+POLL = 0.1
+# The longest a store call of the watch may take (seconds): long against a loaded machine's
+# stalls (a call that fails ends the watch, and its beats), short enough for an exit to wait on.
+CALL_TIMEOUT = 10.0
+# A worker's last heartbeat, as its watch stops: it is ending (its exit follows), not silent.
+LEFT = b"left"
+
+# Held while this worker leaves one world and makes the next: connections cut meanwhile could
+# be the new world's to a live worker sharing a lost one's address.
+_changing = threading.Lock()
+_watching = False
+_stop = threading.Event()  # set at exit: the watch's threads end
+_threads: list[threading.Thread] = []
+
+
+def address_key(worker: str) -> str:
+    """The key where `worker` publishes the address its Gloo connections use."""
+    return f"address/{worker}"
+
+
+def heartbeat_key(worker: str) -> str:
+    """The key whose counter `worker` adds to every `POLL` seconds while it is in reach."""
+    return f"heartbeat/{worker}"
+
+
+def unreachable_key(generation: int) -> str:
+    """The key where the launcher lists, as JSON, the workers that round `generation` leaves
+    out because their link is gone (their ssh stopped answering), before it opens the round."""
+    return f"round/{generation}/unreachable"
+
+
+@contextlib.contextmanager
+def changing_world() -> Iterator[None]:
+    """Hold off cutting connections while this worker makes a new world's group."""
+    with _changing:
+        yield
+
+
+def publish_address(store: Store, worker: str, settings: Settings) -> None:
+    """Write the address this worker's Gloo group binds to (the user's interface, else the one
+    toward the launcher's store) where the others find it if its link goes down."""
+    assert settings.elastic_store is not None
+    if settings.gloo_socket_ifname is not None:
+        address = interface_address(settings.gloo_socket_ifname.split(",")[0])
+    else:
+        address = address_toward(*settings.elastic_store)
+    if address is not None:
+        store.set(address_key(worker), address)
+
+
+def watch(
+    settings: Settings, generation: int, world: Callable[[], tuple[int, Sequence[str]]]
+) -> None:
+    """Start this process's watches (once, and only if the run may span hosts): follow the
+    rounds after `generation`, cutting the connections to members of this worker's world
+    (`world()`: its round and members) lost by their link; and, on another host than the
+    store's, beat, and leave when the store stops answering. Both stop when the interpreter
+    exits."""
+    global _watching
+    assert settings.elastic_store is not None
+    if _watching or _is_loopback(settings.elastic_store[0]):
+        return
+    _watching = True
+    limit = settings.link_timeout
+    far = not _is_here(settings.elastic_store[0])
+    beat = heartbeat_key(settings.elastic_worker) if far and settings.elastic_worker else None
+    _threads.append(
+        threading.Thread(
+            target=_follow,
+            args=(settings.elastic_store, generation, world, beat),
+            name="dataparallel-rounds",
+            daemon=True,
+        )
+    )
+    if far:
+        _threads.append(
+            threading.Thread(
+                target=_probe,
+                args=(settings.elastic_store, limit, settings.elastic_worker),
+                name="dataparallel-store-probe",
+                daemon=True,
+            )
+        )
+    atexit.register(_stop_watching)
+    for thread in _threads:
+        thread.start()
+
+
+def _stop_watching() -> None:
+    """Stop the watch's threads and wait for them: each store call is bounded."""
+    _stop.set()
+    for thread in _threads:
+        thread.join(timeout=2 * CALL_TIMEOUT + PROBE_INTERVAL)
+
+
+def _follow(
+    store_at: tuple[str, int],
+    generation: int,
+    world: Callable[[], tuple[int, Sequence[str]]],
+    beat: str | None,
+) -> None:
+    from dataparallel.backends.gloo.group import import_torch_distributed
+    from dataparallel.elastic.forming import round_key
+
+    dist = import_torch_distributed()
+    timeout = datetime.timedelta(seconds=CALL_TIMEOUT)
+    try:
+        store = dist.TCPStore(*store_at, is_master=False, timeout=timeout, wait_for_workers=False)
+        while not _stop.wait(POLL):
+            if beat is not None:
+                store.add(beat, 1)
+            if not store.check([round_key(generation + 1)]):
+                continue
+            generation += 1
+            key = unreachable_key(generation)
+            if not store.check([key]):
+                continue
+            lost = set(json.loads(store.get(key)))
+            if not _changing.acquire(blocking=False):
+                continue  # between worlds: the old one's connections are closing anyway
+            try:
+                joined, members = world()
+                if joined >= generation:
+                    continue  # this world is already without them: its connections stay
+                gone = [m for m in members if m in lost]
+                keys = [address_key(m) for m in gone]
+                addresses = {bytes(store.get(k)).decode() for k in keys if store.check([k])}
+                cut_connections(addresses, keep=_resolved(store_at))
+            finally:
+                _changing.release()
+        if beat is not None:
+            store.set(beat, LEFT)
+    except RuntimeError:  # the store is gone or silent: `_probe` (or the launcher's end) settles it
+        return
+
+
+class Heartbeats:
+    """The launcher's ear on its workers of other hosts: each one's heartbeat counter, and when
+    (by the launcher's clock, so no two hosts' clocks are compared) it last saw it move.
+
+    A worker counts from its first world on (its watch starts there), and stops counting when
+    its watch stops (`LEFT`: it is ending, and its exit follows). One whose counter stood still
+    for `limit` seconds is out of reach: its host, its link, or its process stalled.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._heard: dict[str, tuple[bytes, float]] = {}
+        self._done: set[str] = set()  # said silent, or left
+
+    def silent(self, store: Store, workers: Iterable[str]) -> dict[str, float]:
+        """Return the `workers` silent for the limit, with how long (seconds); each once."""
+        now = time.monotonic()
+        quiet = {}
+        for worker in workers:
+            key = heartbeat_key(worker)
+            heard = self._heard.get(worker)
+            if worker in self._done or (heard is None and not store.check([key])):
+                continue  # done with, or not beating yet
+            value = bytes(store.get(key))
+            if value == LEFT:
+                self._done.add(worker)
+            elif heard is None or value != heard[0]:
+                self._heard[worker] = (value, now)
+            elif now - heard[1] >= self.limit:
+                quiet[worker] = now - heard[1]
+                self._done.add(worker)
+        return quiet
+
+
+def _probe(store_at: tuple[str, int], limit: float, worker: str | None) -> None:
+    answered = time.monotonic()
+    while not _stop.is_set():
+        try:
+            with socket.create_connection(store_at, timeout=PROBE_INTERVAL):
+                pass
+        except OSError:
+            silent = time.monotonic() - answered
+            if silent >= limit:
+                _leave(store_at, silent, worker)
+            _stop.wait(0.1)
+            continue
+        answered = time.monotonic()
+        _stop.wait(PROBE_INTERVAL)
+
+
+def _leave(store_at: tuple[str, int], silent: float, worker: str | None) -> None:
+    host, port = store_at
+    print(
+        f"dataparallel: worker {worker} has had no answer from the launcher's store at "
+        f"{host}:{port} for {silent:.1f} s ({LINK_TIMEOUT_VARIABLE}, `dataparallel run "
+        "--link-timeout`): this host's link is down, or the launcher is gone; leaving the run.",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(OSError):
+        if os.getpgid(0) == os.getpid():  # a worker started over ssh leads its own group
+            os.killpg(0, signal.SIGKILL)
+    os._exit(1)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address: a store there is out of every other host's reach,
+    so the run has one host, and no link to lose."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _is_here(host: str) -> bool:
+    """Whether `host` is an address of this machine (the store is then never out of reach)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((socket.gethostbyname(host), 0))
+    except OSError:
+        return False
+    return True
+
+
+def _resolved(store_at: tuple[str, int]) -> tuple[str, int]:
+    try:
+        return socket.gethostbyname(store_at[0]), store_at[1]
+    except OSError:
+        return store_at
+
+
+def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) -> int:
+    """Shut down this process's TCP connections to any of `addresses` (IPv4), but `keep`'s
+    (address, port); return how many. A thread blocked reading or writing one wakes with an
+    end of stream or an error, as if the peer had closed it."""
+    if not addresses:
+        return 0
+    inodes = {
+        inode for inode, remote in _tcp_sockets() if remote[0] in addresses and remote != keep
+    }
+    cut = 0
+    for fd in _socket_fds(inodes):
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
+            connection.shutdown(socket.SHUT_RDWR)
+            cut += 1
+    return cut
+
+
+def _tcp_sockets() -> Iterator[tuple[str, tuple[str, int]]]:
+    """Each TCP socket of this network namespace that is not listening: its inode and its
+    remote (IPv4 address, port); IPv6 ones only where they carry an IPv4 address."""
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as file:
+                lines = file.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] == "0A":  # 0A: listening
+                continue
+            hex_address, _, hex_port = fields[2].partition(":")
+            raw = bytes.fromhex(hex_address)
+            # Each 32-bit word is in the machine's order (little-endian where this runs).
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            if len(words) == 4:
+                address = str(ipaddress.IPv4Address(words))
+            else:
+                mapped = ipaddress.IPv6Address(words).ipv4_mapped
+                if mapped is None:
+                    continue
+                address = str(mapped)
+            yield fields[9], (address, int(hex_port, 16))
+
+
+def _socket_fds(inodes: set[str]) -> Iterator[int]:
+    """This process's file descriptors that are the sockets of `inodes`."""
+    if not inodes:
+        return
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{entry}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    yield int(entry)
