@@ -5,7 +5,8 @@ runs on: a block whose first line says `# on N ranks or more` needs N (the READM
 launch command beside it); every other block runs at any world size, a world of one included.
 `python tests/_readme.py README.md [PAGE ...]` (under any launcher) runs them, each in the
 namespace the ones before it on its page left, and prints `README.md block K (line L): ok` (or
-`... skipped`) on rank 0. Used for the README and for `docs/quickstart.md`.
+`... skipped`) on rank 0. Used for the README, `docs/quickstart.md` and the ecosystem pages
+(`ECOSYSTEM_PAGES`, each with the modules it needs), all in the same jobs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# docs/ecosystems/*.md, each a program that ends by asserting what its library promises, and the
+# modules it needs: a page whose modules are missing is left out (and said so).
+ECOSYSTEM_PAGES = {
+    "lightning.md": ("torch", "pytorch_lightning"),
+    "huggingface.md": ("torch", "transformers", "accelerate"),
+    "torchmetrics.md": ("torch", "torchmetrics"),
+    "checkpoint.md": ("torch",),
+}
+ECOSYSTEMS = ROOT / "docs" / "ecosystems"
 
 _FENCE = re.compile(r"^```python\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
 _RANKS = re.compile(r"# on (\d+) ranks or more\b")

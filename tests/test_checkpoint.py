@@ -3,7 +3,7 @@
 The tests without `spawns` run in whatever world pytest runs in (1, 2, 3 ranks; MPI, Gloo): a
 round trip of a model, a plain or ZeRO optimizer, a sampler and values, bit for bit; `async_save`
 writing the state as it was at the call; a checkpoint without its metadata or a shard file
-refused with a message that names what is missing. The `spawns` tests run jobs of other sizes
+refused with a message that names what is missing. The `spawns` test runs jobs of other sizes
 (tests/scripts/checkpoint_job.py): saved at 3 ranks, loaded at 2 and at 4, and back; a rank killed
 while it writes; and a plain torch program (tests/scripts/plain_dcp.py) reading a checkpoint
 written here, and writing one that loads here.
@@ -470,65 +470,60 @@ def job(args: list[Any], ranks: int, backend: str, ok: bool = True) -> str:
     return output
 
 
-# Every pair of (saving engine, loading engine), to more ranks and to fewer, and a plain torch
-# program (no dataparallel, one process) reading what 3 ranks wrote under ZeRO.
-@pytest.mark.parametrize(
-    ("saved", "loaded"),
-    [
-        ((3, "mpi"), [(2, "gloo"), (4, "mpi"), (1, "plain")]),
-        ((2, "gloo"), [(3, "mpi"), (3, "gloo")]),
-    ],
-)
-@pytest.mark.parametrize("stage", [2])
 @pytest.mark.spawns
-def test_saved_at_one_size_loads_bit_for_bit_at_others(
-    saved: tuple[int, str], loaded: list[tuple[int, str]], stage: int, tmp_path: Path
-) -> None:
+def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None:
+    """Every pair of (saving engine, loading engine), to more ranks and to fewer, plain torch's
+    DCP both ways, and a save killed midway, in five jobs (each checkpoint is checked in jobs
+    that start anyway: a job's start costs seconds):
+
+    - MPI 3 saves A under ZeRO stage 2;
+    - a plain torch program (no dataparallel, one process) saves P, and loads A (DCP alone: the
+      model, the optimizer, the step);
+    - Gloo 2 loads A (MPI -> Gloo, to fewer) and P (plain -> ZeRO), then saves B;
+    - Gloo 3 loads B (Gloo -> Gloo, to more), saves K, and saves into K again with rank 1 killed
+      while it writes its shards: that job fails, as it must;
+    - MPI 4 loads A (MPI -> MPI, to more) and B (Gloo -> MPI, to more), then K, which it must
+      refuse: a folder a job died writing is neither the old checkpoint nor the new one.
+
+    Every load gets bit for bit what the saving job consolidated.
+    """
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
-    folder, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
-    job(["save", folder, ref, "--stage", str(stage)], *saved)
-    want = torch.load(ref, weights_only=False)
-    for ranks, backend in loaded:
-        out = tmp_path / f"out{ranks}-{backend}.pt"
-        if backend == "plain":  # torch DCP alone: the model, the optimizer, the step
-            job(["load", folder, out], ranks, backend)
-            got = torch.load(out, weights_only=False)
-            assert_same(got["model"], want["model"], "model (plain torch)")
-            assert_same(got["optim"], want["optim"], "optim (plain torch)")
-            assert got["step"] == want["step"]
-            continue
-        job(["load", folder, out, "--stage", str(stage)], ranks, backend)
-        assert_same(torch.load(out, weights_only=False), want, f"loaded at {ranks} ({backend})")
-
-
-@pytest.mark.spawns
-def test_a_rank_killed_while_writing_leaves_no_checkpoint(tmp_path: Path) -> None:
-    """A complete checkpoint in the folder, then a save into it in which rank 1 dies while it
-    writes: the folder is refused, not taken for the old checkpoint nor for the new one."""
-    if outer_world_size() > 1:
-        pytest.skip("launches its own jobs: run this file in a world of one")
-    folder, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
-    job(["save", folder, ref, "--die-rank", "1"], 3, "gloo", ok=False)
-    assert (folder / "__0_0.distcp").exists()  # the first save was complete
+    a, b, k, p = (tmp_path / name for name in ("a", "b", "k", "p"))
+    ref = {name: tmp_path / f"{name}.pt" for name in ("a", "b", "k", "p")}
+    got = tmp_path / "got"
+    got.mkdir()
+    job(["save", a, ref["a"]], 3, "mpi")
+    job(["save", p, ref["p"], "load", a, got / "a-plain.pt"], 1, "plain")
+    gloo_2 = ["load", a, got / "a-gloo-2.pt", "load-plain", p, got / "p-gloo-2.pt"]
+    job([*gloo_2, "save", b, ref["b"]], 2, "gloo")
+    died = job(
+        ["load", b, got / "b-gloo-3.pt", "save", k, ref["k"], "--die-rank", "1"],
+        3,
+        "gloo",
+        ok=False,
+    )
+    assert (got / "b-gloo-3.pt").exists() and ref["k"].exists(), died  # both before the kill
+    assert (k / "__0_0.distcp").exists()  # the first save into K was complete
     with pytest.raises(FileNotFoundError, match="did not finish"):
-        dp.checkpoint.load({"model": make_model()}, folder)
-    out = job(["load", folder, tmp_path / "out.pt"], 2, "mpi", ok=False)
-    assert "did not finish" in out
+        dp.checkpoint.load({"model": make_model()}, k)
+    refused = job(
+        ["load", a, got / "a-mpi-4.pt", "load", b, got / "b-mpi-4.pt", "load", k, got / "k.pt"],
+        4,
+        "mpi",
+        ok=False,
+    )
+    assert "did not finish" in refused
+    assert not (got / "k.pt").exists()
 
+    def load(path: Path) -> Any:
+        return torch.load(path, weights_only=False)
 
-@pytest.mark.spawns
-def test_a_plain_torch_programs_checkpoint_loads_under_zero(tmp_path: Path) -> None:
-    """DCP the other way (the way in is in `test_saved_at_one_size_loads_bit_for_bit_at_others`):
-    torch.distributed.checkpoint in a process without dataparallel saves, and 2 ranks under ZeRO
-    load it."""
-    if outer_world_size() > 1:
-        pytest.skip("launches its own jobs: run this file in a world of one")
-    plain, plain_ref = tmp_path / "plain", tmp_path / "plain_ref.pt"
-    job(["save", plain, plain_ref], 1, "plain")
-    job(["load", plain, tmp_path / "here.pt", "--plain"], 2, "gloo")
-    want = torch.load(plain_ref, weights_only=False)
-    got = torch.load(tmp_path / "here.pt", weights_only=False)
-    assert_same(got["model"], want["model"], "model")
-    assert_same(got["optim"], want["optim"], "optim")
-    assert got["step"] == want["step"]
+    want = {name: load(path) for name, path in ref.items()}
+    for name, saved in (("a-gloo-2", "a"), ("b-gloo-3", "b"), ("a-mpi-4", "a"), ("b-mpi-4", "b")):
+        assert_same(load(got / f"{name}.pt"), want[saved], f"{saved} loaded as {name}")
+    for name, saved in (("a-plain", "a"), ("p-gloo-2", "p")):  # the model, the optimizer, the step
+        plain = load(got / f"{name}.pt")
+        assert_same(plain["model"], want[saved]["model"], f"model ({name})")
+        assert_same(plain["optim"], want[saved]["optim"], f"optim ({name})")
+        assert plain["step"] == want[saved]["step"]

@@ -4,8 +4,9 @@
 `strategy="ddp"` in the same processes (plain SGD with momentum, gradient accumulation, ZeRO
 stages 1 and 2), saves a checkpoint and checks the strategy's collectives against
 torch.distributed's. Here each job's printout is read back: every rank's losses and weights
-must be DDP's, the checkpoint written by rank 0 alone. Jobs at 2 and 3 ranks, MPI and Gloo;
-the file runs in a world of one (it launches its own jobs), and the argument checks run in any.
+must be DDP's, the checkpoint written by rank 0 alone. Jobs at MPI 2 ranks and Gloo 3 (each
+engine and each size; `--matrix=full` adds MPI 3 and Gloo 2), in the world of one; the argument
+checks run in it and in two of the multi-rank worlds (`heavy`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def _backend(name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing, reason="needs mpi4py")
 
 
+# A job fits eight times: the world of one runs each engine and each size once (MPI at 2 ranks,
+# Gloo at 3); `--matrix=full` or naming a case runs the other two.
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize(
     ("backend", "ranks"),
     [
@@ -102,6 +106,8 @@ def test_fits_like_ddp(backend: str, ranks: int, tmp_path: Path) -> None:
     ], output
 
 
+# The argument checks below import Lightning on every rank (seconds each) and check what no
+# engine changes: `heavy` runs them in two of the multi-rank worlds (conftest.py).
 @pytest.fixture
 def strategy_class():  # type: ignore[no-untyped-def]
     import dataparallel as dp
@@ -118,6 +124,7 @@ def _trainer(strategy: object, **options: object):  # type: ignore[no-untyped-de
     return pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=1, **quiet, **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.heavy
 def test_the_launcher_decides_the_processes(strategy_class) -> None:  # type: ignore[no-untyped-def]
     import dataparallel as dp
 
@@ -134,6 +141,7 @@ def test_the_launcher_decides_the_processes(strategy_class) -> None:  # type: ig
     }
 
 
+@pytest.mark.heavy
 def test_bad_collective_arguments(strategy_class) -> None:  # type: ignore[no-untyped-def]
     import torch
 
@@ -144,6 +152,7 @@ def test_bad_collective_arguments(strategy_class) -> None:  # type: ignore[no-un
         strategy.all_gather(torch.ones(2), group="everyone")
 
 
+@pytest.mark.heavy
 def test_optimizers_that_reduce_and_others_are_refused(strategy_class) -> None:  # type: ignore[no-untyped-def]
     import pytorch_lightning as pl
     import torch

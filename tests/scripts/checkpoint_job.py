@@ -1,13 +1,15 @@
-"""A job that trains a small model under ZeRO and saves or loads a sharded checkpoint.
+"""A job that trains a small model under ZeRO and saves or loads sharded checkpoints, in turn.
 
-    checkpoint_job.py save FOLDER REF [--stage S] [--die-rank R]
-    checkpoint_job.py load FOLDER OUT [--stage S] [--plain]
+    checkpoint_job.py MODE FOLDER PATH [MODE FOLDER PATH ...] [--stage S] [--die-rank R]
 
-`save` trains two steps, writes FOLDER with `dp.checkpoint.save`, and rank 0 writes REF: the
+Each MODE FOLDER PATH is one step, taken in order in the same processes, each with a model and
+an optimizer of its own: one job checks several checkpoints (a job's start costs seconds).
+`save` trains two steps, writes FOLDER with `dp.checkpoint.save`, and rank 0 writes PATH: the
 consolidated state (`torch.save`), what any later job must find in FOLDER bit for bit. With
 `--die-rank R` it then saves into FOLDER again, and rank R is killed (SIGKILL) while writing its
-shards: the folder is left as a job that died midway leaves it. `load` builds the same model at
-its own world size, loads FOLDER, and rank 0 writes the consolidated state it got to OUT.
+shards: the folder is left as a job that died midway leaves it (the job's last step). `load`
+builds the same model at its own world size, loads FOLDER, and rank 0 writes the consolidated
+state it got to PATH; `load-plain` loads a plain torch program's checkpoint (no sampler).
 """
 
 from __future__ import annotations
@@ -42,57 +44,69 @@ def consolidated(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
-    parser.add_argument("folder")
-    parser.add_argument("out")
-    parser.add_argument("--stage", type=int, default=2)
-    parser.add_argument("--die-rank", type=int, default=None)
-    parser.add_argument("--plain", action="store_true", help="load a plain torch program's")
-    args = parser.parse_args()
-    dp.initialize()
+def step(mode: str, folder: str, path: str, stage: int, die_rank: int | None) -> None:
+    """Take one step (`save`, `load`, `load-plain`) with a model and an optimizer of its own."""
     model = make_model()
     opt = dp.torch.ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.Adam, stage=args.stage, bucket_bytes=64, lr=0.01
+        model.parameters(), torch.optim.Adam, stage=stage, bucket_bytes=64, lr=0.01
     )
     sampler = dp.elastic.ElasticSampler(list(range(10)), seed=1)
     state = {"model": model, "optim": opt, "step": 0, "sampler": sampler}
-    if args.plain:
+    if mode == "load-plain":
         del state["sampler"]
-    if args.mode == "save":
-        for step in range(2):
-            g = torch.Generator().manual_seed(100 * step + dp.rank())
+    if mode == "save":
+        for number in range(2):
+            g = torch.Generator().manual_seed(100 * number + dp.rank())
             x = torch.randn(4, 5, generator=g)
             model(x).pow(2).sum().backward()
             opt.step()
             opt.zero_grad()
         state["step"] = 2
         sampler.record_batch(0, 2)
-        dp.checkpoint.save(state, args.folder)
+        dp.checkpoint.save(state, folder)
         ref = consolidated(model, opt, state)
         if dp.rank() == 0:
-            torch.save(ref, args.out)
-        if args.die_rank is not None:
+            torch.save(ref, path)
+        if die_rank is not None:
             from torch.distributed.checkpoint import FileSystemWriter
 
             write = FileSystemWriter.write_data
 
             def dying(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
-                if dp.rank() == args.die_rank:
-                    with open(os.path.join(args.folder, f"__{dp.rank()}_0.distcp"), "wb") as f:
+                if dp.rank() == die_rank:
+                    with open(os.path.join(folder, f"__{dp.rank()}_0.distcp"), "wb") as f:
                         f.write(b"half")
                         f.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
                 return write(self, plan, planner)
 
             FileSystemWriter.write_data = dying  # type: ignore[method-assign,assignment]
-            dp.checkpoint.save(state, args.folder)
+            dp.checkpoint.save(state, folder)
     else:
-        state = dict(dp.checkpoint.load(state, args.folder))
+        state = dict(dp.checkpoint.load(state, folder))
         out = consolidated(model, opt, state)
         if dp.rank() == 0:
-            torch.save(out, args.out)
+            torch.save(out, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("steps", nargs="+", metavar="MODE FOLDER PATH")
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--plain", action="store_true", help="every load: a plain torch program's")
+    args = parser.parse_args()
+    if len(args.steps) % 3:
+        parser.error("steps come in threes: MODE FOLDER PATH")
+    steps = [args.steps[i : i + 3] for i in range(0, len(args.steps), 3)]
+    for mode, _, _ in steps:
+        if mode not in ("save", "load", "load-plain"):
+            parser.error(f"{mode!r} is not save, load or load-plain")
+    dp.initialize()
+    for mode, folder, path in steps:
+        if args.plain and mode == "load":
+            mode = "load-plain"
+        step(mode, folder, path, args.stage, args.die_rank)
     dp.finalize()
 
 

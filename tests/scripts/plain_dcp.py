@@ -3,7 +3,9 @@
     plain_dcp.py load FOLDER OUT    # get_state_dict + dcp.load + set_state_dict; OUT: the state
     plain_dcp.py save FOLDER REF    # two Adam steps, dcp.save of get_state_dict; REF: the state
 
-OUT and REF hold {"model", "optim", "step"} in torch's plain formats (`torch.save`).
+OUT and REF hold {"model", "optim", "step"} in torch's plain formats (`torch.save`). Several
+MODE FOLDER PATH steps in one command run in turn, each with a model and an optimizer of its
+own (one process's start for all).
 """
 
 from __future__ import annotations
@@ -22,9 +24,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
-def main() -> None:
-    mode, folder, out = sys.argv[1:4]
-    assert "dataparallel" not in sys.modules
+def run_step(mode: str, folder: str, out: str) -> None:
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     if mode == "load":
@@ -32,18 +32,28 @@ def main() -> None:
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": 0}
         dcp.load(state, checkpoint_id=folder)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        step = state["step"]
+        done = state["step"]
     else:
-        for step in range(2):
-            g = torch.Generator().manual_seed(7 + step)
+        for number in range(2):
+            g = torch.Generator().manual_seed(7 + number)
             model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
             opt.step()
             opt.zero_grad()
-        step = 2
+        done = 2
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=folder)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": done}, checkpoint_id=folder)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": done}, out)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    assert len(args) % 3 == 0 and args, "steps come in threes: MODE FOLDER PATH"
     assert "dataparallel" not in sys.modules
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, out)
+    for i in range(0, len(args), 3):
+        mode, folder, out = args[i : i + 3]
+        assert mode in ("load", "save"), mode
+        run_step(mode, folder, out)
+    assert "dataparallel" not in sys.modules
 
 
 if __name__ == "__main__":
