@@ -23,6 +23,13 @@ ddp` of both (below 1: this library's strategy is faster).
 `DataParallelStrategy, --before`: the same strategy whose buckets that file's `Fusion` packs and
 unpacks, taken in turn with the others, and prints the overhead ratio after / before: a change to
 the bucket path measured before and after in the same processes.
+
+`--without FEATURES` (repeatable; a comma-separated list of `promises`, `views`) adds
+a case `DataParallelStrategy without FEATURES`: the same strategy with those features of the
+gradient reduction turned off, in turn with the others, and prints its overhead against the
+full strategy's. `promises`: every step makes its handshake (no step made without one, as
+every rank promised); `views`: the gradients of a packed bucket are copied out of it instead of
+becoming views of it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import statistics
 import sys
 import time
@@ -43,8 +51,11 @@ from torch import nn
 import dataparallel as dp
 import dataparallel.torch._gradsync as gradsync
 from dataparallel.lightning import DataParallelStrategy
+from dataparallel.torch._gradsync import GradientSync
 
 OURS, DDP, BEFORE = "DataParallelStrategy", 'strategy="ddp"', "DataParallelStrategy, --before"
+WITHOUT = "DataParallelStrategy without "
+FEATURES = ("promises", "views")
 
 
 class Timer(pl.Callback):
@@ -84,7 +95,17 @@ def fusion_of(path: str) -> type:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.Fusion
+    fusion: type = module.Fusion
+    if "deliver" in inspect.signature(fusion.add_leaf).parameters:
+        return fusion
+
+    class Before(fusion):  # type: ignore[misc, valid-type]
+        """A `Fusion` from before results were handed over as views: it copies them back."""
+
+        def add_leaf(self, *args: Any, deliver: Any = None, **kwargs: Any) -> None:
+            super().add_leaf(*args, **kwargs)
+
+    return Before
 
 
 def step_time(case: str, args: argparse.Namespace, before: type | None = None) -> float:
@@ -95,6 +116,8 @@ def step_time(case: str, args: argparse.Namespace, before: type | None = None) -
         BEFORE: DataParallelStrategy(),
         DDP: "ddp",
     }
+    if case.startswith(WITHOUT):
+        strategies[case] = DataParallelStrategy()
     timer = Timer()
     # Lightning's DDP checks devices x nodes against the launcher's world.
     ddp = {"devices": dp.local_size(), "num_nodes": dp.size() // dp.local_size()}
@@ -116,6 +139,11 @@ def step_time(case: str, args: argparse.Namespace, before: type | None = None) -
     with contextlib.ExitStack() as stack:
         if case == BEFORE:  # the reducer made in this fit packs with the other commit's Fusion
             stack.enter_context(_swapped(gradsync, "Fusion", before))
+        off = case.removeprefix(WITHOUT).split(",") if case.startswith(WITHOUT) else []
+        if "promises" in off:
+            stack.enter_context(_swapped(GradientSync, "_may_promise", lambda self: False))
+        if "views" in off:
+            stack.enter_context(_swapped(gradsync, "_alone", lambda t: False))
         trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))
     mine = statistics.median(timer.times[args.skip :])
     return float(dp.allreduce(torch.tensor(mine, dtype=torch.float64), op="max"))
@@ -145,11 +173,23 @@ def main() -> None:
         help="another commit's fusion.py (src/dataparallel/arrays/fusion.py), for a "
         "before/after of the bucket path in the same run",
     )
+    parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        metavar="FEATURES",
+        help=f"a case with these features off (comma-separated: {', '.join(FEATURES)})",
+    )
     args = parser.parse_args()
+    for features in args.without:
+        unknown = set(features.split(",")) - set(FEATURES)
+        if unknown:
+            parser.error(f"--without {features}: no feature {sorted(unknown)}; of {FEATURES}")
     before = fusion_of(args.before) if args.before else None
     torch.set_num_threads(1)
     dp.initialize()
-    cases = ["one process", OURS, DDP, *([BEFORE] if before else [])]
+    withouts = [WITHOUT + features for features in args.without]
+    cases = ["one process", OURS, DDP, *([BEFORE] if before else []), *withouts]
     times: dict[str, list[float]] = {case: [] for case in cases}
     overheads: dict[str, list[float]] = {case: [] for case in cases[1:]}
     for r in range(args.rounds):
@@ -167,11 +207,11 @@ def main() -> None:
         f"{params / 1e6:.2f} M parameters, batch {args.batch}, {args.rounds} rounds of "
         f"{args.steps} steps (median of steps {args.skip + 1}..{args.steps}, slowest rank)"
     )
-    print(f"{'case':<32} {'step ms':>9} {'overhead ms':>12}")
+    print(f"{'case':<44} {'step ms':>9} {'overhead ms':>12}")
     for case in cases:
         step = statistics.median(times[case]) * 1e3
         over = statistics.median(overheads[case]) * 1e3 if case in overheads else 0.0
-        print(f"{case:<32} {step:9.2f} {over:12.2f}")
+        print(f"{case:<44} {step:9.2f} {over:12.2f}")
     step_ratio = statistics.median(times[OURS]) / statistics.median(times[DDP])
     over_ratio = statistics.median(overheads[OURS]) / statistics.median(overheads[DDP])
     print(f"ratio DataParallelStrategy / ddp: step {step_ratio:.2f}, overhead {over_ratio:.2f}")
@@ -180,6 +220,12 @@ def main() -> None:
         print(f"ratio after / before (overhead): {after:.3f}")
         over_ratio = statistics.median(overheads[BEFORE]) / statistics.median(overheads[DDP])
         print(f"ratio --before / ddp: overhead {over_ratio:.2f}")
+    for case in withouts:
+        theirs = statistics.median(overheads[case])
+        after = statistics.median(overheads[OURS]) / theirs
+        print(f"ratio with / {case[len(OURS) + 1 :]} (overhead): {after:.3f}")
+        to_ddp = theirs / statistics.median(overheads[DDP])
+        print(f"ratio {case[len(OURS) + 1 :]} / ddp: overhead {to_ddp:.2f}")
 
 
 if __name__ == "__main__":

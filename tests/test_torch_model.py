@@ -29,6 +29,7 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
+from dataparallel.torch import _gradsync
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -56,6 +57,92 @@ def test_shares_of_a_global_batch_match_one_process_on_the_whole(name: str, worl
     assert_same_on_every_rank(list(model.parameters()))
     assert model.gradient_sync.steps == 4
     assert len(model.gradient_sync.buckets) >= 3
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_packed_buckets_gradients_are_its_memory_not_copies(
+    set_to_none: bool, world: Backend
+) -> None:
+    """The reduced gradients of a bucket of several parameters are their places in the bucket's
+    memory (DDP's `gradient_as_bucket_view`), not copies written back, on engines that move
+    calls on by themselves (on MPI they are copied back: adopting was slower there). Each
+    `.grad` stays the same tensor object (a reference taken before backward sees the result);
+    kept between steps, backward accumulates into the bucket's memory, and the next steps are
+    still right."""
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)  # the default size: one bucket of everything
+    assert len(model.gradient_sync.buckets) == 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch(step)
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        held = [p.grad for p in model.parameters()]
+        loss_of(model, share(x), share(y)).backward()
+        loss_of(reference, x, y).backward()
+        pairs = zip(model.parameters(), reference.parameters(), strict=True)
+        for i, (got, want) in enumerate(pairs):
+            torch.testing.assert_close(got.grad, want.grad)
+            if held[i] is not None:
+                assert got.grad is held[i], "the same tensor object, now on the bucket's memory"
+        places = sorted((p.grad.data_ptr(), p.grad.nbytes) for p in model.parameters())
+        ends = [start + nbytes for start, nbytes in places[:-1]]
+        together = ends == [start for start, _ in places[1:]]
+        assert together == world.progresses, "one after the other in the bucket, or copied"
+        opt.step()
+        ref_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_without_torchs_storage_use_count_gradients_are_copied_back(
+    world: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a gradient alone sees its memory is told by torch's private
+    `torch._C._storage_Use_Count`, checked once: where it is absent or counts otherwise, no
+    gradient becomes a view of its bucket (each keeps its own memory, written into), and the
+    results are the same."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert _gradsync._use_count() is None
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", lambda cdata: 1, raising=False)
+    assert _gradsync._use_count() is None
+    monkeypatch.setattr(_gradsync, "_USE_COUNT", None)
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    held = [(p.grad, p.grad.data_ptr()) for p in model.parameters()]
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    loss_of(reference, x, y).backward()
+    pairs = zip(model.parameters(), reference.parameters(), held, strict=True)
+    for got, want, (grad, place) in pairs:
+        torch.testing.assert_close(got.grad, want.grad)
+        assert got.grad is grad and got.grad.data_ptr() == place, "written into, not moved"
+
+
+def test_gradients_that_are_views_of_your_own_buffer_are_written_into_it(world: Backend) -> None:
+    """A gradient whose memory something else sees (here: views of one flat buffer, as flat
+    optimizers make them) keeps its memory: the reduced values are written into it."""
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    x, y = global_batch(0)
+    loss_of(model, share(x), share(y)).backward()
+    loss_of(reference, x, y).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(flat, want)
+    for p in params:
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 def test_wrapping_broadcasts_parameters_and_buffers_from_rank_0(world: Backend) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dataparallel.arrays.families import Family
-from dataparallel.arrays.fusion import HOST_KEY, Fusion
+from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
 from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend
 
@@ -185,10 +185,14 @@ class Router:
         self.fusion.pause = THREAD_PAUSE if wire else 0.0
 
     def send(
-        self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None
+        self,
+        leaves: Sequence[tuple[Family, object]],
+        extra: np.ndarray | None = None,
+        delivers: Sequence[Deliver | None] | None = None,
     ) -> None:
-        """Send one bucket: `leaves` (validated, with their family), then `extra` host float32."""
-        self.run(lambda: self.put(leaves, extra))
+        """Send one bucket: `leaves` (validated, with their family), then `extra` host float32;
+        `delivers`: per leaf, where its result's place in the bucket goes (`Fusion.add_leaf`)."""
+        self.run(lambda: self.put(leaves, extra, delivers))
 
     def run(self, fn: Callable[[], object]) -> None:
         """Run `fn` where this step's calls are made, after the buckets sent before it: on the
@@ -199,7 +203,12 @@ class Router:
         else:
             fn()
 
-    def put(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None = None) -> None:
+    def put(
+        self,
+        leaves: Sequence[tuple[Family, object]],
+        extra: np.ndarray | None = None,
+        delivers: Sequence[Deliver | None] | None = None,
+    ) -> None:
         """Send `leaves` and `extra` as `send` does, from the thread the step's calls are made on
         (inside a `run` function, or `send`).
 
@@ -208,16 +217,22 @@ class Router:
         (`fusion.MAX_IN_FLIGHT`), `finish` the last, so the link never waits for a bucket's
         results to be written. On MPI the thread waits for it (GIL released).
         """
-        self._add(leaves, extra)
+        self._add(leaves, extra, delivers)
         if self.threaded and not (LEAVE_IN_FLIGHT and self.fusion.backend.progresses):
             self.fusion.wait()
         else:
             self.fusion.flush()
 
-    def _add(self, leaves: Sequence[tuple[Family, object]], extra: np.ndarray | None) -> None:
+    def _add(
+        self,
+        leaves: Sequence[tuple[Family, object]],
+        extra: np.ndarray | None,
+        delivers: Sequence[Deliver | None] | None,
+    ) -> None:
         fusion = self.fusion
-        for family, x in leaves:
-            fusion.add_leaf(family, x, family.dtype(x), family.device(x))
+        given = delivers if delivers is not None else [None] * len(leaves)
+        for (family, x), deliver in zip(leaves, given, strict=True):
+            fusion.add_leaf(family, x, family.dtype(x), family.device(x), deliver=deliver)
         if extra is not None:
             fusion.add(extra, "float32", HOST_KEY)
 

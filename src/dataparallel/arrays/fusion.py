@@ -82,7 +82,7 @@ HOST_KEY: BucketKey = ("host", "cpu")  # the bucket key of every host buffer, wh
 MAX_IN_FLIGHT = 1
 
 
-Deliver = Callable[[np.ndarray], object]  # where a reduce-scatter's or all-to-all's result goes
+Deliver = Callable[[np.ndarray], object]  # where a result handed over goes (`Fusion.add`)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -199,7 +199,7 @@ class Fusion:
         self.timeline = timeline
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
-        self._read_only: dict[int, Deliver] = {}  # id of a read-only work packed -> its deliver
+        self._read_only: dict[int, Deliver] = {}  # id of a work packed -> its deliver (`add`)
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Seconds between tests of a call in flight while waiting for it (`fusion.settle`);
         # 0: wait in the engine. Set by the communication thread's steps on MPI
@@ -216,32 +216,42 @@ class Fusion:
         dtype: str,
         device: str,
         staged: tuple[Family, object, Work, bool] | None = None,
+        deliver: Deliver | None = None,
     ) -> None:
         """Queue leaf `x` of `family`: through a zero-copy view, or a staged copy written back
         (`staged`: what `families.stage` gave for it, if the caller has it already).
 
-        `wait()` returns the leaves' results in the order they were added.
+        `wait()` returns the leaves' results in the order they were added. `deliver`: for a
+        reduction, called instead with the result's place in its bucket where `x` is seen
+        through a host view and packed with others (`add`); the caller makes `x` use it.
         """
         if staged is None:
             staged = stage(family, x)
         self._leaves.append(staged)
         work = staged[2]
+        if not (staged[3] and type(work) is np.ndarray):
+            deliver = None  # a staged copy is written back; a device leaf lands on its device
         # Host buffers are packed alike whatever their family, so ranks may mix families.
-        self.add(work, dtype, HOST_KEY if type(work) is np.ndarray else (family.name, device))
+        key = HOST_KEY if type(work) is np.ndarray else (family.name, device)
+        self.add(work, dtype, key, deliver)
 
     def add(
         self, work: Work, dtype: str, key: BucketKey = (), deliver: Deliver | None = None
     ) -> None:
         """Queue `work` (a writable host array in `dtype`'s storage) for the collective.
 
-        `deliver` (required for `Scatter` and `Exchange`; for a `Reduction`, only for a
-        read-only `work` that `reads_only` accepted) is called with the array's result: a new
-        host array in `dtype`'s storage, the caller's to keep.
+        `deliver` (required for `Scatter` and `Exchange`; for a `Reduction`, optional) is called
+        with the array's result: a new host array in `dtype`'s storage, the caller's to keep. For
+        a read-only `work` of a `Reduction`: a new array (none made where `reads_only` accepts
+        it); for a writable one packed with others: its place in the bucket's own memory, lent
+        by the pool until nothing refers to it, so that the result is not copied back (DDP's
+        `gradient_as_bucket_view`); one that travels alone is reduced in place, and `deliver`
+        is not called.
         """
         nbytes = work.nbytes
-        if deliver is not None and isinstance(self.action, Reduction):  # a read-only `work`
+        if deliver is not None and isinstance(self.action, Reduction):
             assert isinstance(work, np.ndarray)  # host arrays only
-            if not self.reads_only(work, dtype):  # packed from as it is; its result delivered
+            if work.flags.writeable or not self.reads_only(work, dtype):  # packed from; delivered
                 self._read_only[id(work)] = deliver
                 deliver = None
         if deliver is not None and isinstance(self.action, Reduction):  # `reads_only` said yes
@@ -336,6 +346,7 @@ class Fusion:
         the buffers of calls that may still be running are not reused."""
         self._leaves, self._open, self._deliver, self._flights = [], {}, {}, []
         self._open_bytes = 0
+        self._read_only = {}
 
     def test(self) -> bool:
         """Return whether every call started so far has completed."""
@@ -451,9 +462,14 @@ class Fusion:
         prescaled = False
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
+            self._read_only.pop(id(works[0]), None)  # the result is written into it: no deliver
         else:
-            buf = self.pool.take(storage_dtype(dtype), sum(w.size for w in works))
-            pooled.append(buf)
+            size = sum(w.size for w in works)
+            if any(w.flags.writeable and id(w) in self._read_only for w in works):
+                buf = self.pool.lend(storage_dtype(dtype), (size,))  # results handed out as views
+            else:
+                buf = self.pool.take(storage_dtype(dtype), size)
+                pooled.append(buf)
             prescaled = pack_bucket(works, buf, folded)
             offsets = itertools.accumulate([w.size for w in works[:-1]], initial=0)
             slots = tuple(zip(works, offsets, strict=True))
@@ -671,7 +687,7 @@ def unpack(
     """Write a completed `flight`'s results where they belong, scaled by `scale` (None: not).
 
     `receives`: whether this rank gets a result (not a reduce's non-roots, nor a broadcast's
-    root). `read_only`: the deliver of each read-only array packed from, by its id (popped).
+    root). `read_only`: the deliver of each array packed from, by its id (popped; `Fusion.add`).
     """
     match flight:
         case DeviceFlight(bucket=bucket):
@@ -713,6 +729,11 @@ def _unpack_host(flight: HostFlight, scale: float | None, read_only: dict[int, D
         _from_wire(wire, buf, flight.dtype, scale)
     for work, offset in flight.slots:
         values = buf[offset : offset + work.size].reshape(work.shape)
+        if work.flags.writeable and id(work) in read_only:  # its place in the lent bucket
+            if fold:
+                scale_in_place(values, scale)  # type: ignore[arg-type]
+            read_only.pop(id(work))(values)
+            continue
         if not work.flags.writeable:  # packed from a read-only view: a new array
             result = np.empty(work.shape, work.dtype)
             if fold:

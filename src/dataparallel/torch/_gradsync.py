@@ -16,12 +16,21 @@ buckets go out while backward runs, on the communication thread, or all at its e
 - Every step begins with a handshake (`protocol.handshake`) before its first bucket: a step that
   does not line up with the other ranks' raises `CollectiveMismatchError` on every rank instead of
   hanging. Ranks that have joined (`dp.join`) answer it by replaying the step's buckets with zeros.
+  Once every rank has promised, in the words of a step's flags, that its next call is the same
+  step again (nothing else called on the engine between two steps, the layout unchanged), that
+  step goes without a handshake, as Horovod's response cache skips its negotiation: a rank that
+  calls something else first keeps its promise on zeros (`protocol.owe`), and the ranks that made
+  the step raise `CollectiveMismatchError` at its end (or, where it joins, count it as joined).
 - A rank whose backward failed after its gradients began to go out completes the step's messages
   at its next `zero_grad()`/`step()`, flagged abandoned: the other ranks' `step()` raises
   `RankFailedError` instead of applying an incomplete average.
 
-The parameters are re-read at every step (`refresh`) and rebucketed once after the first, in the
-order rank 0's gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
+A gradient packed with others takes its place in the bucket's memory as its own once reduced
+(`_adopt`), instead of a copy out of it, where nothing else sees its memory and the engine moves
+calls on by itself (Gloo, NCCL; on MPI it made steps slower, for reasons not found: see
+`_views`). The parameters are
+re-read at every step (`refresh`) and rebucketed once after the first, in the order rank 0's
+gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
 docs/sharp-bits.md.
 """
 
@@ -33,7 +42,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -42,13 +51,25 @@ from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Router
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
+from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Fusion
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import objects
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import Started, handshake, start_handshake
+from dataparallel.protocol import (
+    GATHER_LIMIT,
+    Started,
+    handshake,
+    handshakes,
+    owe,
+    owed,
+    start_handshake,
+)
 from dataparallel.torch._buckets import (
+    JOINING,
+    MADE,
+    PROMISES,
     Bucket,
     Modes,
     ModeTrial,
@@ -57,6 +78,7 @@ from dataparallel.torch._buckets import (
     check_options,
     describe,
     grad_family,
+    kept_flags,
     layout,
     message,
     on_host,
@@ -210,6 +232,11 @@ class GradientSync:
             self._low.world = self.backend.size if op == "sum" else 1
             self._low.lag = q_lag(self.backend)
         self.wait_after_backward = wait_after_backward
+        # Packed gradients become views of their bucket (`_adopt`) only on engines that move
+        # calls on by themselves: on MPI, adopting the few small gradients its packed buckets
+        # hold made whole steps slower than copying them back (the pool's buffers were reused,
+        # the cause was not found; figures in benchmarks/NOTES.md).
+        self._views = self.backend.progresses
         # False for the backward of a forward run inside DataParallelModel.no_sync().
         self.enabled = True
         self.steps = 0  # completed reductions (observable for tests)
@@ -228,6 +255,10 @@ class GradientSync:
         self._hooks = GradientHooks(self)
         self._buckets: list[Bucket] = []
         self._rebuilt = False
+        self._layouts = 0  # layouts made so far (a promise holds for one)
+        self._promise: Callable[[bool], None] | None = None  # what this rank owes (`protocol.owe`)
+        self._promised_layout = self._promising_layout = -1
+        self._quiet = -1  # the engine's handshakes when the last step ended (`_may_promise`)
         self._lay_out(trainable, None)
         self._clear()
 
@@ -250,6 +281,7 @@ class GradientSync:
 
     def _lay_out(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
+        self._layouts += 1
         if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
             self._params = list(params)
             displaced = self._hooks.hook([p for _, p in self._params])
@@ -449,6 +481,9 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
+        self._keeping = False  # this step is the one every rank promised (`_agree`)
+        if owed(self.backend) == self._end_then_keep:  # a step discarded before its end
+            owe(self.backend, None)
         self._early: Started | None = None  # this step's handshake, begun at its first gradient
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
@@ -491,7 +526,7 @@ class GradientSync:
             self._router.progress()
         hooks.mark(index)
         self._arrival.append(index)
-        if not self._arrival[1:] and self._begins_early:
+        if not self._arrival[1:] and self._begins_early and not self._promised():
             self._early = start_handshake(self.backend, self._step_summary())
         if self.overlap:  # a gathered sparse gradient is in no bucket: reduced in wait()
             hooks.launch_ready(self._launch)
@@ -535,6 +570,11 @@ class GradientSync:
         if self.backend.size == 1:
             return
         self.met_joined = False
+        if self._promised():  # every rank promised this step: no handshake (`_may_promise`)
+            owe(self.backend, None)
+            self._promise, self._keeping = None, True
+            self._router.begin(joined=False, offload=self.overlap and self._host)
+            return
         try:
             options: Any = self._options
             if self._low is not None:
@@ -555,6 +595,103 @@ class GradientSync:
     def _step_summary(self) -> str:
         """What this step's handshake compares: the layout, and PowerSGD's step count."""
         return self._summary if self._low is None else self._summary + self._low.describe()
+
+    # -- a step made without a handshake, as every rank promised ------------------------------
+
+    def _may_promise(self) -> bool:
+        """Whether this rank promises, in this step's flags, that its next call on the engine is
+        this step again: nothing but this step's own handshake was made on the engine since the
+        last step ended (a step between others' calls would be made on zeros time and again),
+        this reduction is one whose calls its layout alone decides (no PowerSGD, gathered sparse
+        gradients, nor `dp.torch.join`'s calls after it), and no other promise is held. Up to
+        `GATHER_LIMIT` ranks: the words are counted in the bucket's dtype, exact in 16 bits up
+        to 256."""
+        b = self.backend
+        return (
+            1 < b.size <= GATHER_LIMIT
+            and self._low is None
+            and not self._sparse.members
+            and self.then_replay is None
+            and self.on_join is None
+            and not self._abandoned
+            and not self._joined
+            and owed(b) is None
+            and handshakes(b) == self._quiet + (0 if self._keeping else 1)
+        )
+
+    def _promised(self) -> bool:
+        """Whether this step is the one every rank promised (its layout the promised one)."""
+        promise = self._promise
+        return (
+            promise is not None
+            and owed(self.backend) is promise
+            and self._layouts == self._promised_layout
+            and self.then_replay is None  # `dp.torch.join` began since: its ranks must handshake
+            and self.on_join is None
+        )
+
+    def _owe(self) -> None:
+        """Every rank promised the next step (`_may_promise`): hold the promise, unless the
+        layout changed since (on every rank alike) or another reduction holds one."""
+        if self._layouts != self._promising_layout or self._joined or owed(self.backend):
+            return
+        params, buckets = list(self._params), [list(b.members) for b in self._buckets]
+        self._promise = partial(self._keep_on_zeros, params, buckets)
+        self._promised_layout = self._layouts
+        owe(self.backend, self._promise)
+
+    def _end_then_keep(self, joining: bool) -> None:
+        """This rank is about to make another call after sending its promise, before `wait()`:
+        end the step (which holds the promise if every rank made it), then keep the promise."""
+        self.wait()
+        promise = self._promise
+        if promise is not None and owed(self.backend) is promise:
+            owe(self.backend, None)
+            promise(joining)
+
+    def _keep_on_zeros(self, params: NamedParams, buckets: list[list[int]], joining: bool) -> None:
+        """This rank is about to make another call (`protocol.settle`) than the step it
+        promised: make that step's calls on zeros, as the other ranks make them, flagged as not
+        made (or as joining), so that they learn it at the step's end."""
+        self._promise = None  # `settle` took it
+        router = self._router
+        router.begin(joined=False, offload=False)
+        for b, members in enumerate(buckets):
+            leaves = []
+            for i in members:
+                name, p = params[i]
+                zeros = torch.zeros_like(p)
+                leaves.append((grad_family(self.owner, name, zeros), zeros))
+            last = b == len(buckets) - 1
+            router.put(leaves, kept_flags(len(params), joining) if last else None)
+        laid_out = {id(p) for _, p in params}
+        late = [(n, torch.zeros_like(p)) for n, p in self._current() if id(p) not in laid_out]
+        if late:  # as `_launch_rest` sends them
+            router.put([(grad_family(self.owner, n, z), z) for n, z in late])
+        router.finish()
+
+    def _words(self) -> np.ndarray | None:
+        """How many ranks said each of the words after this step's flags (`_buckets.WORDS`)."""
+        if self._flags is None:
+            return None
+        scale = self._action.scale or 1.0
+        return np.rint(self._flags[2 * len(self._params) + 1 :] / scale)
+
+    def _someone_else(self, words: np.ndarray) -> None:
+        """Some rank kept its promise of this step on zeros: it joined (its zeros are what it
+        answers with; noted as a handshake notes it), or it makes another call: raise
+        `CollectiveMismatchError` on every rank, with its call, through a handshake no other
+        call can agree with."""
+        if words[MADE] + words[JOINING] == self.backend.size:
+            self._note_joined()
+            return
+        self._state = State.FAILED
+        done = "this step, made without a handshake as every rank promised at the last"
+        call = {**describe(self.owner, self._options, self._params), "made": done}
+        handshake(self.backend, self._step_summary() + "|made as promised", call)
+        raise CollectiveMismatchError(  # unreachable: that handshake's digest is no other call's
+            f"{self.owner}: a rank made another call than the gradient reduction all promised."
+        )
 
     def _note_joined(self) -> None:
         self._joined = True  # no rebuild this step
@@ -630,7 +767,7 @@ class GradientSync:
         timeline = self._router.fusion.timeline
         if b == 0 and timeline is not None:
             self._started_at = timeline.now()
-        leaves = []
+        leaves, delivers = [], []
         low = self._low if self._compressing else None
         compressed, computed_now = [], set()
         for i in self._buckets[b].members:
@@ -649,16 +786,25 @@ class GradientSync:
                     computed_now.add(i)
                 continue
             leaves.append((family, p.grad))
+            adopt = self._views and _alone(p.grad)
+            delivers.append(partial(_adopt, family, p.grad) if adopt else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
             leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
+            delivers.append(None)
         if b == len(self._buckets) - 1:  # the flags travel with the last bucket
             n = len(self._params)
-            self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
+            promises = self._may_promise()
+            self._promising_layout = self._layouts if promises else -1
+            if promises:  # a call before `wait()` finds whether all did, and keeps it (`_owe`)
+                owe(self.backend, self._end_then_keep)
+            self._flags = step_flags(
+                n, self._filled, self._abandoned, self._sparse.flags(n), promises
+            )
         flags = self._flags if b == len(self._buckets) - 1 else None
         if low is None:
-            self._router.send(leaves, flags)
-        else:
+            self._router.send(leaves, flags, delivers)
+        else:  # PowerSGD's calls copy their results back (`_low_rank_call`)
             self._router.run(partial(self._low_rank_call, b, leaves, flags))
 
     def reset(self) -> None:
@@ -681,6 +827,8 @@ class GradientSync:
             return
         if self._state == State.FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
+        if owed(self.backend) == self._end_then_keep:  # calls from here on are every rank's
+            owe(self.backend, None)
         self._launch_rest()
         self._router.finish()
         if self._low is not None:
@@ -688,11 +836,15 @@ class GradientSync:
         if self._sparse.members:
             self._agree()  # made already, unless every parameter is gathered
             self._sparse.reduce(self._params, self.backend, self.op == "avg")
+        words = self._words()
+        if self._keeping and words is not None and words[MADE] < self.backend.size:
+            self._someone_else(words)
         if self._flags is not None:
+            n = len(self._params)
             for i in self._filled:
                 if self._flags[i] == 0:  # no rank had a gradient: keep None, as one process would
                     self._params[i][1].grad = None
-            if self._sparse.learn(self._params, self._flags[len(self._params) + 1 :]):
+            if self._sparse.learn(self._params, self._flags[n + 1 : 2 * n + 1]):
                 self._options["sparse"] = sorted(self._sparse.members)
                 self._lay_out(self._params, [i for b in self._buckets for i in b.members])
         self._state = State.DONE
@@ -708,6 +860,9 @@ class GradientSync:
             mode = self._modes.switch(self._began)
             if mode is not None:
                 self._switch(mode)
+        self._quiet = handshakes(self.backend)
+        if words is not None and words[PROMISES] == self.backend.size:
+            self._owe()
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
 
@@ -762,3 +917,51 @@ class GradientSync:
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._lay_out(self._params, [i for b in self._buckets for i in b.members])
+
+
+def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
+    """Make `grad` use `place`, its reduced values in its bucket's memory (`Fusion.add`), as its
+    memory instead of copying them into it (DDP's `gradient_as_bucket_view`, without its fixed
+    buffer: the bucket's memory is lent until no gradient uses it). The same tensor object, so
+    that whoever holds it sees the result; given only gradients nothing else sees the memory of
+    (`_alone`): a flat buffer the user made the gradients views of is written into, as before.
+    """
+    with torch.no_grad():
+        values = cast("torch.Tensor", family.adopt(grad, place))  # `place`'s memory itself
+        grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """Whether `t` is contiguous, all of its storage, and the only tensor using it (no view of
+    it, nor it a view of a larger buffer); False wherever that cannot be told (`_use_count`)."""
+    if _USE_COUNT is None or not t.is_contiguous() or t.storage_offset() != 0:
+        return False
+    storage = t.untyped_storage()
+    if storage.nbytes() != t.nbytes:
+        return False
+    return bool(_USE_COUNT(storage._cdata) == 2)  # `t`, and `storage` here
+
+
+def _use_count() -> Callable[[int], int] | None:
+    """How many tensors (and storage objects) use a storage: torch's private
+    `torch._C._storage_Use_Count` (the storage's reference count), since torch has no public
+    way to tell whether a tensor is the only one seeing its memory, and a gradient that a view
+    also sees (a flat buffer the user made the gradients views of) must be written into, never
+    moved. Checked once on a tensor and its view: where the function is absent, raises, or
+    counts otherwise (another torch), None, and every gradient is copied back as before."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        t = torch.empty(4)
+        storage = t.untyped_storage()
+        alone = count(storage._cdata)
+        view = t.view(2, 2)
+        shared = count(storage._cdata)
+        del view
+    except Exception:  # a torch whose private function takes other arguments
+        return None
+    return count if (alone, shared) == (2, 3) else None
+
+
+_USE_COUNT = _use_count()
