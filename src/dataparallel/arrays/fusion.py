@@ -199,7 +199,7 @@ class Fusion:
         self.timeline = timeline
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
-        self._read_only: dict[int, Deliver] = {}  # id of a work packed -> its deliver (`add`)
+        self._handed: dict[int, Deliver] = {}  # id of a work packed -> its deliver (`add`)
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Seconds between tests of a call in flight while waiting for it (`fusion.settle`);
         # 0: wait in the engine. Set by the communication thread's steps on MPI
@@ -252,7 +252,7 @@ class Fusion:
         if deliver is not None and isinstance(self.action, Reduction):
             assert isinstance(work, np.ndarray)  # host arrays only
             if work.flags.writeable or not self.reads_only(work, dtype):  # packed from; delivered
-                self._read_only[id(work)] = deliver
+                self._handed[id(work)] = deliver
                 deliver = None
         if deliver is not None and isinstance(self.action, Reduction):  # `reads_only` said yes
             assert isinstance(work, np.ndarray)
@@ -346,7 +346,7 @@ class Fusion:
         the buffers of calls that may still be running are not reused."""
         self._leaves, self._open, self._deliver, self._flights = [], {}, {}, []
         self._open_bytes = 0
-        self._read_only = {}
+        self._handed = {}
 
     def test(self) -> bool:
         """Return whether every call started so far has completed."""
@@ -462,10 +462,10 @@ class Fusion:
         prescaled = False
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
-            self._read_only.pop(id(works[0]), None)  # the result is written into it: no deliver
+            self._handed.pop(id(works[0]), None)  # the result is written into it: no deliver
         else:
             size = sum(w.size for w in works)
-            if any(w.flags.writeable and id(w) in self._read_only for w in works):
+            if any(w.flags.writeable and id(w) in self._handed for w in works):
                 buf = self.pool.lend(storage_dtype(dtype), (size,))  # results handed out as views
             else:
                 buf = self.pool.take(storage_dtype(dtype), size)
@@ -552,7 +552,7 @@ class Fusion:
         action = self.action
         scale = action.scale if isinstance(action, (Reduction, Scatter)) else None
         prescaled = type(flight) is HostFlight and flight.prescaled
-        unpack(flight, self._receives(), None if prescaled else scale, self._read_only)
+        unpack(flight, self._receives(), None if prescaled else scale, self._handed)
         if not isinstance(flight, DeviceFlight):
             for buf in flight.pooled:
                 self.pool.give(buf)
@@ -681,13 +681,11 @@ def settle(request: Handle, pause: float, limit: float | None) -> None:
         time.sleep(pause)
 
 
-def unpack(
-    flight: Flight, receives: bool, scale: float | None, read_only: dict[int, Deliver]
-) -> None:
+def unpack(flight: Flight, receives: bool, scale: float | None, handed: dict[int, Deliver]) -> None:
     """Write a completed `flight`'s results where they belong, scaled by `scale` (None: not).
 
     `receives`: whether this rank gets a result (not a reduce's non-roots, nor a broadcast's
-    root). `read_only`: the deliver of each array packed from, by its id (popped; `Fusion.add`).
+    root). `handed`: the deliver of each array packed from, by its id (popped; `Fusion.add`).
     """
     match flight:
         case DeviceFlight(bucket=bucket):
@@ -702,7 +700,7 @@ def unpack(
                 flight.layout.unpack(flight.recv, flight.deliver)
         case HostFlight():
             if receives:
-                _unpack_host(flight, scale, read_only)
+                _unpack_host(flight, scale, handed)
             if flight.staged is not None:
                 flight.staged.unstage(receives)
 
@@ -718,7 +716,7 @@ def _from_wire(wire: np.ndarray, buf: np.ndarray, dtype: str, scale: float | Non
             buf[...] = wire
 
 
-def _unpack_host(flight: HostFlight, scale: float | None, read_only: dict[int, Deliver]) -> None:
+def _unpack_host(flight: HostFlight, scale: float | None, handed: dict[int, Deliver]) -> None:
     wire, buf = flight.wire, flight.buf
     # A packed bucket is scaled as it is unpacked: one pass over it instead of two.
     fold = scale is not None and scale != 1 and bool(flight.slots) and wire is buf
@@ -729,10 +727,10 @@ def _unpack_host(flight: HostFlight, scale: float | None, read_only: dict[int, D
         _from_wire(wire, buf, flight.dtype, scale)
     for work, offset in flight.slots:
         values = buf[offset : offset + work.size].reshape(work.shape)
-        if work.flags.writeable and id(work) in read_only:  # its place in the lent bucket
+        if work.flags.writeable and id(work) in handed:  # its place in the lent bucket
             if fold:
                 scale_in_place(values, scale)  # type: ignore[arg-type]
-            read_only.pop(id(work))(values)
+            handed.pop(id(work))(values)
             continue
         if not work.flags.writeable:  # packed from a read-only view: a new array
             result = np.empty(work.shape, work.dtype)
@@ -740,7 +738,7 @@ def _unpack_host(flight: HostFlight, scale: float | None, read_only: dict[int, D
                 scale_in_place(values, scale, out=result)  # type: ignore[arg-type]
             else:
                 np.copyto(result, values)
-            read_only.pop(id(work))(result)
+            handed.pop(id(work))(result)
             continue
         if fold:
             scale_in_place(values, scale, out=work)  # type: ignore[arg-type]
