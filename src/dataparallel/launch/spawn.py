@@ -334,8 +334,11 @@ class _Job:
             if self.ssh.link_timeout is not None:
                 from dataparallel.elastic.liveness import Heartbeats
 
-                self.env[LINK_TIMEOUT_VARIABLE] = f"{self.ssh.link_timeout:g}"
                 self.heartbeats = Heartbeats(self.ssh.link_timeout)
+        if self.ssh.link_timeout is not None and (elastic is not None or slots is not None):
+            # How long a rank of another host waits for the launcher's beats (`RemoteRank`),
+            # and an elastic worker for its store's answer.
+            self.env[LINK_TIMEOUT_VARIABLE] = f"{self.ssh.link_timeout:g}"
 
     def _is_local(self, host: str) -> bool:
         if host not in self.local:
