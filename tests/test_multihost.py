@@ -517,8 +517,8 @@ def test_run_three_hosts_on_a_bridge_then_a_host_cut_off_ends_the_job(
         assert count >= 2**20, f"the ranks' data did not cross {host.hostname}'s link"
     if backend == "gloo":
         assert run.returncode == 255, err
-        said = f"rank 2 on {c.address} exited with status 255 (255: ssh's own failure"
-        assert said in err, err
+        said = f"rank 2 on {c.address} exited with status 255 (ssh's own failure, or the "
+        assert said in err and "the host or its link may be gone); stopping the other" in err
         assert stayed == [], "the rank on the cut host stayed in its collective"
     else:
         assert c.address in err, err

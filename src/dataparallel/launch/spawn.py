@@ -558,10 +558,11 @@ class _Job:
             return 1
         remote = isinstance(process.proc, RemoteRank)
         if self.elastic is None or (code > 0 and not (remote and code > 128)):
+            why = ""
+            if remote and code == 255:  # ssh's own status: a link that went down ends so
+                why = " (ssh's own failure, or the rank's: the host or its link may be gone)"
             where = self._where(process.host)
-            if isinstance(process.proc, RemoteRank) and code == 255:
-                where += " (255: ssh's own failure, or the rank's)"
-            warn(f"{self.noun} {number}{where} exited with status {status}{stopping}.")
+            warn(f"{self.noun} {number}{where} exited with status {status}{why}{stopping}.")
             return status
         self._lose(process, code)
         return None
