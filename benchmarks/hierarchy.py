@@ -24,6 +24,18 @@ for the link as it is, else tc's syntax), ranks numbered by host and alternating
 and layout taken in turn `--pairs` times; inside a job the two engines alternate call by call at
 every size. Printed: the median time per call of each, and the ring's over the steps' (above 1:
 the steps pay).
+
+`--train` times the transformer step of `network.py` (`--d`, Adam) with each way of reducing its
+gradients, ranks by host, across the link shaped to `--rate`, in one 4-rank job per `--jobs`
+entry (`JOBS`), taken in turn: `dp` holds dp's `DistributedOptimizer` on a Gloo engine by host
+and as one ring, on MPI (with `--modes`, also held in each mode), and DDP over Gloo; `hvd1` and
+`hvd0` hold Horovod's `DistributedOptimizer` with `HOROVOD_HIERARCHICAL_ALLREDUCE=1` / `=0`
+(from `--hvd-venv`, initialized once for the job) beside dp by host and as one ring. Every job
+also times one process alone (the floor) and dp's ring (the reference): each case's overhead is
+its step minus the floor, and its ratio is to the ring measured in the same job. After each job
+the link's loss counters are printed (the shaper's drops, TCP's retransmits and timeouts, the
+worst socket's retransmission timeout seen): a step made slow by lost packets shows there.
+`--tbf` sets the shaper's queue (tbf's options after the rate).
 """
 
 from __future__ import annotations
