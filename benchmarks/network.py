@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -68,6 +70,11 @@ SUBNET = "10.213.78"
 PORT = 29511
 DEVICE = "dpnet0"  # each namespace's end of the veth pair (Gloo is told to bind to it)
 RATES = {"none": None, "10": "10gbit", "2.5": "2500mbit", "1": "1gbit"}
+# tbf's options after the rate: a 1 MB bucket, and as many bytes queued as 50 ms of the rate
+# (tc adds the bucket to that); beyond them tbf drops.
+SHAPER = "burst 1mb latency 50ms"
+# TCP's counters (nstat's names) that rise when the link loses packets.
+TCP_COUNTERS = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLostRetransmit")
 
 
 # -- the launcher: namespaces, the link, the jobs ----------------------------------------------
@@ -118,17 +125,49 @@ class Link:
         if done.returncode != 0:
             raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
-    def shape(self, rate: str | None) -> None:
-        """Limit both directions to `rate` (tc's syntax), or remove the limit (None)."""
+    def shape(self, rate: str | None, queue: str = SHAPER) -> None:
+        """Limit both directions to `rate` (tc's syntax), or remove the limit (None); `queue` is
+        the rest of tbf's options (its bucket and how much it queues before it drops)."""
         for space in self.spaces:
             _run("ip", "netns", "exec", space, "tc", "qdisc", "del", "dev", DEVICE, "root")
             if rate is not None:
                 done = _run(
                     "ip", "netns", "exec", space, "tc", "qdisc", "add", "dev", DEVICE, "root",
-                    "tbf", "rate", rate, "burst", "1mb", "latency", "50ms",
+                    "tbf", "rate", rate, *queue.split(),
                 )  # fmt: skip
                 if done.returncode != 0:
                     raise RuntimeError(f"tc in {space}: {done.stderr.strip()}")
+
+    def statistics(self) -> dict[str, dict[str, int]]:
+        """Each host's counters that say whether the link lost packets: the shaper's drops and
+        overlimits (tc), and TCP's retransmitted segments and retransmission timeouts (nstat).
+        They count from the link's making: compare two readings."""
+        figures: dict[str, dict[str, int]] = {}
+        for host, space in zip(self.hosts, self.spaces, strict=True):
+            inside = ("ip", "netns", "exec", space)
+            qdisc = json.loads(
+                _run(*inside, "tc", "-s", "-j", "qdisc", "show", "dev", DEVICE).stdout
+            )
+            tcp = json.loads(_run(*inside, "nstat", "-asjz", *TCP_COUNTERS).stdout)["kernel"]
+            root = qdisc[0] if qdisc else {}
+            figures[host] = {
+                "drops": int(root.get("drops", 0)),
+                "overlimits": int(root.get("overlimits", 0)),
+                **{name: int(tcp.get(name, 0)) for name in TCP_COUNTERS},
+            }
+        return figures
+
+    def sockets(self) -> dict[str, int]:
+        """The worst TCP state on the link now, over both hosts' sockets (`ss -ti`): the
+        largest retransmission timeout (ms), its back-off count and unacknowledged retransmits."""
+        worst = {"rto ms": 0, "backoff": 0, "retrans": 0}
+        for space in self.spaces:
+            text = _run("ip", "netns", "exec", space, "ss", "-tin").stdout
+            for key, pattern in (("rto ms", r"rto:([0-9.]+)"), ("backoff", r"backoff:(\d+)"),
+                                 ("retrans", r"retrans:(\d+)/")):  # fmt: skip
+                for value in re.findall(pattern, text):
+                    worst[key] = max(worst[key], round(float(value)))
+        return worst
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """`argv` run in namespace `host`, under its own hostname."""
