@@ -259,8 +259,13 @@ def one_run(
                 hosts.wait_gone(tmp)  # b's workers leave by themselves; then the link is back
                 hosts.set_link(True)
         wall = time.time() - start
-        if run.returncode != 0:
-            raise SystemExit(f"the run failed ({run.returncode}):\n{stderr[-3000:]}")
+        if run.returncode != 0:  # the launcher's own lines say who was lost and why; then the tail
+            said = [ln for ln in stderr.splitlines() if ln.startswith("dataparallel")]
+            raise SystemExit(
+                f"the run failed ({run.returncode}); the launcher said:\n"
+                + "\n".join(said)
+                + f"\nthe end of its output:\n{stderr[-3000:]}"
+            )
         notes = [json.loads(line) for path in Path(tmp).glob("*.jsonl") for line in path.open()]
     commits = sorted(n["t"] for n in notes if n["kind"] == "commit")
     figures = {"wall": wall, "lost": float("was lost" in stderr)}

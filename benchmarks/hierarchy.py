@@ -24,6 +24,18 @@ for the link as it is, else tc's syntax), ranks numbered by host and alternating
 and layout taken in turn `--pairs` times; inside a job the two engines alternate call by call at
 every size. Printed: the median time per call of each, and the ring's over the steps' (above 1:
 the steps pay).
+
+`--train` times the transformer step of `network.py` (`--d`, Adam) with each way of reducing its
+gradients, ranks by host, across the link shaped to `--rate`, in one 4-rank job per `--jobs`
+entry (`JOBS`), taken in turn: `dp` holds dp's `DistributedOptimizer` on a Gloo engine by host
+and as one ring, on MPI (with `--modes`, also held in each mode), and DDP over Gloo; `hvd1` and
+`hvd0` hold Horovod's `DistributedOptimizer` with `HOROVOD_HIERARCHICAL_ALLREDUCE=1` / `=0`
+(from `--hvd-venv`, initialized once for the job) beside dp by host and as one ring. Every job
+also times one process alone (the floor) and dp's ring (the reference): each case's overhead is
+its step minus the floor, and its ratio is to the ring measured in the same job. After each job
+the link's loss counters are printed (the shaper's drops, TCP's retransmits and timeouts, the
+worst socket's retransmission timeout seen): a step made slow by lost packets shows there.
+`--tbf` sets the shaper's queue (tbf's options after the rate).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +59,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from network import DEVICE, PORT, Link, described, variants, why_not  # noqa: E402
+from network import DEVICE, PORT, SHAPER, Link, described, variants, why_not  # noqa: E402
 
 # MPICH's CH4 device picks how an Allreduce is composed: `auto` (its own choice), or 2, "NM
 # only": the network module's algorithm over every rank, no step inside the hosts (flat).
@@ -57,6 +70,8 @@ LAYOUTS = {"by host": 2, "alternating": 1}
 HIERARCHICAL = "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)"
 FLAT = "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)"
 MPI_CASE = "dp MPI (MPICH's own allreduce)"
+DDP = "torch DDP (Gloo)"
+FLAG = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 MODES = ("thread", "after backward")
 
 
@@ -177,29 +192,23 @@ def sweep_work(args: argparse.Namespace) -> None:
         report(comm, result)
 
 
-class HorovodWith:
-    """Horovod initialized with `HOROVOD_HIERARCHICAL_ALLREDUCE` set to `flag` while a case runs
-    (Horovod reads it at `init`); `train_step.Horovod` does the rest."""
-
-    def __init__(self, horovod: Any, flag: str) -> None:
-        self.horovod, self.flag = horovod, flag
-
-    def __enter__(self) -> None:
-        os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = self.flag
-        self.horovod.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.horovod.__exit__(*exc)
-
-    def optimizer(self, opt: Any, model: Any) -> Any:
-        """`train_step.Horovod.optimizer`, made with this flag set."""
-        os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = self.flag
-        return self.horovod.optimizer(opt, model)
+# --train's jobs: each is one 4-rank job of its own, with one process alone and dp's ring (the
+# reference every ratio is taken against, measured in the same job) among its cases. Horovod
+# reads HOROVOD_HIERARCHICAL_ALLREDUCE once, at init, and initializing it again in one process
+# is not reliable (NOTES.md): each setting gets a job, initialized once for the whole of it.
+JOBS: dict[str, tuple[str, ...]] = {
+    "dp": (HIERARCHICAL, FLAT, MPI_CASE, DDP),
+    "hvd1": (FLAT, HIERARCHICAL, "Horovod:1"),
+    "hvd0": (FLAT, HIERARCHICAL, "Horovod:0"),
+    "flat": (FLAT,),
+    "mpi": (MPI_CASE,),
+}
 
 
 def train_work(args: argparse.Namespace) -> None:
     """A rank of `--train`: the transformer step of `network.py` with each way of reducing its
-    gradients, in interleaved rounds (`train_step.measure`), in the same 4 processes."""
+    gradients that job `--job` names (`JOBS`), in interleaved rounds (`train_step.measure`), in
+    the same 4 processes."""
     import copy
 
     import torch
@@ -211,13 +220,17 @@ def train_work(args: argparse.Namespace) -> None:
     if args.stacks_after > 0:  # a job that hangs shows where each rank waits before it is killed
         faulthandler.dump_traceback_later(args.stacks_after, exit=False)
     torch.set_num_threads(1)
+    wanted = JOBS[args.job]
+    flags = [c.split(":")[1] for c in wanted if c.startswith("Horovod:")]
     # dp over MPI (Horovod, also MPI, runs beside it), torch's Gloo group for DDP, dp's Gloo engines
     with gloo_world() as (comm, ring, by_host):
-        engines = {
-            HIERARCHICAL: by_host,
-            FLAT: ring,
-        }
+        engines = {HIERARCHICAL: by_host, FLAT: ring}
         horovod = Horovod()
+        if flags and horovod.hvd is None:
+            raise SystemExit(f"job {args.job} needs Horovod: {horovod.reason}")
+        if flags:  # read at init; initialized once, for the whole job (its idle thread included)
+            os.environ[FLAG] = flags[0]
+            horovod.keep_initialized()
         g = torch.Generator().manual_seed(comm.rank)
         tokens = torch.randint(0, 1000, (args.batch, args.seq + 1), generator=g)
         batch = (tokens[:, :-1], tokens[:, 1:])
@@ -233,26 +246,22 @@ def train_work(args: argparse.Namespace) -> None:
                 ALONE: (trainer(single, adam(single), batch), None)
             }
             syncs = {}  # each dp case's reduction: the mode its trial chose
-            for name, engine in engines.items():
+            for name in wanted:
                 model = copy.deepcopy(base)
-                opt = dp.DistributedOptimizer(adam(model), backend=engine)
-                cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
-            model = copy.deepcopy(base)
-            opt = dp.DistributedOptimizer(adam(model))
-            cases[MPI_CASE], syncs[MPI_CASE] = (trainer(model, opt, batch), None), opt.gradient_sync
-            if args.modes:  # dp MPI held in each mode: what its trial chose between
-                cases.update(variants(base, adam, batch, None, "MPI"))
-            if horovod.hvd is not None:
-                for flag in ("1", "0"):
-                    theirs = copy.deepcopy(base)
-                    context = HorovodWith(horovod, flag)
-                    hopt = context.optimizer(adam(theirs), theirs)
-                    name = f"Horovod {horovod.version} MPI, HOROVOD_HIERARCHICAL_ALLREDUCE={flag}"
-                    cases[name] = (trainer(theirs, hopt, batch), context)
-            ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-            cases["torch DDP (Gloo)"] = (trainer(ddp, adam(ddp), batch), None)
+                if name in engines or name == MPI_CASE:
+                    opt = dp.DistributedOptimizer(adam(model), backend=engines.get(name))
+                    cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
+                    if name == MPI_CASE and args.modes:  # dp MPI held in each mode: no trial
+                        cases.update(variants(base, adam, batch, None, "MPI"))
+                elif name == DDP:
+                    ddp = nn.parallel.DistributedDataParallel(model)
+                    cases[name] = (trainer(ddp, adam(ddp), batch), None)
+                else:
+                    hopt = horovod.optimizer(adam(model), model)
+                    label = f"Horovod {horovod.version} MPI, {FLAG}={flags[0]}"
+                    cases[label] = (trainer(model, hopt, batch), None)
             if comm.rank == 0:
-                print(f"D={d}: {len(cases)} cases made; timing", flush=True)
+                print(f"job {args.job}, D={d}: {len(cases)} cases made; timing", flush=True)
             # Only the cases that run dp's mode trial need its steps before timing; the others
             # need their first steps (buckets made, Horovod's names negotiated) out of the way.
             warm = {name: 2 for name in cases if name not in syncs}
@@ -262,11 +271,47 @@ def train_work(args: argparse.Namespace) -> None:
             n = sum(p.numel() for p in base.parameters())
             chosen = {name: described(sync) for name, sync in syncs.items()}
             result[str(d)] = {"parameters": n, "samples": samples, "chosen": chosen}
+        if flags:  # collective: no rank shuts Horovod down while another still reduces
+            comm.Barrier()
+            horovod.hvd.shutdown()
         report(comm, result)
 
 
+class Watch:
+    """The link's loss counters around a job, and the worst TCP socket state sampled during it
+    (`network.Link.statistics`, `Link.sockets`): what says whether a slow step was the shaper
+    dropping packets and TCP backing off."""
+
+    def __init__(self, link: Link, every: float = 2.0) -> None:
+        self.link, self.every = link, every
+        self.worst = {"rto ms": 0, "backoff": 0, "retrans": 0}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self.done.wait(self.every):
+            for key, value in self.link.sockets().items():
+                self.worst[key] = max(self.worst[key], value)
+
+    def __enter__(self) -> Watch:
+        self.before = self.link.statistics()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        after = self.link.statistics()
+        counts = {
+            host: {k: after[host][k] - v for k, v in self.before[host].items()} for host in after
+        }
+        print(f"link during the job: {json.dumps(counts)}; worst socket seen: "
+              f"{json.dumps(self.worst)}", flush=True)  # fmt: skip
+
+
 def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
-    """`--train`: one 4-rank job (ranks by host) across the link shaped to `--rate`."""
+    """`--train`: one 4-rank job (ranks by host) per `--jobs` entry, in turn, across the link
+    shaped to `--rate`; each job's table printed as it ends."""
     hvd = Path(args.hvd_venv) / "bin"
     bindir = hvd if args.hvd_venv and (hvd / "python").exists() else Path(sys.executable).parent
     worker = [str(bindir / "python"), str(HERE / "hierarchy.py"), "--worker", "--train"]
@@ -275,8 +320,24 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     worker += ["--seq", str(args.seq), "--stacks-after", str(max(1.0, args.timeout - 20))]
     worker += ["--stall", str(args.stall)]
     worker += ["--modes"] if args.modes else []
-    link.shape(args.rate)
-    result = Job(link, launcher, bindir, worker, args.timeout).result("by host", link.environment())
+    link.shape(args.rate, args.tbf)
+    if args.rate:
+        print(f"link: tbf rate {args.rate} {args.tbf}", flush=True)
+    for name in args.jobs.split(","):
+        if name not in JOBS:
+            raise SystemExit(f"--jobs: no job {name!r}; the jobs are {', '.join(JOBS)}")
+        start = time.strftime("%H:%M:%S", time.gmtime())
+        print(f"\n## job {name} ({', '.join(JOBS[name])}), started {start} UTC", flush=True)
+        with Watch(link):
+            job = Job(link, launcher, bindir, [*worker, "--job", name], args.timeout)
+            result = job.result("by host", link.environment())
+        table(args, name, result)
+    return 0
+
+
+def table(args: argparse.Namespace, job: str, result: dict[str, Any]) -> None:
+    """Print one `--train` job's figures: each case's overhead above one process alone, and its
+    ratio to dp's ring measured in the same job; the goal's ratios; the mode choice's check."""
     from train_step import ALONE
 
     print(f"Horovod: {result.pop('horovod')}")
@@ -288,27 +349,29 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
             for name, values in samples.items()
             if name != ALONE
         }
-        flat = over[FLAT]
+        flat = over.get(FLAT)
         print(
             f"\n2 hosts x 2 ranks (by host), link {args.rate or 'not shaped'}, D={d}, "
-            f"{figures['parameters'] / 1e6:.2f} M parameters; one process alone "
+            f"{figures['parameters'] / 1e6:.2f} M parameters, job {job}; one process alone "
             f"{statistics.median(alone) * 1e3:.1f} ms a step, {len(alone)} rounds"
         )
         print("| case | overhead (median) | range | / dp flat |")
         print("| --- | --- | --- | --- |")
         for name, median in over.items():
             values = [(s - a) * 1e3 for s, a in zip(samples[name], alone, strict=True)]
+            ratio = f"{median / flat:.2f}" if flat else "n/a"
             print(
                 f"| {name} | {median * 1e3:.1f} ms | {min(values):.0f}..{max(values):.0f} ms "
-                f"| {median / flat:.2f} |"
+                f"| {ratio} |"
             )
         chosen = figures.get("chosen", {})
         for name, mode in chosen.items():
             print(f"{name}: {mode}")
-        peers = [n for n in over if n.startswith(("Horovod", "torch DDP"))]
-        for ours in (HIERARCHICAL, MPI_CASE):
+        peers = [n for n in over if n.startswith(("Horovod", DDP))]
+        for ours in (n for n in (HIERARCHICAL, MPI_CASE) if n in over):
             ratios = [f"{over[ours] / over[peer]:.2f}x {peer}'s" for peer in peers]
-            ratios.insert(0, f"{over[ours] / flat:.2f}x dp flat's (goal 0.6x)")
+            if flat:
+                ratios.insert(0, f"{over[ours] / flat:.2f}x dp flat's (goal 0.6x)")
             print(f"goal, {ours}: " + "; ".join(ratios))
         held = {mode: over.get(f"dp DistributedOptimizer MPI ({mode})") for mode in MODES}
         if MPI_CASE in chosen and None not in held.values():
@@ -320,7 +383,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
                 + f": the faster is {faster}, so the choice "
                 + ("holds" if kept == faster else "does not hold")
             )
-    return 0
+    sys.stdout.flush()
 
 
 @dataclasses.dataclass
@@ -436,6 +499,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="--train: sequences per rank")
     parser.add_argument("--seq", type=int, default=32, help="--train: tokens per sequence")
     parser.add_argument("--hvd-venv", default="", help="--train: Horovod's own venv, if any")
+    parser.add_argument(
+        "--jobs", default="dp,hvd1,hvd0", help=f"--train: the jobs, in turn ({', '.join(JOBS)})"
+    )
+    parser.add_argument("--job", default="dp", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tbf", default=SHAPER, help="--train: tbf's options after the rate (its queue)"
+    )
     parser.add_argument(
         "--modes", action="store_true", help="--train: also dp MPI held in each mode, no trial"
     )

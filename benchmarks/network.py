@@ -36,8 +36,10 @@ times dp's PowerSGD with the arithmetic (`torch/_powersgd.py`'s `LowRank`) of gi
 in the same processes and rounds, and prints each rank's ratio to it (a change's before and
 after); `--psgd-mode after` (or `thread`) holds dp's PowerSGD cases in that mode instead of
 their trial's choice, so that cases compared run alike. The loss table's run is set by
-`--loss-steps`, `--loss-start` (PowerSGD's and the hook's `start_iter`), `--loss-lr` (Adam's)
-and `--loss-every` (also the held-out loss every so many steps: the curves). Over Gloo, torch's
+`--loss-steps`, `--loss-start` (PowerSGD's and the hook's `start_iter`), `--loss-lr` (Adam's),
+`--loss-every` (also the held-out loss every so many steps: the curves, each printed as its case
+ends, and the mean of the run's last fifth against the uncompressed one's) and `--psgd-seed`
+(both PowerSGDs' `random_seed`: how far another first `Q` moves a curve). Over Gloo, torch's
 hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
 main thread starts the next bucket's: on one process group the ranks can then number their calls
 differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
@@ -50,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -66,6 +70,11 @@ SUBNET = "10.213.78"
 PORT = 29511
 DEVICE = "dpnet0"  # each namespace's end of the veth pair (Gloo is told to bind to it)
 RATES = {"none": None, "10": "10gbit", "2.5": "2500mbit", "1": "1gbit"}
+# tbf's options after the rate: a 1 MB bucket, and as many bytes queued as 50 ms of the rate
+# (tc adds the bucket to that); beyond them tbf drops.
+SHAPER = "burst 1mb latency 50ms"
+# TCP's counters (nstat's names) that rise when the link loses packets.
+TCP_COUNTERS = ("TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLostRetransmit")
 
 
 # -- the launcher: namespaces, the link, the jobs ----------------------------------------------
@@ -116,17 +125,49 @@ class Link:
         if done.returncode != 0:
             raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
-    def shape(self, rate: str | None) -> None:
-        """Limit both directions to `rate` (tc's syntax), or remove the limit (None)."""
+    def shape(self, rate: str | None, queue: str = SHAPER) -> None:
+        """Limit both directions to `rate` (tc's syntax), or remove the limit (None); `queue` is
+        the rest of tbf's options (its bucket and how much it queues before it drops)."""
         for space in self.spaces:
             _run("ip", "netns", "exec", space, "tc", "qdisc", "del", "dev", DEVICE, "root")
             if rate is not None:
                 done = _run(
                     "ip", "netns", "exec", space, "tc", "qdisc", "add", "dev", DEVICE, "root",
-                    "tbf", "rate", rate, "burst", "1mb", "latency", "50ms",
+                    "tbf", "rate", rate, *queue.split(),
                 )  # fmt: skip
                 if done.returncode != 0:
                     raise RuntimeError(f"tc in {space}: {done.stderr.strip()}")
+
+    def statistics(self) -> dict[str, dict[str, int]]:
+        """Each host's counters that say whether the link lost packets: the shaper's drops and
+        overlimits (tc), and TCP's retransmitted segments and retransmission timeouts (nstat).
+        They count from the link's making: compare two readings."""
+        figures: dict[str, dict[str, int]] = {}
+        for host, space in zip(self.hosts, self.spaces, strict=True):
+            inside = ("ip", "netns", "exec", space)
+            qdisc = json.loads(
+                _run(*inside, "tc", "-s", "-j", "qdisc", "show", "dev", DEVICE).stdout
+            )
+            tcp = json.loads(_run(*inside, "nstat", "-asjz", *TCP_COUNTERS).stdout)["kernel"]
+            root = qdisc[0] if qdisc else {}
+            figures[host] = {
+                "drops": int(root.get("drops", 0)),
+                "overlimits": int(root.get("overlimits", 0)),
+                **{name: int(tcp.get(name, 0)) for name in TCP_COUNTERS},
+            }
+        return figures
+
+    def sockets(self) -> dict[str, int]:
+        """The worst TCP state on the link now, over both hosts' sockets (`ss -ti`): the
+        largest retransmission timeout (ms), its back-off count and unacknowledged retransmits."""
+        worst = {"rto ms": 0, "backoff": 0, "retrans": 0}
+        for space in self.spaces:
+            text = _run("ip", "netns", "exec", space, "ss", "-tin").stdout
+            for key, pattern in (("rto ms", r"rto:([0-9.]+)"), ("backoff", r"backoff:(\d+)"),
+                                 ("retrans", r"retrans:(\d+)/")):  # fmt: skip
+                for value in re.findall(pattern, text):
+                    worst[key] = max(worst[key], round(float(value)))
+        return worst
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """`argv` run in namespace `host`, under its own hostname."""
@@ -330,13 +371,15 @@ def low_rank_makers(
     before: type | None = None,
     start: int = 10,
     mode: str = "auto",
+    seed: int = 0,
 ) -> dict[str, Callable[[], tuple[Any, Any]]]:
     """Each case's maker of (what runs the model, its optimizer), fresh from `base`: dp
     uncompressed, fp16 and PowerSGD at each rank (and each bucket size of `sizes`, in MiB;
     "auto": dp's own; and with `before`'s arithmetic, `low_rank_before`); DDP uncompressed, fp16
     and its PowerSGD hook. PowerSGD (dp's and the hook) compresses from step `start`; dp's
     PowerSGD cases are held on the communication thread or after backward (`mode`: "thread",
-    "after"; "auto": their trial chooses)."""
+    "after"; "auto": their trial chooses); `seed` is both PowerSGDs' `random_seed` (their
+    first `Q`s)."""
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -367,7 +410,10 @@ def low_rank_makers(
                 ddp.register_comm_hook(None, fp16_compress_hook)
             elif rank is not None:
                 state = psgd.PowerSGDState(
-                    None, matrix_approximation_rank=rank, start_powerSGD_iter=max(start, 2)
+                    None,
+                    matrix_approximation_rank=rank,
+                    start_powerSGD_iter=max(start, 2),
+                    random_seed=seed,
                 )
                 ddp.register_comm_hook(state, group_per_bucket(psgd.powerSGD_hook))
             return ddp, adam(ddp)
@@ -376,7 +422,7 @@ def low_rank_makers(
 
     makers = {"dp fp32": ours(None), "dp fp16": ours(dp.Compression.fp16)}
     for r in ranks:
-        compression = dp.Compression.powersgd(rank=r, start_iter=start)
+        compression = dp.Compression.powersgd(rank=r, start_iter=start, random_seed=seed)
         for size in sizes:
             name = f"dp PowerSGD rank {r}" + ("" if size == "auto" else f" ({size} MiB buckets)")
             makers[name] = ours(compression, size)
@@ -496,7 +542,7 @@ def loss_table(args: argparse.Namespace, base: Any, ranks: list[int], d: int) ->
     names = [v for v in args.loss_cases.split(",") if v]
     curves = losses(
         base, adam, (args.batch, args.seq), ranks, args.loss_steps, args.loss_start,
-        args.loss_every, names,
+        args.loss_every, names, args.psgd_seed,
     )  # fmt: skip
     if dp.is_main():
         report_losses(d, curves, args)
@@ -511,6 +557,7 @@ def losses(
     start: int = LOW_RANK_START,
     every: int = 0,
     names: list[str] | None = None,
+    seed: int = 0,
 ) -> dict[str, dict[int, float]]:
     """Each case's loss on held-out batches (every rank's) after `steps` steps from `base` (and
     every `every` steps before), each step on fresh batches (`markov_batch`, the same for every
@@ -523,7 +570,7 @@ def losses(
     loss_fn = nn.CrossEntropyLoss()
     held_x, held_y = markov_batch(dp.rank(), -1, 4 * shape[0], shape[1])
     curves: dict[str, dict[int, float]] = {}
-    for name, make in low_rank_makers(base, adam, ranks, start=start).items():
+    for name, make in low_rank_makers(base, adam, ranks, start=start, seed=seed).items():
         if names and name not in names:
             continue
         net, opt = make()
@@ -541,6 +588,9 @@ def losses(
             out = net(x)
             loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             opt.step()
+        if dp.is_main():  # as it goes: a long run cut short keeps its finished cases
+            print(f"loss curve, {name}: " + ", ".join(f"{s}: {v:.4f}" for s, v in curve.items()))
+            sys.stdout.flush()
     return curves
 
 
@@ -551,13 +601,24 @@ def report_losses(d: int, curves: dict[str, dict[int, float]], args: argparse.Na
         f"Adam lr {args.loss_lr:g}, PowerSGD (dp's, DDP's hook) from step {start}"
     )
     at = sorted({s for curve in curves.values() for s in curve})
-    print("| case | " + " | ".join(f"step {s}" for s in at) + " | vs uncompressed |")
-    print("| --- " * (len(at) + 2) + "|")
+    # Held-out losses of Adam move by a percent or two from one point to the next: the mean of
+    # the last fifth of the run's points says more than its last point alone.
+    tail = [s for s in at if s >= 0.8 * steps]
+    print(
+        "| case | " + " | ".join(f"step {s}" for s in at) + " | vs uncompressed "
+        f"| mean of steps {tail[0]}-{steps} vs uncompressed |"
+    )
+    print("| --- " * (len(at) + 3) + "|")
     for name, curve in curves.items():
         ddp = name.startswith("DDP") and "DDP fp32" in curves
-        reference = curves["DDP fp32" if ddp else "dp fp32"][steps]
-        values = " | ".join(f"{curve[s]:.4f}" for s in at)
-        print(f"| {name} | {values} | {curve[steps] / reference - 1:+.2%} |")
+        reference = curves.get("DDP fp32" if ddp else "dp fp32", {})
+        values = " | ".join(f"{curve[s]:.4f}" if s in curve else "" for s in at)
+        versus = f"{curve[steps] / reference[steps] - 1:+.2%}" if steps in reference else "-"
+        if all(s in reference and s in curve for s in tail):
+            mean = sum(curve[s] for s in tail) / sum(reference[s] for s in tail) - 1
+            print(f"| {name} | {values} | {versus} | {mean:+.2%} |")
+        else:
+            print(f"| {name} | {values} | {versus} | - |")
     sys.stdout.flush()
 
 
@@ -703,6 +764,9 @@ def main() -> int:
         help="hold dp's PowerSGD cases in this mode (auto: their trial chooses)",
     )
     parser.add_argument(
+        "--psgd-seed", type=int, default=0, help="both PowerSGDs' random_seed (loss run)"
+    )
+    parser.add_argument(
         "--psgd-before", default="", help="also time dp's PowerSGD arithmetic of this git revision"
     )
     parser.add_argument(
@@ -746,7 +810,7 @@ def main() -> int:
     worker += ["--loss-only"] if args.loss_only else []
     worker += ["--powersgd", args.powersgd, "--loss-steps", str(args.loss_steps)]
     worker += ["--psgd-buckets", args.psgd_buckets, "--psgd-before", args.psgd_before]
-    worker += ["--psgd-mode", args.psgd_mode]
+    worker += ["--psgd-mode", args.psgd_mode, "--psgd-seed", str(args.psgd_seed)]
     worker += ["--loss-start", str(args.loss_start), "--loss-lr", str(args.loss_lr)]
     worker += ["--loss-every", str(args.loss_every), "--loss-cases", args.loss_cases]
     return launch(args, worker)

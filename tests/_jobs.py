@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -142,32 +142,6 @@ def run_job(
                 f"stdout:\n{stdout}\nstderr:\n{stderr}"
             )
     return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
-
-
-def relaunch_through(
-    jobs: Sequence[tuple[int, str]],
-    command: Callable[[str, Path, int], Sequence[Arg]],
-    folder: Path,
-    suffix: str,
-    *,
-    steps_per_job: int,
-) -> tuple[Path, int]:
-    """Run one job per (ranks, backend) in `jobs`, each resuming from the file the job before
-    saved: `command(previous, saved, steps)` ("-" for the first job's previous; `steps` done so
-    far). Returns the last file and the steps taken in all."""
-    previous, steps = "-", 0
-    for i, (ranks, backend) in enumerate(jobs):
-        saved = folder / f"after-{i}-{ranks}-{backend}{suffix}"
-        job = run_job(
-            command(previous, saved, steps),
-            ranks=ranks,
-            backend=backend,
-            job_timeout=150,
-            timeout=200,
-        )
-        assert job.returncode == 0, job.stdout + job.stderr
-        previous, steps = str(saved), steps + steps_per_job
-    return Path(previous), steps
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""What `scripts/lightning_fit.py` prints, read back and checked (`test_torch_optim.py`,
+"""What `scripts/lightning_fit.py` prints, read back and checked (`test_lightning_strategy.py`,
 `test_cli.py`), and the mark of the tests that need Lightning."""
 
 from __future__ import annotations

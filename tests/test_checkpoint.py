@@ -6,13 +6,16 @@ writing the state as it was at the call; a checkpoint without its metadata or a 
 refused with a message that names what is missing. The `spawns` test runs jobs of other sizes
 (tests/scripts/checkpoint_job.py): saved at 3 ranks, loaded at 2 and at 4, and back; a rank killed
 while it writes; and a plain torch program (tests/scripts/plain_dcp.py) reading a checkpoint
-written here, and writing one that loads here.
+written here, and writing one that loads here. The same jobs carry a chain of ZeRO runs that each
+resume what a world of another size saved (tests/scripts/zero_resume.py): a job's start costs
+seconds, so each check rides on jobs that start anyway.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 import shutil
 import tempfile
@@ -27,6 +30,7 @@ import pytest
 if importlib.util.find_spec("torch") is None:
     pytest.skip("dp.checkpoint needs torch", allow_module_level=True)
 
+import _torch_common
 import torch
 from _jobs import outer_world_size, run_job
 from torch import nn
@@ -485,7 +489,11 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
     - MPI 4 loads A (MPI -> MPI, to more) and B (Gloo -> MPI, to more), then K, which it must
       refuse: a folder a job died writing is neither the old checkpoint nor the new one.
 
-    Every load gets bit for bit what the saving job consolidated.
+    Every load gets bit for bit what the saving job consolidated. Along the way, ZeRO runs
+    resume one another (`zero-resume`, plain `torch.save` of the consolidated state): Gloo 2
+    (stage 1 under DataParallelModel) starts, Gloo 3 (stage 2) goes on with more and uneven
+    shards, then this process (a world of one: one shard); the end matches one process's Adam
+    on the whole batches throughout.
     """
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
@@ -493,12 +501,14 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
     ref = {name: tmp_path / f"{name}.pt" for name in ("a", "b", "k", "p")}
     got = tmp_path / "got"
     got.mkdir()
+    z = {name: tmp_path / f"zero-{name}.pt" for name in ("gloo-2", "gloo-3", "1")}
     job(["save", a, ref["a"]], 3, "mpi")
     job(["save", p, ref["p"], "load", a, got / "a-plain.pt"], 1, "plain")
     gloo_2 = ["load", a, got / "a-gloo-2.pt", "load-plain", p, got / "p-gloo-2.pt"]
-    job([*gloo_2, "save", b, ref["b"]], 2, "gloo")
+    job([*gloo_2, "zero-resume", "-", z["gloo-2"], "save", b, ref["b"]], 2, "gloo")
+    gloo_3 = ["load", b, got / "b-gloo-3.pt", "zero-resume", z["gloo-2"], z["gloo-3"]]
     died = job(
-        ["load", b, got / "b-gloo-3.pt", "save", k, ref["k"], "--die-rank", "1"],
+        [*gloo_3, "save", k, ref["k"], "--die-rank", "1"],
         3,
         "gloo",
         ok=False,
@@ -515,6 +525,7 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
     )
     assert "did not finish" in refused
     assert not (got / "k.pt").exists()
+    assert_zero_resumed_like_one_process(z["gloo-3"], z["1"])
 
     def load(path: Path) -> Any:
         return torch.load(path, weights_only=False)
@@ -527,3 +538,42 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
         assert_same(plain["model"], want[saved]["model"], f"model ({name})")
         assert_same(plain["optim"], want[saved]["optim"], f"optim ({name})")
         assert plain["step"] == want[saved]["step"]
+
+
+def assert_zero_resumed_like_one_process(previous: Path, last: Path) -> None:
+    """Resume `previous` here (a world of one), then check the chain of `zero-resume` steps
+    against one process's Adam on the whole batches, every step."""
+    spec = importlib.util.spec_from_file_location("zero_resume", SCRIPTS / "zero_resume.py")
+    assert spec is not None and spec.loader is not None
+    zero_resume = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zero_resume)
+    zero_resume.resume(str(previous), last)
+    final = torch.load(last, weights_only=False)
+    sizes = json.loads(final["sizes"])
+    assert sizes == [2, 3, 1], f"ZeRO resume chain: the world sizes were {sizes}"
+    assert final["steps"] == 2 * len(sizes), f"ZeRO resume chain: {final['steps']} steps"
+    model = _torch_common.make_model()
+    ref_opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(final["steps"]):
+        x, y = _torch_common.global_batch(step)
+        ref_opt.zero_grad()
+        _torch_common.loss_of(model, x, y).backward()
+        ref_opt.step()
+    where = "ZeRO resumed through Gloo 2, Gloo 3, one rank"
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(
+            final["model"][name],
+            value,
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, n=name: f"{where}: parameter {n}: {m}",
+        )
+    for k, entry in ref_opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(
+                final["optimizer"]["state"][k][key],
+                value,
+                atol=1e-5,
+                rtol=1e-4,
+                msg=lambda m, k=k, key=key: f"{where}: optimizer state {k}.{key}: {m}",
+            )

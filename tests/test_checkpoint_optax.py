@@ -6,7 +6,9 @@ state loads them bit for bit and trains on alike; the saved tensors are the whol
 parameters, of their shapes; a bare `ShardedState` is refused. The `spawns` test runs jobs of
 other sizes (tests/scripts/optax_checkpoint_job.py): saved at 3 and loaded at 2 and 1, saved at 2
 and loaded at 3, saved at 1 and loaded at 3, each loaded state, consolidated, equal bit for bit to
-the saving job's; a job loads one checkpoint and saves the next, so five jobs do it all.
+the saving job's; a job loads one checkpoint and saves the next, so five jobs do it all. The same
+jobs carry a chain of sharded runs that each resume what a world of another size consolidated
+(tests/scripts/optax_sharded_resume.py): a job's start costs seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _jobs import outer_world_size, run_job
+from test_optax_sharded import assert_resumed_like_one_process
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
@@ -183,11 +186,20 @@ def test_a_group_short_of_the_world_is_refused(folder: Path) -> None:
 # -- jobs of other sizes -------------------------------------------------------------------------
 
 
-def job(actions: list[tuple[str, Path, Path]], ranks: int, backend: str) -> list[dict[str, Any]]:
-    """Run `actions` (`save`/`load`, folder, pickle) in turn in one job; return their pickles."""
+def job(
+    actions: list[tuple[str, Path, Path]],
+    ranks: int,
+    backend: str,
+    resume: tuple[str, Path] | None,
+) -> list[dict[str, Any]]:
+    """Run `actions` (`save`/`load`, folder, pickle) in turn in one job, then `resume`
+    (previous, saved: `optax_sharded_resume.resume`); return the actions' pickles."""
+    steps = [part for action in actions for part in action]
+    if resume is not None:
+        steps += ["resume", *resume]
     launcher: Literal["run"] = "run"
     done = run_job(
-        [JOB, *(part for action in actions for part in action)],
+        [JOB, *steps],
         launcher=launcher,
         ranks=ranks,
         backend=backend,
@@ -215,18 +227,30 @@ JOBS: list[tuple[int, str, str | None, str | None]] = [  # (ranks, engine, loads
 ]
 
 
+# The jobs that also carry the sharded resume chain (`optax_sharded_resume.py`), in turn.
+RESUMING = (1, 2, 3)
+
+
 @pytest.mark.spawns
 def test_saved_at_one_size_loads_bit_for_bit_at_others(tmp_path: Path) -> None:
+    """Three jobs also resume the sharded run the job before saved: Gloo 2 starts it (eager),
+    MPI 1 goes on with one shard, MPI 3 with more and uneven ones (both jitted); the end matches
+    one process throughout (`test_optax_sharded.assert_resumed_like_one_process`)."""
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
     saved: dict[str, tuple[int, str, dict[str, Any]]] = {}
-    for ranks, backend, loads, saves in JOBS:
+    resumed = "-"
+    for number, (ranks, backend, loads, saves) in enumerate(JOBS):
         actions = []
         if loads:
             actions.append(("load", tmp_path / loads, tmp_path / f"out-{ranks}-{backend}.pkl"))
         if saves:
             actions.append(("save", tmp_path / saves, tmp_path / f"ref-{saves}.pkl"))
-        results = job(actions, ranks, backend)
+        resume = None
+        if number in RESUMING:
+            resume = (resumed, tmp_path / f"resumed-{number}-{ranks}-{backend}.pkl")
+            resumed = str(resume[1])
+        results = job(actions, ranks, backend, resume)
         if loads:
             by, engine, want = saved[loads]
             got = results[0]
@@ -236,3 +260,5 @@ def test_saved_at_one_size_loads_bit_for_bit_at_others(tmp_path: Path) -> None:
         if saves:
             saved[saves] = (ranks, backend, results[-1])
     assert len(saved) == 3
+    final = pickle.loads(Path(resumed).read_bytes())
+    assert_resumed_like_one_process(final, [JOBS[number][0] for number in RESUMING])

@@ -4,9 +4,11 @@
 `strategy="ddp"` in the same processes (plain SGD with momentum, gradient accumulation, ZeRO
 stages 1 and 2), saves a checkpoint and checks the strategy's collectives against
 torch.distributed's. Here each job's printout is read back: every rank's losses and weights
-must be DDP's, the checkpoint written by rank 0 alone. Jobs at MPI 2 ranks and Gloo 3 (each
-engine and each size; `--matrix=full` adds MPI 3 and Gloo 2), in the world of one; the argument
-checks run in it and in two of the multi-rank worlds (`heavy`).
+must be DDP's, the checkpoint written by rank 0 alone; then `dp.DistributedOptimizer` and
+Horovod's, returned by `configure_optimizers` without the strategy, must each fit as one process
+does. Jobs at MPI 2 ranks and Gloo 3 (each engine and each size; `--matrix=full` adds MPI 3 and
+Gloo 2), in the world of one; the argument checks run in it and in two of the multi-rank worlds
+(`heavy`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from _jobs import outer_world_size, run_job
-from _lightning import needs_lightning
+from _lightning import assert_fits_like_one_process, needs_lightning
 
 SCRIPTS = Path(__file__).parent / "scripts"
 VARIANTS = ("plain", "accumulate", "zero1", "zero2")
@@ -104,6 +106,13 @@ def test_fits_like_ddp(backend: str, ranks: int, tmp_path: Path) -> None:
     assert sorted(re.findall(r"COLLECTIVES rank=(\d+) ok", done.stdout)) == [
         str(r) for r in range(ranks)
     ], output
+    # `configure_optimizers` returns our optimizer, in a Trainer of one device and no strategy:
+    # it failed at `Trainer.fit` once (Lightning's re-classing), and Horovod's optimizer after
+    # `dp.initialize()` alone reduced nothing. One process's fit on the whole batch, each.
+    for optimizer in ("dp", "horovod"):
+        label = f"optimizer={optimizer}"
+        lines = "\n".join(line for line in done.stdout.splitlines() if line.endswith(label))
+        assert_fits_like_one_process(lines, ranks)
 
 
 # The argument checks below import Lightning on every rank (seconds each) and check what no

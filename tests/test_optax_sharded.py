@@ -8,8 +8,6 @@ gathered before asserting, so a failure on one rank cannot leave the others wait
 
 from __future__ import annotations
 
-import pickle
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,14 +17,10 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 jnp = jax.numpy
 
-from _jobs import relaunch_through  # noqa: E402
 from test_optax import OPTIMIZERS, STEPS, assert_same_on_every_rank, problem, share, train  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.jax import ShardedState, consolidate_state, shard_state  # noqa: E402
-
-RESUME = Path(__file__).parent / "scripts" / "optax_sharded_resume.py"
-
 
 # Masks and labels as trees of `problem()`'s parameters: no decay on biases, the usual recipe.
 MASK = {"hidden": {"w": True, "b": False}, "out": [True, False]}
@@ -244,23 +238,19 @@ def _single() -> Any:
     return SingleBackend.create()
 
 
-@pytest.mark.spawns
-def test_checkpoints_move_between_world_sizes_and_engines(tmp_path: Path) -> None:
-    """2 Gloo ranks save; 3 MPI ranks load and go on (more shards, uneven); then 1 (Gloo: one
-    shard); the end matches one process throughout: its parameters, and its consolidated state
-    (a world of one's sharded state)."""
-    previous, steps = relaunch_through(
-        ((2, "gloo"), (3, "mpi"), (1, "gloo")),
-        lambda before, saved, _: [RESUME, before, saved, "2"],
-        tmp_path,
-        ".pkl",
-        steps_per_job=2,
-    )
-    final = pickle.loads(previous.read_bytes())
-    assert final["sizes"] == [2, 3, 1]
+def assert_resumed_like_one_process(final: dict[str, Any], sizes: list[int]) -> None:
+    """`final`, the end of a chain of `optax_sharded_resume.resume` runs at world sizes `sizes`
+    (test_checkpoint_optax.py's jobs run it), matches one process throughout: its parameters,
+    and its consolidated state (a world of one's sharded state)."""
+    assert final["sizes"] == sizes, f"sharded optax resume chain: world sizes {final['sizes']}"
+    steps = 2 * len(sizes)
     params, x, y = problem()
     want, _ = train(optax.adam(1e-2), params, x, y, steps, jit=True)
-    close(final["params"], want)
     one = dp.DistributedOptimizer(optax.adam(1e-2), shard_state=True, backend=_single())
     _, want_state = train(one, params, x, y, steps, jit=False)
-    close(final["state"], want_state)
+    for what, got, expected in (("parameters", "params", want), ("state", "state", want_state)):
+        try:
+            close(final[got], expected)
+        except AssertionError as error:
+            where = f"sharded optax resumed at world sizes {sizes}: the {what}"
+            raise AssertionError(f"{where}: {error}") from None

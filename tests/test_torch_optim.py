@@ -9,20 +9,17 @@ leave the others waiting.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _jobs import free_port, run_job
-from _lightning import assert_fits_like_one_process, needs_lightning
+from _jobs import free_port
 from _torch_common import (
     OPTIMIZERS,
     Branchy,
@@ -432,31 +429,6 @@ def test_a_framework_can_reclass_the_optimizer(which: str, world: Backend) -> No
         torch.testing.assert_close(got, want)
     assert_same_on_every_rank(list(model.parameters()))
     assert seen.gradient_sync is opt.gradient_sync and opt.gradient_sync.steps == 3
-
-
-@pytest.mark.spawns
-@needs_lightning
-@pytest.mark.parametrize(
-    ("which", "backend"),
-    [
-        pytest.param(
-            "dp",
-            "mpi",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py"
-            ),
-        ),
-        ("horovod", "gloo"),
-    ],
-)
-def test_lightning_fits_with_the_distributed_optimizer(which: str, backend: str) -> None:
-    """`configure_optimizers` returns our optimizer; `Trainer.fit` on 2 ranks, one CPU device
-    each, gives one process's fit on the whole batch. It failed at `Trainer.fit` (Lightning's
-    re-classing), and Horovod's optimizer after `dp.initialize()` alone reduced nothing."""
-    scripts = Path(__file__).parent / "scripts"
-    done = run_job(["lightning_fit.py", which], ranks=2, backend=backend, cwd=scripts)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert_fits_like_one_process(done.stdout, 2)
 
 
 def test_bad_arguments(world: Backend) -> None:

@@ -10,6 +10,8 @@ consolidated state (`torch.save`), what any later job must find in FOLDER bit fo
 shards: the folder is left as a job that died midway leaves it (the job's last step). `load`
 builds the same model at its own world size, loads FOLDER, and rank 0 writes the consolidated
 state it got to PATH; `load-plain` loads a plain torch program's checkpoint (no sampler).
+`zero-resume PREVIOUS SAVED` is `zero_resume.resume` (a chain of ZeRO runs that each load what a
+world of another size saved, train on and save: PREVIOUS "-" starts it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ def consolidated(
 
 
 def step(mode: str, folder: str, path: str, stage: int, die_rank: int | None) -> None:
-    """Take one step (`save`, `load`, `load-plain`) with a model and an optimizer of its own."""
+    """Take one step (`save`, `load`, `load-plain`, `zero-resume`) with a model and an optimizer
+    of its own."""
+    if mode == "zero-resume":
+        from zero_resume import resume
+
+        resume(folder, path)
+        return
     model = make_model()
     opt = dp.torch.ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.Adam, stage=stage, bucket_bytes=64, lr=0.01
@@ -100,8 +108,8 @@ def main() -> None:
         parser.error("steps come in threes: MODE FOLDER PATH")
     steps = [args.steps[i : i + 3] for i in range(0, len(args.steps), 3)]
     for mode, _, _ in steps:
-        if mode not in ("save", "load", "load-plain"):
-            parser.error(f"{mode!r} is not save, load or load-plain")
+        if mode not in ("save", "load", "load-plain", "zero-resume"):
+            parser.error(f"{mode!r} is not save, load, load-plain or zero-resume")
     dp.initialize()
     for mode, folder, path in steps:
         if args.plain and mode == "load":

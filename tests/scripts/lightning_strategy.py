@@ -18,6 +18,9 @@ Then the `plain` fit with `DataParallelStrategy` saves a checkpoint in CHECKPOIN
 `CheckpointIO` that prints `SAVED rank=R path=P` where it writes; every rank loads it back and
 prints `LOADED rank=R same=True|False` (its weights against the checkpoint's). Last, the
 strategy's collectives against torch.distributed's on the same values: `COLLECTIVES rank=R ok`.
+Then, in a `Trainer` of one CPU device and no strategy, `configure_optimizers` returning
+`dp.DistributedOptimizer(SGD)` and `dataparallel.horovod.torch.DistributedOptimizer(SGD)`
+(`lightning_fit.optimizer_fit`: its lines end with `optimizer=dp` or `optimizer=horovod`).
 """
 
 import os
@@ -159,3 +162,7 @@ if __name__ == "__main__":
     say(f"LOADED rank={dp.rank()} same={same} files={sorted(os.listdir(folder))}")
     assert isinstance(trainer.strategy, DataParallelStrategy)
     collectives(trainer.strategy)
+    from lightning_fit import optimizer_fit
+
+    for optimizer in ("dp", "horovod"):
+        optimizer_fit(optimizer, f"optimizer={optimizer}")

@@ -2,7 +2,7 @@
 
     optax_checkpoint_job.py load FOLDER OUT
     optax_checkpoint_job.py save FOLDER REF
-    optax_checkpoint_job.py load FOLDER OUT save FOLDER2 REF2
+    optax_checkpoint_job.py load FOLDER OUT save FOLDER2 REF2 resume PREVIOUS SAVED
 
 `save` trains two Adam steps (`shard_state=True`, each rank its own gradients) over parameters of
 three dtypes and odd sizes, writes FOLDER with `dp.checkpoint.save` (every rank its slices, as
@@ -10,7 +10,9 @@ three dtypes and odd sizes, writes FOLDER with `dp.checkpoint.save` (every rank 
 with `dp.jax.consolidate_state` (the same at every world size), as NumPy leaves. `load` makes a
 fresh state at its own world size, loads FOLDER into it, and rank 0 pickles the same of what it
 got into OUT: any job's OUT must equal REF bit for bit. Several actions run in turn, each from a
-fresh state, so that one job can load one checkpoint and save the next.
+fresh state, so that one job can load one checkpoint and save the next. `resume PREVIOUS SAVED`
+is `optax_sharded_resume.resume` (a chain of sharded runs, each going on from what a world of
+another size consolidated: PREVIOUS "-" starts it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ def host(tree: Any) -> Any:
 
 
 def act(mode: str, folder: str, out: str) -> None:
-    """`save` or `load` (see the module docstring), from a fresh state."""
+    """`save`, `load` or `resume` (see the module docstring), from a fresh state."""
+    if mode == "resume":
+        from optax_sharded_resume import resume
+
+        resume(folder, out)
+        return
     opt = dp.DistributedOptimizer(optax.adam(0.1), shard_state=True)
     params = make_params()
     state = opt.init(params)
