@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dataparallel.config import LINK_TIMEOUT_VARIABLE
 from dataparallel.launch.hosts import (
     HostError,
     HostSlots,
@@ -142,7 +143,9 @@ def test_a_remote_rank_killed_by_a_signal_keeps_its_status(tmp_path: Path) -> No
     assert done.returncode == 128 + signal.SIGTERM
 
 
-def _remote_rank(script: str, *args: str) -> subprocess.Popen[str]:
+def _remote_rank(
+    script: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """Start the runner as a rank on another host would be: `--remote`, its stdin the line."""
     runner = [sys.executable, "-m", "dataparallel.launch.runner", "--remote"]
     # sshd starts a rank with SIGINT at its default; a test run in the background has it ignored,
@@ -156,7 +159,7 @@ def _remote_rank(script: str, *args: str) -> subprocess.Popen[str]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
+            env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", **(env or {})},
             start_new_session=True,
         )
     finally:
@@ -201,21 +204,34 @@ def test_the_remote_runner_raises_the_signal_the_launcher_writes(tmp_path: Path)
 
 @pytest.mark.spawns
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to see the child")
-def test_the_remote_runner_dies_with_its_children_when_its_line_ends(tmp_path: Path) -> None:
-    rank = _remote_rank("hosts_child.py", str(tmp_path))
+@pytest.mark.parametrize("line", ["ends", "falls silent"])
+def test_the_remote_runner_dies_with_its_children_when_its_line_ends(
+    tmp_path: Path, line: str
+) -> None:
+    # "falls silent": the launcher beats on the line (`RemoteRank`), and a rank that hears
+    # nothing for the link timeout is behind a link that went down, where no end comes.
+    env = {LINK_TIMEOUT_VARIABLE: "0.5"} if line == "falls silent" else None
+    rank = _remote_rank("hosts_child.py", str(tmp_path), env=env)
     try:
         assert rank.stdout is not None and rank.stdin is not None
         assert rank.stdout.readline() == "ready\n"
         child = int((tmp_path / "pids").read_text())
-        rank.stdin.close()  # the launcher, or the link to it, is gone
+        if line == "ends":
+            rank.stdin.close()  # the launcher, or the link to it, is gone
         rank.wait(timeout=30)
         deadline = time.monotonic() + 30
         while not _dead(child) and time.monotonic() < deadline:
             time.sleep(0.05)  # the kernel delivers the group's SIGKILL: wait for it to land
+        assert rank.stderr is not None
+        err = rank.stderr.read()
     finally:
         _end(rank)
-    assert rank.returncode == -signal.SIGKILL
+    assert rank.returncode == -signal.SIGKILL, err
     assert _dead(child), "the rank's child outlived it"
+    if line == "falls silent":
+        assert "rank 0 on " in err and " has heard nothing from the launcher for " in err, err
+    else:
+        assert err == "", err
 
 
 def test_discovery_lines_give_slots_by_host_in_order(tmp_path: Path) -> None:

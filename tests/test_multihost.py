@@ -64,45 +64,70 @@ def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture
-def hosts() -> Iterator[tuple[Host, Host]]:
-    """Create two namespaces joined by a veth pair; remove them afterwards, whatever happens."""
+@contextlib.contextmanager
+def emulated_hosts(count: int) -> Iterator[tuple[Host, ...]]:
+    """Create `count` hosts, network namespaces joined by a Linux bridge in a namespace of its
+    own (a switch: each host has one veth to it), host i at `SUBNET.i+1`; remove them
+    afterwards, whatever happens. Skips with the reason where namespaces or bridges cannot be
+    had."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     if shutil.which("ip") is None:
         pytest.skip("`ip` (iproute2) is not installed: apt-get install -y iproute2")
     tag = f"dp{os.getpid() % 100000}"
-    a = Host(f"{tag}a", f"{SUBNET}.1", f"{tag}-host-a")
-    b = Host(f"{tag}b", f"{SUBNET}.2", f"{tag}-host-b")
+    switch = f"{tag}sw"
+    hosts = tuple(
+        Host(f"{tag}{letter}", f"{SUBNET}.{i + 1}", f"{tag}-host-{letter}")
+        for i, letter in enumerate("abcdefgh"[:count])
+    )
     created: list[str] = []
     try:
-        for host in (a, b):
-            step = _ip("netns", "add", host.namespace)
+        for namespace in (switch, *(host.namespace for host in hosts)):
+            step = _ip("netns", "add", namespace)
             if step.returncode != 0:
                 pytest.skip(f"cannot create a network namespace here: {step.stderr.strip()}")
-            created.append(host.namespace)
+            created.append(namespace)
         steps = [
-            ("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"),
-            ("link", "set", f"{tag}va", "netns", a.namespace),
-            ("link", "set", f"{tag}vb", "netns", b.namespace),
+            ("-n", switch, "link", "add", "br0", "type", "bridge"),
+            ("-n", switch, "link", "set", "br0", "up"),
         ]
-        for host, link in ((a, f"{tag}va"), (b, f"{tag}vb")):
+        for host in hosts:
+            device, port = _device(host), _port(host)
             steps += [
-                ("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", link),
-                ("-n", host.namespace, "link", "set", link, "up"),
+                ("link", "add", device, "type", "veth", "peer", "name", port),
+                ("link", "set", device, "netns", host.namespace),
+                ("link", "set", port, "netns", switch),
+                ("-n", switch, "link", "set", port, "master", "br0"),
+                ("-n", switch, "link", "set", port, "up"),
+                ("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", device),
+                ("-n", host.namespace, "link", "set", device, "up"),
                 ("-n", host.namespace, "link", "set", "lo", "up"),
             ]
         for args in steps:
             step = _ip(*args)
             if step.returncode != 0:
-                pytest.skip(f"cannot set up the veth link (ip {' '.join(args)}): {step.stderr}")
-        yield a, b
+                pytest.skip(f"cannot set up the bridged links (ip {' '.join(args)}): {step.stderr}")
+        yield hosts
     finally:
-        for namespace in created:  # deleting a namespace deletes its end of the veth pair
+        for namespace in created:  # deleting a namespace deletes its ends of the veth pairs
             _ip("netns", "delete", namespace)
 
 
-def test_gloo_across_two_hosts(hosts: tuple[Host, Host]) -> None:
+@pytest.fixture
+def hosts() -> Iterator[tuple[Host, ...]]:
+    """Two hosts on the bridge."""
+    with emulated_hosts(2) as made:
+        yield made
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[tuple[Host, ...]]:
+    """Three hosts on the bridge."""
+    with emulated_hosts(3) as made:
+        yield made
+
+
+def test_gloo_across_two_hosts(hosts: tuple[Host, ...]) -> None:
     url = f"tcp://{hosts[0].address}:{PORT}"
     commands = [
         host.command(worker("basic", "--init-method", url, "--rank", str(r), "--world-size", "2"))
@@ -114,7 +139,7 @@ def test_gloo_across_two_hosts(hosts: tuple[Host, Host]) -> None:
         assert [result["local"] for result in results] == [[0, 1], [0, 1]]
 
 
-def test_mpi_across_two_hosts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
+def test_mpi_across_two_hosts(hosts: tuple[Host, ...], tmp_path: Path) -> None:
     """MPI too: mpiexec runs on host a; Hydra starts host b's proxy through a launcher script."""
     before = received(hosts[1])
     results = mpi_job(hosts, tmp_path, "basic", {})
@@ -126,7 +151,7 @@ def test_mpi_across_two_hosts(hosts: tuple[Host, Host], tmp_path: Path) -> None:
 
 
 def test_mpi_training_across_two_hosts_tests_the_threads_calls_with_pauses(
-    hosts: tuple[Host, Host], tmp_path: Path
+    hosts: tuple[Host, ...], tmp_path: Path
 ) -> None:
     # Each rank is alone on its node: the communication thread tests its MPI calls with pauses
     # instead of spinning in MPICH's wait (issue 24), and the averages are still exact.
@@ -139,7 +164,7 @@ def test_mpi_training_across_two_hosts_tests_the_threads_calls_with_pauses(
 
 
 def mpi_job(
-    hosts: tuple[Host, Host], tmp_path: Path, scenario: str, extra: dict[str, str]
+    hosts: tuple[Host, ...], tmp_path: Path, scenario: str, extra: dict[str, str]
 ) -> list[dict[str, Any]]:
     """Run `gloo_worker.py SCENARIO` under mpiexec, one rank a host; return the ranks' RESULTs."""
     pytest.importorskip("mpi4py")
@@ -210,7 +235,21 @@ class Ssh:
 
 
 @pytest.fixture
-def ssh(hosts: tuple[Host, Host], tmp_path: Path) -> Iterator[Ssh]:
+def ssh(hosts: tuple[Host, ...], tmp_path: Path) -> Iterator[Ssh]:
+    """An sshd in each of the two hosts."""
+    with sshd_in(hosts, tmp_path) as reach:
+        yield reach
+
+
+@pytest.fixture
+def ssh3(three_hosts: tuple[Host, ...], tmp_path: Path) -> Iterator[Ssh]:
+    """An sshd in each of the three hosts."""
+    with sshd_in(three_hosts, tmp_path) as reach:
+        yield reach
+
+
+@contextlib.contextmanager
+def sshd_in(hosts: tuple[Host, ...], tmp_path: Path) -> Iterator[Ssh]:
     """Start an sshd in each host, for root with a key made here; stop them afterwards."""
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     if not os.path.exists(sshd) or shutil.which("ssh-keygen") is None:
@@ -246,6 +285,7 @@ def ssh(hosts: tuple[Host, Host], tmp_path: Path) -> Iterator[Ssh]:
         options = ["-p", str(SSH_PORT), "-i", str(keys / "client")]
         paths = []
         mpi = [*options, "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes"]
+        mpi += ["-o", "ServerAliveInterval=1", "-o", "ServerAliveCountMax=2"]  # as docs say
         for name, extra in (("bin", []), ("mpi-bin", mpi)):
             folder = tmp_path / name  # an ssh that neither reads nor writes known_hosts
             folder.mkdir()
@@ -290,17 +330,17 @@ def _wait_listening(daemon: subprocess.Popen[str], host: Host) -> threading.Thre
 
 
 def hosts_job(
-    hosts: tuple[Host, Host],
+    hosts: tuple[Host, ...],
     ssh: Ssh,
     mode: str,
     *options: str,
     spec: str | None = None,
     backend: str = "gloo",
 ) -> list[str]:
-    """Return the command line of `dataparallel run -H a:2,b:2 ... hosts_job.py MODE`, run in
-    host a (so a's ranks start there, b's over ssh)."""
-    a, b = hosts
-    spec = spec or f"{a.address}:2,{b.address}:2"
+    """Return the command line of `dataparallel run -H a:2,b:2 ... hosts_job.py MODE` (or
+    `-H SPEC`), run in host a (so a's ranks start there, the other hosts' over ssh)."""
+    a = hosts[0]
+    spec = spec or ",".join(f"{host.address}:2" for host in hosts)
     run = [sys.executable, "-m", "dataparallel", "run", "-H", spec, "--backend", backend]
     script = str(SCRIPTS / "hosts_job.py")
     ssh_options = ssh.options if backend == "gloo" else []
@@ -325,7 +365,7 @@ def leftovers(hosts: tuple[Host, ...], script: str = "hosts_job.py") -> list[int
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_run_hosts_starts_two_ranks_on_each_host_over_ssh(
-    hosts: tuple[Host, Host], ssh: Ssh, backend: str
+    hosts: tuple[Host, ...], ssh: Ssh, backend: str
 ) -> None:
     b = hosts[1]
     before = received(b)
@@ -357,7 +397,7 @@ def test_run_hosts_starts_two_ranks_on_each_host_over_ssh(
 
 
 def test_run_hosts_a_rank_failing_on_the_other_host_ends_the_job(
-    hosts: tuple[Host, Host], ssh: Ssh
+    hosts: tuple[Host, ...], ssh: Ssh
 ) -> None:
     b = hosts[1]
     done = run_job(hosts_job(hosts, ssh, "fail"), launcher=None, env=ssh.env, cwd=SCRIPTS)
@@ -372,7 +412,7 @@ def test_run_hosts_a_rank_failing_on_the_other_host_ends_the_job(
 
 
 def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
-    hosts: tuple[Host, Host], ssh: Ssh
+    hosts: tuple[Host, ...], ssh: Ssh
 ) -> None:
     b = hosts[1]
     with spawn(
@@ -394,7 +434,7 @@ def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
 
 
 def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
-    hosts: tuple[Host, Host], ssh: Ssh
+    hosts: tuple[Host, ...], ssh: Ssh
 ) -> None:
     done = run_job(
         hosts_job(hosts, ssh, "sleep", "--timeout", "8"),
@@ -408,7 +448,7 @@ def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
 
 
 def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
-    hosts: tuple[Host, Host], ssh: Ssh
+    hosts: tuple[Host, ...], ssh: Ssh
 ) -> None:
     a = hosts[0]
     nobody = f"{SUBNET}.3"  # no host has it: nothing answers there
@@ -421,25 +461,98 @@ def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
     assert "ready" not in done.stdout, "a rank started before the hosts were checked"
 
 
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_run_three_hosts_on_a_bridge_then_a_host_cut_off_ends_the_job(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, backend: str
+) -> None:
+    """`-H a:1,b:1,c:1`: a rank on each of three hosts behind one bridge, the allreduce's data
+    through b's and c's links. Then, under Gloo, rank 2 (host c) stalls, ranks 0 and 1 wait for
+    it in a barrier, and c's link goes down: nothing closes, yet the whole job ends, host c
+    named, long before `--timeout`: the launcher's ssh to c gives up after `--link-timeout`
+    (status 255), and rank 2, hearing no beat from the launcher, leaves host c by itself.
+    A cut host under MPI (mpiexec's own ssh) is not tested."""
+    a, b, c = three_hosts
+    env = dict(ssh3.env)
+    options = ["--timeout", "150"]
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+        require_mpiexec()
+        env.update(ssh3.mpi_env, UCX_TLS="tcp,self", MASTER_ADDR=a.address)
+    else:
+        options += ["--link-timeout", "1"]
+    spec = ",".join(f"{host.address}:1" for host in three_hosts)
+    mode = "allreduce" if backend == "mpi" else "allreduce-then-wait"
+    job = hosts_job(three_hosts, ssh3, mode, *options, spec=spec, backend=backend)
+    before = {host: received(host) for host in (b, c)}
+    try:
+        with spawn(job, launcher=None, env=env, cwd=SCRIPTS, capture=True) as run:
+            assert run.stdout is not None
+            lines = []
+            for line in run.stdout if backend == "gloo" else ():  # every rank waits, or will
+                lines.append(line)
+                if sum(x.count("] waits") + x.count("] stalls") for x in lines) == 3:
+                    break
+            crossed = {host: received(host) - before[host] for host in (b, c)}
+            cut = time.monotonic()
+            if backend == "gloo":
+                down = _ip("-n", c.namespace, "link", "set", _device(c), "down")
+                assert down.returncode == 0, down.stderr
+            rest, err = run.communicate(timeout=120)
+            took = time.monotonic() - cut
+            if backend == "mpi":
+                crossed = {host: received(host) - before[host] for host in (b, c)}
+        # Gloo: the rank on c hears no beat from the launcher for the link timeout, and leaves.
+        _wait_for(lambda: not leftovers((c,)), 30 if backend == "gloo" else 0)
+        stayed = leftovers((c,))
+    finally:
+        _kill_everything_in(c)  # sshd's session there waits on a client it cannot reach
+    out = "".join(lines) + rest
+    ended = 0 if backend == "mpi" else 255
+    assert run.returncode == ended, f"{run.returncode} after {took:.1f} s\n{out}\n{err}"
+    results = {}
+    for found in re.finditer(r"\[rank (\d) on ([\d.]+)\] RESULT (.*)", out):
+        result = json.loads(found[3])
+        assert found[2] == three_hosts[int(found[1])].address, found[0]
+        results[result["rank"]] = result
+    assert sorted(results) == [0, 1, 2], out
+    for rank, result in results.items():
+        assert result["hostname"] == three_hosts[rank].hostname, result
+        assert (result["size"], result["local"]) == (3, [0, 1]), result
+    for host, count in crossed.items():  # a ring moves 2/3 of the 4 MiB into every rank
+        assert count >= 2**20, f"the ranks' data did not cross {host.hostname}'s link"
+    if backend == "gloo":
+        said = f"rank 2 on {c.address} exited with status 255 (ssh's own failure, or the "
+        assert said in err and "the host or its link may be gone); stopping the other" in err
+        assert stayed == [], "the rank on the cut host stayed in its collective"
+        print(f"the job ended {took:.1f} s after the cut")
+    assert leftovers(three_hosts[:2]) == [], "ranks outlived the job"
+
+
 # --- elastic across hosts: workers started over ssh, a host lost, a host set aside and back ---
 
 
 def elastic_hosts_job(
-    hosts: tuple[Host, Host], ssh: Ssh, out: Path, options: list[str], args: list[str]
+    hosts: tuple[Host, ...],
+    ssh: Ssh,
+    out: Path,
+    options: list[str],
+    args: list[str],
+    spec: str | None = None,
 ) -> list[str]:
-    """`dataparallel run -H a:2,b:2 --min-np 2 ... elastic_train.py ARGS`, run in host a: its
-    workers w0 and w1 start there, w2 and w3 over ssh on b."""
+    """`dataparallel run -H a:2,b:2 --min-np 2 ... elastic_train.py ARGS` (or `-H SPEC`), run in
+    host a: its workers w0 and w1 start there, w2 and w3 over ssh on b."""
     from test_elastic_runs import SAMPLES, TRAIN
 
-    a, b = hosts
-    run = [sys.executable, "-m", "dataparallel", "run", "-H", f"{a.address}:2,{b.address}:2"]
+    a = hosts[0]
+    spec = spec or ",".join(f"{host.address}:2" for host in hosts)
+    run = [sys.executable, "-m", "dataparallel", "run", "-H", spec]
     run += ["--backend", "gloo", "--min-np", "2", "--timeout", "240", *ssh.options, *options]
     train = [str(TRAIN), "--samples", str(SAMPLES), "--out", str(out), *args]
     return a.command([*run, *train])
 
 
 def test_elastic_run_loses_a_whole_host_and_goes_on(
-    hosts: tuple[Host, Host], ssh: Ssh, tmp_path: Path
+    hosts: tuple[Host, ...], ssh: Ssh, tmp_path: Path
 ) -> None:
     """Both workers of host b die in the same step (SIGKILL, seen through their ssh as 137):
     the host is dropped, the two of host a re-form and finish, every sample once an epoch and
@@ -461,7 +574,7 @@ def test_elastic_run_loses_a_whole_host_and_goes_on(
 
 
 def test_elastic_host_set_aside_for_a_cool_down_then_joins_again(
-    hosts: tuple[Host, Host], ssh: Ssh, tmp_path: Path
+    hosts: tuple[Host, ...], ssh: Ssh, tmp_path: Path
 ) -> None:
     """Worker 3 dies on host b: with a cool-down the host is set aside (no worker starts there)
     for 1 s, then its slots count again and a new worker starts on b and joins: 4 -> 3 -> 4.
@@ -482,7 +595,7 @@ def test_elastic_host_set_aside_for_a_cool_down_then_joins_again(
 
 
 def test_elastic_run_drops_a_host_whose_link_goes_down_while_ranks_wait_on_it(
-    hosts: tuple[Host, Host], ssh: Ssh, tmp_path: Path
+    hosts: tuple[Host, ...], ssh: Ssh, tmp_path: Path
 ) -> None:
     """Worker 2 (host b) stops in the middle of a step after its 3rd commit, so that the others
     wait on it in the step's collective; then host b's end of the link goes down. Nothing
@@ -528,9 +641,60 @@ def test_elastic_run_drops_a_host_whose_link_goes_down_while_ranks_wait_on_it(
         _kill_everything_in(b)  # sshd's sessions there wait on a client they cannot reach
 
 
+def test_elastic_three_hosts_lose_one_by_a_death_then_its_link_while_a_round_forms(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """`-H a:1,b:1,c:2 --min-np 2`: w0 on a, w1 on b, w2 and w3 on c. Worker 2 dies (SIGKILL)
+    after its 3rd commit; round 1 opens with w0, w1, w3, and w3 stops before arriving there
+    (its watch still beating), so w0 and w1 wait for it in a forming round. Then c's link goes
+    down: the launcher hears no heartbeat from w3 for `--link-timeout` and opens round 2
+    without it; the round that could not form is given up, and w0 and w1 (hosts a and b)
+    form round 2 and finish, every sample once an epoch and the weights the replay's. w3, cut
+    off from the store, leaves by itself."""
+    from test_elastic_runs import check_run
+
+    a, b, c = three_hosts
+    stalled = tmp_path / "stalled"
+    spec = f"{a.address}:1,{b.address}:1,{c.address}:2"
+    options = ["--link-timeout", "2", "--timeout", "150"]
+    args = ["--die", "w2:3", "--stall-forming", f"w3:1:{stalled}"]
+    job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, args, spec)
+    said: dict[str, str] = {}
+    try:
+        with spawn(job, launcher=None, env=ssh3.env, cwd=tmp_path, capture=True) as run:
+
+            def read() -> None:
+                said["stdout"], said["stderr"] = run.communicate()
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            _wait_for(lambda: stalled.exists() or run.poll() is not None, 120)
+            assert stalled.exists(), "worker 3 never reached round 1"
+            down = _ip("-n", c.namespace, "link", "set", _device(c), "down")
+            assert down.returncode == 0, down.stderr
+            reader.join(timeout=200)
+            assert not reader.is_alive(), "the job did not end"
+        err = said["stderr"]
+        assert run.returncode == 0, said["stdout"] + err
+        assert f"worker 2 on {c.address} was lost (SIGKILL)" in err, err
+        assert f"worker 3 on {c.address} was lost (no heartbeat for" in err, err
+        assert f"host {c.address} has no worker left" in err, err
+        assert f"host {b.address} has no worker left" not in err, err
+        check_run(tmp_path, [4, 2])
+        _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
+        assert leftovers(three_hosts, "elastic_train.py") == []
+    finally:
+        _kill_everything_in(c)
+
+
 def _device(host: Host) -> str:
-    """`host`'s end of the veth pair (`hosts` names it after the namespace)."""
+    """`host`'s end of its veth pair to the bridge (named after the namespace)."""
     return f"{host.namespace[:-1]}v{host.namespace[-1]}"
+
+
+def _port(host: Host) -> str:
+    """The bridge's end of `host`'s veth pair."""
+    return f"{host.namespace[:-1]}p{host.namespace[-1]}"
 
 
 def _wait_for(condition: Any, seconds: float) -> None:

@@ -13,6 +13,9 @@ Options:
     --stall W:K:FILE    worker W, after its K-th commit, creates FILE in the middle of the next
                         step and waits there for ever: its peers wait on it in the step's
                         collective (the test then takes its host's link down)
+    --stall-forming W:G:FILE  worker W, about to arrive in round G (opened, not yet formed),
+                        creates FILE and waits there for ever, its watch still beating: the
+                        others wait for it to arrive (the test then takes its host's link down)
     --die-forming W:G   worker W kills itself with SIGKILL once round G has formed, as it begins
                         making the round's Gloo group (before the others can reach it)
     --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
@@ -91,6 +94,23 @@ def die_forming(generation: int) -> None:
     rounds._make_group = dying  # type: ignore[assignment]
 
 
+def stall_forming(generation: int, path: str) -> None:
+    """Stop this worker for ever (after creating `path`) once round `generation` has opened,
+    before it arrives there: `rounds.join` waits for the round's key, then arrives."""
+    from dataparallel.elastic import rounds
+
+    exists = rounds._exists
+
+    def stalling(store: object, key: str, wait: object) -> bool:
+        found = exists(store, key, wait)  # type: ignore[arg-type]
+        if found and key == rounds.round_key(generation):
+            open(path, "w").close()
+            wait_until(lambda: False)
+        return found
+
+    rounds._exists = stalling  # type: ignore[assignment]
+
+
 def wait_for_round(generation: int, formed: bool = False) -> None:
     """Wait until the launcher has opened round `generation` (`formed`: until it formed)."""
     from dataparallel.config import Settings
@@ -127,6 +147,7 @@ def main() -> None:
     parser.add_argument("--skip")
     parser.add_argument("--stall", default="::")
     parser.add_argument("--die-forming", default="")
+    parser.add_argument("--stall-forming", default="::")
     parser.add_argument("--slots")
     parser.add_argument("--leave", default="")
     parser.add_argument("--die-initializing", default="")
@@ -143,6 +164,9 @@ def main() -> None:
     forming_worker, _, forming_round = args.die_forming.partition(":")
     if me == forming_worker:
         die_forming(int(forming_round))
+    stall_worker, stall_round, stall_path = args.stall_forming.split(":", 2)
+    if me == stall_worker:
+        stall_forming(int(stall_round), stall_path)
     if me == args.die_initializing:
         os.kill(os.getpid(), signal.SIGKILL)
     if args.slots and args.slots.split(":")[1] == "0":

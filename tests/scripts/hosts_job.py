@@ -1,8 +1,10 @@
 """One rank of a job across emulated hosts (`tests/test_multihost.py`), started by -H.
 
-usage: hosts_job.py allreduce | fail | sleep
+usage: hosts_job.py allreduce | allreduce-then-wait | fail | sleep
   allreduce  an allreduce of 1 Mi float32 (rank + 1 each), checked on every rank against the
              sum; prints `RESULT {json}` with the rank, its hostname and its local rank and size
+  allreduce-then-wait  the same, then the last rank prints `stalls` and waits (10 minutes)
+             while the others print `waits` and wait for it in a barrier
   fail       the last rank raises; the others wait (10 minutes)
   sleep      every rank prints `ready` and waits (10 minutes)
 """
@@ -15,7 +17,7 @@ import time
 
 mode = sys.argv[1]
 rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-if mode == "allreduce":
+if mode.startswith("allreduce"):
     import numpy as np
 
     import dataparallel as dp
@@ -34,6 +36,12 @@ if mode == "allreduce":
         "forwarded": os.environ.get("HOSTS_JOB_MARK"),
     }
     sys.stdout.write(f"RESULT {json.dumps(result)}\n")
+    if mode == "allreduce-then-wait":
+        last = rank == size - 1
+        print("stalls" if last else "waits", flush=True)
+        if last:
+            time.sleep(600)
+        dp.barrier()  # waits on the last rank, which never comes
     dp.finalize()
 elif mode == "fail":
     if rank == size - 1:

@@ -11,9 +11,13 @@ environment goes along, less what describes this machine or this shell (`forward
 client's standard input is the launcher's line to the remote rank (`RemoteRank`): a signal's
 name written there is raised in the rank (Ctrl-C, then the launcher's SIGTERM), and its end (the
 launcher gone, or its ssh killed) kills the rank with its process group (the runner's
-`--remote`). Before any rank starts, each other host is asked over ssh whether it answers and has
-the directory and the interpreter (`check_hosts`), so that a host that cannot be reached fails the
-launch at once, named, instead of leaving the others waiting at the rendezvous.
+`--remote`). The launcher also beats on the line (an empty line, several times within
+`--link-timeout`): a rank that hears nothing for that long is behind a link that went down,
+where no end ever arrives (the host's sshd waits for the client for hours), and leaves with its
+process group instead of waiting in its collectives until their timeout. Before any rank
+starts, each other host is asked over ssh whether it answers and has the directory and the
+interpreter (`check_hosts`), so that a host that cannot be reached fails the launch at once,
+named, instead of leaving the others waiting at the rendezvous.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -310,18 +315,44 @@ class RemoteRank(subprocess.Popen[bytes]):
             start_new_session=True,
         )
         self.host = host
+        self._line = threading.Lock()  # the beats' thread and the launcher's signals share it
+        if ssh.link_timeout is not None:
+            interval = _beat_interval(ssh.link_timeout)
+            threading.Thread(
+                target=self._beat, args=(interval,), name="dataparallel-beat", daemon=True
+            ).start()
+
+    def _write(self, line: bytes) -> bool:
+        """Write `line` to the rank; return False once the line is closed."""
+        if self.stdin is None:
+            return False
+        with self._line:
+            try:
+                self.stdin.write(line)
+                self.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                return False
+        return True
+
+    def _beat(self, interval: float) -> None:
+        """Write an empty line every `interval` seconds while the client runs: the rank's sign
+        that the launcher and the link to it are there (a thread of its own, so that nothing
+        the launcher does, a slow discovery script say, silences it)."""
+        while self.returncode is None and self._write(b"\n"):
+            time.sleep(interval)
 
     def send_signal(self, sig: int) -> None:
         """Pass `sig` on to the rank (SIGINT, SIGTERM); any other signal kills it."""
         name = next((k for k, v in CONTROL_SIGNALS.items() if v == sig), None)
-        if name is not None and self.stdin is not None and self.poll() is None:
-            try:
-                self.stdin.write(f"{name}\n".encode())
-                self.stdin.flush()
-                return
-            except (BrokenPipeError, OSError, ValueError):
-                pass
+        if name is not None and self.poll() is None and self._write(f"{name}\n".encode()):
+            return
         super().send_signal(signal.SIGKILL)
+
+
+def _beat_interval(link_timeout: float) -> float:
+    """How often the launcher beats on a remote rank's line: several beats within the link
+    timeout, so that one late beat is not a lost link, and at most once a second."""
+    return min(1.0, link_timeout / 5)
 
 
 def hosts_of(slots: Sequence[Slot]) -> list[str]:

@@ -21,7 +21,8 @@ Options (before the script):
     --remote       started over ssh on another host (`dataparallel.launch.hosts`): standard
                    input is the launcher's line, where it writes the name of a signal to raise
                    here (INT, TERM); its end, the launcher gone, kills this rank and its
-                   process group.
+                   process group, as does its silence for DATAPARALLEL_LINK_TIMEOUT seconds
+                   (where that is set, the launcher beats on it: silence is a link gone).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import contextlib
 import ctypes
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
 from typing import NoReturn
 
-from dataparallel.config import Settings
+from dataparallel.config import ELASTIC_WORKER_VARIABLE, LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.launch.hosts import CONTROL_SIGNALS
 from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
 from dataparallel.runnotes import DONE, PEER_GONE, hold_alive, note_end, note_start, running_here
@@ -221,9 +223,24 @@ def _follow_launcher() -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
 
+    limit = None  # set where the launcher beats: its silence, for that long, is a link gone
+    if LINK_TIMEOUT_VARIABLE in os.environ and sys.platform != "win32":
+        limit = Settings.from_env().link_timeout
+
     def follow() -> None:
+        heard = time.monotonic()
         with os.fdopen(control, "rb", buffering=0) as line:
-            for word in line:
+            while True:
+                if limit is not None and not select.select([line], [], [], 0.1)[0]:
+                    silent = time.monotonic() - heard
+                    if silent >= limit:
+                        _cut_off(silent)
+                        break
+                    continue
+                word = line.readline()
+                if not word:
+                    break
+                heard = time.monotonic()
                 signum = CONTROL_SIGNALS.get(word.strip().decode(errors="replace"))
                 if signum is not None:
                     os.kill(os.getpid(), signum)
@@ -232,6 +249,20 @@ def _follow_launcher() -> None:
         _exit(1)
 
     threading.Thread(target=follow, name="dataparallel-launcher-line", daemon=True).start()
+
+
+def _cut_off(silent: float) -> None:
+    """Say that this rank heard nothing from the launcher for `silent` seconds (its ssh line
+    is there to see if the link comes back; the launcher has ended the job by then)."""
+    who = os.environ.get("RANK") or os.environ.get(ELASTIC_WORKER_VARIABLE, "?")
+    print(
+        f"dataparallel: rank {who} on {socket.gethostname()} has heard nothing from the "
+        f"launcher for {silent:.1f} s ({LINK_TIMEOUT_VARIABLE}, `dataparallel run "
+        "--link-timeout`): the link to it is down, or it is gone; leaving with this rank's "
+        "processes.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _init_mpi() -> None:

@@ -334,8 +334,11 @@ class _Job:
             if self.ssh.link_timeout is not None:
                 from dataparallel.elastic.liveness import Heartbeats
 
-                self.env[LINK_TIMEOUT_VARIABLE] = f"{self.ssh.link_timeout:g}"
                 self.heartbeats = Heartbeats(self.ssh.link_timeout)
+        if self.ssh.link_timeout is not None and (elastic is not None or slots is not None):
+            # How long a rank of another host waits for the launcher's beats (`RemoteRank`),
+            # and an elastic worker for its store's answer.
+            self.env[LINK_TIMEOUT_VARIABLE] = f"{self.ssh.link_timeout:g}"
 
     def _is_local(self, host: str) -> bool:
         if host not in self.local:
@@ -555,10 +558,11 @@ class _Job:
             return 1
         remote = isinstance(process.proc, RemoteRank)
         if self.elastic is None or (code > 0 and not (remote and code > 128)):
+            why = ""
+            if remote and code == 255:  # ssh's own status: a link that went down ends so
+                why = " (ssh's own failure, or the rank's: the host or its link may be gone)"
             where = self._where(process.host)
-            if isinstance(process.proc, RemoteRank) and code == 255:
-                where += " (255: ssh's own failure, or the rank's)"
-            warn(f"{self.noun} {number}{where} exited with status {status}{stopping}.")
+            warn(f"{self.noun} {number}{where} exited with status {status}{why}{stopping}.")
             return status
         self._lose(process, code)
         return None
