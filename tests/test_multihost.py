@@ -613,23 +613,9 @@ def test_elastic_run_drops_a_host_whose_link_goes_down_while_ranks_wait_on_it(
     options = ["--link-timeout", "2", "--timeout", "150"]
     args = ["--stall", f"w2:3:{stalled}"]
     job = elastic_hosts_job(hosts, ssh, tmp_path / "out.json", options, args)
-    said: dict[str, str] = {}
     try:
-        with spawn(job, launcher=None, env=ssh.env, cwd=tmp_path, capture=True) as run:
-
-            def read() -> None:
-                said["stdout"], said["stderr"] = run.communicate()
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            _wait_for(lambda: stalled.exists() or run.poll() is not None, 120)
-            assert stalled.exists(), "worker 2 never stalled"
-            down = _ip("-n", b.namespace, "link", "set", _device(b), "down")
-            assert down.returncode == 0, down.stderr
-            reader.join(timeout=200)
-            assert not reader.is_alive(), "the job did not end"
-        err = said["stderr"]
-        assert run.returncode == 0, said["stdout"] + err
+        status, out, err = _cut_once(job, ssh.env, tmp_path, stalled, b, "worker 2 never stalled")
+        assert status == 0, out + err
         for worker in (2, 3):
             lost = f"worker {worker} on {b.address} was lost (no heartbeat for"
             assert lost in err, err
@@ -659,23 +645,10 @@ def test_elastic_three_hosts_lose_one_by_a_death_then_its_link_while_a_round_for
     options = ["--link-timeout", "2", "--timeout", "150"]
     args = ["--die", "w2:3", "--stall-forming", f"w3:1:{stalled}"]
     job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, args, spec)
-    said: dict[str, str] = {}
     try:
-        with spawn(job, launcher=None, env=ssh3.env, cwd=tmp_path, capture=True) as run:
-
-            def read() -> None:
-                said["stdout"], said["stderr"] = run.communicate()
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            _wait_for(lambda: stalled.exists() or run.poll() is not None, 120)
-            assert stalled.exists(), "worker 3 never reached round 1"
-            down = _ip("-n", c.namespace, "link", "set", _device(c), "down")
-            assert down.returncode == 0, down.stderr
-            reader.join(timeout=200)
-            assert not reader.is_alive(), "the job did not end"
-        err = said["stderr"]
-        assert run.returncode == 0, said["stdout"] + err
+        never = "worker 3 never reached round 1"
+        status, out, err = _cut_once(job, ssh3.env, tmp_path, stalled, c, never)
+        assert status == 0, out + err
         assert f"worker 2 on {c.address} was lost (SIGKILL)" in err, err
         assert f"worker 3 on {c.address} was lost (no heartbeat for" in err, err
         assert f"host {c.address} has no worker left" in err, err
@@ -685,6 +658,29 @@ def test_elastic_three_hosts_lose_one_by_a_death_then_its_link_while_a_round_for
         assert leftovers(three_hosts, "elastic_train.py") == []
     finally:
         _kill_everything_in(c)
+
+
+def _cut_once(
+    job: list[str], env: dict[str, str], cwd: Path, ready: Path, host: Host, never: str
+) -> tuple[int, str, str]:
+    """Run `job`; once the file `ready` exists (the job's sign that the moment has come), take
+    `host`'s link down; return the job's status and what it printed (stdout, stderr). Fails with
+    `never` if the job ends before `ready` appears, and if it does not end after the cut."""
+    said: dict[str, str] = {}
+    with spawn(job, launcher=None, env=env, cwd=cwd, capture=True) as run:
+
+        def read() -> None:
+            said["stdout"], said["stderr"] = run.communicate()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        _wait_for(lambda: ready.exists() or run.poll() is not None, 120)
+        assert ready.exists(), never
+        down = _ip("-n", host.namespace, "link", "set", _device(host), "down")
+        assert down.returncode == 0, down.stderr
+        reader.join(timeout=200)
+        assert not reader.is_alive(), "the job did not end"
+    return run.returncode, said["stdout"], said["stderr"]
 
 
 def _device(host: Host) -> str:
