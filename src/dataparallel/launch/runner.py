@@ -21,7 +21,7 @@ Options (before the script):
     --remote       started over ssh on another host (`dataparallel.launch.hosts`): standard
                    input is the launcher's line, where it writes the name of a signal to raise
                    here (INT, TERM); its end, the launcher gone, kills this rank and its
-                   process group, as does its silence for DATAPARALLEL_LINK_TIMEOUT seconds
+                   process group, as does its silence for several DATAPARALLEL_LINK_TIMEOUTs
                    (where that is set, the launcher beats on it: silence is a link gone).
 """
 
@@ -44,7 +44,7 @@ from types import ModuleType, TracebackType
 from typing import NoReturn
 
 from dataparallel.config import ELASTIC_WORKER_VARIABLE, LINK_TIMEOUT_VARIABLE, Settings
-from dataparallel.launch.hosts import CONTROL_SIGNALS
+from dataparallel.launch.hosts import CONTROL_SIGNALS, silence_limit
 from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
 from dataparallel.runnotes import DONE, PEER_GONE, hold_alive, note_end, note_start, running_here
 
@@ -225,7 +225,7 @@ def _follow_launcher() -> None:
 
     limit = None  # set where the launcher beats: its silence, for that long, is a link gone
     if LINK_TIMEOUT_VARIABLE in os.environ and sys.platform != "win32":
-        limit = Settings.from_env().link_timeout
+        limit = silence_limit(Settings.from_env().link_timeout)
 
     def follow() -> None:
         heard = time.monotonic()
