@@ -254,9 +254,13 @@ def test_the_residual_and_the_gradient_trade_memory_instead_of_allocating() -> N
             assert len(seen) == 2, seen
             assert all(a != b for a, b in itertools.pairwise(where[1:])), where
         runs.append(grads)
+    # Equal up to float32 rounding, which grows a few units in the last place a step (values up
+    # to about 5): the product over a view 3 elements into its buffer may take another vectorized
+    # path than over an aligned one, and on some CPUs it does. A wrong or stale buffer is off by
+    # the gradient's own size.
     for (g, r), (g_in, r_in) in zip(*runs, strict=True):
-        torch.testing.assert_close(g_in, g, rtol=0, atol=1e-6)
-        torch.testing.assert_close(r_in, r, rtol=0, atol=1e-6)
+        torch.testing.assert_close(g_in, g, rtol=0, atol=1e-5)
+        torch.testing.assert_close(r_in, r, rtol=0, atol=1e-5)
 
 
 def test_before_start_iter_the_gradients_are_reduced_exactly() -> None:
