@@ -43,8 +43,13 @@ from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
 from typing import NoReturn
 
-from dataparallel.config import ELASTIC_WORKER_VARIABLE, LINK_TIMEOUT_VARIABLE, Settings
-from dataparallel.launch.hosts import CONTROL_SIGNALS, silence_limit
+from dataparallel.config import (
+    ELASTIC_WORKER_VARIABLE,
+    LINK_TIMEOUT_VARIABLE,
+    Settings,
+    silence_limit,
+)
+from dataparallel.launch.hosts import CONTROL_SIGNALS
 from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
 from dataparallel.runnotes import DONE, PEER_GONE, hold_alive, note_end, note_start, running_here
 
