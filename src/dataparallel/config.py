@@ -18,6 +18,7 @@
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
 | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
 | `DATAPARALLEL_LINK_TIMEOUT` | ... and a link's (3x it, 5 s at least: a cut-off one leaves) | `5` |
+| `DATAPARALLEL_BEACON` | set by `dataparallel run -H` under MPI: its line to the ranks | unset |
 | `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
 | `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from dataparallel.slurm import SlurmJob
 
 __all__ = [
+    "BEACON_VARIABLE",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_LINK_TIMEOUT",
     "ELASTIC_STORE_VARIABLE",
@@ -91,6 +93,8 @@ ELASTIC_STORE_VARIABLE = "DATAPARALLEL_ELASTIC_STORE"
 ELASTIC_WORKER_VARIABLE = "DATAPARALLEL_ELASTIC_WORKER"
 ELASTIC_TIMEOUT_VARIABLE = "DATAPARALLEL_ELASTIC_TIMEOUT"
 LINK_TIMEOUT_VARIABLE = "DATAPARALLEL_LINK_TIMEOUT"
+# Set by `dataparallel run --backend mpi` across hosts: where its beacon listens (launch/beacon.py).
+BEACON_VARIABLE = "DATAPARALLEL_BEACON"
 # `dataparallel run --link-timeout`'s default: seconds of silence after which a host is gone,
 # and the least it takes: a loaded machine's stalls must not pass for a lost link
 # (docs/elastic.md, *Measured*).
