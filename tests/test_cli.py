@@ -421,7 +421,6 @@ def _assert_gone(piddir: Path) -> None:
         ("run -H a:2 --hostfile cli_env.py cli_env.py", "give -H or --hostfile, not both"),
         ("run -n 2 -p 2222 --backend gloo cli_env.py", "is for ranks started over ssh"),
         ("run -H a:2 -i cli_env.py cli_env.py", "-i with --backend mpi: mpiexec runs ssh"),
-        ("run -H a:2 --link-timeout 3 cli_env.py", "--link-timeout with --backend mpi"),
         ("run -n 2 --backend gloo --link-timeout 3 cli_env.py", "is for ranks started over ssh"),
         ("run -H a:2 --backend gloo --link-timeout 0.2 cli_env.py", "must be at least 0.5"),
         ("run -H a:2 --backend gloo --link-timeout nan cli_env.py", "must be at least 0.5"),

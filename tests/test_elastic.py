@@ -5,6 +5,7 @@ and the errors go through real collectives); the runs with a launcher are in tes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
@@ -594,3 +595,98 @@ def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
     assert 0.3 <= said["w1"] <= time.monotonic() - begun + 0.3
     store.add(heartbeat_key("w1"), 1)  # beats again (a stalled worker): said once only
     assert ear.silent(store, workers) == {}
+
+
+def test_a_worker_outlasts_a_store_stalled_past_the_link_timeout_but_not_past_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store probe of a worker on another host (`elastic.liveness._probe`) under a short
+    link timeout S = 0.5 s: a store that stops accepting connections (stalled: its backlog full,
+    each probe's connect times out) for more than 2 S, then answers again, does not make the
+    worker leave; one that stays stalled does, after `silence_limit(S)` (5 s) and not before.
+    The launcher's heartbeats decide a loss within S; the worker leaving at S took a busy
+    machine's late replies for a cut link."""
+    import socket
+    import time
+
+    from dataparallel.config import silence_limit
+    from dataparallel.elastic import liveness
+
+    link_timeout = 0.5
+    limit = silence_limit(link_timeout)
+    assert limit >= 4 * link_timeout
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # one connection waits to be accepted; the next connects time out
+    listener.settimeout(0.05)
+    store_at = listener.getsockname()
+    answering, idle, stop = threading.Event(), threading.Event(), threading.Event()
+    answering.set()
+
+    def serve() -> None:  # the store: accepts while answering, stalls otherwise
+        while not stop.is_set():
+            if not answering.is_set():
+                idle.set()
+                time.sleep(0.01)
+                continue
+            idle.clear()
+            with contextlib.suppress(TimeoutError):
+                listener.accept()[0].close()
+
+    probes: list[tuple[float, bool]] = []  # each probe's end and whether it connected
+    connect = socket.create_connection
+
+    def probing(*args: Any, **kwargs: Any) -> socket.socket:
+        try:
+            made = connect(*args, **kwargs)
+        except OSError:
+            probes.append((time.monotonic(), False))
+            raise
+        probes.append((time.monotonic(), True))
+        return made
+
+    left: list[float] = []
+    monkeypatch.setattr(liveness, "_stop", threading.Event())
+    monkeypatch.setattr(liveness.socket, "create_connection", probing)
+    monkeypatch.setattr(liveness, "_leave", lambda _at, silent, _worker: left.append(silent))
+
+    def wait_for(done: Any, what: str) -> None:
+        guard = time.monotonic() + 60  # a hang guard, far past every step
+        while not done():
+            assert time.monotonic() < guard, f"never: {what} (probes {probes}, left {left})"
+            time.sleep(0.01)
+
+    def answered_after(moment: float) -> bool:
+        return any(ok and at > moment for at, ok in probes)
+
+    def stall() -> tuple[float, socket.socket]:
+        answering.clear()
+        wait_for(idle.is_set, "the store stalled")
+        return time.monotonic(), connect(store_at)  # fills the backlog: probes time out
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    probe = threading.Thread(target=liveness._probe, args=(store_at, link_timeout, "w1"))
+    probe.start()
+    try:
+        wait_for(lambda: answered_after(0.0), "a first answer")
+        stalled, filler = stall()
+        wait_for(
+            lambda: any(not ok and at - stalled > 2 * link_timeout for at, ok in probes),
+            "a probe unanswered more than 2 S into the stall",
+        )
+        assert not answered_after(stalled)  # the stall held: no probe got through meanwhile
+        filler.close()
+        answering.set()
+        wait_for(lambda: answered_after(stalled), "an answer after the stall")
+        assert left == [], f"left after a {time.monotonic() - stalled:.1f} s stall: {left}"
+        stalled, filler = stall()
+        wait_for(lambda: left, "leaving once the store stays stalled")
+        filler.close()
+        assert limit <= left[0] <= time.monotonic() - stalled + 1.0, left
+    finally:
+        liveness._stop.set()
+        stop.set()
+        probe.join(timeout=30)
+        server.join(timeout=30)
+        listener.close()

@@ -295,6 +295,25 @@ def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str, wr
     assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
 
 
+@pytest.mark.parametrize(("wrapper", "victim"), [("optimizer", "w2"), ("model", "w0")])
+def test_a_worker_lost_while_a_wrapper_made_before_the_loop_forms_its_group(
+    tmp_path: Path, victim: str, wrapper: str
+) -> None:
+    """Worker `victim` dies as the wrapper, made before `hvd.elastic.run`, begins making its
+    private group over round 0's world; the others wait there for its address until the
+    launcher opens round 1 without it. They re-form there, as `dp.initialize` would, the
+    wrapper is made on the new world, and the loop starts with the reset callbacks (lr for 2
+    ranks) and the state synchronized (before: the wait's `RankFailedError` escaped the
+    constructor, outside the loop, and ended the run with status 1)."""
+    out = tmp_path / "out.json"
+    ddp = ["--ddp"] if wrapper == "model" else []
+    args: list[Arg] = ["--out", out, "--die-grouping", victim, *ddp]
+    done = three_lose_one("elastic_hvd.py", args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"worker {victim[1:]} was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("optax") is None, reason="needs JAX and optax")
 @pytest.mark.parametrize(("route", "victim"), [("ffi", "w0"), ("callback", "w1")])
 def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: str) -> None:

@@ -257,3 +257,35 @@ def test_a_host_set_aside_again_cools_down_twice_as_long_within_the_limits() -> 
     assert cooldown_seconds((1.0, 10.0), 5) == 10.0  # the upper limit holds
     assert cooldown_seconds((1.0, 1.0), 1) == 1.0
     assert cooldown_seconds((1.0, 10.0), 10**6) == 10.0  # no overflow however many times
+
+
+def test_the_beacon_names_a_rank_silent_for_the_link_timeout_and_not_one_that_beats() -> None:
+    """The launcher's own line to the ranks that mpiexec starts on other hosts
+    (`launch/beacon.py`), over loopback: its beats reach every rank; a rank that beats back is
+    never lost, one that closes its line (finished) is not either, and one that falls silent is
+    named, with its host and address, after the link timeout."""
+    import socket
+
+    from dataparallel.launch.beacon import Beacon
+
+    with Beacon(0.5, toward="127.0.0.1") as beacon:
+        assert beacon.address is not None
+        host, _, port = beacon.address.rpartition(":")
+        ranks = [socket.create_connection((host, int(port)), timeout=30) for _ in range(3)]
+        try:
+            for rank, line in enumerate(ranks):
+                line.sendall(f"{rank} node{rank}\n".encode())
+            ranks[2].close()  # finished
+            guard = time.monotonic() + 60  # a hang guard: rank 1 is said lost soon
+            while beacon.lost() is None:
+                assert time.monotonic() < guard, "rank 1 was never said lost"
+                ranks[0].sendall(b"\n")
+                time.sleep(0.05)
+            lost = beacon.lost()
+            assert lost is not None and (lost.rank, lost.host) == (1, "node1"), lost
+            assert lost.silent >= 0.5
+            assert str(lost).startswith("rank 1 on node1 (127.0.0.1) has not been heard for ")
+            assert ranks[0].recv(1) == b"\n" and ranks[1].recv(1) == b"\n"  # the beats
+        finally:
+            for line in ranks:
+                line.close()

@@ -17,7 +17,8 @@
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
 | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
-| `DATAPARALLEL_LINK_TIMEOUT` | ... and seconds its store may be silent before it leaves | `5` |
+| `DATAPARALLEL_LINK_TIMEOUT` | ... and a link's (3x it, 5 s at least: a cut-off one leaves) | `5` |
+| `DATAPARALLEL_BEACON` | set by `dataparallel run -H` under MPI: its line to the ranks | unset |
 | `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
 | `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from dataparallel.slurm import SlurmJob
 
 __all__ = [
+    "BEACON_VARIABLE",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_LINK_TIMEOUT",
     "ELASTIC_STORE_VARIABLE",
@@ -46,8 +48,10 @@ __all__ = [
     "MPI_SIZE_VARIABLES",
     "PREFIXED_VARIABLE",
     "RUN_DIR_VARIABLE",
+    "SILENCE_FLOOR",
     "THREAD_BUCKET_BYTES",
     "Settings",
+    "silence_limit",
 ]
 
 # Chosen by measurement (benchmarks/bucket_size.py; benchmarks/NOTES.md, "The default bucket
@@ -89,11 +93,28 @@ ELASTIC_STORE_VARIABLE = "DATAPARALLEL_ELASTIC_STORE"
 ELASTIC_WORKER_VARIABLE = "DATAPARALLEL_ELASTIC_WORKER"
 ELASTIC_TIMEOUT_VARIABLE = "DATAPARALLEL_ELASTIC_TIMEOUT"
 LINK_TIMEOUT_VARIABLE = "DATAPARALLEL_LINK_TIMEOUT"
+# Set by `dataparallel run --backend mpi` across hosts: where its beacon listens (launch/beacon.py).
+BEACON_VARIABLE = "DATAPARALLEL_BEACON"
 # `dataparallel run --link-timeout`'s default: seconds of silence after which a host is gone,
 # and the least it takes: a loaded machine's stalls must not pass for a lost link
 # (docs/elastic.md, *Measured*).
 DEFAULT_LINK_TIMEOUT = 5
 MIN_LINK_TIMEOUT = 0.5
+# The least a process cut off from the launcher waits before it leaves (`silence_limit`), seconds.
+SILENCE_FLOOR = 5.0
+
+
+def silence_limit(link_timeout: float) -> float:
+    """How long a process on another host than the launcher hears nothing from it (a rank: the
+    launcher's beats on its ssh line; an elastic worker: the launcher's store) before it takes
+    its link for down and leaves: far longer than the link timeout. The launcher decides a loss
+    within the link timeout itself (its ssh; an elastic run's heartbeats), and ends the job or
+    drops the host, so the process's leaving only tidies up a host cut off from it, and may come
+    late; leaving early would end a healthy run wherever a busy machine delays the launcher's
+    side (its thread, its ssh, the host's sshd, the store's replies)."""
+    return max(SILENCE_FLOOR, 3 * link_timeout)
+
+
 # Set by launchers that prefix every output line with `[rank R] ` (`Settings.prefixed`).
 PREFIXED_VARIABLE = "DATAPARALLEL_PREFIXED"
 

@@ -5,13 +5,14 @@ and the calls that read it. What `initialize` checks and installs around the eng
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import datetime
 import os
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from dataparallel import caches, runnotes, torch_distributed
 from dataparallel.arrays.comm_thread import CommThread, Privates
@@ -20,7 +21,7 @@ from dataparallel.arrays.trace import Timeline
 from dataparallel.backends import registry
 from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
-from dataparallel.errors import NotInitializedError
+from dataparallel.errors import DataParallelError, NotInitializedError
 from dataparallel.gpus import choose_device, cuda_device_count, point_frameworks_at
 from dataparallel.startup import (
     abort_on_uncaught_exceptions,
@@ -40,18 +41,24 @@ __all__ = [
     "current",
     "device",
     "finalize",
+    "form",
+    "formed_again",
     "get_backend",
     "initialize",
     "initialized",
     "is_main",
     "local_rank",
     "local_size",
+    "looping",
     "on_lost_member",
     "print",
     "rank",
     "size",
     "timeline",
 ]
+
+
+T = TypeVar("T")
 
 
 class _Freeable(Protocol):
@@ -123,14 +130,28 @@ class World:
         return recording if recording is not None and not recording.closed else None
 
 
+class _Rejoin(Protocol):
+    """What `initialize` and `form` call when a world, or a group over it, cannot form."""
+
+    def __call__(
+        self, error: BaseException, leave_world: Callable[[], None] | None = None
+    ) -> None: ...
+
+
 _world: World | None = None
 # What `initialize` does when its world cannot form (`on_lost_member`); None: it raises.
-_on_lost_member: Callable[[BaseException], None] | None = None
+_on_lost_member: _Rejoin | None = None
+# How many `@dp.elastic.run` functions are running (`looping`): `form` lets errors through there.
+_looping = 0
+# Whether `form` made a new world since `formed_again` was last asked.
+_formed_again = False
 
 
-def on_lost_member(rejoin: Callable[[BaseException], None] | None) -> None:
+def on_lost_member(rejoin: _Rejoin | None) -> None:
     """Have `initialize` call `rejoin(error)` when making the world fails with `error`, and then
-    try again; `rejoin` raises to give up (None: `initialize` raises at once).
+    try again; `rejoin` raises to give up (None: `initialize` raises at once). `form` calls
+    `rejoin(error, leave_world)`: `leave_world()` leaves the world first, once `rejoin` has found
+    a lost member.
 
     An elastic run's worker (`dataparallel run --min-np`) sets this: a member lost while the
     world forms leaves the launcher's round without it, and `rejoin` joins that round instead
@@ -138,6 +159,58 @@ def on_lost_member(rejoin: Callable[[BaseException], None] | None) -> None:
     """
     global _on_lost_member
     _on_lost_member = rejoin
+
+
+def form(make: Callable[[World], T]) -> T:
+    """Return `make(world)`: a collective step on the world that the program makes outside its
+    collective calls, at the same point on every rank, such as a wrapper's construction making
+    a group over the world (a private duplicate) and agreeing on its settings.
+
+    In an elastic run's worker (`on_lost_member` set), outside `@dp.elastic.run`'s function, a
+    member lost meanwhile does what it does in `initialize`: this worker leaves the world, joins
+    the launcher's next round, makes a world of it, and `make` runs again there. Outside the
+    loop nothing would catch the error and the run would end; the others meet this worker in
+    the new world at the same step (`make` again, or, if they had gone on into the loop, its
+    re-forming, which makes the same group first: `TorchState.sync`). The loop then runs the
+    reset callbacks as it starts (`formed_again`), so that what the program computed from the
+    old world (its size) is computed again. Inside the loop's function the error propagates:
+    the loop re-forms, rolls back and resets.
+    """
+    global _formed_again
+    while True:
+        active = current()
+        try:
+            return make(active)
+        except BaseException as exc:
+            if _on_lost_member is None or _looping:
+                raise
+            _on_lost_member(exc, _leave)  # raises unless a member was lost
+            initialize(timeout=active.settings.timeout)
+            _formed_again = True
+
+
+def _leave() -> None:
+    """Leave the world whose group could not form (its peers' errors dropped: one is gone)."""
+    with contextlib.suppress(DataParallelError, RuntimeError):
+        finalize()
+
+
+@contextlib.contextmanager
+def looping() -> Iterator[None]:
+    """Run the block as `@dp.elastic.run`'s loop: `form` lets a lost member's error through."""
+    global _looping
+    _looping += 1
+    try:
+        yield
+    finally:
+        _looping -= 1
+
+
+def formed_again() -> bool:
+    """Return whether `form` made a new world since this was last asked (and forget it)."""
+    global _formed_again
+    again, _formed_again = _formed_again, False
+    return again
 
 
 def initialize(

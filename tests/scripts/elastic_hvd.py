@@ -5,8 +5,10 @@ With `--ddp`, the model is a `dp.torch.DataParallelModel` and the optimizer a pl
 model's gradient hooks are carried over to the re-formed world instead of the optimizer's.
 
 Worker `--die W` SIGKILLs itself in the middle of step `--at` (after its backward, before the
-optimizer's step). Rank 0 writes `--out`: the world size at the end, the steps, the resets seen,
-and whether every rank holds the same parameters.
+optimizer's step). Worker `--die-grouping W` SIGKILLs itself as the wrapper (made before
+`hvd.elastic.run`) begins making its private group over the world, before its address is in the
+store: the others wait there for it. Rank 0 writes `--out`: the world size at the end, the
+steps, the resets seen, and whether every rank holds the same parameters.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ parser.add_argument("--die", default="")
 parser.add_argument("--at", type=int, default=5)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--ddp", action="store_true")
+parser.add_argument("--die-grouping", default="")
 args = parser.parse_args()
 me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER")
+if me == args.die_grouping:
+    from dataparallel.backends.gloo.backend import GlooBackend
+
+    def dying(self: GlooBackend) -> GlooBackend:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("not reached")
+
+    GlooBackend.duplicate = dying  # type: ignore[method-assign]
 
 hvd.init()
 torch.manual_seed(hvd.rank())  # different on each rank: the first sync must make them equal

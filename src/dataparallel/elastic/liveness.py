@@ -19,10 +19,13 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
   with "Connection closed", as when a peer dies (`RankFailedError`), and `elastic.run` re-forms.
 - A worker on another host than the launcher's store checks every second that the store still
-  accepts a connection (`_probe`). When it has not for `link_timeout` seconds, the worker is on
-  the far side of the dead link: the launcher has dropped it, and its collectives wait on peers
-  it cannot reach. It says so and leaves, with its process group where it leads one (a worker
-  started over ssh), so that nothing of it lingers on the cut host.
+  accepts a connection (`_probe`). When it has not for much longer than the link timeout
+  (`config.silence_limit`, as a rank started over ssh waits for the launcher's beats), the
+  worker is on the far side of the dead link: the launcher, whose heartbeats decide a loss
+  within the link timeout, has dropped it, and its collectives wait on peers it cannot reach.
+  It says so and leaves, with its process group where it leads one (a worker started over
+  ssh), so that nothing of it lingers on the cut host. Leaving at the link timeout itself would
+  end healthy workers wherever a busy machine keeps the store's replies late.
 
 Both run only where a link can be lost: a run whose store is on loopback has every worker on the
 launcher's host (no other host could reach the store). Their threads ask the store from Python,
@@ -52,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.rendezvous import address_toward, interface_address
-from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
+from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings, silence_limit
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -136,7 +139,6 @@ def watch(
     if _watching or _is_loopback(settings.elastic_store[0]):
         return
     _watching = True
-    limit = settings.link_timeout
     far = not _is_here(settings.elastic_store[0])
     beat = heartbeat_key(settings.elastic_worker) if far and settings.elastic_worker else None
     _threads.append(
@@ -151,7 +153,7 @@ def watch(
         _threads.append(
             threading.Thread(
                 target=_probe,
-                args=(settings.elastic_store, limit, settings.elastic_worker),
+                args=(settings.elastic_store, settings.link_timeout, settings.elastic_worker),
                 name="dataparallel-store-probe",
                 daemon=True,
             )
@@ -243,7 +245,8 @@ class Heartbeats:
         return quiet
 
 
-def _probe(store_at: tuple[str, int], limit: float, worker: str | None) -> None:
+def _probe(store_at: tuple[str, int], link_timeout: float, worker: str | None) -> None:
+    limit = silence_limit(link_timeout)
     answered = time.monotonic()
     while not _stop.is_set():
         try:

@@ -7,8 +7,9 @@ the state rolls back to its last commit; on `HostsUpdatedInterrupt` (workers add
 commit) it does not. Either way the world is re-formed from the launcher's newest round
 (`rounds.py`), the reset callbacks run, the state is synchronized from the new rank 0, and the
 function is called again. Outside an elastic run (no `dataparallel run --min-np` launcher) the
-errors propagate. A worker that can join no round (`rounds.NoWorldError`) ends: waiting again
-would wait for ever.
+errors propagate. A world re-formed before the loop (a wrapper made there lost a member while
+forming its group: `world.form`) has the reset callbacks run as the loop starts. A worker that
+can join no round (`rounds.NoWorldError`) ends: waiting again would wait for ever.
 """
 
 from __future__ import annotations
@@ -60,29 +61,33 @@ def run_fn(
         if elastic and not world.initialized():
             world.initialize()
         skip_sync, reform = False, False
-        while True:
-            try:
-                if reform:  # a worker lost meanwhile fails this too: roll back, re-form again
-                    reset()
-                    state.on_reset()
-                if not skip_sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except RankFailedError:
-                if not elastic:
-                    raise
-                state.restore()
-                skip_sync = False
-            except HostsUpdatedInterrupt as interrupt:
-                if not elastic:
-                    raise
-                skip_sync = interrupt.skip_sync
-            except Exception as error:
-                if not (elastic and isinstance(library_error(error), RankFailedError)):
-                    raise
-                state.restore()
-                skip_sync = False
-            reform = True
+        formed_again = world.formed_again()  # before the loop (`world.form`): reset first
+        with world.looping():
+            while True:
+                try:
+                    if reform:  # a worker lost meanwhile fails this too: roll back, re-form
+                        reset()
+                    if reform or formed_again:
+                        formed_again = False
+                        state.on_reset()
+                    if not skip_sync:
+                        state.sync()
+                    return func(state, *args, **kwargs)
+                except RankFailedError:
+                    if not elastic:
+                        raise
+                    state.restore()
+                    skip_sync = False
+                except HostsUpdatedInterrupt as interrupt:
+                    if not elastic:
+                        raise
+                    skip_sync = interrupt.skip_sync
+                except Exception as error:
+                    if not (elastic and isinstance(library_error(error), RankFailedError)):
+                        raise
+                    state.restore()
+                    skip_sync = False
+                reform = True
 
     return wrapper
 

@@ -31,6 +31,7 @@ import datetime
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -234,13 +235,14 @@ def _world() -> tuple[int, tuple[str, ...]]:
     return (-1, ()) if _current is None else (_current.generation, _current.members)
 
 
-def rejoin(error: BaseException) -> None:
-    """Leave the round whose world could not form (`error`: a member was lost meanwhile) and
-    join the next one. A lost member shows as a `RankFailedError` or as torch's own
-    `RuntimeError` (a connection refused or closed); any other error (a mismatch, a bad
-    argument, an interrupt) is raised as it is.
+def rejoin(error: BaseException, leave_world: Callable[[], None] | None = None) -> None:
+    """Leave the world (`leave_world`, where there is one) and the round whose world, or a
+    group over it, could not form (`error`: a member was lost meanwhile), and join the next
+    round. A lost member shows as a `RankFailedError` or as torch's own `RuntimeError` (a
+    connection refused or closed); any other error (a mismatch, a bad argument, an interrupt)
+    is raised as it is, and nothing is left.
 
-    `dp.initialize` calls this (`world.on_lost_member`) and then tries again.
+    `dp.initialize` and `world.form` call this (`world.on_lost_member`) and then try again.
 
     Raises:
         NoWorldError, WorkerRemoved: as `join`.
@@ -249,6 +251,8 @@ def rejoin(error: BaseException) -> None:
     lost = isinstance(error, RankFailedError) or not isinstance(error, DataParallelError)
     if joined is None or not isinstance(error, RuntimeError) or not lost:
         raise error
+    if leave_world is not None:
+        leave_world()
     leave()
     join(joined.generation)
 

@@ -165,8 +165,8 @@ def _parser() -> argparse.ArgumentParser:
         "--link-timeout",
         type=float,
         metavar="S",
-        help="Gloo: a host silent for S seconds is gone (an elastic run drops it and goes on, "
-        "and its workers leave; a fixed job ends); at least "
+        help="a host silent for S seconds is gone (an elastic run drops it and goes on, "
+        "and its workers leave; a fixed job ends, under MPI too); at least "
         f"{MIN_LINK_TIMEOUT:g}, default: {DEFAULT_LINK_TIMEOUT}",
     )
     gloo = run.add_argument_group("Gloo across machines (torchrun's numbering)")
@@ -390,19 +390,11 @@ def _check_hosts(
             "-H or --hostfile the launcher starts every machine's ranks itself: drop them."
         )
     if ns.backend == "mpi":
-        ssh = [
-            f
-            for f, v in (
-                ("-p", ns.ssh_port),
-                ("-i", ns.ssh_identity_file),
-                ("--link-timeout", ns.link_timeout),
-            )
-            if v is not None
-        ]
+        ssh = [f for f, v in (("-p", ns.ssh_port), ("-i", ns.ssh_identity_file)) if v is not None]
         if ssh:
             parser.error(
-                f"{', '.join(ssh)} with --backend mpi: mpiexec runs ssh itself; put Port, "
-                "IdentityFile and ServerAliveInterval in ~/.ssh/config, or add --backend gloo."
+                f"{', '.join(ssh)} with --backend mpi: mpiexec runs ssh itself; put Port and "
+                "IdentityFile in ~/.ssh/config, or add --backend gloo."
             )
     if ns.link_timeout is not None and not ns.link_timeout >= MIN_LINK_TIMEOUT:
         parser.error(
@@ -490,7 +482,8 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     if ns.backend == "mpi":
         from dataparallel.launch.mpi import run_mpi
 
-        return run_mpi(ns.n, runner_target, timeout=ns.timeout, hosts=hosts)
+        link = DEFAULT_LINK_TIMEOUT if ns.link_timeout is None else ns.link_timeout
+        return run_mpi(ns.n, runner_target, timeout=ns.timeout, hosts=hosts, link_timeout=link)
     if hosts is not None and ns.min_np is None:
         return _run_gloo_on_hosts(parser, ns, hosts, runner_target)
     from dataparallel.launch.spawn import Topology, run_gloo

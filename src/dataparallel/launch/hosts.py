@@ -12,9 +12,10 @@ client's standard input is the launcher's line to the remote rank (`RemoteRank`)
 name written there is raised in the rank (Ctrl-C, then the launcher's SIGTERM), and its end (the
 launcher gone, or its ssh killed) kills the rank with its process group (the runner's
 `--remote`). The launcher also beats on the line (an empty line, several times within
-`--link-timeout`): a rank that hears nothing for much longer (`silence_limit`) is behind a link
-that went down, where no end ever arrives (the host's sshd waits for the client for hours), and
-leaves with its process group instead of waiting in its collectives until their timeout.
+`--link-timeout`): a rank that hears nothing for much longer (`config.silence_limit`) is behind
+a link that went down, where no end ever arrives (the host's sshd waits for the client for
+hours), and leaves with its process group instead of waiting in its collectives until their
+timeout.
 Before any rank starts, each other host is asked over ssh whether it answers and has the
 directory and the interpreter (`check_hosts`), so that a host that cannot be reached fails the
 launch at once, named, instead of leaving the others waiting at the rendezvous.
@@ -353,19 +354,6 @@ def _beat_interval(link_timeout: float) -> float:
     """How often the launcher beats on a remote rank's line: several beats within the link
     timeout, so that one late beat is not a lost link, and at most once a second."""
     return min(1.0, link_timeout / 5)
-
-
-# The least a remote rank waits without a beat before it leaves (`silence_limit`), seconds.
-SILENCE_FLOOR = 5.0
-
-
-def silence_limit(link_timeout: float) -> float:
-    """How long a remote rank hears no beat from the launcher before it takes the link for down
-    and leaves: far longer than the link timeout. The launcher's own ssh already ends the job
-    within the link timeout of a link going down, so the rank's leaving only tidies up a host
-    cut off from it, and may come late; leaving early would end a healthy job wherever a busy
-    machine delays the beats (the launcher's thread, its ssh, the host's sshd)."""
-    return max(SILENCE_FLOOR, 3 * link_timeout)
 
 
 def hosts_of(slots: Sequence[Slot]) -> list[str]:

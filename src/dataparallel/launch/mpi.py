@@ -12,7 +12,9 @@ folder (`process.RunDir`) where each notes how it ended: a job that mpiexec repo
 while a rank did not finish its script (it left through `os._exit(0)`, and mpiexec quietly killed
 the others) fails with status 1, naming that rank. Ctrl-C goes to the ranks, not through mpiexec.
 Which rank a signal killed is told by the launcher's own watch of the ranks (`FirstDeaths`) when
-every rank runs on its machine, since Hydra's report may name a rank it killed itself.
+every rank runs on its machine, since Hydra's report may name a rank it killed itself. Across
+hosts the launcher also keeps a line of its own to each rank (`beacon.py`): neither mpiexec nor
+MPI notices a host whose link went down, and the job would wait for `--timeout`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dataparallel.config import RUN_DIR_VARIABLE
+from dataparallel.config import (
+    BEACON_VARIABLE,
+    DEFAULT_LINK_TIMEOUT,
+    LINK_TIMEOUT_VARIABLE,
+    RUN_DIR_VARIABLE,
+)
 from dataparallel.errors import BackendUnavailableError
-from dataparallel.launch.hosts import HostSlots
+from dataparallel.launch.beacon import Beacon
+from dataparallel.launch.hosts import HostError, HostSlots, is_local
 from dataparallel.launch.process import (
     EXIT_TIMEOUT,
     GRACE_SECONDS,
@@ -53,6 +61,9 @@ from dataparallel.launch.process import (
 
 __all__ = ["FirstDeaths", "find_mpiexec", "mpi_command", "require_mpi4py", "run_mpi"]
 
+# The status of a job stopped because a rank was out of reach: ssh's, for a host gone, as a Gloo
+# rank's ssh reports it.
+EXIT_LOST = 255
 # The launcher's own deadline trails mpiexec's MPIEXEC_TIMEOUT by this much, so that mpiexec,
 # which knows its processes best, normally does the cleanup and the launcher is only the backstop.
 _BACKSTOP_SECONDS = 3.0
@@ -137,6 +148,7 @@ def run_mpi(
     *,
     timeout: float | None = None,
     hosts: Sequence[HostSlots] | None = None,
+    link_timeout: float = DEFAULT_LINK_TIMEOUT,
 ) -> int:
     """Run `target` on `n` MPI ranks and return the job's exit status.
 
@@ -146,11 +158,15 @@ def run_mpi(
         timeout: seconds before the job is stopped (exit status 124); also set as `MPIEXEC_TIMEOUT`.
         hosts: the machines and their slots, written to a host file in this mpiexec's format
             (`host:N` for Hydra, `host slots=N` for Open MPI) and passed as `-f` or `--hostfile`.
+            Where one is another machine, the launcher keeps a line to each rank of its own
+            (`beacon.py`), and ends the job when one is silent for `link_timeout` seconds.
+        link_timeout: seconds of silence after which a rank's host, or its link, is gone.
 
     Returns:
         0 when every rank succeeded; else the failing rank's code, 128 + N for a rank killed by
-        signal N, 1 for a rank that ended without finishing (`os._exit(0)`), 124 on timeout, or
-        128 + N when the launcher was stopped by signal N.
+        signal N, 1 for a rank that ended without finishing (`os._exit(0)`), 124 on timeout,
+        255 for a rank out of reach (its host or its link gone), or 128 + N when the launcher
+        was stopped by signal N.
     """
     require_mpi4py()
     mpiexec, warning = find_mpiexec()
@@ -168,7 +184,14 @@ def run_mpi(
             with open(hostfile, "w", encoding="utf-8") as file:
                 file.write(_hostfile_text(hosts, _hostfile_flag(mpiexec)))
         job = _Job(mpi_command(mpiexec, n, target, hostfile), env, n, run_dir)
-        with FirstDeaths(run_dir, n) as deaths:
+        elsewhere = [entry.host for entry in hosts or () if not _is_here(entry.host)]
+        with contextlib.ExitStack() as stack:
+            if elsewhere:
+                job.beacon = stack.enter_context(Beacon(link_timeout, toward=elsewhere[0]))
+                if job.beacon.address is not None:
+                    env[BEACON_VARIABLE] = job.beacon.address
+                    env[LINK_TIMEOUT_VARIABLE] = f"{link_timeout:g}"
+            deaths = stack.enter_context(FirstDeaths(run_dir, n))
             status = job.run(timeout)
         if job.stopped:
             return status
@@ -188,6 +211,14 @@ def run_mpi(
         run_dir.remove()
 
 
+def _is_here(host: str) -> bool:
+    """Whether `host` is this machine (one that does not resolve is not: mpiexec says so)."""
+    try:
+        return is_local(host)
+    except HostError:
+        return False
+
+
 class _Job:
     """mpiexec and the threads that stream its output, watching for its report of a death."""
 
@@ -197,6 +228,8 @@ class _Job:
         self.killed_pids: list[int] = []
         self.stopped = False  # by the launcher (a signal, --timeout): its status is final
         self.failed = False  # stopped by the launcher because ranks waited for one that ended
+        self.beacon: Beacon | None = None  # the launcher's line to ranks on other hosts
+        self.lost = False  # stopped by the launcher because a rank was out of reach
 
     def _see(self, line: bytes) -> None:
         """Read mpiexec's (Hydra's) report of a rank that died: its pid, and the signal."""
@@ -233,6 +266,8 @@ class _Job:
                     thread.join(timeout=5.0)
         self.stopped = True
         if returncode is None:  # stopped by the launcher: the status is decided already
+            if self.lost:
+                return EXIT_LOST
             if self.failed:
                 return 1
             return 128 + signals.received if signals.received is not None else EXIT_TIMEOUT
@@ -261,6 +296,12 @@ class _Job:
                 return None
             if deadline is not None and time.monotonic() >= deadline:
                 warn(f"the job ran past --timeout {timeout:g}s; stopping it.")
+                self._stop(proc, None)
+                return None
+            lost = self.beacon.lost() if self.beacon is not None else None
+            if lost is not None:
+                warn(f"{lost}; stopping the job.")
+                self.lost = True
                 self._stop(proc, None)
                 return None
             stranded = self.run_dir.stranded()

@@ -41,10 +41,16 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from dataparallel.config import ELASTIC_WORKER_VARIABLE, LINK_TIMEOUT_VARIABLE, Settings
-from dataparallel.launch.hosts import CONTROL_SIGNALS, silence_limit
+from dataparallel.config import (
+    BEACON_VARIABLE,
+    ELASTIC_WORKER_VARIABLE,
+    LINK_TIMEOUT_VARIABLE,
+    Settings,
+    silence_limit,
+)
+from dataparallel.launch.hosts import CONTROL_SIGNALS
 from dataparallel.launch.process import TORCHRUN_VARIABLES, free_port, torchrun_environment
 from dataparallel.runnotes import DONE, PEER_GONE, hold_alive, note_end, note_start, running_here
 
@@ -226,29 +232,80 @@ def _follow_launcher() -> None:
     limit = None  # set where the launcher beats: its silence, for that long, is a link gone
     if LINK_TIMEOUT_VARIABLE in os.environ and sys.platform != "win32":
         limit = silence_limit(Settings.from_env().link_timeout)
+    line = os.fdopen(control, "rb", buffering=0)
+    threading.Thread(
+        target=_follow, args=(line, limit), name="dataparallel-launcher-line", daemon=True
+    ).start()
 
-    def follow() -> None:
-        heard = time.monotonic()
-        with os.fdopen(control, "rb", buffering=0) as line:
-            while True:
-                if limit is not None and not select.select([line], [], [], 0.1)[0]:
-                    silent = time.monotonic() - heard
-                    if silent >= limit:
-                        _cut_off(silent)
-                        break
-                    continue
-                word = line.readline()
-                if not word:
-                    break
-                heard = time.monotonic()
-                signum = CONTROL_SIGNALS.get(word.strip().decode(errors="replace"))
-                if signum is not None:
-                    os.kill(os.getpid(), signum)
+
+def _follow_beacon(address: str, rank: int) -> None:
+    """Keep a line to the launcher's beacon (`launch/beacon.py`), from a rank that mpiexec
+    started on another host than the launcher's: beat on it, and leave with this rank's process
+    group (the host's proxy and ranks) once the launcher is silent for `silence_limit`, or gone.
+    A rank on the launcher's machine, or one that cannot reach the beacon, is not watched."""
+    from dataparallel.launch.beacon import beat_interval, hello
+    from dataparallel.launch.hosts import HostError, is_local
+
+    host, _, port = address.rpartition(":")
+    try:
+        if is_local(host):
+            return
+        beacon = socket.create_connection((host, int(port)), timeout=_BEACON_CONNECT)
+        beacon.settimeout(None)
+        beacon.sendall(hello(rank))
+    except (OSError, ValueError, HostError):
+        return
+    link_timeout = Settings.from_env().link_timeout
+
+    def beat() -> None:
         with contextlib.suppress(OSError):
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-        _exit(1)
+            beacon.send(b"\n")
 
-    threading.Thread(target=follow, name="dataparallel-launcher-line", daemon=True).start()
+    line = beacon.makefile("rb", buffering=0)
+    threading.Thread(
+        target=_follow,
+        args=(line, silence_limit(link_timeout), beat, beat_interval(link_timeout)),
+        name="dataparallel-beacon-line",
+        daemon=True,
+    ).start()
+
+
+# How long a rank tries to reach the launcher's beacon (seconds): a route that does not answer
+# within it leaves the rank unwatched, as it was before beacons.
+_BEACON_CONNECT = 10.0
+
+
+def _follow(
+    line: Any,
+    limit: float | None,
+    beat: Callable[[], None] | None = None,
+    interval: float = 1.0,
+) -> None:
+    """Read the launcher's `line` (a binary stream) until it ends, or until it has been silent
+    for `limit` seconds (None: no limit), raising in this process the signals named on it and
+    calling `beat` every `interval` seconds; then kill this process's group and leave."""
+    heard = beaten = time.monotonic()
+    with line:
+        while True:
+            if beat is not None and time.monotonic() - beaten >= interval:
+                beat()
+                beaten = time.monotonic()
+            if limit is not None and not select.select([line], [], [], 0.1)[0]:
+                silent = time.monotonic() - heard
+                if silent >= limit:
+                    _cut_off(silent)
+                    break
+                continue
+            word = line.readline()
+            if not word:
+                break
+            heard = time.monotonic()
+            signum = CONTROL_SIGNALS.get(word.strip().decode(errors="replace"))
+            if signum is not None:
+                os.kill(os.getpid(), signum)
+    with contextlib.suppress(OSError):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    _exit(1)
 
 
 def _cut_off(silent: float) -> None:
@@ -516,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         world.on_lost_member(rejoin)  # a member lost in `dp.initialize()`: the next round
     set_torchrun_variables(_live_mpi())
     rank = int(_rank())
+    beacon = os.environ.get(BEACON_VARIABLE)
+    if beacon is not None and not options.remote and sys.platform != "win32":
+        _follow_beacon(beacon, rank)  # mpiexec's rank across hosts: the launcher's own line
     if run_dir is not None:
         note_start(run_dir, rank)
         hold_alive(run_dir, rank)  # open until this process ends

@@ -207,17 +207,24 @@ class GradientSync:
         feedback = wire is not None and getattr(compression, "error_feedback", False)
         self._feedback = ErrorFeedback(wire) if feedback and wire is not None else None
         self._low = LowRank(compression) if isinstance(compression, PowerSGDCompressor) else None
-        active = world.current()
-        self._on_world = backend is None or backend is active.backend
-        self._world = weakref.ref(active)
-        self.backend = backend if backend is not None else active.backend
-        self.op, self.passes, self.owner = op, passes, owner
-        # Collective (World.private, offloadable): every rank makes it at the same point.
-        private = active.private(self.backend)
         trainable = [(n, p) for n, p in params() if p.requires_grad]
-        self._modes = Modes(
-            self.backend, private, trainable, active.settings, low_rank=self._low is not None
-        )
+        low = self._low is not None
+
+        def engines(active: world.World, over: Backend) -> tuple[world.World, Backend, Modes]:
+            # Collective (World.private, offloadable): every rank makes it at the same point.
+            private = active.private(over)
+            return active, private, Modes(over, private, trainable, active.settings, low_rank=low)
+
+        self._on_world = backend is None or backend is world.current().backend
+        if self._on_world:  # an elastic run's world re-forms here if a member is lost meanwhile
+            active, private, self._modes = world.form(lambda w: engines(w, w.backend))
+            self.backend = active.backend
+        else:
+            assert backend is not None
+            active, private, self._modes = engines(world.current(), backend)
+            self.backend = backend
+        self._world = weakref.ref(active)
+        self.op, self.passes, self.owner = op, passes, owner
         self.overlap = self._modes.first()
         self._given = bucket_bytes
         self.bucket_bytes = bucket_bytes or self._modes.bucket_bytes(
