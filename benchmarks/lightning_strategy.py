@@ -24,12 +24,11 @@ ddp` of both (below 1: this library's strategy is faster).
 unpacks, taken in turn with the others, and prints the overhead ratio after / before: a change to
 the bucket path measured before and after in the same processes.
 
-`--without FEATURES` (repeatable; a comma-separated list of `promises`, `views`) adds
-a case `DataParallelStrategy without FEATURES`: the same strategy with those features of the
-gradient reduction turned off, in turn with the others, and prints its overhead against the
-full strategy's. `promises`: every step makes its handshake (no step made without one, as
-every rank promised); `views`: the gradients of a packed bucket are copied out of it instead of
-becoming views of it.
+`--without FEATURES` (repeatable; a comma-separated list, today only `views`) adds a case
+`DataParallelStrategy without FEATURES`: the same strategy with those features of the gradient
+reduction turned off, in turn with the others, and prints its overhead against the full
+strategy's. `views`: the gradients of a packed bucket are copied out of it instead of becoming
+views of it.
 """
 
 from __future__ import annotations
@@ -51,11 +50,10 @@ from torch import nn
 import dataparallel as dp
 import dataparallel.torch._gradsync as gradsync
 from dataparallel.lightning import DataParallelStrategy
-from dataparallel.torch._gradsync import GradientSync
 
 OURS, DDP, BEFORE = "DataParallelStrategy", 'strategy="ddp"', "DataParallelStrategy, --before"
 WITHOUT = "DataParallelStrategy without "
-FEATURES = ("promises", "views")
+FEATURES = ("views",)
 
 
 class Timer(pl.Callback):
@@ -140,8 +138,6 @@ def step_time(case: str, args: argparse.Namespace, before: type | None = None) -
         if case == BEFORE:  # the reducer made in this fit packs with the other commit's Fusion
             stack.enter_context(_swapped(gradsync, "Fusion", before))
         off = case.removeprefix(WITHOUT).split(",") if case.startswith(WITHOUT) else []
-        if "promises" in off:
-            stack.enter_context(_swapped(GradientSync, "_may_promise", lambda self: False))
         if "views" in off:
             stack.enter_context(_swapped(gradsync, "_alone", lambda t: False))
         trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))

@@ -48,7 +48,6 @@ __all__ = [
     "check_options",
     "describe",
     "grad_family",
-    "kept_flags",
     "layout",
     "message",
     "offloadable",
@@ -131,36 +130,18 @@ def layout(
 ) -> tuple[list[Bucket], str]:
     """Return the buckets and the reduction's summary (`summarize`)."""
     # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
-    # one for "a rank abandoned this step", and the promise's words). Parameters not in `order`
-    # go in no bucket.
-    flags = 4 * (2 * len(params) + 1 + WORDS)
+    # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket.
+    flags = 4 * (2 * len(params) + 1)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
     buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
     return buckets, summarize(owner, options, params, buckets, full)
 
 
-# The words after a step's flags (`step_flags`): this rank promises that its next call is this
-# step again, it made this step (0: it kept a promise on zeros), it kept it as it joins.
-PROMISES, MADE, JOINING = range(3)
-WORDS = 3
-
-
-def step_flags(
-    n: int, filled: list[int], abandoned: bool, sparse: np.ndarray, promises: bool
-) -> np.ndarray:
+def step_flags(n: int, filled: list[int], abandoned: bool, sparse: np.ndarray) -> np.ndarray:
     """The flags a step sends with its last bucket: had a gradient (n: 0 for `filled`), this
-    rank abandoned the step (1), each parameter's gradient was sparse (`sparse`, n), then the
-    `WORDS`: whether it `promises` the next step, and that it made this one."""
-    flags = np.concatenate([np.ones(n + 1, np.float32), sparse, np.zeros(WORDS, np.float32)])
+    rank abandoned the step (1), and each parameter's gradient was sparse (`sparse`, n)."""
+    flags = np.concatenate([np.ones(n + 1, np.float32), sparse])
     flags[filled], flags[n] = 0, abandoned
-    flags[2 * n + 1 + PROMISES], flags[2 * n + 1 + MADE] = promises, 1
-    return flags
-
-
-def kept_flags(n: int, joining: bool) -> np.ndarray:
-    """The flags of a step made on zeros to keep a promise: no gradient, not made, `joining`."""
-    flags = np.zeros(2 * n + 1 + WORDS, np.float32)
-    flags[2 * n + 1 + JOINING] = joining
     return flags
 
 
@@ -321,8 +302,8 @@ def replay_of(
         for flush, more in zip(flushes, extra, strict=True):
             flush.extend(more)
     if flushes:
-        # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n), words (`WORDS`).
-        flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1 + WORDS,)))
+        # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n).
+        flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1,)))
     laid_out = {id(p) for _, p in params}
     late = [add(p) for _, p in current if id(p) not in laid_out]
     if late:
