@@ -36,10 +36,13 @@ times dp's PowerSGD with the arithmetic (`torch/_powersgd.py`'s `LowRank`) of gi
 in the same processes and rounds, and prints each rank's ratio to it (a change's before and
 after); `--psgd-mode after` (or `thread`) holds dp's PowerSGD cases in that mode instead of
 their trial's choice, so that cases compared run alike. The loss table's run is set by
-`--loss-steps`, `--loss-start` (PowerSGD's and the hook's `start_iter`), `--loss-lr` (Adam's),
+`--loss-steps`, `--loss-start` (PowerSGD's and the hook's `start_iter`), `--optimizer` (`adam`,
+torch's Adam; `sgd-momentum`, SGD with Nesterov momentum, the optimizer of PowerSGD's paper, whose
+momentum acts on the reduced, decompressed gradient), `--loss-lr` (its lr), `--loss-momentum`,
 `--loss-every` (also the held-out loss every so many steps: the curves, each printed as its case
-ends, and the mean of the run's last fifth against the uncompressed one's) and `--psgd-seed`
-(both PowerSGDs' `random_seed`: how far another first `Q` moves a curve). Over Gloo, torch's
+ends, and the mean of the run's last fifth against the uncompressed one's), `--psgd-seed` (both
+PowerSGDs' `random_seed`: how far another first `Q` moves a curve) and `--loss-causal` (a causal
+mask: without it each position sees its own target, the next token, `causal`). Over Gloo, torch's
 hook issues a bucket's P and Q allreduces from its futures' callbacks (Gloo's thread) while the
 main thread starts the next bucket's: on one process group the ranks can then number their calls
 differently and crash (`group_per_bucket` says how). Running each DDP model in a job of its own, or
@@ -365,7 +368,7 @@ LOW_RANK_START = 10
 
 def low_rank_makers(
     base: Any,
-    adam: Callable[[Any], Any],
+    make_opt: Callable[[Any], Any],
     ranks: list[int],
     sizes: tuple[str, ...] = ("auto",),
     before: type | None = None,
@@ -392,7 +395,9 @@ def low_rank_makers(
         def make() -> tuple[Any, Any]:
             model = copy.deepcopy(base)
             given = None if size == "auto" else int(float(size) * 2**20)
-            opt = dp.DistributedOptimizer(adam(model), compression=compression, bucket_bytes=given)
+            opt = dp.DistributedOptimizer(
+                make_opt(model), compression=compression, bucket_bytes=given
+            )
             sync = opt.gradient_sync
             if arithmetic is not None:  # before any step: no Q, no residual yet
                 sync._low.__class__ = arithmetic
@@ -416,7 +421,7 @@ def low_rank_makers(
                     random_seed=seed,
                 )
                 ddp.register_comm_hook(state, group_per_bucket(psgd.powerSGD_hook))
-            return ddp, adam(ddp)
+            return ddp, make_opt(ddp)
 
         return make
 
@@ -536,21 +541,48 @@ def loss_table(args: argparse.Namespace, base: Any, ranks: list[int], d: int) ->
 
     import dataparallel as dp
 
-    def adam(m: Any) -> Any:
+    def optimizer(m: Any) -> Any:
+        if args.optimizer == "sgd-momentum":
+            return torch.optim.SGD(
+                m.parameters(), lr=args.loss_lr, momentum=args.loss_momentum, nesterov=True
+            )
         return torch.optim.Adam(m.parameters(), lr=args.loss_lr)
 
     names = [v for v in args.loss_cases.split(",") if v]
+    if args.loss_causal:
+        base = causal(base)
     curves = losses(
-        base, adam, (args.batch, args.seq), ranks, args.loss_steps, args.loss_start,
+        base, optimizer, (args.batch, args.seq), ranks, args.loss_steps, args.loss_start,
         args.loss_every, names, args.psgd_seed,
     )  # fmt: skip
     if dp.is_main():
         report_losses(d, curves, args)
 
 
+def causal(base: Any) -> Any:
+    """`base` (`train_step.transformer`'s model, its very parameters) with a causal mask.
+
+    Without one every position attends to the next, whose token is its own target: the loss
+    then falls toward what the last position alone cannot know, as fast as the model learns to
+    copy, and says little about the chain. With the mask a position sees only itself and those
+    before it, and the loss is bounded below by the chain's entropy (about 2.287 nats)."""
+    from torch import nn
+
+    class Causal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.encoder, self.head = base[0], base[1], base[2]
+
+        def forward(self, x: Any) -> Any:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            return self.head(self.encoder(self.embed(x), mask=mask, is_causal=True))
+
+    return Causal()
+
+
 def losses(
     base: Any,
-    adam: Callable[[Any], Any],
+    make_opt: Callable[[Any], Any],
     shape: tuple[int, int],
     ranks: list[int],
     steps: int,
@@ -570,7 +602,7 @@ def losses(
     loss_fn = nn.CrossEntropyLoss()
     held_x, held_y = markov_batch(dp.rank(), -1, 4 * shape[0], shape[1])
     curves: dict[str, dict[int, float]] = {}
-    for name, make in low_rank_makers(base, adam, ranks, start=start, seed=seed).items():
+    for name, make in low_rank_makers(base, make_opt, ranks, start=start, seed=seed).items():
         if names and name not in names:
             continue
         net, opt = make()
@@ -594,11 +626,19 @@ def losses(
     return curves
 
 
+def described_optimizer(args: argparse.Namespace) -> str:
+    """The loss run's optimizer and its settings, as the table's heading names them."""
+    if args.optimizer == "sgd-momentum":
+        return f"SGD lr {args.loss_lr:g} Nesterov momentum {args.loss_momentum:g}"
+    return f"Adam lr {args.loss_lr:g}"
+
+
 def report_losses(d: int, curves: dict[str, dict[int, float]], args: argparse.Namespace) -> None:
     steps, start = args.loss_steps, args.loss_start
     print(
         f"\nD={d}: held-out loss after {steps} steps of fresh batches (`markov_batch`), "
-        f"Adam lr {args.loss_lr:g}, PowerSGD (dp's, DDP's hook) from step {start}"
+        f"{described_optimizer(args)}, PowerSGD (dp's, DDP's hook) from step {start}, "
+        f"seed {args.psgd_seed}" + (", causal mask" if args.loss_causal else "")
     )
     at = sorted({s for curve in curves.values() for s in curve})
     # Held-out losses of Adam move by a percent or two from one point to the next: the mean of
@@ -775,8 +815,20 @@ def main() -> int:
     parser.add_argument(
         "--loss-start", type=int, default=LOW_RANK_START, help="PowerSGD's start_iter (loss run)"
     )
-    parser.add_argument("--loss-lr", type=float, default=1e-4, help="Adam's lr (loss run)")
+    parser.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=("adam", "sgd-momentum"),
+        help="the loss run's optimizer (torch's Adam, or SGD with Nesterov momentum)",
+    )
+    parser.add_argument("--loss-lr", type=float, default=1e-4, help="the optimizer's lr (loss run)")
+    parser.add_argument(
+        "--loss-momentum", type=float, default=0.9, help="SGD's momentum (loss run, sgd-momentum)"
+    )
     parser.add_argument("--loss-every", type=int, default=0, help="also the loss every N steps")
+    parser.add_argument(
+        "--loss-causal", action="store_true", help="a causal mask in the loss run's model"
+    )
     parser.add_argument(
         "--loss-cases", default="", help="only these cases in the loss run (comma-separated)"
     )
@@ -813,6 +865,8 @@ def main() -> int:
     worker += ["--psgd-mode", args.psgd_mode, "--psgd-seed", str(args.psgd_seed)]
     worker += ["--loss-start", str(args.loss_start), "--loss-lr", str(args.loss_lr)]
     worker += ["--loss-every", str(args.loss_every), "--loss-cases", args.loss_cases]
+    worker += ["--optimizer", args.optimizer, "--loss-momentum", str(args.loss_momentum)]
+    worker += ["--loss-causal"] if args.loss_causal else []
     return launch(args, worker)
 
 
