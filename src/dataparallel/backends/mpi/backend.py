@@ -3,14 +3,14 @@
 A call in flight is an `MPIHandle`; with a timeout, every wait tests the MPI request until the
 deadline (`wait_request`), so that a peer that never joins raises instead of hanging the job.
 
-MPICH waits by polling without pause, a core's worth of CPU for as long as the wait lasts, with a
-`sched_yield` every thousand polls, which gives the core up only to a task that is queued on it.
-Where a machine runs more ranks than it has cores (`crowded`), the rank that waits for a slower
-one takes the core that rank computes on. There the world's engine makes MPICH sleep instead of
-yield (`MPIR_CVAR_ENABLE_HEAVY_YIELD=1`, a `nanosleep` after each thousand polls), for every wait
-of the process, written at run time (`library.control`) and put back by `close()`. With a core
-for each rank the spin costs nobody and answers sooner, so it is left. `DATAPARALLEL_MPI_SLEEP=1/0`
-overrides the choice; other MPI libraries, which have no such variable, are left as they are.
+MPICH waits by polling without pause, a core's worth of CPU for as long as the wait lasts, now and
+then calling `sched_yield`, which gives the core up only to a task that is queued on it. Where a
+machine runs more ranks than it has cores (`crowded`), the rank that waits for a slower one takes
+the core that rank computes on. There the world's engine makes MPICH sleep where it would yield
+(`MPIR_CVAR_ENABLE_HEAVY_YIELD=1`: a `nanosleep`), for every wait of the process, written at run
+time (`library.control`) and put back by `close()`. With a core for each rank the polling costs
+nobody and answers sooner, so it is left. `DATAPARALLEL_MPI_SLEEP=1/0` overrides the choice;
+other MPI libraries, which have no such variable, are left as they are.
 
 16-bit sums are one call: MPI has no bfloat16, and MPICH's float16 sum is a scalar loop, so, as
 Horovod does, this module registers its own sum (`half_sum`, `MPI.Op.Create`). MPI calls it once
