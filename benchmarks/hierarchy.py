@@ -28,7 +28,9 @@ the steps pay).
 `--train` times the transformer step of `network.py` (`--d`, Adam) with each way of reducing its
 gradients, ranks by host, across the link shaped to `--rate`, in one 4-rank job per `--jobs`
 entry (`JOBS`), taken in turn: `dp` holds dp's `DistributedOptimizer` on a Gloo engine by host
-and as one ring, on MPI (with `--modes`, also held in each mode), and DDP over Gloo; `hvd1` and
+and as one ring, on MPI (with `--modes`, also held in each mode), and DDP over Gloo; `sleep`
+holds dp on MPI as the topology makes MPICH wait (sleeping between polls where the 4 ranks
+outnumber the machine's cores) beside MPICH's default wait, which only yields; `hvd1` and
 `hvd0` hold Horovod's `DistributedOptimizer` with `HOROVOD_HIERARCHICAL_ALLREDUCE=1` / `=0`
 (from `--hvd-venv`, initialized once for the job) beside dp by host and as one ring. Every job
 also times one process alone (the floor) and dp's ring (the reference): each case's overhead is
@@ -70,6 +72,8 @@ LAYOUTS = {"by host": 2, "alternating": 1}
 HIERARCHICAL = "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)"
 FLAT = "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)"
 MPI_CASE = "dp MPI (MPICH's own allreduce)"
+# dp MPI with MPICH's waits only yielding (spinning) where the topology makes them sleep.
+MPI_SPIN = "dp MPI, MPICH's waits only yield (DATAPARALLEL_MPI_SLEEP=0)"
 DDP = "torch DDP (Gloo)"
 FLAG = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 MODES = ("thread", "after backward")
@@ -202,6 +206,7 @@ JOBS: dict[str, tuple[str, ...]] = {
     "hvd0": (FLAT, HIERARCHICAL, "Horovod:0"),
     "flat": (FLAT,),
     "mpi": (MPI_CASE,),
+    "sleep": (FLAT, MPI_CASE, MPI_SPIN),
 }
 
 
@@ -248,9 +253,11 @@ def train_work(args: argparse.Namespace) -> None:
             syncs = {}  # each dp case's reduction: the mode its trial chose
             for name in wanted:
                 model = copy.deepcopy(base)
-                if name in engines or name == MPI_CASE:
+                if name in engines or name in (MPI_CASE, MPI_SPIN):
                     opt = dp.DistributedOptimizer(adam(model), backend=engines.get(name))
-                    cases[name], syncs[name] = (trainer(model, opt, batch), None), opt.gradient_sync
+                    step = trainer(model, opt, batch)
+                    cases[name] = (spinning(step) if name == MPI_SPIN else step, None)
+                    syncs[name] = opt.gradient_sync
                     if name == MPI_CASE and args.modes:  # dp MPI held in each mode: no trial
                         cases.update(variants(base, adam, batch, None, "MPI"))
                 elif name == DDP:
@@ -275,6 +282,25 @@ def train_work(args: argparse.Namespace) -> None:
             comm.Barrier()
             horovod.hvd.shutdown()
         report(comm, result)
+
+
+def spinning(step: Any) -> Any:
+    """`step`, made with MPICH's waits only yielding (`MPIR_CVAR_ENABLE_HEAVY_YIELD=0`, its
+    default) whatever the topology chose (`DATAPARALLEL_MPI_SLEEP`)."""
+    from mpi4py import MPI
+
+    from dataparallel.backends.mpi.backend import SLEEP_VARIABLE
+    from dataparallel.backends.mpi.library import control
+
+    def spun() -> None:
+        kept = control(MPI, SLEEP_VARIABLE, 0)
+        try:
+            step()
+        finally:
+            if kept is not None:
+                control(MPI, SLEEP_VARIABLE, kept)
+
+    return spun
 
 
 class Watch:

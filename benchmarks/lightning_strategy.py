@@ -24,11 +24,13 @@ ddp` of both (below 1: this library's strategy is faster).
 unpacks, taken in turn with the others, and prints the overhead ratio after / before: a change to
 the bucket path measured before and after in the same processes.
 
-`--without FEATURES` (repeatable; a comma-separated list, today only `views`) adds a case
+`--without FEATURES` (repeatable; a comma-separated list of `views`, `sleeps`) adds a case
 `DataParallelStrategy without FEATURES`: the same strategy with those features of the gradient
 reduction turned off, in turn with the others, and prints its overhead against the full
 strategy's. `views`: the gradients of a packed bucket are copied out of it instead of becoming
-views of it.
+views of it; `sleeps`: MPICH's waits only yield (`MPIR_CVAR_ENABLE_HEAVY_YIELD=0`, MPICH's
+default) where the world made them sleep (`DATAPARALLEL_MPI_SLEEP=1` makes them sleep in the
+other cases where the machine would not).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from dataparallel.lightning import DataParallelStrategy
 
 OURS, DDP, BEFORE = "DataParallelStrategy", 'strategy="ddp"', "DataParallelStrategy, --before"
 WITHOUT = "DataParallelStrategy without "
-FEATURES = ("views",)
+FEATURES = ("views", "sleeps")
 
 
 class Timer(pl.Callback):
@@ -140,6 +142,8 @@ def step_time(case: str, args: argparse.Namespace, before: type | None = None) -
         off = case.removeprefix(WITHOUT).split(",") if case.startswith(WITHOUT) else []
         if "views" in off:
             stack.enter_context(_swapped(gradsync, "_alone", lambda t: False))
+        if "sleeps" in off:
+            stack.enter_context(_yielding())
         trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))
     mine = statistics.median(timer.times[args.skip :])
     return float(dp.allreduce(torch.tensor(mine, dtype=torch.float64), op="max"))
@@ -153,6 +157,22 @@ def _swapped(module: Any, name: str, value: Any) -> Any:
         yield
     finally:
         setattr(module, name, kept)
+
+
+@contextlib.contextmanager
+def _yielding() -> Any:
+    """MPICH's waits only yield meanwhile, as its default is (the world may make them sleep)."""
+    from mpi4py import MPI
+
+    from dataparallel.backends.mpi.backend import SLEEP_VARIABLE
+    from dataparallel.backends.mpi.library import control
+
+    kept = control(MPI, SLEEP_VARIABLE, 0)
+    try:
+        yield
+    finally:
+        if kept is not None:
+            control(MPI, SLEEP_VARIABLE, kept)
 
 
 def main() -> None:

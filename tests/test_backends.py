@@ -7,7 +7,10 @@ MPI backend's own errors are also tested directly.
 from __future__ import annotations
 
 import gc
+import os
+import socket
 import sys
+import time
 import weakref
 from typing import Any
 
@@ -192,6 +195,88 @@ def test_mpi_on_a_given_communicator(world: Backend, rank: int, size: int) -> No
         buf = np.full(2, float(rank))
         backend.allreduce(buf, ReduceOp.MAX)
         np.testing.assert_array_equal(buf, np.full(2, float(size - 1)))
+    finally:
+        backend.close()
+
+
+def _machine() -> tuple[str, list[int]]:
+    """This process's kernel (boot id, else host name) and the CPUs it may run on."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            name = file.read().strip()
+    except OSError:
+        name = socket.gethostname()
+    cpus = (
+        os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    )
+    return name, sorted(cpus)
+
+
+def test_mpi_waits_sleep_where_a_machine_has_more_ranks_than_cores(
+    world: Backend, rank: int, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MPICH's wait polls a core: where ranks outnumber their machine's cores it is the core a
+    # slower rank computes on, so there the world makes MPICH sleep between polls.
+    if world.name != "mpi":
+        pytest.skip("needs the MPI backend (run under mpiexec)")
+    from mpi4py import MPI
+
+    from dataparallel.backends.mpi import MPIBackend
+    from dataparallel.backends.mpi.backend import SLEEP_VARIABLE
+    from dataparallel.backends.mpi.library import control
+
+    if control(MPI, SLEEP_VARIABLE) is None:
+        pytest.skip(f"this MPI library has no {SLEEP_VARIABLE} (not MPICH)")
+    mine, cpus = _machine()
+    machines = world.allgather_object((mine, cpus))
+    here = [set(c) for name, c in machines if name == mine]
+    crowded = len(here) > len(set().union(*here))
+    assert getattr(world, "sleeps", None) is crowded
+    held = control(MPI, SLEEP_VARIABLE)
+    assert held == 1 or not crowded
+    for given, sleeps in (("1", True), ("0", False)):
+        monkeypatch.setenv("DATAPARALLEL_MPI_SLEEP", given)
+        backend = MPIBackend.create()
+        try:
+            assert backend.sleeps is sleeps
+            assert control(MPI, SLEEP_VARIABLE) == (1 if sleeps else held)
+            buf = np.full(3, float(rank))
+            backend.allreduce(buf, ReduceOp.MAX)
+            np.testing.assert_array_equal(buf, np.full(3, float(size - 1)))
+        finally:
+            backend.close()
+        assert control(MPI, SLEEP_VARIABLE) == held, "not put back when the engine closed"
+
+
+def test_a_sleeping_mpi_wait_leaves_the_core_to_a_rank_that_computes(
+    world: Backend, rank: int, size: int
+) -> None:
+    # Rank 0 computes for 0.4 s of CPU before it joins; the others wait for it meanwhile. A wait
+    # that only yields uses about a core all along; a sleeping one, a small part of one.
+    if world.name != "mpi" or size == 1:
+        pytest.skip("needs the MPI backend and several ranks (run under mpiexec)")
+    from mpi4py import MPI
+
+    from dataparallel.backends.mpi import MPIBackend
+
+    backend = MPIBackend(MPI.COMM_WORLD)
+    try:
+        backend.sleep()
+        if not backend.sleeps:
+            pytest.skip("this MPI library's waits cannot be made to sleep (not MPICH)")
+        backend.barrier()
+        if rank == 0:
+            start = time.process_time()
+            while time.process_time() - start < 0.4:
+                sum(range(1000))
+        wall, cpu = time.perf_counter(), time.thread_time()
+        buf = np.ones(1 << 16, np.float32)
+        backend.allreduce(buf, ReduceOp.SUM)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        np.testing.assert_array_equal(buf, np.full(1 << 16, float(size), np.float32))
+        if rank != 0:
+            assert wall > 0.3, "rank 0 joined before the others waited for it"
+            assert cpu < 0.5 * wall, f"the wait used {cpu:.3f} s of CPU in {wall:.3f} s"
     finally:
         backend.close()
 

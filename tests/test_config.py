@@ -14,6 +14,7 @@ FLAGS = {
     "DATAPARALLEL_CUDA_AWARE_MPI": "cuda_aware_mpi",
     "DATAPARALLEL_OVERLAP": "overlap",
     "DATAPARALLEL_HIERARCHICAL": "hierarchical",
+    "DATAPARALLEL_MPI_SLEEP": "mpi_sleep",
 }
 
 

@@ -13,6 +13,7 @@
 | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
 | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
 | `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in a ring | interleaved |
+| `DATAPARALLEL_MPI_SLEEP` | `1`/`0`: MPICH's waits sleep between polls, or only yield | cores |
 | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
@@ -177,6 +178,9 @@ class Settings:
     # Gloo's big allreduces in three steps through the hosts (True), one ring (False), or by
     # the topology: three steps where the world spans hosts of several ranks (None).
     hierarchical: bool | None = None
+    # MPICH's waits sleep between polls (True), only yield, a core's worth of CPU (False), or
+    # sleep where a machine runs more ranks than it has cores (None).
+    mpi_sleep: bool | None = None
     # Launcher-provided topology (torchrun / dataparallel run --backend gloo), or Slurm's step
     # where it stands in for torchrun's variables (`ranks_from_slurm`).
     rank: int | None = None
@@ -258,6 +262,7 @@ class Settings:
             timeout=float(timeout) if timeout is not None else None,
             overlap=_flag(env, "DATAPARALLEL_OVERLAP", None),
             hierarchical=_flag(env, "DATAPARALLEL_HIERARCHICAL", None),
+            mpi_sleep=_flag(env, "DATAPARALLEL_MPI_SLEEP", None),
             rank=step.procid if step else _int(env, "RANK"),
             world_size=step.ntasks if step else _int(env, "WORLD_SIZE"),
             local_rank=step.localid if step else _int(env, "LOCAL_RANK"),

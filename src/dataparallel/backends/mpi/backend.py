@@ -3,6 +3,15 @@
 A call in flight is an `MPIHandle`; with a timeout, every wait tests the MPI request until the
 deadline (`wait_request`), so that a peer that never joins raises instead of hanging the job.
 
+MPICH waits by polling without pause, a core's worth of CPU for as long as the wait lasts, now and
+then calling `sched_yield`, which gives the core up only to a task that is queued on it. Where a
+machine runs more ranks than it has cores (`crowded`), the rank that waits for a slower one takes
+the core that rank computes on. There the world's engine makes MPICH sleep where it would yield
+(`MPIR_CVAR_ENABLE_HEAVY_YIELD=1`: a `nanosleep`), for every wait of the process, written at run
+time (`library.control`) and put back by `close()`. With a core for each rank the polling costs
+nobody and answers sooner, so it is left. `DATAPARALLEL_MPI_SLEEP=1/0` overrides the choice;
+other MPI libraries, which have no such variable, are left as they are.
+
 16-bit sums are one call: MPI has no bfloat16, and MPICH's float16 sum is a scalar loop, so, as
 Horovod does, this module registers its own sum (`half_sum`, `MPI.Op.Create`). MPI calls it once
 per piece of the buffer it reduces, never per value, and it adds with `backends/half.py`'s `add16`
@@ -28,10 +37,13 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
+import os
 import pickle
+import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -42,7 +54,7 @@ from dataparallel import caches
 from dataparallel.backends.base import Backend, Buffer, Handle, HostBuffer, Received, ReduceOp
 from dataparallel.backends.half import TwoPhase, add16
 from dataparallel.backends.mpi.board import CallBoard
-from dataparallel.backends.mpi.library import check_pmi, detect_cuda_aware, import_mpi
+from dataparallel.backends.mpi.library import check_pmi, control, detect_cuda_aware, import_mpi
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError
 from dataparallel.types import WireDtype
@@ -50,7 +62,19 @@ from dataparallel.types import WireDtype
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["UNFINISHED", "MPIBackend", "MPIHandle", "Unfinished", "half_sum", "wait_request"]
+__all__ = [
+    "SLEEP_VARIABLE",
+    "UNFINISHED",
+    "MPIBackend",
+    "MPIHandle",
+    "Unfinished",
+    "crowded",
+    "half_sum",
+    "wait_request",
+]
+
+# MPICH's control variable that makes its waits sleep instead of yield.
+SLEEP_VARIABLE = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
 
 
 def _by_rank(buf: Buffer, counts: list[int]) -> list[object]:
@@ -73,6 +97,45 @@ def wait_request(request: MPI.Request, timeout: float | None, what: str, rank: i
                 "limit with DATAPARALLEL_TIMEOUT or dp.initialize(timeout=...) if it is too short."
             )
         time.sleep(0)  # let other Python threads (e.g. a progress bar) run while we poll
+
+
+# CPUs a machine may have, as far as `crowded` counts them.
+_MAX_CPUS = 4096
+
+
+def crowded(mpi: ModuleType, comm: MPI.Comm) -> bool:
+    """Whether this process's machine runs more of `comm`'s ranks than there are cores they may
+    run on (collective; the same answer on every rank of a machine).
+
+    A machine is a kernel (its boot id): hosts emulated in namespaces, or containers, on one
+    machine share its cores. Its cores are those its ranks may run on (their CPU affinity,
+    joined).
+    """
+    machine = comm.Split(_machine_key(), comm.Get_rank())
+    try:
+        cpus = np.zeros(_MAX_CPUS, np.uint8)
+        cpus[[c for c in _cpus() if c < _MAX_CPUS]] = 1
+        machine.Allreduce(mpi.IN_PLACE, cpus, mpi.MAX)
+        return bool(machine.Get_size() > max(int(cpus.sum()), 1))
+    finally:
+        machine.Free()
+
+
+def _machine_key() -> int:
+    """A number shared by the processes of one kernel: its boot id (the host's name where
+    there is none)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            name = file.read().strip()
+    except OSError:
+        name = socket.gethostname()
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def _cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
 
 
 class Unfinished:
@@ -220,6 +283,9 @@ class MPIBackend(Backend):
         self._owns_board = board is None
         self._board = CallBoard(mpi, self.comm) if board is None else board
         self._closed = False
+        # Whether MPICH's waits sleep (`sleep`), and what its variable held before, to put back.
+        self.sleeps = False
+        self._slept: int | None = None
         if self._owns_board:
             atexit.register(self.close)  # a rank that ends without dp.finalize() leaves too
         self._ops: dict[ReduceOp, MPI.Op] = {
@@ -247,6 +313,11 @@ class MPIBackend(Backend):
         if "mpi4py.MPI" not in sys.modules:
             check_pmi(settings)  # MPI_Init would abort the process under an unknown PMI
         backend = cls(cuda_aware=settings.cuda_aware_mpi, timeout=settings.timeout)
+        sleep = settings.mpi_sleep
+        if sleep is None:
+            sleep = crowded(backend._mpi, backend.comm)
+        if sleep:
+            backend.sleep()
         for given, actual, what in (
             (rank, backend.rank, "rank"),
             (world_size, backend.size, "world_size"),
@@ -258,6 +329,14 @@ class MPIBackend(Backend):
                     "under MPI, rank and size come from mpiexec; drop the argument."
                 )
         return backend
+
+    def sleep(self) -> None:
+        """Make MPICH's waits sleep between polls instead of yielding, for the whole process,
+        until this engine closes (the module's docstring says why); no change with an MPI
+        library that has no such variable."""
+        if self._slept is None:
+            self._slept = control(self._mpi, SLEEP_VARIABLE, 1)
+        self.sleeps = self._slept is not None
 
     def accepts_device(self, device: str) -> bool:
         """Return True for host buffers, and for CUDA buffers when the MPI library is CUDA-aware.
@@ -537,6 +616,9 @@ class MPIBackend(Backend):
                 sys.stderr.write(f"dataparallel: {reason}\n")
                 self.abort(1)
             self._board.free()
+        if self._slept is not None:
+            control(self._mpi, SLEEP_VARIABLE, self._slept)
+            self._slept, self.sleeps = None, False
         for comm in (self.local_comm, self.comm):
             if comm != self._mpi.COMM_NULL:
                 comm.Free()

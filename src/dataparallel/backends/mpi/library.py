@@ -1,6 +1,7 @@
 """The MPI library behind mpi4py: imported (or an error saying what to install), whether it
-takes CUDA device buffers (`detect_cuda_aware`), and whether it can start at all under the
-process-management interface it was given (`check_pmi`).
+takes CUDA device buffers (`detect_cuda_aware`), whether it can start at all under the
+process-management interface it was given (`check_pmi`), and its control variables, read and
+written while it runs (`control`).
 
 `srun --mpi=pmix` gives the tasks PMIx only. The MPICH wheel (the MPI of `dataparallel[mpi]`)
 speaks PMI-1/PMI-2 and aborts inside `MPI_Init` ("unsupported PMI version PMIx"), taking the
@@ -20,7 +21,14 @@ from types import ModuleType
 from dataparallel.config import Settings
 from dataparallel.errors import BackendUnavailableError
 
-__all__ = ["check_pmi", "detect_cuda_aware", "import_mpi", "library_version", "mpix_query"]
+__all__ = [
+    "check_pmi",
+    "control",
+    "detect_cuda_aware",
+    "import_mpi",
+    "library_version",
+    "mpix_query",
+]
 
 
 def import_mpi() -> ModuleType:
@@ -69,6 +77,46 @@ def mpix_query(mpi: ModuleType) -> Callable[[], object] | None:
     function.restype = ctypes.c_int
     function.argtypes = []
     return function
+
+
+def control(mpi: ModuleType, name: str, value: int | None = None) -> int | None:
+    """Read an integer control variable of the MPI library behind `mpi` while it runs, and
+    write `value` into it if given; return the value it had, or None where the library has no
+    such variable (another MPI than MPICH) or no tools interface.
+
+    Through the MPI tools interface (`MPI_T_cvar_*`, which mpi4py does not wrap), the way
+    `mpix_query` reaches the library: MPICH reads the variables as it runs, so a value written
+    after `MPI_Init` holds from the next call on. Each call opens and closes the interface.
+    """
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(mpi.__file__)
+        init, finalize = lib.MPI_T_init_thread, lib.MPI_T_finalize
+    except (AttributeError, OSError, TypeError):
+        return None
+    provided = ctypes.c_int()
+    if init(ctypes.c_int(mpi.Query_thread()), ctypes.byref(provided)) != 0:
+        return None
+    try:
+        index, count, handle = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+        if lib.MPI_T_cvar_get_index(name.encode(), ctypes.byref(index)) != 0:
+            return None
+        if lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle), ctypes.byref(count)):
+            return None
+        try:
+            had = ctypes.c_int()
+            if count.value != 1 or lib.MPI_T_cvar_read(handle, ctypes.byref(had)) != 0:
+                return None
+            if value is not None and lib.MPI_T_cvar_write(
+                handle, ctypes.byref(ctypes.c_int(value))
+            ):
+                return None
+            return had.value
+        finally:
+            lib.MPI_T_cvar_handle_free(ctypes.byref(handle))
+    finally:
+        finalize()
 
 
 _PROBE = (
