@@ -345,24 +345,25 @@ def test_a_zero_run_reshards_what_it_committed(tmp_path: Path, stage: int, victi
     assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True, True]}
 
 
-def check_fully_sharded(tmp_path: Path, sizes: list[int]) -> None:
-    """The fully sharded run went through world sizes `sizes`; each epoch saw each sample once;
-    every re-formed world held, bit for bit, the parameters and Adam state committed last; the
-    final parameters are an unsharded replay's of the committed steps, to float64 rounding (the
-    reduce-scatter adds the ranks' gradients in another order than one process's sum)."""
+def check_fully_sharded(tmp_path: Path, sizes: list[int], epochs: int) -> None:
+    """The fully sharded run went through world sizes `sizes`; each of its `epochs` saw each
+    sample once; every re-formed world held, bit for bit, the parameters and Adam state
+    committed last; the final parameters are an unsharded replay's of the committed steps, to
+    float64 rounding (the reduce-scatter adds the ranks' gradients in another order than one
+    process's sum)."""
     import torch
     from elastic_fully_shard import replay
 
     out = json.loads((tmp_path / "out.json").read_text())
     seen: list[int] = []
-    epochs: dict[int, list[int]] = collections.defaultdict(list)
+    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
     for epoch, size, batch in out["history"]:
         if not seen or seen[-1] != size:
             seen.append(size)
-        epochs[epoch] += batch
+        by_epoch[epoch] += batch
     assert seen == sizes
-    assert sorted(epochs) == [0, 1]
-    for epoch, indices in epochs.items():
+    assert sorted(by_epoch) == list(range(epochs))
+    for epoch, indices in by_epoch.items():
         assert sorted(indices) == list(range(SAMPLES)), f"epoch {epoch}"
     assert out["checks"] == [True] * (len(sizes) - 1)
     expected = replay(out["history"])
@@ -373,36 +374,36 @@ def check_fully_sharded(tmp_path: Path, sizes: list[int]) -> None:
         )
 
 
-@pytest.mark.parametrize("victim", ["w1", "w0"])
-def test_a_fully_sharded_run_loses_a_worker(tmp_path: Path, victim: str) -> None:
-    """`TorchState(fully_shard model, Adam)`: worker `victim` of 3 dies after its 3rd commit,
-    mid-step; the survivors cut every shard again for 2 ranks from their commits (the lost
-    rank's rows from the copy its neighbour kept) and finish."""
-    args: list[Arg] = ["--out", tmp_path / "out.json", "--die", f"{victim}:3"]
-    done = three_lose_one("elastic_fully_shard.py", args, tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert f"worker {victim[1:]} was lost (SIGKILL); 2 worker(s) remain" in done.stderr
-    check_fully_sharded(tmp_path, [3, 2])
-
-
-def test_a_fully_sharded_run_grows(tmp_path: Path) -> None:
-    """2 -> 3 through discovery: the newcomer shards its model over three, and gets its rows
-    and their Adam state from the two that were there, without rolling back."""
+def test_a_fully_sharded_run_grows_then_loses_two_workers(tmp_path: Path) -> None:
+    """`TorchState(fully_shard model, Adam)`, one run: 2 -> 3 through discovery, the newcomer
+    sharding its model over three and getting its rows and their Adam state from the two that
+    were there, without rolling back; then worker 1 (rank 1 of 3) dies after its 4th commit,
+    mid-step, and the survivors cut every shard again for 2 ranks from their commits (its rows
+    from the copy its neighbour kept); then worker 0 (rank 0 of 2) after its 6th, and the last
+    one finishes alone. One run for the three re-forms: a job's start costs seconds."""
     script = discovery_script(tmp_path, "localhost:2")
     done = run_job(
         [
             SCRIPTS / "elastic_fully_shard.py",
             "--out",
             tmp_path / "out.json",
+            "--epochs",
+            "3",
             "--slots",
             f"{tmp_path / 'slots'}:2:localhost:3",
+            "--die",
+            "w1:4",
+            "--die",
+            "w0:6",
         ],
         ranks=2,
         backend="gloo",
         job_timeout=LIMIT - 30,
-        options=["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
+        options=["--min-np", "1", "--max-np", "3", "--host-discovery-script", str(script)],
         timeout=LIMIT,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    check_fully_sharded(tmp_path, [2, 3])
+    assert "worker 1 was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    assert "worker 0 was lost (SIGKILL); 1 worker(s) remain" in done.stderr
+    check_fully_sharded(tmp_path, [2, 3, 2, 1], epochs=3)

@@ -10,13 +10,14 @@ recomputes it on an unsharded copy from the history kept in the state.
 
 After each commit every rank gathers the whole parameters and Adam state (`whole`); when the
 function is entered again on a re-formed world, the same is gathered from the carried-over
-shards and compared with it, bit for bit. Rank 0 writes `--out`: the final whole parameters, the
-history, the world size and the checks.
+shards and compared with rank 0's, bit for bit, and the verdict kept in the state (so that a
+worker that joined later, or the last survivor, holds every re-form's). Rank 0 writes `--out`:
+the final whole parameters, the history, the world size and the checks.
 
 Options:
     --die W:K          worker W SIGKILLs itself after its K-th commit, in the next step (after
-                       backward, before the optimizer's step)
-    --slots FILE:K:LINE  after its K-th commit, rank 0 writes LINE to FILE (what the discovery
+                       backward, before the optimizer's step); may be given for several workers
+    --slots FILE:K:LINE  after its K-th commit, worker 0 writes LINE to FILE (what the discovery
                        script prints) and waits until the launcher has opened a new round
 """
 
@@ -105,11 +106,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--commit", type=int, default=2)
-    parser.add_argument("--die", default="")
+    parser.add_argument("--die", action="append", default=[])
     parser.add_argument("--slots", default="")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
-    victim, _, dies_after = args.die.partition(":")
+    dies_after = dict(die.split(":") for die in args.die)
 
     dp.initialize()
     model = make_model()
@@ -118,10 +119,11 @@ def main() -> None:
     dp.torch.fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     sampler = dp.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=5)
-    state = dp.elastic.TorchState(model, opt, sampler=sampler, epoch=0, steps=0, history=[])
+    state = dp.elastic.TorchState(
+        model, opt, sampler=sampler, epoch=0, steps=0, history=[], checks=[]
+    )
     commits = 0
     committed: dict[str, Any] = {}
-    checks: list[bool] = []
     rediscovered = False
 
     def commit() -> None:
@@ -133,7 +135,7 @@ def main() -> None:
             raise
         commits += 1
         committed.update(size=dp.size(), whole=whole(model, opt))
-        if args.slots and not rediscovered and dp.rank() == 0:
+        if args.slots and not rediscovered and me == "w0":
             path, k, line = args.slots.split(":", 2)
             if commits >= int(k):
                 rediscovered = True
@@ -150,8 +152,11 @@ def main() -> None:
     @dp.elastic.run
     def train(state: dp.elastic.TorchState) -> None:
         now = whole(model, opt)  # collective: every rank, a newcomer too
-        if "whole" in committed and committed["size"] != dp.size():  # on a re-formed world
-            checks.append(same(now, committed["whole"]))
+        reformed = "whole" in committed and committed["size"] != dp.size()
+        verdict = same(now, committed["whole"]) if reformed and dp.rank() == 0 else None
+        verdict = dp.broadcast_object(verdict)  # a newcomer has committed nothing to compare
+        if verdict is not None:
+            state.checks.append(verdict)
         while state.epoch < args.epochs:
             s = state.sampler
             for b in range(s.steps(args.batch)):
@@ -159,7 +164,7 @@ def main() -> None:
                 mine = s.get_indices(b, args.batch)
                 opt.zero_grad()
                 (loss_of(model, mine) * (dp.size() / max(len(every), 1))).backward()
-                if me == victim and commits >= int(dies_after):
+                if me in dies_after and commits >= int(dies_after[me]):
                     os.kill(os.getpid(), signal.SIGKILL)
                 opt.step()
                 state.history.append([state.epoch, dp.size(), list(every)])
@@ -178,7 +183,12 @@ def main() -> None:
         whole(model, opt)
     if dp.rank() == 0:
         params = {k: final[k].tolist() for k in model.parameter_shards()}
-        out = {"params": params, "history": state.history, "size": dp.size(), "checks": checks}
+        out = {
+            "params": params,
+            "history": state.history,
+            "size": dp.size(),
+            "checks": state.checks,
+        }
         with open(args.out + ".part", "w") as file:
             json.dump(out, file)
         os.replace(args.out + ".part", args.out)

@@ -316,21 +316,7 @@ class _Job:
             self.run_dir = RunDir()
             self.env.update({RUN_DIR_VARIABLE: self.run_dir.path, PREFIXED_VARIABLE: "1"})
         else:
-            from dataparallel.backends.gloo.group import import_torch_distributed
-
-            self.store = import_torch_distributed().TCPStore(
-                "127.0.0.1",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=60),
-            )
-            self.env.update(
-                {
-                    ELASTIC_STORE_VARIABLE: f"127.0.0.1:{self.store.port}",
-                    ELASTIC_TIMEOUT_VARIABLE: f"{elastic.elastic_timeout + _WORKER_MARGIN:g}",
-                }
-            )
+            self.env[ELASTIC_TIMEOUT_VARIABLE] = f"{elastic.elastic_timeout + _WORKER_MARGIN:g}"
             if self.ssh.link_timeout is not None:
                 from dataparallel.elastic.liveness import Heartbeats
 
@@ -460,6 +446,20 @@ class _Job:
         self.running[number] = process
         return True
 
+    def _open_store(self) -> None:
+        """Start the elastic run's store (torch's), once the first discovery and the hosts have
+        answered: a run that ends before any worker starts never imports torch."""
+        from dataparallel.backends.gloo.group import import_torch_distributed
+
+        self.store = import_torch_distributed().TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        self.env[ELASTIC_STORE_VARIABLE] = f"{self.store_host}:{self.store.port}"
+
     def _wait(self, process: _Process) -> None:
         process.proc.wait()
         self.exits.put(process.number)
@@ -471,12 +471,13 @@ class _Job:
         if self.elastic is not None:
             first = min(n, self._capacity())  # the first discovery: it must succeed
             self.store_host = self._store_address()
-            self.env[ELASTIC_STORE_VARIABLE] = f"{self.store_host}:{self.store.port}"
             for host in self.offered:
                 self._is_local(host)
         others = [host for host, local in self.local.items() if not local]
         if others:  # before any rank starts: no rank waits for a host that cannot come
             check_hosts(others, self.ssh, os.getcwd(), sys.executable)
+        if self.elastic is not None:
+            self._open_store()
         for _ in range(first):
             if not self.start():
                 break
