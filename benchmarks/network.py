@@ -520,7 +520,8 @@ def markov_batch(rank: int, step: int, batch: int, seq: int) -> tuple[Any, Any]:
     """A fresh batch of a fixed Markov chain, for rank `rank` at step `step` (-1: held out):
     each token is a fixed successor of the one before it (a permutation drawn once) three times
     in four, else uniform. There is something to learn (a table) that no number of steps can
-    memorize from one batch, so the loss measures fitting, not recall."""
+    memorize from one batch. The loss measures fitting the chain only under a causal mask
+    (`--loss-causal`, `causal`): without one, each position sees its own target."""
     import torch
     from train_step import VOCAB
 
