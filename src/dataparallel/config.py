@@ -52,6 +52,7 @@ __all__ = [
     "SILENCE_FLOOR",
     "THREAD_BUCKET_BYTES",
     "Settings",
+    "beat_interval",
     "silence_limit",
 ]
 
@@ -114,6 +115,13 @@ def silence_limit(link_timeout: float) -> float:
     late; leaving early would end a healthy run wherever a busy machine delays the launcher's
     side (its thread, its ssh, the host's sshd, the store's replies)."""
     return max(SILENCE_FLOOR, 3 * link_timeout)
+
+
+def beat_interval(link_timeout: float) -> float:
+    """How often the launcher's side of a link to a remote rank beats on it (and the rank's
+    side, where it beats back): several beats within the link timeout, so that one late beat
+    is not a lost link, and at most once a second."""
+    return min(1.0, link_timeout / 5)
 
 
 # Set by launchers that prefix every output line with `[rank R] ` (`Settings.prefixed`).

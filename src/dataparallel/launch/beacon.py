@@ -9,7 +9,7 @@ launcher therefore keeps a line of its own to each rank, as it does through ssh 
 
 - it listens on a port of its machine (`Beacon`); the ranks find it in `BEACON_VARIABLE`
   (mpiexec passes the environment on), connect, say their rank and host, and both sides write an
-  empty line every `beat_interval` seconds;
+  empty line every `config.beat_interval` seconds;
 - the launcher takes a rank whose line stood still for the link timeout (`--link-timeout`) for
   out of reach (its host, or its link), names it, and ends the job;
 - a rank on another host than the launcher's that hears nothing for `config.silence_limit`, or
@@ -29,14 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 from dataparallel.backends.rendezvous import address_toward
+from dataparallel.config import beat_interval
 
-__all__ = ["Beacon", "Lost", "beat_interval", "hello"]
-
-
-def beat_interval(link_timeout: float) -> float:
-    """How often each side beats: several beats within the link timeout, so that one late beat
-    is not a lost link, and at most once a second."""
-    return min(1.0, link_timeout / 5)
+__all__ = ["Beacon", "Lost", "hello"]
 
 
 def hello(rank: int) -> bytes:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dataparallel.config import DEFAULT_LINK_TIMEOUT, RUN_DIR_VARIABLE
+from dataparallel.config import DEFAULT_LINK_TIMEOUT, RUN_DIR_VARIABLE, beat_interval
 from dataparallel.errors import DataParallelError
 
 __all__ = [
@@ -318,7 +318,7 @@ class RemoteRank(subprocess.Popen[bytes]):
         self.host = host
         self._line = threading.Lock()  # the beats' thread and the launcher's signals share it
         if ssh.link_timeout is not None:
-            interval = _beat_interval(ssh.link_timeout)
+            interval = beat_interval(ssh.link_timeout)
             threading.Thread(
                 target=self._beat, args=(interval,), name="dataparallel-beat", daemon=True
             ).start()
@@ -348,12 +348,6 @@ class RemoteRank(subprocess.Popen[bytes]):
         if name is not None and self.poll() is None and self._write(f"{name}\n".encode()):
             return
         super().send_signal(signal.SIGKILL)
-
-
-def _beat_interval(link_timeout: float) -> float:
-    """How often the launcher beats on a remote rank's line: several beats within the link
-    timeout, so that one late beat is not a lost link, and at most once a second."""
-    return min(1.0, link_timeout / 5)
 
 
 def hosts_of(slots: Sequence[Slot]) -> list[str]:

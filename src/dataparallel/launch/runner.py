@@ -41,13 +41,14 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
-from typing import Any, NoReturn
+from typing import BinaryIO, NoReturn
 
 from dataparallel.config import (
     BEACON_VARIABLE,
     ELASTIC_WORKER_VARIABLE,
     LINK_TIMEOUT_VARIABLE,
     Settings,
+    beat_interval,
     silence_limit,
 )
 from dataparallel.launch.hosts import CONTROL_SIGNALS
@@ -243,7 +244,7 @@ def _follow_beacon(address: str, rank: int) -> None:
     started on another host than the launcher's: beat on it, and leave with this rank's process
     group (the host's proxy and ranks) once the launcher is silent for `silence_limit`, or gone.
     A rank on the launcher's machine, or one that cannot reach the beacon, is not watched."""
-    from dataparallel.launch.beacon import beat_interval, hello
+    from dataparallel.launch.beacon import hello
     from dataparallel.launch.hosts import HostError, is_local
 
     host, _, port = address.rpartition(":")
@@ -276,7 +277,7 @@ _BEACON_CONNECT = 10.0
 
 
 def _follow(
-    line: Any,
+    line: BinaryIO,
     limit: float | None,
     beat: Callable[[], None] | None = None,
     interval: float = 1.0,
