@@ -738,7 +738,6 @@ def test_elastic_split_drops_the_later_host_and_the_others_go_on(
             job, ssh3.env, tmp_path, paused, c, "worker 2 never paused", cut=split
         )
         assert status == 0, out + err
-        assert "lost its link to" in err, err
         said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
         assert said in err, err
         assert f"host {c.address} has no worker left" in err, err
