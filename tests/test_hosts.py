@@ -348,3 +348,19 @@ def test_the_beacon_refuses_a_line_without_the_jobs_secret_and_still_ends_on_a_s
         finally:
             for line in lines:
                 line.close()
+
+
+def test_a_split_drops_the_host_cut_off_from_most_then_the_smaller_then_the_newer() -> None:
+    """Which side of a split goes on (`launch/spawn.split_losers`, docs/elastic.md)."""
+    from dataparallel.launch.spawn import split_losers
+
+    one_each = {0: "a", 1: "b", 2: "c"}
+    assert split_losers(set(), one_each) == []
+    assert split_losers({("b", "c")}, one_each) == [("c", "b")]  # a tie: the newer goes
+    assert split_losers({("a", "b")}, one_each) == [("b", "a")]  # rank 0's host stays
+    assert split_losers({("a", "b")}, {0: "a", 1: "b", 2: "b"}) == [("a", "b")]  # the smaller
+    # b cut off from a and from c goes alone, though it holds more workers than either.
+    assert split_losers({("a", "b"), ("b", "c")}, {0: "a", 1: "b", 2: "b", 3: "c"}) == [("b", "a")]
+    # Two pairs apart: one host of each, the newest first.
+    cut = {("a", "b"), ("c", "d")}
+    assert split_losers(cut, {0: "a", 1: "b", 2: "c", 3: "d", 4: "d"}) == [("c", "d"), ("b", "a")]

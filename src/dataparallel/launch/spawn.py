@@ -108,27 +108,28 @@ _LOCAL_NAMES = frozenset(("localhost", "127.0.0.1", "::1"))
 
 def split_losers(cut: set[tuple[str, str]], hosts: dict[int, str]) -> list[tuple[str, str]]:
     """Return the hosts an elastic run drops for the pairs of `cut` (hosts whose workers cannot
-    reach each other, though the launcher reaches both), each with the host it was cut off
-    from. `hosts`: where each running worker is, by number (the rank order). Of each pair, the
-    host with fewer workers goes; on a tie, the one whose first worker joined later, so that
-    the lowest ranks go on. A pair one of whose hosts goes already is settled.
+    reach each other, though the launcher reaches both), each with a host it was cut off from.
+    `hosts`: where each running worker is, by number (the rank order). Until no pair is left,
+    the host in the most pairs goes; among those, the one with fewer workers; on a tie, the one
+    whose first worker joined later, so that the lowest ranks go on.
 
-    >>> split_losers({("a", "b"), ("b", "c")}, {0: "a", 1: "b", 2: "c", 3: "c"})  # b, alone
+    >>> split_losers({("a", "b"), ("b", "c")}, {0: "a", 1: "b", 2: "b", 3: "c"})  # b, alone
     [('b', 'a')]
     >>> split_losers({("b", "c")}, {0: "a", 1: "b", 2: "c"})
     [('c', 'b')]
     """
 
-    def weight(host: str) -> tuple[int, int]:
+    def order(host: str) -> tuple[int, int, int]:
         numbers = [n for n, h in hosts.items() if h == host]
-        return len(numbers), -min(numbers, default=0)
+        return degree[host], -len(numbers), min(numbers, default=len(hosts))
 
-    dropped: list[tuple[str, str]] = []
-    for pair in sorted(cut):
-        if any(host == gone for host in pair for gone, _ in dropped):
-            continue
-        loser, keeper = sorted(pair, key=weight)
-        dropped.append((loser, keeper))
+    left, dropped = set(cut), []
+    while left:
+        degree = collections.Counter(host for pair in left for host in pair)
+        loser = max(sorted(degree), key=order)
+        other = min(h for pair in left if loser in pair for h in pair if h != loser)
+        dropped.append((loser, other))
+        left = {pair for pair in left if loser not in pair}
     return dropped
 
 
@@ -608,9 +609,9 @@ class _Job:
     def _settle_split(self) -> None:
         """Settle a split of the newest round: workers that lost a peer by its link, though the
         launcher still hears both (`rounds.report_split`), left their world and wait for a
-        round that nothing else would open. For each pair of hosts cut off from each other,
-        the one with fewer workers is dropped (a tie: the one whose first worker joined later,
-        so the lowest ranks go on): its workers are lost, and the others re-form without them."""
+        round that nothing else would open. Hosts are dropped until no two left are cut off
+        from each other (`split_losers`): their workers are lost, and the others re-form
+        without them."""
         from dataparallel.elastic.liveness import address_key, split_key
 
         if self.store is None or self.generation < 0:
