@@ -16,6 +16,14 @@ timeout (`DATAPARALLEL_TIMEOUT`, minutes). Two tools bound that:
   covered: TCP's retransmissions decide there (`tcp_retries2`, about 15 minutes).
   (`TCP_USER_TIMEOUT` would cover it, but also fails a healthy connection whose peer does not
   read for that long: it is not used.)
+- `keep_alive` also watches those connections (a thread, every `WATCH_INTERVAL` seconds) for
+  the case keep-alive cannot see: data of this process in flight that the peer's kernel has not
+  acknowledged for the link timeout (`TCP_INFO`: unacknowledged segments, and the time since the
+  last acknowledgement), where TCP itself would retransmit for about 15 minutes
+  (`tcp_retries2`). Such a connection is given a `TCP_USER_TIMEOUT` of a millisecond, so that
+  the kernel fails it at its next retransmission, "Connection timed out", as keep-alive would.
+  (Given to every connection from the start, `TCP_USER_TIMEOUT` would also fail a healthy one
+  whose peer does not read for that long: its window full, the peer's kernel answering.)
 - `cut_connections`: shut down the connections to given addresses, which wakes a thread blocked
   on one as if the peer had closed it (an elastic worker's watch, `elastic/liveness.py`).
 
@@ -25,14 +33,37 @@ is, and nothing is done.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ipaddress
 import math
 import os
 import socket
+import struct
+import threading
+import time
 from collections.abc import Collection, Iterator
 
-__all__ = ["connections", "cut_connections", "keep_alive", "tcp_sockets"]
+__all__ = [
+    "WATCH_INTERVAL",
+    "connections",
+    "cut_connections",
+    "keep_alive",
+    "stalled",
+    "tcp_sockets",
+]
+
+# How often the connections kept alive are looked at for data the peer does not acknowledge.
+WATCH_INTERVAL = 0.25
+# struct tcp_info (linux/tcp.h): 8 single bytes, then 32-bit fields; the ones read here are
+# tcpi_unacked (the 5th) and tcpi_last_ack_recv (the 13th, milliseconds).
+_TCP_INFO = struct.Struct("=8B13I")
+
+_watched: dict[str, float] = {}  # socket inode -> its link timeout (seconds)
+_pending: dict[str, float] = {}  # socket inode -> since when data waits unacknowledged
+_watch_lock = threading.Lock()
+_watch_stop = threading.Event()
+_watcher: threading.Thread | None = None
 
 
 def connections() -> dict[str, tuple[str, int]]:
@@ -59,7 +90,67 @@ def keep_alive(since: Collection[str], link_timeout: float) -> int:
                 socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, math.ceil(link_timeout))
             )
             count += 1
+    if count:
+        _watch(peers, link_timeout)
     return count
+
+
+def stalled(since: float | None, now: float, unacked: int, ack_age: float) -> float | None:
+    """Return since when a connection's data has waited for an acknowledgement (None: it does
+    not wait), given the previous answer `since`, the time `now`, its unacknowledged segments
+    and the seconds since its last acknowledgement. The wait counts from the first look that
+    saw data waiting, or from a newer acknowledgement, whichever is later.
+
+    >>> stalled(None, 10.0, 3, 4.0), stalled(10.0, 12.0, 3, 6.0), stalled(10.0, 12.0, 3, 0.5)
+    (10.0, 10.0, 12.0)
+    >>> stalled(10.0, 12.0, 0, 6.0) is None
+    True
+    """
+    if unacked == 0:
+        return None
+    acknowledged = now - ack_age
+    if since is None or acknowledged > since:
+        return now
+    return since
+
+
+def _watch(peers: Collection[str], link_timeout: float) -> None:
+    global _watcher
+    with _watch_lock:
+        _watched.update(dict.fromkeys(peers, link_timeout))
+        if _watcher is None:
+            _watcher = threading.Thread(target=_look, name="dataparallel-links", daemon=True)
+            _watcher.start()
+            atexit.register(_watch_stop.set)
+
+
+def _look() -> None:
+    """Every `WATCH_INTERVAL` seconds, fail the watched connections whose data has waited for an
+    acknowledgement for their link timeout; forget those closed."""
+    while not _watch_stop.wait(WATCH_INTERVAL):
+        with _watch_lock:
+            watched = dict(_watched)
+        found = dict(_socket_fds(set(watched)))
+        now = time.monotonic()
+        with _watch_lock:
+            for inode in set(_watched) - set(found):
+                _watched.pop(inode, None)
+                _pending.pop(inode, None)
+        for inode, fd in found.items():
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
+                info = connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+                fields = _TCP_INFO.unpack_from(info)
+                unacked, ack_age = fields[8 + 4], fields[8 + 12] / 1000
+                since = stalled(_pending.get(inode), now, unacked, ack_age)
+                if since is None:
+                    _pending.pop(inode, None)
+                    continue
+                _pending[inode] = since
+                if now - since >= watched[inode]:  # the peer is out of reach: fail it now
+                    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
+                    with _watch_lock:
+                        _watched.pop(inode, None)
+                        _pending.pop(inode, None)
 
 
 def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) -> int:
