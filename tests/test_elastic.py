@@ -442,7 +442,7 @@ for peer in peers:
 
 _CUT = """
 import json, socket, sys, threading
-from dataparallel.elastic.liveness import cut_connections
+from dataparallel.backends.connections import cut_connections
 peer_port, store_port = map(int, sys.argv[1:3])
 peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
 store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
@@ -492,6 +492,7 @@ _WATCHED_EXIT = """
 import datetime, os, sys, time
 from dataparallel.backends.gloo.group import import_torch_distributed
 from dataparallel.config import Settings
+from dataparallel.backends.connections import tcp_sockets
 from dataparallel.elastic import liveness
 
 dist = import_torch_distributed()
@@ -502,7 +503,7 @@ server = dist.TCPStore(
 port = server.port
 settings = Settings(elastic_store=(sys.argv[1], port), elastic_worker="w0")
 def connections():
-    return sum(remote[1] == port for _, remote in liveness._tcp_sockets())
+    return sum(remote[1] == port for _, remote in tcp_sockets())
 
 
 before = connections()  # the server's own client
