@@ -442,7 +442,7 @@ for peer in peers:
 
 _CUT = """
 import json, socket, sys, threading
-from dataparallel.elastic.liveness import cut_connections
+from dataparallel.backends.connections import cut_connections
 peer_port, store_port = map(int, sys.argv[1:3])
 peer = socket.create_connection(("127.0.0.1", peer_port), timeout=60)
 store = socket.create_connection(("127.0.0.1", store_port), timeout=60)
@@ -488,9 +488,36 @@ def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
     assert server.returncode == 0
 
 
+def test_the_sockets_a_group_made_are_found_and_shut_down() -> None:
+    """What `GlooBackend.sever` cuts (`backends/connections.py`): the sockets that appeared
+    while the group formed, and only those; shutting them down wakes a reader with the end of
+    its stream, and leaves an older connection open."""
+    import socket
+    import threading
+
+    from dataparallel.backends.connections import own_sockets, shut_down, sockets_made
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        older = socket.create_connection(server.getsockname())
+        older_peer = server.accept()[0]
+        made, inodes = sockets_made(lambda: socket.create_connection(server.getsockname()))
+        peer = server.accept()[0]
+        with older, older_peer, made, peer:
+            assert len(inodes) == 1 and inodes <= own_sockets()
+            got: list[bytes] = []
+            reader = threading.Thread(target=lambda: got.append(made.recv(1)))
+            reader.start()
+            assert shut_down(inodes) == 1
+            reader.join()  # woken by the shutdown: no data ever comes
+            assert got == [b""] and peer.recv(1) == b""
+            older.sendall(b"o")
+            assert older_peer.recv(1) == b"o"
+
+
 _WATCHED_EXIT = """
 import datetime, os, sys, time
 from dataparallel.backends.gloo.group import import_torch_distributed
+from dataparallel.backends.connections import tcp_sockets
 from dataparallel.config import Settings
 from dataparallel.elastic import liveness
 
@@ -502,7 +529,7 @@ server = dist.TCPStore(
 port = server.port
 settings = Settings(elastic_store=(sys.argv[1], port), elastic_worker="w0")
 def connections():
-    return sum(remote[1] == port for _, remote in liveness._tcp_sockets())
+    return sum(remote[1] == port for _, remote in tcp_sockets())
 
 
 before = connections()  # the server's own client

@@ -34,7 +34,7 @@ before the interpreter finalizes: a thread still inside the store's C++ then, wo
 the launcher opens, would die by a forced unwind through code that may not throw, and abort the
 worker (SIGABRT) after a run that went well.
 
-Connections are found in Linux's `/proc/self/net/tcp{,6}` and `/proc/self/fd`; elsewhere none is
+Connections are found and cut by `backends/connections.py` (Linux's `/proc`); elsewhere none is
 cut, and the survivors wait out Gloo's timeout.
 """
 
@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from dataparallel.backends.connections import cut_connections
 from dataparallel.backends.rendezvous import address_toward, interface_address
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings, silence_limit
 
@@ -64,7 +65,6 @@ __all__ = [
     "Heartbeats",
     "address_key",
     "changing_world",
-    "cut_connections",
     "heartbeat_key",
     "publish_address",
     "unreachable_key",
@@ -301,59 +301,3 @@ def _resolved(store_at: tuple[str, int]) -> tuple[str, int]:
         return socket.gethostbyname(store_at[0]), store_at[1]
     except OSError:
         return store_at
-
-
-def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) -> int:
-    """Shut down this process's TCP connections to any of `addresses` (IPv4), but `keep`'s
-    (address, port); return how many. A thread blocked reading or writing one wakes with an
-    end of stream or an error, as if the peer had closed it."""
-    if not addresses:
-        return 0
-    inodes = {
-        inode for inode, remote in _tcp_sockets() if remote[0] in addresses and remote != keep
-    }
-    cut = 0
-    for fd in _socket_fds(inodes):
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
-            connection.shutdown(socket.SHUT_RDWR)
-            cut += 1
-    return cut
-
-
-def _tcp_sockets() -> Iterator[tuple[str, tuple[str, int]]]:
-    """Each TCP socket of this network namespace that is not listening: its inode and its
-    remote (IPv4 address, port); IPv6 ones only where they carry an IPv4 address."""
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as file:
-                lines = file.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] == "0A":  # 0A: listening
-                continue
-            hex_address, _, hex_port = fields[2].partition(":")
-            raw = bytes.fromhex(hex_address)
-            # Each 32-bit word is in the machine's order (little-endian where this runs).
-            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            if len(words) == 4:
-                address = str(ipaddress.IPv4Address(words))
-            else:
-                mapped = ipaddress.IPv6Address(words).ipv4_mapped
-                if mapped is None:
-                    continue
-                address = str(mapped)
-            yield fields[9], (address, int(hex_port, 16))
-
-
-def _socket_fds(inodes: set[str]) -> Iterator[int]:
-    """This process's file descriptors that are the sockets of `inodes`."""
-    if not inodes:
-        return
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/self/fd/{entry}")
-                if target.startswith("socket:[") and target[8:-1] in inodes:
-                    yield int(entry)

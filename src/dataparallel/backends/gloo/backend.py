@@ -19,7 +19,9 @@ memory. What Gloo lacks against MPI is filled in here, exactly:
   work objects, so `close()` (`dp.finalize()`, or the interpreter's exit) destroys the group and
   lets go of it and of its handles in flight (`GlooHandle.forget`). The connections close, and a
   peer still in a collective with this process fails at once (`RankFailedError`) instead of
-  waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md).
+  waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md). Letting go
+  of the group joins its worker threads, so it waits for the calls they are in: `release()`
+  hands that last step to the caller, which closes a broken world's engines side by side.
 
 Joining the group (rendezvous, network interface, a user's own default group): `group.py`.
 """
@@ -51,6 +53,7 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
+from dataparallel.backends.connections import shut_down, sockets_made
 from dataparallel.backends.gloo.group import join_group
 from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
 from dataparallel.backends.rendezvous import gloo_interface, remove_if_every_store_left
@@ -254,10 +257,12 @@ class GlooBackend(Backend):
         store_file: Path | None = None,
         timeout: datetime.timedelta | None = None,
         interface: str | None = None,
+        sockets: frozenset[str] = frozenset(),
     ) -> None:
         import torch
 
         self._torch, self._dist, self.group = torch, dist, group
+        self._sockets = sockets  # the group's connections, where known (`sever`)
         self._owns_default_group = owns_default_group
         self._timeout = timeout  # for the groups made from this one (`split`, `duplicate`)
         self._interface = interface  # ... and the interface they bind to, as this one did
@@ -318,6 +323,7 @@ class GlooBackend(Backend):
             store_file=joined.store_file,
             timeout=joined.timeout,
             interface=joined.interface,
+            sockets=joined.sockets,
         )
         with gloo_interface(joined.interface):
             engine.hierarchy = engine._hierarchy(settings)
@@ -634,9 +640,10 @@ class GlooBackend(Backend):
 
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
+        members = [self._global(r) for r in ranks]
         with gloo_interface(self._interface):
-            group = self._dist.new_group(
-                ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
+            group, sockets = sockets_made(
+                lambda: self._dist.new_group(ranks=members, backend="gloo", timeout=self._timeout)
             )
         if self.rank not in ranks:
             return None
@@ -647,6 +654,7 @@ class GlooBackend(Backend):
             local=None,
             timeout=self._timeout,
             interface=self._interface,
+            sockets=sockets,
         )
 
     def _global(self, rank: int) -> int:
@@ -659,7 +667,9 @@ class GlooBackend(Backend):
         if self.size != self._dist.get_world_size():
             return self
         with gloo_interface(self._interface):
-            group = self._dist.new_group(backend="gloo", timeout=self._timeout)
+            group, sockets = sockets_made(
+                lambda: self._dist.new_group(backend="gloo", timeout=self._timeout)
+            )
             twin = GlooBackend(
                 self._dist,
                 group,
@@ -667,16 +677,30 @@ class GlooBackend(Backend):
                 local=(self.local_rank, self.local_size),
                 timeout=self._timeout,
                 interface=self._interface,
+                sockets=sockets,
             )
             if self.hierarchy is not None:  # the communication thread's engine: its own groups
                 twin.hierarchy = self.hierarchy.duplicate(self._timeout)
         return twin
 
+    def sever(self) -> None:
+        """Shut down the connections the group made (`Backend.sever`): its calls in flight,
+        here and at the peers, fail at once ("Connection closed"). Known for groups made over
+        an existing default group (`split`, `duplicate`, an elastic round's world), whose
+        world can lose a member and go on; a default group this engine made has none listed."""
+        shut_down(self._sockets)
+
     def close(self) -> None:
         """Destroy the Gloo group and let go of it and of the handles in flight, so that its
         connections close (safe to call twice; also run at interpreter exit)."""
+        self.release()()
+
+    def release(self) -> Callable[[], None]:
+        """`close`, but for letting go of the group: the returned function drops the last
+        reference, whose teardown joins Gloo's worker threads, and so waits for the calls they
+        are in (`Backend.release`)."""
         if self._closed:
-            return
+            return _let_go
         self._closed = True
         atexit.unregister(self.close)
         for handle in list(self._in_flight):
@@ -684,7 +708,7 @@ class GlooBackend(Backend):
         group, self.group = self.group, None  # calls fail from now on: `_call_tensors`
         dist = self._dist
         if not dist.is_initialized():
-            return
+            return _let_go
         if self._owns_default_group:
             dist.destroy_process_group()
             # Free the group's store now, while the interpreter is whole: a file:// store removes
@@ -693,10 +717,13 @@ class GlooBackend(Backend):
             gc.collect()
             if self._store_file is not None:
                 remove_if_every_store_left(self._store_file, self.size)
-            return
+            return _let_go
         with contextlib.suppress(ValueError, RuntimeError):  # gone with the user's default group
             dist.destroy_process_group(group)
-        del group  # the last reference, unless the user holds one: the connections close
+        # The last reference, unless the user holds one: once dropped, the connections close.
+        held = [group]
+        del group
+        return held.clear
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -708,9 +735,10 @@ class GlooBackend(Backend):
     def _call_tensors(
         self, what: str, fn: Callable[..., _R], *args: object, **kwargs: object
     ) -> _R:
+        group = self.group  # before the check: `release` on another thread sets None after it
         self._refuse_if_closed(what)
         try:
-            return fn(*args, group=self.group, **kwargs)
+            return fn(*args, group=group, **kwargs)
         except RuntimeError as exc:
             raise translate_error(exc, what, self.rank) from exc
 
@@ -724,3 +752,7 @@ class GlooBackend(Backend):
         self, what: str, fn: Callable[..., Work], tensor: torch.Tensor, **kwargs: object
     ) -> Work:
         return self._call_tensors(what, fn, tensor, async_op=True, **kwargs)
+
+
+def _let_go() -> None:
+    """What is left of a release that let go of everything already (`GlooBackend.release`)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
+from dataparallel.backends.connections import sockets_made
 from dataparallel.backends.rendezvous import (
     gloo_interface,
     interface_toward,
@@ -46,6 +47,9 @@ class Joined(NamedTuple):
     # The network interface the group was bound to (None: Gloo's own choice): the engine's later
     # groups bind to it too.
     interface: str | None = None
+    # The group's connections (socket inodes), where it was made over an existing default group
+    # (an elastic round's): what `GlooBackend.sever` cuts.
+    sockets: frozenset[str] = frozenset()
 
 
 def import_torch_distributed() -> ModuleType:
@@ -138,10 +142,16 @@ def _over_existing_group(
     if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
         interface = interface_toward(*settings.elastic_store)
     with gloo_interface(interface):
-        group = dist.new_group(backend="gloo", timeout=timeout)
+        group, sockets = sockets_made(lambda: dist.new_group(backend="gloo", timeout=timeout))
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
     return Joined(
-        dist, group, owns_default_group=False, local=local, timeout=timeout, interface=interface
+        dist,
+        group,
+        owns_default_group=False,
+        local=local,
+        timeout=timeout,
+        interface=interface,
+        sockets=sockets,
     )
 
 
