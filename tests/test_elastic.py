@@ -489,9 +489,9 @@ def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
 
 
 def test_the_sockets_a_group_made_are_found_and_shut_down() -> None:
-    """What `GlooBackend.sever` cuts (`backends/connections.py`): the sockets that appeared
-    while the group formed, and only those; shutting them down wakes a reader with the end of
-    its stream, and leaves an older connection open."""
+    """What `GlooBackend.sever` cuts (`backends/connections.py`): the connections that appeared
+    while the group formed, and only those (not a listening socket made meanwhile); shutting
+    them down wakes a reader with the end of its stream, and leaves an older connection open."""
     import socket
     import threading
 
@@ -500,9 +500,15 @@ def test_the_sockets_a_group_made_are_found_and_shut_down() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         older = socket.create_connection(server.getsockname())
         older_peer = server.accept()[0]
-        made, inodes = sockets_made(lambda: socket.create_connection(server.getsockname()))
+
+        def connect() -> tuple[socket.socket, socket.socket]:
+            return socket.create_connection(server.getsockname()), socket.create_server(
+                ("127.0.0.1", 0)
+            )
+
+        (made, listener), inodes = sockets_made(connect)
         peer = server.accept()[0]
-        with older, older_peer, made, peer:
+        with older, older_peer, made, peer, listener:
             assert len(inodes) == 1 and inodes <= own_sockets()
             got: list[bytes] = []
             reader = threading.Thread(target=lambda: got.append(made.recv(1)))

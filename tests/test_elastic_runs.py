@@ -230,6 +230,14 @@ def test_below_min_np_ends_after_the_elastic_timeout(tmp_path: Path) -> None:
     assert "1 slot(s) missing on this machine (lost: worker(s) 1)" in done.stderr
 
 
+def test_every_worker_lost_fails_the_run(tmp_path: Path) -> None:
+    """Both workers die (`--min-np 1`): no worker finished its script, so the run fails."""
+    done = elastic(2, ["--min-np", "1"], ["--die", "w0:1", "--die", "w1:1"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "every worker was lost (worker(s) " in done.stderr
+    assert "none finished its script" in done.stderr
+
+
 def test_a_commit_on_some_ranks_only_fails_on_every_rank(tmp_path: Path) -> None:
     """Worker 1 skips its 2nd commit: worker 0's commit meets its next step's collective, and
     the protocol says so on every rank (a bug, not a lost worker: the run ends)."""

@@ -40,11 +40,14 @@ def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) ->
 
 
 def sockets_made(make: Callable[[], T]) -> tuple[T, frozenset[str]]:
-    """Return `make()` and the sockets of this process (inodes) that appeared while it ran: a
-    Gloo group's connections to its peers, made when the group is (as torch makes them)."""
+    """Return `make()` and the TCP connections of this process (inodes) that appeared while it
+    ran: a Gloo group's connections to its peers, made when the group is (as torch makes them).
+    Listening sockets are left out: Gloo's listener ends the process (`std::terminate`) when an
+    accept on it fails."""
     before = own_sockets()
     made = make()
-    return made, own_sockets() - before
+    connected = {inode for inode, _ in tcp_sockets()}
+    return made, (own_sockets() - before) & connected
 
 
 def shut_down(inodes: Iterable[str]) -> int:
