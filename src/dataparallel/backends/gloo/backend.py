@@ -20,8 +20,10 @@ memory. What Gloo lacks against MPI is filled in here, exactly:
   lets go of it and of its handles in flight (`GlooHandle.forget`). The connections close, and a
   peer still in a collective with this process fails at once (`RankFailedError`) instead of
   waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md). Letting go
-  of the group joins its worker threads, so it waits for the calls they are in: `release()`
-  hands that last step to the caller, which closes a broken world's engines side by side.
+  of the group joins its worker threads, so it waits for the calls they are in, which may wait
+  on a peer that waits on this process: a broken world's engines are first cut (`sever`: the
+  connections the group made are shut down, and those calls fail), then released side by side
+  (`release()` hands the last step to the caller).
 
 Joining the group (rendezvous, network interface, a user's own default group): `group.py`.
 """
