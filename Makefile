@@ -70,11 +70,12 @@ test-gloo: $(STAMP)
 # The docstrings' examples run first (a world of one); the suite's world of one runs last, so the
 # job ends on a plain pytest summary. Its tests mostly start jobs and wait on them: two
 # pytest-xdist workers keep both cores busy, each test to whichever is free, a few files whole
-# (`--dist loadgroup`: tests/conftest.py says which).
+# (`--dist loadgroup`: tests/conftest.py says which). The slowest tests are listed last, where the
+# suite's time goes.
 TEST_WORKERS ?= 2
 test-1: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -q --doctest-modules src/dataparallel
-	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadgroup
+	$(TEST_ENV) $(PYTEST) -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 test: lint test-mpi test-gloo test-1
 

@@ -32,7 +32,9 @@ and as one ring, on MPI (with `--modes`, also held in each mode), and DDP over G
 holds dp on MPI as the topology makes MPICH wait (sleeping between polls where the 4 ranks
 outnumber the machine's cores) beside MPICH's default wait, which only yields; `hvd1` and
 `hvd0` hold Horovod's `DistributedOptimizer` with `HOROVOD_HIERARCHICAL_ALLREDUCE=1` / `=0`
-(from `--hvd-venv`, initialized once for the job) beside dp by host and as one ring. Every job
+(from `--hvd-venv`, initialized once for the job; MPICH's waits sleeping from the start where
+the ranks outnumber the cores, `horovod_waits`) beside every case of `dp`: the whole table in
+one job, each row against every other in the same processes. Every job
 also times one process alone (the floor) and dp's ring (the reference): each case's overhead is
 its step minus the floor, and its ratio is to the ring measured in the same job. After each job
 the link's loss counters are printed (the shaper's drops, TCP's retransmits and timeouts, the
@@ -202,8 +204,8 @@ def sweep_work(args: argparse.Namespace) -> None:
 # is not reliable (NOTES.md): each setting gets a job, initialized once for the whole of it.
 JOBS: dict[str, tuple[str, ...]] = {
     "dp": (HIERARCHICAL, FLAT, MPI_CASE, DDP),
-    "hvd1": (FLAT, HIERARCHICAL, "Horovod:1"),
-    "hvd0": (FLAT, HIERARCHICAL, "Horovod:0"),
+    "hvd1": (FLAT, HIERARCHICAL, MPI_CASE, DDP, "Horovod:1"),
+    "hvd0": (FLAT, HIERARCHICAL, MPI_CASE, DDP, "Horovod:0"),
     "flat": (FLAT,),
     "mpi": (MPI_CASE,),
     "sleep": (FLAT, MPI_CASE, MPI_SPIN),
@@ -217,10 +219,13 @@ def train_work(args: argparse.Namespace) -> None:
     import copy
 
     import torch
+    from mpi4py import MPI
     from torch import nn
     from train_step import ALONE, Horovod, measure, trainer, transformer
 
     import dataparallel as dp
+    from dataparallel.backends.mpi.backend import SLEEP_VARIABLE
+    from dataparallel.backends.mpi.library import control
 
     if args.stacks_after > 0:  # a job that hangs shows where each rank waits before it is killed
         faulthandler.dump_traceback_later(args.stacks_after, exit=False)
@@ -243,7 +248,9 @@ def train_work(args: argparse.Namespace) -> None:
         def adam(m: nn.Module) -> torch.optim.Optimizer:
             return torch.optim.Adam(m.parameters(), lr=1e-4)
 
-        result: dict[str, Any] = {"horovod": horovod.version or horovod.reason}
+        # MPICH's wait as the cases run, Horovod's background loop's included (the process's)
+        waits = f"{SLEEP_VARIABLE}={control(MPI, SLEEP_VARIABLE)}"
+        result: dict[str, Any] = {"horovod": horovod.version or horovod.reason, "waits": waits}
         for d in (int(v) for v in args.d.split(",")):
             base = transformer(d)
             single = copy.deepcopy(base)
@@ -354,11 +361,25 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
             raise SystemExit(f"--jobs: no job {name!r}; the jobs are {', '.join(JOBS)}")
         start = time.strftime("%H:%M:%S", time.gmtime())
         print(f"\n## job {name} ({', '.join(JOBS[name])}), started {start} UTC", flush=True)
+        env = {**link.environment(), **horovod_waits(JOBS[name])}
         with Watch(link):
             job = Job(link, launcher, bindir, [*worker, "--job", name], args.timeout)
-            result = job.result("by host", link.environment())
+            result = job.result("by host", env)
         table(args, name, result)
     return 0
+
+
+def horovod_waits(cases: tuple[str, ...]) -> dict[str, str]:
+    """The environment a job's ranks get for Horovod: MPICH's waits sleep between polls from
+    `MPI_Init` on where the job's 4 ranks outnumber the machine's cores, the rule dp's MPI world
+    applies to itself (`backends/mpi/backend.crowded`). Horovod's background loop coordinates
+    over MPI every cycle (1 ms) on every rank; with waits that only yield, 4 ranks on 2 cores
+    spin in it and starve the steps. Nothing for jobs without Horovod."""
+    from dataparallel.backends.mpi.backend import SLEEP_VARIABLE
+
+    horovod = any(case.startswith("Horovod:") for case in cases)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {SLEEP_VARIABLE: "1"} if horovod and (cores or 1) < 4 else {}
 
 
 def table(args: argparse.Namespace, job: str, result: dict[str, Any]) -> None:
@@ -366,7 +387,7 @@ def table(args: argparse.Namespace, job: str, result: dict[str, Any]) -> None:
     ratio to dp's ring measured in the same job; the goal's ratios; the mode choice's check."""
     from train_step import ALONE
 
-    print(f"Horovod: {result.pop('horovod')}")
+    print(f"Horovod: {result.pop('horovod')}; MPICH's waits on rank 0: {result.pop('waits')}")
     for d, figures in result.items():
         samples = figures["samples"]
         alone = samples[ALONE]

@@ -488,43 +488,12 @@ def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
     assert server.returncode == 0
 
 
-def test_the_sockets_a_group_made_are_found_and_shut_down() -> None:
-    """What `GlooBackend.sever` cuts (`backends/connections.py`): the connections that appeared
-    while the group formed, and only those (not a listening socket made meanwhile); shutting
-    them down wakes a reader with the end of its stream, and leaves an older connection open."""
-    import socket
-    import threading
-
-    from dataparallel.backends.connections import own_sockets, shut_down, sockets_made
-
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        older = socket.create_connection(server.getsockname())
-        older_peer = server.accept()[0]
-
-        def connect() -> tuple[socket.socket, socket.socket]:
-            return socket.create_connection(server.getsockname()), socket.create_server(
-                ("127.0.0.1", 0)
-            )
-
-        (made, listener), inodes = sockets_made(connect)
-        peer = server.accept()[0]
-        with older, older_peer, made, peer, listener:
-            assert len(inodes) == 1 and inodes <= own_sockets()
-            got: list[bytes] = []
-            reader = threading.Thread(target=lambda: got.append(made.recv(1)))
-            reader.start()
-            assert shut_down(inodes) == 1
-            reader.join()  # woken by the shutdown: no data ever comes
-            assert got == [b""] and peer.recv(1) == b""
-            older.sendall(b"o")
-            assert older_peer.recv(1) == b"o"
-
-
 _WATCHED_EXIT = """
 import datetime, os, sys, time
 from dataparallel.backends.gloo.group import import_torch_distributed
 from dataparallel.backends.connections import tcp_sockets
 from dataparallel.config import Settings
+from dataparallel.backends.connections import tcp_sockets
 from dataparallel.elastic import liveness
 
 dist = import_torch_distributed()

@@ -84,6 +84,25 @@ def test_is_local_knows_this_machine_and_names_what_does_not_resolve() -> None:
         is_local("no-such-host.invalid")
 
 
+def test_one_answer_to_is_this_host_here_and_each_caller_says_what_unresolved_means() -> None:
+    """`is_here` is the one test (the launcher's `is_local`, the MPI launcher's beacon, an
+    elastic worker's watch all ask it); a name that resolves to nothing is an error for the
+    launcher, another machine for the MPI launcher (mpiexec names it) and for the watch."""
+    import socket
+
+    from dataparallel.backends.rendezvous import is_here
+    from dataparallel.elastic.liveness import _far
+    from dataparallel.launch.mpi import _elsewhere
+
+    assert is_here(socket.gethostname()) and is_here("localhost") and is_here("127.0.0.1")
+    assert not is_here("192.0.2.1")
+    with pytest.raises(OSError):
+        is_here("no-such-host.invalid")
+    assert not _far("127.0.0.1") and not _elsewhere("127.0.0.1")
+    assert _far("192.0.2.1") and _elsewhere("192.0.2.1")
+    assert _far("no-such-host.invalid") and _elsewhere("no-such-host.invalid")
+
+
 def test_mpi_host_files_are_written_in_the_mpiexecs_format() -> None:
     hosts = [HostSlots("a", 2), HostSlots("b", 1)]
     assert _hostfile_text(hosts, "-f") == "a:2\nb:1\n"  # Hydra
@@ -266,15 +285,15 @@ def test_the_beacon_names_a_rank_silent_for_the_link_timeout_and_not_one_that_be
     named, with its host and address, after the link timeout."""
     import socket
 
-    from dataparallel.launch.beacon import Beacon
+    from dataparallel.launch.beacon import Beacon, parse_address
 
     with Beacon(0.5, toward="127.0.0.1") as beacon:
         assert beacon.address is not None
-        host, _, port = beacon.address.rpartition(":")
-        ranks = [socket.create_connection((host, int(port)), timeout=30) for _ in range(3)]
+        secret, host, port = parse_address(beacon.address)
+        ranks = [socket.create_connection((host, port), timeout=30) for _ in range(3)]
         try:
             for rank, line in enumerate(ranks):
-                line.sendall(f"{rank} node{rank}\n".encode())
+                line.sendall(f"{secret} {rank} node{rank}\n".encode())
             ranks[2].close()  # finished
             guard = time.monotonic() + 60  # a hang guard: rank 1 is said lost soon
             while beacon.lost() is None:
@@ -289,3 +308,59 @@ def test_the_beacon_names_a_rank_silent_for_the_link_timeout_and_not_one_that_be
         finally:
             for line in ranks:
                 line.close()
+
+
+def test_the_beacon_refuses_a_line_without_the_jobs_secret_and_still_ends_on_a_silence() -> None:
+    """Anything that reaches the beacon's port and says a rank without the job's secret (an old
+    job's rank, a port scanner) is closed at once, one that says nothing is closed after the
+    link timeout, and neither is ever named lost; the rank with the secret that falls silent
+    is. The port is bound to the address toward the job's hosts, not to every interface."""
+    import socket
+
+    from dataparallel.backends.rendezvous import address_toward
+    from dataparallel.launch.beacon import Beacon, hello, parse_address
+
+    with Beacon(0.5, toward="127.0.0.1") as beacon:
+        assert beacon.address is not None
+        secret, host, port = parse_address(beacon.address)
+        assert host == "127.0.0.1" and len(secret) >= 32
+        other = address_toward("192.0.2.1", 9)  # this machine's way out, if it has one
+        if other is not None and other != host:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((other, port), timeout=30).close()
+        lines = [socket.create_connection((host, port), timeout=30) for _ in range(4)]
+        wrong, bare, mute, rank = lines
+        try:
+            wrong.sendall(hello("0" * len(secret), 0))  # another secret, same length
+            bare.sendall(b"0 node0\n")  # a rank number and no secret at all
+            rank.sendall(hello(secret, 1))  # then silent
+            for refused in (wrong, bare):  # closed by the beacon: the end of its stream
+                assert refused.recv(1) == b"", "a line without the secret was not closed"
+            assert mute.recv(1) == b"", "a line that said nothing stayed open"
+            guard = time.monotonic() + 60  # a hang guard: the rank is said lost soon
+            while beacon.lost() is None:
+                assert time.monotonic() < guard, "the silent rank was never said lost"
+                time.sleep(0.05)
+            lost = beacon.lost()
+            assert lost is not None and lost.rank == 1, lost
+            assert lost.host == socket.gethostname() and lost.silent >= 0.5
+            assert sorted(beacon.refused) == ["127.0.0.1"] * 3
+        finally:
+            for line in lines:
+                line.close()
+
+
+def test_a_split_drops_the_host_cut_off_from_most_then_the_smaller_then_the_newer() -> None:
+    """Which side of a split goes on (`launch/spawn.split_losers`, docs/elastic.md)."""
+    from dataparallel.launch.spawn import split_losers
+
+    one_each = {0: "a", 1: "b", 2: "c"}
+    assert split_losers(set(), one_each) == []
+    assert split_losers({("b", "c")}, one_each) == [("c", "b")]  # a tie: the newer goes
+    assert split_losers({("a", "b")}, one_each) == [("b", "a")]  # rank 0's host stays
+    assert split_losers({("a", "b")}, {0: "a", 1: "b", 2: "b"}) == [("a", "b")]  # the smaller
+    # b cut off from a and from c goes alone, though it holds more workers than either.
+    assert split_losers({("a", "b"), ("b", "c")}, {0: "a", 1: "b", 2: "b", 3: "c"}) == [("b", "a")]
+    # Two pairs apart: one host of each, the newest first.
+    cut = {("a", "b"), ("c", "d")}
+    assert split_losers(cut, {0: "a", 1: "b", 2: "c", 3: "d", 4: "d"}) == [("c", "d"), ("b", "a")]

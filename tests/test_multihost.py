@@ -527,6 +527,54 @@ def test_run_three_hosts_on_a_bridge_then_a_host_cut_off_ends_the_job(
     assert leftovers(three_hosts[:2]) == [], "ranks outlived the job"
 
 
+def test_run_three_hosts_split_ends_the_job_naming_the_hosts_cut_off(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """`-H a:1,b:1,c:1` under Gloo, the launcher on a. After an allreduce, rank 2 (host c)
+    pauses while ranks 0 and 1 wait for it in a second one; then c stops reaching b (`ip route
+    add prohibit`, in c alone) while a still reaches both: a split. The launcher's lines to b
+    and c beat on; only the ranks' own connection between b and c is dead. Rank 2 goes on into
+    the allreduce, and the job ends, long before `--timeout` and Gloo's own timeout: TCP
+    keep-alive on the ranks' connections (`backends/connections.py`) fails the one between b
+    and c within the link timeout, the rank whose call waited on it raises `LinkLostError`
+    naming the other host, and the launcher names the rank and its host."""
+    _, b, c = three_hosts
+    go = tmp_path / "go"
+    spec = ",".join(f"{host.address}:1" for host in three_hosts)
+    options = ["--timeout", "150", "--link-timeout", "1"]
+    job = [*hosts_job(three_hosts, ssh3, "allreduce-then-pause", *options, spec=spec), str(go)]
+    try:
+        with spawn(job, launcher=None, env=ssh3.env, cwd=SCRIPTS, capture=True) as run:
+            assert run.stdout is not None
+            lines = []
+            for line in run.stdout:  # until rank 2 pauses and the others wait in the allreduce
+                lines.append(line)
+                if sum(x.count("] waits") + x.count("] pauses") for x in lines) == 3:
+                    break
+            split = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
+            assert split.returncode == 0, split.stderr
+            cut = time.monotonic()
+            go.touch()
+            rest, err = run.communicate(timeout=200)
+            took = time.monotonic() - cut
+        _wait_for(lambda: not leftovers(three_hosts), 30)
+        stayed = leftovers(three_hosts)
+    finally:
+        for host in (b, c):
+            _kill_everything_in(host)
+    out = "".join(lines) + rest
+    assert run.returncode == 1, f"{run.returncode} after {took:.1f} s\n{out}\n{err}"
+    assert took < 60, f"the job ended {took:.1f} s after the split, not by the link timeout"
+    assert "allreduced again" not in out, out
+    said = re.findall(r"\[rank \d on ([\d.]+)\] .*lost its link to ([\d.]+): that host", err)
+    assert said, err  # a rank on one side names the other
+    assert all({here, there} == {b.address, c.address} for here, there in said), err
+    ended = re.search(r"rank (\d) on ([\d.]+) exited with status 1; stopping the other", err)
+    assert ended is not None and ended[2] in (b.address, c.address), err
+    assert stayed == [], "ranks outlived the job"
+    print(f"the job ended {took:.1f} s after the split")
+
+
 # --- elastic across hosts: workers started over ssh, a host lost, a host set aside and back ---
 
 
@@ -659,12 +707,102 @@ def test_elastic_three_hosts_lose_one_by_a_death_then_its_link_while_a_round_for
         _kill_everything_in(c)
 
 
+def test_elastic_split_drops_the_later_host_and_the_others_go_on(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """`-H a:1,b:1,c:1 --min-np 2`: w0 on a, w1 on b, w2 on c. Worker 2 pauses in the middle of
+    a step after its 3rd commit, the others waiting on it in the step's collective; then c
+    stops reaching b (`ip route add prohibit`, in c alone), while the launcher on a reaches
+    both, and worker 2 goes on. No worker dies and every heartbeat goes on: the workers whose
+    connection between b and c failed (TCP keep-alive, `LinkLostError`) report it
+    (`rounds.report_split`), and the launcher drops one side: of b and c, one worker each, c,
+    whose worker joined later. w0 and w1 re-form and finish, every sample once an epoch and
+    the weights the replay's."""
+    from test_elastic_runs import check_run
+
+    a, b, c = three_hosts
+    go = tmp_path / "go"
+    spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
+    options = ["--link-timeout", "1", "--timeout", "150"]
+    args = ["--pause", f"w2:3:{go}"]
+    job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, args, spec)
+    paused = Path(f"{go}.paused")
+
+    def split() -> None:
+        done = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
+        assert done.returncode == 0, done.stderr
+        go.touch()
+
+    try:
+        status, out, err = _cut_once(
+            job, ssh3.env, tmp_path, paused, c, "worker 2 never paused", cut=split
+        )
+        assert status == 0, out + err
+        said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
+        assert said in err, err
+        assert f"host {c.address} has no worker left" in err, err
+        assert "was lost" not in err.replace(said, ""), err  # w0 and w1 stay
+        check_run(tmp_path, [3, 2])
+        _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
+        assert leftovers(three_hosts, "elastic_train.py") == []
+    finally:
+        _kill_everything_in(c)
+
+
+@pytest.mark.parametrize("when", ["arriving", "grouping"])
+def test_elastic_a_link_down_while_round_0_forms(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path, when: str
+) -> None:
+    """`-H a:1,b:1,c:1 --min-np 2`: worker 2 (host c) stops in round 0 before any world exists
+    (so before any heartbeat): about to arrive (`arriving`), or once the round formed, about to
+    make its Gloo group, where the others wait for its address (`grouping`). Then c's link
+    goes down. The launcher's ssh to c gives up within the link timeout (status 255), worker 2
+    is lost, and the round opened without it lets w0 and w1 give round 0 up and form round 1,
+    the run's first world, and finish. (A stop inside the rank's runner: `PYTHONPATH` brings a
+    `sitecustomize` that sets it before the runner joins round 0.)"""
+    from test_elastic_runs import check_run
+
+    a, b, c = three_hosts
+    stalled = tmp_path / "stalled"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    stop = "stall_forming" if when == "arriving" else "stall_grouping"
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('DATAPARALLEL_ELASTIC_WORKER') == 'w2':\n"
+        f"    sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        f"    from elastic_train import {stop}\n"
+        f"    {stop}(0, {str(stalled)!r})\n"
+    )
+    env = {**ssh3.env, "PYTHONPATH": str(hook)}
+    spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
+    options = ["--link-timeout", "1", "--timeout", "150"]
+    job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, [], spec)
+    try:
+        status, out, err = _cut_once(job, env, tmp_path, stalled, c, "worker 2 never stopped")
+        assert status == 0, out + err
+        assert f"worker 2 on {c.address} was lost (" in err, err
+        assert f"host {c.address} has no worker left" in err, err
+        check_run(tmp_path, [2])
+        _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
+        assert leftovers(three_hosts, "elastic_train.py") == []
+    finally:
+        _kill_everything_in(c)
+
+
 def _cut_once(
-    job: list[str], env: dict[str, str], cwd: Path, ready: Path, host: Host, never: str
+    job: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    ready: Path,
+    host: Host,
+    never: str,
+    cut: Any = None,
 ) -> tuple[int, str, str]:
     """Run `job`; once the file `ready` exists (the job's sign that the moment has come), take
-    `host`'s link down; return the job's status and what it printed (stdout, stderr). Fails with
-    `never` if the job ends before `ready` appears, and if it does not end after the cut."""
+    `host`'s link down (or call `cut()`); return the job's status and what it printed (stdout,
+    stderr). Fails with `never` if the job ends before `ready` appears, and if it does not end
+    after the cut."""
     said: dict[str, str] = {}
     with spawn(job, launcher=None, env=env, cwd=cwd, capture=True) as run:
 
@@ -675,8 +813,11 @@ def _cut_once(
         reader.start()
         _wait_for(lambda: ready.exists() or run.poll() is not None, 120)
         assert ready.exists(), never
-        down = _ip("-n", host.namespace, "link", "set", _device(host), "down")
-        assert down.returncode == 0, down.stderr
+        if cut is not None:
+            cut()
+        else:
+            down = _ip("-n", host.namespace, "link", "set", _device(host), "down")
+            assert down.returncode == 0, down.stderr
         reader.join(timeout=200)
         assert not reader.is_alive(), "the job did not end"
     return run.returncode, said["stdout"], said["stderr"]

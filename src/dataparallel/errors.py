@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DataParallelError",
+    "LinkLostError",
     "NotInitializedError",
     "RankFailedError",
     "RankJoinedError",
@@ -53,6 +54,18 @@ class RankFailedError(DataParallelError, RuntimeError):
         super().__init__(*args)
         if str(self):
             _remembered.append(str(self))
+
+
+class LinkLostError(RankFailedError):
+    """Another rank is out of reach: its connection stopped answering for the link timeout.
+
+    Its host, or the link between the two hosts, is down; the rank itself may be alive, and
+    reachable from others (a *split*). `address` is the peer's address as the connection had it.
+    """
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
 
 
 # The messages of the newest RankFailedErrors made in this process (`library_error`).

@@ -33,7 +33,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.base import Backend
-from dataparallel.backends.rendezvous import gloo_interface, interface_toward
+from dataparallel.backends.rendezvous import gloo_connecting, interface_toward
 from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
 
@@ -121,7 +121,7 @@ def _make_group(backend: Backend, settings: Settings) -> Callable[[], None] | No
     if settings.gloo_socket_ifname is None and toward is not None:
         interface = interface_toward(*toward)
     hook = sys.excepthook  # init_process_group wraps it; the world manages its own
-    with gloo_interface(interface):
+    with gloo_connecting(interface):
         dist.init_process_group(
             kind,
             store=dist.PrefixStore(_STORE_PREFIX, store),

@@ -13,6 +13,9 @@ Options:
     --stall W:K:FILE    worker W, after its K-th commit, creates FILE in the middle of the next
                         step and waits there for ever: its peers wait on it in the step's
                         collective (the test then takes its host's link down)
+    --pause W:K:FILE    worker W, after its K-th commit, creates FILE.paused in the middle of the
+                        next step and waits there until FILE exists: its peers wait on it in
+                        the step's collective (the test cuts links meanwhile), then it joins them
     --stall-forming W:G:FILE  worker W, about to arrive in round G (opened, not yet formed),
                         creates FILE and waits there for ever, its watch still beating: the
                         others wait for it to arrive (the test then takes its host's link down)
@@ -111,6 +114,22 @@ def stall_forming(generation: int, path: str) -> None:
     rounds._exists = stalling  # type: ignore[assignment]
 
 
+def stall_grouping(generation: int, path: str) -> None:
+    """Stop this worker for ever (after creating `path`) once round `generation` has formed, as
+    it begins making the round's Gloo group: the others wait for its address there."""
+    from dataparallel.elastic import rounds
+
+    make = rounds._make_group
+
+    def stalling(store: object, chosen: rounds.Round, settings: object) -> None:
+        if chosen.generation == generation:
+            open(path, "w").close()
+            wait_until(lambda: False)
+        make(store, chosen, settings)  # type: ignore[arg-type]
+
+    rounds._make_group = stalling  # type: ignore[assignment]
+
+
 def wait_for_round(generation: int, formed: bool = False) -> None:
     """Wait until the launcher has opened round `generation` (`formed`: until it formed)."""
     from dataparallel.config import Settings
@@ -146,6 +165,7 @@ def main() -> None:
     parser.add_argument("--die", action="append", default=[])
     parser.add_argument("--skip")
     parser.add_argument("--stall", default="::")
+    parser.add_argument("--pause", default="::")
     parser.add_argument("--die-forming", default="")
     parser.add_argument("--stall-forming", default="::")
     parser.add_argument("--slots")
@@ -159,6 +179,8 @@ def main() -> None:
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
     leaver, _, leaves_after = args.leave.partition(":")
     staller, stalls_after, stall_file = args.stall.split(":", 2)
+    pauser, pauses_after, pause_file = args.pause.split(":", 2)
+    paused = False
     skip_worker, _, skip_at = (args.skip or "").partition(":")
     tries = 0
     forming_worker, _, forming_round = args.die_forming.partition(":")
@@ -217,6 +239,7 @@ def main() -> None:
 
     @dp.elastic.run
     def train(state: dp.elastic.ObjectState) -> None:
+        nonlocal paused
         while state.epoch < args.epochs:
             sampler = state.sampler
             if args.set_epoch_at_start:  # also on re-entry, for the epoch rolled back into
@@ -231,6 +254,10 @@ def main() -> None:
                 if me == staller and commits >= int(stalls_after):
                     open(stall_file, "w").close()
                     wait_until(lambda: False)
+                if me == pauser and commits >= int(pauses_after) and not paused:
+                    paused = True
+                    open(pause_file + ".paused", "w").close()
+                    wait_until(lambda: os.path.exists(pause_file))
                 parts = dp.allgather_object((indices, g))
                 state.w = update(state.w, parts)
                 state.history.append([state.epoch, dp.size(), [p[0] for p in parts]])

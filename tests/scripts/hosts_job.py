@@ -1,10 +1,13 @@
 """One rank of a job across emulated hosts (`tests/test_multihost.py`), started by -H.
 
-usage: hosts_job.py allreduce | allreduce-then-wait | fail | sleep
+usage: hosts_job.py allreduce | allreduce-then-wait | allreduce-then-pause FILE | fail | sleep
   allreduce  an allreduce of 1 Mi float32 (rank + 1 each), checked on every rank against the
              sum; prints `RESULT {json}` with the rank, its hostname and its local rank and size
   allreduce-then-wait  the same, then the last rank prints `stalls` and waits (10 minutes)
              while the others print `waits` and wait for it in a barrier
+  allreduce-then-pause FILE  the same, then the last rank prints `pauses` and waits until
+             FILE exists while the others print `waits` and enter a second allreduce, where
+             it joins them (the test cuts a link meanwhile)
   fail       the last rank raises; the others wait (10 minutes)
   sleep      every rank prints `ready` and waits (10 minutes)
 """
@@ -42,6 +45,13 @@ if mode.startswith("allreduce"):
         if last:
             time.sleep(600)
         dp.barrier()  # waits on the last rank, which never comes
+    if mode == "allreduce-then-pause":
+        last = rank == size - 1
+        print("pauses" if last else "waits", flush=True)
+        while last and not os.path.exists(sys.argv[2]):
+            time.sleep(0.01)
+        dp.allreduce(np.ones(1 << 16, dtype=np.float32))
+        print("allreduced again", flush=True)
     dp.finalize()
 elif mode == "fail":
     if rank == size - 1:

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from dataparallel.backends.connections import connections, keep_alive
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError
 
@@ -39,9 +40,10 @@ __all__ = [
     "Meeting",
     "Rendezvous",
     "address_toward",
-    "gloo_interface",
+    "gloo_connecting",
     "interface_address",
     "interface_toward",
+    "is_here",
     "parse_init_method",
     "remove_if_every_store_left",
     "rendezvous_error",
@@ -191,6 +193,36 @@ def address_toward(host: str, port: int) -> str | None:
         return None
 
 
+def is_here(host: str) -> bool:
+    """Return whether `host` names this machine: `localhost`, its hostname, or a name or
+    address of which one address can be bound here.
+
+    The one answer for every part that asks (the launcher placing ranks, the MPI launcher's
+    beacon, an elastic worker's watch of its store); what a name that resolves to nothing
+    means differs between them, so it raises and each caller says.
+
+    Raises:
+        OSError: `host` resolves to no address (`socket.gaierror`).
+
+    >>> is_here("127.0.0.1"), is_here("192.0.2.1")  # TEST-NET-1 is never an address here
+    (True, False)
+    """
+    if host == "localhost" or host == socket.gethostname():
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except UnicodeError as exc:  # a name that is not even a valid label
+        raise socket.gaierror(socket.EAI_NONAME, f"{host!r} is not a host name: {exc}") from exc
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
 def interface_address(interface: str) -> str | None:
     """Return the IPv4 address of network interface `interface` (Linux), or None."""
     return next((address for name, address in _addresses() if name == interface), None)
@@ -219,16 +251,23 @@ def _addresses() -> Iterator[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def gloo_interface(interface: str | None) -> Iterator[None]:
-    """Make Gloo bind to `interface` while the group is created (torch reads GLOO_SOCKET_IFNAME)."""
-    if interface is None:
-        yield
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = interface
+def gloo_connecting(interface: str | None) -> Iterator[set[str]]:
+    """Make Gloo bind to `interface` while a group is made (torch reads GLOO_SOCKET_IFNAME;
+    None: Gloo's own choice), and give the connections it made to other hosts TCP keep-alive
+    (`connections.keep_alive`, within the link timeout): a peer that stops answering then fails
+    the call waiting on it instead of leaving it to Gloo's timeout. Yields a set that holds,
+    once the block is done, every connection made in it (socket inodes: `GlooBackend.sever`)."""
+    before = set(connections())
+    made: set[str] = set()
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
-        yield
+        yield made
     finally:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        if interface is not None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    made.update(set(connections()) - before)
+    keep_alive(before, Settings.from_env().link_timeout)
 
 
 def rendezvous_error(exc: BaseException, rendezvous: Rendezvous) -> BaseException:

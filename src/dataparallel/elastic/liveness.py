@@ -34,8 +34,8 @@ before the interpreter finalizes: a thread still inside the store's C++ then, wo
 the launcher opens, would die by a forced unwind through code that may not throw, and abort the
 worker (SIGABRT) after a run that went well.
 
-Connections are found and cut by `backends/connections.py` (Linux's `/proc`); elsewhere none is
-cut, and the survivors wait out Gloo's timeout.
+Connections are cut by `backends.connections` (Linux); elsewhere none is, and the survivors wait
+out Gloo's timeout.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.connections import cut_connections
-from dataparallel.backends.rendezvous import address_toward, interface_address
+from dataparallel.backends.rendezvous import address_toward, interface_address, is_here
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings, silence_limit
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ __all__ = [
     "changing_world",
     "heartbeat_key",
     "publish_address",
+    "split_key",
     "unreachable_key",
     "watch",
 ]
@@ -99,6 +100,15 @@ def address_key(worker: str) -> str:
 def heartbeat_key(worker: str) -> str:
     """The key whose counter `worker` adds to every `POLL` seconds while it is in reach."""
     return f"heartbeat/{worker}"
+
+
+def split_key(generation: int, number: int | None = None) -> str:
+    """The keys where workers of round `generation` report a peer they lost by its link
+    (`rounds.report_split`): the count of reports (`number` None), then report `number`
+    (from 1), JSON `{"worker": ID, "address": PEER'S ADDRESS}`. The launcher decides from
+    them which side of a split goes on."""
+    base = f"round/{generation}/split"
+    return base if number is None else f"{base}/{number}"
 
 
 def unreachable_key(generation: int) -> str:
@@ -139,7 +149,7 @@ def watch(
     if _watching or _is_loopback(settings.elastic_store[0]):
         return
     _watching = True
-    far = not _is_here(settings.elastic_store[0])
+    far = _far(settings.elastic_store[0])
     beat = heartbeat_key(settings.elastic_worker) if far and settings.elastic_worker else None
     _threads.append(
         threading.Thread(
@@ -286,14 +296,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _is_here(host: str) -> bool:
-    """Whether `host` is an address of this machine (the store is then never out of reach)."""
+def _far(host: str) -> bool:
+    """Whether the store's `host` is another machine, which a link joins to this one; one that
+    resolves to no address here is far (the probe then finds it out of reach, and leaves)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((socket.gethostbyname(host), 0))
+        return not is_here(host)
     except OSError:
-        return False
-    return True
+        return True
 
 
 def _resolved(store_at: tuple[str, int]) -> tuple[str, int]:

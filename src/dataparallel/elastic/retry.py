@@ -73,9 +73,10 @@ def run_fn(
                     if not skip_sync:
                         state.sync()
                     return func(state, *args, **kwargs)
-                except RankFailedError:
+                except RankFailedError as error:
                     if not elastic:
                         raise
+                    rounds.report_split(error)
                     state.restore()
                     skip_sync = False
                 except HostsUpdatedInterrupt as interrupt:
@@ -85,6 +86,7 @@ def run_fn(
                 except Exception as error:
                     if not (elastic and isinstance(library_error(error), RankFailedError)):
                         raise
+                    rounds.report_split(error)
                     state.restore()
                     skip_sync = False
                 reform = True

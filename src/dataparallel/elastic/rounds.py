@@ -27,6 +27,7 @@ raises `NoWorldError`, which `elastic.run` does not catch: waiting again would w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import sys
@@ -35,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dataparallel.backends.rendezvous import gloo_interface, interface_toward
+from dataparallel.backends.rendezvous import gloo_connecting, interface_toward
 from dataparallel.config import Settings
 from dataparallel.elastic import liveness
 from dataparallel.elastic.forming import round_key, watching
-from dataparallel.errors import DataParallelError, RankFailedError
+from dataparallel.errors import DataParallelError, LinkLostError, RankFailedError, library_error
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -59,6 +60,7 @@ __all__ = [
     "ready_key",
     "rejoin",
     "removed_key",
+    "report_split",
     "supersede",
 ]
 
@@ -251,10 +253,25 @@ def rejoin(error: BaseException, leave_world: Callable[[], None] | None = None) 
     lost = isinstance(error, RankFailedError) or not isinstance(error, DataParallelError)
     if joined is None or not isinstance(error, RuntimeError) or not lost:
         raise error
+    report_split(error)
     if leave_world is not None:
         leave_world()
     leave()
     join(joined.generation)
+
+
+def report_split(error: BaseException) -> None:
+    """Tell the launcher that this worker's world broke on a peer it lost by its link
+    (`error` is, or carries, a `LinkLostError`): it may be a split, where the launcher still
+    reaches both sides and sees no worker lost, and would never open the next round. The
+    launcher decides which side goes on (`launch/spawn.py`). Nothing for any other error."""
+    lost = library_error(error)
+    if _current is None or _client is None or not isinstance(lost, LinkLostError):
+        return
+    report = json.dumps({"worker": _current.me, "address": lost.address})
+    with contextlib.suppress(RuntimeError):  # the store gone: the launcher is ending the run
+        number = _client.add(liveness.split_key(_current.generation), 1)
+        _client.set(liveness.split_key(_current.generation, number), report)
 
 
 def supersede(store: Store, generation: int) -> bool:
@@ -293,7 +310,7 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     interface = None
     if settings.gloo_socket_ifname is None:
         interface = interface_toward(*settings.elastic_store)
-    with gloo_interface(interface):
+    with gloo_connecting(interface):
         dist.init_process_group(
             "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
         )

@@ -7,9 +7,13 @@ host's ranks, is silent rather than closed: a collective waiting on a silent pee
 flight for TCP to time out, so the job waits for `--timeout` (tests/test_multihost.py). The
 launcher therefore keeps a line of its own to each rank, as it does through ssh under Gloo:
 
-- it listens on a port of its machine (`Beacon`); the ranks find it in `BEACON_VARIABLE`
-  (mpiexec passes the environment on), connect, say their rank and host, and both sides write an
-  empty line every `config.beat_interval` seconds;
+- it listens on a port of its machine, at the address toward the other hosts (`Beacon`), not on
+  every interface; the ranks find it in `BEACON_VARIABLE` (mpiexec passes the environment on),
+  with a secret of the job's own, connect, say the secret, their rank and their host, and both
+  sides write an empty line every `config.beat_interval` seconds. A connection that does not
+  say the secret in its first line (or says nothing for the link timeout) is closed and never
+  watched: nothing else that reaches the port can pose as a rank, be taken for a lost one, or
+  keep a line open;
 - the launcher takes a rank whose line stood still for the link timeout (`--link-timeout`) for
   out of reach (its host, or its link), names it, and ends the job;
 - a rank on another host than the launcher's that hears nothing for `config.silence_limit`, or
@@ -22,6 +26,8 @@ A rank that cannot reach the port runs unwatched, as it did before.
 from __future__ import annotations
 
 import contextlib
+import hmac
+import secrets
 import select
 import socket
 import threading
@@ -31,12 +37,31 @@ from dataclasses import dataclass, field
 from dataparallel.backends.rendezvous import address_toward
 from dataparallel.config import beat_interval
 
-__all__ = ["Beacon", "Lost", "hello"]
+__all__ = ["Beacon", "Lost", "hello", "parse_address"]
+
+# The longest first line a rank says (its secret, rank and host name): anything longer is not one.
+_HELLO_BYTES = 1024
 
 
-def hello(rank: int) -> bytes:
-    """A rank's first line on the beacon: its rank and its host's name."""
-    return f"{rank} {socket.gethostname()}\n".encode()
+def hello(secret: str, rank: int) -> bytes:
+    """A rank's first line on the beacon: the job's secret, its rank and its host's name."""
+    return f"{secret} {rank} {socket.gethostname()}\n".encode()
+
+
+def parse_address(value: str) -> tuple[str, str, int]:
+    """Return the secret, host and port of `BEACON_VARIABLE`'s value, `SECRET@HOST:PORT`.
+
+    Raises:
+        ValueError: the value is not of that form.
+
+    >>> parse_address("5eb2@10.0.0.1:41234")
+    ('5eb2', '10.0.0.1', 41234)
+    """
+    secret, at, where = value.partition("@")
+    host, colon, port = where.rpartition(":")
+    if not (secret and at and host and colon and port.isdigit()):
+        raise ValueError(f"{value!r} is not SECRET@HOST:PORT")
+    return secret, host, int(port)
 
 
 @dataclass(frozen=True)
@@ -60,7 +85,7 @@ class _Line:
     address: str
     heard: float
     said: bytes = b""  # what the rank wrote before its hello's end
-    rank: int | None = None
+    rank: int | None = None  # None until it said the job's secret and its rank
     host: str = "?"
     ended: bool = False  # its rank closed it: finished, or dead (mpiexec reports that)
     lost: bool = False
@@ -69,33 +94,46 @@ class _Line:
 @dataclass
 class Beacon:
     """The launcher's side: a thread that accepts the ranks' lines, beats on them, and notes
-    the first rank silent for `link_timeout` seconds (`lost`)."""
+    the first rank silent for `link_timeout` seconds (`lost`).
+
+    It listens at this machine's address toward `toward` only, and watches only the lines that
+    begin with its `secret` (made here, one per job); the others are closed (`refused`, their
+    addresses). Without a route toward `toward` it does not listen, and `address` is None.
+    """
 
     link_timeout: float
-    toward: str  # a host of the job: the port is announced at this machine's address toward it
-    address: str | None = None  # `host:port` for `BEACON_VARIABLE` (None: no route to announce)
+    toward: str  # a host of the job: the port is bound to this machine's address toward it
+    address: str | None = None  # `SECRET@HOST:PORT` for `BEACON_VARIABLE` (None: not listening)
+    refused: list[str] = field(default_factory=list)
+    secret: str = field(default_factory=lambda: secrets.token_hex(16))
     _lost: list[Lost] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _server: socket.socket | None = None
+    _thread: threading.Thread | None = None
 
     def __enter__(self) -> Beacon:
-        self._server = socket.create_server(("0.0.0.0", 0))
-        port = self._server.getsockname()[1]
-        here = address_toward(self.toward, port)
-        self.address = None if here is None else f"{here}:{port}"
+        here = address_toward(self.toward, 9)  # the port only picks a route
+        if here is None:
+            return self
+        self._server = socket.create_server((here, 0))
+        self.address = f"{self.secret}@{here}:{self._server.getsockname()[1]}"
         self._thread = threading.Thread(target=self._serve, name="dataparallel-beacon", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=5.0)
-        self._server.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._server is not None:
+            self._server.close()
 
     def lost(self) -> Lost | None:
         """The first rank found silent for the link timeout, if one was."""
         return self._lost[0] if self._lost else None
 
     def _serve(self) -> None:
+        assert self._server is not None
         interval = beat_interval(self.link_timeout)
         lines: dict[socket.socket, _Line] = {}
         beat = time.monotonic()
@@ -113,11 +151,20 @@ class Beacon:
                         continue
                     self._read(sock, lines[sock], now)
                 if now >= beat:
-                    for sock in lines:
+                    for sock, line in lines.items():
+                        if line.rank is None:
+                            continue  # not a rank of this job (yet)
                         with contextlib.suppress(OSError):  # a cut host's buffer may be full
                             sock.send(b"\n")
                     beat = now + interval
                 for sock, line in list(lines.items()):
+                    if (
+                        line.rank is None
+                        and not line.ended
+                        and now - line.heard >= self.link_timeout
+                    ):
+                        self.refused.append(line.address)  # connected, and said nothing
+                        line.ended = True
                     if line.ended:
                         sock.close()
                         del lines[sock]
@@ -134,8 +181,7 @@ class Beacon:
             assert line.rank is not None
             self._lost.append(Lost(line.rank, line.host, line.address, now - line.heard))
 
-    @staticmethod
-    def _read(sock: socket.socket, line: _Line, now: float) -> None:
+    def _read(self, sock: socket.socket, line: _Line, now: float) -> None:
         try:
             data = sock.recv(4096)
         except BlockingIOError:
@@ -145,11 +191,20 @@ class Beacon:
         if not data:
             line.ended = True
             return
-        line.heard = now
         if line.rank is None:
             line.said += data
             first, newline, _ = line.said.partition(b"\n")
-            if newline:
-                rank, _, host = first.decode(errors="replace").partition(" ")
-                with contextlib.suppress(ValueError):
-                    line.rank, line.host = int(rank), host or "?"
+            if not newline and len(line.said) <= _HELLO_BYTES:
+                return  # the hello's end is yet to come (its beginning does not count as heard)
+            said = first.decode(errors="replace").split(" ", 2)
+            if (
+                not newline
+                or len(said) < 2
+                or not said[1].isdigit()
+                or not hmac.compare_digest(said[0].encode(), self.secret.encode())
+            ):
+                self.refused.append(line.address)
+                line.ended = True
+                return
+            line.rank, line.host = int(said[1]), (said[2] if len(said) > 2 else "") or "?"
+        line.heard = now

@@ -27,13 +27,13 @@ import math
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dataparallel.backends.rendezvous import is_here
 from dataparallel.config import DEFAULT_LINK_TIMEOUT, RUN_DIR_VARIABLE, beat_interval
 from dataparallel.errors import DataParallelError
 
@@ -177,25 +177,16 @@ def place(hosts: Sequence[HostSlots], n: int) -> list[Slot]:
 
 
 def is_local(host: str) -> bool:
-    """Return whether `host` is this machine: one of its addresses (it can be bound here).
+    """Return whether `host` is this machine (`backends.rendezvous.is_here`), for the launcher,
+    which must place every rank: a host that resolves to no address is an error, named.
 
     Raises:
         HostError: `host` resolves to no address.
     """
-    if host == "localhost" or host == socket.gethostname():
-        return True
     try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
+        return is_here(host)
+    except OSError as exc:
         raise HostError(f"host {host!r} cannot be resolved here: {exc}") from exc
-    for family, _, _, _, address in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((address[0], 0))
-            except OSError:
-                continue
-            return True
-    return False
 
 
 @dataclass(frozen=True)

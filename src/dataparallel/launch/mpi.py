@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dataparallel.backends.rendezvous import is_here
 from dataparallel.config import (
     BEACON_VARIABLE,
     DEFAULT_LINK_TIMEOUT,
@@ -45,7 +46,7 @@ from dataparallel.config import (
 )
 from dataparallel.errors import BackendUnavailableError
 from dataparallel.launch.beacon import Beacon
-from dataparallel.launch.hosts import HostError, HostSlots, is_local
+from dataparallel.launch.hosts import HostSlots
 from dataparallel.launch.process import (
     EXIT_TIMEOUT,
     GRACE_SECONDS,
@@ -184,7 +185,7 @@ def run_mpi(
             with open(hostfile, "w", encoding="utf-8") as file:
                 file.write(_hostfile_text(hosts, _hostfile_flag(mpiexec)))
         job = _Job(mpi_command(mpiexec, n, target, hostfile), env, n, run_dir)
-        elsewhere = [entry.host for entry in hosts or () if not _is_here(entry.host)]
+        elsewhere = [entry.host for entry in hosts or () if _elsewhere(entry.host)]
         with contextlib.ExitStack() as stack:
             if elsewhere:
                 job.beacon = stack.enter_context(Beacon(link_timeout, toward=elsewhere[0]))
@@ -211,12 +212,13 @@ def run_mpi(
         run_dir.remove()
 
 
-def _is_here(host: str) -> bool:
-    """Whether `host` is this machine (one that does not resolve is not: mpiexec says so)."""
+def _elsewhere(host: str) -> bool:
+    """Whether `host` is another machine than this one; one that resolves to no address here is
+    taken for another (mpiexec, which starts its ranks, then says what is wrong with it)."""
     try:
-        return is_local(host)
-    except HostError:
-        return False
+        return not is_here(host)
+    except OSError:
+        return True
 
 
 class _Job:

@@ -244,17 +244,17 @@ def _follow_beacon(address: str, rank: int) -> None:
     started on another host than the launcher's: beat on it, and leave with this rank's process
     group (the host's proxy and ranks) once the launcher is silent for `silence_limit`, or gone.
     A rank on the launcher's machine, or one that cannot reach the beacon, is not watched."""
-    from dataparallel.launch.beacon import hello
-    from dataparallel.launch.hosts import HostError, is_local
+    from dataparallel.backends.rendezvous import is_here
+    from dataparallel.launch.beacon import hello, parse_address
 
-    host, _, port = address.rpartition(":")
     try:
-        if is_local(host):
+        secret, host, port = parse_address(address)
+        if is_here(host):
             return
-        beacon = socket.create_connection((host, int(port)), timeout=_BEACON_CONNECT)
+        beacon = socket.create_connection((host, port), timeout=_BEACON_CONNECT)
         beacon.settimeout(None)
-        beacon.sendall(hello(rank))
-    except (OSError, ValueError, HostError):
+        beacon.sendall(hello(secret, rank))
+    except (OSError, ValueError):  # unresolved, unreachable, or not an address: unwatched
         return
     link_timeout = Settings.from_env().link_timeout
 

@@ -35,7 +35,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dataparallel.backends.rendezvous import address_toward
 from dataparallel.config import (
     ELASTIC_STORE_VARIABLE,
     ELASTIC_TIMEOUT_VARIABLE,
@@ -92,6 +92,7 @@ __all__ = [
     "cooldown_seconds",
     "discover",
     "run_gloo",
+    "split_losers",
 ]
 
 # How often the discovery script is run (Horovod: every second), and how long it may take.
@@ -103,6 +104,33 @@ _WORKER_MARGIN = 30.0
 # own exit to show, which then names the job's failure; past it, the waiting rank is named.
 _CAUSE_SECONDS = 2.0
 _LOCAL_NAMES = frozenset(("localhost", "127.0.0.1", "::1"))
+
+
+def split_losers(cut: set[tuple[str, str]], hosts: dict[int, str]) -> list[tuple[str, str]]:
+    """Return the hosts an elastic run drops for the pairs of `cut` (hosts whose workers cannot
+    reach each other, though the launcher reaches both), each with a host it was cut off from.
+    `hosts`: where each running worker is, by number (the rank order). Until no pair is left,
+    the host in the most pairs goes; among those, the one with fewer workers; on a tie, the one
+    whose first worker joined later, so that the lowest ranks go on.
+
+    >>> split_losers({("a", "b"), ("b", "c")}, {0: "a", 1: "b", 2: "b", 3: "c"})  # b, alone
+    [('b', 'a')]
+    >>> split_losers({("b", "c")}, {0: "a", 1: "b", 2: "c"})
+    [('c', 'b')]
+    """
+
+    def order(host: str) -> tuple[int, int, int]:
+        numbers = [n for n, h in hosts.items() if h == host]
+        return degree[host], -len(numbers), min(numbers, default=len(hosts))
+
+    left, dropped = set(cut), []
+    while left:
+        degree = collections.Counter(host for pair in left for host in pair)
+        loser = max(sorted(degree), key=order)
+        other = min(h for pair in left if loser in pair for h in pair if h != loser)
+        dropped.append((loser, other))
+        left = {pair for pair in left if loser not in pair}
+    return dropped
 
 
 class DiscoveryError(DataParallelError):
@@ -281,6 +309,7 @@ class _Job:
         self.finished: list[int] = []
         self.lost: list[int] = []
         self.cut_off: list[str] = []  # workers lost by their link since the last round opened
+        self.split_read = 0  # the reports of a split in the newest round read so far
         self.heartbeats: Heartbeats | None = None  # elastic, with a link timeout
         # Ranks that failed because another rank went (`RankFailedError`), and since when: the
         # job's failure is that other rank's, once its exit shows.
@@ -375,12 +404,9 @@ class _Job:
             return self.topology.master_addr
         for host in self.offered:
             if not self._is_local(host):
-                with (
-                    contextlib.suppress(OSError),
-                    socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe,
-                ):
-                    probe.connect((socket.gethostbyname(host), 9))  # picks a route only
-                    return str(probe.getsockname()[0])
+                here = address_toward(host, 9)  # the port only picks a route
+                if here is not None:
+                    return here
         return "127.0.0.1"
 
     def start(self) -> bool:
@@ -510,6 +536,7 @@ class _Job:
                     return status
             if self.elastic is not None:
                 self._hear()
+                self._settle_split()
                 status = self._reform(changed=len(self.lost) + len(self.finished) > gone)
                 if status is None:
                     status = self._check_formed()
@@ -583,15 +610,64 @@ class _Job:
             process.proc.kill()
             self._lose(process, 255, silent=seconds)
 
-    def _lose(self, process: _Process, code: int, silent: float | None = None) -> None:
-        """Note worker `process` lost (its exit `code`, or `silent` seconds without a
-        heartbeat): its slot is not used again, or with a cool-down its host is set aside
-        (Horovod's blacklist)."""
+    def _settle_split(self) -> None:
+        """Settle a split of the newest round: workers that lost a peer by its link, though the
+        launcher still hears both (`rounds.report_split`), left their world and wait for a
+        round that nothing else would open. Hosts are dropped until no two left are cut off
+        from each other (`split_losers`): their workers are lost, and the others re-form
+        without them."""
+        from dataparallel.elastic.liveness import address_key, split_key
+
+        if self.store is None or self.generation < 0:
+            return
+        key = split_key(self.generation)
+        if not self.store.check([key]) or int(self.store.add(key, 0)) <= self.split_read:
+            return
+        reports = []
+        while self.store.check([split_key(self.generation, self.split_read + 1)]):
+            self.split_read += 1
+            reports.append(json.loads(self.store.get(split_key(self.generation, self.split_read))))
+        hosts_at: dict[str, str] = {}  # a worker's address -> its host
+        for process in self.running.values():
+            published = address_key(process.id)
+            if process.host is not None and self.store.check([published]):
+                hosts_at[bytes(self.store.get(published)).decode()] = process.host
+        by_id = {p.id: p for p in self.running.values()}
+        cut: set[tuple[str, str]] = set()
+        for report in reports:
+            reporter, peer = by_id.get(report["worker"]), hosts_at.get(report["address"])
+            if reporter is None or reporter.host is None or peer in (None, reporter.host):
+                continue  # gone already, or its peer is (or shares its host)
+            assert peer is not None
+            cut.add((min(reporter.host, peer), max(reporter.host, peer)))
+        hosts = {n: p.host for n, p in self.running.items() if p.host is not None}
+        for host, other in split_losers(cut, hosts):
+            for process in [p for p in self.running.values() if p.host == host]:
+                self.running.pop(process.number)
+                process.proc.kill()
+                self._lose(process, 255, split=other)
+
+    def _lose(
+        self,
+        process: _Process,
+        code: int,
+        silent: float | None = None,
+        split: str | None = None,
+    ) -> None:
+        """Note worker `process` lost (its exit `code`, `silent` seconds without a heartbeat,
+        or dropped in a `split` from that host): its slot is not used again, or with a
+        cool-down its host is set aside (Horovod's blacklist)."""
         assert self.elastic is not None and process.host is not None
         host = process.host
         self.lost.append(process.number)
         self.lost_on[host] += 1
-        if silent is not None:
+        if split is not None:
+            how = (
+                f"its host and {split} cannot reach each other, though the launcher reaches "
+                f"both (a split): {host} has fewer workers, or joined later, and goes"
+            )
+            self.cut_off.append(process.id)
+        elif silent is not None:
             how = f"no heartbeat for {silent:.1f} s: the host or its link gone"
             self.cut_off.append(process.id)  # its peers may wait on it: `elastic.liveness`
         elif code < 0:
@@ -769,6 +845,7 @@ class _Job:
             self.cut_off = []
         self.store.set(round_key(self.generation), json.dumps(members))
         self.store.set(LATEST, str(self.generation))
+        self.split_read = 0
         return status
 
     def remove(self, count: int, slots: int) -> None:

@@ -36,6 +36,7 @@ import datetime
 import gc
 import itertools
 import os
+import re
 import socket
 import sys
 import weakref
@@ -55,12 +56,12 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
-from dataparallel.backends.connections import shut_down, sockets_made
+from dataparallel.backends.connections import shut_down
 from dataparallel.backends.gloo.group import join_group
 from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
-from dataparallel.backends.rendezvous import gloo_interface, remove_if_every_store_left
-from dataparallel.config import Settings
-from dataparallel.errors import CollectiveTimeoutError, RankFailedError
+from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
+from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
+from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
 from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
@@ -83,10 +84,27 @@ _PEER_GONE = (
 )
 
 
+# What a connection that the kernel gave up on says (TCP keep-alive, `backends.connections`):
+# its peer's kernel stopped answering. Gloo names the peer, `[ADDRESS]:PORT`.
+_OUT_OF_REACH = ("Connection timed out", "No route to host")
+_PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+|\b(\d{1,3}(?:\.\d{1,3}){3}):\d+")
+
+
 def translate_error(exc: BaseException, what: str, rank: int) -> BaseException:
-    """Return the dataparallel error for a Gloo failure (timeouts, vanished peers), or `exc`."""
+    """Return the dataparallel error for a Gloo failure (timeouts, vanished peers, peers out of
+    reach), or `exc`."""
     message = str(exc)
     first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+    peer = _PEER.search(message)
+    if peer is not None and any(sign in message for sign in _OUT_OF_REACH):
+        address = peer[1] or peer[2]
+        return LinkLostError(
+            f"Gloo {what} on rank {rank} lost its link to {address}: that host has not "
+            f"answered for the link timeout ({first}; {LINK_TIMEOUT_VARIABLE}, `dataparallel "
+            "run --link-timeout`). The host is down, or the link between the two hosts is (the "
+            "launcher may still reach both: a split).",
+            address,
+        )
     if "timed out" in message.lower() or "timeout" in message.lower():
         return CollectiveTimeoutError(
             f"Gloo {what} on rank {rank} timed out ({first}). A rank may be stuck or calling "
@@ -327,8 +345,10 @@ class GlooBackend(Backend):
             interface=joined.interface,
             sockets=joined.sockets,
         )
-        with gloo_interface(joined.interface):
+        with gloo_connecting(joined.interface) as made:
             engine.hierarchy = engine._hierarchy(settings)
+        if joined.sockets:  # its hierarchy's groups are cut with it
+            engine._sockets |= made
         return engine
 
     def _hierarchy(self, settings: Settings) -> Hierarchy | None:
@@ -642,10 +662,9 @@ class GlooBackend(Backend):
 
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
-        members = [self._global(r) for r in ranks]
-        with gloo_interface(self._interface):
-            group, sockets = sockets_made(
-                lambda: self._dist.new_group(ranks=members, backend="gloo", timeout=self._timeout)
+        with gloo_connecting(self._interface) as made:
+            group = self._dist.new_group(
+                ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
             )
         if self.rank not in ranks:
             return None
@@ -656,7 +675,7 @@ class GlooBackend(Backend):
             local=None,
             timeout=self._timeout,
             interface=self._interface,
-            sockets=sockets,
+            sockets=frozenset(made),
         )
 
     def _global(self, rank: int) -> int:
@@ -668,10 +687,8 @@ class GlooBackend(Backend):
         of some processes returns itself (every process, member or not, makes a Gloo group)."""
         if self.size != self._dist.get_world_size():
             return self
-        with gloo_interface(self._interface):
-            group, sockets = sockets_made(
-                lambda: self._dist.new_group(backend="gloo", timeout=self._timeout)
-            )
+        with gloo_connecting(self._interface) as made:
+            group = self._dist.new_group(backend="gloo", timeout=self._timeout)
             twin = GlooBackend(
                 self._dist,
                 group,
@@ -679,10 +696,10 @@ class GlooBackend(Backend):
                 local=(self.local_rank, self.local_size),
                 timeout=self._timeout,
                 interface=self._interface,
-                sockets=sockets,
             )
             if self.hierarchy is not None:  # the communication thread's engine: its own groups
                 twin.hierarchy = self.hierarchy.duplicate(self._timeout)
+        twin._sockets = frozenset(made)  # its group's and its hierarchy's
         return twin
 
     def sever(self) -> None:

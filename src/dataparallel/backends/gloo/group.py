@@ -17,9 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
-from dataparallel.backends.connections import sockets_made
 from dataparallel.backends.rendezvous import (
-    gloo_interface,
+    gloo_connecting,
     interface_toward,
     parse_init_method,
     rendezvous_error,
@@ -91,7 +90,7 @@ def join_group(
     if settings.gloo_socket_ifname is None and rendezvous.master is not None:
         interface = interface_toward(*rendezvous.master)
     try:
-        with gloo_interface(interface):
+        with gloo_connecting(interface):
             agent = settings.agent_store and rendezvous.url == "env://"
             meeting = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
             dist.init_process_group(
@@ -141,8 +140,8 @@ def _over_existing_group(
     interface = None
     if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
         interface = interface_toward(*settings.elastic_store)
-    with gloo_interface(interface):
-        group, sockets = sockets_made(lambda: dist.new_group(backend="gloo", timeout=timeout))
+    with gloo_connecting(interface) as made:
+        group = dist.new_group(backend="gloo", timeout=timeout)
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
     return Joined(
         dist,
@@ -151,7 +150,7 @@ def _over_existing_group(
         local=local,
         timeout=timeout,
         interface=interface,
-        sockets=sockets,
+        sockets=frozenset(made),
     )
 
 
