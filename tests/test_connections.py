@@ -80,3 +80,32 @@ def test_a_connection_the_kernel_gave_up_on_is_a_lost_link_naming_the_peer(said:
     assert isinstance(timeout, CollectiveTimeoutError)
     closed = translate_error(RuntimeError("Connection closed by peer [10.0.0.3]:1"), "x", 0)
     assert type(closed) is RankFailedError
+
+
+def test_the_connections_a_group_made_are_found_and_shut_down() -> None:
+    """What `GlooBackend.sever` cuts: the connections made while a group formed
+    (`rendezvous.gloo_connecting`), not a listening socket made meanwhile (Gloo's listener ends
+    the process when an accept on it fails) nor an older connection; shutting them down wakes a
+    reader with the end of its stream, at both ends."""
+    import threading
+
+    from dataparallel.backends.connections import shut_down
+    from dataparallel.backends.rendezvous import gloo_connecting
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        older = socket.create_connection(server.getsockname())
+        older_peer = server.accept()[0]
+        with gloo_connecting(None) as made:
+            new = socket.create_connection(server.getsockname())
+            listener = socket.create_server(("127.0.0.1", 0))
+        peer = server.accept()[0]
+        with older, older_peer, new, peer, listener:
+            assert len(made) == 1 and made <= set(connections())
+            got: list[bytes] = []
+            reader = threading.Thread(target=lambda: got.append(new.recv(1)))
+            reader.start()
+            assert shut_down(made) == 1
+            reader.join()  # woken by the shutdown: no data ever comes
+            assert got == [b""] and peer.recv(1) == b""
+            older.sendall(b"o")
+            assert older_peer.recv(1) == b"o"

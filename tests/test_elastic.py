@@ -491,6 +491,7 @@ def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
 _WATCHED_EXIT = """
 import datetime, os, sys, time
 from dataparallel.backends.gloo.group import import_torch_distributed
+from dataparallel.backends.connections import tcp_sockets
 from dataparallel.config import Settings
 from dataparallel.backends.connections import tcp_sockets
 from dataparallel.elastic import liveness

@@ -230,6 +230,14 @@ def test_below_min_np_ends_after_the_elastic_timeout(tmp_path: Path) -> None:
     assert "1 slot(s) missing on this machine (lost: worker(s) 1)" in done.stderr
 
 
+def test_every_worker_lost_fails_the_run(tmp_path: Path) -> None:
+    """Both workers die (`--min-np 1`): no worker finished its script, so the run fails."""
+    done = elastic(2, ["--min-np", "1"], ["--die", "w0:1", "--die", "w1:1"], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "every worker was lost (worker(s) " in done.stderr
+    assert "none finished its script" in done.stderr
+
+
 def test_a_commit_on_some_ranks_only_fails_on_every_rank(tmp_path: Path) -> None:
     """Worker 1 skips its 2nd commit: worker 0's commit meets its next step's collective, and
     the protocol says so on every rank (a bug, not a lost worker: the run ends)."""
@@ -333,16 +341,38 @@ def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: 
     np.testing.assert_allclose(result["params"], replay(8), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("stage", "victim"), [(2, "w1"), (1, "w0")])
-def test_a_zero_run_reshards_what_it_committed(tmp_path: Path, stage: int, victim: str) -> None:
-    """`TorchState(model, ZeroRedundancyOptimizer)`: worker `victim` of 3 dies mid-step; the
-    survivors lay the optimizer out again over 2 ranks (other segments, other padding) and its
-    consolidated state is, bit for bit, the one committed last; the run then finishes."""
+def test_a_zero_run_of_both_stages_reshards_what_it_committed_twice(tmp_path: Path) -> None:
+    """`TorchState` of a `DataParallelModel` under a stage-1 `ZeroRedundancyOptimizer` and a
+    model under a stage-2 one: 4 workers, worker 0 dies mid-step, then worker 2 (rank 1 by then).
+    Each time the survivors lay both optimizers out again (other segments, other padding), and
+    their consolidated states are, bit for bit, the ones committed last; the run then finishes.
+    Two reducers leave calls in flight on two engines when a worker dies: see
+    `test_survivors_waiting_on_each_other_in_two_engines_re_form`."""
     out = tmp_path / "out.json"
-    args = ["--out", out, "--die", victim, "--stage", str(stage)]
-    done = three_lose_one("elastic_zero.py", args, tmp_path)
+    done = run_job(
+        [SCRIPTS / "elastic_zero.py", "--out", out, "--die", "w0:3", "w2:7"],
+        ranks=4,
+        backend="gloo",
+        job_timeout=LIMIT - 30,
+        options=["--min-np", "2"],
+        timeout=LIMIT,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True, True]}
+    assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True] * 8}
+
+
+def test_survivors_waiting_on_each_other_in_two_engines_re_form(tmp_path: Path) -> None:
+    """Worker 2 of 3 dies; rank 0 has a call in flight on a group that waits for rank 1, and
+    rank 1 waits on the world's engine for rank 0 (tests/scripts/elastic_crossed.py). Each call
+    ends only once the other process closes that engine: leaving the world closes every engine
+    at once, so both fail, and the two re-form and finish. (Closed one after another, rank 0
+    waited in the group's close for rank 1, which waited for rank 0's world engine to close,
+    until Gloo's timeout.)"""
+    out = tmp_path / "out.json"
+    done = three_lose_one("elastic_crossed.py", ["--out", out], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "sizes": [3, 2]}
 
 
 def check_fully_sharded(tmp_path: Path, sizes: list[int], epochs: int) -> None:

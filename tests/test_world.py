@@ -142,6 +142,20 @@ def test_a_fresh_world_of_one(no_world: None, capsys: pytest.CaptureFixture[str]
     dp.finalize()
 
 
+def test_abandoning_a_world_frees_its_groups_and_raises_nothing(no_world: None) -> None:
+    """`world.abandon()` (an elastic run leaving a world that lost a member) ends the world as
+    `finalize` does, groups included, and a new world can be made after it."""
+    dp.initialize("single")
+    group = dp.new_group([0])
+    world_module.abandon()
+    assert not dp.initialized()
+    with pytest.raises(ValueError, match="it was freed"):
+        _ = group.backend
+    world_module.abandon()  # no world: harmless
+    dp.initialize("single")
+    dp.finalize()
+
+
 def test_unknown_backend_names_are_refused(no_world: None) -> None:
     message = r"backend='bogus' is not known: use 'auto', 'mpi', 'gloo', 'nccl', 'single'\."
     with pytest.raises(ValueError, match=message):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, released
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.world import current
 
@@ -48,9 +48,17 @@ class Group:
 
     def free(self) -> None:
         """Release the group's engine (communicators, Gloo groups); it can no longer be used."""
-        if self._engine is not None:
-            engine, self._engine = self._engine, None
-            engine.close()
+        self.release()()
+
+    def release(self, *, cut: bool = False) -> Callable[[], None]:
+        """`free`, but the engine only released (`Backend.release`; cut first if `cut`): return
+        what finishes it."""
+        engine, self._engine = self._engine, None
+        return released(engine, cut=cut) if engine is not None else _freed
+
+
+def _freed() -> None:
+    """Nothing left to free (`Group.release` of a group freed already, or of a non-member)."""
 
     def __repr__(self) -> str:
         return f"Group(ranks={list(self.ranks)}, member={self.member})"

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import os
 import sys
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -19,9 +20,9 @@ from dataparallel.arrays.comm_thread import CommThread, Privates
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.trace import Timeline
 from dataparallel.backends import registry
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, released
 from dataparallel.config import Settings
-from dataparallel.errors import DataParallelError, NotInitializedError
+from dataparallel.errors import NotInitializedError
 from dataparallel.gpus import choose_device, cuda_device_count, point_frameworks_at
 from dataparallel.startup import (
     abort_on_uncaught_exceptions,
@@ -36,6 +37,7 @@ from dataparallel.startup import (
 __all__ = [
     "Plans",
     "World",
+    "abandon",
     "choose_device",
     "cuda_device_count",
     "current",
@@ -65,6 +67,8 @@ class _Freeable(Protocol):
     """What the world needs of a group (`groups.Group`) to end it: freeing twice does nothing."""
 
     def free(self) -> None: ...
+
+    def release(self, *, cut: bool = False) -> Callable[[], None]: ...
 
 
 class Waitable(Protocol):
@@ -190,9 +194,8 @@ def form(make: Callable[[World], T]) -> T:
 
 
 def _leave() -> None:
-    """Leave the world whose group could not form (its peers' errors dropped: one is gone)."""
-    with contextlib.suppress(DataParallelError, RuntimeError):
-        finalize()
+    """Leave the world whose group could not form (one of its members is gone)."""
+    abandon()
 
 
 @contextlib.contextmanager
@@ -365,6 +368,48 @@ def finalize() -> None:
         caches.clear_all()
     if first is not None:
         raise first
+
+
+def abandon() -> None:
+    """Leave a world that lost a member, or that an elastic run re-forms: as `finalize`, but
+    nothing in flight is waited for and nothing is raised (the peers' errors say only that one
+    is gone).
+
+    A call in flight ends only once its peers close their side, and a peer may be waiting for
+    this process in a call this process never made, or abandoned, having failed first: each
+    waiting for the other to leave, neither would. So every engine's connections are cut first
+    (`Backend.sever`): the calls in flight fail here and at the peers. Then every engine is
+    released, and what is left of closing each (which waits for its calls in flight: Gloo joins
+    its worker threads) runs on a thread of its own, side by side, for engines that could not
+    cut; the communication thread is stopped last (its calls fail, or end as the peers leave).
+    """
+    global _world
+    if _world is None:
+        return
+    world, _world = _world, None
+    finishes = world.private.release(cut=True)
+    finishes += [group.release(cut=True) for group in world.groups]
+    finishes.append(released(world.backend, cut=True))
+    closing = [threading.Thread(target=_quietly, args=(f,), daemon=True) for f in finishes]
+    for thread in closing:
+        thread.start()
+    steps: list[Callable[[], object]] = [world.comm_thread.close, *(t.join for t in closing)]
+    if world.recording is not None:
+        steps.append(world.recording.close)
+    if world.torch_group is not None:
+        steps.append(world.torch_group)
+    try:
+        for step in steps:
+            _quietly(step)
+    finally:
+        if world.restore_excepthook is not None:
+            world.restore_excepthook()
+        caches.clear_all()
+
+
+def _quietly(step: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        step()
 
 
 def current() -> World:

@@ -1,12 +1,13 @@
-"""An elastic run with a `dp.torch.ZeroRedundancyOptimizer` (Adam, stage 1 under a
-`DataParallelModel` or stage 2 alone), a commit every other step; worker `--die W` SIGKILLs
-itself in the middle of step `--at` (after its backward, before the optimizer's step).
+"""An elastic run with two `dp.torch.ZeroRedundancyOptimizer`s (Adam): stage 1 under a
+`DataParallelModel`, stage 2 on a model of its own, both stepped every step, a commit every
+other step. Each `--die W:STEP` makes worker W SIGKILL itself in the middle of step STEP (after
+both backward passes, before the optimizers' steps).
 
-After each commit every rank copies the consolidated state the commit made (`opt.state_dict()`,
-every rank holds it) and the parameters. When the function is entered again on a re-formed
-world, the optimizer, laid out over the new world, is consolidated on rank 0 and compared with
-rank 0's copy: every tensor equal, bit for bit. Rank 0 writes `--out`: the world size at the end,
-the steps, how many re-formed worlds were checked, and whether each check held.
+After each commit every rank copies the consolidated states the commit made (`opt.state_dict()`,
+every rank holds them) and the parameters. When the function is entered again on a re-formed
+world, each optimizer, laid out over the new world, is consolidated again and compared with the
+copy: every tensor equal, bit for bit (four checks per re-formed world, on every rank). Rank 0
+writes `--out`: the world size at the end, the steps, and its checks.
 """
 
 from __future__ import annotations
@@ -24,21 +25,32 @@ import dataparallel as dp
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
-parser.add_argument("--die", default="")
-parser.add_argument("--at", type=int, default=5)
+parser.add_argument("--die", nargs="*", default=[], metavar="W:STEP")
 parser.add_argument("--steps", type=int, default=10)
-parser.add_argument("--stage", type=int, default=2)
 args = parser.parse_args()
 me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER")
+deaths = {worker: int(step) for worker, step in (d.split(":") for d in args.die)}
 
 dp.initialize()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
-net: torch.nn.Module = dp.torch.DataParallelModel(model) if args.stage == 1 else model
-opt = dp.torch.ZeroRedundancyOptimizer(
-    model.parameters(), torch.optim.Adam, stage=args.stage, lr=0.05, bucket_bytes=64
+
+
+def mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    ).double()
+
+
+model1, model2 = mlp(), mlp()
+net1 = dp.torch.DataParallelModel(model1)
+opt1 = dp.torch.ZeroRedundancyOptimizer(
+    model1.parameters(), torch.optim.Adam, stage=1, lr=0.05, bucket_bytes=64
 )
-state = dp.elastic.TorchState(net, opt, step=0)
+opt2 = dp.torch.ZeroRedundancyOptimizer(
+    model2.parameters(), torch.optim.Adam, stage=2, lr=0.05, bucket_bytes=64
+)
+state = dp.elastic.TorchState(net1, opt1, model2=model2, opt2=opt2, step=0)
+pairs = {"1": (model1, opt1), "2": (model2, opt2)}
 committed: dict[str, Any] = {}
 checks: list[bool] = []
 
@@ -56,28 +68,29 @@ def same(a: Any, b: Any) -> bool:
 @dp.elastic.run
 def train(state: dp.elastic.TorchState) -> None:
     if committed and committed["size"] != dp.size():  # entered again on a re-formed world
-        opt.consolidate_state_dict(to=0)
-        if dp.rank() == 0:
-            now = {"optimizer": opt.state_dict(), "model": model.state_dict()}
-            checks.append(same(now["optimizer"]["state"], committed["optimizer"]["state"]))
-            checks.append(same(now["model"], committed["model"]))
+        for key, (model, opt) in pairs.items():
+            opt.consolidate_state_dict(to=None)
+            checks.append(same(opt.state_dict()["state"], committed[f"opt{key}"]["state"]))
+            checks.append(same(model.state_dict(), committed[f"model{key}"]))
         committed["size"] = dp.size()
     while state.step < args.steps:
         g = torch.Generator().manual_seed(1000 * state.step + dp.rank())
         x, y = torch.randn(4, 6, generator=g).double(), torch.randn(4, 3, generator=g).double()
-        opt.zero_grad()
-        ((net(x) - y) ** 2).mean().backward()
-        if me == args.die and state.step == args.at:
+        opt1.zero_grad()
+        opt2.zero_grad()
+        ((net1(x) - y) ** 2).mean().backward()
+        ((model2(x) - y) ** 2).mean().backward()
+        if deaths.get(me or "") == state.step:
             os.kill(os.getpid(), signal.SIGKILL)
-        opt.step()
+        opt1.step()
+        opt2.step()
         state.step += 1
         if state.step % 2 == 0:
             state.commit()
-            committed.update(
-                size=dp.size(),
-                optimizer=copy.deepcopy(opt.state_dict()),
-                model=copy.deepcopy(model.state_dict()),
-            )
+            committed["size"] = dp.size()
+            for key, (model, opt) in pairs.items():
+                committed[f"opt{key}"] = copy.deepcopy(opt.state_dict())
+                committed[f"model{key}"] = copy.deepcopy(model.state_dict())
 
 
 train(state)

@@ -28,7 +28,7 @@ import numpy as np
 from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
 from dataparallel.arrays.trace import Timeline
-from dataparallel.backends.base import Backend
+from dataparallel.backends.base import Backend, released
 
 __all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "CommThread", "Job", "Privates", "Router"]
 
@@ -133,17 +133,20 @@ class Privates:
         returned itself as its duplicate is left alone: its owner closes it. The first error is
         raised once every duplicate has been closed.
         """
-        pairs, self._pairs, self._closed = list(self._pairs.values()), {}, True
         first: BaseException | None = None
-        for backend, duplicate in pairs:
-            if duplicate is backend:
-                continue
+        for finish in self.release():
             try:
-                duplicate.close()
+                finish()
             except Exception as error:
                 first = first or error
         if first is not None:
             raise first
+
+    def release(self, *, cut: bool = False) -> list[Callable[[], None]]:
+        """`close`, but each duplicate only released (`Backend.release`; cut first if `cut`):
+        return what finishes closing each, which raises what its release raised."""
+        pairs, self._pairs, self._closed = list(self._pairs.values()), {}, True
+        return [released(twin, cut=cut) for engine, twin in pairs if twin is not engine]
 
 
 class Router:

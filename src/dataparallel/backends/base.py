@@ -9,6 +9,7 @@ use is declared here, with a default: nothing is looked up with `getattr`.
 from __future__ import annotations
 
 import enum
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ __all__ = [
     "Received",
     "ReduceOp",
     "host_only",
+    "released",
 ]
 
 
@@ -347,5 +349,42 @@ class Backend(ABC):
         """Release the engine's resources (called by `dp.finalize()`)."""
         return None
 
+    def sever(self) -> None:
+        """Cut the engine's connections, so that every call in flight on them fails at once,
+        in this process and at its peers (before `release`, by a world that lost a member:
+        `world.abandon`). The engine is unusable after. An engine that cannot does nothing."""
+        return None
+
+    def release(self) -> Callable[[], None]:
+        """Close the engine but for the part that waits for its calls in flight; return that part.
+
+        Such a wait ends only when the peers close their side too. A world that lost a member
+        (`world.abandon`) releases every engine first and runs the returned parts side by side:
+        closed one after another, a process can wait in one engine's close for a peer that is
+        itself waiting in another engine of this process, which nothing would ever close. An
+        engine whose close does not wait closes here and returns a part that does nothing.
+        """
+        self.close()
+        return _nothing
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} size={self.size}>"
+
+
+def released(engine: Backend, *, cut: bool = False) -> Callable[[], None]:
+    """`engine.release()`, after `engine.sever()` if `cut`; where either raises, the function
+    returned raises it instead."""
+    try:
+        if cut:
+            engine.sever()
+        return engine.release()
+    except Exception as error:
+        return functools.partial(_raise, error)
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+def _nothing() -> None:
+    """What is left of closing an engine that closed at once (`Backend.release`)."""

@@ -25,7 +25,10 @@ timeout (`DATAPARALLEL_TIMEOUT`, minutes). Two tools bound that:
   (Given to every connection from the start, `TCP_USER_TIMEOUT` would also fail a healthy one
   whose peer does not read for that long: its window full, the peer's kernel answering.)
 - `cut_connections`: shut down the connections to given addresses, which wakes a thread blocked
-  on one as if the peer had closed it (an elastic worker's watch, `elastic/liveness.py`).
+  on one as if the peer had closed it (an elastic worker's watch, `elastic/liveness.py`);
+  `shut_down`, the connections a Gloo group made (`GlooBackend.sever`: a world that lost a
+  member cuts them all, so that no survivor waits in a call for a peer that waits in another
+  call for it).
 
 Connections are found in Linux's `/proc/self/net/tcp{,6}` and `/proc/self/fd`; elsewhere none
 is, and nothing is done.
@@ -49,6 +52,7 @@ __all__ = [
     "connections",
     "cut_connections",
     "keep_alive",
+    "shut_down",
     "stalled",
     "tcp_sockets",
 ]
@@ -159,9 +163,17 @@ def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) ->
     end of stream or an error, as if the peer had closed it."""
     if not addresses:
         return 0
-    inodes = {inode for inode, remote in tcp_sockets() if remote[0] in addresses and remote != keep}
+    return shut_down(
+        {inode for inode, remote in tcp_sockets() if remote[0] in addresses and remote != keep}
+    )
+
+
+def shut_down(inodes: Collection[str]) -> int:
+    """Shut down this process's connections of `inodes` (socket inodes; those still open);
+    return how many. A thread blocked reading or writing one wakes with an end of stream or an
+    error, and so does the peer's end, as if either process had closed it."""
     cut = 0
-    for _, fd in _socket_fds(inodes):
+    for _, fd in _socket_fds(set(inodes)):
         with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
             connection.shutdown(socket.SHUT_RDWR)
             cut += 1

@@ -251,19 +251,22 @@ def _addresses() -> Iterator[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def gloo_connecting(interface: str | None) -> Iterator[None]:
+def gloo_connecting(interface: str | None) -> Iterator[set[str]]:
     """Make Gloo bind to `interface` while a group is made (torch reads GLOO_SOCKET_IFNAME;
     None: Gloo's own choice), and give the connections it made to other hosts TCP keep-alive
     (`connections.keep_alive`, within the link timeout): a peer that stops answering then fails
-    the call waiting on it instead of leaving it to Gloo's timeout."""
+    the call waiting on it instead of leaving it to Gloo's timeout. Yields a set that holds,
+    once the block is done, every connection made in it (socket inodes: `GlooBackend.sever`)."""
     before = set(connections())
+    made: set[str] = set()
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
-        yield
+        yield made
     finally:
         if interface is not None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    made.update(set(connections()) - before)
     keep_alive(before, Settings.from_env().link_timeout)
 
 

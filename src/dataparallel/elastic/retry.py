@@ -32,11 +32,11 @@ S = TypeVar("S", bound=State)
 
 
 def reform_world(
-    leave: Callable[[], None] = world.finalize, enter: Callable[[], object] | None = None
+    leave: Callable[[], None] = world.abandon, enter: Callable[[], object] | None = None
 ) -> None:
-    """Leave this world (`leave`; its errors, from peers that died, are dropped), join the
-    launcher's next round and make a world of it (`enter`; default: `dp.initialize` with the
-    timeout the world had)."""
+    """Leave this world (`leave`, which waits for nothing in flight: a peer may never answer;
+    its errors, from peers that died, are dropped), join the launcher's next round and make a
+    world of it (`enter`; default: `dp.initialize` with the timeout the world had)."""
     joined = rounds.current()
     assert joined is not None
     timeout = world.current().settings.timeout if world.initialized() else None

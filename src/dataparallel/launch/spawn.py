@@ -544,6 +544,10 @@ class _Job:
                     return status
         if signals.received is not None:  # the last ones died of the launcher's own Ctrl-C
             return 128 + signals.received
+        if self.elastic is not None and not self.finished:
+            lost = ", ".join(map(str, self.lost))
+            warn(f"every worker was lost (worker(s) {lost}) and none finished its script.")
+            return 1
         return 0
 
     def _exited(self, number: int, signals: Signals) -> int | None:

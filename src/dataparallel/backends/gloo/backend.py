@@ -19,7 +19,11 @@ memory. What Gloo lacks against MPI is filled in here, exactly:
   work objects, so `close()` (`dp.finalize()`, or the interpreter's exit) destroys the group and
   lets go of it and of its handles in flight (`GlooHandle.forget`). The connections close, and a
   peer still in a collective with this process fails at once (`RankFailedError`) instead of
-  waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md).
+  waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md). Letting go
+  of the group joins its worker threads, so it waits for the calls they are in, which may wait
+  on a peer that waits on this process: a broken world's engines are first cut (`sever`: the
+  connections the group made are shut down, and those calls fail), then released side by side
+  (`release()` hands the last step to the caller).
 
 Joining the group (rendezvous, network interface, a user's own default group): `group.py`.
 """
@@ -52,6 +56,7 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
+from dataparallel.backends.connections import shut_down
 from dataparallel.backends.gloo.group import join_group
 from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
 from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
@@ -272,10 +277,12 @@ class GlooBackend(Backend):
         store_file: Path | None = None,
         timeout: datetime.timedelta | None = None,
         interface: str | None = None,
+        sockets: frozenset[str] = frozenset(),
     ) -> None:
         import torch
 
         self._torch, self._dist, self.group = torch, dist, group
+        self._sockets = sockets  # the group's connections, where known (`sever`)
         self._owns_default_group = owns_default_group
         self._timeout = timeout  # for the groups made from this one (`split`, `duplicate`)
         self._interface = interface  # ... and the interface they bind to, as this one did
@@ -336,9 +343,12 @@ class GlooBackend(Backend):
             store_file=joined.store_file,
             timeout=joined.timeout,
             interface=joined.interface,
+            sockets=joined.sockets,
         )
-        with gloo_connecting(joined.interface):
+        with gloo_connecting(joined.interface) as made:
             engine.hierarchy = engine._hierarchy(settings)
+        if joined.sockets:  # its hierarchy's groups are cut with it
+            engine._sockets |= made
         return engine
 
     def _hierarchy(self, settings: Settings) -> Hierarchy | None:
@@ -652,7 +662,7 @@ class GlooBackend(Backend):
 
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
-        with gloo_connecting(self._interface):
+        with gloo_connecting(self._interface) as made:
             group = self._dist.new_group(
                 ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
             )
@@ -665,6 +675,7 @@ class GlooBackend(Backend):
             local=None,
             timeout=self._timeout,
             interface=self._interface,
+            sockets=frozenset(made),
         )
 
     def _global(self, rank: int) -> int:
@@ -676,7 +687,7 @@ class GlooBackend(Backend):
         of some processes returns itself (every process, member or not, makes a Gloo group)."""
         if self.size != self._dist.get_world_size():
             return self
-        with gloo_connecting(self._interface):
+        with gloo_connecting(self._interface) as made:
             group = self._dist.new_group(backend="gloo", timeout=self._timeout)
             twin = GlooBackend(
                 self._dist,
@@ -688,13 +699,27 @@ class GlooBackend(Backend):
             )
             if self.hierarchy is not None:  # the communication thread's engine: its own groups
                 twin.hierarchy = self.hierarchy.duplicate(self._timeout)
+        twin._sockets = frozenset(made)  # its group's and its hierarchy's
         return twin
+
+    def sever(self) -> None:
+        """Shut down the connections the group made (`Backend.sever`): its calls in flight,
+        here and at the peers, fail at once ("Connection closed"). Known for groups made over
+        an existing default group (`split`, `duplicate`, an elastic round's world), whose
+        world can lose a member and go on; a default group this engine made has none listed."""
+        shut_down(self._sockets)
 
     def close(self) -> None:
         """Destroy the Gloo group and let go of it and of the handles in flight, so that its
         connections close (safe to call twice; also run at interpreter exit)."""
+        self.release()()
+
+    def release(self) -> Callable[[], None]:
+        """`close`, but for letting go of the group: the returned function drops the last
+        reference, whose teardown joins Gloo's worker threads, and so waits for the calls they
+        are in (`Backend.release`)."""
         if self._closed:
-            return
+            return _let_go
         self._closed = True
         atexit.unregister(self.close)
         for handle in list(self._in_flight):
@@ -702,7 +727,7 @@ class GlooBackend(Backend):
         group, self.group = self.group, None  # calls fail from now on: `_call_tensors`
         dist = self._dist
         if not dist.is_initialized():
-            return
+            return _let_go
         if self._owns_default_group:
             dist.destroy_process_group()
             # Free the group's store now, while the interpreter is whole: a file:// store removes
@@ -711,10 +736,13 @@ class GlooBackend(Backend):
             gc.collect()
             if self._store_file is not None:
                 remove_if_every_store_left(self._store_file, self.size)
-            return
+            return _let_go
         with contextlib.suppress(ValueError, RuntimeError):  # gone with the user's default group
             dist.destroy_process_group(group)
-        del group  # the last reference, unless the user holds one: the connections close
+        # The last reference, unless the user holds one: once dropped, the connections close.
+        held = [group]
+        del group
+        return held.clear
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -726,9 +754,10 @@ class GlooBackend(Backend):
     def _call_tensors(
         self, what: str, fn: Callable[..., _R], *args: object, **kwargs: object
     ) -> _R:
+        group = self.group  # before the check: `release` on another thread sets None after it
         self._refuse_if_closed(what)
         try:
-            return fn(*args, group=self.group, **kwargs)
+            return fn(*args, group=group, **kwargs)
         except RuntimeError as exc:
             raise translate_error(exc, what, self.rank) from exc
 
@@ -742,3 +771,7 @@ class GlooBackend(Backend):
         self, what: str, fn: Callable[..., Work], tensor: torch.Tensor, **kwargs: object
     ) -> Work:
         return self._call_tensors(what, fn, tensor, async_op=True, **kwargs)
+
+
+def _let_go() -> None:
+    """What is left of a release that let go of everything already (`GlooBackend.release`)."""

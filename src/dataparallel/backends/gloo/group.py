@@ -46,6 +46,9 @@ class Joined(NamedTuple):
     # The network interface the group was bound to (None: Gloo's own choice): the engine's later
     # groups bind to it too.
     interface: str | None = None
+    # The group's connections (socket inodes), where it was made over an existing default group
+    # (an elastic round's): what `GlooBackend.sever` cuts.
+    sockets: frozenset[str] = frozenset()
 
 
 def import_torch_distributed() -> ModuleType:
@@ -137,11 +140,17 @@ def _over_existing_group(
     interface = None
     if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
         interface = interface_toward(*settings.elastic_store)
-    with gloo_connecting(interface):
+    with gloo_connecting(interface) as made:
         group = dist.new_group(backend="gloo", timeout=timeout)
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
     return Joined(
-        dist, group, owns_default_group=False, local=local, timeout=timeout, interface=interface
+        dist,
+        group,
+        owns_default_group=False,
+        local=local,
+        timeout=timeout,
+        interface=interface,
+        sockets=frozenset(made),
     )
 
 

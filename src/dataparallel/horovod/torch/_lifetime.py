@@ -14,7 +14,7 @@ from dataparallel.horovod.torch._process_sets import (
     reset_process_sets,
 )
 
-__all__ = ["init", "shutdown"]
+__all__ = ["abandon", "init", "shutdown"]
 
 _started: list[bool] = []  # [True] between this module's init() and shutdown()
 
@@ -54,7 +54,20 @@ def shutdown() -> None:
     """Stop dataparallel (`dp.finalize()`); operations still queued are dropped."""
     if not world.initialized():
         return
+    _forget()
+    world.finalize()
+
+
+def abandon() -> None:
+    """`shutdown` for a world an elastic run re-forms: nothing in flight is waited for
+    (`world.abandon`)."""
+    if not world.initialized():
+        return
+    _forget()
+    world.abandon()
+
+
+def _forget() -> None:
     _handles.reset()
     reset_process_sets()
     _started.clear()
-    world.finalize()

@@ -2,9 +2,9 @@
 `@hvd.elastic.run`, `hvd.elastic.TorchState`, `hvd.elastic.ElasticSampler`, as in Horovod.
 
 These are `dataparallel.elastic`'s (docs/elastic.md); `run` re-forms the world with
-`hvd.shutdown()` and `hvd.init()`, as Horovod's does. Errors: `HorovodInternalError` is a
-`dp.RankFailedError`, what a collective raises when a rank died; `HostsUpdatedInterrupt` is raised
-by `state.commit()` when the launcher added workers.
+`hvd.shutdown()` (waiting for nothing in flight) and `hvd.init()`, as Horovod's does. Errors:
+`HorovodInternalError` is a `dp.RankFailedError`, what a collective raises when a rank died;
+`HostsUpdatedInterrupt` is raised by `state.commit()` when the launcher added workers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataparallel.elastic.state import (
     TorchState,
 )
 from dataparallel.horovod.torch._basics import HorovodInternalError
-from dataparallel.horovod.torch._lifetime import init, shutdown
+from dataparallel.horovod.torch._lifetime import abandon, init
 
 __all__ = [
     "ElasticSampler",
@@ -39,7 +39,7 @@ S = TypeVar("S", bound=State)
 
 
 def _reset() -> None:
-    reform_world(leave=shutdown, enter=init)
+    reform_world(leave=abandon, enter=init)
 
 
 def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
