@@ -513,6 +513,34 @@ def test_where_it_is_not_offered_the_error_says_what_to_use() -> None:
         )
 
 
+def test_zero_stage_1_steps_what_a_powersgd_wrapper_reduced_and_refuses_to_join() -> None:
+    """ZeRO takes no compression= of its own; its error sends the user to the wrapper that
+    reduces its gradients at stage 1. There, the sharded Adam steps the decompressed average
+    (`P Q^T`, once the last bucket's Qs are back): its parameters end where an unsharded Adam
+    under the same wrapper leads them. Joining that pair is refused, naming what to use."""
+    compression = dp.Compression.powersgd(rank=2, start_iter=2, min_compression_rate=1)
+    ends, lows = [], []
+    for sharded in (False, True):
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 8))
+        net = dp.torch.DataParallelModel(model, compression=compression)
+        if sharded:
+            opt: Any = dp.torch.ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.Adam, stage=1, lr=0.01
+            )
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        train_own_rows(net, opt, range(6))
+        ends.append([p.detach().clone() for p in model.parameters()])
+        lows.append(net.gradient_sync._low)
+    assert all(low.iteration == 6 and len(low.matrices) == 2 for low in lows)
+    for p_sharded, p_whole in zip(ends[1], ends[0], strict=True):
+        torch.testing.assert_close(p_sharded, p_whole, rtol=1e-6, atol=1e-7)
+    assert_same_on_every_rank(ends[1])
+    with pytest.raises(ValueError, match=r"cannot be joined while .* dp.Compression.powersgd"):
+        dp.torch.join(net, opt)
+
+
 def test_optax_sharded_refuses_it_with_what_to_use() -> None:
     """The optax DistributedOptimizer takes it (tests/test_powersgd_optax.py), but not with
     shard_state=True."""
