@@ -56,14 +56,18 @@ def elastic(
     )
 
 
-def three_lose_one(
-    script: str, args: list[Arg], tmp_path: Path, env: dict[str, str] | None = None
+def elastic_job(
+    script: str,
+    args: list[Arg],
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+    ranks: int = 3,
 ) -> subprocess.CompletedProcess[str]:
-    """`script` (of tests/scripts) run elastically by 3 Gloo workers that may fall to 2, one of
-    them made to die by `args`."""
+    """`script` (of tests/scripts) run elastically by `ranks` Gloo workers that may fall to 2,
+    those made to die by `args`."""
     return run_job(
         [SCRIPTS / script, *args],
-        ranks=3,
+        ranks=ranks,
         backend="gloo",
         job_timeout=LIMIT - 30,
         options=["--min-np", "2"],
@@ -298,7 +302,7 @@ def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str, wr
     0 or not): the wrappers carry their hooks over the same way whoever is lost."""
     out = tmp_path / "out.json"
     ddp = ["--ddp"] if wrapper == "model" else []
-    done = three_lose_one("elastic_hvd.py", ["--out", out, "--die", victim, *ddp], tmp_path)
+    done = elastic_job("elastic_hvd.py", ["--out", out, "--die", victim, *ddp], tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
 
@@ -316,7 +320,7 @@ def test_a_worker_lost_while_a_wrapper_made_before_the_loop_forms_its_group(
     out = tmp_path / "out.json"
     ddp = ["--ddp"] if wrapper == "model" else []
     args: list[Arg] = ["--out", out, "--die-grouping", victim, *ddp]
-    done = three_lose_one("elastic_hvd.py", args, tmp_path)
+    done = elastic_job("elastic_hvd.py", args, tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"worker {victim[1:]} was lost (SIGKILL); 2 worker(s) remain" in done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
@@ -331,7 +335,7 @@ def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: 
     converts nothing and clears no cache itself; the end is one process's training."""
     out = tmp_path / "out.json"
     args = ["--out", out, "--route", route, "--die", victim]
-    done = three_lose_one("elastic_jax.py", args, tmp_path, env={"JAX_PLATFORMS": "cpu"})
+    done = elastic_job("elastic_jax.py", args, tmp_path, env={"JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr
     assert f"worker {victim[1:]} was lost" in done.stderr
     result = json.loads(out.read_text())
@@ -349,14 +353,8 @@ def test_a_zero_run_of_both_stages_reshards_what_it_committed_twice(tmp_path: Pa
     Two reducers leave calls in flight on two engines when a worker dies: see
     `test_survivors_waiting_on_each_other_in_two_engines_re_form`."""
     out = tmp_path / "out.json"
-    done = run_job(
-        [SCRIPTS / "elastic_zero.py", "--out", out, "--die", "w0:3", "w2:7"],
-        ranks=4,
-        backend="gloo",
-        job_timeout=LIMIT - 30,
-        options=["--min-np", "2"],
-        timeout=LIMIT,
-        cwd=tmp_path,
+    done = elastic_job(
+        "elastic_zero.py", ["--out", out, "--die", "w0:3", "w2:7"], tmp_path, ranks=4
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "step": 10, "checks": [True] * 8}
@@ -370,7 +368,7 @@ def test_survivors_waiting_on_each_other_in_two_engines_re_form(tmp_path: Path) 
     waited in the group's close for rank 1, which waited for rank 0's world engine to close,
     until Gloo's timeout.)"""
     out = tmp_path / "out.json"
-    done = three_lose_one("elastic_crossed.py", ["--out", out], tmp_path)
+    done = elastic_job("elastic_crossed.py", ["--out", out], tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text()) == {"size": 2, "sizes": [3, 2]}
 
