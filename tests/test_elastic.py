@@ -225,6 +225,66 @@ def test_a_worker_that_can_join_no_world_leaves_the_elastic_loop(
     assert calls == [0] and state.epoch == 0  # rolled back once, then out
 
 
+class _Reports:
+    """The launcher's store as `rounds.report_split` uses it: counts and values, by key."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return int(self.values[key])
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+
+@pytest.mark.parametrize("route", ["callback", "ffi"])
+def test_a_link_lost_inside_a_jitted_step_is_reported_as_a_split(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's `LinkLostError` raised inside XLA (a jitted step's host callback or FFI
+    call) comes out of JAX as its own `JaxRuntimeError`, with the text only: `elastic.run`
+    still tells the launcher the lost peer's address (a possible split), or the launcher would
+    wait for the elastic timeout."""
+    import json
+
+    jax = pytest.importorskip("jax")
+    from jax.experimental import io_callback
+
+    from dataparallel.elastic import liveness, rounds
+    from dataparallel.elastic.retry import run_fn
+    from dataparallel.jax._ffi import ffi_reason, reduce_ffi
+
+    if route == "ffi" and ffi_reason() is not None:
+        pytest.skip(str(ffi_reason()))
+    address = "192.0.2.7"  # TEST-NET-1: no host of the test's
+
+    def lose(*_: object) -> None:
+        raise dp.LinkLostError(f"Gloo allreduce lost its link to {address} ({route})", address)
+
+    if route == "ffi":
+        step = jax.jit(lambda x: reduce_ffi([x * 1.0], lose, [True], key="lose")[0])
+    else:
+        shape = jax.ShapeDtypeStruct((3,), jax.numpy.float32)
+        step = jax.jit(lambda x: io_callback(lose, shape, x, ordered=True))
+    reports = _Reports()
+    monkeypatch.setattr(rounds, "_current", rounds.Round(4, ("w0", "w1"), "w0"))
+    monkeypatch.setattr(rounds, "_client", reports)
+
+    def train(state: ObjectState) -> None:
+        jax.block_until_ready(step(jax.numpy.ones(3)))
+
+    def reset() -> None:
+        raise rounds.NoWorldError("no new world formed")
+
+    with pytest.raises(rounds.NoWorldError):
+        run_fn(train, reset)(ObjectState(epoch=0))
+    assert reports.values.get(liveness.split_key(4)) == 1, f"no split reported: {reports.values}"
+    said = json.loads(reports.values[liveness.split_key(4, 1)])
+    assert said == {"worker": "w0", "address": address}
+
+
 def test_check_host_updates_outside_an_elastic_run_does_nothing() -> None:
     ObjectState(epoch=0).check_host_updates()
 

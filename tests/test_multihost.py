@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from _jobs import require_mpiexec, run_job, run_ranks, spawn
 from test_gloo import check_basic, results_of, worker
@@ -745,6 +746,50 @@ def test_elastic_split_drops_the_later_host_and_the_others_go_on(
         check_run(tmp_path, [3, 2])
         _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
         assert leftovers(three_hosts, "elastic_train.py") == []
+    finally:
+        _kill_everything_in(c)
+
+
+def test_elastic_split_inside_a_jitted_jax_step(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """The split above, in a jitted optax step (`elastic_jax.py`, the FFI route): w0 and w1
+    wait on worker 2 inside the step's reduction, within XLA, when c stops reaching b. JAX
+    raises its own `JaxRuntimeError`, with the `LinkLostError`'s text only; the workers still
+    report the split with the peer's address (`library_error`), or the launcher would wait for
+    the run's timeout. c is dropped; w0 and w1 finish with one process's parameters."""
+    pytest.importorskip("optax")
+    sys.path.insert(0, str(SCRIPTS))
+    from elastic_jax import replay
+
+    a, b, c = three_hosts
+    go, out = tmp_path / "go", tmp_path / "out.json"
+    spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
+    run = [sys.executable, "-m", "dataparallel", "run", "-H", spec, "--backend", "gloo"]
+    run += ["--min-np", "2", *ssh3.options, "--link-timeout", "1", "--timeout", "150"]
+    train = [str(SCRIPTS / "elastic_jax.py"), "--out", str(out), "--route", "ffi"]
+    job = a.command([*run, *train, "--pause", f"w2:3:{go}"])
+    paused = Path(f"{go}.paused")
+
+    def split() -> None:
+        done = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
+        assert done.returncode == 0, done.stderr
+        go.touch()
+
+    env = {**ssh3.env, "JAX_PLATFORMS": "cpu"}
+    try:
+        status, stdout, err = _cut_once(
+            job, env, tmp_path, paused, c, "worker 2 never paused", cut=split
+        )
+        assert status == 0, stdout + err
+        said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
+        assert said in err, err
+        assert "was lost" not in err.replace(said, ""), err  # w0 and w1 stay
+        result = json.loads(out.read_text())
+        assert (result["size"], result["step"], result["same"]) == (2, 8, True)
+        np.testing.assert_allclose(result["params"], replay(8), rtol=1e-6, atol=1e-7)
+        _wait_for(lambda: not leftovers(three_hosts, "elastic_jax.py"), 60)
+        assert leftovers(three_hosts, "elastic_jax.py") == []
     finally:
         _kill_everything_in(c)
 

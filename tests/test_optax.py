@@ -26,7 +26,7 @@ from _jobs import run_job  # noqa: E402
 
 import dataparallel as dp  # noqa: E402
 from dataparallel.backends.base import Backend  # noqa: E402
-from dataparallel.errors import CollectiveMismatchError  # noqa: E402
+from dataparallel.errors import CollectiveMismatchError, LinkLostError, library_error  # noqa: E402
 from dataparallel.jax import DistributedState, distributed_optax  # noqa: E402
 from dataparallel.jax._bridges import mpi4jax_reason  # noqa: E402
 from dataparallel.jax._optax import callback_backend  # noqa: E402
@@ -457,6 +457,35 @@ def test_ranks_running_different_compiled_steps_raise_instead_of_mixing(
     with pytest.raises(jax.errors.JaxRuntimeError, match="different jitted DistributedOptimizer"):
         jax.block_until_ready(update(grads, opt.init(grads)))
     out, _ = update(a, opt.init(a))  # the world goes on
+    np.testing.assert_allclose(out["a"], np.full(3, size))
+
+
+@pytest.mark.parametrize("route", HOST)
+def test_a_link_lost_in_a_jitted_step_keeps_its_address(
+    route: str, monkeypatch: pytest.MonkeyPatch, rank: int, size: int
+) -> None:
+    """The engine's `LinkLostError` in the step's reduction (inside XLA) reaches the caller as
+    JAX's `JaxRuntimeError`; `library_error` gives it back as the `LinkLostError` it was, with
+    the peer's address, which elastic training reports to the launcher (a possible split)."""
+    if size == 1:
+        pytest.skip("a world of one reduces nothing")
+    private = callback_backend(None)
+    address = f"192.0.2.{rank + 1}"  # TEST-NET-1: no host of the test's
+
+    def lose(*_: object) -> None:  # on every rank, before anything is sent: the world holds
+        raise LinkLostError(f"rank {rank} lost its link to {address} ({route})", address)
+
+    opt = distributed_optax(optax.identity(), op="sum", route=route)  # type: ignore[arg-type]
+    update = jax.jit(opt.update)
+    grads = {"a": jnp.ones(3)}
+    with monkeypatch.context() as patched:
+        patched.setattr(private, "allreduce", lose)
+        patched.setattr(private, "allreduce_into", lose)
+        with pytest.raises(jax.errors.JaxRuntimeError) as raised:
+            jax.block_until_ready(update(grads, opt.init(grads)))
+    found = library_error(raised.value)
+    assert isinstance(found, LinkLostError) and found.address == address, repr(found)
+    out, _ = update(grads, opt.init(grads))  # the world goes on
     np.testing.assert_allclose(out["a"], np.full(3, size))
 
 

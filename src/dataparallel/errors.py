@@ -2,9 +2,11 @@
 
 `library_error` finds ours inside another library's: a jitted JAX step that calls the engine
 from inside XLA (a host callback, an FFI call) gets back from JAX a `JaxRuntimeError` that keeps
-only the text of the error the engine raised. So the message of every `RankFailedError` is
-remembered (the newest few; the text only: the error itself, with its traceback, would keep the
-lost world's engine and its connections alive), and `library_error` finds it in the foreign one.
+only the text of the error the engine raised. So every `RankFailedError` is remembered as text
+(the newest few: its message, its class and its other fields, such as a `LinkLostError`'s
+address; the error itself, with its traceback, would keep the lost world's engine and its
+connections alive), and `library_error` finds its message in the foreign one and makes it again:
+elastic training tells a lost link (a split to report) from a lost rank by it.
 """
 
 from __future__ import annotations
@@ -52,8 +54,14 @@ class RankFailedError(DataParallelError, RuntimeError):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        if str(self):
-            _remembered.append(str(self))
+        entry = (str(self), type(self), self._fields())
+        if entry[0] and entry not in _remembered:  # made again by `library_error`: once
+            _remembered.append(entry)
+
+    def _fields(self) -> dict[str, str]:
+        """This error's fields besides its message, as its class takes them by keyword: what
+        `library_error` makes it again with (text only)."""
+        return {}
 
 
 class LinkLostError(RankFailedError):
@@ -64,27 +72,33 @@ class LinkLostError(RankFailedError):
     """
 
     def __init__(self, message: str, address: str) -> None:
+        self.address = address  # before it is remembered
         super().__init__(message)
-        self.address = address
+
+    def _fields(self) -> dict[str, str]:
+        return {"address": self.address}
 
 
-# The messages of the newest RankFailedErrors made in this process (`library_error`).
-_remembered: collections.deque[str] = collections.deque(maxlen=8)
+# The newest RankFailedErrors made in this process (`library_error`): message, class, fields.
+_remembered: collections.deque[tuple[str, type[RankFailedError], dict[str, str]]] = (
+    collections.deque(maxlen=8)
+)
 
 
 def library_error(error: BaseException) -> BaseException:
     """Return the dataparallel error that `error` stands for: `error` itself if it is one, one in
-    its chain of causes, or a `RankFailedError` with the message of a recent one that `error`'s
-    message holds (another library rethrowing ours as its own type); else `error`."""
+    its chain of causes, or a recent `RankFailedError` (of its class, with its fields: a
+    `LinkLostError` keeps its address) whose message `error`'s message holds (another library
+    rethrowing ours as its own type); else `error`."""
     link: BaseException | None = error
     while link is not None:
         if isinstance(link, DataParallelError):
             return link
         link = link.__cause__ or link.__context__
     text = str(error)
-    for message in reversed(_remembered):
+    for message, kind, fields in reversed(_remembered):
         if message in text:
-            return RankFailedError(message)
+            return kind(message, **fields)
     return error
 
 

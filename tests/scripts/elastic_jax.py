@@ -3,10 +3,12 @@
 and no handling of JAX's errors by the script.
 
 Worker `--die W` SIGKILLs itself before step `--at`, so the others lose it inside the jitted
-step's reduction, which JAX reports as its own `JaxRuntimeError`. Every rank trains on the same
-batch, so the average gradient is the batch's at any world size (`replay`: one process). Rank 0
-writes `--out`: the world size at the end, the steps, whether every rank holds the same
-parameters, and the parameters.
+step's reduction, which JAX reports as its own `JaxRuntimeError`. Worker `--pause W:K:FILE`,
+before step K, creates FILE.paused and waits until FILE exists, the others waiting on it inside
+the step's reduction (a test cuts a link meanwhile), then steps with them. Every rank trains on
+the same batch, so the average gradient is the batch's at any world size (`replay`: one
+process). Rank 0 writes `--out`: the world size at the end, the steps, whether every rank holds
+the same parameters, and the parameters.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import jax
@@ -59,8 +62,11 @@ def main() -> None:
     parser.add_argument("--die", default="")
     parser.add_argument("--at", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--pause", default="::")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER")
+    pauser, pause_at, pause_file = args.pause.split(":", 2)
+    paused = False
 
     dp.initialize()
     opt = dp.DistributedOptimizer(optax.sgd(LEARNING_RATE), route=args.route)
@@ -72,9 +78,15 @@ def main() -> None:
 
     @dp.elastic.run
     def train(state: dp.elastic.TreeState) -> None:
+        nonlocal paused
         while state.step < args.steps:
             if me == args.die and state.step == args.at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if me == pauser and state.step == int(pause_at) and not paused:
+                paused = True
+                open(pause_file + ".paused", "w").close()
+                while not os.path.exists(pause_file):
+                    time.sleep(0.05)
             state.params, state.opt_state = step(state.params, state.opt_state)
             state.step += 1
             state.commit()
