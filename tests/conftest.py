@@ -25,9 +25,16 @@ deselected, unless named on the command line; `--matrix=full` or `sample` decide
 
 A test marked `heavy` (seconds where most take milliseconds: a training run to a loss, many
 hypothesis examples) checks what no engine and no world size changes: of the four multi-rank
-worlds it runs in two, each engine once and each size once (`HEAVY_WORLDS`: MPI 2 and Gloo 3 for
-its first case, MPI 3 and Gloo 2 for the next, and so on), and in the world of one. Other worlds
-(4 ranks, NCCL) run it; so does `--matrix=full`, or naming the case on the command line.
+worlds it runs in two, each engine once and each size once (`HEAVY_WORLDS`: MPI 3 and Gloo 2 for
+its first case, Gloo 3 and MPI 2 for the next, and so on), and in the world of one. The first
+pair costs less: Gloo's calls wait far longer than MPI's, longer still with three ranks on two
+cores, so a heavy test of one case runs where Gloo has two ranks. A test marked `spread` goes
+further, for parameters that no engine or size changes either (eager or jitted, one optimizer or
+another): each case runs in one multi-rank world, the cases taking the four in turn (`TURNS`), so
+that its first two cases already put it on both engines at both sizes; one spread test starts
+with MPI, the next with Gloo, so that a first case (eager, say) meets both engines across the
+tests. With one case it runs as a `heavy` one. Other worlds (4 ranks, NCCL) run every case; so
+does `--matrix=full`, or naming the case on the command line.
 
 The world of one runs in two pytest-xdist workers (`make test-1`, `--dist loadgroup`): most of
 its time goes to tests that start jobs and wait on them. Each test goes to whichever worker is
@@ -75,9 +82,13 @@ ONE_WORKER = frozenset(
 SPAWNS_REASON = "launches its own processes; runs in the world-of-one pass"
 # The world that runs every case of a `matrix` test: (engine, ranks).
 FULL_MATRIX = ("mpi", 2)
+# The four multi-rank worlds in the turn that the cases of a `spread` test take them, one world a
+# case: the first two, and the last two, hold every engine and every size, and the engines come
+# in both orders (a spread test starts at the first or the third, in turn).
+TURNS = (("mpi", 3), ("gloo", 2), ("gloo", 3), ("mpi", 2))
 # The multi-rank worlds of each case of a `heavy` test, case by case in turn: every engine and
 # every size once per case.
-HEAVY_WORLDS = ((("mpi", 2), ("gloo", 3)), (("mpi", 3), ("gloo", 2)))
+HEAVY_WORLDS = (TURNS[:2], TURNS[2:])
 
 # On a GPU, JAX multiplies float32 matrices in TF32 by default (errors near 1e-3): the tests
 # compare sharded and one-process training at 1e-5, so they ask for full precision (launched
@@ -109,7 +120,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "heavy: a slow test of what no engine or size changes; of the multi-rank worlds it runs "
-        "in MPI 2 + Gloo 3 or MPI 3 + Gloo 2, case by case",
+        "in MPI 3 + Gloo 2 or Gloo 3 + MPI 2, case by case",
+    )
+    config.addinivalue_line(
+        "markers",
+        "spread: a heavy test whose parameters no engine or size changes either; of the "
+        "multi-rank worlds each case runs in one, the cases taking the four in turn",
     )
     config.addinivalue_line(
         "markers",
@@ -310,26 +326,31 @@ def _full_matrix(config: pytest.Config) -> bool:
 
 
 def heavy_elsewhere(items: Iterable[pytest.Item], here: tuple[str, int]) -> set[int]:
-    """Return the ids of the `heavy` items whose worlds (`HEAVY_WORLDS`) are not `here`, the
-    (engine, ranks) of this world: none in the world of one, or in a world of none of its pairs."""
-    if all(here not in worlds for worlds in HEAVY_WORLDS):
+    """Return the ids of the `heavy` and `spread` items whose worlds (`HEAVY_WORLDS`, `TURNS`)
+    are not `here`, the (engine, ranks) of this world: none in a world of none of them."""
+    if here not in TURNS:
         return set()
-    cases: dict[str, int] = {}
-    elsewhere = set()
+    cases: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if item.get_closest_marker("heavy") is None:
-            continue
-        function = item.nodeid.split("[", 1)[0]
-        case = cases.get(function, 0)
-        cases[function] = case + 1
-        if here not in HEAVY_WORLDS[case % len(HEAVY_WORLDS)]:
-            elsewhere.add(id(item))
+        if item.get_closest_marker("heavy") or item.get_closest_marker("spread"):
+            cases.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
+    elsewhere = set()
+    spread = 0
+    for group in cases.values():
+        if len(group) > 1 and group[0].get_closest_marker("spread") is not None:
+            start, spread = 2 * spread, (spread + 1) % 2
+            turns = [(TURNS[(start + case) % len(TURNS)],) for case in range(len(group))]
+        else:
+            turns = [HEAVY_WORLDS[case % 2] for case in range(len(group))]
+        elsewhere |= {
+            id(item) for item, worlds in zip(group, turns, strict=True) if here not in worlds
+        }
     return elsewhere
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep a covering sample of each `matrix` test and the `heavy` tests of this world; skip
-    `spawns` tests when several ranks."""
+    """Keep a covering sample of each `matrix` test and the `heavy` and `spread` cases of this
+    world; skip `spawns` tests when several ranks."""
     if config.getoption("matrix") != "full":
         drop: set[int] = set()
         if not _full_matrix(config):

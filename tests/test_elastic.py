@@ -659,6 +659,7 @@ def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
     assert ear.silent(store, workers) == {}
 
 
+@pytest.mark.heavy  # seconds of waiting on a store of its own: no engine or size takes part
 def test_a_worker_outlasts_a_store_stalled_past_the_link_timeout_but_not_past_the_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
