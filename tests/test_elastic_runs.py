@@ -99,61 +99,59 @@ def check_run(tmp_path: Path, sizes: list[int]) -> None:
     assert out["w"] == replay(history).tolist()  # bit for bit, not only to a tolerance
 
 
-def test_kill_rank_0_of_three_that_sets_the_epoch_at_the_start_of_every_epoch(
-    tmp_path: Path,
-) -> None:
-    """One run checks both. The new rank 0 is the lowest survivor, which holds the same commit.
-    (Losing another rank mid-step: `test_a_worker_lost_while_the_next_group_forms`,
-    `test_kill_two_of_four`.) And torch's habit, `set_epoch(epoch)` at the start of every epoch,
-    so also on re-entry after the roll-back: worker 0 dies after the 4th commit, in the middle of
-    epoch 1 (2 of its 4 steps committed): the epoch goes on from its record, its samples once
-    each. (The other habit, `set_epoch(epoch + 1)` at the end, is every other run of this
-    file.)"""
-    done = elastic(3, ["--min-np", "2"], ["--die", "w0:4", "--set-epoch-at-start"], tmp_path)
-    assert done.returncode == 0, done.stderr
-    lost = "worker 0 was lost (SIGKILL); 2 worker(s) remain"
-    assert lost in done.stderr, f"rank 0 lost: {done.stderr}"
-    check_run(tmp_path, [3, 2])
-    history = json.loads((tmp_path / "out.json").read_text())["history"]
-    epochs = [epoch for epoch, size, _ in history if size == 3]
-    assert epochs == [0] * 4 + [1] * 2, f"set_epoch at the start: epochs at 3 ranks {epochs}"
-
-
-def test_a_worker_lost_while_the_next_group_forms(tmp_path: Path) -> None:
-    """Worker 2 dies mid-step; worker 1 dies as round 1's Gloo group begins to form, before its
-    address is in the store. Worker 0, waiting there for it, sees the launcher's round 2 and
-    goes on alone (without the watch it would wait out --elastic-timeout, 600 s, past LIMIT)."""
-    done = elastic(3, ["--min-np", "1"], ["--die", "w2:3", "--die-forming", "w1:1"], tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "worker 1 was lost (SIGKILL); 1 worker(s) remain" in done.stderr
-    check_run(tmp_path, [3, 1])
-
-
-def test_kill_two_of_four_at_once(tmp_path: Path) -> None:
-    """Two workers lost in one step are one re-forming (`--reset-limit 1` holds), and a third
-    lost once rank 0 has finished (worker 2, after training) does not fail the finished run."""
+def test_two_lost_in_one_step_then_rank_0_then_one_after_the_finish(tmp_path: Path) -> None:
+    """One run of five workers that sets the epoch at the start of every epoch (torch's habit,
+    `set_epoch(epoch)`, so also on re-entry after a roll-back; the other habit, `set_epoch(epoch
+    + 1)` at the end, is every other run of this file):
+    - workers 1 and 3 die in one step, after their 2nd commit: one re-forming, not two
+      (`--reset-limit 2` holds with the re-forming below);
+    - worker 0 (rank 0) dies after its 4th commit, in the middle of epoch 1: the new rank 0 is
+      the lowest survivor (worker 2), which holds the same commit, and the epoch goes on from its
+      record, its samples once each;
+    - worker 4 is lost once rank 0 has finished (after training), which does not fail the
+      finished run.
+    (Losing a worker as a group forms: `test_lost_as_the_first_and_the_next_world_form_then_a_
+    clean_exit`.)"""
     done = elastic(
-        4,
-        ["--min-np", "2", "--reset-limit", "1"],
-        ["--die", "w1:2", "--die", "w3:2", "--die-after-finish", "w2"],
+        5,
+        ["--min-np", "2", "--reset-limit", "2"],
+        [
+            *("--die", "w1:2", "--die", "w3:2", "--die", "w0:4"),
+            *("--die-after-finish", "w4", "--set-epoch-at-start"),
+        ],
         tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    assert "worker 1 was lost" in done.stderr and "worker 3 was lost" in done.stderr
-    assert "worker 2 was lost" in done.stderr
-    check_run(tmp_path, [4, 2])
+    for worker in (1, 3, 0, 4):
+        assert f"worker {worker} was lost (SIGKILL)" in done.stderr, done.stderr
+    assert "worker 0 was lost (SIGKILL); 2 worker(s) remain" in done.stderr, done.stderr
+    check_run(tmp_path, [5, 3, 2])
+    history = json.loads((tmp_path / "out.json").read_text())["history"]
+    epochs = {size: [e for e, n, _ in history if n == size] for size in (5, 3, 2)}
+    assert epochs[3] == [1] * 3 and epochs[2][0] == 1, f"rank 0 lost mid-epoch 1: {epochs}"
 
 
-def test_lost_while_the_first_world_forms_then_a_clean_exit(tmp_path: Path) -> None:
-    """Worker 2 dies once round 0 has formed, before `dp.initialize()`: the others, making the
-    library's world there, re-form without it (before: `dp.initialize()` raised and the run
-    ended). Then worker 1 leaves with `sys.exit(0)` mid-run: a finished worker leaves the run,
-    and worker 0 re-forms alone and finishes (before: the launcher opened no round and worker 0
-    waited for one forever)."""
-    done = elastic(3, ["--min-np", "1"], ["--die-initializing", "w2", "--leave", "w1:3"], tmp_path)
+def test_lost_as_the_first_and_the_next_world_form_then_a_clean_exit(tmp_path: Path) -> None:
+    """One run of four workers, `--min-np 1`:
+    - worker 3 dies once round 0 has formed, before `dp.initialize()`: the others, making the
+      library's world there, re-form without it (before: `dp.initialize()` raised and the run
+      ended);
+    - worker 1 dies as round 1's Gloo group begins to form, before its address is in the
+      store: workers 0 and 2, waiting there for it, see the launcher's round 2 and go on
+      without it (without the watch they would wait out --elastic-timeout, 600 s, past LIMIT);
+    - worker 2 leaves with `sys.exit(0)` mid-run: a finished worker leaves the run, and worker
+      0 re-forms alone and finishes (before: the launcher opened no round and worker 0 waited
+      for one forever)."""
+    done = elastic(
+        4,
+        ["--min-np", "1"],
+        ["--die-initializing", "w3", "--die-forming", "w1:1", "--leave", "w2:3"],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    assert "worker 2 was lost (SIGKILL); 2 worker(s) remain" in done.stderr
-    assert "round 2 formed without worker(s) 1, which finished their script" in done.stderr
+    assert "worker 3 was lost (SIGKILL); 3 worker(s) remain" in done.stderr, done.stderr
+    assert "worker 1 was lost (SIGKILL); 2 worker(s) remain" in done.stderr, done.stderr
+    assert "round 3 formed without worker(s) 2, which finished their script" in done.stderr
     check_run(tmp_path, [2, 1])
 
 
@@ -165,45 +163,18 @@ def discovery_script(tmp_path: Path, slots: str) -> Path:
     return script
 
 
-def test_add_a_worker_through_discovery(tmp_path: Path) -> None:
-    """2 -> 3: rank 0 makes the script report a third slot after its 2nd commit; the newcomer
-    gets the state from rank 0 and the run goes on with three, without rolling back."""
-    script = discovery_script(tmp_path, "localhost:2")
-    done = elastic(
-        2,
-        ["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
-        ["--slots", f"{tmp_path / 'slots'}:2:localhost:3"],
-        tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
-    check_run(tmp_path, [2, 3])
-
-
-def test_remove_a_worker_through_discovery(tmp_path: Path) -> None:
-    """3 -> 2: rank 0 makes the script report two slots after its 2nd commit; worker 2 leaves at
-    the next commit with status 0 (not a failure) and the others go on without rolling back."""
-    script = discovery_script(tmp_path, "localhost:3")
-    done = elastic(
-        3,
-        ["--min-np", "2", "--host-discovery-script", str(script)],
-        ["--slots", f"{tmp_path / 'slots'}:2:localhost:2"],
-        tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "worker 2 is removed (the discovery script leaves the run 2 slot(s))" in done.stderr
-    assert "worker w2 was removed from the run" in done.stderr
-    assert "was lost" not in done.stderr and "ended with status" not in done.stderr
-    check_run(tmp_path, [3, 2])
-
-
-def test_discovery_removes_a_slot_as_the_first_world_forms_then_fails_once(
-    tmp_path: Path,
-) -> None:
-    """Worker 2, the newest, makes the script report two slots before its `dp.initialize()`:
-    the others, making the library's world of round 0, go on to round 1 without it, and it
-    leaves with status 0. Later the script fails once (after rank 0's 2nd commit): the launcher
-    keeps the slots it knew and runs it again (Horovod ends the run only when the first call
-    fails: `test_bad_discovery_script`)."""
+def test_discovery_removes_fails_adds_and_removes_again(tmp_path: Path) -> None:
+    """One run whose discovery script changes four times (`--max-np 3`):
+    - worker 2, the newest, makes it report two slots before its `dp.initialize()`: the
+      others, making the library's world of round 0, go on to round 1 without it, and it
+      leaves with status 0;
+    - it fails once (after rank 0's 2nd commit): the launcher keeps the slots it knew and runs
+      it again (Horovod ends the run only when the first call fails:
+      `test_bad_discovery_script`);
+    - 2 -> 3 (after rank 0's 3rd commit): the newcomer, worker 3, gets the state from rank 0
+      and the run goes on with three, without rolling back;
+    - 3 -> 2 (after rank 0's 5th commit): worker 3, the newest, leaves at the next commit with
+      status 0 (not a failure) and the others go on without rolling back."""
     fail = tmp_path / "fail"
     slots = tmp_path / "slots"
     slots.write_text("localhost:3\n")
@@ -213,30 +184,38 @@ def test_discovery_removes_a_slot_as_the_first_world_forms_then_fails_once(
         f"cat {slots}\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    changes = [f"{slots}:0:localhost:2", f"{slots}:3:localhost:3", f"{slots}:5:localhost:2"]
     done = elastic(
         3,
-        ["--min-np", "2", "--host-discovery-script", str(script)],
-        ["--slots", f"{slots}:0:localhost:2", "--fail-discovery", f"{fail}:2"],
+        ["--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
+        [*(f"--slots={change}" for change in changes), "--fail-discovery", f"{fail}:2"],
         tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    assert "worker w2 was removed from the run" in done.stderr
-    assert "exited with status 3: no hosts today" in done.stderr
-    assert "keeping the 2 slot(s) it reported last" in done.stderr
+    assert "worker w2 was removed from the run" in done.stderr, done.stderr
+    assert "exited with status 3: no hosts today" in done.stderr, done.stderr
+    assert "keeping the 2 slot(s) it reported last" in done.stderr, done.stderr
+    assert "worker 3 is removed (the discovery script leaves the run 2 slot(s))" in done.stderr
+    assert "worker w3 was removed from the run" in done.stderr, done.stderr
     assert "was lost" not in done.stderr and "ended with status" not in done.stderr
-    check_run(tmp_path, [2])
+    check_run(tmp_path, [2, 3, 2])
 
 
 def test_below_min_np_ends_after_the_elastic_timeout(tmp_path: Path) -> None:
-    done = elastic(2, ["--min-np", "2", "--elastic-timeout", "2"], ["--die", "w1:1"], tmp_path)
+    """Worker 1 dies as it starts: worker 0 alone is below `--min-np 2` for the elastic
+    timeout, and the run ends."""
+    options = ["--min-np", "2", "--elastic-timeout", "0.5"]
+    done = elastic(2, options, ["--die-initializing", "w1"], tmp_path)
     assert done.returncode == 1, done.stderr
     assert "fewer than --min-np 2" in done.stderr
     assert "1 slot(s) missing on this machine (lost: worker(s) 1)" in done.stderr
 
 
 def test_every_worker_lost_fails_the_run(tmp_path: Path) -> None:
-    """Both workers die (`--min-np 1`): no worker finished its script, so the run fails."""
-    done = elastic(2, ["--min-np", "1"], ["--die", "w0:1", "--die", "w1:1"], tmp_path)
+    """Both workers die (`--min-np 1`), as they start: no worker finished its script, so the
+    run fails."""
+    args = ["--die-initializing", "w0", "--die-initializing", "w1"]
+    done = elastic(2, ["--min-np", "1"], args, tmp_path)
     assert done.returncode == 1, done.stderr
     assert "every worker was lost (worker(s) " in done.stderr
     assert "none finished its script" in done.stderr
@@ -294,50 +273,48 @@ def test_bad_options_are_refused_at_once(options: list[str], message: str) -> No
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize(("wrapper", "victim"), [("optimizer", "w0"), ("model", "w1")])
-def test_a_horovod_elastic_script_loses_a_worker(tmp_path: Path, victim: str, wrapper: str) -> None:
-    """Horovod's names (`hvd.elastic.run`, `TorchState`, a reset callback), with a
-    `hvd.DistributedOptimizer` or a `dp.torch.DataParallelModel`: its gradient hooks are carried
-    over to the world of the survivors, which end equal. Each wrapper loses another worker (rank
-    0 or not): the wrappers carry their hooks over the same way whoever is lost."""
-    out = tmp_path / "out.json"
-    ddp = ["--ddp"] if wrapper == "model" else []
-    done = elastic_job("elastic_hvd.py", ["--out", out, "--die", victim, *ddp], tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
-
-
-@pytest.mark.parametrize(("wrapper", "victim"), [("optimizer", "w2"), ("model", "w0")])
-def test_a_worker_lost_while_a_wrapper_made_before_the_loop_forms_its_group(
-    tmp_path: Path, victim: str, wrapper: str
+@pytest.mark.parametrize(
+    ("wrapper", "grouping", "stepping"), [("optimizer", "w2", "w0"), ("model", "w0", "w2")]
+)
+def test_a_horovod_elastic_script_loses_a_worker_as_its_wrapper_groups_then_one_mid_step(
+    tmp_path: Path, wrapper: str, grouping: str, stepping: str
 ) -> None:
-    """Worker `victim` dies as the wrapper, made before `hvd.elastic.run`, begins making its
-    private group over round 0's world; the others wait there for its address until the
-    launcher opens round 1 without it. They re-form there, as `dp.initialize` would, the
-    wrapper is made on the new world, and the loop starts with the reset callbacks (lr for 2
-    ranks) and the state synchronized (before: the wait's `RankFailedError` escaped the
-    constructor, outside the loop, and ended the run with status 1)."""
+    """Horovod's names (`hvd.elastic.run`, `TorchState`, a reset callback), with a
+    `hvd.DistributedOptimizer` or a `dp.torch.DataParallelModel`, four workers:
+    - worker `grouping` dies as the wrapper, made before `hvd.elastic.run`, begins making its
+      private group over round 0's world; the others wait there for its address until the
+      launcher opens round 1 without it. They re-form there, as `dp.initialize` would, the
+      wrapper is made on the new world, and the loop starts with the reset callbacks (lr for 3
+      ranks) and the state synchronized (before: the wait's `RankFailedError` escaped the
+      constructor, outside the loop, and ended the run with status 1);
+    - worker `stepping` dies in the middle of step 5: the wrapper's gradient hooks are carried
+      over to the world of the survivors, which end equal.
+    Each wrapper loses rank 0 once and another rank once: the wrappers carry their hooks over
+    the same way whoever is lost."""
     out = tmp_path / "out.json"
     ddp = ["--ddp"] if wrapper == "model" else []
-    args: list[Arg] = ["--out", out, "--die-grouping", victim, *ddp]
-    done = elastic_job("elastic_hvd.py", args, tmp_path)
+    args: list[Arg] = ["--out", out, "--die-grouping", grouping, "--die", stepping, *ddp]
+    done = elastic_job("elastic_hvd.py", args, tmp_path, ranks=4)
     assert done.returncode == 0, done.stderr
-    assert f"worker {victim[1:]} was lost (SIGKILL); 2 worker(s) remain" in done.stderr
-    assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [2], "same": True}
+    assert f"worker {grouping[1:]} was lost (SIGKILL); 3 worker(s) remain" in done.stderr
+    assert f"worker {stepping[1:]} was lost (SIGKILL); 2 worker(s) remain" in done.stderr
+    assert json.loads(out.read_text()) == {"size": 2, "step": 12, "resets": [3, 2], "same": True}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("optax") is None, reason="needs JAX and optax")
-@pytest.mark.parametrize(("route", "victim"), [("ffi", "w0"), ("callback", "w1")])
-def test_a_jitted_optax_step_loses_a_worker(tmp_path: Path, route: str, victim: str) -> None:
-    """The survivors lose the worker inside the jitted step's reduction (an FFI call, a host
-    callback), which JAX reports as its own `JaxRuntimeError`: `elastic.run` re-forms all the
-    same, and the step, compiled for the old world, is traced again for the new one. The script
-    converts nothing and clears no cache itself; the end is one process's training."""
+def test_a_jitted_optax_step_loses_a_worker_on_either_route(tmp_path: Path) -> None:
+    """The survivors lose a worker inside the jitted step's reduction, which JAX reports as
+    its own `JaxRuntimeError`: worker 0 (rank 0) before step 4, which reduces through an FFI
+    call, then worker 1 (rank 0 by then) before step 5, which reduces through a host callback
+    (four workers; the steps take the two routes in turn). `elastic.run` re-forms all the same
+    each time, and the steps, compiled for the old world, are traced again for the new one. The
+    script converts nothing and clears no cache itself; the end is one process's training."""
     out = tmp_path / "out.json"
-    args = ["--out", out, "--route", route, "--die", victim]
-    done = elastic_job("elastic_jax.py", args, tmp_path, env={"JAX_PLATFORMS": "cpu"})
+    args = ["--out", out, "--route", "ffi,callback", "--die", "w0:4", "--die", "w1:5"]
+    done = elastic_job("elastic_jax.py", args, tmp_path, env={"JAX_PLATFORMS": "cpu"}, ranks=4)
     assert done.returncode == 0, done.stderr
-    assert f"worker {victim[1:]} was lost" in done.stderr
+    assert "worker 0 was lost (SIGKILL); 3 worker(s) remain" in done.stderr, done.stderr
+    assert "worker 1 was lost (SIGKILL); 2 worker(s) remain" in done.stderr, done.stderr
     result = json.loads(out.read_text())
     assert (result["size"], result["step"], result["same"]) == (2, 8, True)
     from elastic_jax import replay

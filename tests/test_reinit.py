@@ -3,10 +3,11 @@ world): the registered caches (`dataparallel.caches`), the private duplicates of
 `sys.excepthook`.
 
 The sub-jobs (`spawns`, run in the world-of-one pass) make worlds one after the other in one
-process with `tests/scripts/reinit.py`: Gloo under `dataparallel run` (env://) and through tcp://
-and file:// rendezvous, MPI under mpiexec (then finalized), and the world of one; each at 2 or 3
-ranks, one size per way (a world made again does not depend on its size). The other tests run
-in every pass, on a world of one of their own (the session's is hidden meanwhile).
+process with `tests/scripts/reinit.py`: Gloo under `dataparallel run`, through its variables
+(env://) and through tcp:// and file:// rendezvous in turn, MPI under mpiexec (then finalized),
+and the world of one; Gloo at 2 ranks, MPI at 3 (a world made again does not depend on its
+size). The other tests run in every pass, on a world of one of their own (the session's is
+hidden meanwhile).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _jobs import free_port, require_mpiexec, run_job, run_ranks
+from _jobs import free_port, require_mpiexec, run_job
 
 import dataparallel as dp
 from dataparallel import caches, startup
@@ -220,42 +221,28 @@ def test_a_world_of_one_again_and_again() -> None:
 
 
 @pytest.mark.spawns
-@pytest.mark.parametrize("ranks", [2])
-def test_gloo_again_under_dataparallel_run(ranks: int) -> None:
-    """env://: the second world meets through the first one's TCP store (same MASTER_PORT)."""
+def test_gloo_again_through_env_tcp_and_file_rendezvous(tmp_path: Path) -> None:
+    """Under `dataparallel run`, each way of meeting twice, in turn: env:// (a later world meets
+    through the first one's TCP store, the same MASTER_PORT), tcp:// (a store on the same port
+    again) and file:// (each world's rendezvous file is gone with it)."""
+    shared = tmp_path / "shared"
+    ways = ["env", f"tcp://127.0.0.1:{free_port()}", f"file://{shared}"]
+    meet = [arg for way in ways for arg in ("--init-method", way)]
     job = run_job(
-        [SCRIPT, "gloo", "--rounds", "3"],
-        ranks=ranks,
+        [SCRIPT, "gloo", "--rounds", str(2 * len(ways)), *meet],
+        ranks=2,
         backend="gloo",
         job_timeout=300,
         env=OVERLAP,
         timeout=300,
     )
     assert job.returncode == 0, job.stdout + job.stderr
-    _check_rounds(_results(job.stdout), "gloo", ranks, 3)
-
-
-@pytest.mark.spawns
-@pytest.mark.parametrize(("scheme", "ranks"), [("tcp", 2), ("file", 3)])
-def test_gloo_again_through_tcp_and_file_rendezvous(
-    scheme: str, ranks: int, tmp_path: Path
-) -> None:
-    shared = tmp_path / "shared"
-    url = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{shared}"
-    meet = ["--init-method", url, "--world-size", str(ranks)]
-    commands = [
-        [sys.executable, str(SCRIPT), "gloo", "--rounds", "3", *meet, "--rank", str(r)]
-        for r in range(ranks)
-    ]
-    runs = run_ranks(commands, [OVERLAP] * ranks, timeout=300)
-    results = []
-    for rank, (status, stdout, stderr) in enumerate(runs):
-        assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
-        results += _results(stdout)
-    _check_rounds(results, "gloo", ranks, 3)
-    if scheme == "file":  # each world's rendezvous file is gone with it
-        assert not list(shared.iterdir()), list(shared.iterdir())
-        assert RENDEZVOUS_FILE == "dataparallel-rendezvous"
+    results = _results(job.stdout)
+    _check_rounds(results, "gloo", 2, 2 * len(ways))
+    taken = [r["way"] for r in sorted(results, key=lambda r: (r["round"], r["rank"]))]
+    assert taken == [way for way in ["env", "tcp", "file"] * 2 for _ in range(2)], taken
+    assert not list(shared.iterdir()), list(shared.iterdir())
+    assert RENDEZVOUS_FILE == "dataparallel-rendezvous"
 
 
 @pytest.mark.spawns

@@ -23,12 +23,14 @@ Options:
                         making the round's Gloo group (before the others can reach it)
     --slots FILE:K:LINE after its K-th commit, rank 0 writes LINE to FILE (what the discovery
                         script prints), then waits until the launcher has opened a new round;
-                        K = 0: the newest worker does so before its `dp.initialize()`, while
-                        round 0's world forms, and enters it once the others, who waited
-                        there for it, have given it up and formed round 1
+                        K = 0: the newest worker of round 0 does so before its
+                        `dp.initialize()`, while round 0's world forms, and enters it once the
+                        others, who waited there for it, have given it up and formed round 1.
+                        Given several times, each is done in turn
     --leave W:K         as --die, but worker W leaves with `sys.exit(0)` (a clean exit mid-run)
-    --die-initializing W  worker W kills itself with SIGKILL before `dp.initialize()`, once the
-                        launcher's round 0 has formed (the others meet its absence there)
+    --die-initializing W  worker W kills itself with SIGKILL as it starts, before
+                        `dp.initialize()` (the others meet its absence as round 0 forms); may
+                        be given for several workers
     --die-after-finish W  worker W kills itself with SIGKILL after training, once rank 0 has
                         written --out and ended (a worker lost as the run finishes)
     --fail-discovery FILE:K  after its K-th commit, rank 0 creates FILE (the discovery script
@@ -168,9 +170,9 @@ def main() -> None:
     parser.add_argument("--pause", default="::")
     parser.add_argument("--die-forming", default="")
     parser.add_argument("--stall-forming", default="::")
-    parser.add_argument("--slots")
+    parser.add_argument("--slots", action="append", default=[])
     parser.add_argument("--leave", default="")
-    parser.add_argument("--die-initializing", default="")
+    parser.add_argument("--die-initializing", action="append", default=[])
     parser.add_argument("--die-after-finish", default="")
     parser.add_argument("--fail-discovery")
     parser.add_argument("--set-epoch-at-start", action="store_true")
@@ -189,15 +191,16 @@ def main() -> None:
     stall_worker, stall_round, stall_path = args.stall_forming.split(":", 2)
     if me == stall_worker:
         stall_forming(int(stall_round), stall_path)
-    if me == args.die_initializing:
+    if me in args.die_initializing:
         os.kill(os.getpid(), signal.SIGKILL)
-    if args.slots and args.slots.split(":")[1] == "0":
+    slots = [(path, int(k), line) for path, k, line in (s.split(":", 2) for s in args.slots)]
+    later_slots = [(path, k, line) for path, k, line in slots if k > 0]  # rank 0's, in turn
+    for path, _, line in [each for each in slots if each[1] == 0]:
         from dataparallel.elastic import rounds
 
         joined = rounds.current()
         assert joined is not None
-        if joined.rank == joined.size - 1:
-            path, _, line = args.slots.split(":", 2)
+        if joined.generation == 0 and joined.rank == joined.size - 1:
             with open(path, "w") as file:
                 file.write(line + "\n")
             wait_for_round(joined.generation + 1, formed=True)  # the others gave round 0 up
@@ -210,26 +213,24 @@ def main() -> None:
         sampler=dp.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=5),
     )
     commits = 0
-    rediscovered = failed_discovery = False
+    failed_discovery = False
 
     def commit() -> None:
-        nonlocal commits, rediscovered, failed_discovery, tries
+        nonlocal commits, failed_discovery, tries
         tries += 1
         if me == skip_worker and tries == int(skip_at):
             return
         state.commit()
         commits += 1
-        if args.slots and not rediscovered and dp.rank() == 0:
-            path, k, line = args.slots.split(":", 2)
-            if int(k) > 0 and commits >= int(k):
-                rediscovered = True
-                with open(path, "w") as file:
-                    file.write(line + "\n")
-                from dataparallel.elastic import rounds
+        if later_slots and dp.rank() == 0 and commits >= later_slots[0][1]:
+            path, _, line = later_slots.pop(0)
+            with open(path, "w") as file:
+                file.write(line + "\n")
+            from dataparallel.elastic import rounds
 
-                joined = rounds.current()
-                assert joined is not None
-                wait_for_round(joined.generation + 1)
+            joined = rounds.current()
+            assert joined is not None
+            wait_for_round(joined.generation + 1)
         if args.fail_discovery and not failed_discovery and dp.rank() == 0:
             path, _, k = args.fail_discovery.rpartition(":")
             if commits >= int(k):

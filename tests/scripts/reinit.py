@@ -1,6 +1,6 @@
 """Initialize, finalize and initialize again in one process; started by `tests/test_reinit.py`.
 
-usage: reinit.py BACKEND [--rounds N] [--init-method URL --rank R --world-size N]
+usage: reinit.py BACKEND [--rounds N] [--init-method URL ... [--rank R --world-size N]]
 
 `gloo`, `mpi` and `single`: N (default 2) worlds one after the other, each with an
 allreduce, a broadcast, a `DistributedOptimizer` step (summing) whose buckets go to the
@@ -10,7 +10,9 @@ takes the parameters over, and the old ones, of worlds ended, reduce nothing (a 
 twice, or on a closed engine, shows). After each `dp.finalize()`,
 what it must have undone: the duplicate closed, the thread stopped, `sys.excepthook` restored, the
 registered caches cleared. Prints one `RESULT {json}` line per round. Gloo meets through the
-launcher's variables (env://), or through `--init-method` (tcp://, file://) every round.
+launcher's variables (env://), or through `--init-method` (tcp://, file://); several
+`--init-method`s are taken in turn, round by round (`env`: the launcher's variables), and the
+rank and world size are the launcher's (`RANK`, `WORLD_SIZE`) unless given.
 
 `mpi-finalized`: N MPI worlds as `mpi` makes them, then `MPI.Finalize()` (the program's own),
 then `dp.initialize("mpi")` again; prints `REFUSED {type}: {message}` with what it raised.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 
@@ -73,6 +76,7 @@ def one_world(backend: str, round_: int, meeting: dict[str, object]) -> dict[str
     comm_alive = any(t.name == active.comm_thread.name for t in threading.enumerate())
     return {
         "round": round_,
+        "way": str(meeting.get("init_method", "env")).partition(":")[0],  # env, tcp or file
         "backend": made.name,
         "rank": rank,
         "size": size,
@@ -103,19 +107,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("backend", choices=("gloo", "mpi", "single", "mpi-finalized"))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--init-method")
+    parser.add_argument("--init-method", action="append", default=[])
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world-size", type=int)
     args = parser.parse_args()
-    meeting: dict[str, object] = {}
-    if args.init_method is not None:
-        meeting = {
-            "init_method": args.init_method,
-            "rank": args.rank,
-            "world_size": args.world_size,
+    meetings: list[dict[str, object]] = [
+        {}
+        if url == "env"
+        else {
+            "init_method": url,
+            "rank": int(os.environ["RANK"]) if args.rank is None else args.rank,
+            "world_size": (
+                int(os.environ["WORLD_SIZE"]) if args.world_size is None else args.world_size
+            ),
         }
+        for url in args.init_method or ["env"]
+    ]
     backend = args.backend
     for round_ in range(args.rounds):
+        meeting = meetings[round_ % len(meetings)]
         result = one_world(backend.removesuffix("-finalized"), round_, meeting)
         sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: launchers interleave
         sys.stdout.flush()

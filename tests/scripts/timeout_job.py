@@ -1,9 +1,9 @@
 """Rank 1 never joins: rank 0's collective must end with CollectiveTimeoutError, not a hang.
 
-Usage: `timeout_job.py CALL [CALL ...]`, each CALL one of the collectives below. Rank 0 makes
-each call in turn (rank 1 joins none, so each one's peer never comes) and prints `TIMEOUT
-<message>` when its error comes, or `NO TIMEOUT`; after the last it exits 3 if every call timed
-out. Rank 1 sleeps until the launcher ends it.
+Usage: `timeout_job.py [--timeout S] CALL [CALL ...]`, each CALL one of the collectives below,
+S the calls' timeout (default 1 s). Rank 0 makes each call in turn (rank 1 joins none, so each
+one's peer never comes) and prints `TIMEOUT <message>` when its error comes, or `NO TIMEOUT`;
+after the last it exits 3 if every call timed out. Rank 1 sleeps until the launcher ends it.
 """
 
 import sys
@@ -13,7 +13,10 @@ import numpy as np
 
 import dataparallel as dp
 
-dp.initialize(timeout=1.0)
+timeout, names = 1.0, sys.argv[1:]
+if names[:1] == ["--timeout"]:
+    timeout, names = float(names[1]), names[2:]
+dp.initialize(timeout=timeout)
 calls = {
     "allreduce": lambda: dp.allreduce(np.ones(4)),
     "iallreduce": lambda: dp.iallreduce(np.ones(4)).wait(),
@@ -25,7 +28,7 @@ calls = {
 }
 if dp.rank() == 0:
     timed_out = 0
-    for name in sys.argv[1:]:
+    for name in names:
         try:
             calls[name]()
         except dp.CollectiveTimeoutError as error:
@@ -33,6 +36,6 @@ if dp.rank() == 0:
             timed_out += 1
         else:
             print("NO TIMEOUT", flush=True)
-    sys.exit(3 if timed_out == len(sys.argv) - 1 else 0)
+    sys.exit(3 if timed_out == len(names) else 0)
 else:
     time.sleep(600)  # until the launcher ends it
