@@ -4,9 +4,10 @@ The tests without `spawns` run in whatever world pytest runs in (1, 2, 3 ranks; 
 round trip of a model, a plain or ZeRO optimizer, a sampler and values, bit for bit; `async_save`
 writing the state as it was at the call; a checkpoint without its metadata or a shard file
 refused with a message that names what is missing. The `spawns` test runs jobs of other sizes
-(tests/scripts/checkpoint_job.py): saved at 3 ranks, loaded at 2 and at 4, and back; a rank killed
-while it writes; and a plain torch program (tests/scripts/plain_dcp.py) reading a checkpoint
-written here, and writing one that loads here. The same jobs carry a chain of ZeRO runs that each
+(tests/scripts/checkpoint_job.py) and takes their steps in its own world of one: saved at 1 rank,
+loaded at 2, saved at 2, loaded at 3, saved at 3, loaded at 1; a rank killed while it writes; and
+a plain torch program (tests/scripts/plain_dcp.py) reading a checkpoint written here, and writing
+one that loads here. The same jobs carry a chain of ZeRO runs that each
 resume what a world of another size saved (tests/scripts/zero_resume.py): a job's start costs
 seconds, so each check rides on jobs that start anyway.
 """
@@ -476,78 +477,78 @@ def job(args: list[Any], ranks: int, backend: str, ok: bool = True) -> str:
 
 @pytest.mark.spawns
 def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None:
-    """Every pair of (saving engine, loading engine), to more ranks and to fewer, plain torch's
-    DCP both ways, and a save killed midway, in five jobs (each checkpoint is checked in jobs
-    that start anyway: a job's start costs seconds):
+    """Each engine saving and loading, to more ranks and to fewer, plain torch's DCP both ways,
+    and a save killed midway, in three jobs and this process (a world of one) before and after
+    them: a job's start costs seconds, so each checkpoint is checked where a job runs anyway.
 
-    - MPI 3 saves A under ZeRO stage 2;
-    - a plain torch program (no dataparallel, one process) saves P, and loads A (DCP alone: the
-      model, the optimizer, the step);
-    - Gloo 2 loads A (MPI -> Gloo, to fewer) and P (plain -> ZeRO), then saves B;
-    - Gloo 3 loads B (Gloo -> Gloo, to more), saves K, and saves into K again with rank 1 killed
-      while it writes its shards: that job fails, as it must;
-    - MPI 4 loads A (MPI -> MPI, to more) and B (Gloo -> MPI, to more), then K, which it must
-      refuse: a folder a job died writing is neither the old checkpoint nor the new one.
+    - here (the single engine, one rank) saves S under ZeRO stage 2;
+    - Gloo 2 loads S (one saved shard cut in two), saves B, saves K, and saves into K again
+      with rank 1 killed while it writes its shards: that job fails, as it must;
+    - a plain torch program (no dataparallel, one process) saves P, and loads B (DCP alone:
+      the model, the optimizer, the step);
+    - MPI 3 loads B (Gloo -> MPI, 2 -> 3: each rank's slices cut across the saved ones) and P
+      (plain -> ZeRO), saves A, then loads K, which it must refuse: a folder a job died writing
+      is neither the old checkpoint nor the new one;
+    - here loads A (MPI -> single, 3 -> 1) and refuses K too.
 
-    Every load gets bit for bit what the saving job consolidated. Along the way, ZeRO runs
+    Every load gets bit for bit what the saving world consolidated. Along the way, ZeRO runs
     resume one another (`zero-resume`, plain `torch.save` of the consolidated state): Gloo 2
-    (stage 1 under DataParallelModel) starts, Gloo 3 (stage 2) goes on with more and uneven
-    shards, then this process (a world of one: one shard); the end matches one process's Adam
-    on the whole batches throughout.
+    (stage 1 under DataParallelModel) starts, MPI 3 (stage 2) goes on with more and uneven
+    shards, then this process (one shard); the end matches one process's Adam on the whole
+    batches throughout.
     """
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
-    a, b, k, p = (tmp_path / name for name in ("a", "b", "k", "p"))
-    ref = {name: tmp_path / f"{name}.pt" for name in ("a", "b", "k", "p")}
+    here = import_script("checkpoint_job")
+    s, a, b, k, p = (tmp_path / name for name in ("s", "a", "b", "k", "p"))
+    ref = {name: tmp_path / f"{name}.pt" for name in ("s", "a", "b", "k", "p")}
     got = tmp_path / "got"
     got.mkdir()
-    z = {name: tmp_path / f"zero-{name}.pt" for name in ("gloo-2", "gloo-3", "1")}
-    job(["save", a, ref["a"]], 3, "mpi")
-    job(["save", p, ref["p"], "load", a, got / "a-plain.pt"], 1, "plain")
-    gloo_2 = ["load", a, got / "a-gloo-2.pt", "load-plain", p, got / "p-gloo-2.pt"]
-    job([*gloo_2, "zero-resume", "-", z["gloo-2"], "save", b, ref["b"]], 2, "gloo")
-    gloo_3 = ["load", b, got / "b-gloo-3.pt", "zero-resume", z["gloo-2"], z["gloo-3"]]
+    z = {name: tmp_path / f"zero-{name}.pt" for name in ("gloo-2", "mpi-3", "1")}
+    here.step("save", s, ref["s"], 2, None)
+    gloo_2 = ["load", s, got / "s-gloo-2.pt", "zero-resume", "-", z["gloo-2"]]
     died = job(
-        [*gloo_3, "save", k, ref["k"], "--die-rank", "1"],
-        3,
-        "gloo",
-        ok=False,
+        [*gloo_2, "save", b, ref["b"], "save", k, ref["k"], "--die-rank", "1"], 2, "gloo", ok=False
     )
-    assert (got / "b-gloo-3.pt").exists() and ref["k"].exists(), died  # both before the kill
+    assert (got / "s-gloo-2.pt").exists() and ref["k"].exists(), died  # all before the kill
     assert (k / "__0_0.distcp").exists()  # the first save into K was complete
+    job(["save", p, ref["p"], "load", b, got / "b-plain.pt"], 1, "plain")
+    mpi_3 = ["load", b, got / "b-mpi-3.pt", "load-plain", p, got / "p-mpi-3.pt"]
+    mpi_3 += ["zero-resume", z["gloo-2"], z["mpi-3"], "save", a, ref["a"]]
+    refused = job([*mpi_3, "load", k, got / "k.pt"], 3, "mpi", ok=False)
+    assert "did not finish" in refused
+    assert ref["a"].exists() and not (got / "k.pt").exists(), refused
+    here.step("load", a, got / "a-1.pt", 2, None)
     with pytest.raises(FileNotFoundError, match="did not finish"):
         dp.checkpoint.load({"model": make_model()}, k)
-    refused = job(
-        ["load", a, got / "a-mpi-4.pt", "load", b, got / "b-mpi-4.pt", "load", k, got / "k.pt"],
-        4,
-        "mpi",
-        ok=False,
-    )
-    assert "did not finish" in refused
-    assert not (got / "k.pt").exists()
-    assert_zero_resumed_like_one_process(z["gloo-3"], z["1"])
+    assert_zero_resumed_like_one_process(z["mpi-3"], z["1"])
 
     def load(path: Path) -> Any:
         return torch.load(path, weights_only=False)
 
     want = {name: load(path) for name, path in ref.items()}
-    for name, saved in (("a-gloo-2", "a"), ("b-gloo-3", "b"), ("a-mpi-4", "a"), ("b-mpi-4", "b")):
+    for name, saved in (("s-gloo-2", "s"), ("b-mpi-3", "b"), ("a-1", "a")):
         assert_same(load(got / f"{name}.pt"), want[saved], f"{saved} loaded as {name}")
-    for name, saved in (("a-plain", "a"), ("p-gloo-2", "p")):  # the model, the optimizer, the step
+    for name, saved in (("b-plain", "b"), ("p-mpi-3", "p")):  # the model, the optimizer, the step
         plain = load(got / f"{name}.pt")
         assert_same(plain["model"], want[saved]["model"], f"model ({name})")
         assert_same(plain["optim"], want[saved]["optim"], f"optim ({name})")
         assert plain["step"] == want[saved]["step"]
 
 
+def import_script(name: str) -> Any:
+    """Import `tests/scripts/NAME.py`, to take its steps in this process (a world of one)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def assert_zero_resumed_like_one_process(previous: Path, last: Path) -> None:
     """Resume `previous` here (a world of one), then check the chain of `zero-resume` steps
     against one process's Adam on the whole batches, every step."""
-    spec = importlib.util.spec_from_file_location("zero_resume", SCRIPTS / "zero_resume.py")
-    assert spec is not None and spec.loader is not None
-    zero_resume = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zero_resume)
-    zero_resume.resume(str(previous), last)
+    import_script("zero_resume").resume(str(previous), last)
     final = torch.load(last, weights_only=False)
     sizes = json.loads(final["sizes"])
     assert sizes == [2, 3, 1], f"ZeRO resume chain: the world sizes were {sizes}"
@@ -559,7 +560,7 @@ def assert_zero_resumed_like_one_process(previous: Path, last: Path) -> None:
         ref_opt.zero_grad()
         _torch_common.loss_of(model, x, y).backward()
         ref_opt.step()
-    where = "ZeRO resumed through Gloo 2, Gloo 3, one rank"
+    where = "ZeRO resumed through Gloo 2, MPI 3, one rank"
     for name, value in model.state_dict().items():
         torch.testing.assert_close(
             final["model"][name],

@@ -4,11 +4,12 @@ The tests without `spawns` run in whatever world pytest runs in (1, 2, 3 ranks; 
 rank writes its own slices of each parameter's state (`dp.checkpoint.OptaxShards`), and a fresh
 state loads them bit for bit and trains on alike; the saved tensors are the whole states of the
 parameters, of their shapes; a bare `ShardedState` is refused. The `spawns` test runs jobs of
-other sizes (tests/scripts/optax_checkpoint_job.py): saved at 3 and loaded at 2 and 1, saved at 2
-and loaded at 3, saved at 1 and loaded at 3, each loaded state, consolidated, equal bit for bit to
-the saving job's; a job loads checkpoints and saves the next, so four jobs do it all. The same
-jobs carry a chain of sharded runs that each resume what a world of another size consolidated
-(tests/scripts/optax_sharded_resume.py): a job's start costs seconds.
+other sizes (tests/scripts/optax_checkpoint_job.py) and takes their steps in its own world of one:
+saved at 1 and loaded at 3, saved at 3 and loaded at 2 and 1, saved at 2 and loaded at 1, each
+loaded state, consolidated, equal bit for bit to the saving world's; a job loads checkpoints and
+saves the next, so two jobs do it all. The same steps carry a chain of sharded runs that each
+resume what a world of another size consolidated (tests/scripts/optax_sharded_resume.py): a job's
+start costs seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pytest
@@ -186,78 +187,76 @@ def test_a_group_short_of_the_world_is_refused(folder: Path) -> None:
 # -- jobs of other sizes -------------------------------------------------------------------------
 
 
-def job(
-    actions: list[tuple[str, Path, Path]],
-    ranks: int,
-    backend: str,
-    resume: tuple[str, Path] | None,
-) -> list[dict[str, Any]]:
-    """Run `actions` (`save`/`load`, folder, pickle) in turn in one job, then `resume`
-    (previous, saved: `optax_sharded_resume.resume`); return the actions' pickles."""
-    steps = [part for action in actions for part in action]
-    if resume is not None:
-        steps += ["resume", *resume]
-    launcher: Literal["run"] = "run"
+def script(name: str) -> Any:
+    """Import `tests/scripts/NAME.py`, to take its steps in this process (a world of one)."""
+    spec = importlib.util.spec_from_file_location(name, JOB.with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def job(actions: list[tuple[str, Path, Path]], ranks: int, backend: str) -> None:
+    """Run `actions` (`save`/`load`/`resume`, folder or previous, pickle) in turn in one job."""
     done = run_job(
-        [JOB, *steps],
-        launcher=launcher,
+        [JOB, *(part for action in actions for part in action)],
         ranks=ranks,
         backend=backend,
         job_timeout=200,
         timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    results = []
-    for _, _, out in actions:
-        with open(out, "rb") as f:
-            result: dict[str, Any] = pickle.load(f)
-        assert result["size"] == ranks
-        results.append(result)
-    return results
 
 
-# Each job (ranks, engine) loads the checkpoints jobs before it saved and saves its own: saved at
-# 3 and loaded at 2 and 1, saved at 2 and loaded at 3, saved at 1 and loaded at 3. Each engine
-# loads at several ranks (Gloo 2, MPI 3); a job's start costs seconds, so the last loads two.
-JOBS: list[tuple[int, str, tuple[str, ...], str | None]] = [  # (ranks, engine, loads, saves)
-    (3, "mpi", (), "a"),
-    (2, "gloo", ("a",), "b"),
-    (1, "mpi", ("a",), "c"),
-    (3, "mpi", ("b", "c"), None),
-]
-
-
-# The jobs that also carry the sharded resume chain (`optax_sharded_resume.py`), in turn.
-RESUMING = (1, 2, 3)
+# The checkpoints (saved at 1, 3, 2 ranks, in turn) and where each is loaded.
+SIZES = {"one": 1, "three": 3, "two": 2}
+LOADS = [("one", 3), ("three", 2), ("three", 1), ("two", 1)]
 
 
 @pytest.mark.spawns
 def test_saved_at_one_size_loads_bit_for_bit_at_others(tmp_path: Path) -> None:
-    """Three jobs also resume the sharded run the job before saved: Gloo 2 starts it (eager),
-    MPI 1 goes on with one shard, MPI 3 with more and uneven ones (both jitted); the end matches
-    one process throughout (`test_optax_sharded.assert_resumed_like_one_process`)."""
+    """Saved at 1 and loaded at 3 (to more: one saved slice cut in three), saved at 3 and loaded
+    at 2 and at 1 (to fewer: a slice made of several saved ones), saved at 2 and loaded at 1;
+    each loaded state, consolidated, equal bit for bit to the saving world's. Two jobs (MPI 3,
+    then Gloo 2) and this process (a world of one) before and after them: a job's start costs
+    seconds. The same steps carry the sharded resume chain (`optax_sharded_resume.resume`):
+    this process starts it (jitted), MPI 3 goes on with more and uneven shards (jitted), Gloo 2
+    with fewer (eager), and the end matches one process throughout
+    (`test_optax_sharded.assert_resumed_like_one_process`)."""
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
-    saved: dict[str, tuple[int, str, dict[str, Any]]] = {}
-    resumed = "-"
-    for number, (ranks, backend, loads, saves) in enumerate(JOBS):
-        actions = [
-            ("load", tmp_path / name, tmp_path / f"out-{number}-{name}.pkl") for name in loads
-        ]
-        if saves:
-            actions.append(("save", tmp_path / saves, tmp_path / f"ref-{saves}.pkl"))
-        resume = None
-        if number in RESUMING:
-            resume = (resumed, tmp_path / f"resumed-{number}-{ranks}-{backend}.pkl")
-            resumed = str(resume[1])
-        results = job(actions, ranks, backend, resume)
-        for name, got in zip(loads, results, strict=False):
-            by, engine, want = saved[name]
-            where = f"saved at {by} ({engine}), loaded at {ranks} ({backend})"
-            assert_same(got["params"], want["params"], f"parameters {where}")
-            assert_same(got["state"], want["state"], f"state {where}")
-        if saves:
-            saved[saves] = (ranks, backend, results[-1])
-    assert len(saved) == 3
-    final = pickle.loads(Path(resumed).read_bytes())
-    assert_resumed_like_one_process(final, [JOBS[number][0] for number in RESUMING])
+    here, resume = script("optax_checkpoint_job"), script("optax_sharded_resume").resume
+    folder = {name: tmp_path / name for name in SIZES}
+    ref = {name: tmp_path / f"ref-{name}.pkl" for name in folder}
+    chain = [tmp_path / f"resumed-{n}.pkl" for n in range(3)]
+    here.act("save", folder["one"], ref["one"])
+    resume("-", chain[0])
+    loaded = {(name, at): tmp_path / f"{name}-at-{at}.pkl" for name, at in LOADS}
+    job(
+        [
+            ("load", folder["one"], loaded["one", 3]),
+            ("save", folder["three"], ref["three"]),
+            ("resume", chain[0], chain[1]),
+        ],
+        3,
+        "mpi",
+    )
+    job(
+        [
+            ("load", folder["three"], loaded["three", 2]),
+            ("save", folder["two"], ref["two"]),
+            ("resume", chain[1], chain[2]),
+        ],
+        2,
+        "gloo",
+    )
+    for name in ("three", "two"):
+        here.act("load", folder[name], loaded[name, 1])
+    for (name, at), path in loaded.items():
+        got, want = pickle.loads(path.read_bytes()), pickle.loads(ref[name].read_bytes())
+        where = f"saved at {SIZES[name]}, loaded at {at}"
+        assert (want["size"], got["size"]) == (SIZES[name], at), where
+        assert_same(got["params"], want["params"], f"parameters {where}")
+        assert_same(got["state"], want["state"], f"state {where}")
+    final = pickle.loads(chain[2].read_bytes())
+    assert_resumed_like_one_process(final, [1, 3, 2])

@@ -6,8 +6,8 @@ Each MODE FOLDER PATH is one step, taken in order in the same processes, each wi
 an optimizer of its own: one job checks several checkpoints (a job's start costs seconds).
 `save` trains two steps, writes FOLDER with `dp.checkpoint.save`, and rank 0 writes PATH: the
 consolidated state (`torch.save`), what any later job must find in FOLDER bit for bit. With
-`--die-rank R` it then saves into FOLDER again, and rank R is killed (SIGKILL) while writing its
-shards: the folder is left as a job that died midway leaves it (the job's last step). `load`
+`--die-rank R`, the job's last step, a `save`, then saves into FOLDER again, and rank R is killed
+(SIGKILL) while writing its shards: the folder is left as a job that died midway leaves it. `load`
 builds the same model at its own world size, loads FOLDER, and rank 0 writes the consolidated
 state it got to PATH; `load-plain` loads a plain torch program's checkpoint (no sampler).
 `zero-resume PREVIOUS SAVED` is `zero_resume.resume` (a chain of ZeRO runs that each load what a
@@ -110,11 +110,13 @@ def main() -> None:
     for mode, _, _ in steps:
         if mode not in ("save", "load", "load-plain", "zero-resume"):
             parser.error(f"{mode!r} is not save, load, load-plain or zero-resume")
+    if args.die_rank is not None and steps[-1][0] != "save":
+        parser.error("--die-rank kills a rank in the last step, a save")
     dp.initialize()
-    for mode, folder, path in steps:
+    for number, (mode, folder, path) in enumerate(steps, 1):
         if args.plain and mode == "load":
             mode = "load-plain"
-        step(mode, folder, path, args.stage, args.die_rank)
+        step(mode, folder, path, args.stage, args.die_rank if number == len(steps) else None)
     dp.finalize()
 
 
