@@ -33,6 +33,7 @@ from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import reductions
 from dataparallel.config import Settings
+from dataparallel.protocol import GATHER_LIMIT, Records, digest
 from dataparallel.types import Op
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Modes",
     "NamedParams",
     "Options",
+    "StepPlan",
     "arrival_order",
     "assign",
     "bucket_bytes_for",
@@ -55,7 +57,6 @@ __all__ = [
     "overlaps",
     "replay_of",
     "signature",
-    "step_flags",
     "summarize",
 ]
 
@@ -137,12 +138,50 @@ def layout(
     return buckets, summarize(owner, options, params, buckets, full)
 
 
-def step_flags(n: int, filled: list[int], abandoned: bool, sparse: np.ndarray) -> np.ndarray:
-    """The flags a step sends with its last bucket: had a gradient (n: 0 for `filled`), this
-    rank abandoned the step (1), and each parameter's gradient was sparse (`sparse`, n)."""
-    flags = np.concatenate([np.ones(n + 1, np.float32), sparse])
-    flags[filled], flags[n] = 0, abandoned
-    return flags
+class StepPlan:
+    """What every step of one layout sends, made once per layout (`GradientSync._lay_out`) and
+    kept while the layout holds, so that a step spends its Python on the gradients alone.
+
+    A gradient has its parameter's dtype and device (torch refuses any other), so each
+    parameter's array family, dtype and device are learnt from its first dense gradient and
+    hold for the layout's life; the step's flags have one buffer; the handshake's digest and
+    records are made once (`protocol.Records`: a call plan keeps them). A layout that changes
+    (parameters added, frozen, converted; rebucketed; sparse ones found; another mode) makes a
+    new plan.
+    """
+
+    def __init__(
+        self, params: NamedParams, summary: str, size: int, *, handshake: bool = True
+    ) -> None:
+        n = len(params)
+        self.families: list[Family | None] = [None] * n  # learnt from each first gradient
+        self.dtypes = [dtype_name(p.dtype) for _, p in params]
+        self.devices = [str(p.device) for _, p in params]
+        self.laid_out = frozenset(id(p) for _, p in params)
+        self.digest = digest(summary)
+        # The handshake's records (a world of one has none; larger worlds allreduce bounds).
+        kept = handshake and 1 < size <= GATHER_LIMIT
+        self.records = Records(size, self.digest) if kept else None
+        self._flags = np.empty(2 * n + 1, np.float32)
+
+    def family(self, owner: str, name: str, index: int, grad: torch.Tensor) -> Family:
+        """Return the array family of parameter `index`'s gradient (checked the first time)."""
+        family = self.families[index]
+        if family is None or grad.layout != torch.strided:
+            family = self.families[index] = grad_family(owner, name, grad)
+        return family
+
+    def flags(self, filled: list[int], abandoned: bool, sparse: list[int]) -> np.ndarray:
+        """The flags a step sends with its last bucket, in the plan's buffer: had a gradient (n:
+        0 for `filled`), this rank abandoned the step (1), and each parameter's gradient was
+        sparse here (n: 1 for `sparse`). The reduced flags land in it."""
+        flags = self._flags
+        n = (flags.size - 1) // 2
+        flags[: n + 1] = 1
+        flags[n + 1 :] = 0
+        flags[filled], flags[n] = 0, abandoned
+        flags[[n + 1 + i for i in sparse]] = 1
+        return flags
 
 
 def arrival_order(arrival: list[int], n: int) -> list[int]:
