@@ -150,9 +150,7 @@ class StepPlan:
     new plan.
     """
 
-    def __init__(
-        self, params: NamedParams, summary: str, size: int, *, handshake: bool = True
-    ) -> None:
+    def __init__(self, params: NamedParams, summary: str, size: int) -> None:
         n = len(params)
         self.families: list[Family | None] = [None] * n  # learnt from each first gradient
         self.dtypes = [dtype_name(p.dtype) for _, p in params]
@@ -160,8 +158,7 @@ class StepPlan:
         self.laid_out = frozenset(id(p) for _, p in params)
         self.digest = digest(summary)
         # The handshake's records (a world of one has none; larger worlds allreduce bounds).
-        kept = handshake and 1 < size <= GATHER_LIMIT
-        self.records = Records(size, self.digest) if kept else None
+        self.records = Records(size, self.digest) if 1 < size <= GATHER_LIMIT else None
         self._flags = np.empty(2 * n + 1, np.float32)
 
     def family(self, owner: str, name: str, index: int, grad: torch.Tensor) -> Family:
@@ -179,8 +176,11 @@ class StepPlan:
         n = (flags.size - 1) // 2
         flags[: n + 1] = 1
         flags[n + 1 :] = 0
-        flags[filled], flags[n] = 0, abandoned
-        flags[[n + 1 + i for i in sparse]] = 1
+        flags[n] = abandoned
+        if filled:
+            flags[filled] = 0
+        if sparse:
+            flags[[n + 1 + i for i in sparse]] = 1
         return flags
 
 
