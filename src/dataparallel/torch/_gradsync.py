@@ -677,13 +677,14 @@ class GradientSync:
                 grad = self._sparse.densify(i, p)
             if computed and self._feedback is not None:
                 self._feedback.apply(i, grad)
-            family = plan.family(self.owner, name, i, grad)
+            leaf = plan.leaf(self.owner, name, i, grad)
             if low is not None and i in low.matrices:
                 compressed.append(i)
                 if computed:
                     computed_now.add(i)
                 continue
-            leaves.append((family, grad, plan.dtypes[i], plan.devices[i]))
+            leaves.append(leaf)
+            family = leaf[0]
             adopt = self._views and _alone(grad)
             delivers.append(partial(_adopt, family, grad) if adopt else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
