@@ -215,6 +215,36 @@ def test_parameters_unused_on_some_ranks(world: Backend) -> None:
     assert model.module.b.weight.grad is not None
 
 
+def test_a_layout_changed_between_steps_is_reduced_as_it_now_is(world: Backend) -> None:
+    # What a step sends is planned once per layout; parameters frozen, converted or unfrozen
+    # between steps must still be reduced as they are, in the step that follows and after.
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare, bucket_bytes=96)
+    changes = {
+        2: lambda m: m[2].weight.requires_grad_(False),
+        4: lambda m: m.double(),
+        6: lambda m: m[2].weight.requires_grad_(True),
+    }
+    for step in range(8):
+        if step in changes:
+            changes[step](bare)
+            changes[step](reference)
+        x, y = global_batch(step)
+        dtype = bare[0].weight.dtype
+        model.zero_grad()
+        loss_of(model, share(x).to(dtype), share(y).to(dtype)).backward()
+        reference.zero_grad()
+        loss_of(reference, x.to(dtype), y.to(dtype)).backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            assert (got.grad is None) == (want.grad is None), step
+            if want.grad is not None:
+                assert got.grad.dtype == want.grad.dtype, step
+                torch.testing.assert_close(got.grad, want.grad)
+    assert model.gradient_sync.steps == 8
+    assert_same_on_every_rank(list(model.parameters()))
+
+
 def test_attributes_pass_through_to_the_wrapped_module(world: Backend) -> None:
     bare = nn.Linear(3, 2)
     bare.note = "kept"  # type: ignore[assignment]

@@ -178,14 +178,22 @@ def handshake(
     return rows, (flag is not None and bool((rows["flags"] & _NAN).any()))
 
 
-def start_handshake(backend: Backend, summary: str | int) -> Started | None:
+def start_handshake(
+    backend: Backend, summary: str | int, records: Records | None = None
+) -> Started | None:
     """Begin the handshake of a call that comes later (`Backend.iallgather`, no flag), so that
     its rendezvous overlaps the caller's work; `handshake(started=...)` finishes it, and must,
     on every rank alike. None where it cannot begin early (a world of one or over `GATHER_LIMIT`).
+
+    `records`: the call's `Records` (a call plan keeps them), given `summary`'s digest here.
     """
     if not 1 < backend.size <= GATHER_LIMIT:
         return None
-    records = Records(backend.size, summary if isinstance(summary, int) else digest(summary))
+    h = summary if isinstance(summary, int) else digest(summary)
+    if records is None:
+        records = Records(backend.size, h)
+    else:
+        records.record["digest"], records.flags[0] = h, 0
     return records, backend.iallgather(records.sent, records.received)
 
 

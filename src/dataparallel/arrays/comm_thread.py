@@ -30,12 +30,16 @@ from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
 from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, released
 
-__all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "CommThread", "Job", "Privates", "Router"]
+__all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "CommThread", "Job", "Leaf", "Privates", "Router"]
 
 # Seconds the communication thread sleeps between tests of an MPI call (`fusion.settle`).
 THREAD_PAUSE = 1e-4
 # Whether the thread leaves calls in flight on engines that progress by themselves (`_land`).
 LEAVE_IN_FLIGHT = True
+
+# An array to send, validated: its family, itself, its dtype and its device (`Family.dtype`,
+# `Family.device`), which the caller knows (a gradient's are its parameter's).
+Leaf = tuple[Family, object, str, str]
 
 
 class Job:
@@ -189,11 +193,11 @@ class Router:
 
     def send(
         self,
-        leaves: Sequence[tuple[Family, object]],
+        leaves: Sequence[Leaf],
         extra: np.ndarray | None = None,
         delivers: Sequence[Deliver | None] | None = None,
     ) -> None:
-        """Send one bucket: `leaves` (validated, with their family), then `extra` host float32;
+        """Send one bucket: `leaves`, then `extra` host float32;
         `delivers`: per leaf, where its result's place in the bucket goes (`Fusion.add_leaf`)."""
         self.run(lambda: self.put(leaves, extra, delivers))
 
@@ -208,7 +212,7 @@ class Router:
 
     def put(
         self,
-        leaves: Sequence[tuple[Family, object]],
+        leaves: Sequence[Leaf],
         extra: np.ndarray | None = None,
         delivers: Sequence[Deliver | None] | None = None,
     ) -> None:
@@ -228,14 +232,14 @@ class Router:
 
     def _add(
         self,
-        leaves: Sequence[tuple[Family, object]],
+        leaves: Sequence[Leaf],
         extra: np.ndarray | None,
         delivers: Sequence[Deliver | None] | None,
     ) -> None:
         fusion = self.fusion
         given = delivers if delivers is not None else [None] * len(leaves)
-        for (family, x), deliver in zip(leaves, given, strict=True):
-            fusion.add_leaf(family, x, family.dtype(x), family.device(x), deliver=deliver)
+        for (family, x, dtype, device), deliver in zip(leaves, given, strict=True):
+            fusion.add_leaf(family, x, dtype, device, deliver=deliver)
         if extra is not None:
             fusion.add(extra, "float32", HOST_KEY)
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dataparallel.arrays.actions import Reduction, Scatter
+from dataparallel.arrays.comm_thread import Leaf
 from dataparallel.arrays.compression import Compressing
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.arrays.families import Family, family_of
@@ -33,6 +34,7 @@ from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import reductions
 from dataparallel.config import Settings
+from dataparallel.protocol import GATHER_LIMIT, Records, digest
 from dataparallel.types import Op
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "Modes",
     "NamedParams",
     "Options",
+    "StepPlan",
     "arrival_order",
     "assign",
     "bucket_bytes_for",
@@ -55,7 +58,6 @@ __all__ = [
     "overlaps",
     "replay_of",
     "signature",
-    "step_flags",
     "summarize",
 ]
 
@@ -137,12 +139,58 @@ def layout(
     return buckets, summarize(owner, options, params, buckets, full)
 
 
-def step_flags(n: int, filled: list[int], abandoned: bool, sparse: np.ndarray) -> np.ndarray:
-    """The flags a step sends with its last bucket: had a gradient (n: 0 for `filled`), this
-    rank abandoned the step (1), and each parameter's gradient was sparse (`sparse`, n)."""
-    flags = np.concatenate([np.ones(n + 1, np.float32), sparse])
-    flags[filled], flags[n] = 0, abandoned
-    return flags
+class StepPlan:
+    """What every step of one layout sends, made once per layout (`GradientSync._lay_out`) and
+    kept while the layout holds, so that a step spends its Python on the gradients alone.
+
+    A gradient has its parameter's dtype and device (torch refuses any other), so each
+    parameter's array family is learnt from its first dense gradient and its dtype and device
+    named once; a parameter converted since the plan was made (`model.double()` between steps:
+    the layout follows at the step's end, `GradientSync.refresh`) has its gradient's own used. The
+    step's flags have one buffer; the handshake's digest and records are made once
+    (`protocol.Records`: a call plan keeps them). A layout that changes (parameters added,
+    frozen, converted; rebucketed; sparse ones found; another mode) makes a new plan.
+    """
+
+    def __init__(self, params: NamedParams, summary: str, size: int) -> None:
+        n = len(params)
+        self.families: list[Family | None] = [None] * n  # learnt from each first gradient
+        self._kinds = [(p.dtype, p.device) for _, p in params]
+        self._names = [(dtype_name(p.dtype), str(p.device)) for _, p in params]
+        self.laid_out = frozenset(id(p) for _, p in params)
+        self.digest = digest(summary)
+        # The handshake's records (a world of one has none; larger worlds allreduce bounds).
+        self.records = Records(size, self.digest) if 1 < size <= GATHER_LIMIT else None
+        self._flags = np.empty(2 * n + 1, np.float32)
+
+    def leaf(self, owner: str, name: str, index: int, grad: torch.Tensor) -> Leaf:
+        """Return parameter `index`'s gradient as a leaf to send: its array family, itself, its
+        dtype and its device (checked the first time, and whenever it is not what the plan knows:
+        not dense, or its parameter converted since)."""
+        family = self.families[index]
+        dtype, device = self._kinds[index]
+        known = grad.dtype is dtype and grad.device == device
+        if family is None or not known or grad.layout != torch.strided:
+            family = grad_family(owner, name, grad)
+            if not known:
+                return family, grad, family.dtype(grad), family.device(grad)
+            self.families[index] = family
+        return (family, grad, *self._names[index])
+
+    def flags(self, filled: list[int], abandoned: bool, sparse: list[int]) -> np.ndarray:
+        """The flags a step sends with its last bucket, in the plan's buffer: had a gradient (n:
+        0 for `filled`), this rank abandoned the step (1), and each parameter's gradient was
+        sparse here (n: 1 for `sparse`). The reduced flags land in it."""
+        flags = self._flags
+        n = (flags.size - 1) // 2
+        flags[: n + 1] = 1
+        flags[n + 1 :] = 0
+        flags[n] = abandoned
+        if filled:
+            flags[filled] = 0
+        if sparse:
+            flags[[n + 1 + i for i in sparse]] = 1
+        return flags
 
 
 def arrival_order(arrival: list[int], n: int) -> list[int]:

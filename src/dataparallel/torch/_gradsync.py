@@ -44,20 +44,21 @@ import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
-from dataparallel.arrays.comm_thread import Router
+from dataparallel.arrays.comm_thread import Leaf, Router
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.families import Family
-from dataparallel.arrays.fusion import HOST_KEY, Fusion
+from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import objects
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import Started, handshake, start_handshake
+from dataparallel.protocol import Started, digest, handshake, start_handshake
 from dataparallel.torch._buckets import (
     Bucket,
     Modes,
     ModeTrial,
     NamedParams,
+    StepPlan,
     arrival_order,
     check_options,
     describe,
@@ -67,7 +68,6 @@ from dataparallel.torch._buckets import (
     on_host,
     replay_of,
     signature,
-    step_flags,
 )
 from dataparallel.torch._feedback import ErrorFeedback
 from dataparallel.torch._hooks import GradientHooks
@@ -146,6 +146,7 @@ class GradientSync:
     _options: Options
     _buckets: list[Bucket]
     _summary: str  # what every step's handshake compares (`_buckets.summarize`)
+    _plan: StepPlan  # what every step of the layout sends, made with it
     _signature: list[tuple[int, torch.dtype, torch.device]]
     _host: bool  # every parameter on the host: buckets may go to the communication thread
     _begins_early: bool  # a step's handshake begins at its first gradient
@@ -245,6 +246,8 @@ class GradientSync:
         self._hooks = GradientHooks(self)
         self._buckets: list[Bucket] = []
         self._rebuilt = False
+        self._filled: list[int] = []
+        self._arrival: list[int] = []
         self._lay_out(trainable, None)
         self._clear()
 
@@ -286,6 +289,7 @@ class GradientSync:
         )
         self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
         self._signature = signature(self._params)
+        self._plan = StepPlan(self._params, self._summary, self.backend.size)
         if self._low is not None:
             self._low.lay_out(self._params, [b.members for b in self._buckets])
         self._host = on_host(self._params)  # only host buckets go to the communication thread
@@ -293,13 +297,15 @@ class GradientSync:
         # first gradient, so that its rendezvous overlaps backward instead of adding to the step.
         self._begins_early = self._host and self.backend.progresses and self.backend.size > 1
 
-    def refresh(self) -> bool:
+    def refresh(self, current: NamedParams | None = None) -> bool:
         """Take parameters added, removed, frozen, unfrozen or converted since into account.
 
         Called at the start of every step (`reset`); call it on every rank alike. Returns whether
-        the buckets changed (the current step then starts over).
+        the buckets changed (the current step then starts over). `current`: the parameters to
+        reduce, walked just before (`_current`) with no user code since.
         """
-        current = self._current()
+        if current is None:
+            current = self._current()
         if signature(current) == self._signature:
             return False
         self._lay_out(current, None)
@@ -461,8 +467,8 @@ class GradientSync:
         self._passes = 0
         self._hooks.queued = False
         self._hooks.clear()
-        self._filled: list[int] = []
-        self._arrival: list[int] = []
+        self._filled.clear()
+        self._arrival.clear()
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
@@ -508,8 +514,8 @@ class GradientSync:
             self._router.progress()
         hooks.mark(index)
         self._arrival.append(index)
-        if not self._arrival[1:] and self._begins_early:
-            self._early = start_handshake(self.backend, self._step_summary())
+        if len(self._arrival) == 1 and self._begins_early:
+            self._early = start_handshake(self.backend, self._step_summary(), self._plan.records)
         if self.overlap:  # a gathered sparse gradient is in no bucket: reduced in wait()
             hooks.launch_ready(self._launch)
 
@@ -517,32 +523,35 @@ class GradientSync:
         self._hooks.queued = False
         self._passes += 1
         if self._passes >= self.passes:
-            self._launch_rest()
+            current = self._launch_rest()
             if self.wait_after_backward:
                 try:
                     self.wait()
                 finally:
-                    self.reset()
+                    self._reset(current)  # no user code ran since the walk: it serves both
 
-    def _launch_rest(self) -> None:
-        """Launch every bucket not launched yet; parameters without a gradient send zeros."""
+    def _launch_rest(self) -> NamedParams | None:
+        """Launch every bucket not launched yet; parameters without a gradient send zeros.
+        Return the parameters to reduce now (`_current`), walked to find the late ones."""
         if self._state != State.OPEN:
-            return
+            return None
         self._hooks.launch_rest(self._launch)
         if self._compressing:  # the last buckets' Qs, in one call
             self._router.run(partial(self._low_rank_call, len(self._buckets), [], None))
         self._state = State.LAUNCHED
         # Parameters trainable since the buckets were laid out (identical on every rank).
-        laid_out = {id(p) for _, p in self._params}
-        late = [(n, p) for n, p in self._current() if id(p) not in laid_out]
+        current = self._current()
+        laid_out = self._plan.laid_out
+        late = [(n, p) for n, p in current if id(p) not in laid_out]
         if late:
             self._agree()
             leaves = []
             for name, p in late:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                leaves.append((grad_family(self.owner, name, p.grad), p.grad))
+                leaves.append(_leaf(grad_family(self.owner, name, p.grad), p.grad))
             self._router.send(leaves)
+        return current
 
     def _agree(self) -> None:
         """Make this step's handshake: every rank reduces the same parameters, now."""
@@ -556,10 +565,14 @@ class GradientSync:
             options: Any = self._options
             if self._low is not None:
                 options = {**options, "powersgd_iteration": self._low.iteration}
+            summary, records = self._step_summary(), self._plan.records
+            if records is not None and self._early is None:
+                records.record["digest"] = summary
             handshake(
                 self.backend,
-                self._step_summary(),
+                summary,
                 partial(describe, self.owner, options, self._params),
+                records=records,
                 replay=self._replay,
                 on_joined=self._note_joined,
                 started=self._early,
@@ -569,9 +582,11 @@ class GradientSync:
             raise
         self._router.begin(joined=self._joined, offload=self.overlap and self._host)
 
-    def _step_summary(self) -> str:
-        """What this step's handshake compares: the layout, and PowerSGD's step count."""
-        return self._summary if self._low is None else self._summary + self._low.describe()
+    def _step_summary(self) -> int:
+        """The digest this step's handshake compares: of the layout, and PowerSGD's step count."""
+        if self._low is None:
+            return self._plan.digest
+        return digest(self._summary + self._low.describe())
 
     def _note_joined(self) -> None:
         self._joined = True  # no rebuild this step
@@ -647,35 +662,39 @@ class GradientSync:
         timeline = self._router.fusion.timeline
         if b == 0 and timeline is not None:
             self._started_at = timeline.now()
-        leaves, delivers = [], []
-        low = self._low if self._compressing else None
+        leaves: list[Leaf] = []
+        delivers: list[Deliver | None] = []
+        plan, low = self._plan, self._low if self._compressing else None
         compressed, computed_now = [], set()
         for i in self._buckets[b].members:
             name, p = self._params[i]
-            computed = p.grad is not None
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            grad = p.grad
+            computed = grad is not None
+            if grad is None:
+                grad = p.grad = torch.zeros_like(p)
                 self._filled.append(i)
-            self._sparse.densify(i, p)
+            elif grad.layout != torch.strided:
+                grad = self._sparse.densify(i, p)
             if computed and self._feedback is not None:
-                self._feedback.apply(i, p.grad)
-            family = grad_family(self.owner, name, p.grad)
+                self._feedback.apply(i, grad)
+            leaf = plan.leaf(self.owner, name, i, grad)
             if low is not None and i in low.matrices:
                 compressed.append(i)
                 if computed:
                     computed_now.add(i)
                 continue
-            leaves.append((family, p.grad))
-            adopt = self._views and _alone(p.grad)
-            delivers.append(partial(_adopt, family, p.grad) if adopt else None)
+            leaves.append(leaf)
+            family = leaf[0]
+            adopt = self._views and _alone(grad)
+            delivers.append(partial(_adopt, family, grad) if adopt else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
-            leaves.append((grad_family(self.owner, "PowerSGD P", factors), factors))
+            leaves.append(_leaf(grad_family(self.owner, "PowerSGD P", factors), factors))
             delivers.append(None)
-        if b == len(self._buckets) - 1:  # the flags travel with the last bucket
-            n = len(self._params)
-            self._flags = step_flags(n, self._filled, self._abandoned, self._sparse.flags(n))
-        flags = self._flags if b == len(self._buckets) - 1 else None
+        last = b == len(self._buckets) - 1
+        if last:  # the flags travel with the last bucket
+            self._flags = plan.flags(self._filled, self._abandoned, self._sparse.seen)
+        flags = self._flags if last else None
         if low is None:
             self._router.send(leaves, flags, delivers)
         else:  # PowerSGD's calls copy their results back (`_low_rank_call`)
@@ -684,10 +703,15 @@ class GradientSync:
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
         flagged abandoned, so every rank's messages still line up)."""
+        self._reset(None)
+
+    def _reset(self, current: NamedParams | None) -> None:
+        """`reset`, given the parameters to reduce if they were walked just before (`refresh`)."""
         if self._state == State.OPEN and (self._arrival or self._early is not None):
             self._abandoned = True
             self.wait()
-        if not self.refresh():
+            current = None
+        if not self.refresh(current):
             self._clear()
 
     def wait(self) -> None:
@@ -751,7 +775,7 @@ class GradientSync:
             low.finish_back(newest)
         for c in due:
             q = low.second(c)
-            leaves.append((grad_family(self.owner, "PowerSGD Q", q), q))
+            leaves.append(_leaf(grad_family(self.owner, "PowerSGD Q", q), q))
             low.q_in[c] = b
         if leaves or flags is not None:
             router.put(leaves, flags)
@@ -782,6 +806,11 @@ class GradientSync:
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._lay_out(self._params, [i for b in self._buckets for i in b.members])
+
+
+def _leaf(family: Family, x: Any) -> Leaf:
+    """A leaf for `Router.send`: an array with its family, dtype and device."""
+    return family, x, family.dtype(x), family.device(x)
 
 
 def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:

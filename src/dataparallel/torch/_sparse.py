@@ -51,12 +51,15 @@ class SparseGrads:
         """Return `order` without the gathered parameters (they go into no bucket)."""
         return [i for i in order if i not in self.members]
 
-    def densify(self, index: int, p: torch.Tensor) -> None:
-        """Make `p.grad` dense for a bucket, noting that it was sparse on this rank."""
+    def densify(self, index: int, p: torch.Tensor) -> torch.Tensor:
+        """Make `p.grad` (there) dense for a bucket, noting that it was sparse on this rank;
+        return it."""
         grad = p.grad
-        if grad is not None and grad.layout != torch.strided:
-            p.grad = grad.to_dense()
+        assert grad is not None
+        if grad.layout != torch.strided:
+            grad = p.grad = grad.to_dense()
             self.seen.append(index)
+        return grad
 
     def flags(self, n: int) -> np.ndarray:
         """Return one float per parameter: 1 where a sparse gradient went into a bucket here."""
