@@ -71,11 +71,11 @@ def test_keep_alive_goes_to_the_connections_a_group_made_to_other_addresses_only
 
 def test_the_watch_adopts_new_connections_and_hands_on_one_whose_peer_never_answers() -> None:
     """What watches MPI's connections (`watch_every`; here a `Links` of the test's own): each
-    connection made to another address gets keep-alive asks the kernel never acts on, but
-    not one to loopback nor one it was told to ignore; one whose peer never answers (a connect
-    to a listener whose queue is full: the kernel drops its first segment, which waits
-    unacknowledged) is handed to the callback with its peer after the link timeout, once, and
-    the healthy ones never are."""
+    connection made to another address gets keep-alive asks the kernel acts on only after two
+    minutes, but not one to loopback nor one it was told to ignore; one whose peer never
+    answers (a connect to a listener whose queue is full: the kernel drops its first segment,
+    which waits unacknowledged) is handed to the callback with its peer after the link
+    timeout, once, and the healthy ones never are."""
     import errno
     import os
     import time

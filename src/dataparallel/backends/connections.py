@@ -3,7 +3,7 @@
 Gloo's and MPI's connections between hosts are plain TCP, and TCP says nothing about a peer
 that stopped answering while nothing is in flight: a rank waiting to receive from a host whose
 link went down, or that can no longer reach it while the launcher still can (a *split*), waits
-out Gloo's timeout (`DATAPARALLEL_TIMEOUT`, minutes), and under MPI for ever. Three tools bound
+out Gloo's timeout (`DATAPARALLEL_TIMEOUT`, minutes), and under MPI for ever. Four tools bound
 that:
 
 - `keep_alive`: every connection Gloo makes to another address (`rendezvous.gloo_connecting`)
@@ -26,8 +26,9 @@ that:
 - `watch_every`: a rank that mpiexec started on another host than the launcher's has MPI's
   connections, made by MPI whenever it needs one and never reported: the watch adopts every
   new connection of the process to another address as it appears, gives it keep-alive asks
-  (which the kernel never acts on: MPI is not told, and only the watch decides), and hands a
-  lost one to the rank's report to the launcher (`launch/runner.py`, `launch/beacon.py`).
+  (which the kernel acts on only after 127 unanswered, two minutes: MPI is told nothing, the
+  watch decides), and hands a lost one to the rank's report to the launcher
+  (`launch/runner.py`, `launch/beacon.py`).
 - `cut_connections`: shut down the connections to given addresses, which wakes a thread blocked
   on one as if the peer had closed it (an elastic worker's watch, `elastic/liveness.py`);
   `shut_down`, the connections a Gloo group made (`GlooBackend.sever`: a world that lost a
@@ -73,8 +74,8 @@ WATCH_INTERVAL = 0.25
 # tcpi_probes (the 4th byte: asks unanswered, keep-alive's or a zero window's), tcpi_unacked
 # (the 5th field) and tcpi_last_ack_recv (the 13th, milliseconds).
 _TCP_INFO = struct.Struct("=8B13I")
-# The most unanswered keep-alive asks Linux takes (TCP_KEEPCNT): the kernel acts on none
-# sooner, so that the watch alone decides (`watch_every`).
+# The most unanswered keep-alive asks Linux takes (TCP_KEEPCNT): the kernel acts long after
+# the watch has (`watch_every`).
 _KEEPCNT_MOST = 127
 
 
@@ -106,10 +107,10 @@ def keep_alive(made: Mapping[str, Peer], link_timeout: float) -> int:
 def watch_every(link_timeout: float, lost: Callable[[Peer], None], ignore: Collection[str]) -> None:
     """Watch every connection this process has or makes from now on to an address that is not
     loopback, but those of `ignore` (socket inodes): each gets keep-alive asks (which the
-    kernel never acts on), and one whose peer has not answered for `link_timeout` seconds is
-    handed to `lost` with its peer, once. Nothing is done to the connection itself: `lost`
-    says what follows. For a process whose connections something else makes, and never
-    reports (MPI's)."""
+    kernel acts on only after two minutes), and one whose peer has not answered for
+    `link_timeout` seconds is handed to `lost` with its peer, once. Nothing is done to the
+    connection itself: `lost` says what follows. For a process whose connections something
+    else makes, and never reports (MPI's)."""
     if hasattr(socket, "TCP_KEEPIDLE"):
         _links.adopt(link_timeout, lambda _, peer: lost(peer), ignore)
 
@@ -196,7 +197,8 @@ class Links:
         ignore: Collection[str],
     ) -> None:
         """Also watch, from each look on, every connection of this process to an address that
-        is not loopback, but `ignore`'s, giving it keep-alive asks the kernel never acts on."""
+        is not loopback, but `ignore`'s, giving it keep-alive asks the kernel acts on only
+        after two minutes."""
         with self._lock:
             self._adopting = _Adopting(link_timeout, lost, set(ignore))
         self.start()
