@@ -354,7 +354,8 @@ def test_the_beacon_names_a_rank_that_reports_its_link_lost_and_the_ranks_at_its
     """A rank whose own connection to another host stopped answering (a split under MPI:
     `connections.watch_every` in the rank) says so on its line among its beats
     (`beacon.report`); the launcher names it, its host, the peer's address and the ranks whose
-    lines come from there, and no rank is lost (every line still beats)."""
+    lines come from there, and no rank is lost (every line still beats). A report of an address
+    that is no host of the job is not taken."""
     import socket
 
     from dataparallel.launch.beacon import Beacon, hello, parse_address, report
@@ -365,7 +366,11 @@ def test_the_beacon_names_a_rank_that_reports_its_link_lost_and_the_ranks_at_its
         ranks = [socket.create_connection((host, port), timeout=30) for _ in range(2)]
         try:
             ranks[1].sendall(hello(secret, 1))
-            ranks[0].sendall(hello(secret, 0) + b"\n\n" + report("127.0.0.1")[:5])
+            # First an address no rank is at, and not this machine's (TEST-NET-1): the
+            # program's own connection elsewhere, no link of the job's; it ends nothing.
+            ranks[0].sendall(
+                hello(secret, 0) + report("192.0.2.1") + b"\n" + report("127.0.0.1")[:5]
+            )
             assert ranks[0].recv(1) == b"\n"  # beaten: both lines are the launcher's ranks'
             ranks[0].sendall(report("127.0.0.1")[5:] + b"\n")  # a report in two pieces
             guard = time.monotonic() + 60  # a hang guard: the report is read soon

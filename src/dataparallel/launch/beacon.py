@@ -22,7 +22,9 @@ launcher therefore keeps a line of its own to each rank, as it does through ssh 
 - a rank whose own connection to another host stopped answering for the link timeout while
   both lines beat on (a *split*: the hosts cannot reach each other, the launcher reaches both;
   `backends/connections.watch_every` watches MPI's connections in the rank) says so on its line,
-  `lost ADDRESS` (`report`), and the launcher names both sides (`Cut`) and ends the job.
+  `lost ADDRESS` (`report`), and the launcher names both sides (`Cut`) and ends the job; a
+  report of an address that is no host of the job (the program's own connection elsewhere)
+  ends nothing.
 
 A rank that cannot reach the port runs unwatched, as it did before.
 """
@@ -39,7 +41,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dataparallel.backends.rendezvous import address_toward
+from dataparallel.backends.rendezvous import address_toward, is_here
 from dataparallel.config import beat_interval
 
 __all__ = ["Beacon", "Cut", "Lost", "hello", "parse_address", "report"]
@@ -260,10 +262,21 @@ class Beacon:
                 self._note_cut(line, peer, lines)
 
     def _note_cut(self, line: _Line, peer: str, lines: Iterable[_Line]) -> None:
+        """Note `line`'s rank's report of its link to `peer` lost, where `peer` is a host of
+        the job: one of the ranks' lines comes from there, or it is this machine. A connection
+        of the program's own to somewhere else (a download from a server that does not answer)
+        is no rank's link, and ends nothing."""
         assert line.rank is not None
         there = tuple(
             f"rank {other.rank} on {other.host}"
             for other in lines
             if other.address == peer and other.rank is not None
         )
-        self._cut.append(Cut(line.rank, line.host, line.address, peer, there, self.link_timeout))
+        try:
+            ours = bool(there) or is_here(peer)
+        except OSError:
+            ours = False
+        if ours:
+            self._cut.append(
+                Cut(line.rank, line.host, line.address, peer, there, self.link_timeout)
+            )
