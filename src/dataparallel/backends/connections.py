@@ -70,6 +70,8 @@ Peer = tuple[str, int]  # a connection's remote (IPv4 address, port)
 
 # How often the watched connections are looked at for a peer that does not answer.
 WATCH_INTERVAL = 0.25
+# The longest `Links.stop` waits for the thread (seconds); a look takes milliseconds.
+_STOP_WAIT = 5.0
 # struct tcp_info (linux/tcp.h): 8 single bytes, then 32-bit fields; the ones read here are
 # tcpi_probes (the 4th byte: asks unanswered, keep-alive's or a zero window's), tcpi_unacked
 # (the 5th field) and tcpi_last_ack_recv (the 13th, milliseconds).
@@ -218,11 +220,12 @@ class Links:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and wait for it; what is watched stays so (`start` again)."""
+        """Stop the thread and wait for it (a while: a callback may block, a report to a
+        launcher out of reach); what is watched stays so (`start` again)."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout=_STOP_WAIT)
 
     def _run(self) -> None:
         while not self._stop.wait(WATCH_INTERVAL):
