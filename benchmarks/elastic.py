@@ -35,6 +35,13 @@ The link runs are made for each value of `--link-timeouts` (seconds, fractions t
 then the moment the link went down. The runs without a failure use the least of them, so that a
 worker said lost in one (a false "lost": a busy machine taken for a dead link) shows.
 
+`--hosts --split` adds a third host (the three joined by a bridge) and runs `-H a:1,b:1,c:1`
+with a split: worker 2 (host c) pauses in the middle of step 20 while the others wait on it,
+then c stops reaching b (`ip route add prohibit`, in c alone) while the launcher on a reaches
+both, and worker 2 goes on. The workers whose connection between b and c fails report it, and
+the launcher drops c (`docs/elastic.md`, *A split*); "death" is the moment of the split, and
+the runs without a failure are the same three hosts without one.
+
 Every worker also runs a thread that wakes every 0.1 s, as the heartbeat's does, and notes the
 longest gap between two wakes: how long a busy machine keeps such a thread from its turn, the
 least a link timeout must exceed. `--busy N` keeps N more processes spinning in each host for
@@ -75,7 +82,7 @@ PermitRootLogin prohibit-password
 """
 
 
-def worker(notes: Path, victim: str | None, sharded: bool, stall: bool) -> None:
+def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: bool) -> None:
     import torch
 
     import dataparallel as dp
@@ -125,8 +132,14 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool) -> None:
                     note("stalled")
                     while True:
                         time.sleep(1)
-                note("died")
-                os.kill(os.getpid(), signal.SIGKILL)
+                if pause:  # a split is made meanwhile; then the worker goes on into it, once
+                    if not (notes / "go").exists():
+                        note("paused")
+                    while not (notes / "go").exists():
+                        time.sleep(0.01)
+                else:
+                    note("died")
+                    os.kill(os.getpid(), signal.SIGKILL)
             optimizer.step()
             state.step += 1
             state.commit()
@@ -141,12 +154,12 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool) -> None:
 class Hosts:
     """The two emulated hosts of `--hosts`: the link, an sshd in each, and how to reach them."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, count: int = 2) -> None:
         sys.path.insert(0, str(HERE))
         from network import DEVICE, Link
 
         self.device = DEVICE
-        self.link = Link()
+        self.link = Link(count)
         self.daemons: list[subprocess.Popen[bytes]] = []
         keys = folder / "keys"
         keys.mkdir()
@@ -187,9 +200,16 @@ class Hosts:
         state = "up" if up else "down"
         subprocess.run(["ip", "-n", space, "link", "set", self.device, state], check=True)
 
-    def wait_gone(self, tag: str, seconds: float = 60.0) -> None:
-        """Wait until no process of host b has `tag` on its command line (a guard, `seconds`)."""
-        space = os.stat(f"/run/netns/{self.link.spaces[1]}").st_ino
+    def split(self, made: bool) -> None:
+        """Make host c stop reaching host b (a prohibiting route in c), or undo it."""
+        verb = "add" if made else "del"
+        b = self.link.addresses[1]
+        subprocess.run(["ip", "-n", self.link.spaces[2], "route", verb, "prohibit", f"{b}/32"],
+                       check=True)  # fmt: skip
+
+    def wait_gone(self, tag: str, seconds: float = 60.0, host: int = 1) -> None:
+        """Wait until no process of host `host` has `tag` on its command line (a guard)."""
+        space = os.stat(f"/run/netns/{self.link.spaces[host]}").st_ino
         deadline = time.monotonic() + seconds
 
         def left() -> bool:
@@ -223,13 +243,15 @@ def one_run(
     sharded: bool = False,
     link_timeout: float | None = None,
     stall: bool = False,
+    split: bool = False,
 ) -> dict[str, float]:
-    """One run; with `stall`, the victims stand still and host b's link goes down."""
+    """One run; with `stall`, the victims stand still and host b's link goes down; with
+    `split`, the victim pauses and host c stops reaching host b."""
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         command = [sys.executable, "-m", "dataparallel", "run", "-n", str(workers)]
         env = None
         if hosts is not None:  # two hosts of workers // 2 each, launched in host a
-            slots = workers // 2
+            slots = workers // len(hosts.link.addresses)
             command += ["-H", ",".join(f"{a}:{slots}" for a in hosts.link.addresses)]
             command += hosts.options
             if link_timeout is not None:
@@ -239,6 +261,7 @@ def one_run(
         command += ["--worker", tmp] + (["--victim", victim] if victim else [])
         command += ["--fully-shard"] if sharded else []
         command += ["--stall"] if stall else []
+        command += ["--pause"] if split else []
         if hosts is not None:
             command = hosts.link.command(0, command)
         start = time.time()
@@ -252,12 +275,24 @@ def one_run(
             hosts.set_link(False)
             with open(Path(tmp) / "driver.jsonl", "w") as log:
                 log.write(json.dumps({"kind": "died", "t": time.time(), "who": "driver"}) + "\n")
+        if hosts is not None and split:
+            paused = False
+            while not paused and run.poll() is None:
+                time.sleep(0.01)
+                paused = any('"paused"' in path.read_text() for path in Path(tmp).glob("*.jsonl"))
+            hosts.split(True)
+            with open(Path(tmp) / "driver.jsonl", "w") as log:
+                log.write(json.dumps({"kind": "died", "t": time.time(), "who": "driver"}) + "\n")
+            (Path(tmp) / "go").touch()
         try:
             _, stderr = run.communicate(timeout=330)
         finally:
             if hosts is not None and stall:
                 hosts.wait_gone(tmp)  # b's workers leave by themselves; then the link is back
                 hosts.set_link(True)
+            if hosts is not None and split:
+                hosts.wait_gone(tmp, host=2)  # the launcher stops c's worker
+                hosts.split(False)
         wall = time.time() - start
         if run.returncode != 0:  # the launcher's own lines say who was lost and why; then the tail
             said = [ln for ln in stderr.splitlines() if ln.startswith("dataparallel")]
@@ -292,13 +327,18 @@ def main() -> None:
         "--link-timeouts", default="1,5", help="--hosts: the link runs' --link-timeout values"
     )
     parser.add_argument("--busy", type=int, default=0, help="--hosts: spinning processes a host")
+    parser.add_argument("--split", action="store_true", help="--hosts: three hosts, a split")
     parser.add_argument("--fully-shard", action="store_true", help="also a fully_shard model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--victim", help=argparse.SUPPRESS)
     parser.add_argument("--stall", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pause", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.victim, args.fully_shard, args.stall)
+        worker(Path(args.worker), args.victim, args.fully_shard, args.stall, args.pause)
+        return
+    if args.split:
+        split_runs(args.pairs, [float(t) for t in args.link_timeouts.split(",")])
         return
     hosts = None
     victim, what = "w1", "worker 1"
@@ -362,6 +402,34 @@ def main() -> None:
         print(f"death -> next commit, fully_shard / unsharded (medians): {ratio:.2f}")
 
 
+def split_runs(pairs: int, link_timeouts: list[float]) -> None:
+    """`--hosts --split`: three hosts, one worker each; for each link timeout in turn, a split
+    between b and c, and (at the least of them) a run without one."""
+    sys.path.insert(0, str(HERE))
+    from network import why_not
+
+    reason = why_not()
+    if reason is None and not os.path.exists(shutil.which("sshd") or "/usr/sbin/sshd"):
+        reason = "sshd is not installed: apt-get install -y openssh-server"
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return
+    failed: dict[float, list[dict[str, float]]] = {t: [] for t in link_timeouts}
+    clean = []
+    with tempfile.TemporaryDirectory(prefix="elastic-hosts-") as folder:
+        hosts = Hosts(Path(folder), count=3)
+        try:
+            for _ in range(pairs):
+                for t in link_timeouts:
+                    failed[t].append(one_run(3, "w2", hosts, link_timeout=t, split=True))
+                clean.append(one_run(3, None, hosts, link_timeout=min(link_timeouts)))
+        finally:
+            hosts.close()
+    for t, runs in failed.items():
+        what = f"a split between hosts b and c (--link-timeout {t:g}), worker 2 on c"
+        report(3, True, what, runs, clean, "", "3 emulated hosts")
+
+
 def report(
     workers: int,
     hosts: bool,
@@ -369,9 +437,10 @@ def report(
     failed: list[dict[str, float]],
     clean: list[dict[str, float]],
     model: str,
+    machines: str = "2 emulated hosts",
 ) -> None:
     step = statistics.median(f["step"] for f in clean)
-    where = "" if not hosts else ", 2 emulated hosts"
+    where = "" if not hosts else f", {machines}"
     print(f"\n{model}{workers} workers{where}, {what} at step {VICTIM_STEP} of {STEPS}:")
     print("| run | death -> re-formed | death -> state synced | death -> next commit | wall |")
     print("| --- | --- | --- | --- | --- |")

@@ -99,17 +99,36 @@ def why_not() -> str | None:
 
 class Link:
     """Two namespaces, `<tag>a` and `<tag>b`, joined by a veth pair; removed by `close()`, or
-    at the end of a `with Link() as link:` block."""
+    at the end of a `with Link() as link:` block. With `count` above 2, that many hosts joined
+    by a bridge in a namespace of its own (a switch), each by a veth pair to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 2) -> None:
         tag = f"dpn{os.getpid() % 10000}"
-        self.spaces = [f"{tag}a", f"{tag}b"]
-        self.addresses = [f"{SUBNET}.1", f"{SUBNET}.2"]
-        self.hosts = [f"{tag}-host-a", f"{tag}-host-b"]
+        letters = "abcdefgh"[:count]
+        self.spaces = [f"{tag}{x}" for x in letters]
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(count)]
+        self.hosts = [f"{tag}-host-{x}" for x in letters]
         self.made: list[str] = []
-        pair = [f"{tag}va", f"{tag}vb"]  # unique in the root namespace; renamed inside
-        steps = [("link", "add", pair[0], "type", "veth", "peer", "name", pair[1])]
-        for space, end, address in zip(self.spaces, pair, self.addresses, strict=True):
+        steps: list[tuple[str, ...]] = []
+        if count == 2:
+            pair = [f"{tag}va", f"{tag}vb"]  # unique in the root namespace; renamed inside
+            steps.append(("link", "add", pair[0], "type", "veth", "peer", "name", pair[1]))
+            ends = pair
+        else:
+            switch = f"{tag}sw"
+            self.spaces.append(switch)  # made and removed with the hosts; not a host
+            steps += [("-n", switch, "link", "add", "br0", "type", "bridge"),
+                      ("-n", switch, "link", "set", "br0", "up")]  # fmt: skip
+            ends = [f"{tag}v{x}" for x in letters]
+            for end, x in zip(ends, letters, strict=True):
+                port = f"{tag}p{x}"
+                steps += [
+                    ("link", "add", end, "type", "veth", "peer", "name", port),
+                    ("link", "set", port, "netns", switch),
+                    ("-n", switch, "link", "set", port, "master", "br0"),
+                    ("-n", switch, "link", "set", port, "up"),
+                ]
+        for space, end, address in zip(self.spaces, ends, self.addresses, strict=False):
             steps += [
                 ("link", "set", end, "netns", space),
                 ("-n", space, "link", "set", end, "name", DEVICE),
@@ -120,6 +139,8 @@ class Link:
         for space in self.spaces:
             self._ip("netns", "add", space)
             self.made.append(space)
+        if count > 2:
+            self.spaces.pop()  # the switch
         for args in steps:
             self._ip(*args)
 

@@ -1,8 +1,9 @@
 """This process's TCP connections (`backends/connections.py`): keep-alive on the new ones to
-other hosts, and Gloo's words for a connection the kernel gave up on (`translate_error`).
+other hosts, the watch that hands on a connection whose peer stopped answering, and Gloo's words
+for a connection the kernel gave up on (`translate_error`).
 
-What keep-alive is for, a link cut between two hosts while the launcher reaches both (a split),
-is run across emulated hosts in tests/test_multihost.py; here, which connections get it.
+What they are for, a link cut between two hosts while the launcher reaches both (a split), is
+run across emulated hosts in tests/test_multihost.py; here, which connections get them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket
 import pytest
 from _jobs import outer_world_size
 
-from dataparallel.backends.connections import connections, keep_alive
+from dataparallel.backends.connections import connections
 from dataparallel.backends.rendezvous import address_toward
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
 
@@ -31,30 +32,85 @@ def _kept_alive(sock: socket.socket) -> tuple[int, int, int, int]:
     )
 
 
-def test_keep_alive_goes_to_the_new_connections_to_other_addresses_only() -> None:
-    """A connection made before the snapshot, or to loopback, is left as it was; a new one to
-    an address of a network interface gets keep-alive: 1 s idle, 1 s apart, the link timeout
-    (rounded up) unanswered."""
+def _this_machines_address() -> str:
     if not hasattr(socket, "TCP_KEEPIDLE"):
         pytest.skip("TCP keep-alive's settings are Linux's")
     here = address_toward("192.0.2.1", 9)  # this machine's way out (TEST-NET-1: no one there)
     if here is None or here.startswith("127."):
         pytest.skip("this machine has no address but loopback")
+    return here
+
+
+def test_keep_alive_goes_to_the_connections_a_group_made_to_other_addresses_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection made before a group forms (`rendezvous.gloo_connecting`), or to loopback,
+    is left as it was; one made meanwhile to an address of a network interface gets
+    keep-alive: 1 s idle, 1 s apart, the link timeout (rounded up) unanswered."""
+    from dataparallel.backends.rendezvous import gloo_connecting
+
+    here = _this_machines_address()
+    monkeypatch.setenv("DATAPARALLEL_LINK_TIMEOUT", "2.5")
     with socket.create_server((here, 0)) as server, socket.create_server(("127.0.0.1", 0)) as lo:
         old = socket.create_connection(server.getsockname(), timeout=30)
         accepted = [server.accept()[0]]
-        before = set(connections())
-        new = socket.create_connection(server.getsockname(), timeout=30)
-        loop = socket.create_connection(lo.getsockname(), timeout=30)
-        accepted += [server.accept()[0], lo.accept()[0]]
+        with gloo_connecting(None) as made:
+            new = socket.create_connection(server.getsockname(), timeout=30)
+            loop = socket.create_connection(lo.getsockname(), timeout=30)
+            accepted += [server.accept()[0], lo.accept()[0]]
         try:
-            assert keep_alive(before, 2.5) == 2  # `new`, and its accepted end
+            assert len(made) == 4  # both ends of `new` and of `loop`
             assert _kept_alive(new) == (1, 1, 1, 3)
             assert _kept_alive(accepted[1])[0] == 1
             assert _kept_alive(old)[0] == 0 and _kept_alive(accepted[0])[0] == 0
             assert _kept_alive(loop)[0] == 0 and _kept_alive(accepted[2])[0] == 0
         finally:
             for sock in (old, new, loop, *accepted):
+                sock.close()
+
+
+def test_the_watch_adopts_new_connections_and_hands_on_one_whose_peer_never_answers() -> None:
+    """What watches MPI's connections (`watch_every`; here a `Links` of the test's own): each
+    connection made to another address gets keep-alive asks the kernel acts on only after two
+    minutes, but not one to loopback nor one it was told to ignore; one whose peer never
+    answers (a connect to a listener whose queue is full: the kernel drops its first segment,
+    which waits unacknowledged) is handed to the callback with its peer after the link
+    timeout, once, and the healthy ones never are."""
+    import errno
+    import os
+    import time
+
+    from dataparallel.backends.connections import Links
+
+    here = _this_machines_address()
+    links, lost = Links(), []
+    with (
+        socket.create_server((here, 0)) as server,
+        socket.create_server(("127.0.0.1", 0)) as lo,
+        socket.create_server((here, 0), backlog=0) as full,
+    ):
+        queued = socket.create_connection(full.getsockname(), timeout=30)  # fills its queue
+        ignored = socket.create_connection(server.getsockname(), timeout=30)
+        ignore = {str(os.fstat(ignored.fileno()).st_ino)}
+        links.adopt(0.5, lambda _, peer: lost.append(peer), ignore)
+        new = socket.create_connection(server.getsockname(), timeout=30)
+        loop = socket.create_connection(lo.getsockname(), timeout=30)
+        accepted = [server.accept()[0], server.accept()[0], lo.accept()[0]]
+        silent = socket.socket()
+        silent.setblocking(False)
+        try:
+            assert silent.connect_ex(full.getsockname()) == errno.EINPROGRESS
+            guard = time.monotonic() + 60  # a hang guard: the silent peer is handed on soon
+            while not lost:
+                assert time.monotonic() < guard, "the silent connection was never handed on"
+                time.sleep(0.05)
+            links.look()  # one more look: nothing else is handed on, nor the same again
+            assert lost == [full.getsockname()]
+            assert _kept_alive(new) == (1, 1, 1, 127) and _kept_alive(accepted[1])[0] == 1
+            assert _kept_alive(ignored)[0] == 0 and _kept_alive(loop)[0] == 0
+        finally:
+            links.stop()
+            for sock in (queued, ignored, new, loop, silent, *accepted):
                 sock.close()
 
 

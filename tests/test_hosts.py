@@ -350,6 +350,45 @@ def test_the_beacon_refuses_a_line_without_the_jobs_secret_and_still_ends_on_a_s
                 line.close()
 
 
+def test_the_beacon_names_a_rank_that_reports_its_link_lost_and_the_ranks_at_its_peer() -> None:
+    """A rank whose own connection to another host stopped answering (a split under MPI:
+    `connections.watch_every` in the rank) says so on its line among its beats
+    (`beacon.report`); the launcher names it, its host, the peer's address and the ranks whose
+    lines come from there, and no rank is lost (every line still beats). A report of an address
+    that is no host of the job is not taken."""
+    import socket
+
+    from dataparallel.launch.beacon import Beacon, hello, parse_address, report
+
+    with Beacon(5.0, toward="127.0.0.1") as beacon:
+        assert beacon.address is not None
+        secret, host, port = parse_address(beacon.address)
+        ranks = [socket.create_connection((host, port), timeout=30) for _ in range(2)]
+        try:
+            ranks[1].sendall(hello(secret, 1))
+            # First an address no rank is at, and not this machine's (TEST-NET-1): the
+            # program's own connection elsewhere, no link of the job's; it ends nothing.
+            ranks[0].sendall(
+                hello(secret, 0) + report("192.0.2.1") + b"\n" + report("127.0.0.1")[:5]
+            )
+            assert ranks[0].recv(1) == b"\n"  # beaten: both lines are the launcher's ranks'
+            ranks[0].sendall(report("127.0.0.1")[5:] + b"\n")  # a report in two pieces
+            guard = time.monotonic() + 60  # a hang guard: the report is read soon
+            while beacon.cut() is None:
+                assert time.monotonic() < guard, "the rank's report was never read"
+                time.sleep(0.05)
+            cut = beacon.cut()
+            assert cut is not None and (cut.rank, cut.peer) == (0, "127.0.0.1"), cut
+            said = f"rank 0 on {socket.gethostname()} (127.0.0.1) lost its link to 127.0.0.1 ("
+            assert str(cut).startswith(said), cut
+            assert sorted(cut.there) == [f"rank {r} on {socket.gethostname()}" for r in (0, 1)]
+            assert "(a split; under Gloo the rank's call raises dp.LinkLostError)" in str(cut)
+            assert beacon.lost() is None
+        finally:
+            for line in ranks:
+                line.close()
+
+
 def test_a_split_drops_the_host_cut_off_from_most_then_the_smaller_then_the_newer() -> None:
     """Which side of a split goes on (`launch/spawn.split_losers`, docs/elastic.md)."""
     from dataparallel.launch.spawn import split_losers

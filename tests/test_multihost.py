@@ -12,6 +12,7 @@ the test's key (`-i`). Skipped with the reason where sshd is not installed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -574,6 +575,68 @@ def test_run_three_hosts_split_ends_the_job_naming_the_hosts_cut_off(
     assert ended is not None and ended[2] in (b.address, c.address), err
     assert stayed == [], "ranks outlived the job"
     print(f"the job ended {took:.1f} s after the split")
+
+
+def test_run_mpi_split_between_the_ranks_hosts_ends_the_job_naming_both(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """`-H a:1,b:1 --backend mpi`, the launcher on a third host, c. After an allreduce, rank 1
+    (host b) pauses while rank 0 waits for it in a second one; then b stops reaching a (`ip
+    route add prohibit`, in b alone) while c reaches both: a split. The launcher's lines to a
+    and b beat on, mpiexec's ssh to both stays up, and the ranks wait inside MPI, in C, on
+    connections that will never deliver: the job waited for `--timeout`. Each rank's watch of
+    its connections to other hosts (`connections.watch_every`) finds the one between a and b
+    silent for the link timeout and says so on its line to the launcher, which names the rank
+    and both hosts and ends the job (status 1), long before `--timeout`."""
+    pytest.importorskip("mpi4py")
+    require_mpiexec()
+    a, b, c = three_hosts
+    go = tmp_path / "go"
+    env = {**ssh3.env, **ssh3.mpi_env, "UCX_TLS": "tcp,self", "MASTER_ADDR": a.address}
+    spec = f"{a.address}:1,{b.address}:1"
+    run = [sys.executable, "-m", "dataparallel", "run", "-H", spec, "--backend", "mpi"]
+    run += ["--timeout", "150", "--link-timeout", "1"]
+    # Hydra's proxies call mpiexec back at its host's name, which resolves nowhere here when
+    # that host is not among -H's (on a, the listed address is taken): c is named by its address.
+    launcher = dataclasses.replace(c, hostname=c.address)
+    job = launcher.command([*run, str(SCRIPTS / "hosts_job.py"), "allreduce-then-pause", str(go)])
+    try:
+        with spawn(job, launcher=None, env=env, cwd=SCRIPTS, capture=True) as run_:
+            assert run_.stdout is not None
+            lines = []
+            for line in run_.stdout:  # until rank 1 pauses and rank 0 waits in the allreduce
+                lines.append(line)
+                if sum(x.count("] waits") + x.count("] pauses") for x in lines) == 2:
+                    break
+            split = _ip("-n", b.namespace, "route", "add", "prohibit", f"{a.address}/32")
+            assert split.returncode == 0, split.stderr
+            cut = time.monotonic()
+            go.touch()
+            rest, err = run_.communicate(timeout=200)
+            took = time.monotonic() - cut
+        _wait_for(lambda: not leftovers(three_hosts), 30)
+        stayed = leftovers(three_hosts)
+    finally:
+        for host in (a, b):
+            _kill_everything_in(host)
+    out = "".join(lines) + rest
+    assert run_.returncode == 1, f"{run_.returncode} after {took:.1f} s\n{out}\n{err}"
+    assert took < 60, f"the job ended {took:.1f} s after the split, not by the link timeout"
+    assert "allreduced again" not in out, out
+    said = re.search(
+        r"rank (\d) on (\S+) \(([\d.]+)\) lost its link to ([\d.]+) \(rank (\d) on (\S+)\): "
+        r"that host has not answered the rank for 1 s \(--link-timeout\), though the launcher "
+        r"still hears both\. .*\(a split; .*; stopping the job\.",
+        err,
+    )
+    assert said is not None, err
+    here, there = three_hosts[int(said[1])], three_hosts[int(said[5])]
+    assert {here, there} == {a, b}, said[0]
+    assert (said[2], said[3], said[4], said[6]) == (
+        here.hostname, here.address, there.address, there.hostname
+    ), said[0]  # fmt: skip
+    assert stayed == [], "ranks outlived the job"
+    print(f"the job ended {took:.1f} s after the split: {said[0]}")
 
 
 # --- elastic across hosts: workers started over ssh, a host lost, a host set aside and back ---

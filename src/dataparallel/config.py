@@ -18,7 +18,7 @@
 | `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
 | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
 | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
-| `DATAPARALLEL_LINK_TIMEOUT` | seconds a host may not answer: Gloo's keep-alive, a link's | `5` |
+| `DATAPARALLEL_LINK_TIMEOUT` | seconds a host may not answer: keep-alive, the link watch | `5` |
 | | (3x it, 5 s at least: a process cut off from the launcher leaves) | |
 | `DATAPARALLEL_BEACON` | `run -H` under MPI: its line to the ranks, `SECRET@HOST:PORT` | unset |
 | `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |

@@ -353,19 +353,7 @@ def finalize() -> None:
     if world.torch_group is not None:
         steps.append(world.torch_group)
     steps.append(world.backend.close)
-    first: BaseException | None = None
-    try:
-        # Every step runs even when one fails (a request whose peer died): an engine left open
-        # would keep its connections, and a peer waiting on them would wait out the timeout.
-        for step in steps:
-            try:
-                step()
-            except Exception as error:
-                first = first or error
-    finally:
-        if world.restore_excepthook is not None:
-            world.restore_excepthook()
-        caches.clear_all()
+    first = _end(world, steps)
     if first is not None:
         raise first
 
@@ -398,13 +386,27 @@ def abandon() -> None:
         steps.append(world.recording.close)
     if world.torch_group is not None:
         steps.append(world.torch_group)
+    _end(world, steps)
+
+
+def _end(world: World, steps: list[Callable[[], object]]) -> BaseException | None:
+    """Run `steps`, each whatever the ones before raised, then put `sys.excepthook` back as
+    it was before `initialize` and clear every registered cache, whatever happens; return the
+    first error (None: none). An engine left open because a step before it failed (a request
+    whose peer died) would keep its connections, and a peer waiting on them would wait out the
+    timeout."""
+    first: BaseException | None = None
     try:
         for step in steps:
-            _quietly(step)
+            try:
+                step()
+            except Exception as error:
+                first = first or error
     finally:
         if world.restore_excepthook is not None:
             world.restore_excepthook()
         caches.clear_all()
+    return first
 
 
 def _quietly(step: Callable[[], object]) -> None:

@@ -1,9 +1,10 @@
-"""This process's TCP connections: found by their peer, kept alive, cut.
+"""This process's TCP connections: found by their peer, kept alive, watched, cut.
 
-Gloo's connections between hosts are plain TCP, and TCP says nothing about a peer that stopped
-answering while nothing is in flight: a rank waiting to receive from a host whose link went
-down, or that can no longer reach it while the launcher still can (a *split*), waits out Gloo's
-timeout (`DATAPARALLEL_TIMEOUT`, minutes). Two tools bound that:
+Gloo's and MPI's connections between hosts are plain TCP, and TCP says nothing about a peer
+that stopped answering while nothing is in flight: a rank waiting to receive from a host whose
+link went down, or that can no longer reach it while the launcher still can (a *split*), waits
+out Gloo's timeout (`DATAPARALLEL_TIMEOUT`, minutes), and under MPI for ever. Four tools bound
+that:
 
 - `keep_alive`: every connection Gloo makes to another address (`rendezvous.gloo_connecting`)
   gets TCP keep-alive, as `dataparallel run`'s ssh gets `ServerAliveInterval`: once it has been
@@ -12,18 +13,22 @@ timeout (`DATAPARALLEL_TIMEOUT`, minutes). Two tools bound that:
   waiting on it raises. The peer's kernel answers whatever its process does (computing,
   stalled, not reading), so only a peer out of reach is ever taken for gone; and the asks are
   sent only while nothing is in flight, so a full receive window (a peer busy elsewhere) is not
-  one either. A connection cut while data of its own is in flight in both directions is not
-  covered: TCP's retransmissions decide there (`tcp_retries2`, about 15 minutes).
-  (`TCP_USER_TIMEOUT` would cover it, but also fails a healthy connection whose peer does not
-  read for that long: it is not used.)
-- `keep_alive` also watches those connections (a thread, every `WATCH_INTERVAL` seconds) for
-  the case keep-alive cannot see: data of this process in flight that the peer's kernel has not
-  acknowledged for the link timeout (`TCP_INFO`: unacknowledged segments, and the time since the
-  last acknowledgement), where TCP itself would retransmit for about 15 minutes
-  (`tcp_retries2`). Such a connection is given a `TCP_USER_TIMEOUT` of a millisecond, so that
-  the kernel fails it at its next retransmission, "Connection timed out", as keep-alive would.
+  one either.
+- The watch (`Links`, a thread looking every `WATCH_INTERVAL` seconds, in processes that have
+  such connections) judges each watched connection by `TCP_INFO`: one that waits on its peer
+  (data in flight unacknowledged, or keep-alive asks unanswered) with no acknowledgement for
+  the link timeout is *lost*, and handed to its callback, once. Gloo's (`keep_alive`) gives it
+  a `TCP_USER_TIMEOUT` of a millisecond, so that the kernel fails it at its next
+  retransmission, "Connection timed out", as keep-alive would: this covers data in flight,
+  which keep-alive does not (TCP alone would retransmit for about 15 minutes, `tcp_retries2`).
   (Given to every connection from the start, `TCP_USER_TIMEOUT` would also fail a healthy one
   whose peer does not read for that long: its window full, the peer's kernel answering.)
+- `watch_every`: a rank that mpiexec started on another host than the launcher's has MPI's
+  connections, made by MPI whenever it needs one and never reported: the watch adopts every
+  new connection of the process to another address as it appears, gives it keep-alive asks
+  (which the kernel acts on only after 127 unanswered, two minutes: MPI is told nothing, the
+  watch decides), and hands a lost one to the rank's report to the launcher
+  (`launch/runner.py`, `launch/beacon.py`).
 - `cut_connections`: shut down the connections to given addresses, which wakes a thread blocked
   on one as if the peer had closed it (an elastic worker's watch, `elastic/liveness.py`);
   `shut_down`, the connections a Gloo group made (`GlooBackend.sever`: a world that lost a
@@ -45,72 +50,99 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 
 __all__ = [
     "WATCH_INTERVAL",
+    "Links",
+    "Peer",
     "connections",
     "cut_connections",
     "keep_alive",
     "shut_down",
     "stalled",
     "tcp_sockets",
+    "watch_every",
 ]
 
-# How often the connections kept alive are looked at for data the peer does not acknowledge.
+Peer = tuple[str, int]  # a connection's remote (IPv4 address, port)
+
+# How often the watched connections are looked at for a peer that does not answer.
 WATCH_INTERVAL = 0.25
+# The longest `Links.stop` waits for the thread (seconds); a look takes milliseconds.
+_STOP_WAIT = 5.0
 # struct tcp_info (linux/tcp.h): 8 single bytes, then 32-bit fields; the ones read here are
-# tcpi_unacked (the 5th) and tcpi_last_ack_recv (the 13th, milliseconds).
+# tcpi_probes (the 4th byte: asks unanswered, keep-alive's or a zero window's), tcpi_unacked
+# (the 5th field) and tcpi_last_ack_recv (the 13th, milliseconds).
 _TCP_INFO = struct.Struct("=8B13I")
-
-_watched: dict[str, float] = {}  # socket inode -> its link timeout (seconds)
-_pending: dict[str, float] = {}  # socket inode -> since when data waits unacknowledged
-_watch_lock = threading.Lock()
-_watch_stop = threading.Event()
-_watcher: threading.Thread | None = None
+# The most unanswered keep-alive asks Linux takes (TCP_KEEPCNT): the kernel acts long after
+# the watch has (`watch_every`).
+_KEEPCNT_MOST = 127
 
 
-def connections() -> dict[str, tuple[str, int]]:
+def connections() -> dict[str, Peer]:
     """Return this process's TCP connections (not listening sockets): each one's socket inode
     and its peer's (IPv4 address, port)."""
     peers = dict(tcp_sockets())
     return {inode: peers[inode] for inode, _ in _socket_fds(set(peers))}
 
 
-def keep_alive(since: Collection[str], link_timeout: float) -> int:
-    """Give this process's TCP connections that are not in `since` (socket inodes: those it had
-    before) and whose peer is not loopback TCP keep-alive: asked after 1 s idle, every second,
-    given up after `link_timeout` seconds (rounded up) of silence. Return how many."""
+def keep_alive(made: Mapping[str, Peer], link_timeout: float) -> int:
+    """Give the connections of `made` (socket inodes and their peers: those a Gloo group just
+    made) whose peer is not loopback TCP keep-alive, asked after 1 s idle, every second, given
+    up after `link_timeout` seconds (rounded up) of silence; and watch them (`Links`): one whose
+    data waits unacknowledged for the link timeout is failed. Return how many."""
     if not hasattr(socket, "TCP_KEEPIDLE"):  # not Linux: TCP's own rules
         return 0
-    peers = {i: p for i, p in tcp_sockets() if i not in since and not _loopback(p[0])}
-    count = 0
-    for _, fd in _socket_fds(set(peers)):
+    far = {inode for inode, peer in made.items() if not _loopback(peer[0])}
+    kept = {}
+    for inode, fd in _socket_fds(far):
         with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
-            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-            connection.setsockopt(
-                socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, math.ceil(link_timeout))
-            )
-            count += 1
-    if count:
-        _watch(peers, link_timeout)
-    return count
+            _ask(connection, max(1, math.ceil(link_timeout)))
+            kept[inode] = made[inode]
+    if kept:
+        _links.watch(kept, link_timeout, _fail)
+    return len(kept)
 
 
-def stalled(since: float | None, now: float, unacked: int, ack_age: float) -> float | None:
-    """Return since when a connection's data has waited for an acknowledgement (None: it does
-    not wait), given the previous answer `since`, the time `now`, its unacknowledged segments
-    and the seconds since its last acknowledgement. The wait counts from the first look that
-    saw data waiting, or from a newer acknowledgement, whichever is later.
+def watch_every(link_timeout: float, lost: Callable[[Peer], None], ignore: Collection[str]) -> None:
+    """Watch every connection this process has or makes from now on to an address that is not
+    loopback, but those of `ignore` (socket inodes): each gets keep-alive asks (which the
+    kernel acts on only after two minutes), and one whose peer has not answered for
+    `link_timeout` seconds is handed to `lost` with its peer, once. Nothing is done to the
+    connection itself: `lost` says what follows. For a process whose connections something
+    else makes, and never reports (MPI's)."""
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        _links.adopt(link_timeout, lambda _, peer: lost(peer), ignore)
+
+
+def _ask(connection: socket.socket, count: int) -> None:
+    """Turn keep-alive on: asked after 1 s idle, every second, `count` unanswered asks."""
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+
+
+def _fail(connection: socket.socket, peer: Peer) -> None:
+    """Make the kernel fail `connection` at its next retransmission or ask."""
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
+
+
+def stalled(since: float | None, now: float, waiting: int, ack_age: float) -> float | None:
+    """Return since when a connection has waited on its peer with no acknowledgement (None: it
+    does not wait), given the previous answer `since`, the time `now`, what it waits on (its
+    unacknowledged segments and unanswered asks) and the seconds since its last
+    acknowledgement. The wait counts from the first look that saw it waiting, or from a newer
+    acknowledgement, whichever is later.
 
     >>> stalled(None, 10.0, 3, 4.0), stalled(10.0, 12.0, 3, 6.0), stalled(10.0, 12.0, 3, 0.5)
     (10.0, 10.0, 12.0)
     >>> stalled(10.0, 12.0, 0, 6.0) is None
     True
     """
-    if unacked == 0:
+    if waiting == 0:
         return None
     acknowledged = now - ack_age
     if since is None or acknowledged > since:
@@ -118,43 +150,138 @@ def stalled(since: float | None, now: float, unacked: int, ack_age: float) -> fl
     return since
 
 
-def _watch(peers: Collection[str], link_timeout: float) -> None:
-    global _watcher
-    with _watch_lock:
-        _watched.update(dict.fromkeys(peers, link_timeout))
-        if _watcher is None:
-            _watcher = threading.Thread(target=_look, name="dataparallel-links", daemon=True)
-            _watcher.start()
-            atexit.register(_watch_stop.set)
+@dataclass
+class _Watched:
+    peer: Peer
+    link_timeout: float
+    lost: Callable[[socket.socket, Peer], None]
+    since: float | None = None  # since when it has waited on its peer (`stalled`)
 
 
-def _look() -> None:
-    """Every `WATCH_INTERVAL` seconds, fail the watched connections whose data has waited for an
-    acknowledgement for their link timeout; forget those closed."""
-    while not _watch_stop.wait(WATCH_INTERVAL):
-        with _watch_lock:
-            watched = dict(_watched)
-        found = dict(_socket_fds(set(watched)))
+@dataclass
+class _Adopting:
+    link_timeout: float
+    lost: Callable[[socket.socket, Peer], None]
+    seen: set[str]  # connections already adopted, or never to be (`ignore`)
+
+
+class Links:
+    """A watch over connections: a thread that, every `WATCH_INTERVAL` seconds, reads each
+    watched connection's `TCP_INFO` (`look`), hands one that waited on its peer with no
+    acknowledgement for its link timeout to its callback and forgets it, and forgets those
+    closed. The process has one (`keep_alive`, `watch_every`); a benchmark makes its own."""
+
+    def __init__(self) -> None:
+        self._watched: dict[str, _Watched] = {}
+        self._adopting: _Adopting | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._registered = False  # its stop, with atexit
+
+    def watch(
+        self,
+        peers: Mapping[str, Peer],
+        link_timeout: float,
+        lost: Callable[[socket.socket, Peer], None],
+    ) -> None:
+        """Watch the connections of `peers` (socket inodes and their peers), each handed to
+        `lost` once its peer has not answered for `link_timeout` seconds; start the thread."""
+        with self._lock:
+            for inode, peer in peers.items():
+                self._watched[inode] = _Watched(peer, link_timeout, lost)
+        self.start()
+
+    def adopt(
+        self,
+        link_timeout: float,
+        lost: Callable[[socket.socket, Peer], None],
+        ignore: Collection[str],
+    ) -> None:
+        """Also watch, from each look on, every connection of this process to an address that
+        is not loopback, but `ignore`'s, giving it keep-alive asks the kernel acts on only
+        after two minutes."""
+        with self._lock:
+            self._adopting = _Adopting(link_timeout, lost, set(ignore))
+        self.start()
+
+    def start(self) -> None:
+        """Start the thread (where it is not running), which stops at exit or at `stop`."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            if not self._registered:
+                atexit.register(self.stop)
+                self._registered = True
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="dataparallel-links", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (a while: a callback may block, a report to a
+        launcher out of reach); what is watched stays so (`start` again)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_STOP_WAIT)
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL):
+            self.look()
+
+    def look(self) -> None:
+        """Look at every watched connection once (the thread's turn)."""
+        fds = dict(_socket_fds(None))
+        with self._lock:
+            for inode in set(self._watched) - set(fds):
+                del self._watched[inode]  # closed
+            if self._adopting is not None:
+                self._adopt(self._adopting, fds)
+            watched = list(self._watched.items())
         now = time.monotonic()
-        with _watch_lock:
-            for inode in set(_watched) - set(found):
-                _watched.pop(inode, None)
-                _pending.pop(inode, None)
-        for inode, fd in found.items():
-            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as connection:
-                info = connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-                fields = _TCP_INFO.unpack_from(info)
-                unacked, ack_age = fields[8 + 4], fields[8 + 12] / 1000
-                since = stalled(_pending.get(inode), now, unacked, ack_age)
-                if since is None:
-                    _pending.pop(inode, None)
-                    continue
-                _pending[inode] = since
-                if now - since >= watched[inode]:  # the peer is out of reach: fail it now
-                    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
-                    with _watch_lock:
-                        _watched.pop(inode, None)
-                        _pending.pop(inode, None)
+        for inode, entry in watched:
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fds[inode])) as sock:
+                fields = _TCP_INFO.unpack_from(
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+                )
+                waiting, ack_age = fields[3] + fields[8 + 4], fields[8 + 12] / 1000
+                entry.since = stalled(entry.since, now, waiting, ack_age)
+                if entry.since is not None and now - entry.since >= entry.link_timeout:
+                    with self._lock:
+                        self._watched.pop(inode, None)
+                    entry.lost(sock, entry.peer)  # the peer is out of reach
+
+    def _adopt(self, adopting: _Adopting, fds: Mapping[str, int]) -> None:
+        """Watch this process's connections not seen before (under the lock)."""
+        fresh = set(fds) - adopting.seen - set(self._watched)
+        if not fresh:
+            return
+        table = dict(tcp_sockets())
+        for inode in fresh:
+            peer = table.get(inode)
+            if peer is None:  # not a connection: never one, or not connected yet
+                if not _may_connect(fds[inode]):
+                    adopting.seen.add(inode)
+                continue
+            adopting.seen.add(inode)
+            if _loopback(peer[0]):
+                continue
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fds[inode])) as sock:
+                _ask(sock, _KEEPCNT_MOST)
+                self._watched[inode] = _Watched(peer, adopting.link_timeout, adopting.lost)
+
+
+def _may_connect(fd: int) -> bool:
+    """Whether socket `fd` is a TCP socket that may yet connect (not listening)."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+        return tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    return False
+
+
+_links = Links()  # this process's watch
 
 
 def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) -> int:
@@ -211,13 +338,14 @@ def tcp_sockets() -> Iterator[tuple[str, tuple[str, int]]]:
             yield fields[9], (address, int(hex_port, 16))
 
 
-def _socket_fds(inodes: set[str]) -> Iterator[tuple[str, int]]:
-    """This process's file descriptors that are the sockets of `inodes`, with their inode."""
-    if not inodes:
+def _socket_fds(inodes: set[str] | None) -> Iterator[tuple[str, int]]:
+    """This process's file descriptors that are the sockets of `inodes` (None: every socket),
+    with their inode."""
+    if inodes is not None and not inodes:
         return
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"/proc/self/fd/{entry}")
-                if target.startswith("socket:[") and target[8:-1] in inodes:
+                if target.startswith("socket:[") and (inodes is None or target[8:-1] in inodes):
                     yield target[8:-1], int(entry)

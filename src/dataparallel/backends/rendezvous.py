@@ -266,8 +266,9 @@ def gloo_connecting(interface: str | None) -> Iterator[set[str]]:
     finally:
         if interface is not None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    made.update(set(connections()) - before)
-    keep_alive(before, Settings.from_env().link_timeout)
+    new = {inode: peer for inode, peer in connections().items() if inode not in before}
+    made.update(new)
+    keep_alive(new, Settings.from_env().link_timeout)
 
 
 def rendezvous_error(exc: BaseException, rendezvous: Rendezvous) -> BaseException:

@@ -18,7 +18,13 @@ launcher therefore keeps a line of its own to each rank, as it does through ssh 
   out of reach (its host, or its link), names it, and ends the job;
 - a rank on another host than the launcher's that hears nothing for `config.silence_limit`, or
   whose line ends (the launcher gone), leaves with its process group (the host's proxy and
-  ranks), so that nothing of the job stays on a cut host (the runner's `follow`).
+  ranks), so that nothing of the job stays on a cut host (the runner's `follow`);
+- a rank whose own connection to another host stopped answering for the link timeout while
+  both lines beat on (a *split*: the hosts cannot reach each other, the launcher reaches both;
+  `backends/connections.watch_every` watches MPI's connections in the rank) says so on its line,
+  `lost ADDRESS` (`report`), and the launcher names both sides (`Cut`) and ends the job; a
+  report of an address that is no host of the job (the program's own connection elsewhere)
+  ends nothing.
 
 A rank that cannot reach the port runs unwatched, as it did before.
 """
@@ -32,20 +38,29 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dataparallel.backends.rendezvous import address_toward
+from dataparallel.backends.rendezvous import address_toward, is_here
 from dataparallel.config import beat_interval
 
-__all__ = ["Beacon", "Lost", "hello", "parse_address"]
+__all__ = ["Beacon", "Cut", "Lost", "hello", "parse_address", "report"]
 
 # The longest first line a rank says (its secret, rank and host name): anything longer is not one.
 _HELLO_BYTES = 1024
+# What begins a rank's report of a connection lost (`report`).
+_LOST = "lost"
 
 
 def hello(secret: str, rank: int) -> bytes:
     """A rank's first line on the beacon: the job's secret, its rank and its host's name."""
     return f"{secret} {rank} {socket.gethostname()}\n".encode()
+
+
+def report(peer: str) -> bytes:
+    """A rank's line on the beacon saying that its connection to `peer` (an address) stopped
+    answering for the link timeout."""
+    return f"{_LOST} {peer}\n".encode()
 
 
 def parse_address(value: str) -> tuple[str, str, int]:
@@ -80,11 +95,35 @@ class Lost:
         )
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A rank whose connection to another host stopped answering for the link timeout while
+    the launcher heard both (a split): the rank, its host and address, the peer's address, and
+    the ranks the launcher hears from there (`rank N on HOST` each)."""
+
+    rank: int
+    host: str
+    address: str
+    peer: str
+    there: tuple[str, ...]
+    link_timeout: float
+
+    def __str__(self) -> str:
+        there = f" ({', '.join(self.there)})" if self.there else ""
+        return (
+            f"rank {self.rank} on {self.host} ({self.address}) lost its link to {self.peer}"
+            f"{there}: that host has not answered the rank for {self.link_timeout:g} s "
+            "(--link-timeout), though the launcher still hears both. The link between the two "
+            "hosts is down while each reaches the launcher (a split; under Gloo the rank's call "
+            "raises dp.LinkLostError)"
+        )
+
+
 @dataclass
 class _Line:
     address: str
     heard: float
-    said: bytes = b""  # what the rank wrote before its hello's end
+    said: bytes = b""  # what the rank wrote since its last line's end
     rank: int | None = None  # None until it said the job's secret and its rank
     host: str = "?"
     ended: bool = False  # its rank closed it: finished, or dead (mpiexec reports that)
@@ -107,6 +146,7 @@ class Beacon:
     refused: list[str] = field(default_factory=list)
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     _lost: list[Lost] = field(default_factory=list)
+    _cut: list[Cut] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _server: socket.socket | None = None
     _thread: threading.Thread | None = None
@@ -132,6 +172,10 @@ class Beacon:
         """The first rank found silent for the link timeout, if one was."""
         return self._lost[0] if self._lost else None
 
+    def cut(self) -> Cut | None:
+        """The first rank that reported a connection to another host lost, if one did."""
+        return self._cut[0] if self._cut else None
+
     def _serve(self) -> None:
         assert self._server is not None
         interval = beat_interval(self.link_timeout)
@@ -149,7 +193,7 @@ class Beacon:
                             connection.setblocking(False)
                             lines[connection] = _Line(str(peer[0]), now)
                         continue
-                    self._read(sock, lines[sock], now)
+                    self._read(sock, lines[sock], now, lines.values())
                 if now >= beat:
                     for sock, line in lines.items():
                         if line.rank is None:
@@ -181,7 +225,7 @@ class Beacon:
             assert line.rank is not None
             self._lost.append(Lost(line.rank, line.host, line.address, now - line.heard))
 
-    def _read(self, sock: socket.socket, line: _Line, now: float) -> None:
+    def _read(self, sock: socket.socket, line: _Line, now: float, lines: Iterable[_Line]) -> None:
         try:
             data = sock.recv(4096)
         except BlockingIOError:
@@ -191,9 +235,9 @@ class Beacon:
         if not data:
             line.ended = True
             return
+        line.said += data
         if line.rank is None:
-            line.said += data
-            first, newline, _ = line.said.partition(b"\n")
+            first, newline, rest = line.said.partition(b"\n")
             if not newline and len(line.said) <= _HELLO_BYTES:
                 return  # the hello's end is yet to come (its beginning does not count as heard)
             said = first.decode(errors="replace").split(" ", 2)
@@ -207,4 +251,32 @@ class Beacon:
                 line.ended = True
                 return
             line.rank, line.host = int(said[1]), (said[2] if len(said) > 2 else "") or "?"
+            line.said = rest
         line.heard = now
+        *said_lines, line.said = line.said.split(b"\n")
+        if len(line.said) > _HELLO_BYTES:  # no line of a rank is that long
+            line.said = b""
+        for each in said_lines:  # beats (empty), and reports of a connection lost
+            word, _, peer = each.decode(errors="replace").partition(" ")
+            if word == _LOST and peer:
+                self._note_cut(line, peer, lines)
+
+    def _note_cut(self, line: _Line, peer: str, lines: Iterable[_Line]) -> None:
+        """Note `line`'s rank's report of its link to `peer` lost, where `peer` is a host of
+        the job: one of the ranks' lines comes from there, or it is this machine. A connection
+        of the program's own to somewhere else (a download from a server that does not answer)
+        is no rank's link, and ends nothing."""
+        assert line.rank is not None
+        there = tuple(
+            f"rank {other.rank} on {other.host}"
+            for other in lines
+            if other.address == peer and other.rank is not None
+        )
+        try:
+            ours = bool(there) or is_here(peer)
+        except OSError:
+            ours = False
+        if ours:
+            self._cut.append(
+                Cut(line.rank, line.host, line.address, peer, there, self.link_timeout)
+            )

@@ -14,7 +14,8 @@ the others) fails with status 1, naming that rank. Ctrl-C goes to the ranks, not
 Which rank a signal killed is told by the launcher's own watch of the ranks (`FirstDeaths`) when
 every rank runs on its machine, since Hydra's report may name a rank it killed itself. Across
 hosts the launcher also keeps a line of its own to each rank (`beacon.py`): neither mpiexec nor
-MPI notices a host whose link went down, and the job would wait for `--timeout`.
+MPI notices a host whose link went down, nor two hosts that stopped reaching each other (a
+split), and the job would wait for `--timeout`.
 """
 
 from __future__ import annotations
@@ -160,12 +161,14 @@ def run_mpi(
         hosts: the machines and their slots, written to a host file in this mpiexec's format
             (`host:N` for Hydra, `host slots=N` for Open MPI) and passed as `-f` or `--hostfile`.
             Where one is another machine, the launcher keeps a line to each rank of its own
-            (`beacon.py`), and ends the job when one is silent for `link_timeout` seconds.
+            (`beacon.py`), and ends the job when one is silent for `link_timeout` seconds,
+            or says its connection to another host was (a split: status 1).
         link_timeout: seconds of silence after which a rank's host, or its link, is gone.
 
     Returns:
         0 when every rank succeeded; else the failing rank's code, 128 + N for a rank killed by
-        signal N, 1 for a rank that ended without finishing (`os._exit(0)`), 124 on timeout,
+        signal N, 1 for a rank that ended without finishing (`os._exit(0)`) or a split, 124 on
+        timeout,
         255 for a rank out of reach (its host or its link gone), or 128 + N when the launcher
         was stopped by signal N.
     """
@@ -229,7 +232,9 @@ class _Job:
         self.killed_by: int | None = None  # the signal mpiexec says ended a rank
         self.killed_pids: list[int] = []
         self.stopped = False  # by the launcher (a signal, --timeout): its status is final
-        self.failed = False  # stopped by the launcher because ranks waited for one that ended
+        # Stopped by the launcher because ranks waited for one that ended, or for one whose
+        # host they could no longer reach (a split): status 1, as a rank's failure.
+        self.failed = False
         self.beacon: Beacon | None = None  # the launcher's line to ranks on other hosts
         self.lost = False  # stopped by the launcher because a rank was out of reach
 
@@ -298,6 +303,12 @@ class _Job:
                 return None
             if deadline is not None and time.monotonic() >= deadline:
                 warn(f"the job ran past --timeout {timeout:g}s; stopping it.")
+                self._stop(proc, None)
+                return None
+            cut = self.beacon.cut() if self.beacon is not None else None
+            if cut is not None:
+                warn(f"{cut}; stopping the job.")
+                self.failed = True
                 self._stop(proc, None)
                 return None
             lost = self.beacon.lost() if self.beacon is not None else None

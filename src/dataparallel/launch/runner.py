@@ -243,9 +243,13 @@ def _follow_beacon(address: str, rank: int) -> None:
     """Keep a line to the launcher's beacon (`launch/beacon.py`), from a rank that mpiexec
     started on another host than the launcher's: beat on it, and leave with this rank's process
     group (the host's proxy and ranks) once the launcher is silent for `silence_limit`, or gone.
-    A rank on the launcher's machine, or one that cannot reach the beacon, is not watched."""
+    Watch this rank's connections to other hosts (MPI's, `connections.watch_every`), and report
+    on the line one whose peer stopped answering for the link timeout (a split: the launcher
+    hears both hosts, they do not hear each other; MPI would wait for ever). A rank on the
+    launcher's machine, or one that cannot reach the beacon, is not watched."""
+    from dataparallel.backends.connections import watch_every
     from dataparallel.backends.rendezvous import is_here
-    from dataparallel.launch.beacon import hello, parse_address
+    from dataparallel.launch.beacon import hello, parse_address, report
 
     try:
         secret, host, port = parse_address(address)
@@ -261,6 +265,12 @@ def _follow_beacon(address: str, rank: int) -> None:
     def beat() -> None:
         with contextlib.suppress(OSError):
             beacon.send(b"\n")
+
+    def lost(peer: tuple[str, int]) -> None:
+        with contextlib.suppress(OSError):
+            beacon.sendall(report(peer[0]))
+
+    watch_every(link_timeout, lost, ignore={str(os.fstat(beacon.fileno()).st_ino)})
 
     line = beacon.makefile("rb", buffering=0)
     threading.Thread(
