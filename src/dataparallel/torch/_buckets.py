@@ -44,7 +44,7 @@ __all__ = [
     "Modes",
     "NamedParams",
     "Options",
-    "StepPlan",
+    "StepTemplate",
     "arrival_order",
     "assign",
     "bucket_bytes_for",
@@ -139,17 +139,17 @@ def layout(
     return buckets, summarize(owner, options, params, buckets, full)
 
 
-class StepPlan:
+class StepTemplate:
     """What every step of one layout sends, made once per layout (`GradientSync._lay_out`) and
     kept while the layout holds, so that a step spends its Python on the gradients alone.
 
     A gradient has its parameter's dtype and device (torch refuses any other), so each
     parameter's array family is learnt from its first dense gradient and its dtype and device
-    named once; a parameter converted since the plan was made (`model.double()` between steps:
+    named once; a parameter converted since the template was made (`model.double()` between steps:
     the layout follows at the step's end, `GradientSync.refresh`) has its gradient's own used. The
     step's flags have one buffer; the handshake's digest and records are made once
     (`protocol.Records`: a call plan keeps them). A layout that changes (parameters added,
-    frozen, converted; rebucketed; sparse ones found; another mode) makes a new plan.
+    frozen, converted; rebucketed; sparse ones found; another mode) makes a new template.
     """
 
     def __init__(self, params: NamedParams, summary: str, size: int) -> None:
@@ -165,8 +165,8 @@ class StepPlan:
 
     def leaf(self, owner: str, name: str, index: int, grad: torch.Tensor) -> Leaf:
         """Return parameter `index`'s gradient as a leaf to send: its array family, itself, its
-        dtype and its device (checked the first time, and whenever it is not what the plan knows:
-        not dense, or its parameter converted since)."""
+        dtype and its device (checked the first time, and whenever it is not what the template
+        knows: not dense, or its parameter converted since)."""
         family = self.families[index]
         dtype, device = self._kinds[index]
         known = grad.dtype is dtype and grad.device == device
@@ -178,7 +178,7 @@ class StepPlan:
         return (family, grad, *self._names[index])
 
     def flags(self, filled: list[int], abandoned: bool, sparse: list[int]) -> np.ndarray:
-        """The flags a step sends with its last bucket, in the plan's buffer: had a gradient (n:
+        """The flags a step sends with its last bucket, in the template's buffer: had a gradient (n:
         0 for `filled`), this rank abandoned the step (1), and each parameter's gradient was
         sparse here (n: 1 for `sparse`). The reduced flags land in it."""
         flags = self._flags

@@ -58,7 +58,7 @@ from dataparallel.torch._buckets import (
     Modes,
     ModeTrial,
     NamedParams,
-    StepPlan,
+    StepTemplate,
     arrival_order,
     check_options,
     describe,
@@ -146,7 +146,7 @@ class GradientSync:
     _options: Options
     _buckets: list[Bucket]
     _summary: str  # what every step's handshake compares (`_buckets.summarize`)
-    _plan: StepPlan  # what every step of the layout sends, made with it
+    _plan: StepTemplate  # what every step of the layout sends, made with it
     _signature: list[tuple[int, torch.dtype, torch.device]]
     _host: bool  # every parameter on the host: buckets may go to the communication thread
     _begins_early: bool  # a step's handshake begins at its first gradient
@@ -289,7 +289,7 @@ class GradientSync:
         )
         self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
         self._signature = signature(self._params)
-        self._plan = StepPlan(self._params, self._summary, self.backend.size)
+        self._template = StepTemplate(self._params, self._summary, self.backend.size)
         if self._low is not None:
             self._low.lay_out(self._params, [b.members for b in self._buckets])
         self._host = on_host(self._params)  # only host buckets go to the communication thread
@@ -515,7 +515,9 @@ class GradientSync:
         hooks.mark(index)
         self._arrival.append(index)
         if len(self._arrival) == 1 and self._begins_early:
-            self._early = start_handshake(self.backend, self._step_summary(), self._plan.records)
+            self._early = start_handshake(
+                self.backend, self._step_summary(), self._template.records
+            )
         if self.overlap:  # a gathered sparse gradient is in no bucket: reduced in wait()
             hooks.launch_ready(self._launch)
 
@@ -541,7 +543,7 @@ class GradientSync:
         self._state = State.LAUNCHED
         # Parameters trainable since the buckets were laid out (identical on every rank).
         current = self._current()
-        laid_out = self._plan.laid_out
+        laid_out = self._template.laid_out
         late = [(n, p) for n, p in current if id(p) not in laid_out]
         if late:
             self._agree()
@@ -565,7 +567,7 @@ class GradientSync:
             options: Any = self._options
             if self._low is not None:
                 options = {**options, "powersgd_iteration": self._low.iteration}
-            summary, records = self._step_summary(), self._plan.records
+            summary, records = self._step_summary(), self._template.records
             if records is not None and self._early is None:
                 records.record["digest"] = summary
             handshake(
@@ -585,7 +587,7 @@ class GradientSync:
     def _step_summary(self) -> int:
         """The digest this step's handshake compares: of the layout, and PowerSGD's step count."""
         if self._low is None:
-            return self._plan.digest
+            return self._template.digest
         return digest(self._summary + self._low.describe())
 
     def _note_joined(self) -> None:
@@ -664,7 +666,7 @@ class GradientSync:
             self._started_at = timeline.now()
         leaves: list[Leaf] = []
         delivers: list[Deliver | None] = []
-        plan, low = self._plan, self._low if self._compressing else None
+        template, low = self._template, self._low if self._compressing else None
         compressed, computed_now = [], set()
         for i in self._buckets[b].members:
             name, p = self._params[i]
@@ -677,7 +679,7 @@ class GradientSync:
                 grad = self._sparse.densify(i, p)
             if computed and self._feedback is not None:
                 self._feedback.apply(i, grad)
-            leaf = plan.leaf(self.owner, name, i, grad)
+            leaf = template.leaf(self.owner, name, i, grad)
             if low is not None and i in low.matrices:
                 compressed.append(i)
                 if computed:
@@ -693,7 +695,7 @@ class GradientSync:
             delivers.append(None)
         last = b == len(self._buckets) - 1
         if last:  # the flags travel with the last bucket
-            self._flags = plan.flags(self._filled, self._abandoned, self._sparse.seen)
+            self._flags = template.flags(self._filled, self._abandoned, self._sparse.seen)
         flags = self._flags if last else None
         if low is None:
             self._router.send(leaves, flags, delivers)
