@@ -704,14 +704,17 @@ def test_runner_alone_is_a_world_of_one(tmp_path: Path) -> None:
     assert "in f\n" in done.stderr
 
 
-def test_runner_rejects_bad_options() -> None:
+def test_runner_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process: the options are read before the runner does anything else.
+    from dataparallel.launch.runner import main
+
     for args, message in (
         ((), "expected a script path or -m module"),
         (("--bogus", "x.py"), "unknown option '--bogus'"),
         (("--parent", "x.py"), "--parent needs the launcher's process id"),
     ):
-        done = _runner(*args)
-        assert done.returncode == 2
-        assert (
-            message in done.stderr and "usage: python -m dataparallel.launch.runner" in done.stderr
-        )
+        with pytest.raises(SystemExit) as stop:
+            main(list(args))
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "usage: python -m dataparallel.launch.runner" in err, err

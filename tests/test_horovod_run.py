@@ -29,7 +29,7 @@ ENGINES = [
         "mpi",
         marks=pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py"),
     ),
-    "gloo",
+    pytest.param("gloo", marks=needs_torch),  # Gloo is torch's
 ]
 
 
@@ -45,12 +45,11 @@ def test_versions_say_what_they_are() -> None:
 
 @pytest.mark.spawns
 @alone
-@needs_torch
 @pytest.mark.parametrize("engine", ENGINES)
 def test_run_returns_each_ranks_result_then_raises_naming_the_rank_that_raised(
     engine: str,
 ) -> None:
-    """Two `run`s from one process (one start-up of torch): one that returns, one that raises."""
+    """Two `run`s from one process: one that returns, one that raises."""
     job = run_job([SCRIPT, engine, "2", "ok", "fail"], launcher="python")
     assert job.returncode == 3, job.stdout + job.stderr
     (line,) = [line for line in job.stdout.splitlines() if line.startswith("[{")]

@@ -438,8 +438,8 @@ def test_run_hosts_ctrl_c_reaches_the_ranks_of_the_other_host(
 def test_run_hosts_timeout_reaches_the_ranks_of_the_other_host(
     hosts: tuple[Host, ...], ssh: Ssh
 ) -> None:
-    done = run_job(
-        hosts_job(hosts, ssh, "sleep", "--timeout", "8"),
+    done = run_job(  # --timeout: long enough for every rank to start, on a busy machine too
+        hosts_job(hosts, ssh, "sleep", "--timeout", "5"),
         launcher=None,
         env=ssh.env,
         cwd=SCRIPTS,
@@ -454,6 +454,10 @@ def test_run_hosts_a_host_that_cannot_be_reached_fails_at_once_named(
 ) -> None:
     a = hosts[0]
     nobody = f"{SUBNET}.3"  # no host has it: nothing answers there
+    # ... and a route in host a says so at once, as a router would, instead of the 3 s of
+    # unanswered ARP requests after which the kernel says the same (EHOSTUNREACH).
+    unreachable = _ip("-n", a.namespace, "route", "add", "unreachable", f"{nobody}/32")
+    assert unreachable.returncode == 0, unreachable.stderr
     spec = f"{a.address}:1,{nobody}:1"
     done = run_job(
         hosts_job(hosts, ssh, "sleep", spec=spec), launcher=None, env=ssh.env, cwd=SCRIPTS
@@ -732,8 +736,10 @@ def test_elastic_run_drops_a_host_whose_link_goes_down_while_ranks_wait_on_it(
             assert lost in err, err
         assert f"host {b.address} has no worker left" in err, err
         check_run(tmp_path, [4, 2])
-        # b's workers, unreachable, leave once the launcher's store has been silent 2 s.
+        # b's workers, unreachable, leave once the launcher's store has been silent for their
+        # silence limit (`config.silence_limit`).
         _wait_for(lambda: not leftovers(hosts, "elastic_train.py"), 60)
+        assert leftovers(hosts, "elastic_train.py") == [], "b's workers stayed, cut off"
     finally:
         _kill_everything_in(b)  # sshd's sessions there wait on a client they cannot reach
 

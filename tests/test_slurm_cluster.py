@@ -13,10 +13,11 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from _jobs import run_job
+from _jobs import run_job, run_ranks
 
 pytestmark = pytest.mark.spawns
 
@@ -40,6 +41,42 @@ def cluster() -> None:
         pytest.skip("tools/slurm/start.sh did not finish within 120 s")
     if started.returncode != 0:
         pytest.skip(f"Slurm could not be started here: {started.stderr.strip()}")
+
+
+def _sbatch(
+    script: Path | str, output: Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> str:
+    """Submit `script` with `sbatch`, wait for the job to end and return its `JobState`
+    (COMPLETED, FAILED, ...) and `ExitCode` (`status:signal`), as `"STATE status:signal"`.
+
+    The wait is on the job's state, asked every 0.1 s: `sbatch --wait` sleeps 2 s, then 8 s,
+    then 32 s between its own looks, so that a job of 3 s would have been seen at 10 s.
+    """
+    submit = ["sbatch", "--parsable", f"--output={output}", str(script)]
+    done = run_job(submit, launcher=None, timeout=LIMIT, cwd=cwd, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = done.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + LIMIT
+    while time.monotonic() < deadline:
+        shown = subprocess.run(
+            ["scontrol", "-o", "show", "job", job_id],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+        if fields.get("JobState") in _ENDED:
+            return f"{fields['JobState']} {fields.get('ExitCode')}"
+        time.sleep(0.1)
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
+    pytest.fail(f"Slurm job {job_id} did not end within {LIMIT:g} s")
+
+
+# The states of a job that has ended (`squeue --help`, JOB STATE CODES), COMPLETING not yet.
+_ENDED = frozenset(
+    {
+        "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+        "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+    }
+)  # fmt: skip
 
 
 def _worlds(stdout: str) -> list[dict[str, str]]:
@@ -146,10 +183,9 @@ def test_the_sbatch_example_of_the_docs_runs_as_written(tmp_path: Path) -> None:
     pytest.importorskip("mpi4py")
     output = tmp_path / "tour.out"
     path = f"{Path(PYTHON).parent}:{os.environ.get('PATH', '')}"  # the `dataparallel` command
-    command = ["sbatch", "--wait", f"--output={output}", "examples/slurm_job.sh"]
-    done = run_job(command, launcher=None, timeout=LIMIT, cwd=ROOT, env={"PATH": path})
+    ended = _sbatch("examples/slurm_job.sh", output, cwd=ROOT, env={"PATH": path})
     text = output.read_text() if output.exists() else ""
-    assert done.returncode == 0, done.stdout + done.stderr + text
+    assert ended == "COMPLETED 0:0", f"{ended}\n{text}"
     for r in range(2):
         assert f"[{r}/2] allreduce sum: [3. 3. 3.] (expected 3.0)" in text, text
 
@@ -162,26 +198,27 @@ def test_an_sbatch_script_runs_dataparallel_run_without_n(tmp_path: Path) -> Non
         "#!/bin/bash\n#SBATCH --ntasks=2\n"
         f"{PYTHON} -m dataparallel run {WORLD}\n"  # docs/slurm.md's example, in short
     )
-    done = run_job(
-        ["sbatch", "--wait", f"--output={output}", str(script)], launcher=None, timeout=LIMIT
-    )
+    ended = _sbatch(script, output)
     text = output.read_text() if output.exists() else ""
-    assert done.returncode == 0, done.stdout + done.stderr + text
+    assert ended == "COMPLETED 0:0", f"{ended}\n{text}"
     _one_world(text, 2, "mpi")
 
 
 def test_info_reports_the_job_and_the_task() -> None:
+    """`dataparallel info` in a step of 2 tasks, and in one under `--mpi=pmi2`: both steps at
+    once (the cluster has the CPUs), each task's report its own."""
     command = ["srun", "-n", "2", PYTHON, "-m", "dataparallel", "info"]
-    done = run_job(command, launcher=None, timeout=LIMIT)
-    assert done.returncode == 0, done.stdout + done.stderr
-    slurm = re.findall(
-        r"^  Slurm +job \d+, 2 task\(s\) on \S+; step \d+, this is task (\d) ", done.stdout, re.M
-    )
-    assert sorted(slurm) == ["0", "1"], done.stdout
-    ranks = re.findall(r"^  this process +rank (\d) of 2, from Slurm's step$", done.stdout, re.M)
-    assert sorted(ranks) == ["0", "1"], done.stdout
     under_mpi = [*command[:3], "--mpi=pmi2", *command[3:]]
-    done = run_job(under_mpi, launcher=None, timeout=LIMIT)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("(PMI: pmi2)") == 2, done.stdout
-    assert done.stdout.count("started by an MPI launcher") == 2, done.stdout
+    (status, out, err), (mpi_status, mpi_out, mpi_err) = run_ranks(
+        [command, under_mpi], timeout=LIMIT
+    )
+    assert status == 0, out + err
+    slurm = re.findall(
+        r"^  Slurm +job \d+, 2 task\(s\) on \S+; step \d+, this is task (\d) ", out, re.M
+    )
+    assert sorted(slurm) == ["0", "1"], out
+    ranks = re.findall(r"^  this process +rank (\d) of 2, from Slurm's step$", out, re.M)
+    assert sorted(ranks) == ["0", "1"], out
+    assert mpi_status == 0, mpi_out + mpi_err
+    assert mpi_out.count("(PMI: pmi2)") == 2, mpi_out
+    assert mpi_out.count("started by an MPI launcher") == 2, mpi_out

@@ -3,27 +3,29 @@
     python horovod_run.py ENGINE N [ok] [fail]
 
 ENGINE is `mpi` or `gloo`. One job per word, in order (none: `ok`): with `ok`, each rank
-allreduces its rank through the drop-in and returns what it saw, and the result list is printed
-as one JSON line; with `fail`, rank 1 raises instead and this prints the `RuntimeError` that
-`run` raises, and exits 3.
+allreduces its rank and returns what it saw, and the result list is printed as one JSON line;
+with `fail`, rank 1 raises instead and this prints the `RuntimeError` that `run` raises, and
+exits 3. The function allreduces a NumPy array: what `run` does with it is the same whatever
+the framework, and neither this process nor an MPI rank then imports torch.
 """
 
 import json
 import sys
 
-import torch
-
 import dataparallel.horovod as horovod
-import dataparallel.horovod.torch as hvd
 
 
 def train(offset, *, fail=False):  # defined in __main__: travels by value (cloudpickle)
-    hvd.init()
-    if fail and hvd.rank() == 1:
-        raise ValueError(f"rank {hvd.rank()} cannot train")
-    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
-    result = {"rank": hvd.rank(), "size": hvd.size(), "sum": total.item() + offset}
-    hvd.shutdown()
+    import numpy as np
+
+    import dataparallel as dp
+
+    dp.initialize()
+    if fail and dp.rank() == 1:
+        raise ValueError(f"rank {dp.rank()} cannot train")
+    total = dp.allreduce(np.array([float(dp.rank())]), op="sum")
+    result = {"rank": dp.rank(), "size": dp.size(), "sum": float(total[0]) + offset}
+    dp.finalize()
     return result
 
 
