@@ -346,12 +346,7 @@ def main() -> None:
     least = min(timeouts, default=None)
     folder = tempfile.TemporaryDirectory(prefix="elastic-hosts-")
     if args.hosts:
-        sys.path.insert(0, str(HERE))
-        from network import why_not
-
-        reason = why_not()
-        if reason is None and not os.path.exists(shutil.which("sshd") or "/usr/sbin/sshd"):
-            reason = "sshd is not installed: apt-get install -y openssh-server"
+        reason = why_no_hosts()
         if reason is not None:
             print(f"skipped: {reason}")
             return
@@ -402,15 +397,21 @@ def main() -> None:
         print(f"death -> next commit, fully_shard / unsharded (medians): {ratio:.2f}")
 
 
-def split_runs(pairs: int, link_timeouts: list[float]) -> None:
-    """`--hosts --split`: three hosts, one worker each; for each link timeout in turn, a split
-    between b and c, and (at the least of them) a run without one."""
+def why_no_hosts() -> str | None:
+    """Why emulated hosts cannot be had here (network namespaces, sshd), or None."""
     sys.path.insert(0, str(HERE))
     from network import why_not
 
     reason = why_not()
     if reason is None and not os.path.exists(shutil.which("sshd") or "/usr/sbin/sshd"):
         reason = "sshd is not installed: apt-get install -y openssh-server"
+    return reason
+
+
+def split_runs(pairs: int, link_timeouts: list[float]) -> None:
+    """`--hosts --split`: three hosts, one worker each; for each link timeout in turn, a split
+    between b and c, and (at the least of them) a run without one."""
+    reason = why_no_hosts()
     if reason is not None:
         print(f"skipped: {reason}")
         return

@@ -533,6 +533,41 @@ def test_run_three_hosts_on_a_bridge_then_a_host_cut_off_ends_the_job(
     assert leftovers(three_hosts[:2]) == [], "ranks outlived the job"
 
 
+def _split_while_ranks_wait(
+    job: list[str],
+    env: dict[str, str],
+    go: Path,
+    ranks: int,
+    hosts: tuple[Host, ...],
+    cut: tuple[Host, Host],
+) -> tuple[int, float, str, str, list[int]]:
+    """Run `hosts_job.py allreduce-then-pause` until its `ranks` ranks wait or pause, then cut
+    `cut[0]`'s route to `cut[1]` (a split: the launcher still reaches both), let the paused rank
+    go on, and wait for the job's end: its status, the seconds from the cut to the end, its
+    output and errors, and the ranks left on any host once the job ended."""
+    here, there = cut
+    try:
+        with spawn(job, launcher=None, env=env, cwd=SCRIPTS, capture=True) as run:
+            assert run.stdout is not None
+            lines = []
+            for line in run.stdout:  # until one rank pauses and the others wait in the allreduce
+                lines.append(line)
+                if sum(x.count("] waits") + x.count("] pauses") for x in lines) == ranks:
+                    break
+            split = _ip("-n", here.namespace, "route", "add", "prohibit", f"{there.address}/32")
+            assert split.returncode == 0, split.stderr
+            cut_at = time.monotonic()
+            go.touch()
+            rest, err = run.communicate(timeout=200)
+            took = time.monotonic() - cut_at
+        _wait_for(lambda: not leftovers(hosts), 30)
+        stayed = leftovers(hosts)
+    finally:
+        for host in cut:
+            _kill_everything_in(host)
+    return run.returncode, took, "".join(lines) + rest, err, stayed
+
+
 def test_run_three_hosts_split_ends_the_job_naming_the_hosts_cut_off(
     three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
 ) -> None:
@@ -549,27 +584,10 @@ def test_run_three_hosts_split_ends_the_job_naming_the_hosts_cut_off(
     spec = ",".join(f"{host.address}:1" for host in three_hosts)
     options = ["--timeout", "150", "--link-timeout", "1"]
     job = [*hosts_job(three_hosts, ssh3, "allreduce-then-pause", *options, spec=spec), str(go)]
-    try:
-        with spawn(job, launcher=None, env=ssh3.env, cwd=SCRIPTS, capture=True) as run:
-            assert run.stdout is not None
-            lines = []
-            for line in run.stdout:  # until rank 2 pauses and the others wait in the allreduce
-                lines.append(line)
-                if sum(x.count("] waits") + x.count("] pauses") for x in lines) == 3:
-                    break
-            split = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
-            assert split.returncode == 0, split.stderr
-            cut = time.monotonic()
-            go.touch()
-            rest, err = run.communicate(timeout=200)
-            took = time.monotonic() - cut
-        _wait_for(lambda: not leftovers(three_hosts), 30)
-        stayed = leftovers(three_hosts)
-    finally:
-        for host in (b, c):
-            _kill_everything_in(host)
-    out = "".join(lines) + rest
-    assert run.returncode == 1, f"{run.returncode} after {took:.1f} s\n{out}\n{err}"
+    returncode, took, out, err, stayed = _split_while_ranks_wait(
+        job, ssh3.env, go, 3, three_hosts, cut=(c, b)
+    )
+    assert returncode == 1, f"{returncode} after {took:.1f} s\n{out}\n{err}"
     assert took < 60, f"the job ended {took:.1f} s after the split, not by the link timeout"
     assert "allreduced again" not in out, out
     said = re.findall(r"\[rank \d on ([\d.]+)\] .*lost its link to ([\d.]+): that host", err)
@@ -604,27 +622,10 @@ def test_run_mpi_split_between_the_ranks_hosts_ends_the_job_naming_both(
     # that host is not among -H's (on a, the listed address is taken): c is named by its address.
     launcher = dataclasses.replace(c, hostname=c.address)
     job = launcher.command([*run, str(SCRIPTS / "hosts_job.py"), "allreduce-then-pause", str(go)])
-    try:
-        with spawn(job, launcher=None, env=env, cwd=SCRIPTS, capture=True) as run_:
-            assert run_.stdout is not None
-            lines = []
-            for line in run_.stdout:  # until rank 1 pauses and rank 0 waits in the allreduce
-                lines.append(line)
-                if sum(x.count("] waits") + x.count("] pauses") for x in lines) == 2:
-                    break
-            split = _ip("-n", b.namespace, "route", "add", "prohibit", f"{a.address}/32")
-            assert split.returncode == 0, split.stderr
-            cut = time.monotonic()
-            go.touch()
-            rest, err = run_.communicate(timeout=200)
-            took = time.monotonic() - cut
-        _wait_for(lambda: not leftovers(three_hosts), 30)
-        stayed = leftovers(three_hosts)
-    finally:
-        for host in (a, b):
-            _kill_everything_in(host)
-    out = "".join(lines) + rest
-    assert run_.returncode == 1, f"{run_.returncode} after {took:.1f} s\n{out}\n{err}"
+    returncode, took, out, err, stayed = _split_while_ranks_wait(
+        job, env, go, 2, three_hosts, cut=(b, a)
+    )
+    assert returncode == 1, f"{returncode} after {took:.1f} s\n{out}\n{err}"
     assert took < 60, f"the job ended {took:.1f} s after the split, not by the link timeout"
     assert "allreduced again" not in out, out
     said = re.search(
