@@ -63,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -268,21 +269,9 @@ def one_run(
         run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env, start_new_session=True)  # fmt: skip
         if hosts is not None and stall:
-            stalled = False
-            while not stalled and run.poll() is None:
-                time.sleep(0.01)
-                stalled = any('"stalled"' in path.read_text() for path in Path(tmp).glob("*.jsonl"))
-            hosts.set_link(False)
-            with open(Path(tmp) / "driver.jsonl", "w") as log:
-                log.write(json.dumps({"kind": "died", "t": time.time(), "who": "driver"}) + "\n")
+            cut_when(run, Path(tmp), "stalled", lambda: hosts.set_link(False))
         if hosts is not None and split:
-            paused = False
-            while not paused and run.poll() is None:
-                time.sleep(0.01)
-                paused = any('"paused"' in path.read_text() for path in Path(tmp).glob("*.jsonl"))
-            hosts.split(True)
-            with open(Path(tmp) / "driver.jsonl", "w") as log:
-                log.write(json.dumps({"kind": "died", "t": time.time(), "who": "driver"}) + "\n")
+            cut_when(run, Path(tmp), "paused", lambda: hosts.split(True))
             (Path(tmp) / "go").touch()
         try:
             _, stderr = run.communicate(timeout=330)
@@ -395,6 +384,18 @@ def main() -> None:
             f["next_commit"] for f in failed
         )
         print(f"death -> next commit, fully_shard / unsharded (medians): {ratio:.2f}")
+
+
+def cut_when(run: subprocess.Popen[str], folder: Path, kind: str, cut: Callable[[], None]) -> None:
+    """Once a worker's log in `folder` holds an event of `kind` (or the run has ended), `cut`
+    the link and log the moment as the driver's "died" event: the loss the run recovers from."""
+    seen = False
+    while not seen and run.poll() is None:
+        time.sleep(0.01)
+        seen = any(f'"{kind}"' in path.read_text() for path in folder.glob("*.jsonl"))
+    cut()
+    with open(folder / "driver.jsonl", "w") as log:
+        log.write(json.dumps({"kind": "died", "t": time.time(), "who": "driver"}) + "\n")
 
 
 def why_no_hosts() -> str | None:
