@@ -16,17 +16,11 @@ in, XLA here runs the handler on the step's own memory.
 - Errors: an exception in `reduce` becomes an `XLA_FFI_Error` (JAX raises `JaxRuntimeError`
   with its message); nothing crosses the C boundary.
 - Lifetimes: the handler's function pointer stays referenced for the life of the process (XLA
-  keeps its address). A step's `reduce` is found by the integer attribute `slot` the call
-  carries, one slot per step (`reduce_ffi`'s `key` and `within`): retracing the same step (a new
-  `jax.jit`, `jax.clear_caches()`) reuses its slot, so the table holds one entry per distinct
-  step, and `dp.finalize()` empties it (`caches`): a step compiled before then and called after
-  raises, saying to trace it again, unless the same step was traced again since.
-- The slot is in the program, so it is a hash of what the step is (`key`), not a count: the same
-  step traced in another process (the next run of a script, another rank) makes the same
-  program, which JAX's persistent compilation cache then finds instead of compiling it again.
-  Two steps of one process never share a slot: one whose hash is taken by another step takes
-  the next free number. A program found in the cache needs no more than one compiled here, as
-  JAX traces a step (and so registers its slot) before it looks for the program.
+  keeps its address). A step's `reduce` is found by the integer attribute `slot` its call
+  carries: a hash of what the step is, not a count (`reduce_ffi`), so the same step traced in
+  another process (the next run of a script) makes the same program, which JAX's persistent
+  compilation cache finds. `dp.finalize()` empties the table (`caches`): a step compiled before
+  then and called after raises, saying to trace it again.
 """
 
 from __future__ import annotations
@@ -406,11 +400,13 @@ def reduce_ffi(
     elsewhere, or a parameter of the computation.
 
     `key` says what the step is, in words equal in every process that traces it (no object's
-    id): it makes the slot, so the program is the same there. `within` tells apart, in this
-    process, steps of equal `key` that reduce differently (the engine they reduce on). Steps
-    traced with equal `key` and `within` must reduce alike (they share a slot, whose `reduce`
-    becomes the latest one traced), and whatever their program does outside the call (the
-    world's size, this rank) must be in `key`: a program compiled before `dp.finalize()` runs
+    id), and `within` tells apart steps of equal `key` in this process (the engine they reduce
+    on). Steps traced with equal `key` and `within` must reduce alike: they share a slot, whose
+    `reduce` becomes the latest one traced. The slot is `key`'s hash, or where another step of
+    this process holds it, the next free number: never shared. JAX traces a step, and so
+    registers its slot, before it looks for its program in the persistent cache, so a program
+    found there calls this process's `reduce`. What the program does outside the call (the
+    world's size, this rank) belongs in `key`: a program compiled before `dp.finalize()` runs
     the reduction of a step of equal `key` traced after it. `rule` says how the call transforms
     (`Rule`; `reduce` must then take buffers of any shape the batch gives), `name` what it is,
     for errors.
