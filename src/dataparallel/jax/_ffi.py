@@ -406,10 +406,11 @@ def reduce_ffi(
     this process holds it, the next free number: never shared. JAX traces a step, and so
     registers its slot, before it looks for its program in the persistent cache, so a program
     found there calls this process's `reduce`. What the program does outside the call (the
-    world's size, this rank) belongs in `key`: a program compiled before `dp.finalize()` runs
-    the reduction of a step of equal `key` traced after it. `rule` says how the call transforms
-    (`Rule`; `reduce` must then take buffers of any shape the batch gives), `name` what it is,
-    for errors.
+    world's size; this rank, where the program depends on it) belongs in `key`: a program
+    compiled before `dp.finalize()` runs the reduction of a step of equal `key` traced after
+    it; ranks whose programs are equal (an optimizer's step) share a cached one. `rule` says
+    how the call transforms (`Rule`; `reduce` must then take buffers of any shape the batch
+    gives), `name` what it is, for errors.
     """
     primitive = _primitive()
     step = (key, within)
