@@ -2,8 +2,9 @@
 persistent compilation cache (JAX_COMPILATION_CACHE_DIR) finds when the job runs again.
 
 The step reduces through the FFI call twice: the optimizer's gradient and a metric averaged by
-`dp.allreduce` inside the step. Each rank prints one JSON line: the cache's hits and misses
-counted by JAX (`jax.monitoring`) during the step's first call, which traces and compiles it.
+`dp.allreduce` inside the step. Each rank writes `--out`/rank-N.json: the cache's hits and
+misses counted by JAX (`jax.monitoring`) during the step's first call, which traces and
+compiles it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ import dataparallel as dp
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--before", type=int, default=0, help="other jitted steps traced first")
+parser.add_argument("--out", type=Path, required=True, help="a folder for each rank's counts")
 args = parser.parse_args()
 events: collections.Counter[str] = collections.Counter()
 jax.monitoring.register_event_listener(lambda event, **_: events.update([event]))
@@ -53,5 +56,5 @@ mean = (dp.size() + 1) / 2
 np.testing.assert_allclose(np.asarray(params["w"]), np.full(5, 1 - 0.1 * mean), rtol=1e-6)
 squares = np.mean([5 * (r + 1) ** 2 for r in range(dp.size())])
 np.testing.assert_allclose(float(loss), squares, rtol=1e-6)
-print(json.dumps({"rank": dp.rank(), **counts}), flush=True)
+(args.out / f"rank-{dp.rank()}.json").write_text(json.dumps(counts))
 dp.finalize()
