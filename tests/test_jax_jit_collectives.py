@@ -46,18 +46,21 @@ def bridge(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 
 def values(rank: int) -> dict[str, Any]:
-    """A tree whose leaves differ per rank, in every dtype the jitted allreduce takes."""
+    """A tree whose leaves differ per rank, in every dtype the jitted allreduce takes. Made by
+    NumPy and put on the device: each eager JAX operation would be a program to compile, in
+    every test (the `bridge` fixture clears JAX's caches)."""
     base = np.arange(6, dtype=np.float64).reshape(2, 3) + rank
-    return {
-        "f32": jnp.asarray(base, jnp.float32) / 4,
-        "f64": jnp.asarray(base, jnp.float64) if jax.config.jax_enable_x64 else None,
-        "f16": jnp.asarray(base / 8, jnp.float16),
-        "bf16": jnp.asarray(base, jnp.bfloat16),
-        "i32": jnp.asarray(base, jnp.int32) - 2,
-        "u8": jnp.asarray(base, jnp.uint8),
-        "bool": jnp.asarray(base % 2 == 0),
-        "scalar": jnp.float32(rank + 0.5),
+    host = {
+        "f32": (base / 4).astype(np.float32),
+        "f64": base if jax.config.jax_enable_x64 else None,
+        "f16": (base / 8).astype(np.float16),
+        "bf16": base.astype(jnp.bfloat16),
+        "i32": base.astype(np.int32) - 2,
+        "u8": base.astype(np.uint8),
+        "bool": base % 2 == 0,
+        "scalar": np.float32(rank + 0.5),
     }
+    return {key: None if v is None else jax.device_put(v) for key, v in host.items()}
 
 
 def eager(tree: Any) -> Any:

@@ -160,12 +160,12 @@ class OptaxShards:
         """The `ShardedState` of what `template()`'s buffers were filled with (`filled`: the
         template after reading, whose tensors may have been replaced rather than filled)."""
         import jax
-        import jax.numpy as jnp
 
         leaves = []
         for key, leaf, _ in self._leaves():
             value = filled[key]
             tensor = self._buffers[key] if isinstance(value, Shards) else value
-            leaves.append(jnp.asarray(host_numpy(tensor.reshape(np.shape(leaf)), leaf)))
+            # device_put copies, as jnp.asarray would, without compiling a program per shape
+            leaves.append(jax.device_put(host_numpy(tensor.reshape(np.shape(leaf)), leaf)))
         treedef = jax.tree_util.tree_structure(self.state.inner_state)
         return type(self.state)(jax.tree_util.tree_unflatten(treedef, leaves))

@@ -423,9 +423,9 @@ class Loading:
                 if not value.flags.writeable:
                     out[key] = part.numpy()
             elif _is_jax(value):
-                import jax.numpy as jnp
+                import jax
 
-                out[key] = jnp.asarray(host_numpy(part, value))
+                out[key] = jax.device_put(host_numpy(part, value))  # a copy, no program compiled
             elif isinstance(value, Mapping):
                 out[key] = self._install(value, part)
             elif not isinstance(value, Shards | torch.Tensor):

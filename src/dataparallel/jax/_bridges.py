@@ -126,10 +126,12 @@ def through_ffi(
     XLA's memory (its output aliases its input: a large leaf is reduced where backward wrote it,
     and no output is allocated, which the benchmarks found to cost well under new outputs:
     benchmarks/NOTES.md, "The FFI bridge reduces in place").
-    The step's slot is keyed by its signature (`summary`) and engine, so retracing it does not
-    add one. `step`: its first call, for ranks that join (`on_host`)."""
+    The step's slot is keyed by its signature (`summary`) and the engine's size, within the
+    engine itself, so retracing it does not add one (`reduce_ffi`), and every rank makes the
+    same program. `step`: its first call, for ranks that join (`on_host`)."""
     reduce = on_host(packed, engine, private, describe, step)
-    return reduce_ffi(flats, reduce, [True] * len(flats), key=(id(private), summary))
+    key = f"of {private.size}|{summary}"
+    return reduce_ffi(flats, reduce, [True] * len(flats), key=key, within=id(private))
 
 
 def through_callback(

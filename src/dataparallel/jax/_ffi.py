@@ -16,18 +16,17 @@ in, XLA here runs the handler on the step's own memory.
 - Errors: an exception in `reduce` becomes an `XLA_FFI_Error` (JAX raises `JaxRuntimeError`
   with its message); nothing crosses the C boundary.
 - Lifetimes: the handler's function pointer stays referenced for the life of the process (XLA
-  keeps its address). A step's `reduce` is found by the integer attribute `slot` the call
-  carries, one slot per step `key` (the traced signature and engine): retracing the same step
-  (a new `jax.jit`, `jax.clear_caches()`) reuses its slot, so the table holds one entry per
-  distinct step, and `dp.finalize()` empties it (`caches`): a step compiled before then and
-  called after raises, saying to trace it again.
+  keeps its address). A step's `reduce` is found by the integer attribute `slot` its call
+  carries: a hash of what the step is, not a count (`reduce_ffi`), so the same step traced in
+  another process (the next run of a script) makes the same program, which JAX's persistent
+  compilation cache finds. `dp.finalize()` empties the table (`caches`): a step compiled before
+  then and called after raises, saying to trace it again.
 """
 
 from __future__ import annotations
 
 import ctypes as C
 import functools
-import itertools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
@@ -37,6 +36,7 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from dataparallel import caches
+from dataparallel.protocol import digest
 
 __all__ = ["Reduce", "ffi_reason", "host_device_reason", "reduce_ffi"]
 
@@ -179,8 +179,8 @@ class _CallFrame(C.Structure):
 
 _Handler = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))
 _steps: dict[int, Reduce] = {}  # slot -> the step's reduction, until `dp.finalize()`
-_slot_of: dict[Hashable, int] = {}  # a step's key -> its slot
-_slots = itertools.count(1)  # never reused: a slot cleared by finalize() stays unknown
+_slot_of: dict[Hashable, int] = {}  # a step's (key, within) -> its slot
+_taken: dict[int, Hashable] = {}  # slot -> the step that holds it, until `dp.finalize()`
 _lock = threading.Lock()
 
 
@@ -190,6 +190,7 @@ def _forget_steps() -> None:
     with _lock:
         _steps.clear()
         _slot_of.clear()
+        _taken.clear()
 
 
 def _step(slot: int) -> Reduce:
@@ -385,7 +386,8 @@ def reduce_ffi(
     reduce: Reduce,
     in_place: Sequence[bool],
     *,
-    key: Hashable,
+    key: str,
+    within: Hashable = None,
     outputs: Sequence[jax.ShapeDtypeStruct] | None = None,
     rule: Rule = "opaque",
     name: str = "a jitted dp.DistributedOptimizer step",
@@ -397,15 +399,28 @@ def reduce_ffi(
     made XLA copy the leaf first (seen in the HLO), and XLA copies any aliased value still read
     elsewhere, or a parameter of the computation.
 
-    `key` names the step: steps traced with equal keys must reduce alike (they share a slot,
-    whose `reduce` becomes the latest one traced). `rule` says how the call transforms (`Rule`;
-    `reduce` must then take buffers of any shape the batch gives), `name` what it is, for errors.
+    `key` says what the step is, in words equal in every process that traces it (no object's
+    id), and `within` tells apart steps of equal `key` in this process (the engine they reduce
+    on). Steps traced with equal `key` and `within` must reduce alike: they share a slot, whose
+    `reduce` becomes the latest one traced. The slot is `key`'s hash, or where another step of
+    this process holds it, the next free number: never shared. JAX traces a step, and so
+    registers its slot, before it looks for its program in the persistent cache, so a program
+    found there calls this process's `reduce`. What the program does outside the call (the
+    world's size; this rank, where the program depends on it) belongs in `key`: a program
+    compiled before `dp.finalize()` runs the reduction of a step of equal `key` traced after
+    it; ranks whose programs are equal (an optimizer's step) share a cached one. `rule` says
+    how the call transforms (`Rule`; `reduce` must then take buffers of any shape the batch
+    gives), `name` what it is, for errors.
     """
     primitive = _primitive()
+    step = (key, within)
     with _lock:
-        slot = _slot_of.get(key)
+        slot = _slot_of.get(step)
         if slot is None:
-            slot = _slot_of[key] = next(_slots)
+            slot = digest(key)  # under 2**62: the int64 attribute has room to count on
+            while _taken.setdefault(slot, step) != step:  # held by another step: the next one
+                slot += 1
+            _slot_of[step] = slot
         _steps[slot] = reduce
     shapes = (
         None if outputs is None else tuple((tuple(o.shape), np.dtype(o.dtype)) for o in outputs)

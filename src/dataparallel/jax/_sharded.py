@@ -26,6 +26,7 @@ averaged in float32, then rounded once, as unsharded. `consolidate_state` gather
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax
@@ -47,6 +48,9 @@ from dataparallel.jax._optax import callback_backend
 from dataparallel.types import Op
 
 __all__ = ["ShardedState", "consolidate_state", "shard_state", "sharded_optax", "slice_places"]
+
+
+Segments = dict[str, np.ndarray | jax.Array]  # dtype name -> a flat vector, host or traced
 
 
 class ShardedState(NamedTuple):
@@ -104,24 +108,37 @@ def _layout(tree: optax.Params, size: int) -> tuple[_Layout, list[ArrayLike]]:
     return _Layout(treedef, shapes, dtypes, counts, items, offsets, names), leaves
 
 
-def _flats(layout: _Layout, leaves: list[ArrayLike]) -> dict[str, jax.Array]:
-    """The leaves end to end per dtype, padded with zeros to `size` equal segments."""
+def _host(leaves: list[ArrayLike]) -> bool:
+    """Whether `leaves` are values, not traced: they are then laid out by NumPy on the host, where
+    the engine reads them, and JAX compiles nothing (each eager JAX operation on a new shape is a
+    program of its own); traced ones by JAX, in the program being traced."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+
+
+def _on_device(tree: optax.Updates) -> optax.Updates:
+    """`tree`'s host arrays as JAX arrays (`device_put`, where `jnp.asarray` compiles a copy)."""
+    return jax.tree_util.tree_map(jax.device_put, tree)
+
+
+def _flats(layout: _Layout, leaves: list[ArrayLike], xp: ModuleType) -> Segments:
+    """The leaves end to end per dtype, padded with zeros to `size` equal segments (`xp`: NumPy
+    for values, `jax.numpy` for traced leaves)."""
     out = {}
     for d, idx in layout.dtypes.items():
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
-        out[d] = jnp.pad(flat, (0, sum(layout.counts[d]) - layout.items[d]))
+        flat = xp.concatenate([xp.ravel(xp.asarray(leaves[i], jnp.dtype(d))) for i in idx])
+        out[d] = xp.pad(flat, (0, sum(layout.counts[d]) - layout.items[d]))
     return out
 
 
-def _segments(layout: _Layout, leaves: list[ArrayLike], rank: int) -> dict[str, jax.Array]:
+def _segments(layout: _Layout, leaves: list[ArrayLike], rank: int, xp: ModuleType) -> Segments:
     out = {}
-    for d, flat in _flats(layout, leaves).items():
+    for d, flat in _flats(layout, leaves, xp).items():
         start = sum(layout.counts[d][:rank])
         out[d] = flat[start : start + layout.counts[d][rank]]
     return out
 
 
-def _slices(layout: _Layout, segments: dict[str, jax.Array], rank: int) -> optax.Updates:
+def _slices(layout: _Layout, segments: Segments, rank: int) -> optax.Updates:
     """The tree of this rank's slices of each leaf, cut from its segments."""
     out = []
     for i, d in enumerate(layout.names):
@@ -130,16 +147,19 @@ def _slices(layout: _Layout, segments: dict[str, jax.Array], rank: int) -> optax
     return jax.tree_util.tree_unflatten(layout.treedef, out)
 
 
-def _join(layout: _Layout, slices: optax.Updates, rank: int) -> dict[str, jax.Array]:
+def _join(layout: _Layout, slices: optax.Updates, rank: int, xp: ModuleType) -> Segments:
     """This rank's segments from its slices (the inverse of `_slices`), padded with zeros: the
     slices of one dtype lie end to end in the segment, in tree order."""
     leaves = layout.treedef.flatten_up_to(slices)
     out = {}
     for d, idx in layout.dtypes.items():
-        parts = [jnp.ravel(leaves[i]).astype(d) for i in idx if layout.cut(i, rank)[2]]
+        dtype = jnp.dtype(d)  # bfloat16 too, which NumPy does not know by name
+        parts = [
+            xp.ravel(xp.asarray(leaves[i])).astype(dtype) for i in idx if layout.cut(i, rank)[2]
+        ]
         part = layout.counts[d][rank]
-        flat = jnp.concatenate(parts) if parts else jnp.zeros(0, d)
-        out[d] = jnp.pad(flat, (0, part - flat.shape[0]))
+        flat = xp.concatenate(parts) if parts else xp.zeros(0, dtype)
+        out[d] = xp.pad(flat, (0, part - flat.shape[0]))
     return out
 
 
@@ -185,7 +205,9 @@ def sharded_optax(
     def init_fn(params: optax.Params) -> ShardedState:
         b = engine()
         layout, leaves = _layout(params, b.size)
-        return ShardedState(inner.init(_slices(layout, _segments(layout, leaves, b.rank), b.rank)))
+        xp = np if _host(leaves) else jnp
+        slices = _slices(layout, _segments(layout, leaves, b.rank, xp), b.rank)
+        return ShardedState(inner.init(_on_device(slices) if xp is np else slices))
 
     def update_fn(
         updates: optax.Updates,
@@ -202,8 +224,9 @@ def sharded_optax(
         layout, leaves = _layout(updates, b.size)
         if not leaves:
             return updates, state
-        flats = _flats(layout, leaves)
-        traced = any(isinstance(x, jax.core.Tracer) for x in flats.values())
+        traced = not _host(leaves)
+        xp = jnp if traced else np
+        flats = _flats(layout, leaves, xp)
         comm = callback_backend(chosen) if traced else b
         if traced:
             traced_here()
@@ -229,20 +252,23 @@ def sharded_optax(
             ]
             scattered = io_callback(scatter, shapes, *flats.values(), ordered=True)
         else:
-            scattered = [jnp.asarray(x) for x in scatter(*[np.asarray(v) for v in flats.values()])]
+            scattered = scatter(*[np.asarray(v) for v in flats.values()])
         grads = _slices(layout, dict(zip(names, scattered, strict=True)), b.rank)
         mine_params = None
         if params is not None:
             p_layout, p_leaves = _layout(params, b.size)
-            mine_params = _slices(p_layout, _segments(p_layout, p_leaves, b.rank), b.rank)
+            p_xp = np if _host(p_leaves) else jnp
+            mine_params = _slices(p_layout, _segments(p_layout, p_leaves, b.rank, p_xp), b.rank)
+            mine_params = _on_device(mine_params) if p_xp is np else mine_params
+        grads = grads if traced else _on_device(grads)
         new, inner_state = inner.update(grads, state.inner_state, mine_params, **extra_args)
-        joined = _join(layout, new, b.rank)
+        joined = _join(layout, new, b.rank, xp)
         pieces = [joined[d] for d in names]
         if traced:
             whole = [jax.ShapeDtypeStruct((sum(layout.counts[d]),), flats[d].dtype) for d in names]
             gathered = io_callback(gather, whole, *pieces, ordered=True)
         else:
-            gathered = [jnp.asarray(x) for x in gather(*[np.asarray(p) for p in pieces])]
+            gathered = gather(*[np.asarray(p) for p in pieces])
         out: list[Any] = [None] * len(leaves)
         for d, vector in zip(names, gathered, strict=True):
             at = 0
@@ -250,7 +276,8 @@ def sharded_optax(
                 n = int(np.prod(layout.shapes[i], dtype=np.int64))
                 out[i] = vector[at : at + n].reshape(layout.shapes[i])
                 at += n
-        return jax.tree_util.tree_unflatten(layout.treedef, out), ShardedState(inner_state)
+        updates = jax.tree_util.tree_unflatten(layout.treedef, out)
+        return updates if traced else _on_device(updates), ShardedState(inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -398,7 +425,7 @@ def consolidate_state(
         out.append(whole)
     if b.rank != to:
         return None
-    return ShardedState(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in out]))
+    return ShardedState(_on_device(jax.tree_util.tree_unflatten(treedef, out)))
 
 
 def shard_state(
@@ -442,5 +469,5 @@ def shard_state(
                 "state is from other parameters (or was not consolidated)."
             )
         _, at, n = layout.cut(i, b.rank)
-        out.append(jnp.asarray(leaf)[at : at + n])
+        out.append(jax.device_put(np.asarray(leaf)[at : at + n]))  # cut on the host: no program
     return ShardedState(jax.tree_util.tree_unflatten(treedef, out))

@@ -141,7 +141,8 @@ def _run(
             inputs,
             host,
             [in_place] * len(inputs),
-            key=(id(private), "traced", summary),
+            key=f"traced|of {private.size}|{summary}",
+            within=id(private),
             outputs=None if in_place else outputs,
             rule=rule,
             name=name,
@@ -249,6 +250,7 @@ def _trace_reduction(
         reduced = _run(wires, outputs, True, host, private, summary, rule, name)
         return [_finish(r, leaf, factor) for r, leaf in zip(reduced, leaves, strict=True)], None
     name = "dp.reduce inside jax.jit"
+    summary = f"{summary}|at rank {private.rank}"  # the root's program differs from the others'
     reduced = _run(wires, outputs, True, host, private, summary, "elementwise", name)
     if private.rank != root:  # the others get their own values back, as eagerly
         return list(leaves), None
