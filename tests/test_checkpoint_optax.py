@@ -15,6 +15,7 @@ start costs seconds.
 from __future__ import annotations
 
 import importlib.util
+import math
 import pickle
 import shutil
 import tempfile
@@ -53,22 +54,25 @@ def folder(world: Backend) -> Iterator[Path]:
 
 
 def make_params() -> dict[str, Any]:
-    return {
-        "w": jnp.arange(35.0, dtype=jnp.float32).reshape(5, 7) / 10,  # odd: slices cut rows
-        "b": jnp.linspace(-1, 1, 7, dtype=jnp.float32),
-        "h": jnp.ones((3, 3), jnp.bfloat16),
-        "e": jnp.ones((0, 2), jnp.float32),  # no item: its empty state, written whole
+    host = {
+        "w": np.arange(35.0, dtype=np.float32).reshape(5, 7) / 10,  # odd: slices cut rows
+        "b": np.linspace(-1, 1, 7, dtype=np.float32),
+        "h": np.ones((3, 3), jnp.bfloat16),
+        "e": np.ones((0, 2), np.float32),  # no item: its empty state, written whole
     }
+    return jax.device_put(host)  # by NumPy: an eager JAX operation is a program to compile
+
+
+def gradient(shape: tuple[int, ...], dtype: Any, step: int) -> jax.Array:
+    """A leaf's gradient at `step`, differing per rank. Made by NumPy and put on the device:
+    each eager JAX operation would be a program to compile."""
+    x = (np.arange(math.prod(shape)) + step + dp.rank()).astype(np.float32)
+    return jax.device_put((np.cos(x) * 3).reshape(shape).astype(dtype))
 
 
 def train(opt: Any, params: Any, state: Any, steps: range) -> tuple[Any, Any]:
     for step in steps:
-        grads = jax.tree.map(
-            lambda p, s=step: (
-                (jnp.cos(jnp.arange(p.size) + s + dp.rank()) * 3).reshape(p.shape).astype(p.dtype)
-            ),
-            params,
-        )
+        grads = jax.tree.map(lambda p, s=step: gradient(p.shape, p.dtype, s), params)
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     return params, state

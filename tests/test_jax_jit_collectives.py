@@ -11,6 +11,7 @@ them; its shallow-water example (point-to-point) is `test_jax_shallow_water.py`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +36,38 @@ def private() -> Any:
     return privates(privates(dp.get_backend()))
 
 
-@pytest.fixture(params=["ffi", "callback"])
-def bridge(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on both bridges: the XLA FFI call, and the ordered io_callback used where it
-    cannot run (JAX off the CPU, several devices per process)."""
+@pytest.fixture(scope="module", params=["ffi", "callback"])
+def bridge_in_force(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The bridge of a run of this module's tests: pytest runs all the tests on one bridge, then
+    all on the other. The bridge is chosen as a call is traced, and JAX keeps a traced program
+    (by function, shapes and dtypes) across tests: its caches are cleared as a bridge's run
+    begins and as the callback's ends, so that no program traced on one bridge runs on the
+    other's. Clearing them for each test would also throw away every eager operation's program,
+    to be compiled again."""
+    jax.clear_caches()
+    yield str(request.param)
     if request.param == "callback":
+        jax.clear_caches()
+
+
+@pytest.fixture
+def bridge(bridge_in_force: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on both bridges: the XLA FFI call, and the ordered io_callback used where it
+    cannot run (JAX off the CPU, several devices per process). Only the tests that ask for a
+    bridge are forced on the callback (the others in the module may run between them)."""
+    if bridge_in_force == "callback":
         monkeypatch.setattr(traced, "ffi_reason", lambda: "forced by the test")
-    jax.clear_caches()  # a jitted function traced on the other bridge is traced again
-    return str(request.param)
+    return bridge_in_force
+
+
+def on_device(value: Any) -> jax.Array:
+    """`value` (NumPy) put on the device: an eager JAX operation would be a program to compile."""
+    return jax.device_put(np.asarray(value))
 
 
 def values(rank: int) -> dict[str, Any]:
     """A tree whose leaves differ per rank, in every dtype the jitted allreduce takes. Made by
-    NumPy and put on the device: each eager JAX operation would be a program to compile, in
-    every test (the `bridge` fixture clears JAX's caches)."""
+    NumPy and put on the device (`on_device`)."""
     base = np.arange(6, dtype=np.float64).reshape(2, 3) + rank
     host = {
         "f32": (base / 4).astype(np.float32),
@@ -84,20 +103,20 @@ def test_jitted_allreduce_equals_the_eager_one(op: str, rank: int, bridge: str) 
 
 
 def test_avg_and_scale_follow_the_eager_rules(size: int, rank: int, bridge: str) -> None:
-    x = jnp.arange(4.0) * (rank + 1)
+    x = on_device(np.arange(4, dtype=np.float32) * (rank + 1))
     got = jax.jit(lambda v: (dp.allreduce(v, "avg"), dp.allreduce(v, scale=0.5)))(x)
     total = np.arange(4.0) * sum(range(1, size + 1))
     np.testing.assert_allclose(np.asarray(got[0]), total / size, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(got[1]), total * 0.5, rtol=1e-6)
     with pytest.raises(TypeError, match="op='avg' on int32 values would truncate"):
-        jax.jit(lambda v: dp.allreduce(v, "avg"))(jnp.arange(3))
+        jax.jit(lambda v: dp.allreduce(v, "avg"))(on_device(np.arange(3, dtype=np.int32)))
 
 
 def test_jitted_reduce_gives_root_the_sum_and_the_others_their_own(
     size: int, rank: int, bridge: str
 ) -> None:
     root = size - 1
-    x = jnp.full(3, rank + 1.0)
+    x = on_device(np.full(3, rank + 1.0, np.float32))
     got = np.asarray(jax.jit(lambda v: dp.reduce(v, root=root))(x))
     want = np.full(3, size * (size + 1) / 2) if rank == root else np.full(3, rank + 1.0)
     np.testing.assert_array_equal(got, want)
@@ -106,10 +125,10 @@ def test_jitted_reduce_gives_root_the_sum_and_the_others_their_own(
 def test_jitted_broadcast_gives_every_rank_roots_values(size: int, rank: int, bridge: str) -> None:
     root = size - 1
     x = values(rank)
-    x["c64"] = jnp.asarray([1 + 2j, rank * 1j], jnp.complex64)
+    x["c64"] = on_device(np.asarray([1 + 2j, rank * 1j], np.complex64))
     got = jax.jit(lambda t: dp.broadcast(t, root=root))(x)
     want = values(root)
-    want["c64"] = jnp.asarray([1 + 2j, root * 1j], jnp.complex64)
+    want["c64"] = on_device(np.asarray([1 + 2j, root * 1j], np.complex64))
     for key, leaf in got.items():
         if leaf is not None:
             assert leaf.dtype == want[key].dtype
@@ -117,7 +136,11 @@ def test_jitted_broadcast_gives_every_rank_roots_values(size: int, rank: int, br
 
 
 def test_jitted_allgather_concatenates_in_rank_order(size: int, rank: int, bridge: str) -> None:
-    x = {"rows": jnp.full((2, 3), rank, jnp.int32), "n": jnp.float32(rank), "b": jnp.bfloat16(1)}
+    x = {
+        "rows": on_device(np.full((2, 3), rank, np.int32)),
+        "n": on_device(np.float32(rank)),
+        "b": on_device(np.asarray(1, jnp.bfloat16)),
+    }
     got = jax.jit(dp.allgather)(x)
     want = dp.allgather(eager(x))
     assert got["rows"].shape == (2 * size, 3) and got["n"].shape == (size,)
@@ -126,7 +149,7 @@ def test_jitted_allgather_concatenates_in_rank_order(size: int, rank: int, bridg
 
 
 def test_jitted_alltoall_sends_equal_parts(size: int, rank: int, bridge: str) -> None:
-    x = jnp.arange(2 * size, dtype=jnp.float32).reshape(size, 2) + 100 * rank
+    x = on_device(np.arange(2 * size, dtype=np.float32).reshape(size, 2) + 100 * rank)
     got, splits = jax.jit(dp.alltoall)(x)
     want, want_splits = dp.alltoall(np.array(x))
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -149,7 +172,7 @@ def test_calls_run_once_per_execution_in_program_order_unused_ones_too(
         return dp.allreduce(y[:2]) + 0 * dp.allreduce(x[:3]).sum()
 
     for _ in range(3):
-        out = step(jnp.ones(5) * (rank + 1))
+        out = step(on_device(np.full(5, rank + 1.0, np.float32)))
     assert calls.calls == [1, 5, 2, 3] * 3
     total = size * (size + 1) / 2
     np.testing.assert_allclose(np.asarray(out), np.full(2, total * size))
@@ -163,15 +186,16 @@ def test_mismatch_is_found_when_traced_and_the_world_survives(
     with pytest.raises(
         CollectiveMismatchError, match=r"(?s)inside jax\.jit.*float32\[3\] on rank 0"
     ):
-        jax.jit(dp.allreduce)(jnp.ones(3 + rank))
+        jax.jit(dp.allreduce)(on_device(np.ones(3 + rank, np.float32)))
     with pytest.raises(CollectiveMismatchError, match="root"):
-        jax.jit(lambda v: dp.broadcast(v, root=rank % 2))(jnp.ones(2))
+        jax.jit(lambda v: dp.broadcast(v, root=rank % 2))(on_device(np.ones(2, np.float32)))
     # The agreement is made once per traced program: its later runs make no handshake.
     step = jax.jit(lambda v: dp.allreduce(v) * 2)
-    np.testing.assert_array_equal(np.asarray(step(jnp.ones(2))), np.full(2, 2.0 * size))
+    ones = on_device(np.ones(2, np.float32))
+    np.testing.assert_array_equal(np.asarray(step(ones)), np.full(2, 2.0 * size))
     handshakes = count_engine_calls(monkeypatch, dp.get_backend())
     for _ in range(3):
-        step(jnp.ones(2))
+        step(ones)
     assert handshakes.calls == []
     assert dp.allreduce(1.0) == size  # the world is usable
 
@@ -179,8 +203,8 @@ def test_mismatch_is_found_when_traced_and_the_world_survives(
 def test_sum_differentiates_as_mpi4jax(size: int, rank: int, bridge: str) -> None:
     if bridge == "callback" and size > 1:
         pytest.skip("the io_callback bridge has no derivative rules (only the FFI call's)")
-    x = jnp.arange(3.0) + rank
-    w = jnp.asarray([1.0, 2.0, 3.0]) * (rank + 1)
+    x = on_device(np.arange(3, dtype=np.float32) + rank)
+    w = on_device(np.asarray([1.0, 2.0, 3.0], np.float32) * (rank + 1))
     # mpi4jax's rules: the transpose of a sum is the identity; an average divides by the size.
     grad = jax.jit(jax.grad(lambda v: (dp.allreduce(v) * w).sum()))(x)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(w))
@@ -198,11 +222,11 @@ def test_sum_differentiates_as_mpi4jax(size: int, rank: int, bridge: str) -> Non
 def test_vmap_is_the_stack_of_the_calls(size: int, rank: int, bridge: str) -> None:
     if bridge == "callback" and size > 1:
         pytest.skip("the io_callback bridge cannot be vmapped (ordered effects do not batch)")
-    x = jnp.arange(6.0).reshape(2, 3) + rank
+    x = on_device(np.arange(6, dtype=np.float32).reshape(2, 3) + rank)
     got = jax.jit(jax.vmap(dp.allreduce))(x)
     np.testing.assert_array_equal(np.asarray(got), dp.allreduce(np.array(x)))
     gathered = jax.jit(jax.vmap(dp.allgather, in_axes=1, out_axes=1))(x)
-    want = np.stack([dp.allgather(np.array(x[:, j])) for j in range(3)], axis=1)
+    want = np.stack([dp.allgather(np.array(x)[:, j]) for j in range(3)], axis=1)
     np.testing.assert_array_equal(np.asarray(gathered), want)
 
 
@@ -293,7 +317,7 @@ def test_barrier_is_traced_and_runs_each_time(
         return x + 1
 
     for _ in range(3):
-        f(jnp.ones(2)).block_until_ready()
+        f(on_device(np.ones(2, np.float32))).block_until_ready()
     assert len(barriers) == 3
 
 

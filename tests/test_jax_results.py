@@ -26,7 +26,8 @@ jnp = pytest.importorskip("jax.numpy")
 def grads(rank: int, step: int) -> dict[str, Any]:
     """Two leaves over the "packed" limit (one buffer of their own on several ranks), one small."""
     v = float(rank + 1 + step)
-    return {"w": jnp.full((300, 1000), v), "v": jnp.full((1000, 300), -v), "b": jnp.full(16, v)}
+    host = {"w": np.full((300, 1000), v), "v": np.full((1000, 300), -v), "b": np.full(16, v)}
+    return jax.device_put({k: x.astype(np.float32) for k, x in host.items()})  # no program
 
 
 def summed(size: int, step: int) -> float:

@@ -54,11 +54,12 @@ def problem() -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
     params = {
         "hidden": {
-            "w": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
-            "b": jnp.zeros(8, jnp.float32),
+            "w": rng.normal(size=(4, 8)).astype(np.float32),
+            "b": np.zeros(8, np.float32),
         },
-        "out": [jnp.asarray(rng.normal(size=(8,)), jnp.float32), jnp.zeros((), jnp.float32)],
+        "out": [rng.normal(size=(8,)).astype(np.float32), np.zeros((), np.float32)],
     }
+    params = jax.device_put(params)  # by NumPy: an eager JAX operation is a program to compile
     x = rng.normal(size=(GLOBAL_BATCH, 4)).astype(np.float32)
     y = rng.normal(size=(GLOBAL_BATCH,)).astype(np.float32)
     return params, x, y
@@ -195,11 +196,12 @@ def test_empty_gradient_tree_is_passed_through() -> None:
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_sum_and_avg_over_mixed_dtypes(jit: bool, rank: int, size: int) -> None:
     grads = {
-        "f32": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) + rank,
-        "f16": jnp.full(4, rank + 1, jnp.float16),
-        "bf16": jnp.full((), rank + 1, jnp.bfloat16),
-        "i32": jnp.asarray([rank, 2 * rank], jnp.int32),
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3) + rank,
+        "f16": np.full(4, rank + 1, np.float16),
+        "bf16": np.full((), rank + 1, jnp.bfloat16),
+        "i32": np.asarray([rank, 2 * rank], np.int32),
     }
+    grads = jax.device_put(grads)  # JAX arrays, made by NumPy (no program to compile)
     total = sum(range(size))
     for op in ("sum", "avg"):
         tree = grads if op == "sum" else {k: v for k, v in grads.items() if k != "i32"}
@@ -581,10 +583,14 @@ def test_synchronize_gives_every_rank_roots_optax_state(root: int, rank: int, si
 
 def test_synchronize_gives_every_rank_roots_parameters(rank: int, size: int) -> None:
     params = {
-        "dense": {"w": jnp.full((3, 2), float(rank)), "b": jnp.arange(2) + rank},
-        "scale": jnp.asarray(rank, jnp.bfloat16),
-        "steps": [jnp.asarray(rank, jnp.int32)],
+        "dense": {
+            "w": np.full((3, 2), float(rank), np.float32),
+            "b": np.arange(2, dtype=np.int32) + rank,
+        },
+        "scale": np.asarray(rank, jnp.bfloat16),
+        "steps": [np.asarray(rank, np.int32)],
     }
+    params = jax.device_put(params)  # JAX arrays, made by NumPy (no program to compile)
     synced = dp.synchronize(params)
     assert jax.tree.structure(synced) == jax.tree.structure(params)
     np.testing.assert_array_equal(synced["dense"]["w"], np.zeros((3, 2)))
