@@ -84,7 +84,8 @@ WATCH_INTERVAL = 0.25
 _STOP_WAIT = 5.0
 # struct tcp_info (linux/tcp.h): 8 single bytes, then 32-bit fields; the ones read here are
 # tcpi_probes (the 4th byte: asks unanswered, keep-alive's or a zero window's), tcpi_unacked
-# (the 5th field) and tcpi_last_ack_recv (the 13th, milliseconds).
+# (the 5th field), tcpi_last_data_sent (the 10th: new data, milliseconds ago) and
+# tcpi_last_ack_recv (the 13th, milliseconds).
 _TCP_INFO = struct.Struct("=8B13I")
 # The most unanswered keep-alive asks Linux takes (TCP_KEEPCNT): the kernel acts long after
 # the watch has (`watch_every`).
@@ -164,15 +165,23 @@ def _fail(connection: socket.socket, peer: Peer) -> None:
     connection.shutdown(socket.SHUT_RDWR)
 
 
-def stalled(since: float | None, now: float, waiting: int, ack_age: float) -> float | None:
+def stalled(
+    since: float | None, now: float, waiting: int, ack_age: float, silent: float = 0.0
+) -> float | None:
     """Return since when a connection has waited on its peer with no acknowledgement (None: it
     does not wait), given the previous answer `since`, the time `now`, what it waits on (its
-    unacknowledged segments and unanswered asks) and the seconds since its last
-    acknowledgement. The wait counts from the first look that saw it waiting, or from a newer
-    acknowledgement, whichever is later.
+    unacknowledged segments and unanswered asks), the seconds since its last acknowledgement,
+    and how long the peer is known to have been silent already (`silent`; data in flight: the
+    shorter of the seconds since its last acknowledgement and since the last data went out,
+    which waits unacknowledged since, and of the time since the look before). The wait counts
+    from that, at the first look that saw it waiting or after a newer acknowledgement; asks
+    unanswered know nothing more (their peer answered the ask before, a second earlier at
+    most), and count from that look.
 
     >>> stalled(None, 10.0, 3, 4.0), stalled(10.0, 12.0, 3, 6.0), stalled(10.0, 12.0, 3, 0.5)
     (10.0, 10.0, 12.0)
+    >>> stalled(None, 10.0, 3, 4.0, silent=0.3), stalled(10.0, 12.0, 3, 0.5, silent=0.5)
+    (9.7, 11.5)
     >>> stalled(10.0, 12.0, 0, 6.0) is None
     True
     """
@@ -180,7 +189,7 @@ def stalled(since: float | None, now: float, waiting: int, ack_age: float) -> fl
         return None
     acknowledged = now - ack_age
     if since is None or acknowledged > since:
-        return now
+        return now - silent
     return since
 
 
@@ -280,8 +289,12 @@ class Links:
                 fields = _TCP_INFO.unpack_from(
                     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
                 )
-                waiting, ack_age = fields[3] + fields[8 + 4], fields[8 + 12] / 1000
-                entry.since = stalled(entry.since, now, waiting, ack_age)
+                unacked, probes = fields[8 + 4], fields[3]
+                ack_age, sent_age = fields[8 + 12] / 1000, fields[8 + 9] / 1000
+                # At most a look's interval: a connection still connecting has sent no data and
+                # heard no acknowledgement, and both ages read as the machine's uptime.
+                silent = min(ack_age, sent_age, WATCH_INTERVAL) if unacked else 0.0
+                entry.since = stalled(entry.since, now, unacked + probes, ack_age, silent)
                 if entry.since is not None and now - entry.since >= entry.link_timeout:
                     with self._lock:
                         self._watched.pop(inode, None)
