@@ -8,6 +8,7 @@ run across emulated hosts in tests/test_multihost.py; here, which connections ge
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -138,6 +139,86 @@ def test_a_connection_the_kernel_gave_up_on_is_a_lost_link_naming_the_peer(said:
     assert type(closed) is RankFailedError
 
 
+def test_a_connection_the_watch_found_lost_is_shut_down_and_its_close_is_a_lost_link() -> None:
+    """The watch's callback for Gloo's connections (`_fail`) shuts the connection down at
+    once, which wakes a reader blocked on it, and notes its peer: Gloo's "closed by peer" for
+    that address is then a `LinkLostError`, for another address still a rank gone, and after
+    a new group forms (`rendezvous.gloo_connecting`) a rank gone again."""
+    import threading
+
+    pytest.importorskip("torch.distributed")
+    from dataparallel.backends.connections import _fail
+    from dataparallel.backends.gloo.backend import translate_error
+    from dataparallel.backends.rendezvous import gloo_connecting
+
+    said = "[pair.cc:553] Connection closed by peer [10.0.0.7]:2470. This is typically caused"
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        waiting = socket.create_connection(server.getsockname(), timeout=30)
+        peer = server.accept()[0]
+        with waiting, peer:
+            got: list[bytes] = []
+            reader = threading.Thread(target=lambda: got.append(waiting.recv(1)))
+            reader.start()
+            _fail(waiting, ("10.0.0.7", 2470))
+            reader.join(timeout=30)  # a guard: the shutdown wakes it at once
+            assert got == [b""] and peer.recv(1) == b""
+    try:
+        lost = translate_error(RuntimeError(said), "allreduce", 1)
+        assert isinstance(lost, LinkLostError) and lost.address == "10.0.0.7"
+        other = translate_error(RuntimeError(said.replace(".7]", ".8]")), "allreduce", 1)
+        assert type(other) is RankFailedError
+    finally:
+        with gloo_connecting(None):
+            pass
+    assert type(translate_error(RuntimeError(said), "allreduce", 1)) is RankFailedError
+
+
+def test_unreachable_takes_a_refused_connect_for_an_answer_and_a_silent_one_for_none() -> None:
+    """`unreachable`: a listener, and a port where nothing listens (the kernel refuses), are
+    in reach; a connect that no one answers (a listener whose queue is full drops it) is not,
+    once the wait is over."""
+    from dataparallel.backends.connections import unreachable
+
+    here = _this_machines_address()
+    with (
+        socket.create_server((here, 0)) as server,
+        socket.create_server((here, 0), backlog=0) as full,
+    ):
+        queued = socket.create_connection(full.getsockname(), timeout=30)  # fills its queue
+        closed = socket.create_server((here, 0))
+        nothing = closed.getsockname()
+        closed.close()
+        with queued:
+            peers = [server.getsockname(), nothing, full.getsockname()]
+            assert unreachable(peers, 0.5) == {full.getsockname()}
+
+
+def test_a_members_gloo_address_is_read_from_what_its_rendezvous_wrote() -> None:
+    """`forming.gloo_address` reads the address and port Gloo's device listens on from the
+    value Gloo's rendezvous writes under a member's rank (here one written by torch's own Gloo,
+    a world of one in a process of its own: this one's default group is the tests'), and None
+    from anything else."""
+    pytest.importorskip("torch.distributed")
+    import subprocess
+    import sys
+
+    from dataparallel.elastic.forming import gloo_address
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITES_ITS_ADDRESS],
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    value = bytes.fromhex(done.stdout.split()[-1])
+    address = gloo_address(value)
+    assert address is not None and address[0] == "127.0.0.1" and 0 < address[1] < 65536
+    assert gloo_address(b"") is None and gloo_address(value[:20]) is None
+
+
 def test_the_connections_a_group_made_are_found_and_shut_down() -> None:
     """What `GlooBackend.sever` cuts: the connections made while a group formed
     (`rendezvous.gloo_connecting`), not a listening socket made meanwhile (Gloo's listener ends
@@ -165,3 +246,27 @@ def test_the_connections_a_group_made_are_found_and_shut_down() -> None:
             assert got == [b""] and peer.recv(1) == b""
             older.sendall(b"o")
             assert older_peer.recv(1) == b"o"
+
+
+# A world of one whose rendezvous store notes what Gloo writes under rank 0; prints it in hex.
+_WRITES_ITS_ADDRESS = """
+import datetime
+import torch.distributed as dist
+
+inner, written = dist.HashStore(), {}
+
+class Noting(dist.Store):
+    def set(self, key, value):
+        written[key] = bytes(value)
+        inner.set(key, value)
+
+    def get(self, key):
+        return bytes(inner.get(key))
+
+    def wait(self, keys, timeout=None):
+        inner.wait(keys, datetime.timedelta(seconds=30))
+
+dist.init_process_group("gloo", store=Noting(), rank=0, world_size=1)
+print(next(v for k, v in written.items() if k.rpartition("/")[2] == "0").hex())
+dist.destroy_process_group()
+"""

@@ -905,6 +905,41 @@ def test_elastic_a_link_down_while_round_0_forms(
         _kill_everything_in(c)
 
 
+def test_elastic_split_from_the_start_while_round_0_connects(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """`-H a:1,b:1,c:1 --min-np 2`: w0 on a, w1 on b, w2 on c, and c cannot reach b from the
+    start (`ip route add prohibit`, in c alone), while the launcher on a reaches both. Every
+    member arrives in round 0 and reads the others' addresses; then Gloo connects them, and
+    the pair of b and c cannot connect: w2's connect fails at once, w1 waits for w2's until the
+    group's connect limit (`config.connect_limit`). A worker whose group did not connect tries
+    each member's address (`forming.unreached`) and reports the one it cannot reach as a split;
+    the launcher drops c (its worker joined later), and w0 and w1 form round 1, the run's first
+    world, and finish, every sample once an epoch and the weights the replay's. Before, nothing
+    reported it: no round opened, and the workers ended with `NoWorldError`."""
+    from test_elastic_runs import check_run
+
+    a, b, c = three_hosts
+    done = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
+    assert done.returncode == 0, done.stderr
+    spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
+    options = ["--link-timeout", "1", "--timeout", "150"]
+    job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, [], spec)
+    try:
+        ran = run_job(job, launcher=None, env=ssh3.env, cwd=tmp_path, timeout=200)
+        err = ran.stderr
+        assert ran.returncode == 0, ran.stdout + err
+        said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
+        assert said in err, err
+        assert f"host {c.address} has no worker left" in err, err
+        assert "was lost" not in err.replace(said, ""), err  # w0 and w1 stay
+        check_run(tmp_path, [2])
+        _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
+        assert leftovers(three_hosts, "elastic_train.py") == []
+    finally:
+        _kill_everything_in(c)
+
+
 def _cut_once(
     job: list[str],
     env: dict[str, str],

@@ -54,6 +54,7 @@ __all__ = [
     "THREAD_BUCKET_BYTES",
     "Settings",
     "beat_interval",
+    "connect_limit",
     "silence_limit",
 ]
 
@@ -116,6 +117,15 @@ def silence_limit(link_timeout: float) -> float:
     late; leaving early would end a healthy run wherever a busy machine delays the launcher's
     side (its thread, its ssh, the host's sshd, the store's replies)."""
     return max(SILENCE_FLOOR, 3 * link_timeout)
+
+
+def connect_limit(link_timeout: float) -> float:
+    """How long an elastic round's Gloo group may take to connect its members, who all arrived
+    in the round before (`elastic/forming.py`): one that has not connected to another by then
+    cannot reach it. As long as a silence takes to be believed (`silence_limit`): the members
+    connect at once, but a busy machine delays some, and a group given up on falsely leaves its
+    workers waiting for a round that nothing opens."""
+    return silence_limit(link_timeout)
 
 
 def beat_interval(link_timeout: float) -> float:

@@ -17,18 +17,23 @@ that:
 - The watch (`Links`, a thread looking every `WATCH_INTERVAL` seconds, in processes that have
   such connections) judges each watched connection by `TCP_INFO`: one that waits on its peer
   (data in flight unacknowledged, or keep-alive asks unanswered) with no acknowledgement for
-  the link timeout is *lost*, and handed to its callback, once. Gloo's (`keep_alive`) gives it
-  a `TCP_USER_TIMEOUT` of a millisecond, so that the kernel fails it at its next
-  retransmission, "Connection timed out", as keep-alive would: this covers data in flight,
-  which keep-alive does not (TCP alone would retransmit for about 15 minutes, `tcp_retries2`).
-  (Given to every connection from the start, `TCP_USER_TIMEOUT` would also fail a healthy one
-  whose peer does not read for that long: its window full, the peer's kernel answering.)
+  the link timeout is *lost*, and handed to its callback, once. Gloo's (`keep_alive`) is shut
+  down at once (`_fail`), its peer's address noted (`found_lost`): the Gloo call waiting on it
+  wakes with "Connection closed by peer", which `translate_error` makes a `LinkLostError` for
+  an address noted here. This covers data in flight, which keep-alive does not (TCP alone
+  would retransmit for about 15 minutes, `tcp_retries2`); waiting instead for the kernel to
+  fail it (a `TCP_USER_TIMEOUT`) would wait for its next retransmission, backed off to 0.2,
+  0.6, 1.4 s after the first send. (Given to every connection from the start,
+  `TCP_USER_TIMEOUT` would also fail a healthy one whose peer does not read for that long: its
+  window full, the peer's kernel answering.)
 - `watch_every`: a rank that mpiexec started on another host than the launcher's has MPI's
   connections, made by MPI whenever it needs one and never reported: the watch adopts every
   new connection of the process to another address as it appears, gives it keep-alive asks
   (which the kernel acts on only after 127 unanswered, two minutes: MPI is told nothing, the
   watch decides), and hands a lost one to the rank's report to the launcher
   (`launch/runner.py`, `launch/beacon.py`).
+- `unreachable`: which of some peers' addresses answer no connect within a time (a group
+  that could not connect: `elastic/forming.py`).
 - `cut_connections`: shut down the connections to given addresses, which wakes a thread blocked
   on one as if the peer had closed it (an elastic worker's watch, `elastic/liveness.py`);
   `shut_down`, the connections a Gloo group made (`GlooBackend.sever`: a world that lost a
@@ -43,9 +48,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import ipaddress
 import math
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -59,10 +66,13 @@ __all__ = [
     "Peer",
     "connections",
     "cut_connections",
+    "forget_lost",
+    "found_lost",
     "keep_alive",
     "shut_down",
     "stalled",
     "tcp_sockets",
+    "unreachable",
     "watch_every",
 ]
 
@@ -74,7 +84,8 @@ WATCH_INTERVAL = 0.25
 _STOP_WAIT = 5.0
 # struct tcp_info (linux/tcp.h): 8 single bytes, then 32-bit fields; the ones read here are
 # tcpi_probes (the 4th byte: asks unanswered, keep-alive's or a zero window's), tcpi_unacked
-# (the 5th field) and tcpi_last_ack_recv (the 13th, milliseconds).
+# (the 5th field), tcpi_last_data_sent (the 10th: new data, milliseconds ago) and
+# tcpi_last_ack_recv (the 13th, milliseconds).
 _TCP_INFO = struct.Struct("=8B13I")
 # The most unanswered keep-alive asks Linux takes (TCP_KEEPCNT): the kernel acts long after
 # the watch has (`watch_every`).
@@ -92,7 +103,8 @@ def keep_alive(made: Mapping[str, Peer], link_timeout: float) -> int:
     """Give the connections of `made` (socket inodes and their peers: those a Gloo group just
     made) whose peer is not loopback TCP keep-alive, asked after 1 s idle, every second, given
     up after `link_timeout` seconds (rounded up) of silence; and watch them (`Links`): one whose
-    data waits unacknowledged for the link timeout is failed. Return how many."""
+    peer has not answered for the link timeout is shut down, its peer noted lost (`_fail`).
+    Return how many."""
     if not hasattr(socket, "TCP_KEEPIDLE"):  # not Linux: TCP's own rules
         return 0
     far = {inode for inode, peer in made.items() if not _loopback(peer[0])}
@@ -125,20 +137,51 @@ def _ask(connection: socket.socket, count: int) -> None:
     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
 
 
+# The addresses of peers whose Gloo connection the watch found lost (`_fail`) since the last
+# group formed (`forget_lost`): Gloo's error for such a connection says only that it closed.
+_lost: set[str] = set()
+
+
+def found_lost(address: str) -> bool:
+    """Whether the watch found a connection of this process's groups to `address` lost (its
+    peer silent for the link timeout) since the last group formed."""
+    return address in _lost
+
+
+def forget_lost() -> None:
+    """Forget the peers found lost: a new group forms (`rendezvous.gloo_connecting`), and a
+    connection of its that closes is a peer gone, unless the watch finds it lost again."""
+    _lost.clear()
+
+
 def _fail(connection: socket.socket, peer: Peer) -> None:
-    """Make the kernel fail `connection` at its next retransmission or ask."""
-    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
+    """Note `peer`'s address as lost, and shut `connection` down: a call waiting on it wakes
+    at once, as if the peer had closed it. Its user timeout of a millisecond then has the
+    kernel drop it at its next retransmission, instead of sending its data and its end for
+    minutes to a peer that does not answer."""
+    _lost.add(peer[0])  # before the shutdown: the waiting call's error may come at once
+    with contextlib.suppress(OSError):
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
+    connection.shutdown(socket.SHUT_RDWR)
 
 
-def stalled(since: float | None, now: float, waiting: int, ack_age: float) -> float | None:
+def stalled(
+    since: float | None, now: float, waiting: int, ack_age: float, silent: float = 0.0
+) -> float | None:
     """Return since when a connection has waited on its peer with no acknowledgement (None: it
     does not wait), given the previous answer `since`, the time `now`, what it waits on (its
-    unacknowledged segments and unanswered asks) and the seconds since its last
-    acknowledgement. The wait counts from the first look that saw it waiting, or from a newer
-    acknowledgement, whichever is later.
+    unacknowledged segments and unanswered asks), the seconds since its last acknowledgement,
+    and how long the peer is known to have been silent already (`silent`; data in flight: the
+    shorter of the seconds since its last acknowledgement and since the last data went out,
+    which waits unacknowledged since, and of the time since the look before). The wait counts
+    from that, at the first look that saw it waiting or after a newer acknowledgement; asks
+    unanswered know nothing more (their peer answered the ask before, a second earlier at
+    most), and count from that look.
 
     >>> stalled(None, 10.0, 3, 4.0), stalled(10.0, 12.0, 3, 6.0), stalled(10.0, 12.0, 3, 0.5)
     (10.0, 10.0, 12.0)
+    >>> stalled(None, 10.0, 3, 4.0, silent=0.3), stalled(10.0, 12.0, 3, 0.5, silent=0.5)
+    (9.7, 11.5)
     >>> stalled(10.0, 12.0, 0, 6.0) is None
     True
     """
@@ -146,7 +189,7 @@ def stalled(since: float | None, now: float, waiting: int, ack_age: float) -> fl
         return None
     acknowledged = now - ack_age
     if since is None or acknowledged > since:
-        return now
+        return now - silent
     return since
 
 
@@ -246,8 +289,12 @@ class Links:
                 fields = _TCP_INFO.unpack_from(
                     sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
                 )
-                waiting, ack_age = fields[3] + fields[8 + 4], fields[8 + 12] / 1000
-                entry.since = stalled(entry.since, now, waiting, ack_age)
+                unacked, probes = fields[8 + 4], fields[3]
+                ack_age, sent_age = fields[8 + 12] / 1000, fields[8 + 9] / 1000
+                # At most a look's interval: a connection still connecting has sent no data and
+                # heard no acknowledgement, and both ages read as the machine's uptime.
+                silent = min(ack_age, sent_age, WATCH_INTERVAL) if unacked else 0.0
+                entry.since = stalled(entry.since, now, unacked + probes, ack_age, silent)
                 if entry.since is not None and now - entry.since >= entry.link_timeout:
                     with self._lock:
                         self._watched.pop(inode, None)
@@ -282,6 +329,46 @@ def _may_connect(fd: int) -> bool:
 
 
 _links = Links()  # this process's watch
+
+
+# What a connect ends with when the peer's host answered (its kernel: nothing listens there, or
+# the connection was reset): the host is in reach.
+_ANSWERED = (0, errno.ECONNREFUSED, errno.ECONNRESET)
+
+
+def unreachable(peers: Collection[Peer], wait: float) -> set[Peer]:
+    """Return the `peers` (IPv4 address, port) whose host answers no connect within `wait`
+    seconds. A connect accepted or refused is an answer, whatever listens there; one this
+    machine cannot send (no route to the host: "Permission denied", "Invalid argument", "No
+    route to host"), or that stays unanswered, is not. The connects go out together, and are
+    closed as they end."""
+    silent: set[Peer] = set()
+    with selectors.DefaultSelector() as pending:
+        for peer in peers:
+            connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            connection.setblocking(False)
+            code = connection.connect_ex(peer)
+            if code == errno.EINPROGRESS:
+                pending.register(connection, selectors.EVENT_WRITE, peer)
+                continue
+            if code not in _ANSWERED:
+                silent.add(peer)
+            connection.close()
+        deadline = time.monotonic() + wait
+        while pending.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in pending.select(left):
+                done = key.fileobj
+                assert isinstance(done, socket.socket)
+                pending.unregister(done)
+                if done.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) not in _ANSWERED:
+                    silent.add(key.data)
+                done.close()
+        for key in list(pending.get_map().values()):
+            pending.unregister(key.fileobj)
+            silent.add(key.data)  # unanswered
+            assert isinstance(key.fileobj, socket.socket)
+            key.fileobj.close()
+    return silent
 
 
 def cut_connections(addresses: set[str], keep: tuple[str, int] | None = None) -> int:

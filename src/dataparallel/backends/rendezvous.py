@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from dataparallel.backends.connections import connections, keep_alive
+from dataparallel.backends.connections import connections, forget_lost, keep_alive
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError
 
@@ -256,7 +256,9 @@ def gloo_connecting(interface: str | None) -> Iterator[set[str]]:
     None: Gloo's own choice), and give the connections it made to other hosts TCP keep-alive
     (`connections.keep_alive`, within the link timeout): a peer that stops answering then fails
     the call waiting on it instead of leaving it to Gloo's timeout. Yields a set that holds,
-    once the block is done, every connection made in it (socket inodes: `GlooBackend.sever`)."""
+    once the block is done, every connection made in it (socket inodes: `GlooBackend.sever`).
+    The peers the watch found lost before are forgotten (`connections.found_lost`)."""
+    forget_lost()
     before = set(connections())
     made: set[str] = set()
     if interface is not None:

@@ -12,21 +12,35 @@ that would cost a round trip per key): a member that reaches the rendezvous afte
 round opened and the others gave up would otherwise find their keys written and form the group
 alone, then wait on them in Gloo's connections. The
 wrapper must outlive the group (torch calls back into it): `rounds` keeps it.
+
+Once the addresses are read, Gloo connects each pair of members, and that wait is Gloo's own:
+nothing outside it can cut it short. `rounds` gives it a deadline (`config.connect_limit`)
+shorter than the group's timeout, which torch takes for the connects and the collectives alike
+(the collectives get theirs back once the group formed). The rendezvous' waits above take no
+part in it: they last the store's timeout, and a newer round ends them. A group that did not
+connect may have met a member it cannot reach, though the launcher reaches both (a split, that
+no one else reports): `unreached` tries each member's Gloo address, which the rendezvous read,
+within the link timeout.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import socket
+import struct
+import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dataparallel.backends.connections import Peer, unreachable
 from dataparallel.errors import RankFailedError
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-__all__ = ["SLICE", "round_key", "watching"]
+__all__ = ["SLICE", "gloo_address", "round_key", "unreached", "watching"]
 
 # The longest pause between two polls of a waiting member: long against the store's round trip,
 # short against a person waiting.
@@ -45,6 +59,10 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
         def __init__(self) -> None:
             super().__init__()
             self._limit: datetime.timedelta = store.timeout
+            # The least a wait lasts: Gloo passes its connect deadline to each.
+            self._least: datetime.timedelta = store.timeout
+            # What was read under each key: Gloo's members' addresses among them (`unreached`).
+            self.read: dict[str, bytes] = {}
             # Keys a wait found: Gloo waits for each peer's key, then gets it; the get need not
             # ask the store again whether the key is there (a third of the rendezvous' trips).
             self._present: set[str] = set()
@@ -56,7 +74,8 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
         def get(self, key: str) -> bytes:
             if key not in self._present:
                 self.wait([key])
-            return bytes(store.get(key))
+            value = self.read[key] = bytes(store.get(key))
+            return value
 
         def add(self, key: str, amount: int) -> int:
             return int(store.add(key, amount))
@@ -78,7 +97,8 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
             self._limit = timeout
 
         def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-            deadline = time.monotonic() + (timeout or self._limit).total_seconds()
+            limit = max(timeout or self._limit, self._least)
+            deadline = time.monotonic() + limit.total_seconds()
             pause = 0.001
             while True:  # polled: a store's timed-out wait logs a warning
                 present = bool(store.check(keys))
@@ -96,7 +116,7 @@ def watching(store: Any, generation: int, members: tuple[str, ...]) -> Store:
                 if now >= deadline:
                     raise RankFailedError(
                         f"round {generation}'s Gloo group did not form within "
-                        f"{(timeout or self._limit).total_seconds():g} s (waiting for "
+                        f"{limit.total_seconds():g} s (waiting for "
                         f"{', '.join(keys)})."
                     )
                 time.sleep(pause)
@@ -118,3 +138,38 @@ def _left_out(store: Store, generation: int, members: tuple[str, ...]) -> list[s
         return []
     newer = set(json.loads(store.get(key)))
     return [m for m in members if m not in newer]
+
+
+def unreached(watched: Store, members: Sequence[str], me: str, wait: float) -> list[str]:
+    """Return the members of a round whose group did not connect that this worker cannot reach:
+    those whose Gloo address, as the rendezvous read it (`watching`), answers no connect within
+    `wait` seconds (`connections.unreachable`). A member whose address was not read, or reads
+    otherwise than `gloo_address` knows, is not tried."""
+    read: Mapping[str, bytes] = getattr(watched, "read", {})
+    at: dict[Peer, str] = {}
+    for key, value in read.items():
+        rank = key.rpartition("/")[2]
+        member = members[int(rank)] if rank.isdigit() and int(rank) < len(members) else me
+        address = gloo_address(value)
+        if member != me and address is not None:
+            at[address] = member
+    return sorted({at[peer] for peer in unreachable(at, wait)})
+
+
+def gloo_address(value: bytes) -> Peer | None:
+    """The (IPv4 address, port) a member's Gloo device listens on, from what Gloo's rendezvous
+    writes under the member's rank: its host's name, then the device's `sockaddr`, each after
+    its length (a native `size_t`), then the pairs' numbers. None where it reads otherwise."""
+    size = struct.calcsize("@N")
+    try:
+        (name,) = struct.unpack_from("@N", value, 0)
+        (length,) = struct.unpack_from("@N", value, size + name)
+    except struct.error:
+        return None
+    start = 2 * size + name
+    address = value[start : start + length]
+    if length < 8 or len(address) < length:
+        return None
+    if int.from_bytes(address[:2], sys.byteorder) != socket.AF_INET:
+        return None
+    return socket.inet_ntop(socket.AF_INET, address[4:8]), int.from_bytes(address[2:4], "big")

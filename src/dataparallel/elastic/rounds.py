@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.rendezvous import gloo_connecting, interface_toward
-from dataparallel.config import Settings
+from dataparallel.config import Settings, connect_limit
 from dataparallel.elastic import liveness
-from dataparallel.elastic.forming import round_key, watching
+from dataparallel.elastic.forming import round_key, unreached, watching
 from dataparallel.errors import DataParallelError, LinkLostError, RankFailedError, library_error
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ __all__ = [
 ]
 
 LATEST = "latest"
+# Gloo waits five times its timeout for a pair's first connect (`transport/tcp/pair.h`).
+GLOO_CONNECTS = 5
 # The value of a round's `ready` key: every member arrived, or the launcher opened a newer one
 # first (a member died before the round formed). Whichever is written first stays.
 FORMED, SUPERSEDED = "formed", "superseded"
@@ -221,7 +223,8 @@ def join(after: int, settings: Settings | None = None) -> Round:
                 with liveness.changing_world():
                     _make_group(store, chosen, settings)
                     _current = chosen
-            except RuntimeError as exc:  # a member died while the group formed
+            except RuntimeError as exc:  # a member died, or is out of reach, meanwhile
+                _report_unreached(store, chosen, settings)
                 leave()
                 if not _exists(store, round_key(generation + 1), _left(deadline)):
                     raise NoWorldError(
@@ -268,10 +271,29 @@ def report_split(error: BaseException) -> None:
     lost = library_error(error)
     if _current is None or _client is None or not isinstance(lost, LinkLostError):
         return
-    report = json.dumps({"worker": _current.me, "address": lost.address})
+    _report_split(_client, _current, lost.address)
+
+
+def _report_split(store: Store, joined: Round, address: str) -> None:
+    """Report, under round `joined`, that this worker lost its link to the peer at `address`."""
+    report = json.dumps({"worker": joined.me, "address": address})
     with contextlib.suppress(RuntimeError):  # the store gone: the launcher is ending the run
-        number = _client.add(liveness.split_key(_current.generation), 1)
-        _client.set(liveness.split_key(_current.generation, number), report)
+        number = store.add(liveness.split_key(joined.generation), 1)
+        store.set(liveness.split_key(joined.generation, number), report)
+
+
+def _report_unreached(store: Store, chosen: Round, settings: Settings) -> None:
+    """After round `chosen`'s group failed to connect, report each member this worker cannot
+    reach (`forming.unreached`, within the link timeout) as a split (`report_split`): the
+    launcher may still reach both, see no worker lost, and open no next round. Nothing is tried
+    once the launcher opened the next round (a member was lost: that settles it)."""
+    if _watched is None or store.check([round_key(chosen.generation + 1)]):
+        return
+    with contextlib.suppress(OSError):
+        for member in unreached(_watched, chosen.members, chosen.me, settings.link_timeout):
+            key = liveness.address_key(member)
+            if store.check([key]):
+                _report_split(store, chosen, bytes(store.get(key)).decode())
 
 
 def supersede(store: Store, generation: int) -> bool:
@@ -303,6 +325,9 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     # A worker always has its elastic timeout when the setting's is unset.
     seconds = settings.group_timeout
     timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+    # torch takes one timeout for the connects and the collectives: the group connects within
+    # its own limit (`forming`), and the collectives get theirs once it formed.
+    connecting = datetime.timedelta(seconds=connect_limit(settings.link_timeout) / GLOO_CONNECTS)
     assert settings.elastic_store is not None
     liveness.publish_address(store, chosen.me, settings)
     # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
@@ -312,12 +337,20 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
         interface = interface_toward(*settings.elastic_store)
     with gloo_connecting(interface):
         dist.init_process_group(
-            "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=timeout
+            "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=connecting
         )
+    dist.distributed_c10d._set_pg_timeout(timeout or dist.distributed_c10d.default_pg_timeout)
 
 
 def leave() -> None:
-    """Destroy torch's default group (and every group made over it), if there is one."""
+    """Destroy torch's default group (and every group made over it), if there is one. Where
+    none formed (its making failed), torch's count of the groups made is set back as that
+    would: torch names the next round's group from it, and a member whose group formed
+    and was destroyed names it from zero (a name apart, its keys would never meet)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is None or not dist.is_available():
+        return
+    if dist.is_initialized():
         dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._world.group_count = 0

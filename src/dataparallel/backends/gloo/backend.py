@@ -56,7 +56,7 @@ from dataparallel.backends.base import (
     Received,
     ReduceOp,
 )
-from dataparallel.backends.connections import shut_down
+from dataparallel.backends.connections import found_lost, shut_down
 from dataparallel.backends.gloo.group import join_group
 from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
 from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
@@ -85,7 +85,8 @@ _PEER_GONE = (
 
 
 # What a connection that the kernel gave up on says (TCP keep-alive, `backends.connections`):
-# its peer's kernel stopped answering. Gloo names the peer, `[ADDRESS]:PORT`.
+# its peer's kernel stopped answering. Gloo names the peer, `[ADDRESS]:PORT`. One that the link
+# watch shut down says it was closed (`connections.found_lost` knows its peer).
 _OUT_OF_REACH = ("Connection timed out", "No route to host")
 _PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+|\b(\d{1,3}(?:\.\d{1,3}){3}):\d+")
 
@@ -96,8 +97,11 @@ def translate_error(exc: BaseException, what: str, rank: int) -> BaseException:
     message = str(exc)
     first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
     peer = _PEER.search(message)
-    if peer is not None and any(sign in message for sign in _OUT_OF_REACH):
-        address = peer[1] or peer[2]
+    address = None if peer is None else peer[1] or peer[2]
+    out_of_reach = any(sign in message for sign in _OUT_OF_REACH) or (
+        any(sign in message for sign in _PEER_GONE) and found_lost(address or "")
+    )
+    if address is not None and out_of_reach:
         return LinkLostError(
             f"Gloo {what} on rank {rank} lost its link to {address}: that host has not "
             f"answered for the link timeout ({first}; {LINK_TIMEOUT_VARIABLE}, `dataparallel "
