@@ -155,9 +155,9 @@ class StepTemplate:
     parameter's array family is learnt from its first dense gradient and its dtype and device
     named once; a parameter converted since the template was made (`model.double()` between steps:
     the layout follows at the step's end, `GradientSync.refresh`) has its gradient's own used. The
-    step's flags have one buffer; the handshake's digest and records are made once
-    (`protocol.Records`: a call plan keeps them). A layout that changes (parameters added,
-    frozen, converted; rebucketed; sparse ones found; another mode) makes a new template.
+    step's flags (with the promise's `WORDS`) have one buffer; the handshake's digest and records
+    are made once (`protocol.Records`: a call plan keeps them). A layout that changes (parameters
+    added, frozen, converted; rebucketed; sparse ones found; another mode) makes a new template.
     """
 
     def __init__(self, params: NamedParams, summary: str, size: int) -> None:
