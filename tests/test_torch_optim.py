@@ -555,19 +555,61 @@ def test_a_loss_averaged_between_backward_and_step_keeps_the_steps_right(world: 
     assert protocol.owed(world) is None  # no promise made with calls between the steps
 
 
+@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
+def test_a_parameter_made_trainable_inside_a_promised_step_is_averaged(world: Backend) -> None:
+    """Every rank makes a frozen parameter trainable between `zero_grad()` and backward of a step
+    they all promised: its gradient goes in a call after the step's buckets, which begins with a
+    handshake of its own (the step made none), and every gradient is what one process's is."""
+    model, reference = make_model(), make_model()
+    for m in (model, reference):
+        m[0].bias.requires_grad_(False)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        step_pair(model, opt, reference, ref_opt, *global_batch(step))
+    assert protocol.owed(world) is not None  # step 4 was promised
+    x, y = global_batch(4)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for m in (model, reference):
+        m[0].bias.requires_grad_(True)
+    loss_of(model, share(x), share(y)).backward()
+    opt.synchronize()
+    loss_of(reference, x, y).backward()
+    for got, want in zip(grads(model), grads(reference), strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(model[0].bias.grad, reference[0].bias.grad)
+    opt.step()
+    ref_opt.step()
+    step_pair(model, opt, reference, ref_opt, *global_batch(5))
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.skipif(dp.size() == 1, reason="a mismatch needs two ranks")
 @pytest.mark.parametrize(
-    "other", ["an allreduce", "an allreduce before step()", "a frozen parameter", "every rank"]
+    "other",
+    [
+        "an allreduce",
+        "an allreduce before step()",
+        "a frozen parameter",
+        "an unfrozen parameter",
+        "every rank",
+    ],
 )
 def test_a_rank_that_breaks_a_promised_step_raises_a_mismatch_on_every_rank(
     other: str, world: Backend
 ) -> None:
     """After steps made without a handshake, the last rank calls something else (an allreduce)
-    or changes its layout (a frozen parameter) instead of the promised step: it makes that step
-    on zeros, and every rank raises `CollectiveMismatchError` naming what differs, as the
-    handshake would have. When every rank calls the same other thing, nothing is raised."""
+    or changes its layout (a frozen parameter, or one frozen everywhere made trainable there)
+    instead of the promised step: it makes that step on zeros, and every rank raises
+    `CollectiveMismatchError` naming what differs, as the handshake would have. When every rank
+    calls the same other thing, nothing is raised."""
     model = make_model()
     reference = make_model()
+    if other == "an unfrozen parameter":
+        model[0].bias.requires_grad_(False)
+        reference[0].bias.requires_grad_(False)
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(4):
@@ -584,6 +626,8 @@ def test_a_rank_that_breaks_a_promised_step_raises_a_mismatch_on_every_rank(
         return
     if deviant and other == "a frozen parameter":
         model[0].bias.requires_grad_(False)  # taken into account by the step zero_grad begins
+    if deviant and other == "an unfrozen parameter":
+        model[0].bias.requires_grad_(True)
     if other == "an allreduce before step()":  # step 4 promises step 5 in its last bucket
         opt.zero_grad()
         loss_of(model, share(x), share(y)).backward()

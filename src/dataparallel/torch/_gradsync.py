@@ -573,6 +573,8 @@ class GradientSync:
         late = [(n, p) for n, p in current if id(p) not in laid_out]
         if late:
             self._agree()
+            if self._keeping:  # made without a handshake: one for the late call, which a rank
+                self._agree_late(late)  # that kept its promise on zeros did not make
             leaves = []
             for name, p in late:
                 if p.grad is None:
@@ -614,6 +616,31 @@ class GradientSync:
             self._state = State.FAILED
             raise
         self._router.begin(joined=self._joined, offload=self.overlap and self._host)
+
+    def _agree_late(self, late: NamedParams) -> None:
+        """A step every rank promised has parameters trainable since its layout: make their call's
+        handshake, which a rank that kept its promise on zeros (without them: it cannot know
+        them) meets with its own call's (every rank raises `CollectiveMismatchError`) or, having
+        joined, answers with their call on zeros."""
+        if owed(self.backend) == self._end_then_keep:  # no promise past a step with these:
+            owe(self.backend, None)  # its layout changes at its end
+        self._promising_layout = -1
+        described = describe(self.owner, self._options, late)
+        replay = replay_of([], [], late, self._action, self.bucket_bytes, self._wire)
+        try:
+            handshake(
+                self.backend,
+                f"{self._summary}|late|{sorted(described.items())}",
+                {**described, "collective": f"{self.owner} gradient reduction, late parameters"},
+                replay=lambda _: replay,
+                on_joined=self._note_joined,
+            )
+        except CollectiveMismatchError:
+            self._state = State.FAILED
+            raise
+        if self._joined:  # the call goes where a joined rank answers: the world's engine
+            self._router.finish()  # (the step's buckets land first, on their own lane)
+            self._router.begin(joined=True, offload=False)
 
     def _step_summary(self) -> int:
         """The digest this step's handshake compares: of the layout, and PowerSGD's step count."""
@@ -689,11 +716,7 @@ class GradientSync:
                 leaves.append(_leaf(grad_family(self.owner, name, zeros), zeros))
             last = b == len(buckets) - 1
             router.put(leaves, kept_flags(len(params), joining) if last else None)
-        laid_out = {id(p) for _, p in params}
-        late = [(n, torch.zeros_like(p)) for n, p in self._current() if id(p) not in laid_out]
-        if late:  # as `_launch_rest` sends them
-            router.put([_leaf(grad_family(self.owner, n, z), z) for n, z in late])
-        router.finish()
+        router.finish()  # parameters trainable since: their call begins with a handshake
 
     def _words(self) -> np.ndarray | None:
         """How many ranks said each of the words after this step's flags (`_buckets.WORDS`)."""
