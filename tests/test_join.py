@@ -24,7 +24,9 @@ except ImportError:  # the JAX case is skipped
 
 
 # How many batches each rank holds: 0, 1 and many, rotated so that a world of two sees every pair.
-PATTERNS = [(0, 1, 5), (5, 0, 1), (1, 5, 0)]
+# Ranks that join at once or after one step; and (4, 7, 9): after steps made without a handshake
+# (every rank promised them), so that the rank that joins keeps its promise as joining.
+PATTERNS = [(0, 1, 5), (5, 0, 1), (1, 5, 0), (4, 7, 9)]
 
 
 def batches_of(size: int, pattern: tuple[int, ...]) -> list[int]:

@@ -34,6 +34,7 @@ from _torch_common import (
 from torch import nn
 
 import dataparallel as dp
+from dataparallel import protocol
 from dataparallel.backends.base import Backend
 from dataparallel.errors import CollectiveMismatchError
 from dataparallel.torch._buckets import assign, overlaps
@@ -505,9 +506,34 @@ def test_the_handshake_begins_at_the_first_gradient_where_the_engine_moves_calls
     assert dp.allreduce(1) == world.size  # the world is still usable
 
 
+@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
+def test_steps_every_rank_promised_make_no_handshake_and_match_one_process(
+    world: Backend,
+) -> None:
+    """Once every rank has promised, in a step's flags, that its next call is the next step
+    (nothing else called between steps), the steps go without a handshake, as Horovod's
+    response cache skips its negotiation, and still average what one process would."""
+    model, reference = make_model(), make_model()
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    counts = []
+    for step in range(8):
+        counts.append(protocol.handshakes(world))
+        step_pair(model, opt, reference, ref_opt, *global_batch(step))
+        for got, want in zip(grads(model), grads(reference), strict=True):
+            torch.testing.assert_close(got, want)
+    made = np.diff(counts).tolist()  # the handshakes of steps 0-6
+    assert made[1] == 1 and made[2:] == [0] * 5, made  # step 1 promised step 2, and so on
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert_same_on_every_rank(list(model.parameters()))
+
+
+@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
 def test_a_loss_averaged_between_backward_and_step_keeps_the_steps_right(world: Backend) -> None:
-    """Every rank averages its loss between backward and `step()`, a call on the engine while
-    the step's buckets may still be in flight (on its private duplicate): every step still
+    """Every rank averages its loss between backward and `step()`, after it promised the next
+    step in its last bucket: that call ends the step first and keeps the promise on zeros on
+    every rank (once: with a call between steps, no rank promises again), and every step still
     averages what one process would."""
     model, reference = make_model(), make_model()
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -526,6 +552,109 @@ def test_a_loss_averaged_between_backward_and_step_keeps_the_steps_right(world: 
         torch.testing.assert_close(mean, dp.allreduce(loss.detach(), op="avg"))
         for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(got, expected)
+    assert protocol.owed(world) is None  # no promise made with calls between the steps
+
+
+@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
+def test_a_parameter_made_trainable_inside_a_promised_step_is_averaged(world: Backend) -> None:
+    """Every rank makes a frozen parameter trainable between `zero_grad()` and backward of a step
+    they all promised: its gradient goes in a call after the step's buckets, which begins with a
+    handshake of its own (the step made none), and every gradient is what one process's is."""
+    model, reference = make_model(), make_model()
+    for m in (model, reference):
+        m[0].bias.requires_grad_(False)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        step_pair(model, opt, reference, ref_opt, *global_batch(step))
+    assert protocol.owed(world) is not None  # step 4 was promised
+    x, y = global_batch(4)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for m in (model, reference):
+        m[0].bias.requires_grad_(True)
+    loss_of(model, share(x), share(y)).backward()
+    opt.synchronize()
+    loss_of(reference, x, y).backward()
+    for got, want in zip(grads(model), grads(reference), strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(model[0].bias.grad, reference[0].bias.grad)
+    opt.step()
+    ref_opt.step()
+    step_pair(model, opt, reference, ref_opt, *global_batch(5))
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(dp.size() == 1, reason="a mismatch needs two ranks")
+@pytest.mark.parametrize(
+    "other",
+    [
+        "an allreduce",
+        "an allreduce before step()",
+        "a frozen parameter",
+        "an unfrozen parameter",
+        "every rank",
+    ],
+)
+def test_a_rank_that_breaks_a_promised_step_raises_a_mismatch_on_every_rank(
+    other: str, world: Backend
+) -> None:
+    """After steps made without a handshake, the last rank calls something else (an allreduce)
+    or changes its layout (a frozen parameter, or one frozen everywhere made trainable there)
+    instead of the promised step: it makes that step on zeros, and every rank raises
+    `CollectiveMismatchError` naming what differs, as the handshake would have. When every rank
+    calls the same other thing, nothing is raised."""
+    model = make_model()
+    reference = make_model()
+    if other == "an unfrozen parameter":
+        model[0].bias.requires_grad_(False)
+        reference[0].bias.requires_grad_(False)
+    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        step_pair(model, opt, reference, ref_opt, *global_batch(step))
+    assert protocol.owed(world) is not None  # step 4 was promised
+    deviant = other == "every rank" or world.rank == world.size - 1
+    x, y = global_batch(4)
+    if other == "every rank":
+        assert dp.allreduce(torch.ones(3)).tolist() == [world.size] * 3  # step 4 made on zeros
+        step_pair(model, opt, reference, ref_opt, x, y)
+        for got, want in zip(grads(model), grads(reference), strict=True):
+            torch.testing.assert_close(got, want)
+        assert_same_on_every_rank(list(model.parameters()))
+        return
+    if deviant and other == "a frozen parameter":
+        model[0].bias.requires_grad_(False)  # taken into account by the step zero_grad begins
+    if deviant and other == "an unfrozen parameter":
+        model[0].bias.requires_grad_(True)
+    if other == "an allreduce before step()":  # step 4 promises step 5 in its last bucket
+        opt.zero_grad()
+        loss_of(model, share(x), share(y)).backward()
+        if deviant:  # ends step 4, makes step 5 on zeros, then its own call
+            with pytest.raises(CollectiveMismatchError) as raised:
+                dp.allreduce(torch.ones(3))
+            opt.step()
+        else:
+            opt.step()
+            x, y = global_batch(5)
+            opt.zero_grad()
+            with pytest.raises(CollectiveMismatchError) as raised:
+                loss_of(model, share(x), share(y)).backward()
+                opt.step()
+    else:
+        opt.zero_grad()
+        with pytest.raises(CollectiveMismatchError) as raised:
+            if deviant and other == "an allreduce":
+                dp.allreduce(torch.ones(3))
+            else:
+                loss_of(model, share(x), share(y)).backward()
+                opt.step()
+    text = str(raised.value)
+    assert "gradient reduction" in text
+    assert ("allreduce" in text) == other.startswith("an allreduce"), text
+    del opt
+    assert dp.allreduce(1) == world.size  # the world is still usable
 
 
 # -- synchronize(optimizer) ---------------------------------------------------------------------

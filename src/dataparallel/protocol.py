@@ -26,6 +26,14 @@ and the joined ranks make the same engine calls on zeros. Calls that cannot be a
 (gathers, broadcasts, ...) raise `RankJoinedError` on the ranks that made them. Without joined
 ranks, nothing of this costs anything.
 
+A gradient reduction whose ranks all promised, in the flags of a step's last bucket, that their
+next call on the engine is the same step again (`torch/_gradsync.py`) makes that step without a
+handshake: its layout was agreed, and nothing has been called since. A rank that is about to
+make any other call first keeps its promise on zeros (`owe`: every handshake here settles what
+its rank owes the engine first), marked so that the ranks that made the step learn at its end
+that a rank did something else (they then raise `CollectiveMismatchError` with the rank's call,
+as a handshake would have) or joined (`dp.join`: its zeros are what it would have answered).
+
 `DATAPARALLEL_CHECK=0` cannot turn the handshake off (without it a mismatch hangs or corrupts):
 the collectives then make the digest cover only what decides the messages that follow
 (collective, op, root, and each leaf's dtype, size and device).
@@ -39,6 +47,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from dataparallel import caches
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, Handle, ReduceOp
 from dataparallel.errors import CollectiveMismatchError, CollectiveTimeoutError, RankJoinedError
@@ -57,9 +66,13 @@ __all__ = [
     "digest",
     "fail_together",
     "handshake",
+    "handshakes",
     "joined_round",
     "new_record",
+    "owe",
+    "owed",
     "payload_capacity",
+    "settle",
     "start_handshake",
     "verify_same_call",
 ]
@@ -102,6 +115,50 @@ _NAN = int(Flag.NAN)  # as a plain int: NumPy's `&` with an IntFlag goes through
 ReplayOf = Callable[[bool], Replay | None] | None
 # A handshake begun early (`start_handshake`): its records and the gather in flight.
 Started = tuple["Records", Handle]
+
+
+# What each rank owes an engine before its next call (`owe`), by the engine's id: the engine
+# (so that a reused id is not mistaken for it) and what keeps the promise on zeros, given
+# whether this rank is joining. One at a time per engine, so that a rank that keeps them knows
+# their order; and how many handshakes each engine has made (`settle`).
+_owed: dict[int, tuple[Backend, Callable[[bool], None]]] = {}
+_handshakes: dict[int, int] = {}
+caches.register(_owed.clear)  # `dp.finalize()`: the world's engines are gone
+caches.register(_handshakes.clear)
+
+
+def owe(backend: Backend, answer: Callable[[bool], None] | None) -> None:
+    """Record that this rank promised the other ranks that its next call on `backend` is a step
+    they will make without a handshake (None: the promise was kept, or is taken back before it
+    was made); `answer(joining)` makes that step on zeros, should this rank call something else
+    first (`settle`). One promise per engine at a time (`owed` says whether one is held)."""
+    if answer is None:
+        _owed.pop(id(backend), None)
+    else:
+        _owed[id(backend)] = (backend, answer)
+
+
+def owed(backend: Backend) -> Callable[[bool], None] | None:
+    """The promise this rank holds on `backend` (`owe`), or None."""
+    held = _owed.get(id(backend))
+    return held[1] if held is not None and held[0] is backend else None
+
+
+def settle(backend: Backend, joining: bool = False) -> int:
+    """Before a handshake on `backend`: keep on zeros what this rank promised the others
+    (`owe`); return how many handshakes `backend` has made, this one included."""
+    answer = owed(backend)
+    if answer is not None:
+        del _owed[id(backend)]
+        answer(joining)
+    count = _handshakes.get(id(backend), 0) + 1
+    _handshakes[id(backend)] = count
+    return count
+
+
+def handshakes(backend: Backend) -> int:
+    """How many handshakes `backend` has made (`settle`)."""
+    return _handshakes.get(id(backend), 0)
 
 
 def digest(description: str) -> int:
@@ -158,6 +215,7 @@ def handshake(
         return records.exchange(backend, call, replay, on_joined, gather), False
     h = summary if isinstance(summary, int) else digest(summary)
     if backend.size > GATHER_LIMIT:
+        settle(backend)
         bounds = np.zeros(1, BOUNDS)
         bounds[0] = (h, -h, bool(flag), 0, 1, -1, -backend.rank)
         try:
@@ -189,6 +247,7 @@ def start_handshake(
     """
     if not 1 < backend.size <= GATHER_LIMIT:
         return None
+    settle(backend)
     h = summary if isinstance(summary, int) else digest(summary)
     if records is None:
         records = Records(backend.size, h)
@@ -224,6 +283,7 @@ class Records:
         began already, `start_handshake`)."""
         try:
             if started is None:
+                settle(backend)
                 backend.allgather(self.sent, self.received)
             else:
                 started.wait()
@@ -290,6 +350,7 @@ def joined_round(backend: Backend, newcomer: bool) -> tuple[bool, int, Replay | 
     them, which they raise).
     """
     b = backend
+    settle(b, joining=True)
     if b.size > GATHER_LIMIT:
         bounds = np.zeros(1, BOUNDS)
         bounds[0] = (NO_DIGEST, NO_DIGEST, 0, 1, 0, b.rank if newcomer else -1, NO_DIGEST)

@@ -51,6 +51,7 @@ __all__ = [
     "check_options",
     "describe",
     "grad_family",
+    "kept_flags",
     "layout",
     "message",
     "offloadable",
@@ -132,11 +133,18 @@ def layout(
 ) -> tuple[list[Bucket], str]:
     """Return the buckets and the reduction's summary (`summarize`)."""
     # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
-    # and one for "a rank abandoned this step"). Parameters not in `order` go in no bucket.
-    flags = 4 * (2 * len(params) + 1)
+    # one for "a rank abandoned this step", and the promise's words). Parameters not in `order`
+    # go in no bucket.
+    flags = 4 * (2 * len(params) + 1 + WORDS)
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
     buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
     return buckets, summarize(owner, options, params, buckets, full)
+
+
+# The words after a step's flags (`StepTemplate.flags`): this rank promises that its next call
+# is this step again, it made this step (0: it kept a promise on zeros), it kept it as it joins.
+PROMISES, MADE, JOINING = range(3)
+WORDS = 3
 
 
 class StepTemplate:
@@ -147,9 +155,9 @@ class StepTemplate:
     parameter's array family is learnt from its first dense gradient and its dtype and device
     named once; a parameter converted since the template was made (`model.double()` between steps:
     the layout follows at the step's end, `GradientSync.refresh`) has its gradient's own used. The
-    step's flags have one buffer; the handshake's digest and records are made once
-    (`protocol.Records`: a call plan keeps them). A layout that changes (parameters added,
-    frozen, converted; rebucketed; sparse ones found; another mode) makes a new template.
+    step's flags (with the promise's `WORDS`) have one buffer; the handshake's digest and records
+    are made once (`protocol.Records`: a call plan keeps them). A layout that changes (parameters
+    added, frozen, converted; rebucketed; sparse ones found; another mode) makes a new template.
     """
 
     def __init__(self, params: NamedParams, summary: str, size: int) -> None:
@@ -161,7 +169,7 @@ class StepTemplate:
         self.digest = digest(summary)
         # The handshake's records (a world of one has none; larger worlds allreduce bounds).
         self.records = Records(size, self.digest) if 1 < size <= GATHER_LIMIT else None
-        self._flags = np.empty(2 * n + 1, np.float32)
+        self._flags = np.empty(2 * n + 1 + WORDS, np.float32)
 
     def leaf(self, owner: str, name: str, index: int, grad: torch.Tensor) -> Leaf:
         """Return parameter `index`'s gradient as a leaf to send: its array family, itself, its
@@ -177,12 +185,15 @@ class StepTemplate:
             self.families[index] = family
         return (family, grad, *self._names[index])
 
-    def flags(self, filled: list[int], abandoned: bool, sparse: list[int]) -> np.ndarray:
+    def flags(
+        self, filled: list[int], abandoned: bool, sparse: list[int], promises: bool
+    ) -> np.ndarray:
         """The flags a step sends with its last bucket, in the template's buffer: had a gradient (n:
-        0 for `filled`), this rank abandoned the step (1), and each parameter's gradient was
-        sparse here (n: 1 for `sparse`). The reduced flags land in it."""
+        0 for `filled`), this rank abandoned the step (1), each parameter's gradient was sparse
+        here (n: 1 for `sparse`), then the `WORDS`: whether it `promises` the next step, and that
+        it made this one. The reduced flags land in it."""
         flags = self._flags
-        n = (flags.size - 1) // 2
+        n = (flags.size - 1 - WORDS) // 2
         flags[: n + 1] = 1
         flags[n + 1 :] = 0
         flags[n] = abandoned
@@ -190,7 +201,15 @@ class StepTemplate:
             flags[filled] = 0
         if sparse:
             flags[[n + 1 + i for i in sparse]] = 1
+        flags[2 * n + 1 + PROMISES], flags[2 * n + 1 + MADE] = promises, 1
         return flags
+
+
+def kept_flags(n: int, joining: bool) -> np.ndarray:
+    """The flags of a step made on zeros to keep a promise: no gradient, not made, `joining`."""
+    flags = np.zeros(2 * n + 1 + WORDS, np.float32)
+    flags[2 * n + 1 + JOINING] = joining
+    return flags
 
 
 def arrival_order(arrival: list[int], n: int) -> list[int]:
@@ -350,8 +369,8 @@ def replay_of(
         for flush, more in zip(flushes, extra, strict=True):
             flush.extend(more)
     if flushes:
-        # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n).
-        flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1,)))
+        # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n), words (`WORDS`).
+        flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1 + WORDS,)))
     laid_out = {id(p) for _, p in params}
     late = [add(p) for _, p in current if id(p) not in laid_out]
     if late:

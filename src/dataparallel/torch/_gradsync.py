@@ -16,6 +16,11 @@ buckets go out while backward runs, on the communication thread, or all at its e
 - Every step begins with a handshake (`protocol.handshake`) before its first bucket: a step that
   does not line up with the other ranks' raises `CollectiveMismatchError` on every rank instead of
   hanging. Ranks that have joined (`dp.join`) answer it by replaying the step's buckets with zeros.
+  Once every rank has promised, in the words of a step's flags, that its next call is the same
+  step again (nothing else called on the engine between two steps, the layout unchanged), that
+  step goes without a handshake, as Horovod's response cache skips its negotiation: a rank that
+  calls something else first keeps its promise on zeros (`protocol.owe`), and the ranks that made
+  the step raise `CollectiveMismatchError` at its end (or, where it joins, count it as joined).
 - A rank whose backward failed after its gradients began to go out completes the step's messages
   at its next `zero_grad()`/`step()`, flagged abandoned: the other ranks' `step()` raises
   `RankFailedError` instead of applying an incomplete average.
@@ -52,8 +57,20 @@ from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
 from dataparallel.collectives import objects
 from dataparallel.errors import CollectiveMismatchError, RankFailedError
-from dataparallel.protocol import Started, digest, handshake, start_handshake
+from dataparallel.protocol import (
+    GATHER_LIMIT,
+    Started,
+    digest,
+    handshake,
+    handshakes,
+    owe,
+    owed,
+    start_handshake,
+)
 from dataparallel.torch._buckets import (
+    JOINING,
+    MADE,
+    PROMISES,
     Bucket,
     Modes,
     ModeTrial,
@@ -63,6 +80,7 @@ from dataparallel.torch._buckets import (
     check_options,
     describe,
     grad_family,
+    kept_flags,
     layout,
     message,
     on_host,
@@ -248,6 +266,10 @@ class GradientSync:
         self._rebuilt = False
         self._filled: list[int] = []
         self._arrival: list[int] = []
+        self._layouts = 0  # layouts made so far (a promise holds for one)
+        self._promise: Callable[[bool], None] | None = None  # what this rank owes (`protocol.owe`)
+        self._promised_layout = self._promising_layout = -1
+        self._quiet = -1  # the engine's handshakes when the last step ended (`_may_promise`)
         self._lay_out(trainable, None)
         self._clear()
 
@@ -270,6 +292,7 @@ class GradientSync:
 
     def _lay_out(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
+        self._layouts += 1
         if [id(p) for _, p in params] != [id(p) for _, p in self._params]:
             self._params = list(params)
             displaced = self._hooks.hook([p for _, p in self._params])
@@ -472,6 +495,9 @@ class GradientSync:
         self._flags: np.ndarray | None = None
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
+        self._keeping = False  # this step is the one every rank promised (`_agree`)
+        if owed(self.backend) == self._end_then_keep:  # a step discarded before its end
+            owe(self.backend, None)
         self._early: Started | None = None  # this step's handshake, begun at its first gradient
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
@@ -514,7 +540,7 @@ class GradientSync:
             self._router.progress()
         hooks.mark(index)
         self._arrival.append(index)
-        if len(self._arrival) == 1 and self._begins_early:
+        if len(self._arrival) == 1 and self._begins_early and not self._promised():
             self._early = start_handshake(
                 self.backend, self._step_summary(), self._template.records
             )
@@ -547,6 +573,8 @@ class GradientSync:
         late = [(n, p) for n, p in current if id(p) not in laid_out]
         if late:
             self._agree()
+            if self._keeping:  # made without a handshake: one for the late call, which a rank
+                self._agree_late(late)  # that kept its promise on zeros did not make
             leaves = []
             for name, p in late:
                 if p.grad is None:
@@ -563,6 +591,11 @@ class GradientSync:
         if self.backend.size == 1:
             return
         self.met_joined = False
+        if self._promised():  # every rank promised this step: no handshake (`_may_promise`)
+            owe(self.backend, None)
+            self._promise, self._keeping = None, True
+            self._router.begin(joined=False, offload=self.overlap and self._host)
+            return
         try:
             options: Any = self._options
             if self._low is not None:
@@ -584,11 +617,129 @@ class GradientSync:
             raise
         self._router.begin(joined=self._joined, offload=self.overlap and self._host)
 
+    def _agree_late(self, late: NamedParams) -> None:
+        """A step every rank promised has parameters trainable since its layout: make their call's
+        handshake, which a rank that kept its promise on zeros (without them: it cannot know
+        them) meets with its own call's (every rank raises `CollectiveMismatchError`) or, having
+        joined, answers with their call on zeros."""
+        if owed(self.backend) == self._end_then_keep:  # no promise past a step with these:
+            owe(self.backend, None)  # its layout changes at its end
+        self._promising_layout = -1
+        described = describe(self.owner, self._options, late)
+        replay = replay_of([], [], late, self._action, self.bucket_bytes, self._wire)
+        try:
+            handshake(
+                self.backend,
+                f"{self._summary}|late|{sorted(described.items())}",
+                {**described, "collective": f"{self.owner} gradient reduction, late parameters"},
+                replay=lambda _: replay,
+                on_joined=self._note_joined,
+            )
+        except CollectiveMismatchError:
+            self._state = State.FAILED
+            raise
+        if self._joined:  # the call goes where a joined rank answers: the world's engine
+            self._router.finish()  # (the step's buckets land first, on their own lane)
+            self._router.begin(joined=True, offload=False)
+
     def _step_summary(self) -> int:
         """The digest this step's handshake compares: of the layout, and PowerSGD's step count."""
         if self._low is None:
             return self._template.digest
         return digest(self._summary + self._low.describe())
+
+    # -- a step made without a handshake, as every rank promised ------------------------------
+
+    def _may_promise(self) -> bool:
+        """Whether this rank promises, in this step's flags, that its next call on the engine is
+        this step again: nothing but this step's own handshake was made on the engine since the
+        last step ended (a step between others' calls would be made on zeros time and again),
+        this reduction is one whose calls its layout alone decides (no PowerSGD, gathered sparse
+        gradients, nor `dp.torch.join`'s calls after it), and no other promise is held. Up to
+        `GATHER_LIMIT` ranks: the words are counted in the bucket's dtype, exact in 16 bits up
+        to 256."""
+        b = self.backend
+        return (
+            1 < b.size <= GATHER_LIMIT
+            and self._low is None
+            and not self._sparse.members
+            and self.then_replay is None
+            and self.on_join is None
+            and not self._abandoned
+            and not self._joined
+            and owed(b) is None
+            and handshakes(b) == self._quiet + (0 if self._keeping else 1)
+        )
+
+    def _promised(self) -> bool:
+        """Whether this step is the one every rank promised (its layout the promised one)."""
+        promise = self._promise
+        return (
+            promise is not None
+            and owed(self.backend) is promise
+            and self._layouts == self._promised_layout
+            and self.then_replay is None  # `dp.torch.join` began since: its ranks must handshake
+            and self.on_join is None
+        )
+
+    def _owe(self) -> None:
+        """Every rank promised the next step (`_may_promise`): hold the promise, unless the
+        layout changed since (on every rank alike) or another reduction holds one."""
+        if self._layouts != self._promising_layout or self._joined or owed(self.backend):
+            return
+        params, buckets = list(self._params), [list(b.members) for b in self._buckets]
+        self._promise = partial(self._keep_on_zeros, params, buckets)
+        self._promised_layout = self._layouts
+        owe(self.backend, self._promise)
+
+    def _end_then_keep(self, joining: bool) -> None:
+        """This rank is about to make another call after sending its promise, before `wait()`:
+        end the step (which holds the promise if every rank made it), then keep the promise."""
+        self.wait()
+        promise = self._promise
+        if promise is not None and owed(self.backend) is promise:
+            owe(self.backend, None)
+            promise(joining)
+
+    def _keep_on_zeros(self, params: NamedParams, buckets: list[list[int]], joining: bool) -> None:
+        """This rank is about to make another call (`protocol.settle`) than the step it
+        promised: make that step's calls on zeros, as the other ranks make them, flagged as not
+        made (or as joining), so that they learn it at the step's end."""
+        self._promise = None  # `settle` took it
+        router = self._router
+        router.begin(joined=False, offload=False)
+        for b, members in enumerate(buckets):
+            leaves = []
+            for i in members:
+                name, p = params[i]
+                zeros = torch.zeros_like(p)
+                leaves.append(_leaf(grad_family(self.owner, name, zeros), zeros))
+            last = b == len(buckets) - 1
+            router.put(leaves, kept_flags(len(params), joining) if last else None)
+        router.finish()  # parameters trainable since: their call begins with a handshake
+
+    def _words(self) -> np.ndarray | None:
+        """How many ranks said each of the words after this step's flags (`_buckets.WORDS`)."""
+        if self._flags is None:
+            return None
+        scale = self._action.scale or 1.0
+        return np.rint(self._flags[2 * len(self._params) + 1 :] / scale)
+
+    def _someone_else(self, words: np.ndarray) -> None:
+        """Some rank kept its promise of this step on zeros: it joined (its zeros are what it
+        answers with; noted as a handshake notes it), or it makes another call: raise
+        `CollectiveMismatchError` on every rank, with its call, through a handshake no other
+        call can agree with."""
+        if words[MADE] + words[JOINING] == self.backend.size:
+            self._note_joined()
+            return
+        self._state = State.FAILED
+        done = "this step, made without a handshake as every rank promised at the last"
+        call = {**describe(self.owner, self._options, self._params), "made": done}
+        handshake(self.backend, f"{self._summary}|made as promised", call)
+        raise CollectiveMismatchError(  # unreachable: that handshake's digest is no other call's
+            f"{self.owner}: a rank made another call than the gradient reduction all promised."
+        )
 
     def _note_joined(self) -> None:
         self._joined = True  # no rebuild this step
@@ -695,7 +846,11 @@ class GradientSync:
             delivers.append(None)
         last = b == len(self._buckets) - 1
         if last:  # the flags travel with the last bucket
-            self._flags = template.flags(self._filled, self._abandoned, self._sparse.seen)
+            promises = self._may_promise()
+            self._promising_layout = self._layouts if promises else -1
+            if promises:  # a call before `wait()` finds whether all did, and keeps it (`_owe`)
+                owe(self.backend, self._end_then_keep)
+            self._flags = template.flags(self._filled, self._abandoned, self._sparse.seen, promises)
         flags = self._flags if last else None
         if low is None:
             self._router.send(leaves, flags, delivers)
@@ -727,6 +882,8 @@ class GradientSync:
             return
         if self._state == State.FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
+        if owed(self.backend) == self._end_then_keep:  # calls from here on are every rank's
+            owe(self.backend, None)
         self._launch_rest()
         self._router.finish()
         if self._low is not None:
@@ -734,11 +891,15 @@ class GradientSync:
         if self._sparse.members:
             self._agree()  # made already, unless every parameter is gathered
             self._sparse.reduce(self._params, self.backend, self.op == "avg")
+        words = self._words()
+        if self._keeping and words is not None and words[MADE] < self.backend.size:
+            self._someone_else(words)
         if self._flags is not None:
+            n = len(self._params)
             for i in self._filled:
                 if self._flags[i] == 0:  # no rank had a gradient: keep None, as one process would
                     self._params[i][1].grad = None
-            if self._sparse.learn(self._params, self._flags[len(self._params) + 1 :]):
+            if self._sparse.learn(self._params, self._flags[n + 1 : 2 * n + 1]):
                 self._options["sparse"] = sorted(self._sparse.members)
                 self._lay_out(self._params, [i for b in self._buckets for i in b.members])
         self._state = State.DONE
@@ -754,6 +915,9 @@ class GradientSync:
             mode = self._modes.switch(self._began)
             if mode is not None:
                 self._switch(mode)
+        self._quiet = handshakes(self.backend)
+        if words is not None and words[PROMISES] == self.backend.size:
+            self._owe()
         if self._flags is not None and self._flags[len(self._params)] > 0 and not self._abandoned:
             raise RankFailedError(message("abandoned", self.owner, self.passes))
 
@@ -844,7 +1008,7 @@ def _use_count() -> Callable[[int], int] | None:
     way to tell whether a tensor is the only one seeing its memory, and a gradient that a view
     also sees (a flat buffer the user made the gradients views of) must be written into, never
     moved. Checked once on a tensor and its view: where the function is absent, raises, or
-    counts otherwise (another torch), None, and every gradient is copied back."""
+    counts otherwise (another torch), None, and every gradient is copied back as before."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
