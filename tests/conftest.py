@@ -12,6 +12,9 @@ When the world has several ranks:
 - every rank must collect the same tests, in the same order (checked once, after collection);
 - only rank 0 prints pytest's usual report, so the job's last line is rank 0's summary;
 - tests marked `spawns` (they launch their own processes) are skipped; they run in the world of one;
+  so are tests in which no rank takes part (a parser, the source, a store or sockets of their
+  own): each rank would check the same thing alone, so they skip themselves
+  (`skipif(outer_world_size() > 1)`, tests/_jobs.py);
 - hypothesis draws the same examples on every rank (`derandomize=True`);
 - with `PYTEST_RANK_TRAIL` set to a folder, each rank keeps there a one-line note of the test it
   is in (`rank-R`): a rank killed by a signal (a crash in C: Python's faulthandler prints only

@@ -170,6 +170,7 @@ def test_an_object_with_shards_in_its_state_dict_loads_its_own_boxes(world: Back
 # -- in this world -------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["plain", "zero1", "zero2"])
 def test_a_round_trip_is_bit_for_bit(kind: str, folder: Path) -> None:
     model = make_model()

@@ -110,6 +110,7 @@ def test_a_sharded_optax_state_round_trips_bit_for_bit(folder: Path) -> None:
     assert_same(b, a, "two more steps")
 
 
+@pytest.mark.heavy
 def test_each_slice_is_written_into_its_parameters_whole_state(folder: Path) -> None:
     """The checkpoint holds `mu/w` of `w`'s shape, as the ranks' slices together make it: no
     rank's slice missing, none written twice."""

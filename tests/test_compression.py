@@ -275,6 +275,7 @@ def test_optax_distributed_optimizer_compresses_eagerly_and_under_jit(rank: int,
         assert np.all(np.abs(-np.asarray(updates["w"], np.float64) - mean) <= limit)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(COMPRESSIONS))
 def test_optax_compresses_under_jit_in_packed_16_bit_buffers_as_eagerly(

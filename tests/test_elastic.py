@@ -1,6 +1,8 @@
 """dp.elastic's pieces that need no launcher: the sampler's exactly-once split, the states'
 save/restore/sync, and `elastic.run` outside an elastic run. Runs at any world size (sync
 and the errors go through real collectives); the runs with a launcher are in test_elastic_runs.py.
+The pieces in which no rank takes part (the sampler's arithmetic, the liveness watch on a store
+of its own) run in the world of one only (`alone`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from _jobs import outer_world_size
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,6 +38,13 @@ def _world() -> None:
     dp.initialize()
 
 
+# Each rank of a multi-rank pass would run these alike and alone, the watch's waits included.
+alone = pytest.mark.skipif(
+    outer_world_size() > 1, reason="no rank takes part: runs in the world of one"
+)
+
+
+@alone
 @given(
     samples=st.integers(1, 40),
     batch=st.integers(1, 5),
@@ -69,6 +79,7 @@ def test_every_sample_once_per_epoch_across_resplits(
     assert sorted(committed) == list(range(samples))
 
 
+@alone
 def test_sampler_shares_differ_by_one_at_most_and_never_repeat() -> None:
     sampler = ElasticSampler(range(10), shuffle=False)
     shares = []
@@ -83,6 +94,7 @@ def test_sampler_shares_differ_by_one_at_most_and_never_repeat() -> None:
     assert sampler.epoch == 1 and not sampler.processed_indices
 
 
+@alone
 @pytest.mark.parametrize("habit", ["start", "end"])
 def test_set_epoch_of_the_epoch_in_progress_keeps_its_record(habit: str) -> None:
     """Both habits of the epoch loop, in one process: a re-entry after a roll-back (the record
@@ -117,6 +129,7 @@ def test_set_epoch_of_the_epoch_in_progress_keeps_its_record(habit: str) -> None
         assert sorted(i for t, i, _ in taken if t == e) == list(range(11)), e
 
 
+@alone
 def test_set_epoch_of_another_epoch_starts_it_afresh() -> None:
     sampler = ElasticSampler(range(6), shuffle=False)
     sampler.record_indices([0, 1])
@@ -469,6 +482,7 @@ def test_torch_state_carries_a_fully_sharded_model_and_its_optimizer(
     assert all(isinstance(p, torch.Tensor) for p, _, _ in after)
 
 
+@alone
 def test_the_holders_of_a_lost_ranks_rows() -> None:
     """Each commit copies a rank's rows to the rank before it: a lost rank's rows are found
     there, and two neighbours lost at once (or copies never made) are said, not loaded in
@@ -517,6 +531,7 @@ print(json.dumps({"nowhere": nowhere, "cut": cut, "got": [g.decode() for g in go
 """
 
 
+@alone
 def test_cut_connections_wakes_a_reader_and_keeps_the_store() -> None:
     """The cut of a peer behind a dead link (`elastic.liveness`): a thread blocked reading a
     connection to the address wakes with the stream's end, at once; the store's stays open.
@@ -626,6 +641,7 @@ def test_a_worker_whose_watch_runs_exits_cleanly_while_rounds_open() -> None:
         assert "dataparallel-rounds" in worker.stdout, worker.stdout  # the watch did run
 
 
+@alone
 def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
     """The launcher's ear (`elastic.liveness.Heartbeats`) on a real store: a worker that beats is
     heard, one whose counter stands still for the limit is said silent (once, with how long),
@@ -659,7 +675,7 @@ def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
     assert ear.silent(store, workers) == {}
 
 
-@pytest.mark.heavy  # seconds of waiting on a store of its own: no engine or size takes part
+@alone  # seconds of waiting on a store of its own
 def test_a_worker_outlasts_a_store_stalled_past_the_link_timeout_but_not_past_the_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

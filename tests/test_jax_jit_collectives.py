@@ -87,6 +87,7 @@ def eager(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.array(x), tree)
 
 
+@pytest.mark.matrix(strength=1)
 @pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
 def test_jitted_allreduce_equals_the_eager_one(op: str, rank: int, bridge: str) -> None:
     x = values(rank)

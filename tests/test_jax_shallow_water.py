@@ -169,6 +169,7 @@ def alone() -> np.ndarray:
     return whole(solve(one_piece(), STEPS)[None], 1, 1)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("index", [0, 1], ids=["rows-first", "cols-first"])
 def test_the_halo_exchange_matches_one_process(
     index: int, rank: int, size: int, alone: np.ndarray

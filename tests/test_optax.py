@@ -103,7 +103,7 @@ OPTIMIZERS: dict[str, Callable[[], Any]] = {
 }
 
 
-@pytest.mark.matrix(strength=1)
+@pytest.mark.spread
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_shares_averaged_match_one_process_on_the_whole_batch(

@@ -42,7 +42,7 @@ def close(a: Any, b: Any, tol: float = 1e-5) -> None:
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=tol, atol=tol), a, b)
 
 
-@pytest.mark.matrix(strength=1)
+@pytest.mark.spread
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_sharded_state_matches_the_unsharded_optimizer(
@@ -73,6 +73,7 @@ def test_each_rank_keeps_the_state_of_its_slice(rank: int, size: int) -> None:
     assert all(part - size < n <= part for n in every)
 
 
+@pytest.mark.heavy
 def test_mixed_dtypes(rank: int, size: int) -> None:
     params = {"a": jnp.linspace(0.0, 1.0, 7, dtype=jnp.float32), "b": jnp.ones(5, jnp.bfloat16)}
     grads = {"a": jnp.full(7, float(rank + 1), jnp.float32), "b": jnp.full(5, 2.0, jnp.bfloat16)}
@@ -85,7 +86,7 @@ def test_mixed_dtypes(rank: int, size: int) -> None:
         np.testing.assert_allclose(np.asarray(updates["b"], np.float32), np.full(5, -1.0))
 
 
-@pytest.mark.matrix(strength=1)
+@pytest.mark.spread
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", sorted(set(SHARDABLE) - {"adam"}))
 def test_masks_and_labels_as_trees_pick_the_same_leaves(
@@ -189,7 +190,7 @@ def _rounded(x: np.ndarray, dtype: Any) -> np.ndarray:
     return np.choose(best, candidates).view(dtype)
 
 
-@pytest.mark.matrix(strength=1)
+@pytest.mark.spread
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", ["adam", "adamw-masked"])
 def test_consolidated_state_restores_at_any_world_size(

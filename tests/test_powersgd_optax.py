@@ -238,6 +238,7 @@ def test_another_ranks_residuals_are_not_added(jit: bool) -> None:
     jax.tree.map(np.testing.assert_array_equal, took, expected)
 
 
+@pytest.mark.heavy
 def test_elastic_tree_state_commits_restores_and_synchronizes_it() -> None:
     """`dp.elastic.TreeState` commits the PowerSGD state with the rest and rolls back to it;
     synchronized from rank 0 (a re-formed world), the bases are rank 0's, and so is `owner`, so

@@ -69,6 +69,7 @@ def _drift(compression: Any, face: str) -> float:
     return float((model.w.detach() + STEPS * (1 + 2**-9) / dp.size()).abs().max())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("face", ["optimizer", "model"])
 def test_feedback_sends_what_was_computed_over_the_steps(face: str) -> None:
     """Without feedback every step loses 2**-9 the same way (64 steps: 0.125, averaged over the
@@ -131,6 +132,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.spread
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
 @pytest.mark.parametrize("face", ["optimizer", "model"])
 def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(face: str, wire: str) -> None:

@@ -126,6 +126,7 @@ def step_both(
     return float(dp.allreduce(loss.detach(), op="avg")), float(ref_loss.detach())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("variant", ["plain", "tied", "mixed", "staged", "keep"])
 def test_training_equals_unsharded(optimizer: str, variant: str) -> None:
