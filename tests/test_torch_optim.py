@@ -555,19 +555,27 @@ def test_a_loss_averaged_between_backward_and_step_keeps_the_steps_right(world: 
     assert protocol.owed(world) is None  # no promise made with calls between the steps
 
 
-@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
-def test_a_parameter_made_trainable_inside_a_promised_step_is_averaged(world: Backend) -> None:
-    """Every rank makes a frozen parameter trainable between `zero_grad()` and backward of a step
-    they all promised: its gradient goes in a call after the step's buckets, which begins with a
-    handshake of its own (the step made none), and every gradient is what one process's is."""
+def promised_pair(
+    world: Backend, frozen_bias: bool = False
+) -> tuple[nn.Module, dp.DistributedOptimizer, nn.Module, torch.optim.SGD]:
+    """A model and its one-process reference after four steps: step 4 is promised."""
     model, reference = make_model(), make_model()
-    for m in (model, reference):
+    for m in (model, reference) if frozen_bias else ():
         m[0].bias.requires_grad_(False)
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(4):
         step_pair(model, opt, reference, ref_opt, *global_batch(step))
-    assert protocol.owed(world) is not None  # step 4 was promised
+    assert protocol.owed(world) is not None
+    return model, opt, reference, ref_opt
+
+
+@pytest.mark.skipif(dp.size() == 1, reason="a world of one makes no handshake")
+def test_a_parameter_made_trainable_inside_a_promised_step_is_averaged(world: Backend) -> None:
+    """Every rank makes a frozen parameter trainable between `zero_grad()` and backward of a step
+    they all promised: its gradient goes in a call after the step's buckets, which begins with a
+    handshake of its own (the step made none), and every gradient is what one process's is."""
+    model, opt, reference, ref_opt = promised_pair(world, frozen_bias=True)
     x, y = global_batch(4)
     opt.zero_grad()
     ref_opt.zero_grad()
@@ -605,16 +613,7 @@ def test_a_rank_that_breaks_a_promised_step_raises_a_mismatch_on_every_rank(
     instead of the promised step: it makes that step on zeros, and every rank raises
     `CollectiveMismatchError` naming what differs, as the handshake would have. When every rank
     calls the same other thing, nothing is raised."""
-    model = make_model()
-    reference = make_model()
-    if other == "an unfrozen parameter":
-        model[0].bias.requires_grad_(False)
-        reference[0].bias.requires_grad_(False)
-    opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(4):
-        step_pair(model, opt, reference, ref_opt, *global_batch(step))
-    assert protocol.owed(world) is not None  # step 4 was promised
+    model, opt, reference, ref_opt = promised_pair(world, other == "an unfrozen parameter")
     deviant = other == "every rank" or world.rank == world.size - 1
     x, y = global_batch(4)
     if other == "every rank":
