@@ -61,17 +61,12 @@ class SparseGrads:
             self.seen.append(index)
         return grad
 
-    def flags(self, n: int) -> np.ndarray:
-        """Return one float per parameter: 1 where a sparse gradient went into a bucket here."""
-        flags = np.zeros(n, np.float32)
-        flags[self.seen] = 1
-        return flags
-
     def learn(self, params: list[tuple[str, torch.Tensor]], flags: np.ndarray) -> bool:
         """After a step's buckets: give back sparse layouts, and move the parameters found
         sparse on some rank to the gathered path. Return whether the gathered set grew.
 
-        `flags` are the reduced `flags()` of every rank, equal everywhere.
+        `flags` are the step's reduced sparse flags (1 where a rank sent a sparse gradient dense,
+        `seen`; `StepTemplate.flags`), equal everywhere.
         """
         found = [int(i) for i in np.flatnonzero(flags)]
         for i in found:
