@@ -30,7 +30,16 @@ from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
 from dataparallel.arrays.trace import Timeline
 from dataparallel.backends.base import Backend, released
 
-__all__ = ["LEAVE_IN_FLIGHT", "THREAD_PAUSE", "CommThread", "Job", "Leaf", "Privates", "Router"]
+__all__ = [
+    "LEAVE_IN_FLIGHT",
+    "THREAD_PAUSE",
+    "CommThread",
+    "Job",
+    "Leaf",
+    "Privates",
+    "Router",
+    "leaf_of",
+]
 
 # Seconds the communication thread sleeps between tests of an MPI call (`fusion.settle`).
 THREAD_PAUSE = 1e-4
@@ -40,6 +49,11 @@ LEAVE_IN_FLIGHT = True
 # An array to send, validated: its family, itself, its dtype and its device (`Family.dtype`,
 # `Family.device`), which the caller knows (a gradient's are its parameter's).
 Leaf = tuple[Family, object, str, str]
+
+
+def leaf_of(family: Family, x: object) -> Leaf:
+    """`x` as a leaf to send, its dtype and device asked of its family."""
+    return family, x, family.dtype(x), family.device(x)
 
 
 class Job:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dataparallel.arrays.actions import Reduction, Scatter
-from dataparallel.arrays.comm_thread import Leaf
+from dataparallel.arrays.comm_thread import Leaf, leaf_of
 from dataparallel.arrays.compression import Compressing
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.arrays.families import Family, family_of
@@ -50,6 +50,7 @@ __all__ = [
     "bucket_bytes_for",
     "check_options",
     "describe",
+    "flag_count",
     "grad_family",
     "kept_flags",
     "layout",
@@ -135,7 +136,7 @@ def layout(
     # Leave room for the flag vector that travels with the last bucket (two floats per parameter,
     # one for "a rank abandoned this step", and the promise's words). Parameters not in `order`
     # go in no bucket.
-    flags = 4 * (2 * len(params) + 1 + WORDS)
+    flags = 4 * flag_count(len(params))
     budget = bucket_bytes - flags if 2 * flags <= bucket_bytes else bucket_bytes
     buckets = assign(params, order, budget, FIRST_BUCKET_BYTES)
     return buckets, summarize(owner, options, params, buckets, full)
@@ -145,6 +146,12 @@ def layout(
 # is this step again, it made this step (0: it kept a promise on zeros), it kept it as it joins.
 PROMISES, MADE, JOINING = range(3)
 WORDS = 3
+
+
+def flag_count(n: int) -> int:
+    """How many floats a step of `n` parameters sends with its last bucket: had a gradient (n),
+    abandoned (1), was sparse (n), then the `WORDS`."""
+    return 2 * n + 1 + WORDS
 
 
 class StepTemplate:
@@ -169,7 +176,7 @@ class StepTemplate:
         self.digest = digest(summary)
         # The handshake's records (a world of one has none; larger worlds allreduce bounds).
         self.records = Records(size, self.digest) if 1 < size <= GATHER_LIMIT else None
-        self._flags = np.empty(2 * n + 1 + WORDS, np.float32)
+        self._flags = np.empty(flag_count(n), np.float32)
 
     def leaf(self, owner: str, name: str, index: int, grad: torch.Tensor) -> Leaf:
         """Return parameter `index`'s gradient as a leaf to send: its array family, itself, its
@@ -181,7 +188,7 @@ class StepTemplate:
         if family is None or not known or grad.layout != torch.strided:
             family = grad_family(owner, name, grad)
             if not known:
-                return family, grad, family.dtype(grad), family.device(grad)
+                return leaf_of(family, grad)
             self.families[index] = family
         return (family, grad, *self._names[index])
 
@@ -193,7 +200,7 @@ class StepTemplate:
         here (n: 1 for `sparse`), then the `WORDS`: whether it `promises` the next step, and that
         it made this one. The reduced flags land in it."""
         flags = self._flags
-        n = (flags.size - 1 - WORDS) // 2
+        n = (flags.size - 1 - WORDS) // 2  # `flag_count`
         flags[: n + 1] = 1
         flags[n + 1 :] = 0
         flags[n] = abandoned
@@ -201,14 +208,15 @@ class StepTemplate:
             flags[filled] = 0
         if sparse:
             flags[[n + 1 + i for i in sparse]] = 1
-        flags[2 * n + 1 + PROMISES], flags[2 * n + 1 + MADE] = promises, 1
+        words = flags[-WORDS:]
+        words[PROMISES], words[MADE] = promises, 1
         return flags
 
 
 def kept_flags(n: int, joining: bool) -> np.ndarray:
     """The flags of a step made on zeros to keep a promise: no gradient, not made, `joining`."""
-    flags = np.zeros(2 * n + 1 + WORDS, np.float32)
-    flags[2 * n + 1 + JOINING] = joining
+    flags = np.zeros(flag_count(n), np.float32)
+    flags[-WORDS + JOINING] = joining
     return flags
 
 
@@ -369,8 +377,7 @@ def replay_of(
         for flush, more in zip(flushes, extra, strict=True):
             flush.extend(more)
     if flushes:
-        # As GradientSync's: had a gradient (n), abandoned (1), was sparse (n), words (`WORDS`).
-        flushes[-1].append((HOST_KEY, "float32", (2 * len(params) + 1 + WORDS,)))
+        flushes[-1].append((HOST_KEY, "float32", (flag_count(len(params)),)))  # GradientSync's
     laid_out = {id(p) for _, p in params}
     late = [add(p) for _, p in current if id(p) not in laid_out]
     if late:

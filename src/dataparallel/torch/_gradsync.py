@@ -49,7 +49,7 @@ import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
-from dataparallel.arrays.comm_thread import Leaf, Router
+from dataparallel.arrays.comm_thread import Leaf, Router, leaf_of
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
@@ -71,6 +71,7 @@ from dataparallel.torch._buckets import (
     JOINING,
     MADE,
     PROMISES,
+    WORDS,
     Bucket,
     Modes,
     ModeTrial,
@@ -579,7 +580,7 @@ class GradientSync:
             for name, p in late:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                leaves.append(_leaf(grad_family(self.owner, name, p.grad), p.grad))
+                leaves.append(leaf_of(grad_family(self.owner, name, p.grad), p.grad))
             self._router.send(leaves)
         return current
 
@@ -713,7 +714,7 @@ class GradientSync:
             for i in members:
                 name, p = params[i]
                 zeros = torch.zeros_like(p)
-                leaves.append(_leaf(grad_family(self.owner, name, zeros), zeros))
+                leaves.append(leaf_of(grad_family(self.owner, name, zeros), zeros))
             last = b == len(buckets) - 1
             router.put(leaves, kept_flags(len(params), joining) if last else None)
         router.finish()  # parameters trainable since: their call begins with a handshake
@@ -723,7 +724,7 @@ class GradientSync:
         if self._flags is None:
             return None
         scale = self._action.scale or 1.0
-        return np.rint(self._flags[2 * len(self._params) + 1 :] / scale)
+        return np.rint(self._flags[-WORDS:] / scale)
 
     def _someone_else(self, words: np.ndarray) -> None:
         """Some rank kept its promise of this step on zeros: it joined (its zeros are what it
@@ -842,7 +843,7 @@ class GradientSync:
             delivers.append(partial(_adopt, family, grad) if adopt else None)
         if low is not None and compressed:  # the Ps of the bucket's matrices, in its call
             factors = low.first(b, compressed, self._params, computed_now)
-            leaves.append(_leaf(grad_family(self.owner, "PowerSGD P", factors), factors))
+            leaves.append(leaf_of(grad_family(self.owner, "PowerSGD P", factors), factors))
             delivers.append(None)
         last = b == len(self._buckets) - 1
         if last:  # the flags travel with the last bucket
@@ -941,7 +942,7 @@ class GradientSync:
             low.finish_back(newest)
         for c in due:
             q = low.second(c)
-            leaves.append(_leaf(grad_family(self.owner, "PowerSGD Q", q), q))
+            leaves.append(leaf_of(grad_family(self.owner, "PowerSGD Q", q), q))
             low.q_in[c] = b
         if leaves or flags is not None:
             router.put(leaves, flags)
@@ -972,11 +973,6 @@ class GradientSync:
                 if fusion is not None:
                     fusion.bucket_bytes = self.bucket_bytes
         self._lay_out(self._params, [i for b in self._buckets for i in b.members])
-
-
-def _leaf(family: Family, x: Any) -> Leaf:
-    """A leaf for `Router.send`: an array with its family, dtype and device."""
-    return family, x, family.dtype(x), family.device(x)
 
 
 def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
