@@ -497,8 +497,7 @@ class GradientSync:
         self._sparse.seen.clear()
         self._agreed = self._abandoned = self._joined = False
         self._keeping = False  # this step is the one every rank promised (`_agree`)
-        if owed(self.backend) == self._end_then_keep:  # a step discarded before its end
-            owe(self.backend, None)
+        self._take_back_pending()  # a step discarded before its end
         self._early: Started | None = None  # this step's handshake, begun at its first gradient
         self._router.discard()  # left by a step that failed; nothing otherwise
         self._router.trace(world.current().timeline if world.initialized() else None)
@@ -623,8 +622,7 @@ class GradientSync:
         handshake, which a rank that kept its promise on zeros (without them: it cannot know
         them) meets with its own call's (every rank raises `CollectiveMismatchError`) or, having
         joined, answers with their call on zeros."""
-        if owed(self.backend) == self._end_then_keep:  # no promise past a step with these:
-            owe(self.backend, None)  # its layout changes at its end
+        self._take_back_pending()  # no promise past a step with these: its layout changes
         self._promising_layout = -1
         described = describe(self.owner, self._options, late)
         replay = replay_of([], [], late, self._action, self.bucket_bytes, self._wire)
@@ -692,6 +690,12 @@ class GradientSync:
         self._promise = partial(self._keep_on_zeros, params, buckets)
         self._promised_layout = self._layouts
         owe(self.backend, self._promise)
+
+    def _take_back_pending(self) -> None:
+        """Take back the promise this step's flags sent, where it is still pending on the step's
+        end (`_end_then_keep`): a promise held since, or another reduction's, stays."""
+        if owed(self.backend) == self._end_then_keep:
+            owe(self.backend, None)
 
     def _end_then_keep(self, joining: bool) -> None:
         """This rank is about to make another call after sending its promise, before `wait()`:
@@ -883,8 +887,7 @@ class GradientSync:
             return
         if self._state == State.FAILED:
             raise RuntimeError(message("failed", self.owner, self.passes))
-        if owed(self.backend) == self._end_then_keep:  # calls from here on are every rank's
-            owe(self.backend, None)
+        self._take_back_pending()  # calls from here on are every rank's
         self._launch_rest()
         self._router.finish()
         if self._low is not None:
