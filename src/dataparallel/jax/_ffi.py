@@ -20,7 +20,8 @@ in, XLA here runs the handler on the step's own memory.
   carries: a hash of what the step is, not a count (`reduce_ffi`), so the same step traced in
   another process (the next run of a script) makes the same program, which JAX's persistent
   compilation cache finds. `dp.finalize()` empties the table (`caches`): a step compiled before
-  then and called after raises, saying to trace it again.
+  then and called after raises, saying to trace it again, unless a step of equal key was traced
+  since (it then runs that one's reduction: `reduce_ffi`).
 """
 
 from __future__ import annotations

@@ -1007,7 +1007,7 @@ def _use_count() -> Callable[[int], int] | None:
     way to tell whether a tensor is the only one seeing its memory, and a gradient that a view
     also sees (a flat buffer the user made the gradients views of) must be written into, never
     moved. Checked once on a tensor and its view: where the function is absent, raises, or
-    counts otherwise (another torch), None, and every gradient is copied back as before."""
+    counts otherwise (another torch), None, and every gradient is copied back."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
