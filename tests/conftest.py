@@ -213,8 +213,11 @@ def _note(text: str) -> None:
         return
     rank = _state["backend"].rank
     line = f"[rank {rank}] {text} (pid {os.getpid()}, {time.strftime('%H:%M:%S')})\n"
-    with open(trail / f"rank-{rank}", "w") as note:
-        note.write(line)
+    # Written aside, then renamed: a rank killed mid-write leaves its last whole note, not none.
+    path = trail / f"rank-{rank}"
+    staged = path.with_name(f".{path.name}.new")
+    staged.write_text(line)
+    os.replace(staged, path)
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:

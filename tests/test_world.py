@@ -311,6 +311,7 @@ def test_a_rank_killed_by_a_signal_leaves_a_note_naming_its_test(tmp_path: Path)
             world.barrier()
 
         def test_crashes_on_rank_1(rank):
+            dp.barrier()  # both ranks have noted this test before rank 1 aborts
             if rank == 1:
                 os.abort()
             dp.barrier()  # rank 0 waits here until mpiexec ends the job
@@ -320,14 +321,14 @@ def test_a_rank_killed_by_a_signal_leaves_a_note_naming_its_test(tmp_path: Path)
     output = job.stdout + job.stderr
     assert job.returncode != 0, output
     assert "Fatal Python error: Aborted" in output, output  # faulthandler's stacks, unnamed
-    notes = {path.name: path.read_text() for path in trail.iterdir()}
+    notes = {path.name: path.read_text() for path in trail.glob("rank-*")}
     assert sorted(notes) == ["rank-0", "rank-1"], notes
     for rank, note in enumerate(notes[f"rank-{r}"] for r in range(2)):
         assert note.startswith(f"[rank {rank}] was running test_job.py::test_crashes_on_rank_1 ")
     # Without the variable, no note is kept (an outer suite's is not inherited: `_jobs`).
     job = run_test_job(tmp_path, "def test_nothing(world):\n    world.barrier()\n")
     assert job.returncode == 0, job.stdout + job.stderr
-    assert {path.name: path.read_text() for path in trail.iterdir()} == notes
+    assert {path.name: path.read_text() for path in trail.glob("rank-*")} == notes
 
 
 @pytest.mark.spawns
