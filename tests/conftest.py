@@ -42,11 +42,11 @@ does `--matrix=full`, or naming the case on the command line.
 The world of one runs in two pytest-xdist workers (`make test-1`, `--dist loadgroup`): most of
 its time goes to tests that start jobs and wait on them. Each test goes to whichever worker is
 free, except the files of `ONE_WORKER`, whose tests share what is built once (the sdist, the docs
-site) or one thing of the machine (the Slurm cluster): each goes whole to one worker. (Whole files
-for all, `loadfile`, left one worker running the few slow files at the end, on its own: xdist
-deals files out by their number of tests.) The `spawns` tests go out first, the quick ones last.
-No test may count what runs on the whole machine, nor expect another test of its file to
-have run before it: any test may run beside it.
+site, a job whose output several tests read) or one thing of the machine (the Slurm cluster):
+each goes whole to one worker. (Whole files for all, `loadfile`, left one worker running the few
+slow files at the end, on its own: xdist deals files out by their number of tests.) The
+`spawns` tests go out first, the quick ones last. No test may count what runs on the whole
+machine, nor expect another test of its file to have run before it: any test may run beside it.
 
 Fixtures: `world` (the active backend), `rank`, `size`.
 """
@@ -78,6 +78,7 @@ ONE_WORKER = frozenset(
         "test_docs.py",
         "test_nccl.py",
         "test_package.py",
+        "test_quiet.py",
         "test_slurm_cluster.py",
         "test_torch_optim.py",
     }

@@ -210,12 +210,10 @@ def test_lightning_across_two_nodes_finds_distinct_ranks() -> None:
     assert_fits_like_one_process(output, 2)
 
 
-@needs_torch
-def test_run_gloo_rendezvous_works_for_torch_distributed() -> None:
-    done = run_job(["cli_gloo_allreduce.py"], ranks=2, backend="gloo", cwd=SCRIPTS)
-    assert done.returncode == 0, done.stderr
-    for r in range(2):
-        assert f"[rank {r}] sum=1 size=2" in done.stdout, done.stdout
+# torch.distributed's own `init_process_group("gloo")` (env://) from the variables of
+# `dataparallel run --backend gloo`: test_torch_distributed.py's
+# `test_a_torchrun_script_runs_under_dataparallel_run` (a Gloo job's ranks cost a torch import
+# each: one job for it).
 
 
 # --- failures end the job, with one traceback -----------------------------------------------

@@ -98,7 +98,8 @@ def _one_world(stdout: str, n: int, backend: str) -> list[dict[str, str]]:
     return worlds
 
 
-@pytest.mark.parametrize("n", [2, 3])
+# 3 tasks: Gloo worlds of 2 under Slurm are `dataparallel run -n 2` in one task, below.
+@pytest.mark.parametrize("n", [3])
 def test_srun_tasks_form_one_gloo_world(n: int) -> None:
     done = run_job(["srun", "-n", str(n), PYTHON, WORLD], launcher=None, timeout=LIMIT)
     assert done.returncode == 0, done.stdout + done.stderr

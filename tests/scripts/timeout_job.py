@@ -1,9 +1,11 @@
 """Rank 1 never joins: rank 0's collective must end with CollectiveTimeoutError, not a hang.
 
 Usage: `timeout_job.py [--timeout S] CALL [CALL ...]`, each CALL one of the collectives below,
-S the calls' timeout (default 1 s). Rank 0 makes each call in turn (rank 1 joins none, so each
-one's peer never comes) and prints `TIMEOUT <message>` when its error comes, or `NO TIMEOUT`;
-after the last it exits 3 if every call timed out. Rank 1 sleeps until the launcher ends it.
+S the calls' timeout (default 1 s). Every rank first prints `hello from R` with `dp.print`,
+which never communicates (tests/test_quiet.py reads the lines' prefixes). Rank 0 then makes each
+call in turn (rank 1 joins none, so each one's peer never comes) and prints `TIMEOUT <message>`
+when its error comes, or `NO TIMEOUT`; after the last it exits 3 if every call timed out. Rank 1
+sleeps until the launcher ends it.
 """
 
 import sys
@@ -17,6 +19,7 @@ timeout, names = 1.0, sys.argv[1:]
 if names[:1] == ["--timeout"]:
     timeout, names = float(names[1]), names[2:]
 dp.initialize(timeout=timeout)
+dp.print("hello from", dp.rank())
 calls = {
     "allreduce": lambda: dp.allreduce(np.ones(4)),
     "iallreduce": lambda: dp.iallreduce(np.ones(4)).wait(),
