@@ -269,6 +269,15 @@ def train_work(args: argparse.Namespace) -> None:
                     syncs[name] = opt.gradient_sync
                     if name == MPI_CASE and args.modes:  # dp MPI held in each mode: no trial
                         cases.update(variants(base, adam, batch, None, "MPI"))
+                    if name == HIERARCHICAL:  # the same with bigger buckets (`--buckets`)
+                        for mib in (int(v) for v in args.buckets.split(",") if v):
+                            model = copy.deepcopy(base)
+                            sized = dp.DistributedOptimizer(
+                                adam(model), backend=by_host, bucket_bytes=mib << 20
+                            )
+                            label = f"{HIERARCHICAL}, {mib} MiB buckets"
+                            cases[label] = (trainer(model, sized, batch), None)
+                            syncs[label] = sized.gradient_sync
                 elif name == DDP:
                     ddp = nn.parallel.DistributedDataParallel(model)
                     cases[name] = (trainer(ddp, adam(ddp), batch), None)
@@ -419,7 +428,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     worker += ["--seq", str(args.seq), "--stacks-after", str(max(1.0, args.timeout - 20))]
     worker += ["--stall", str(args.stall)]
     worker += ["--modes"] if args.modes else []
-    worker += ["--phases", str(args.phases)]
+    worker += ["--phases", str(args.phases), "--buckets", args.buckets]
     link.shape(args.rate, args.tbf)
     if args.rate:
         print(f"link: tbf rate {args.rate} {args.tbf}", flush=True)
@@ -629,6 +638,10 @@ def main() -> int:
     parser.add_argument(
         "--phases", type=int, default=0, help="--train: steps of the hierarchical case timed by "
         "phase after the rounds (rank 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--buckets", default="", help="--train: the hierarchical case also with buckets of "
+        "these MiB (comma-separated)",
     )  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stacks-after", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -58,7 +58,7 @@ from dataparallel.backends.base import (
 )
 from dataparallel.backends.connections import found_lost, shut_down
 from dataparallel.backends.gloo.group import join_group
-from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Staged
+from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Hierarchy, Staged
 from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
@@ -311,6 +311,12 @@ class GlooBackend(Backend):
             ReduceOp.MAX: dist.ReduceOp.MAX,
         }
         atexit.register(self.close)
+
+    @property
+    def calls_in_flight(self) -> int:
+        """Where the hierarchy's lanes carry the calls (`Hierarchy.start`), a step's buckets all
+        go to them as they come, so that the link never waits for the caller to land one."""
+        return 1 if self.hierarchy is None else IN_FLIGHT
 
     @property
     def owns_default_group(self) -> bool:

@@ -33,11 +33,15 @@ if TYPE_CHECKING:
 
     from dataparallel.config import Settings
 
-__all__ = ["MIN_BYTES", "Hierarchy", "Staged", "interleaved"]
+__all__ = ["IN_FLIGHT", "MIN_BYTES", "Hierarchy", "Staged", "interleaved"]
 
 # Below this a buffer takes the flat ring: the three steps' latency outweighs what they save,
 # even where the hosts interleave across a slow link.
 MIN_BYTES = 1 << 20
+# Calls a step leaves in the lanes before landing the oldest (`GlooBackend.calls_in_flight`): a
+# model's buckets on the communication thread (`torch._buckets.THREAD_BUCKETS`), so that the
+# lanes hold a whole step's and the memory held stays a few buckets'.
+IN_FLIGHT = 8
 
 
 def interleaved(hosts: list[str]) -> bool:
