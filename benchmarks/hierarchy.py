@@ -318,17 +318,17 @@ def phases(comm: Any, model: Any, opt: Any, batch: Any, steps: int) -> dict[str,
     spans: list[tuple[str, float, float]] = []
     scatter, gather = Hierarchy.scatter, Hierarchy.gather
 
-    def scattered(self: Hierarchy, staged: Any) -> None:
+    def scattered(self: Hierarchy, carried: Any) -> None:
         start = time.perf_counter()
-        scatter(self, staged)
+        scatter(self, carried)
         spans.append(("inside", start, time.perf_counter()))
 
-    def gathered(self: Hierarchy, staged: Any) -> None:
+    def gathered(self: Hierarchy, carried: Any) -> None:
         start = time.perf_counter()
-        if staged.work is not None:  # the step across, started by `scatter`
-            staged.work.wait()
+        if carried.work is not None:  # the step across, started by `scatter`
+            carried.work.wait()
         crossed = time.perf_counter()
-        gather(self, staged)
+        gather(self, carried)
         spans.extend(
             [("across wait", start, crossed), ("inside again", crossed, time.perf_counter())]
         )

@@ -58,7 +58,7 @@ from dataparallel.backends.base import (
 )
 from dataparallel.backends.connections import found_lost, shut_down
 from dataparallel.backends.gloo.group import join_group
-from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Hierarchy, Staged
+from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Carried, Hierarchy
 from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
@@ -420,7 +420,7 @@ class GlooBackend(Backend):
     def _hierarchical(self, wire: np.ndarray) -> bool:
         return self.hierarchy is not None and wire.nbytes >= MIN_BYTES
 
-    def _in_steps(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> Staged:
+    def _in_steps(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> Carried:
         assert self.hierarchy is not None
         self._refuse_if_closed(what)
         try:
@@ -430,7 +430,7 @@ class GlooBackend(Backend):
 
     def _reduce_in_flight(self, tensor: torch.Tensor, op: ReduceOp, stepped: bool) -> Work:
         """Start an allreduce of `tensor`: one ring, or the hierarchy's three steps."""
-        if stepped:  # `Staged` has the two methods of a torch work object that handles call
+        if stepped:  # `Carried` has the two methods of a torch work object that handles call
             return self._in_steps("iallreduce", tensor, op)  # type: ignore[return-value]
         return self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from dataparallel.config import Settings
 
-__all__ = ["IN_FLIGHT", "MIN_BYTES", "Hierarchy", "Staged", "interleaved"]
+__all__ = ["IN_FLIGHT", "MIN_BYTES", "Carried", "Hierarchy", "interleaved"]
 
 # Below this a buffer takes the flat ring: the three steps' latency outweighs what they save,
 # even where the hosts interleave across a slow link.
@@ -57,7 +57,7 @@ class _Work(Protocol):
     def wait(self) -> object: ...
 
 
-class Staged:
+class Carried:
     """One hierarchical allreduce in flight, as a torch work object for the engine's handle:
     `is_completed` says without blocking whether the lanes have written its result, `wait`
     blocks until they have and raises what a step of it raised."""
@@ -112,8 +112,8 @@ class Hierarchy:
         self._peers = members[host]  # the global ranks of this host, by local rank
         self._hosts = len(labels)
         # The two lanes (`start`): started with the first call, ended by `close`.
-        self._inside: queue.SimpleQueue[Staged | None] = queue.SimpleQueue()
-        self._outside: queue.SimpleQueue[Staged | None] = queue.SimpleQueue()
+        self._inside: queue.SimpleQueue[Carried | None] = queue.SimpleQueue()
+        self._outside: queue.SimpleQueue[Carried | None] = queue.SimpleQueue()
         self._lanes: list[threading.Thread] = []
         self._seq = 0
         self._broken: BaseException | None = None
@@ -148,7 +148,7 @@ class Hierarchy:
         processes used from another thread, whose calls must not meet these groups' calls."""
         return Hierarchy(self._dist, self.hosts, self.rank, timeout)
 
-    def start(self, tensor: torch.Tensor, op: object) -> Staged:
+    def start(self, tensor: torch.Tensor, op: object) -> Carried:
         """Start the three steps on the contiguous 1-D `tensor`, reduced in place.
 
         Two threads of this hierarchy's own (lanes) carry them, so that they move on while the
@@ -160,7 +160,7 @@ class Hierarchy:
         two lanes' messages never meet whatever the threads' timing. Gloo's own reduce-scatter
         is an allreduce of the whole buffer (twice the bytes, a copy), and its work object never
         reports completion: sends are the reduce-scatter the steps need."""
-        staged = Staged(tensor, op, self._seq)
+        carried = Carried(tensor, op, self._seq)
         self._seq += 1
         if not self._lanes:
             for name, loop in (("inside", self._scatter_loop), ("outside", self._gather_loop)):
@@ -169,8 +169,8 @@ class Hierarchy:
                 )
                 lane.start()
                 self._lanes.append(lane)
-        self._inside.put(staged)
-        return staged
+        self._inside.put(carried)
+        return carried
 
     def close(self) -> None:
         """End the lanes once the calls queued before are done (safe to call twice)."""
@@ -182,45 +182,45 @@ class Hierarchy:
         """Where each local rank's slice of an `n`-element buffer begins, and the end."""
         return [n * i // self.local_size for i in range(self.local_size + 1)]
 
-    def _tag(self, staged: Staged, step: int) -> int:
+    def _tag(self, carried: Carried, step: int) -> int:
         """The tag of a call's sends inside the host: its number and the step (0 or 1)."""
-        return (staged.seq % (1 << 29)) * 2 + step
+        return (carried.seq % (1 << 29)) * 2 + step
 
     def _scatter_loop(self) -> None:
-        while (staged := self._inside.get()) is not None:
+        while (carried := self._inside.get()) is not None:
             try:
                 if self._broken is not None:  # the calls no longer line up across ranks
                     raise self._broken
-                self.scatter(staged)
+                self.scatter(carried)
             except BaseException as error:
                 self._broken = self._broken or error
-                staged.fail(error)
+                carried.fail(error)
                 continue
-            self._outside.put(staged)
+            self._outside.put(carried)
         self._outside.put(None)
 
     def _gather_loop(self) -> None:
-        while (staged := self._outside.get()) is not None:
+        while (carried := self._outside.get()) is not None:
             try:
                 if self._broken is not None:
                     raise self._broken
-                self.gather(staged)
+                self.gather(carried)
             except BaseException as error:
                 self._broken = self._broken or error
-                staged.fail(error)
+                carried.fail(error)
                 continue
-            staged.done()
+            carried.done()
 
-    def scatter(self, staged: Staged) -> None:
+    def scatter(self, carried: Carried) -> None:
         """The first lane's part of a call: this rank's slice reduced inside the host (each
         peer's slice sent to it, theirs of this rank's received and combined in local rank
         order), then the step across hosts started on it."""
         import torch
 
-        tensor, dist, me = staged.tensor, self._dist, self.local_rank
+        tensor, dist, me = carried.tensor, self._dist, self.local_rank
         bounds = self._bounds(tensor.numel())
         mine = tensor[bounds[me] : bounds[me + 1]]
-        tag = self._tag(staged, 0)
+        tag = self._tag(carried, 0)
         sends, received = [], []
         for j, peer in enumerate(self._peers):
             if j == me:
@@ -229,25 +229,25 @@ class Hierarchy:
             sends.append(dist.isend(part, dst=peer, group=self.local, tag=tag))
             theirs = torch.empty_like(mine)
             received.append((dist.irecv(theirs, src=peer, group=self.local, tag=tag), theirs))
-        combine = _combiner(dist, staged.op)
+        combine = _combiner(dist, carried.op)
         for work, theirs in received:
             work.wait()
             combine(mine, theirs)
         for work in sends:  # the gather writes over what they send
             work.wait()
         if self._hosts > 1:
-            staged.work = dist.all_reduce(mine, op=staged.op, group=self.across, async_op=True)
+            carried.work = dist.all_reduce(mine, op=carried.op, group=self.across, async_op=True)
 
-    def gather(self, staged: Staged) -> None:
+    def gather(self, carried: Carried) -> None:
         """The second lane's part: wait for the step across, then share the slices inside the
         host, each received into its place in the buffer."""
-        if staged.work is not None:
-            staged.work.wait()
-            staged.work = None
-        tensor, dist, me = staged.tensor, self._dist, self.local_rank
+        if carried.work is not None:
+            carried.work.wait()
+            carried.work = None
+        tensor, dist, me = carried.tensor, self._dist, self.local_rank
         bounds = self._bounds(tensor.numel())
         mine = tensor[bounds[me] : bounds[me + 1]]
-        tag = self._tag(staged, 1)
+        tag = self._tag(carried, 1)
         works = []
         for j, peer in enumerate(self._peers):
             if j == me:
