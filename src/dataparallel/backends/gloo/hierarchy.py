@@ -13,8 +13,9 @@ on or off; unset, it is on only where the world spans hosts of several ranks eac
 interleave in rank order (as a round-robin placement gives): the ring then crosses between hosts
 at nearly every edge, twice the bytes of ranks numbered host by host. Numbered host by host, as
 every launcher of this package, mpiexec and Slurm's block placement give, the ring already
-crosses only at the hosts' boundaries, and the three steps, each a rendezvous of its own, cost
-more than the third of the bytes they save except on a slow link, where they merely tie
+crosses only at the hosts' boundaries, and on a fast link the three steps, each a meeting of
+ranks of its own, cost more than the third of the bytes they save; across a slow link they pay,
+but nothing here knows the link's speed: `DATAPARALLEL_HIERARCHICAL=1` turns them on there
 (docs/network.md has the figures by size and link). Every host must hold the same number of
 ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
 """
