@@ -258,15 +258,26 @@ def train_work(args: argparse.Namespace) -> None:
                 ALONE: (trainer(single, adam(single), batch), None)
             }
             syncs = {}  # each dp case's reduction: the mode its trial chose
+            probed: tuple[Any, Any] | None = None  # the hierarchical case's model, optimizer
             for name in wanted:
                 model = copy.deepcopy(base)
                 if name in engines or name in (MPI_CASE, MPI_SPIN):
                     opt = dp.DistributedOptimizer(adam(model), backend=engines.get(name))
                     step = trainer(model, opt, batch)
+                    probed = (model, opt) if name == HIERARCHICAL else probed
                     cases[name] = (spinning(step) if name == MPI_SPIN else step, None)
                     syncs[name] = opt.gradient_sync
                     if name == MPI_CASE and args.modes:  # dp MPI held in each mode: no trial
                         cases.update(variants(base, adam, batch, None, "MPI"))
+                    if name == HIERARCHICAL:  # the same with bigger buckets (`--buckets`)
+                        for mib in (int(v) for v in args.buckets.split(",") if v):
+                            model = copy.deepcopy(base)
+                            sized = dp.DistributedOptimizer(
+                                adam(model), backend=by_host, bucket_bytes=mib << 20
+                            )
+                            label = f"{HIERARCHICAL}, {mib} MiB buckets"
+                            cases[label] = (trainer(model, sized, batch), None)
+                            syncs[label] = sized.gradient_sync
                 elif name == DDP:
                     ddp = nn.parallel.DistributedDataParallel(model)
                     cases[name] = (trainer(ddp, adam(ddp), batch), None)
@@ -285,10 +296,74 @@ def train_work(args: argparse.Namespace) -> None:
             n = sum(p.numel() for p in base.parameters())
             chosen = {name: described(sync) for name, sync in syncs.items()}
             result[str(d)] = {"parameters": n, "samples": samples, "chosen": chosen}
+            if args.phases and probed is not None:
+                result[str(d)]["phases"] = phases(comm, *probed, batch, args.phases)
         if flags:  # collective: no rank shuts Horovod down while another still reduces
             comm.Barrier()
             horovod.hvd.shutdown()
         report(comm, result)
+
+
+def phases(comm: Any, model: Any, opt: Any, batch: Any, steps: int) -> dict[str, float]:
+    """Where the hierarchical case's step goes: `steps` more steps on rank 0, each call's
+    steps timed in the hierarchy's lanes (`Hierarchy.scatter`: inside the host and the start
+    across; the wait for the step across; `Hierarchy.gather`: inside the host again), against
+    the end of backward and of the step. Medians over the steps, ms from each step's start;
+    busy times are summed over a step's calls."""
+    import torch
+    from torch import nn
+
+    from dataparallel.backends.gloo.hierarchy import Hierarchy
+
+    spans: list[tuple[str, float, float]] = []
+    scatter, gather = Hierarchy.scatter, Hierarchy.gather
+
+    def scattered(self: Hierarchy, carried: Any) -> None:
+        start = time.perf_counter()
+        scatter(self, carried)
+        spans.append(("inside", start, time.perf_counter()))
+
+    def gathered(self: Hierarchy, carried: Any) -> None:
+        start = time.perf_counter()
+        if carried.work is not None:  # the step across, started by `scatter`
+            carried.work.wait()
+        crossed = time.perf_counter()
+        gather(self, carried)
+        spans.extend(
+            [("across wait", start, crossed), ("inside again", crossed, time.perf_counter())]
+        )
+
+    x, y = batch
+    loss_fn = nn.CrossEntropyLoss()
+    rows: list[dict[str, float]] = []
+    Hierarchy.scatter, Hierarchy.gather = scattered, gathered  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            comm.Barrier()
+            spans.clear()
+            begin = time.perf_counter()
+            opt.zero_grad()
+            out = model(x)
+            loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+            backward = time.perf_counter()
+            opt.step()
+            end = time.perf_counter()
+            row = {"backward ends": backward - begin, "step ends": end - begin, "calls": 0.0}
+            for kind in ("inside", "across wait", "inside again"):
+                mine = [(a, b) for k, a, b in spans if k == kind]
+                row[f"{kind}, busy"] = sum(b - a for a, b in mine)
+                if kind == "inside" and mine:
+                    row["calls"] = float(len(mine))
+                    row["first call starts"] = min(a for a, _ in mine) - begin
+                if kind == "inside again" and mine:
+                    row["last call ends"] = max(b for _, b in mine) - begin
+            rows.append(row)
+    finally:
+        Hierarchy.scatter, Hierarchy.gather = scatter, gather  # type: ignore[method-assign]
+    torch.distributed.barrier()
+    keys = rows[0].keys() if rows else ()
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) * (1 if k == "calls" else 1e3)
+            for k in keys}  # fmt: skip
 
 
 def spinning(step: Any) -> Any:
@@ -353,6 +428,7 @@ def train(args: argparse.Namespace, link: Link, launcher: Path) -> int:
     worker += ["--seq", str(args.seq), "--stacks-after", str(max(1.0, args.timeout - 20))]
     worker += ["--stall", str(args.stall)]
     worker += ["--modes"] if args.modes else []
+    worker += ["--phases", str(args.phases), "--buckets", args.buckets]
     link.shape(args.rate, args.tbf)
     if args.rate:
         print(f"link: tbf rate {args.rate} {args.tbf}", flush=True)
@@ -411,6 +487,9 @@ def table(args: argparse.Namespace, job: str, result: dict[str, Any]) -> None:
                 f"| {name} | {median * 1e3:.1f} ms | {min(values):.0f}..{max(values):.0f} ms "
                 f"| {ratio} |"
             )
+        if "phases" in figures:
+            print(f"{HIERARCHICAL}, rank 0, ms from a step's start (medians): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in figures["phases"].items()))  # fmt: skip
         chosen = figures.get("chosen", {})
         for name, mode in chosen.items():
             print(f"{name}: {mode}")
@@ -556,6 +635,14 @@ def main() -> int:
     parser.add_argument(
         "--modes", action="store_true", help="--train: also dp MPI held in each mode, no trial"
     )
+    parser.add_argument(
+        "--phases", type=int, default=0, help="--train: steps of the hierarchical case timed by "
+        "phase after the rounds (rank 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--buckets", default="", help="--train: the hierarchical case also with buckets of "
+        "these MiB (comma-separated)",
+    )  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stacks-after", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument(

@@ -353,9 +353,10 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
         assert result["nonblocking"] == [total] and result["bf16 wire"] == [total]
         assert result["gradients"] == [[mean], [mean]]  # the 7-value tensor rides in a bucket
         assert result["small"] == [total] and result["pieces"] == [total]
+        assert result["in flight"] == [[total * k] for k in (1, 2, 3, 4)], result
         # sum, avg, min, max, prod, int64, float16, non-blocking, bf16, the gradients' bucket,
-        # the 2.4 MB buffer; not the 8-value one (below the threshold: the ring)
-        assert result["staged"] == 11, result
+        # the 2.4 MB buffer, the 4 in flight; not the 8-value one (below the threshold: the ring)
+        assert result["staged"] == 15, result
         # 3 steps on the communication thread, a bucket each, through its engine's hierarchy
         assert result["train overlap"] is True and result["train staged"] == 3, result
         assert result["train diff"] < 1e-5, result

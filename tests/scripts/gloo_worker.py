@@ -154,6 +154,10 @@ def hierarchy(backend: object) -> dict[str, object]:
     result["gradients"] = [values(g.numpy()) for g in dp.allreduce_gradients(grads)]
     result["small"] = values(dp.allreduce(np.full(8, r)))
     result["pieces"] = values(dp.allreduce(np.full(600_001, r, np.float32)))  # padded
+    # Several in flight at once, each its own values, waited for in reverse: the lanes carry
+    # one call's step across beside the next one's steps inside the host.
+    flying = [dp.iallreduce(np.full(odd, r * (k + 1), np.float32)) for k in range(4)]
+    result["in flight"] = [values(h.wait()) for h in reversed(flying)][::-1]
     result["staged"] = staged
     # Training on the communication thread (DATAPARALLEL_OVERLAP=1): its engine's own groups.
     torch.manual_seed(0)

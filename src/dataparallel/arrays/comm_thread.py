@@ -235,7 +235,7 @@ class Router:
 
         On the communication thread, on an engine that moves calls on by itself (Gloo, NCCL),
         the call is left in flight, as DDP leaves its buckets: the next bucket's launch lands it
-        (`fusion.MAX_IN_FLIGHT`), `finish` the last, so the link never waits for a bucket's
+        (`Backend.calls_in_flight`), `finish` the last, so the link never waits for a bucket's
         results to be written. On MPI the thread waits for it (GIL released).
         """
         self._add(leaves, extra, delivers)

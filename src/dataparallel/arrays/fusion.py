@@ -76,11 +76,6 @@ __all__ = [
 BucketKey: TypeAlias = tuple[Hashable, ...]
 HOST_KEY: BucketKey = ("host", "cpu")  # the bucket key of every host buffer, whatever its family
 
-# Calls left in flight after a new one starts, on an engine that moves them on by itself (Gloo,
-# NCCL); on MPI the previous call completes before the next starts (`Backend.progresses`), since
-# many calls in flight slow MPICH down (benchmarks/NOTES.md, "Fusion").
-MAX_IN_FLIGHT = 1
-
 
 Deliver = Callable[[np.ndarray], object]  # where a result handed over goes (`Fusion.add`)
 
@@ -433,7 +428,7 @@ class Fusion:
         self.calls += 1
         if self.async_op:
             self._flights.append(started)
-            if len(self._flights) > MAX_IN_FLIGHT:
+            if len(self._flights) > self.backend.calls_in_flight:
                 self._land(self._flights.pop(0))
         else:
             self._land(started)

@@ -160,6 +160,15 @@ class Backend(ABC):
     local_size: int
 
     @property
+    def calls_in_flight(self) -> int:
+        """How many of a step's calls an engine that progresses is left with once the next
+        starts (`fusion.Fusion`): one, so that a call's results are written while the next
+        moves; more where calls queue in threads of the engine's own that carry them one after
+        the other (Gloo's hierarchy). On MPI each call completes before the next starts (many
+        in flight slow MPICH down: benchmarks/NOTES.md, "Fusion")."""
+        return 1
+
+    @property
     def device_native_dtypes(self) -> frozenset[str]:
         """Dtypes reduced natively in device memory (default: the host set)."""
         return self.native_dtypes

@@ -37,7 +37,6 @@ import torch
 
 from dataparallel.arrays.compression import PowerSGDCompressor
 from dataparallel.arrays.dtypes import BF16_BITS
-from dataparallel.arrays.fusion import MAX_IN_FLIGHT
 from dataparallel.arrays.pool import BufferPool
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
@@ -53,9 +52,9 @@ def q_lag(backend: Backend) -> int:
     `P`s, so `b`'s call must have landed before that call starts: chosen so that it has already,
     and the `Q`s wait for nothing the buckets' calls did not wait for. On MPI each call lands
     before the next starts: one call on. Where calls are left in flight (Gloo, NCCL:
-    `fusion.MAX_IN_FLIGHT` of them once the next starts), one call more. The same on every rank
-    (engines of one kind)."""
-    return 1 if not backend.progresses else 1 + MAX_IN_FLIGHT
+    `Backend.calls_in_flight` of them once the next starts), that many more. The same on every
+    rank (engines of one kind, and a Gloo hierarchy on every rank or none)."""
+    return 1 if not backend.progresses else 1 + backend.calls_in_flight
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from dataparallel.backends.base import (
 )
 from dataparallel.backends.connections import found_lost, shut_down
 from dataparallel.backends.gloo.group import join_group
-from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
+from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Carried, Hierarchy
 from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
@@ -313,6 +313,12 @@ class GlooBackend(Backend):
         atexit.register(self.close)
 
     @property
+    def calls_in_flight(self) -> int:
+        """Where the hierarchy's lanes carry the calls (`Hierarchy.start`), a step's buckets all
+        go to them as they come, so that the link never waits for the caller to land one."""
+        return 1 if self.hierarchy is None else IN_FLIGHT
+
+    @property
     def owns_default_group(self) -> bool:
         """Whether this engine is torch's default process group, made by `create`."""
         return self._owns_default_group
@@ -414,7 +420,7 @@ class GlooBackend(Backend):
     def _hierarchical(self, wire: np.ndarray) -> bool:
         return self.hierarchy is not None and wire.nbytes >= MIN_BYTES
 
-    def _in_steps(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> Steps:
+    def _in_steps(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> Carried:
         assert self.hierarchy is not None
         self._refuse_if_closed(what)
         try:
@@ -424,7 +430,7 @@ class GlooBackend(Backend):
 
     def _reduce_in_flight(self, tensor: torch.Tensor, op: ReduceOp, stepped: bool) -> Work:
         """Start an allreduce of `tensor`: one ring, or the hierarchy's three steps."""
-        if stepped:  # `Steps` has the two methods of a torch work object that handles call
+        if stepped:  # `Carried` has the two methods of a torch work object that handles call
             return self._in_steps("iallreduce", tensor, op)  # type: ignore[return-value]
         return self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
 
@@ -726,6 +732,8 @@ class GlooBackend(Backend):
             return _let_go
         self._closed = True
         atexit.unregister(self.close)
+        if self.hierarchy is not None:
+            self.hierarchy.close()
         for handle in list(self._in_flight):
             handle.forget()
         group, self.group = self.group, None  # calls fail from now on: `_call_tensors`

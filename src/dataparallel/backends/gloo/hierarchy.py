@@ -13,14 +13,17 @@ on or off; unset, it is on only where the world spans hosts of several ranks eac
 interleave in rank order (as a round-robin placement gives): the ring then crosses between hosts
 at nearly every edge, twice the bytes of ranks numbered host by host. Numbered host by host, as
 every launcher of this package, mpiexec and Slurm's block placement give, the ring already
-crosses only at the hosts' boundaries, and the three steps, each a rendezvous of its own, cost
-more than the third of the bytes they save except on a slow link, where they merely tie
+crosses only at the hosts' boundaries, and on a fast link the three steps, each a meeting of
+ranks of its own, cost more than the third of the bytes they save; across a slow link they pay,
+but nothing here knows the link's speed: `DATAPARALLEL_HIERARCHICAL=1` turns them on there
 (docs/network.md has the figures by size and link). Every host must hold the same number of
 ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from types import ModuleType
@@ -31,11 +34,15 @@ if TYPE_CHECKING:
 
     from dataparallel.config import Settings
 
-__all__ = ["MIN_BYTES", "Hierarchy", "Steps", "interleaved"]
+__all__ = ["IN_FLIGHT", "MIN_BYTES", "Carried", "Hierarchy", "interleaved"]
 
 # Below this a buffer takes the flat ring: the three steps' latency outweighs what they save,
 # even where the hosts interleave across a slow link.
 MIN_BYTES = 1 << 20
+# Calls a step leaves in the lanes before landing the oldest (`GlooBackend.calls_in_flight`): a
+# model's buckets on the communication thread (`torch._buckets.THREAD_BUCKETS`), so that the
+# lanes hold a whole step's and the memory held stays a few buckets'.
+IN_FLIGHT = 8
 
 
 def interleaved(hosts: list[str]) -> bool:
@@ -46,45 +53,39 @@ def interleaved(hosts: list[str]) -> bool:
 
 
 class _Work(Protocol):
-    """A started torch collective (`torch.distributed.Work`)."""
-
-    def is_completed(self) -> bool: ...
+    """A started torch collective or point-to-point call (`torch.distributed.Work`)."""
 
     def wait(self) -> object: ...
 
 
-class Steps:
-    """The three steps of one hierarchical allreduce, as one torch work object: each step starts
-    when the one before completed (`is_completed` advances without blocking; `wait` blocks).
+class Carried:
+    """One hierarchical allreduce in flight, as a torch work object for the engine's handle:
+    `is_completed` says without blocking whether the lanes have written its result, `wait`
+    blocks until they have and raises what a step of it raised."""
 
-    One after the other, not pipelined over pieces of the buffer: pieces whose step across
-    hosts ran while the next piece's step inside the host did came back wrong (benchmarks/
-    NOTES.md, "Hierarchy across two emulated hosts"), though each step alone is right."""
+    __slots__ = ("_done", "error", "op", "seq", "tensor", "work")
 
-    def __init__(self, steps: list[Callable[[], _Work]], finish: Callable[[], None] | None) -> None:
-        self._steps, self._finish = steps, finish
-        self._work: _Work | None = self._steps.pop(0)()
+    def __init__(self, tensor: torch.Tensor, op: object, seq: int) -> None:
+        self.tensor, self.op, self.seq = tensor, op, seq
+        self.work: _Work | None = None  # the step across hosts, once started
+        self.error: BaseException | None = None
+        self._done = threading.Event()
 
     def is_completed(self) -> bool:
-        while self._work is not None and self._work.is_completed():
-            self._advance()
-        return self._work is None
+        return self._done.is_set()
 
     def wait(self) -> bool:
-        while self._work is not None:
-            self._advance()
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
         return True
 
-    def _advance(self) -> None:
-        assert self._work is not None  # (called while a step is in flight)
-        self._work.wait()  # raises the step's own error, if it failed
-        if self._steps:
-            self._work = self._steps.pop(0)()
-            return
-        self._work = None
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._done.set()
+
+    def done(self) -> None:
+        self._done.set()
 
 
 class Hierarchy:
@@ -109,6 +110,14 @@ class Hierarchy:
         host = labels.index(hosts[rank])
         self.local_rank = members[host].index(rank)
         self.local, self.across = local_groups[host], across_groups[self.local_rank]
+        self._peers = members[host]  # the global ranks of this host, by local rank
+        self._hosts = len(labels)
+        # The two lanes (`start`): started with the first call, ended by `close`.
+        self._inside: queue.SimpleQueue[Carried | None] = queue.SimpleQueue()
+        self._outside: queue.SimpleQueue[Carried | None] = queue.SimpleQueue()
+        self._lanes: list[threading.Thread] = []
+        self._seq = 0
+        self._broken: BaseException | None = None
 
     @classmethod
     def build(
@@ -140,28 +149,127 @@ class Hierarchy:
         processes used from another thread, whose calls must not meet these groups' calls."""
         return Hierarchy(self._dist, self.hosts, self.rank, timeout)
 
-    def start(self, tensor: torch.Tensor, op: object) -> Steps:
-        """Start the three steps on the contiguous 1-D `tensor`, reduced in place."""
+    def start(self, tensor: torch.Tensor, op: object) -> Carried:
+        """Start the three steps on the contiguous 1-D `tensor`, reduced in place.
+
+        Two threads of this hierarchy's own (lanes) carry them, so that they move on while the
+        caller computes and one call's step across hosts overlaps the next call's step inside
+        the host: the first lane reduce-scatters inside the host and starts the step across,
+        calls in the order they were started (so every member of the group across starts them
+        in the same order); the second waits for the step across and gathers inside the host.
+        Inside the host the steps are point-to-point sends tagged with the call's number, so the
+        two lanes' messages never meet whatever the threads' timing. Gloo's own reduce-scatter
+        is an allreduce of the whole buffer (twice the bytes, a copy), and its work object never
+        reports completion: sends are the reduce-scatter the steps need."""
+        carried = Carried(tensor, op, self._seq)
+        self._seq += 1
+        if not self._lanes:
+            for name, loop in (("inside", self._scatter_loop), ("outside", self._gather_loop)):
+                lane = threading.Thread(
+                    target=loop, name=f"dataparallel-hierarchy-{name}", daemon=True
+                )
+                lane.start()
+                self._lanes.append(lane)
+        self._inside.put(carried)
+        return carried
+
+    def close(self) -> None:
+        """End the lanes once the calls queued before are done (safe to call twice)."""
+        if self._lanes:
+            self._inside.put(None)
+            self._lanes = []
+
+    def _bounds(self, n: int) -> list[int]:
+        """Where each local rank's slice of an `n`-element buffer begins, and the end."""
+        return [n * i // self.local_size for i in range(self.local_size + 1)]
+
+    def _tag(self, carried: Carried, step: int) -> int:
+        """The tag of a call's sends inside the host: its number and the step (0 or 1)."""
+        return (carried.seq % (1 << 29)) * 2 + step
+
+    def _scatter_loop(self) -> None:
+        while (carried := self._inside.get()) is not None:
+            try:
+                if self._broken is not None:  # the calls no longer line up across ranks
+                    raise self._broken
+                self.scatter(carried)
+            except BaseException as error:
+                self._broken = self._broken or error
+                carried.fail(error)
+                continue
+            self._outside.put(carried)
+        self._outside.put(None)
+
+    def _gather_loop(self) -> None:
+        while (carried := self._outside.get()) is not None:
+            try:
+                if self._broken is not None:
+                    raise self._broken
+                self.gather(carried)
+            except BaseException as error:
+                self._broken = self._broken or error
+                carried.fail(error)
+                continue
+            carried.done()
+
+    def scatter(self, carried: Carried) -> None:
+        """The first lane's part of a call: this rank's slice reduced inside the host (each
+        peer's slice sent to it, theirs of this rank's received and combined in local rank
+        order), then the step across hosts started on it."""
         import torch
 
-        n, parts = tensor.numel(), self.local_size
-        slice_len = -(-n // parts)
-        whole = tensor
-        finish: Callable[[], None] | None = None
-        if slice_len * parts != n:  # padded: the pad's values are reduced and never read
-            whole = torch.zeros(slice_len * parts, dtype=tensor.dtype)
-            whole[:n].copy_(tensor)
+        tensor, dist, me = carried.tensor, self._dist, self.local_rank
+        bounds = self._bounds(tensor.numel())
+        mine = tensor[bounds[me] : bounds[me + 1]]
+        tag = self._tag(carried, 0)
+        sends, received = [], []
+        for j, peer in enumerate(self._peers):
+            if j == me:
+                continue
+            part = tensor[bounds[j] : bounds[j + 1]]
+            sends.append(dist.isend(part, dst=peer, group=self.local, tag=tag))
+            theirs = torch.empty_like(mine)
+            received.append((dist.irecv(theirs, src=peer, group=self.local, tag=tag), theirs))
+        combine = _combiner(dist, carried.op)
+        for work, theirs in received:
+            work.wait()
+            combine(mine, theirs)
+        for work in sends:  # the gather writes over what they send
+            work.wait()
+        if self._hosts > 1:
+            carried.work = dist.all_reduce(mine, op=carried.op, group=self.across, async_op=True)
 
-            def finish() -> None:
-                tensor.copy_(whole[:n])
+    def gather(self, carried: Carried) -> None:
+        """The second lane's part: wait for the step across, then share the slices inside the
+        host, each received into its place in the buffer."""
+        if carried.work is not None:
+            carried.work.wait()
+            carried.work = None
+        tensor, dist, me = carried.tensor, self._dist, self.local_rank
+        bounds = self._bounds(tensor.numel())
+        mine = tensor[bounds[me] : bounds[me + 1]]
+        tag = self._tag(carried, 1)
+        works = []
+        for j, peer in enumerate(self._peers):
+            if j == me:
+                continue
+            works.append(dist.isend(mine, dst=peer, group=self.local, tag=tag))
+            place = tensor[bounds[j] : bounds[j + 1]]
+            works.append(dist.irecv(place, src=peer, group=self.local, tag=tag))
+        for work in works:
+            work.wait()
 
-        mine = torch.empty(slice_len, dtype=tensor.dtype)
-        dist, local, across = self._dist, self.local, self.across
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        steps: list[Callable[[], _Work]] = [
-            lambda: scatter(mine, whole, op=op, group=local, async_op=True),
-            lambda: dist.all_reduce(mine, op=op, group=across, async_op=True),
-            lambda: gather(whole, mine, group=local, async_op=True),
-        ]
-        return Steps(steps, finish)
+
+def _combiner(dist: ModuleType, op: object) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """How the step inside the host folds a peer's slice into this rank's, for torch's `op`."""
+    import torch
+
+    if op == dist.ReduceOp.SUM:
+        return torch.Tensor.add_
+    if op == dist.ReduceOp.PRODUCT:
+        return torch.Tensor.mul_
+    if op == dist.ReduceOp.MIN:
+        return lambda mine, theirs: torch.minimum(mine, theirs, out=mine)
+    if op == dist.ReduceOp.MAX:
+        return lambda mine, theirs: torch.maximum(mine, theirs, out=mine)
+    raise ValueError(f"the hierarchy reduces no {op!r}")
