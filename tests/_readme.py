@@ -5,8 +5,8 @@ runs on: a block whose first line says `# on N ranks or more` needs N (the READM
 launch command beside it); every other block runs at any world size, a world of one included.
 `python tests/_readme.py README.md [PAGE ...]` (under any launcher) runs them, each in the
 namespace the ones before it on its page left, and prints `README.md block K (line L): ok` (or
-`... skipped`) on rank 0. Used for the README, `docs/quickstart.md` and the ecosystem pages
-(`ECOSYSTEM_PAGES`, each with the modules it needs), all in the same jobs.
+`... skipped`) on rank 0. Used for the README, `docs/quickstart.md`, `docs/migrate/mpi4jax.md`
+and the ecosystem pages (`ECOSYSTEM_PAGES`, each with the modules it needs), all in the same jobs.
 """
 
 from __future__ import annotations

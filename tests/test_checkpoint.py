@@ -7,9 +7,10 @@ refused with a message that names what is missing. The `spawns` test runs jobs o
 (tests/scripts/checkpoint_job.py) and takes their steps in its own world of one: saved at 1 rank,
 loaded at 2, saved at 2, loaded at 3, saved at 3, loaded at 1; a rank killed while it writes; and
 a plain torch program (tests/scripts/plain_dcp.py) reading a checkpoint written here, and writing
-one that loads here. The same jobs carry a chain of ZeRO runs that each
-resume what a world of another size saved (tests/scripts/zero_resume.py): a job's start costs
-seconds, so each check rides on jobs that start anyway.
+one that loads here. The same jobs carry a chain of ZeRO runs that each resume what a world of
+another size saved (tests/scripts/zero_resume.py), and optax's sharded state across the same
+sizes (`test_checkpoint_optax.CrossSizes`): a job's start costs seconds, so each check rides on
+jobs that start anyway.
 """
 
 from __future__ import annotations
@@ -496,7 +497,8 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
     resume one another (`zero-resume`, plain `torch.save` of the consolidated state): Gloo 2
     (stage 1 under DataParallelModel) starts, MPI 3 (stage 2) goes on with more and uneven
     shards, then this process (one shard); the end matches one process's Adam on the whole
-    batches throughout.
+    batches throughout. The Gloo 2 and MPI 3 jobs, and this process, carry optax's sharded state
+    across the same sizes too (`test_checkpoint_optax.CrossSizes`), where optax is installed.
     """
     if outer_world_size() > 1:
         pytest.skip("launches its own jobs: run this file in a world of one")
@@ -506,8 +508,12 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
     got = tmp_path / "got"
     got.mkdir()
     z = {name: tmp_path / f"zero-{name}.pt" for name in ("gloo-2", "mpi-3", "1")}
+    optax = optax_cross_sizes(tmp_path)
     here.step("save", s, ref["s"], 2, None)
+    if optax:
+        optax.before()
     gloo_2 = ["load", s, got / "s-gloo-2.pt", "zero-resume", "-", z["gloo-2"]]
+    gloo_2 += optax.steps(2) if optax else []
     died = job(
         [*gloo_2, "save", b, ref["b"], "save", k, ref["k"], "--die-rank", "1"], 2, "gloo", ok=False
     )
@@ -516,6 +522,7 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
     job(["save", p, ref["p"], "load", b, got / "b-plain.pt"], 1, "plain")
     mpi_3 = ["load", b, got / "b-mpi-3.pt", "load-plain", p, got / "p-mpi-3.pt"]
     mpi_3 += ["zero-resume", z["gloo-2"], z["mpi-3"], "save", a, ref["a"]]
+    mpi_3 += optax.steps(3) if optax else []
     refused = job([*mpi_3, "load", k, got / "k.pt"], 3, "mpi", ok=False)
     assert "did not finish" in refused
     assert ref["a"].exists() and not (got / "k.pt").exists(), refused
@@ -535,6 +542,18 @@ def test_checkpoints_cross_sizes_engines_and_plain_torch(tmp_path: Path) -> None
         assert_same(plain["model"], want[saved]["model"], f"model ({name})")
         assert_same(plain["optim"], want[saved]["optim"], f"optim ({name})")
         assert plain["step"] == want[saved]["step"]
+    if not optax:
+        pytest.skip("torch's checkpoints crossed; optax's sharded state left out: no optax")
+    optax.after()
+
+
+def optax_cross_sizes(folder: Path) -> Any:
+    """`test_checkpoint_optax.CrossSizes` in `folder`, or None where JAX or optax is missing."""
+    if any(importlib.util.find_spec(name) is None for name in ("jax", "optax")):
+        return None
+    from test_checkpoint_optax import CrossSizes
+
+    return CrossSizes(folder)
 
 
 def import_script(name: str) -> Any:

@@ -1,15 +1,11 @@
 """`dp.checkpoint` with optax's sharded state (`dp.DistributedOptimizer(tx, shard_state=True)`).
 
-The tests without `spawns` run in whatever world pytest runs in (1, 2, 3 ranks; MPI, Gloo): every
-rank writes its own slices of each parameter's state (`dp.checkpoint.OptaxShards`), and a fresh
-state loads them bit for bit and trains on alike; the saved tensors are the whole states of the
-parameters, of their shapes; a bare `ShardedState` is refused. The `spawns` test runs jobs of
-other sizes (tests/scripts/optax_checkpoint_job.py) and takes their steps in its own world of one:
-saved at 1 and loaded at 3, saved at 3 and loaded at 2 and 1, saved at 2 and loaded at 1, each
-loaded state, consolidated, equal bit for bit to the saving world's; a job loads checkpoints and
-saves the next, so two jobs do it all. The same steps carry a chain of sharded runs that each
-resume what a world of another size consolidated (tests/scripts/optax_sharded_resume.py): a job's
-start costs seconds.
+The tests run in whatever world pytest runs in (1, 2, 3 ranks; MPI, Gloo): every rank writes its
+own slices of each parameter's state (`dp.checkpoint.OptaxShards`), and a fresh state loads them
+bit for bit and trains on alike; the saved tensors are the whole states of the parameters, of
+their shapes; a bare `ShardedState` is refused. Across world sizes and engines (`CrossSizes`),
+the state rides on the jobs that `test_checkpoint.py` runs for torch's: a job's start costs
+seconds, and torch's DCP, which both write through, is the most of it.
 """
 
 from __future__ import annotations
@@ -33,13 +29,12 @@ if importlib.util.find_spec("torch") is None or importlib.util.find_spec("optax"
 import jax
 import jax.numpy as jnp
 import optax
-from _jobs import outer_world_size, run_job
 from test_optax_sharded import assert_resumed_like_one_process
 
 import dataparallel as dp
 from dataparallel.backends.base import Backend
 
-JOB = Path(__file__).parent / "scripts" / "optax_checkpoint_job.py"
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.fixture
@@ -189,79 +184,62 @@ def test_a_group_short_of_the_world_is_refused(folder: Path) -> None:
         group.free()
 
 
-# -- jobs of other sizes -------------------------------------------------------------------------
+# -- jobs of other sizes: test_checkpoint.py's -------------------------------------------------
 
 
 def script(name: str) -> Any:
     """Import `tests/scripts/NAME.py`, to take its steps in this process (a world of one)."""
-    spec = importlib.util.spec_from_file_location(name, JOB.with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def job(actions: list[tuple[str, Path, Path]], ranks: int, backend: str) -> None:
-    """Run `actions` (`save`/`load`/`resume`, folder or previous, pickle) in turn in one job."""
-    done = run_job(
-        [JOB, *(part for action in actions for part in action)],
-        ranks=ranks,
-        backend=backend,
-        job_timeout=200,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-# The checkpoints (saved at 1, 3, 2 ranks, in turn) and where each is loaded.
-SIZES = {"one": 1, "three": 3, "two": 2}
-LOADS = [("one", 3), ("three", 2), ("three", 1), ("two", 1)]
-
-
-@pytest.mark.spawns
-def test_saved_at_one_size_loads_bit_for_bit_at_others(tmp_path: Path) -> None:
-    """Saved at 1 and loaded at 3 (to more: one saved slice cut in three), saved at 3 and loaded
-    at 2 and at 1 (to fewer: a slice made of several saved ones), saved at 2 and loaded at 1;
-    each loaded state, consolidated, equal bit for bit to the saving world's. Two jobs (MPI 3,
-    then Gloo 2) and this process (a world of one) before and after them: a job's start costs
-    seconds. The same steps carry the sharded resume chain (`optax_sharded_resume.resume`):
-    this process starts it (jitted), MPI 3 goes on with more and uneven shards (jitted), Gloo 2
-    with fewer (eager), and the end matches one process throughout
+class CrossSizes:
+    """Optax's part of the jobs of other sizes that `test_checkpoint.py` runs for torch's state
+    (`checkpoint_job.py`'s `optax-*` steps): saved here (a world of one) and loaded at Gloo 2
+    (to more: one saved slice cut in two); saved at Gloo 2 and loaded at MPI 3 (each rank's
+    slice cut across the saved ones) and here (to fewer: one slice made of two); saved at MPI 3
+    and loaded here (one slice made of three, uneven); each loaded state, consolidated, equal bit
+    for bit to the saving world's. The same steps carry the sharded resume chain
+    (`optax_sharded_resume.resume`): Gloo 2 starts it (eager), MPI 3 goes on with more and uneven
+    shards (jitted), this process with one (jitted), and the end matches one process throughout
     (`test_optax_sharded.assert_resumed_like_one_process`)."""
-    if outer_world_size() > 1:
-        pytest.skip("launches its own jobs: run this file in a world of one")
-    here, resume = script("optax_checkpoint_job"), script("optax_sharded_resume").resume
-    folder = {name: tmp_path / name for name in SIZES}
-    ref = {name: tmp_path / f"ref-{name}.pkl" for name in folder}
-    chain = [tmp_path / f"resumed-{n}.pkl" for n in range(3)]
-    here.act("save", folder["one"], ref["one"])
-    resume("-", chain[0])
-    loaded = {(name, at): tmp_path / f"{name}-at-{at}.pkl" for name, at in LOADS}
-    job(
-        [
-            ("load", folder["one"], loaded["one", 3]),
-            ("save", folder["three"], ref["three"]),
-            ("resume", chain[0], chain[1]),
-        ],
-        3,
-        "mpi",
-    )
-    job(
-        [
-            ("load", folder["three"], loaded["three", 2]),
-            ("save", folder["two"], ref["two"]),
-            ("resume", chain[1], chain[2]),
-        ],
-        2,
-        "gloo",
-    )
-    for name in ("three", "two"):
-        here.act("load", folder[name], loaded[name, 1])
-    for (name, at), path in loaded.items():
-        got, want = pickle.loads(path.read_bytes()), pickle.loads(ref[name].read_bytes())
-        where = f"saved at {SIZES[name]}, loaded at {at}"
-        assert (want["size"], got["size"]) == (SIZES[name], at), where
-        assert_same(got["params"], want["params"], f"parameters {where}")
-        assert_same(got["state"], want["state"], f"state {where}")
-    final = pickle.loads(chain[2].read_bytes())
-    assert_resumed_like_one_process(final, [1, 3, 2])
+
+    LOADS = ((1, 2), (2, 3), (2, 1), (3, 1))  # (saved at, loaded at)
+
+    def __init__(self, folder: Path) -> None:
+        self.saved = {n: folder / f"optax-saved-at-{n}" for n in (1, 2, 3)}
+        self.ref = {n: folder / f"optax-saved-at-{n}.pkl" for n in (1, 2, 3)}
+        self.got = {load: folder / "optax-{}-loaded-at-{}.pkl".format(*load) for load in self.LOADS}
+        self.chain = [folder / f"optax-resumed-{n}.pkl" for n in range(3)]
+        self.here = script("optax_checkpoint")
+
+    def before(self) -> None:
+        """This process's steps before the jobs."""
+        self.here.act("save", self.saved[1], self.ref[1])
+
+    def steps(self, size: int) -> list[Any]:
+        """The `checkpoint_job.py` steps of the job of `size` ranks (Gloo 2, then MPI 3)."""
+        previous = {2: "-", 3: self.chain[0]}[size]
+        return [
+            *("optax-load", self.saved[size - 1], self.got[size - 1, size]),
+            *("optax-save", self.saved[size], self.ref[size]),
+            *("optax-resume", previous, self.chain[size - 2]),
+        ]
+
+    def after(self) -> None:
+        """This process's steps after the jobs, then every check."""
+        for saved in (2, 3):
+            self.here.act("load", self.saved[saved], self.got[saved, 1])
+        script("optax_sharded_resume").resume(self.chain[1], self.chain[2])
+        for (saved, at), path in self.got.items():
+            got = pickle.loads(path.read_bytes())
+            want = pickle.loads(self.ref[saved].read_bytes())
+            where = f"optax's sharded state saved at {saved} ranks, loaded at {at}"
+            assert (want["size"], got["size"]) == (saved, at), where
+            assert_same(got["params"], want["params"], f"parameters {where}")
+            assert_same(got["state"], want["state"], f"state {where}")
+        final = pickle.loads(self.chain[2].read_bytes())
+        assert_resumed_like_one_process(final, [2, 3, 1])

@@ -241,7 +241,7 @@ def _single() -> Any:
 
 def assert_resumed_like_one_process(final: dict[str, Any], sizes: list[int]) -> None:
     """`final`, the end of a chain of `optax_sharded_resume.resume` runs at world sizes `sizes`
-    (test_checkpoint_optax.py's jobs run it), matches one process throughout: its parameters,
+    (test_checkpoint.py's jobs run it), matches one process throughout: its parameters,
     and its consolidated state (a world of one's sharded state)."""
     assert final["sizes"] == sizes, f"sharded optax resume chain: world sizes {final['sizes']}"
     steps = 2 * len(sizes)

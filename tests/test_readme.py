@@ -1,9 +1,10 @@
 """The docs' Python blocks run as written: in order, one session per page, at 1 and 3 ranks.
 
-The README's, the quickstart page's and the ecosystem pages' (`docs/ecosystems/*.md`: Lightning,
-Hugging Face's Trainer and accelerate, torchmetrics, torch.distributed.checkpoint; each page one
-program that ends by asserting what its library promises), all in the same two jobs: one start-up
-per world size, not one per page.
+The README's, the quickstart page's, the page for mpi4jax's users (`docs/migrate/mpi4jax.md`,
+whose run on Gloo is `test_jax_jit_collectives.py`'s) and the ecosystem pages'
+(`docs/ecosystems/*.md`: Lightning, Hugging Face's Trainer and accelerate, torchmetrics,
+torch.distributed.checkpoint; each page one program that ends by asserting what its library
+promises), all in the same two jobs: one start-up per world size, not one per page.
 
 `_readme.py` extracts them; each job runs all of them (a block that says `# on N ranks or more`
 is skipped below N, and says so; an ecosystem page whose libraries are missing is left out, and
@@ -23,10 +24,11 @@ from _readme import ECOSYSTEM_PAGES, ECOSYSTEMS, blocks
 HERE = Path(__file__).parent
 README = HERE.parent / "README.md"
 QUICKSTART = HERE.parent / "docs" / "quickstart.md"
+MPI4JAX = HERE.parent / "docs" / "migrate" / "mpi4jax.md"
 
 
 def test_every_python_block_is_found() -> None:
-    for page, least in ((README, 7), (QUICKSTART, 3)):
+    for page, least in ((README, 7), (QUICKSTART, 3), (MPI4JAX, 4)):
         text = page.read_text(encoding="utf-8")
         found = blocks(text)
         assert len(found) == text.count("```python\n") >= least
@@ -66,7 +68,7 @@ def test_blocks_run_as_written(ranks: int, tmp_path: Path) -> None:
     # that needs 2 ranks or more too, on a world whose size is not a power of two. In a scratch
     # folder: the Hugging Face page writes its output_dir where it runs.
     pages, missing = ecosystem_pages()
-    pages = [README, QUICKSTART, *pages]
+    pages = [README, QUICKSTART, MPI4JAX, *pages]
     target = [HERE / "_readme.py", *pages]
     if ranks == 1:
         job = run_job(target, launcher="python", timeout=300, cwd=tmp_path)

@@ -11,7 +11,9 @@ consolidated state (`torch.save`), what any later job must find in FOLDER bit fo
 builds the same model at its own world size, loads FOLDER, and rank 0 writes the consolidated
 state it got to PATH; `load-plain` loads a plain torch program's checkpoint (no sampler).
 `zero-resume PREVIOUS SAVED` is `zero_resume.resume` (a chain of ZeRO runs that each load what a
-world of another size saved, train on and save: PREVIOUS "-" starts it).
+world of another size saved, train on and save: PREVIOUS "-" starts it). `optax-save`,
+`optax-load` and `optax-resume` are `optax_checkpoint.act`'s `save`, `load` and `resume`, for
+optax's sharded state (JAX is imported only for them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+
+MODES = ("save", "load", "load-plain", "zero-resume", "optax-save", "optax-load", "optax-resume")
 
 
 def make_model() -> nn.Module:
@@ -47,12 +51,16 @@ def consolidated(
 
 
 def step(mode: str, folder: str, path: str, stage: int, die_rank: int | None) -> None:
-    """Take one step (`save`, `load`, `load-plain`, `zero-resume`) with a model and an optimizer
-    of its own."""
+    """Take one step (see the module docstring) with a model and an optimizer of its own."""
     if mode == "zero-resume":
         from zero_resume import resume
 
         resume(folder, path)
+        return
+    if mode.startswith("optax-"):
+        from optax_checkpoint import act
+
+        act(mode.removeprefix("optax-"), folder, path)
         return
     model = make_model()
     opt = dp.torch.ZeroRedundancyOptimizer(
@@ -108,8 +116,8 @@ def main() -> None:
         parser.error("steps come in threes: MODE FOLDER PATH")
     steps = [args.steps[i : i + 3] for i in range(0, len(args.steps), 3)]
     for mode, _, _ in steps:
-        if mode not in ("save", "load", "load-plain", "zero-resume"):
-            parser.error(f"{mode!r} is not save, load, load-plain or zero-resume")
+        if mode not in MODES:
+            parser.error(f"{mode!r} is not one of {', '.join(MODES)}")
     if args.die_rank is not None and steps[-1][0] != "save":
         parser.error("--die-rank kills a rank in the last step, a save")
     dp.initialize()

@@ -5,7 +5,7 @@ and the consolidated `ShardedState`; "-" to start), keeps this rank's segments
 (`dp.jax.shard_state`), trains two Adam steps on this rank's share of the regression batch
 (jitted at odd world sizes, eager at even ones), consolidates on rank 0, which saves the
 parameters, the state and the world sizes so far (NumPy leaves, pickled). A step of
-`optax_checkpoint_job.py` (`resume`), so that the jobs that check `dp.checkpoint` with optax
+`optax_checkpoint.py` (`resume`), so that the jobs that check `dp.checkpoint` with optax
 carry this chain too.
 """
 

@@ -1,24 +1,22 @@
-"""Train a sharded optax state, or resume one, through `dp.checkpoint` at this job's world size.
+"""Save, load or resume a sharded optax state through `dp.checkpoint` at this world's size.
 
-    optax_checkpoint_job.py load FOLDER OUT
-    optax_checkpoint_job.py save FOLDER REF
-    optax_checkpoint_job.py load FOLDER OUT save FOLDER2 REF2 resume PREVIOUS SAVED
+`act(MODE, FOLDER, PATH)`: the optax steps of `checkpoint_job.py` (`optax-save`, `optax-load`,
+`optax-resume`: the jobs that check `dp.checkpoint` across sizes carry optax's sharded state
+too), and of `test_checkpoint.py` in its own world of one.
 
 `save` trains two Adam steps (`shard_state=True`, each rank its own gradients) over parameters of
 three dtypes and odd sizes, writes FOLDER with `dp.checkpoint.save` (every rank its slices, as
-`dp.checkpoint.OptaxShards`), and rank 0 pickles REF: the parameters and the state consolidated
+`dp.checkpoint.OptaxShards`), and rank 0 pickles PATH: the parameters and the state consolidated
 with `dp.jax.consolidate_state` (the same at every world size), as NumPy leaves. `load` makes a
 fresh state at its own world size, loads FOLDER into it, and rank 0 pickles the same of what it
-got into OUT: any job's OUT must equal REF bit for bit. Several actions run in turn, each from a
-fresh state, so that one job can load one checkpoint and save the next. `resume PREVIOUS SAVED`
-is `optax_sharded_resume.resume` (a chain of sharded runs, each going on from what a world of
-another size consolidated: PREVIOUS "-" starts it).
+got into PATH: it must equal the saving world's bit for bit. Each step starts from a fresh
+state. `resume PREVIOUS SAVED` is `optax_sharded_resume.resume` (a chain of sharded runs, each
+going on from what a world of another size consolidated: PREVIOUS "-" starts it).
 """
 
 from __future__ import annotations
 
 import pickle
-import sys
 from typing import Any
 
 import jax
@@ -30,12 +28,21 @@ import dataparallel as dp
 
 
 def make_params() -> dict[str, Any]:
-    return {
-        "w": jnp.arange(35.0, dtype=jnp.float32).reshape(5, 7) / 10,
-        "b": jnp.linspace(-1, 1, 7, dtype=jnp.float32),
-        "h": jnp.ones((3, 3), jnp.bfloat16),
-        "v": jnp.arange(4.0, dtype=jnp.float64) if jax.config.jax_enable_x64 else jnp.ones(4),
+    """Made by NumPy and put on the device: each eager JAX operation is a program to compile."""
+    wide = np.float64 if jax.config.jax_enable_x64 else np.float32
+    host = {
+        "w": np.arange(35.0, dtype=np.float32).reshape(5, 7) / 10,
+        "b": np.linspace(-1, 1, 7, dtype=np.float32),
+        "h": np.ones((3, 3), jnp.bfloat16),
+        "v": np.arange(4.0, dtype=wide),
     }
+    return jax.device_put(host)
+
+
+def gradient(p: jax.Array, step: int) -> jax.Array:
+    """A leaf's gradient at `step`, differing per rank (NumPy, as `make_params`)."""
+    x = np.cos(np.arange(p.size, dtype=np.float32) + step + dp.rank()) * 3
+    return jax.device_put(x.reshape(p.shape).astype(p.dtype))
 
 
 def host(tree: Any) -> Any:
@@ -54,14 +61,7 @@ def act(mode: str, folder: str, out: str) -> None:
     state = opt.init(params)
     if mode == "save":
         for step in range(2):
-            grads = jax.tree.map(
-                lambda p, s=step: (
-                    (jnp.cos(jnp.arange(p.size) + s + dp.rank()) * 3)
-                    .reshape(p.shape)
-                    .astype(p.dtype)
-                ),
-                params,
-            )
+            grads = jax.tree.map(lambda p, s=step: gradient(p, s), params)
             updates, state = opt.update(grads, state, params)
             params = optax.apply_updates(params, updates)
         dp.checkpoint.save(
@@ -77,15 +77,3 @@ def act(mode: str, folder: str, out: str) -> None:
     if dp.rank() == 0:
         with open(out, "wb") as f:
             pickle.dump({"params": host(params), "state": host(whole), "size": dp.size()}, f)
-
-
-def main() -> None:
-    actions = sys.argv[1:]
-    dp.initialize()
-    for i in range(0, len(actions), 3):
-        act(*actions[i : i + 3])
-    dp.finalize()
-
-
-if __name__ == "__main__":
-    main()
