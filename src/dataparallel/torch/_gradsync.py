@@ -89,8 +89,7 @@ from dataparallel.torch._buckets import (
     signature,
 )
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._hooks import GradientHooks
-from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._hooks import GradientHooks, unclaimed_or
 from dataparallel.torch._powersgd import LowRank, PowerSGDReplay, q_lag
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op, WireDtype
@@ -288,8 +287,9 @@ class GradientSync:
 
     def _current(self) -> NamedParams:
         """The parameters to reduce now: trainable ones that no newer GradientSync has claimed."""
-        mine = (None, self)
-        return [(n, p) for n, p in self._source() if p.requires_grad and owner_of(p) in mine]
+        trainable = [(n, p) for n, p in self._source() if p.requires_grad]
+        mine = unclaimed_or(self, [p for _, p in trainable])
+        return [named for named, ours in zip(trainable, mine, strict=True) if ours]
 
     def _lay_out(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""

@@ -66,7 +66,7 @@ from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed import ProcessGroup, Work
+    from torch.distributed import AllreduceOptions, ProcessGroup, Work
 
 __all__ = ["GlooBackend", "GlooHandle", "ScatterSteps", "translate_error"]
 
@@ -316,6 +316,7 @@ class GlooBackend(Backend):
             ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX,
         }
+        self._options: dict[tuple[object, bool], AllreduceOptions] = {}  # `_all_reduce`'s
         atexit.register(self.close)
 
     @property
@@ -446,9 +447,11 @@ class GlooBackend(Backend):
             return self._dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         if tensor.is_complex():
             tensor = self._torch.view_as_real(tensor)
-        options = self._dist.AllreduceOptions()
-        options.reduceOp = op
-        options.asyncOp = async_op
+        options = self._options.get((op, async_op))
+        if options is None:  # the group copies them into each call: made once
+            options = self._options[op, async_op] = self._dist.AllreduceOptions()
+            options.reduceOp = op
+            options.asyncOp = async_op
         return group.allreduce([tensor], options)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
