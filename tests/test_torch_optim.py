@@ -233,12 +233,12 @@ def test_parameters_unused_on_some_ranks_get_the_average_with_zeros(world: Backe
     assert_same_on_every_rank(list(model.parameters()))
 
 
-def test_ranks_sending_a_bucket_as_one_group_or_leaf_by_leaf_agree(world: Backend) -> None:
-    """A host bucket's gradients go as one group (`Fusion.add_group`: one call packs them, and
+def test_ranks_sending_a_bucket_as_one_pack_or_leaf_by_leaf_agree(world: Backend) -> None:
+    """A host bucket's gradients go as one pack (`Fusion.add_pack`: one call packs them, and
     where the engine moves calls on by itself they all become views of the bucket's memory at
     once) where each is as the layout planned it, else leaf by leaf: here, at each step, one
     rank's first gradient is a view of a buffer of its own, so that rank sends the bucket leaf
-    by leaf (writing into that buffer) while the others send it as a group. The calls line up,
+    by leaf (writing into that buffer) while the others send it as a pack. The calls line up,
     and every rank has the average of one process on the whole batch."""
     bare = make_model()
     reference = copy.deepcopy(bare)

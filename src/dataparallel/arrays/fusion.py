@@ -97,8 +97,8 @@ class HostFlight:
     compressed: WireDtype | None = None  # the 16-bit dtype `wire` holds, when compressed
     prescaled: bool = False  # scaled before the call (`dtypes.prescale`): nothing to do after
     staged: DeviceBucket | None = None  # a GPU bucket staged through `buf`, copied back on landing
-    # (first slot, slots, deliver) of each group packed together (`Fusion.add_group`)
-    groups: tuple[tuple[int, int, Deliver], ...] = ()
+    # (first slot, slots, deliver) of each pack in the bucket (`Fusion.add_pack`)
+    packs: tuple[tuple[int, int, Deliver], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -202,8 +202,8 @@ class Fusion:
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
         self._handed: dict[int, Deliver] = {}  # id of a work packed -> its deliver (`add`)
-        # id of a group's first work -> its works and deliver (`add_group`)
-        self._groups: dict[int, tuple[int, Deliver]] = {}
+        # id of a pack's first work -> its works and deliver (`add_pack`)
+        self._packs: dict[int, tuple[int, Deliver]] = {}
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Seconds between tests of a call in flight while waiting for it (`fusion.settle`);
         # 0: wait in the engine. Set by the communication thread's steps on MPI
@@ -239,7 +239,7 @@ class Fusion:
         key = HOST_KEY if type(work) is np.ndarray else (family.name, device)
         self.add(work, dtype, key, deliver)
 
-    def add_group(
+    def add_pack(
         self,
         family: Family,
         xs: list[object],
@@ -250,7 +250,7 @@ class Fusion:
         """Queue host leaves `xs` of `family` through their writable views `works` (contiguous,
         of `dtype`), as `add_leaf` queues each, and where they are packed together in one bucket
         of a reduction, hand their region of the bucket's memory to `deliver` once, in place of
-        writing the results into them: one call for the group where `add`'s deliver makes one
+        writing the results into them: one call for the pack where `add`'s deliver makes one
         per array. Where they would not be packed together (they do not fit in the open bucket,
         or each travels alone), they are queued one by one, the results written into them, and
         `deliver` is not called. The calls made are `add_leaf`'s either way, so that ranks
@@ -268,7 +268,7 @@ class Fusion:
             for work in works:
                 self.add(work, dtype, HOST_KEY)
             return
-        self._groups[id(works[0])] = (len(works), deliver)
+        self._packs[id(works[0])] = (len(works), deliver)
         self.add(works[0], dtype, HOST_KEY)  # opens the bucket (or flushes nothing: they fit)
         self._open[(*HOST_KEY, dtype)].extend(works[1:])
         self._open_bytes += total - works[0].nbytes
@@ -384,7 +384,7 @@ class Fusion:
         the buffers of calls that may still be running are not reused."""
         self._leaves, self._open, self._deliver, self._flights = [], {}, {}, []
         self._open_bytes = 0
-        self._handed, self._groups = {}, {}
+        self._handed, self._packs = {}, {}
 
     def test(self) -> bool:
         """Return whether every call started so far has completed."""
@@ -498,19 +498,19 @@ class Fusion:
         # Scaled as they are packed where the engine takes the bucket as it is: one pass, not two.
         folded = scale if dtype in self.backend.native_dtypes else None
         prescaled = False
-        groups: list[tuple[int, int, Deliver]] = []
+        packs: list[tuple[int, int, Deliver]] = []
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
             self._handed.pop(id(works[0]), None)  # the result is written into it: no deliver
         else:
             size = sum(w.size for w in works)
-            if self._groups:
+            if self._packs:
                 for at, work in enumerate(works):
-                    group = self._groups.pop(id(work), None)
-                    if group is not None:
-                        groups.append((at, *group))
+                    pack = self._packs.pop(id(work), None)
+                    if pack is not None:
+                        packs.append((at, *pack))
             handed = self._handed
-            if groups or any(w.flags.writeable and id(w) in handed for w in works):
+            if packs or any(w.flags.writeable and id(w) in handed for w in works):
                 buf = self.pool.lend(storage_dtype(dtype), (size,))  # results handed out as views
             else:
                 buf = self.pool.take(storage_dtype(dtype), size)
@@ -528,7 +528,7 @@ class Fusion:
             to_wire(buf, dtype, compressed, out=wire)
             pooled.append(wire)
         return HostFlight(
-            dtype, buf, wire, slots, tuple(pooled), compressed, prescaled, staged, tuple(groups)
+            dtype, buf, wire, slots, tuple(pooled), compressed, prescaled, staged, tuple(packs)
         )
 
     def _compressed(self, dtype: str) -> WireDtype | None:
@@ -772,17 +772,17 @@ def _unpack_host(flight: HostFlight, scale: float | None, handed: dict[int, Deli
         from_wire(wire, flight.compressed, buf, flight.dtype, scale)
     elif not fold:
         _from_wire(wire, buf, flight.dtype, scale)
-    slots, groups = flight.slots, iter(flight.groups)
-    group, at = next(groups, None), 0
+    slots, packs = flight.slots, iter(flight.packs)
+    pack, at = next(packs, None), 0
     while at < len(slots):
-        if group is not None and group[0] == at:  # the group's region, handed over at once
-            _, count, deliver = group
+        if pack is not None and pack[0] == at:  # the pack's region, handed over at once
+            _, count, deliver = pack
             last, end = slots[at + count - 1]
             region = buf[slots[at][1] : end + last.size]
             if fold:
                 scale_in_place(region, scale)  # type: ignore[arg-type]
             deliver(region)
-            group, at = next(groups, None), at + count
+            pack, at = next(packs, None), at + count
             continue
         work, offset = slots[at]
         at += 1

@@ -41,7 +41,7 @@ from dataparallel.types import Op
 __all__ = [
     "Bucket",
     "Compressing",
-    "HostGroup",
+    "HostPack",
     "ModeTrial",
     "Modes",
     "NamedParams",
@@ -165,8 +165,8 @@ class StepTemplate:
     named once; a parameter converted since the template was made (`model.double()` between steps:
     the layout follows at the step's end, `GradientSync.refresh`) has its gradient's own used. The
     step's flags (with the promise's `WORDS`) have one buffer; the handshake's digest and records
-    are made once (`protocol.Records`: a call plan keeps them), and each host bucket's group
-    (`HostGroup`). A layout that changes (parameters added, frozen, converted; rebucketed; sparse
+    are made once (`protocol.Records`: a call plan keeps them), and each host bucket's pack
+    (`HostPack`). A layout that changes (parameters added, frozen, converted; rebucketed; sparse
     ones found; another mode) makes a new template.
     """
 
@@ -174,9 +174,9 @@ class StepTemplate:
         self, params: NamedParams, summary: str, size: int, buckets: list[Bucket] | None = None
     ) -> None:
         n = len(params)
-        # Each bucket of host parameters, as a group sent in one piece (`HostGroup`).
-        self.groups = [
-            HostGroup([params[i][1] for i in b.members]) if b.key[0] == "cpu" else None
+        # Each bucket of host parameters, as a pack sent in one piece (`HostPack`).
+        self.packs = [
+            HostPack([params[i][1] for i in b.members]) if b.key[0] == "cpu" else None
             for b in buckets or []
         ]
         self.families: list[Family | None] = [None] * n  # learnt from each first gradient
@@ -223,10 +223,10 @@ class StepTemplate:
         return flags
 
 
-class HostGroup:
-    """A bucket of host parameters (one dtype), whose gradients a step sends as one group
-    (`Fusion.add_group`) when each is as the layout planned it: the members' parameters, the
-    dtype and device they were laid out with, and each gradient's place in the group's region of
+class HostPack:
+    """A bucket of host parameters (one dtype), whose gradients a step sends as one pack
+    (`Fusion.add_pack`) when each is as the layout planned it: the members' parameters, the
+    dtype and device they were laid out with, and each gradient's place in the pack's region of
     the bucket. So a step's Python per gradient is a few attribute reads, not the way through
     `Fusion.add_leaf` that any leaf takes.
     """
@@ -238,7 +238,7 @@ class HostGroup:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.name = dtype_name(self.dtype)
         edges = [0, *itertools.accumulate(p.numel() for p in params)]
-        # Each gradient's place in the group's region: start, stop, shape.
+        # Each gradient's place in the pack's region: start, stop, shape.
         self.places = [
             (start, stop, tuple(p.shape))
             for (start, stop), p in zip(itertools.pairwise(edges), params, strict=True)

@@ -49,7 +49,7 @@ import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
-from dataparallel.arrays.comm_thread import Group, Leaf, Router, leaf_of
+from dataparallel.arrays.comm_thread import Leaf, Pack, Router, leaf_of
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
@@ -823,8 +823,8 @@ class GradientSync:
         leaves: list[Leaf] = []
         delivers: list[Deliver | None] = []
         template, low = self._template, self._low if self._compressing else None
-        group = self._group(b) if low is None and self._feedback is None else None
-        members = [] if group is not None else self._buckets[b].members
+        pack = self._pack(b) if low is None and self._feedback is None else None
+        members = [] if pack is not None else self._buckets[b].members
         compressed, computed_now = [], set()
         for i in members:
             name, p = self._params[i]
@@ -860,16 +860,16 @@ class GradientSync:
             self._flags = template.flags(self._filled, self._abandoned, self._sparse.seen, promises)
         flags = self._flags if last else None
         if low is None:
-            self._router.send(leaves, flags, delivers, group)
+            self._router.send(leaves, flags, delivers, pack)
         else:  # PowerSGD's calls copy their results back (`_low_rank_call`)
             self._router.run(partial(self._low_rank_call, b, leaves, flags))
 
-    def _group(self, b: int) -> Group | None:
-        """Bucket `b`'s gradients as one group (`Fusion.add_group`), where it holds host
-        parameters whose gradients are each as the layout planned them (`HostGroup.gradients`)
+    def _pack(self, b: int) -> Pack | None:
+        """Bucket `b`'s gradients as one pack (`Fusion.add_pack`), where it holds host
+        parameters whose gradients are each as the layout planned them (`HostPack.gradients`)
         and, packed with others, may all become views of the bucket (`_alone`); else None (each
         gradient goes its own way). One alone is reduced in place, on any engine."""
-        plan = self._template.groups[b]
+        plan = self._template.packs[b]
         if plan is None or (grads := plan.gradients()) is None:
             return None
         if len(grads) > 1 and not (self._views and all(map(_alone, grads))):
@@ -877,7 +877,7 @@ class GradientSync:
         if plan.family is None:
             name = self._params[self._buckets[b].members[0]][0]
             plan.family = grad_family(self.owner, name, grads[0])
-        deliver = partial(_adopt_group, grads, plan.places)
+        deliver = partial(_adopt_pack, grads, plan.places)
         return plan.family, list(grads), plan.works(grads), plan.name, deliver
 
     def reset(self) -> None:
@@ -1008,11 +1008,11 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
         grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
 
 
-def _adopt_group(
+def _adopt_pack(
     grads: list[torch.Tensor], places: list[tuple[int, int, tuple[int, ...]]], region: Any
 ) -> None:
-    """`_adopt` of a group's gradients (`HostGroup`), each at its place (start, stop, shape) in
-    `region`, the group's reduced values in its bucket's memory: each its own tensor of that
+    """`_adopt` of a pack's gradients (`HostPack`), each at its place (start, stop, shape) in
+    `region`, the pack's reduced values in its bucket's memory: each its own tensor of that
     memory, as `_adopt` makes it, so that each stays `_alone` for the next step."""
     bits = grads[0].dtype is torch.bfloat16
     with torch.no_grad():
