@@ -233,6 +233,47 @@ def test_parameters_unused_on_some_ranks_get_the_average_with_zeros(world: Backe
     assert_same_on_every_rank(list(model.parameters()))
 
 
+def test_ranks_sending_a_bucket_as_one_pack_or_leaf_by_leaf_agree(world: Backend) -> None:
+    """A host bucket's gradients go as one pack (`Fusion.add_pack`: one call packs them, and
+    where the engine moves calls on by itself they all become views of the bucket's memory at
+    once) where each is as the layout planned it, else leaf by leaf: here, at each step, one
+    rank's first gradient is a view of a buffer of its own, so that rank sends the bucket leaf
+    by leaf (writing into that buffer) while the others send it as a pack. The calls line up,
+    and every rank has the average of one process on the whole batch."""
+    bare = make_model()
+    reference = copy.deepcopy(bare)
+    model = dp.torch.DataParallelModel(bare)  # the default size: one bucket of everything
+    assert len(model.gradient_sync.buckets) == 1
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        own = step % world.size == world.rank  # this rank's first gradient is not alone
+        flat = torch.zeros(params[0].numel() + 1)
+        if own:
+            params[0].grad = flat[1:].view_as(params[0])
+        loss_of(model, share(x), share(y)).backward()
+        loss_of(reference, x, y).backward()
+        for got, want in zip(params, reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad)
+        if own:
+            torch.testing.assert_close(flat[1:], params[0].grad.reshape(-1))
+            assert params[0].grad.untyped_storage().data_ptr() == flat.data_ptr()
+        else:
+            places = sorted((p.grad.data_ptr(), p.grad.nbytes) for p in params)
+            ends = [start + nbytes for start, nbytes in places[:-1]]
+            together = ends == [start for start, _ in places[1:]]
+            assert together == world.progresses, "views of the bucket, one after the other"
+        opt.step()
+        ref_opt.step()
+    for got, want in zip(params, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert_same_on_every_rank(params)
+
+
 def test_synchronize_then_step_reduces_once(world: Backend) -> None:
     model = make_model()
     opt = dp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=128)

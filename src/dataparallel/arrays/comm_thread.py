@@ -36,6 +36,7 @@ __all__ = [
     "CommThread",
     "Job",
     "Leaf",
+    "Pack",
     "Privates",
     "Router",
     "leaf_of",
@@ -49,6 +50,9 @@ LEAVE_IN_FLIGHT = True
 # An array to send, validated: its family, itself, its dtype and its device (`Family.dtype`,
 # `Family.device`), which the caller knows (a gradient's are its parameter's).
 Leaf = tuple[Family, object, str, str]
+# A pack: host leaves of one family and dtype packed one after the other, their writable views,
+# their dtype, and where their region of the bucket goes once reduced (`Fusion.add_pack`).
+Pack = tuple[Family, list[object], list[np.ndarray], str, Deliver]
 
 
 def leaf_of(family: Family, x: object) -> Leaf:
@@ -210,10 +214,11 @@ class Router:
         leaves: Sequence[Leaf],
         extra: np.ndarray | None = None,
         delivers: Sequence[Deliver | None] | None = None,
+        pack: Pack | None = None,
     ) -> None:
-        """Send one bucket: `leaves`, then `extra` host float32;
+        """Send one bucket: `pack` (`Fusion.add_pack`), `leaves`, then `extra` host float32;
         `delivers`: per leaf, where its result's place in the bucket goes (`Fusion.add_leaf`)."""
-        self.run(lambda: self.put(leaves, extra, delivers))
+        self.run(lambda: self.put(leaves, extra, delivers, pack))
 
     def run(self, fn: Callable[[], object]) -> None:
         """Run `fn` where this step's calls are made, after the buckets sent before it: on the
@@ -229,6 +234,7 @@ class Router:
         leaves: Sequence[Leaf],
         extra: np.ndarray | None = None,
         delivers: Sequence[Deliver | None] | None = None,
+        pack: Pack | None = None,
     ) -> None:
         """Send `leaves` and `extra` as `send` does, from the thread the step's calls are made on
         (inside a `run` function, or `send`).
@@ -238,6 +244,8 @@ class Router:
         (`Backend.calls_in_flight`), `finish` the last, so the link never waits for a bucket's
         results to be written. On MPI the thread waits for it (GIL released).
         """
+        if pack is not None:
+            self.fusion.add_pack(*pack)
         self._add(leaves, extra, delivers)
         if self.threaded and not (LEAVE_IN_FLIGHT and self.fusion.backend.progresses):
             self.fusion.wait()

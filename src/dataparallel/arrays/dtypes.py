@@ -124,10 +124,14 @@ def prescalable(dtype: np.dtype[np.generic], scale: float | None) -> bool:
     """Whether shares of `dtype` about to be summed are scaled by `scale` first (`prescale`)."""
     if scale is None or not 0 < scale < 1 or dtype not in _PRESCALED:
         return False
-    return bool(np.frexp(scale)[0] == 0.5)  # a power of two
+    power = _POWERS.get(scale)
+    if power is None:  # asked for every bucket of a step with the same few scales: kept
+        power = _POWERS[scale] = bool(np.frexp(scale)[0] == 0.5)  # a power of two
+    return power
 
 
 _PRESCALED = (np.dtype(np.float32), np.dtype(np.float64))
+_POWERS: dict[float, bool] = {}  # whether each scale asked about is a power of two
 
 
 def scale_in_place(values: np.ndarray, scale: float, out: np.ndarray | None = None) -> None:

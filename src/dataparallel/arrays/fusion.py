@@ -92,6 +92,8 @@ class HostFlight:
     compressed: WireDtype | None = None  # the 16-bit dtype `wire` holds, when compressed
     prescaled: bool = False  # scaled before the call (`dtypes.prescale`): nothing to do after
     staged: DeviceBucket | None = None  # a GPU bucket staged through `buf`, copied back on landing
+    # (first slot, slots, deliver) of each pack in the bucket (`Fusion.add_pack`)
+    packs: tuple[tuple[int, int, Deliver], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -195,6 +197,8 @@ class Fusion:
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
         self._handed: dict[int, Deliver] = {}  # id of a work packed -> its deliver (`add`)
+        # id of a pack's first work -> its works and deliver (`add_pack`)
+        self._packs: dict[int, tuple[int, Deliver]] = {}
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Seconds between tests of a call in flight while waiting for it (`fusion.settle`);
         # 0: wait in the engine. Set by the communication thread's steps on MPI
@@ -229,6 +233,40 @@ class Fusion:
         # Host buffers are packed alike whatever their family, so ranks may mix families.
         key = HOST_KEY if type(work) is np.ndarray else (family.name, device)
         self.add(work, dtype, key, deliver)
+
+    def add_pack(
+        self,
+        family: Family,
+        xs: list[object],
+        works: list[np.ndarray],
+        dtype: str,
+        deliver: Deliver,
+    ) -> None:
+        """Queue host leaves `xs` of `family` through their writable views `works` (contiguous,
+        of `dtype`), as `add_leaf` queues each, and where they are packed together in one bucket
+        of a reduction, hand their region of the bucket's memory to `deliver` once, in place of
+        writing the results into them: one call for the pack where `add`'s deliver makes one
+        per array. Where they would not be packed together (they do not fit in the open bucket,
+        or each travels alone), they are queued one by one, the results written into them, and
+        `deliver` is not called. The calls made are `add_leaf`'s either way, so that ranks
+        queueing the same arrays one way or the other make the same calls.
+        """
+        self._leaves.extend((family, x, w, True) for x, w in zip(xs, works, strict=True))
+        total = sum(w.nbytes for w in works)
+        together = (
+            len(works) > 1
+            and self.contiguous
+            and isinstance(self.action, Reduction)
+            and self._open_bytes + total <= self.bucket_bytes
+        )
+        if not together:
+            for work in works:
+                self.add(work, dtype, HOST_KEY)
+            return
+        self._packs[id(works[0])] = (len(works), deliver)
+        self.add(works[0], dtype, HOST_KEY)  # opens the bucket (or flushes nothing: they fit)
+        self._open[(*HOST_KEY, dtype)].extend(works[1:])
+        self._open_bytes += total - works[0].nbytes
 
     def add(
         self, work: Work, dtype: str, key: BucketKey = (), deliver: Deliver | None = None
@@ -341,7 +379,7 @@ class Fusion:
         the buffers of calls that may still be running are not reused."""
         self._leaves, self._open, self._deliver, self._flights = [], {}, {}, []
         self._open_bytes = 0
-        self._handed = {}
+        self._handed, self._packs = {}, {}
 
     def test(self) -> bool:
         """Return whether every call started so far has completed."""
@@ -455,12 +493,19 @@ class Fusion:
         # Scaled as they are packed where the engine takes the bucket as it is: one pass, not two.
         folded = scale if dtype in self.backend.native_dtypes else None
         prescaled = False
+        packs: list[tuple[int, int, Deliver]] = []
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
             self._handed.pop(id(works[0]), None)  # the result is written into it: no deliver
         else:
             size = sum(w.size for w in works)
-            if any(w.flags.writeable and id(w) in self._handed for w in works):
+            if self._packs:
+                for at, work in enumerate(works):
+                    pack = self._packs.pop(id(work), None)
+                    if pack is not None:
+                        packs.append((at, *pack))
+            handed = self._handed
+            if packs or any(w.flags.writeable and id(w) in handed for w in works):
                 buf = self.pool.lend(storage_dtype(dtype), (size,))  # results handed out as views
             else:
                 buf = self.pool.take(storage_dtype(dtype), size)
@@ -477,7 +522,9 @@ class Fusion:
             wire = self.pool.take(storage_dtype(compressed), buf.size)
             to_wire(buf, dtype, compressed, out=wire)
             pooled.append(wire)
-        return HostFlight(dtype, buf, wire, slots, tuple(pooled), compressed, prescaled, staged)
+        return HostFlight(
+            dtype, buf, wire, slots, tuple(pooled), compressed, prescaled, staged, tuple(packs)
+        )
 
     def _compressed(self, dtype: str) -> WireDtype | None:
         """Return the 16-bit dtype a bucket of `dtype` travels as, or None (uncompressed)."""
@@ -720,7 +767,20 @@ def _unpack_host(flight: HostFlight, scale: float | None, handed: dict[int, Deli
         from_wire(wire, flight.compressed, buf, flight.dtype, scale)
     elif not fold:
         _from_wire(wire, buf, flight.dtype, scale)
-    for work, offset in flight.slots:
+    slots, packs = flight.slots, iter(flight.packs)
+    pack, at = next(packs, None), 0
+    while at < len(slots):
+        if pack is not None and pack[0] == at:  # the pack's region, handed over at once
+            _, count, deliver = pack
+            last, end = slots[at + count - 1]
+            region = buf[slots[at][1] : end + last.size]
+            if fold:
+                scale_in_place(region, scale)  # type: ignore[arg-type]
+            deliver(region)
+            pack, at = next(packs, None), at + count
+            continue
+        work, offset = slots[at]
+        at += 1
         values = buf[offset : offset + work.size].reshape(work.shape)
         if work.flags.writeable and id(work) in handed:  # its place in the lent bucket
             if fold:

@@ -25,7 +25,9 @@ __all__ = ["HOST", "BufferPool", "HostMemory", "Memory"]
 _MIN_CAPACITY = 1024
 _ALIGN = 64  # what JAX needs to adopt NumPy memory without copying it
 _MAX_LENT = 8  # buffers lent per (dtype, size) that the pool keeps track of
-_UNREFERENCED = 3  # `sys.getrefcount` of a lent buffer only the pool holds: its list, the loop
+# `sys.getrefcount` of a lent buffer only the pool holds: its entry, its aligned view (whose
+# `base` it is), the loop's variable, the call's argument
+_UNREFERENCED = 4
 
 B = TypeVar("B")
 
@@ -74,12 +76,13 @@ class BufferPool(Generic[B]):
         # Every buffer the pool made that is still alive, given out or free, by id (a buffer
         # dropped, or lost with a call that failed, leaves it once nothing holds it).
         self._kept: weakref.WeakValueDictionary[int, B] = weakref.WeakValueDictionary()
-        self._lent: dict[tuple[np.dtype, int], list[np.ndarray]] = {}
+        # Each (dtype, size)'s lent buffers: the memory's owner, and its aligned view.
+        self._lent: dict[tuple[np.dtype, int], list[tuple[np.ndarray, np.ndarray]]] = {}
 
     @property
     def allocated(self) -> int:
         """Bytes of the buffers this pool keeps, given out or free (lent ones included)."""
-        lent = sum(owner.nbytes for owners in self._lent.values() for owner in owners)
+        lent = sum(owner.nbytes for owners in self._lent.values() for owner, _ in owners)
         return sum(self.memory.nbytes(buf) for buf in list(self._kept.values())) + lent
 
     def take(self, dtype: Hashable, n: int) -> B:
@@ -122,14 +125,15 @@ class BufferPool(Generic[B]):
         """
         n = prod(shape)
         key = (np.dtype(dtype), n)
-        itemsize = key[0].itemsize
         owners = self._lent.setdefault(key, [])
-        for owner in owners:
+        for owner, kept in owners:
             if sys.getrefcount(owner) == _UNREFERENCED:
+                aligned = kept
                 break
         else:
-            owner = np.empty(n * itemsize + _ALIGN, np.uint8)
+            owner = np.empty(n * key[0].itemsize + _ALIGN, np.uint8)
+            start = -owner.ctypes.data % _ALIGN
+            aligned = owner[start : start + n * key[0].itemsize].view(key[0])
             if len(owners) < _MAX_LENT:
-                owners.append(owner)
-        start = -owner.ctypes.data % _ALIGN
-        return owner[start : start + n * itemsize].view(key[0]).reshape(shape)
+                owners.append((owner, aligned))
+        return aligned.reshape(shape)

@@ -16,10 +16,11 @@ only timing tells which wins. Figures: benchmarks/NOTES.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TypedDict, cast
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ from dataparallel.types import Op
 __all__ = [
     "Bucket",
     "Compressing",
+    "HostPack",
     "ModeTrial",
     "Modes",
     "NamedParams",
@@ -163,12 +165,20 @@ class StepTemplate:
     named once; a parameter converted since the template was made (`model.double()` between steps:
     the layout follows at the step's end, `GradientSync.refresh`) has its gradient's own used. The
     step's flags (with the promise's `WORDS`) have one buffer; the handshake's digest and records
-    are made once (`protocol.Records`: a call plan keeps them). A layout that changes (parameters
-    added, frozen, converted; rebucketed; sparse ones found; another mode) makes a new template.
+    are made once (`protocol.Records`: a call plan keeps them), and each host bucket's pack
+    (`HostPack`). A layout that changes (parameters added, frozen, converted; rebucketed; sparse
+    ones found; another mode) makes a new template.
     """
 
-    def __init__(self, params: NamedParams, summary: str, size: int) -> None:
+    def __init__(
+        self, params: NamedParams, summary: str, size: int, buckets: list[Bucket] | None = None
+    ) -> None:
         n = len(params)
+        # Each bucket of host parameters, as a pack sent in one piece (`HostPack`).
+        self.packs = [
+            HostPack([params[i][1] for i in b.members]) if b.key[0] == "cpu" else None
+            for b in buckets or []
+        ]
         self.families: list[Family | None] = [None] * n  # learnt from each first gradient
         self._kinds = [(p.dtype, p.device) for _, p in params]
         self._names = [(dtype_name(p.dtype), str(p.device)) for _, p in params]
@@ -211,6 +221,53 @@ class StepTemplate:
         words = flags[-WORDS:]
         words[PROMISES], words[MADE] = promises, 1
         return flags
+
+
+class HostPack:
+    """A bucket of host parameters (one dtype), whose gradients a step sends as one pack
+    (`Fusion.add_pack`) when each is as the layout planned it: the members' parameters, the
+    dtype and device they were laid out with, and each gradient's place in the pack's region of
+    the bucket. So a step's Python per gradient is a few attribute reads, not the way through
+    `Fusion.add_leaf` that any leaf takes.
+    """
+
+    __slots__ = ("device", "dtype", "family", "name", "params", "places")
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.name = dtype_name(self.dtype)
+        edges = [0, *itertools.accumulate(p.numel() for p in params)]
+        # Each gradient's place in the pack's region: start, stop, shape.
+        self.places = [
+            (start, stop, tuple(p.shape))
+            for (start, stop), p in zip(itertools.pairwise(edges), params, strict=True)
+        ]
+        self.family: Family | None = None  # learnt from the first gradient sent
+
+    def gradients(self) -> list[torch.Tensor] | None:
+        """The members' gradients, or None unless each is dense and of its parameter's dtype and
+        device as laid out (none missing, made sparse, converted, nor a negated view): those take
+        `Fusion.add_leaf`'s way."""
+        grads = [p.grad for p in self.params]
+        dtype, device, strided = self.dtype, self.device, torch.strided
+        for grad in grads:
+            if (
+                grad is None
+                or grad.layout is not strided
+                or grad.dtype is not dtype
+                or grad.device != device
+                or grad.is_neg()
+                or grad.is_conj()
+            ):
+                return None
+        return cast("list[torch.Tensor]", grads)
+
+    def works(self, grads: list[torch.Tensor]) -> list[np.ndarray]:
+        """The gradients' writable host views in their storage dtype (`TorchFamily.host_view`)."""
+        if self.dtype is torch.bfloat16:
+            return [g.detach().view(torch.int16).numpy().view(np.uint16) for g in grads]
+        return [g.detach().numpy() for g in grads]
 
 
 def kept_flags(n: int, joining: bool) -> np.ndarray:

@@ -49,7 +49,7 @@ import torch
 
 from dataparallel import world
 from dataparallel.arrays.actions import Reduction, reduction
-from dataparallel.arrays.comm_thread import Leaf, Router, leaf_of
+from dataparallel.arrays.comm_thread import Leaf, Pack, Router, leaf_of
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.families import Family
 from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
@@ -89,8 +89,7 @@ from dataparallel.torch._buckets import (
     signature,
 )
 from dataparallel.torch._feedback import ErrorFeedback
-from dataparallel.torch._hooks import GradientHooks
-from dataparallel.torch._hooks import owner as owner_of
+from dataparallel.torch._hooks import GradientHooks, unclaimed_or
 from dataparallel.torch._powersgd import LowRank, PowerSGDReplay, q_lag
 from dataparallel.torch._sparse import SparseGrads
 from dataparallel.types import Op, WireDtype
@@ -165,7 +164,7 @@ class GradientSync:
     _options: Options
     _buckets: list[Bucket]
     _summary: str  # what every step's handshake compares (`_buckets.summarize`)
-    _plan: StepTemplate  # what every step of the layout sends, made with it
+    _template: StepTemplate  # what every step of the layout sends, made with it
     _signature: list[tuple[int, torch.dtype, torch.device]]
     _host: bool  # every parameter on the host: buckets may go to the communication thread
     _begins_early: bool  # a step's handshake begins at its first gradient
@@ -288,8 +287,9 @@ class GradientSync:
 
     def _current(self) -> NamedParams:
         """The parameters to reduce now: trainable ones that no newer GradientSync has claimed."""
-        mine = (None, self)
-        return [(n, p) for n, p in self._source() if p.requires_grad and owner_of(p) in mine]
+        trainable = [(n, p) for n, p in self._source() if p.requires_grad]
+        mine = unclaimed_or(self, [p for _, p in trainable])
+        return [named for named, ours in zip(trainable, mine, strict=True) if ours]
 
     def _lay_out(self, params: NamedParams, order: list[int] | None) -> None:
         """Reduce `params`, bucketed in `order` (default: reverse registration order)."""
@@ -313,7 +313,7 @@ class GradientSync:
         )
         self._hooks.lay_out([b.members for b in self._buckets], len(self._params))
         self._signature = signature(self._params)
-        self._template = StepTemplate(self._params, self._summary, self.backend.size)
+        self._template = StepTemplate(self._params, self._summary, self.backend.size, self._buckets)
         if self._low is not None:
             self._low.lay_out(self._params, [b.members for b in self._buckets])
         self._host = on_host(self._params)  # only host buckets go to the communication thread
@@ -823,8 +823,10 @@ class GradientSync:
         leaves: list[Leaf] = []
         delivers: list[Deliver | None] = []
         template, low = self._template, self._low if self._compressing else None
+        pack = self._pack(b) if low is None and self._feedback is None else None
+        members = [] if pack is not None else self._buckets[b].members
         compressed, computed_now = [], set()
-        for i in self._buckets[b].members:
+        for i in members:
             name, p = self._params[i]
             grad = p.grad
             computed = grad is not None
@@ -858,9 +860,25 @@ class GradientSync:
             self._flags = template.flags(self._filled, self._abandoned, self._sparse.seen, promises)
         flags = self._flags if last else None
         if low is None:
-            self._router.send(leaves, flags, delivers)
+            self._router.send(leaves, flags, delivers, pack)
         else:  # PowerSGD's calls copy their results back (`_low_rank_call`)
             self._router.run(partial(self._low_rank_call, b, leaves, flags))
+
+    def _pack(self, b: int) -> Pack | None:
+        """Bucket `b`'s gradients as one pack (`Fusion.add_pack`), where it holds host
+        parameters whose gradients are each as the layout planned them (`HostPack.gradients`)
+        and, packed with others, may all become views of the bucket (`_alone`); else None (each
+        gradient goes its own way). One alone is reduced in place, on any engine."""
+        plan = self._template.packs[b]
+        if plan is None or (grads := plan.gradients()) is None:
+            return None
+        if len(grads) > 1 and not (self._views and all(map(_alone, grads))):
+            return None
+        if plan.family is None:
+            name = self._params[self._buckets[b].members[0]][0]
+            plan.family = grad_family(self.owner, name, grads[0])
+        deliver = partial(_adopt_pack, grads, plan.places)
+        return plan.family, list(grads), plan.works(grads), plan.name, deliver
 
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
@@ -988,6 +1006,19 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
     with torch.no_grad():
         values = cast("torch.Tensor", family.adopt(grad, place))  # `place`'s memory itself
         grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
+
+
+def _adopt_pack(
+    grads: list[torch.Tensor], places: list[tuple[int, int, tuple[int, ...]]], region: Any
+) -> None:
+    """`_adopt` of a pack's gradients (`HostPack`), each at its place (start, stop, shape) in
+    `region`, the pack's reduced values in its bucket's memory: each its own tensor of that
+    memory, as `_adopt` makes it, so that each stays `_alone` for the next step."""
+    bits = grads[0].dtype is torch.bfloat16
+    with torch.no_grad():
+        for grad, (start, stop, shape) in zip(grads, places, strict=True):
+            values = torch.from_numpy(region[start:stop].reshape(shape))
+            grad.set_(values.view(torch.bfloat16) if bits else values)  # type: ignore[call-overload]
 
 
 def _alone(t: torch.Tensor) -> bool:

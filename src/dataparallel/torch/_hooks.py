@@ -27,7 +27,15 @@ from dataparallel import caches
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradientHooks", "GradientReceiver", "claim", "make_hook", "owner", "remove_hooks"]
+__all__ = [
+    "GradientHooks",
+    "GradientReceiver",
+    "claim",
+    "make_hook",
+    "owner",
+    "remove_hooks",
+    "unclaimed_or",
+]
 
 
 class GradientReceiver(Protocol):
@@ -68,6 +76,17 @@ def owner(param: torch.Tensor) -> GradientReceiver | None:
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
+
+
+def unclaimed_or(sync: GradientReceiver, params: list[torch.Tensor]) -> list[bool]:
+    """Whether each of `params` is reduced by `sync` or by none (`owner`), in one call: asked
+    of every parameter at every step."""
+    mine = (None, sync)
+    out = []
+    for p in params:
+        entry = _owners.get(id(p))
+        out.append(entry is None or entry[0]() is not p or entry[1]() in mine)
+    return out
 
 
 def make_hook(

@@ -68,6 +68,8 @@ class SparseGrads:
         `flags` are the step's reduced sparse flags (1 where a rank sent a sparse gradient dense,
         `seen`; `StepTemplate.flags`), equal everywhere.
         """
+        if not flags.any():  # most steps: no sparse gradient anywhere
+            return False
         found = [int(i) for i in np.flatnonzero(flags)]
         for i in found:
             grad = params[i][1].grad

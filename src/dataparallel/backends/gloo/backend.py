@@ -66,7 +66,7 @@ from dataparallel.types import WireDtype
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed import ProcessGroup, Work
+    from torch.distributed import AllreduceOptions, ProcessGroup, Work
 
 __all__ = ["GlooBackend", "GlooHandle", "ScatterSteps", "translate_error"]
 
@@ -139,10 +139,16 @@ _WIDENED: dict[str, np.dtype[np.int32]] = {
     "int16": np.dtype(np.int32),
     "uint16": np.dtype(np.int32),
 }
+# The dtypes Gloo reduces as they are with any op, by NumPy's type character.
+_NATIVE_CHARS = frozenset(
+    np.dtype(t).char for t in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64")
+)
 
 
 def wire_for(buf: np.ndarray, op: ReduceOp) -> tuple[np.ndarray, Callable[[], None] | None]:
     """Return what Gloo reduces for `buf`, and what to do once it has (None: nothing)."""
+    if buf.dtype.char in _NATIVE_CHARS:  # most calls: nothing to change (`dtype.name` is slow)
+        return buf, None
     name = buf.dtype.name
     if name in _SIGNED_VIEW:
         if op in (ReduceOp.MIN, ReduceOp.MAX):
@@ -310,6 +316,7 @@ class GlooBackend(Backend):
             ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX,
         }
+        self._options: dict[tuple[object, bool], AllreduceOptions] = {}  # `_all_reduce`'s
         atexit.register(self.close)
 
     @property
@@ -432,7 +439,26 @@ class GlooBackend(Backend):
         """Start an allreduce of `tensor`: one ring, or the hierarchy's three steps."""
         if stepped:  # `Carried` has the two methods of a torch work object that handles call
             return self._in_steps("iallreduce", tensor, op)  # type: ignore[return-value]
-        return self._start("iallreduce", self._dist.all_reduce, tensor, op=self._ops[op])
+        return self._start("iallreduce", self._all_reduce, tensor, op=self._ops[op])
+
+    def _all_reduce(
+        self, tensor: torch.Tensor, *, group: ProcessGroup | None, op: object, async_op: bool
+    ) -> Work:
+        """`dist.all_reduce`, made as the group's own call where the group is named (torch's
+        default group is found by `dist`): what torch's function checks first (a group this
+        rank is not in, a coalescing block, torch function modes) concerns no call this engine
+        makes, and a bucket's launch would pay for it at every step. Complex values go as pairs
+        of reals, as torch sends them."""
+        if group is None:
+            return self._dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        if tensor.is_complex():
+            tensor = self._torch.view_as_real(tensor)
+        options = self._options.get((op, async_op))
+        if options is None:  # the group copies them into each call: made once
+            options = self._options[op, async_op] = self._dist.AllreduceOptions()
+            options.reduceOp = op
+            options.asyncOp = async_op
+        return group.allreduce([tensor], options)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
