@@ -107,6 +107,8 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
 
     beater = threading.Thread(target=beat, daemon=True)
     beater.start()
+    if pause:
+        note_phases(note)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
@@ -150,6 +152,35 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
     done.set()
     beater.join()
     note("gap", gap=gaps[0])
+
+
+def note_phases(note: Callable[..., None]) -> None:
+    """Note when this worker passes each phase of a re-form after a lost link: wrap the
+    library's own steps (module attributes looked up at each call), so that nothing in the
+    library itself times anything."""
+    from dataparallel import world
+    from dataparallel.backends import connections
+    from dataparallel.elastic import rounds
+
+    def noted(module: object, name: str, before: str | None, after: str | None = None) -> None:
+        inner = getattr(module, name)
+
+        def wrapped(*args: object, **kwargs: object) -> object:
+            if before is not None:
+                note(before)
+            result = inner(*args, **kwargs)
+            if after is not None:
+                note(after)
+            return result
+
+        setattr(module, name, wrapped)
+
+    noted(connections, "_fail", "watch_cut")  # the watch found a connection lost: shut down
+    noted(rounds, "report_split", "caught")  # `elastic.run` caught the error, rolls back
+    noted(rounds, "_report_split", "reported")  # a split reported to the launcher
+    noted(rounds, "leave", "left")  # the world left (its engines cut and released)
+    noted(rounds, "_make_group", "round_read", "group_made")  # the next round's Gloo group
+    noted(world, "initialize", None, "initialized")  # the library's world over it
 
 
 class Hosts:
@@ -266,15 +297,18 @@ def one_run(
         if hosts is not None:
             command = hosts.link.command(0, command)
         start = time.time()
-        run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, env=env, start_new_session=True)  # fmt: skip
+        reader = threading.Thread(target=read_stderr, args=(run, Path(tmp) / "launcher.jsonl"))
+        reader.start()
         if hosts is not None and stall:
             cut_when(run, Path(tmp), "stalled", lambda: hosts.set_link(False))
         if hosts is not None and split:
             cut_when(run, Path(tmp), "paused", lambda: hosts.split(True))
             (Path(tmp) / "go").touch()
         try:
-            _, stderr = run.communicate(timeout=330)
+            run.wait(timeout=330)
+            reader.join()
         finally:
             if hosts is not None and stall:
                 hosts.wait_gone(tmp)  # b's workers leave by themselves; then the link is back
@@ -283,6 +317,7 @@ def one_run(
                 hosts.wait_gone(tmp, host=2)  # the launcher stops c's worker
                 hosts.split(False)
         wall = time.time() - start
+        stderr = "".join(json.loads(line)["line"] for line in (Path(tmp) / "launcher.jsonl").open())
         if run.returncode != 0:  # the launcher's own lines say who was lost and why; then the tail
             said = [ln for ln in stderr.splitlines() if ln.startswith("dataparallel")]
             raise SystemExit(
@@ -301,10 +336,31 @@ def one_run(
         entered = [n["t"] for n in notes if n["kind"] == "entered" and n["t"] > died]
         figures["synced"] = min(entered) - died
         figures["next_commit"] = min(t for t in commits if t > died) - died
+        for kind in PHASES:
+            after = [n["t"] for n in notes if n["kind"] == kind and n["t"] > died]
+            if after:
+                figures[kind] = min(after) - died
+        lost = [n["t"] for n in notes if n["kind"] == "launcher" and "was lost" in n["line"]]
+        if lost:
+            figures["launcher_lost"] = min(lost) - died
     else:
         w0 = sorted(n["t"] for n in notes if n["kind"] == "commit" and n["who"] == "w0")
         figures["step"] = statistics.median(b - a for a, b in itertools.pairwise(w0))
     return figures
+
+
+# The phases of a re-form after a lost link, in order (`note_phases`; the launcher's line
+# saying the worker was lost: `launcher_lost`), each the first time any worker passed it.
+PHASES = ["watch_cut", "caught", "reported", "left", "launcher_lost", "round_read", "group_made",
+          "initialized", "reformed", "entered"]  # fmt: skip
+
+
+def read_stderr(run: subprocess.Popen[str], log: Path) -> None:
+    """Note each line the launcher writes to stderr with the moment it came."""
+    assert run.stderr is not None
+    with open(log, "w") as out:
+        for line in run.stderr:
+            out.write(json.dumps({"kind": "launcher", "t": time.time(), "line": line}) + "\n")
 
 
 def main() -> None:
@@ -430,6 +486,16 @@ def split_runs(pairs: int, link_timeouts: list[float]) -> None:
     for t, runs in failed.items():
         what = f"a split between hosts b and c (--link-timeout {t:g}), worker 2 on c"
         report(3, True, what, runs, clean, "", "3 emulated hosts")
+        phases(runs)
+
+
+def phases(runs: list[dict[str, float]]) -> None:
+    """Print when each phase of the re-form was first passed, seconds after the cut."""
+    print("| run | " + " | ".join(PHASES) + " | next_commit |")
+    print("| --- " * (len(PHASES) + 2) + "|")
+    for i, f in enumerate(runs):
+        cells = [f"{f[k]:.2f}" if k in f else "-" for k in [*PHASES, "next_commit"]]
+        print(f"| {i + 1} | " + " | ".join(cells) + " |")
 
 
 def report(
