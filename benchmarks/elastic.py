@@ -57,6 +57,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -88,12 +89,15 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
 
     import dataparallel as dp
 
-    dp.initialize()
     me = os.environ["DATAPARALLEL_ELASTIC_WORKER"]
     log = open(notes / f"{me}.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the run
 
-    def note(kind: str, **more: float) -> None:
+    def note(kind: str, **more: object) -> None:
         log.write(json.dumps({"kind": kind, "t": time.time(), "who": me, **more}) + "\n")
+
+    if pause:
+        note_phases(note)
+    dp.initialize()
 
     gaps = [0.0]
     done = threading.Event()
@@ -107,8 +111,6 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
 
     beater = threading.Thread(target=beat, daemon=True)
     beater.start()
-    if pause:
-        note_phases(note)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
@@ -175,8 +177,28 @@ def note_phases(note: Callable[..., None]) -> None:
 
         setattr(module, name, wrapped)
 
-    noted(connections, "_fail", "watch_cut")  # the watch found a connection lost: shut down
-    noted(rounds, "report_split", "caught")  # `elastic.run` caught the error, rolls back
+    fail = connections._fail
+
+    def cut(connection: socket.socket, peer: tuple[str, int]) -> None:
+        """The watch found a connection lost: note what TCP_INFO says of it, then shut it."""
+        info = connections._TCP_INFO.unpack_from(
+            connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        )
+        note("watch_cut", peer=peer[0], unacked=info[8 + 4], probes=info[3],
+             ack_age=info[8 + 12] / 1000, sent_age=info[8 + 9] / 1000)  # fmt: skip
+        fail(connection, peer)
+
+    connections._fail = cut
+    for entry in connections._links._watched.values():  # the runner's round 0 group's
+        if entry.lost is fail:
+            entry.lost = cut
+    report = rounds.report_split
+
+    def caught(error: BaseException) -> None:
+        note("caught", error=type(error).__name__, message=str(error)[:120])
+        report(error)
+
+    rounds.report_split = caught  # `elastic.run` caught the error, rolls back
     noted(rounds, "_report_split", "reported")  # a split reported to the launcher
     noted(rounds, "leave", "left")  # the world left (its engines cut and released)
     noted(rounds, "_make_group", "round_read", "group_made")  # the next round's Gloo group
@@ -340,6 +362,10 @@ def one_run(
             after = [n["t"] for n in notes if n["kind"] == kind and n["t"] > died]
             if after:
                 figures[kind] = min(after) - died
+        for n in sorted(notes, key=lambda n: n["t"]):  # who saw the loss first, and how
+            if n["kind"] in ("watch_cut", "caught") and n["t"] > died:
+                more = {k: v for k, v in n.items() if k not in ("kind", "t", "who")}
+                print(f"  {n['t'] - died:.3f} s {n['who']} {n['kind']} {more}", flush=True)
         lost = [n["t"] for n in notes if n["kind"] == "launcher" and "was lost" in n["line"]]
         if lost:
             figures["launcher_lost"] = min(lost) - died
