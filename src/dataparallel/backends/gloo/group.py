@@ -18,7 +18,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
 from dataparallel.backends.rendezvous import (
-    gloo_connecting,
+    Meeting,
+    gloo_group,
     interface_toward,
     parse_init_method,
     rendezvous_error,
@@ -89,17 +90,21 @@ def join_group(
     interface = None
     if settings.gloo_socket_ifname is None and rendezvous.master is not None:
         interface = interface_toward(*rendezvous.master)
+    agent = settings.agent_store and rendezvous.url == "env://"
+    met: list[Meeting] = []  # its store's connection is made with the group's, and watched
+
+    def make(connecting: datetime.timedelta | None) -> None:
+        met.append(rendezvous_store(dist, rendezvous, timeout, agent_store=agent))
+        dist.init_process_group(
+            "gloo",
+            store=met[0].store,
+            rank=rendezvous.rank,
+            world_size=rendezvous.world_size,
+            timeout=connecting,
+        )
+
     try:
-        with gloo_connecting(interface):
-            agent = settings.agent_store and rendezvous.url == "env://"
-            meeting = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
-            dist.init_process_group(
-                "gloo",
-                store=meeting.store,
-                rank=rendezvous.rank,
-                world_size=rendezvous.world_size,
-                timeout=timeout,
-            )
+        gloo_group(make, interface, timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise rendezvous_error(exc, rendezvous) from exc
     local = None
@@ -112,7 +117,7 @@ def join_group(
         None,
         owns_default_group=True,
         local=local,
-        store_file=meeting.file,
+        store_file=met[0].file,
         timeout=timeout,
         interface=interface,
     )
@@ -140,8 +145,9 @@ def _over_existing_group(
     interface = None
     if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
         interface = interface_toward(*settings.elastic_store)
-    with gloo_connecting(interface) as made:
-        group = dist.new_group(backend="gloo", timeout=timeout)
+    group, made = gloo_group(
+        lambda connecting: dist.new_group(backend="gloo", timeout=connecting), interface, timeout
+    )
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
     return Joined(
         dist,
