@@ -172,14 +172,26 @@ def forget_lost() -> None:
 
 
 def _fail(connection: socket.socket, peer: Peer) -> None:
-    """Note `peer`'s address as lost, and shut `connection` down: a call waiting on it wakes
-    at once, as if the peer had closed it. Its user timeout of a millisecond then has the
-    kernel drop it at its next retransmission, instead of sending its data and its end for
-    minutes to a peer that does not answer."""
+    """Note `peer`'s address as lost, and shut `connection` down, and every other watched
+    connection of this process's groups to that address: a call waiting on any of them wakes
+    at once, as if the peer had closed it. The peer's host has not answered this one for the
+    link timeout, so it answers none: the one a call waits on may belong to another group
+    than the one found first (an idle group's keep-alive asks go unanswered before the step's
+    data does), and would otherwise be found only once its own wait had lasted that long.
+    Each one's user timeout of a millisecond then has the kernel drop it at its next
+    retransmission, instead of sending its data and its end for minutes to a peer that does
+    not answer."""
     _lost.add(peer[0])  # before the shutdown: the waiting call's error may come at once
+    _cut(connection)
+    for _, fd in _socket_fds(_links.forget(peer[0], _fail)):
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as other:
+            _cut(other)
+
+
+def _cut(connection: socket.socket) -> None:
     with contextlib.suppress(OSError):
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
-    connection.shutdown(socket.SHUT_RDWR)
+        connection.shutdown(socket.SHUT_RDWR)
 
 
 def stalled(
@@ -254,6 +266,15 @@ class Links:
                 self._watched[inode] = _Watched(peer, link_timeout, lost)
             self.interval = min(self.interval, look_interval(link_timeout))
         self.start()
+
+    def forget(self, address: str, lost: Callable[[socket.socket, Peer], None]) -> set[str]:
+        """Stop watching the connections to `address` that would be handed to `lost`; return
+        them (socket inodes)."""
+        with self._lock:
+            gone = {i for i, e in self._watched.items() if e.peer[0] == address and e.lost is lost}
+            for inode in gone:
+                del self._watched[inode]
+        return gone
 
     def adopt(
         self,
