@@ -19,14 +19,14 @@ that:
   waits on its peer (data in flight unacknowledged, or keep-alive asks unanswered) with no
   acknowledgement for the link timeout is *lost*, and handed to its callback, once (a look
   late at most: an eighth of the timeout). Gloo's (`keep_alive`) is shut down at once
-  (`_fail`), its peer's address noted (`found_lost`): the Gloo call waiting on it wakes with
-  "Connection closed by peer", which `translate_error` makes a `LinkLostError` for an address
-  noted here. This covers data in flight, which keep-alive does not (TCP alone
-  would retransmit for about 15 minutes, `tcp_retries2`); waiting instead for the kernel to
-  fail it (a `TCP_USER_TIMEOUT`) would wait for its next retransmission, backed off to 0.2,
-  0.6, 1.4 s after the first send. (Given to every connection from the start,
-  `TCP_USER_TIMEOUT` would also fail a healthy one whose peer does not read for that long: its
-  window full, the peer's kernel answering.)
+  (`_fail`), with every other Gloo connection to the same host, its peer's address noted
+  (`found_lost`): the Gloo call waiting on any of them wakes with "Connection closed by peer",
+  which `translate_error` makes a `LinkLostError` for an address noted here. This covers data
+  in flight, which keep-alive does not (TCP alone would retransmit for about 15 minutes,
+  `tcp_retries2`); waiting instead for the kernel to fail it (a `TCP_USER_TIMEOUT`) would wait
+  for its next retransmission, backed off to 0.2, 0.6, 1.4 s after the first send. (Given to
+  every connection from the start, `TCP_USER_TIMEOUT` would also fail a healthy one whose peer
+  does not read for that long: its window full, the peer's kernel answering.)
 - `watch_every`: a rank that mpiexec started on another host than the launcher's has MPI's
   connections, made by MPI whenever it needs one and never reported: the watch adopts every
   new connection of the process to another address as it appears, gives it keep-alive asks
