@@ -270,12 +270,10 @@ class _Bound(NamedTuple):
 _bound: _Bound | None = None
 
 
-def bound_connects(
-    limit: float | None, unconnected: Callable[[BaseException], BaseException]
-) -> None:
+def bound_connects(limit: float, unconnected: Callable[[BaseException], BaseException]) -> None:
     """From now on every Gloo group (`gloo_group`) connects its members within `limit` seconds
-    (None: within torch's five times the group's timeout, as outside an elastic run), and one
-    that does not raises `unconnected(error)`.
+    (elsewhere: within torch's five times the group's timeout), and one that does not raises
+    `unconnected(error)`.
 
     For the groups of an elastic round (`elastic/rounds.py`), whose members all arrived in the
     round: one that has not connected to another by then cannot reach it, and waiting torch's
@@ -284,7 +282,7 @@ def bound_connects(
     round's store keeps its own (`forming.watching`), so elsewhere a member arriving late
     would fail the group."""
     global _bound
-    _bound = None if limit is None else _Bound(limit, unconnected)
+    _bound = _Bound(limit, unconnected)
 
 
 def gloo_group(
