@@ -40,7 +40,11 @@ with a split: worker 2 (host c) pauses in the middle of step 20 while the others
 then c stops reaching b (`ip route add prohibit`, in c alone) while the launcher on a reaches
 both, and worker 2 goes on. The workers whose connection between b and c fails report it, and
 the launcher drops c (`docs/elastic.md`, *A split*); "death" is the moment of the split, and
-the runs without a failure are the same three hosts without one.
+the runs without a failure are the same three hosts without one. There each worker also notes
+when it passes each phase of the re-form (`note_phases`: the link watch's cut, with what
+`TCP_INFO` said of the connection; the error caught; the split reported; the world left; the
+next round's group begun and made; the world made), and the launcher's lines are noted as they
+come: printed per run, seconds after the split, the first worker to pass each.
 
 Every worker also runs a thread that wakes every 0.1 s, as the heartbeat's does, and notes the
 longest gap between two wakes: how long a busy machine keeps such a thread from its turn, the
