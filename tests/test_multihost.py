@@ -1009,7 +1009,7 @@ def test_elastic_split_while_a_group_over_the_world_connects(
     for its address, and c stops reaching b (`ip route add prohibit`, in c alone) while the
     launcher on a reaches both; then worker 2 goes on, and the pair of b and c cannot connect.
     The group connects within the round's connect limit as the round's own group does
-    (`rendezvous.bound_connects`); a worker whose group did not connect reports each member it
+    (`gloo.group.bound_connects`); a worker whose group did not connect reports each member it
     cannot reach as a split, the launcher drops c (its worker joined later), and w0 and w1
     re-form, make the group again and finish, every sample once an epoch and the weights the
     replay's. Before, the group waited five times the group's timeout for its connects, and

@@ -33,7 +33,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.base import Backend
-from dataparallel.backends.rendezvous import gloo_group, interface_toward
+from dataparallel.backends.gloo.group import gloo_group
+from dataparallel.backends.rendezvous import interface_toward
 from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
 

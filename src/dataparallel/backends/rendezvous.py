@@ -26,27 +26,21 @@ import os
 import socket
 import struct
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from dataparallel.backends.connections import connections, forget_lost, keep_alive
 from dataparallel.config import Settings
 from dataparallel.errors import CollectiveTimeoutError
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
 __all__ = [
-    "GLOO_CONNECTS",
     "RENDEZVOUS_FILE",
     "Meeting",
     "Rendezvous",
     "address_toward",
-    "bound_connects",
     "gloo_connecting",
-    "gloo_group",
     "interface_address",
     "interface_toward",
     "is_here",
@@ -254,71 +248,6 @@ def _addresses() -> Iterator[tuple[str, str]]:
             except OSError:
                 continue
             yield name, socket.inet_ntoa(reply[20:24])
-
-
-# Gloo waits five times its timeout for a pair's first connect (`transport/tcp/pair.h`).
-GLOO_CONNECTS = 5
-
-
-class _Bound(NamedTuple):
-    """How every Gloo group connects while the default group is an elastic round's."""
-
-    limit: float  # seconds
-    unconnected: Callable[[BaseException], BaseException]
-
-
-_bound: _Bound | None = None
-
-
-def bound_connects(limit: float, unconnected: Callable[[BaseException], BaseException]) -> None:
-    """From now on every Gloo group (`gloo_group`) connects its members within `limit` seconds
-    (elsewhere: within torch's five times the group's timeout), and one that does not raises
-    `unconnected(error)`.
-
-    For the groups of an elastic round (`elastic/rounds.py`), whose members all arrived in the
-    round: one that has not connected to another by then cannot reach it, and waiting torch's
-    five timeouts (52 minutes at the elastic default) would hold up every member. Only there:
-    the store's waits for the members' addresses take Gloo's connect deadline too, and only a
-    round's store keeps its own (`forming.watching`), so elsewhere a member arriving late
-    would fail the group."""
-    global _bound
-    _bound = _Bound(limit, unconnected)
-
-
-def gloo_group(
-    make: Callable[[datetime.timedelta | None], ProcessGroup | None],
-    interface: str | None,
-    timeout: datetime.timedelta | None,
-) -> tuple[ProcessGroup | None, set[str]]:
-    """Make a Gloo group by `make(timeout)` (torch's `init_process_group` or `new_group`) as
-    every group of the library is made: bound to `interface`, its connections watched
-    (`gloo_connecting`), and, where `bound_connects` set a limit, connected within it, its
-    collectives then given `timeout` (torch takes one timeout for the connects and the
-    collectives: None is torch's default). Return the group (None: torch's default group, now
-    made) and its connections (socket inodes).
-
-    Raises:
-        What `bound_connects` says for a group that did not connect within its limit; else
-        what `make` raises.
-    """
-    bound = _bound
-    connecting = timeout
-    if bound is not None:
-        connecting = datetime.timedelta(seconds=bound.limit / GLOO_CONNECTS)
-    try:
-        with gloo_connecting(interface) as made:
-            group = make(connecting)
-    except RuntimeError as exc:
-        if bound is None:
-            raise
-        raise bound.unconnected(exc) from exc
-    if bound is not None:
-        import torch.distributed as dist
-
-        c10d = dist.distributed_c10d
-        if not c10d._rank_not_in_group(group):  # a member: its collectives wait `timeout`
-            c10d._set_pg_timeout(timeout or c10d.default_pg_timeout, group)
-    return group, made
 
 
 @contextlib.contextmanager

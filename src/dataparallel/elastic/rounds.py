@@ -37,7 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dataparallel.backends.rendezvous import bound_connects, gloo_group, interface_toward
+from dataparallel.backends.gloo.group import bound_connects, gloo_group
+from dataparallel.backends.rendezvous import interface_toward
 from dataparallel.config import Settings, connect_limit
 from dataparallel.elastic import liveness
 from dataparallel.elastic.forming import round_key, unreached, watching
@@ -285,7 +286,7 @@ def _unconnected(
 ) -> Exception:
     """Return the error for a Gloo group of round `chosen` that did not connect (`error`: the
     round's own group, the world's, its private duplicate, the hierarchy's, `dp.new_group`'s;
-    `rendezvous.bound_connects`), after reporting each member host this worker cannot reach
+    `gloo.group.bound_connects`), after reporting each member host this worker cannot reach
     (`forming.unreached`, within the link timeout) as a split: the launcher may still reach
     both, see no worker lost, and open no next round. Nothing is tried once the launcher
     opened the next round (a member was lost: that settles it). A `RankFailedError`: the

@@ -57,9 +57,9 @@ from dataparallel.backends.base import (
     ReduceOp,
 )
 from dataparallel.backends.connections import found_lost, shut_down
-from dataparallel.backends.gloo.group import join_group
+from dataparallel.backends.gloo.group import gloo_group, join_group
 from dataparallel.backends.gloo.hierarchy import MIN_BYTES, Hierarchy, Steps
-from dataparallel.backends.rendezvous import gloo_group, remove_if_every_store_left
+from dataparallel.backends.rendezvous import remove_if_every_store_left
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
 from dataparallel.types import WireDtype
@@ -665,7 +665,7 @@ class GlooBackend(Backend):
 
     def _new_group(self, ranks: Sequence[int] | None = None) -> tuple[ProcessGroup, set[str]]:
         """A Gloo group of torch's `ranks` (None: all), made as this engine's group was
-        (`rendezvous.gloo_group`: its interface, its timeout, the round's connect limit), and
+        (`group.gloo_group`: its interface, its timeout, the round's connect limit), and
         its connections (collective over torch's default group)."""
         dist = self._dist
         group, made = gloo_group(
