@@ -8,6 +8,9 @@
   as the setting's timeout (as does every group made for the engine).
 - the local rank and size are the launcher's where it set them consistently, else found by
   the engine from the host names.
+- every Gloo group the library makes (this one, the engine's groups, an elastic round's) is
+  made by `gloo_group`: one place binds it, watches its connections, and bounds its connects
+  where an elastic round asks (`bound_connects`).
 """
 
 from __future__ import annotations
