@@ -40,7 +40,11 @@ with a split: worker 2 (host c) pauses in the middle of step 20 while the others
 then c stops reaching b (`ip route add prohibit`, in c alone) while the launcher on a reaches
 both, and worker 2 goes on. The workers whose connection between b and c fails report it, and
 the launcher drops c (`docs/elastic.md`, *A split*); "death" is the moment of the split, and
-the runs without a failure are the same three hosts without one.
+the runs without a failure are the same three hosts without one. There each worker also notes
+when it passes each phase of the re-form (`note_phases`: the link watch's cut, with what
+`TCP_INFO` said of the connection; the error caught; the split reported; the world left; the
+next round's group begun and made; the world made), and the launcher's lines are noted as they
+come: printed per run, seconds after the split, the first worker to pass each.
 
 Every worker also runs a thread that wakes every 0.1 s, as the heartbeat's does, and notes the
 longest gap between two wakes: how long a busy machine keeps such a thread from its turn, the
@@ -57,6 +61,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -88,12 +93,15 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
 
     import dataparallel as dp
 
-    dp.initialize()
     me = os.environ["DATAPARALLEL_ELASTIC_WORKER"]
     log = open(notes / f"{me}.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the run
 
-    def note(kind: str, **more: float) -> None:
+    def note(kind: str, **more: object) -> None:
         log.write(json.dumps({"kind": kind, "t": time.time(), "who": me, **more}) + "\n")
+
+    if pause:
+        note_phases(note)
+    dp.initialize()
 
     gaps = [0.0]
     done = threading.Event()
@@ -150,6 +158,55 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
     done.set()
     beater.join()
     note("gap", gap=gaps[0])
+
+
+def note_phases(note: Callable[..., None]) -> None:
+    """Note when this worker passes each phase of a re-form after a lost link: wrap the
+    library's own steps (module attributes looked up at each call), so that nothing in the
+    library itself times anything."""
+    from dataparallel import world
+    from dataparallel.backends import connections
+    from dataparallel.elastic import rounds
+
+    def noted(module: object, name: str, before: str | None, after: str | None = None) -> None:
+        inner = getattr(module, name)
+
+        def wrapped(*args: object, **kwargs: object) -> object:
+            if before is not None:
+                note(before)
+            result = inner(*args, **kwargs)
+            if after is not None:
+                note(after)
+            return result
+
+        setattr(module, name, wrapped)
+
+    fail = connections._fail
+
+    def cut(connection: socket.socket, peer: tuple[str, int]) -> None:
+        """The watch found a connection lost: note what TCP_INFO says of it, then shut it."""
+        info = connections._TCP_INFO.unpack_from(
+            connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        )
+        note("watch_cut", peer=peer[0], unacked=info[8 + 4], probes=info[3],
+             ack_age=info[8 + 12] / 1000, sent_age=info[8 + 9] / 1000)  # fmt: skip
+        fail(connection, peer)
+
+    connections._fail = cut
+    for entry in connections._links._watched.values():  # the runner's round 0 group's
+        if entry.lost is fail:
+            entry.lost = cut
+    report = rounds.report_split
+
+    def caught(error: BaseException) -> None:
+        note("caught", error=type(error).__name__, message=str(error)[:120])
+        report(error)
+
+    rounds.report_split = caught  # `elastic.run` caught the error, rolls back
+    noted(rounds, "_report_split", "reported")  # a split reported to the launcher
+    noted(rounds, "leave", "left")  # the world left (its engines cut and released)
+    noted(rounds, "_make_group", "round_read", "group_made")  # the next round's Gloo group
+    noted(world, "initialize", None, "initialized")  # the library's world over it
 
 
 class Hosts:
@@ -266,15 +323,18 @@ def one_run(
         if hosts is not None:
             command = hosts.link.command(0, command)
         start = time.time()
-        run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, env=env, start_new_session=True)  # fmt: skip
+        reader = threading.Thread(target=read_stderr, args=(run, Path(tmp) / "launcher.jsonl"))
+        reader.start()
         if hosts is not None and stall:
             cut_when(run, Path(tmp), "stalled", lambda: hosts.set_link(False))
         if hosts is not None and split:
             cut_when(run, Path(tmp), "paused", lambda: hosts.split(True))
             (Path(tmp) / "go").touch()
         try:
-            _, stderr = run.communicate(timeout=330)
+            run.wait(timeout=330)
+            reader.join()
         finally:
             if hosts is not None and stall:
                 hosts.wait_gone(tmp)  # b's workers leave by themselves; then the link is back
@@ -283,6 +343,7 @@ def one_run(
                 hosts.wait_gone(tmp, host=2)  # the launcher stops c's worker
                 hosts.split(False)
         wall = time.time() - start
+        stderr = "".join(json.loads(line)["line"] for line in (Path(tmp) / "launcher.jsonl").open())
         if run.returncode != 0:  # the launcher's own lines say who was lost and why; then the tail
             said = [ln for ln in stderr.splitlines() if ln.startswith("dataparallel")]
             raise SystemExit(
@@ -301,10 +362,35 @@ def one_run(
         entered = [n["t"] for n in notes if n["kind"] == "entered" and n["t"] > died]
         figures["synced"] = min(entered) - died
         figures["next_commit"] = min(t for t in commits if t > died) - died
+        for kind in PHASES:
+            after = [n["t"] for n in notes if n["kind"] == kind and n["t"] > died]
+            if after:
+                figures[kind] = min(after) - died
+        for n in sorted(notes, key=lambda n: n["t"]):  # who saw the loss first, and how
+            if n["kind"] in ("watch_cut", "caught") and n["t"] > died:
+                more = {k: v for k, v in n.items() if k not in ("kind", "t", "who")}
+                print(f"  {n['t'] - died:.3f} s {n['who']} {n['kind']} {more}", flush=True)
+        lost = [n["t"] for n in notes if n["kind"] == "launcher" and "was lost" in n["line"]]
+        if lost:
+            figures["launcher_lost"] = min(lost) - died
     else:
         w0 = sorted(n["t"] for n in notes if n["kind"] == "commit" and n["who"] == "w0")
         figures["step"] = statistics.median(b - a for a, b in itertools.pairwise(w0))
     return figures
+
+
+# The phases of a re-form after a lost link, in order (`note_phases`; the launcher's line
+# saying the worker was lost: `launcher_lost`), each the first time any worker passed it.
+PHASES = ["watch_cut", "caught", "reported", "left", "launcher_lost", "round_read", "group_made",
+          "initialized", "reformed", "entered"]  # fmt: skip
+
+
+def read_stderr(run: subprocess.Popen[str], log: Path) -> None:
+    """Note each line the launcher writes to stderr with the moment it came."""
+    assert run.stderr is not None
+    with open(log, "w") as out:
+        for line in run.stderr:
+            out.write(json.dumps({"kind": "launcher", "t": time.time(), "line": line}) + "\n")
 
 
 def main() -> None:
@@ -430,6 +516,16 @@ def split_runs(pairs: int, link_timeouts: list[float]) -> None:
     for t, runs in failed.items():
         what = f"a split between hosts b and c (--link-timeout {t:g}), worker 2 on c"
         report(3, True, what, runs, clean, "", "3 emulated hosts")
+        phases(runs)
+
+
+def phases(runs: list[dict[str, float]]) -> None:
+    """Print when each phase of the re-form was first passed, seconds after the cut."""
+    print("| run | " + " | ".join(PHASES) + " | next_commit |")
+    print("| --- " * (len(PHASES) + 2) + "|")
+    for i, f in enumerate(runs):
+        cells = [f"{f[k]:.2f}" if k in f else "-" for k in [*PHASES, "next_commit"]]
+        print(f"| {i + 1} | " + " | ".join(cells) + " |")
 
 
 def report(

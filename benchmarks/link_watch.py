@@ -1,10 +1,11 @@
-"""What the link watch costs a training step (`backends/connections.Links`, 4 looks a second).
+"""What the link watch costs a training step (`backends/connections.Links`, 8 looks a link timeout).
 
 Every process of a job across hosts runs the watch: Gloo's ranks over the connections their
 groups made, MPI's ranks over every connection of theirs to another host. It reads each watched
-connection's `TCP_INFO` and lists the process's file descriptors, every `WATCH_INTERVAL`
-seconds, on a thread beside the training. This times, in the same processes and in batches
-taken in turn (`_timing.compare`), a data-parallel step (an MLP, Adam, `dp.DistributedOptimizer`)
+connection's `TCP_INFO` and lists the process's file descriptors, every eighth of the link
+timeout (`look_interval`: `--link-timeout`, 0.25 s at most), on a thread beside the training.
+This times, in the same processes and in batches taken in turn (`_timing.compare`), a
+data-parallel step (an MLP, Adam, `dp.DistributedOptimizer`)
 with a watch of its own over K connections of each rank (both ends of K loopback connections, so
 2K watched: a world of K + 1 ranks over 2 groups has about as many), and with that watch
 stopped; and one look alone. The job's own world watches nothing (one host: its connections are
@@ -27,7 +28,7 @@ from _timing import SMOKE, compare
 from mpi4py import MPI
 
 import dataparallel as dp
-from dataparallel.backends.connections import WATCH_INTERVAL, Links, connections
+from dataparallel.backends.connections import Links, connections
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batches", type=int, default=12, help="batches of each case")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds a batch")
+    parser.add_argument("--link-timeout", type=float, default=1.0, help="sets the looks' rate")
     args = parser.parse_args()
     dp.initialize()
     comm = MPI.COMM_WORLD
@@ -67,7 +69,8 @@ def main() -> None:
             ends += [server.accept()[0] for _ in range(count)]
             made = {i: p for i, p in connections().items() if i not in before}
             links = Links()
-            links.watch(made, 3600.0, lambda sock, peer: None)  # never lost: it only looks
+            # Never lost (nothing waits on loopback's idle connections): it only looks.
+            links.watch(made, args.link_timeout, lambda sock, peer: None)
 
             def watching(links: Links = links) -> None:
                 links.start()
@@ -89,7 +92,7 @@ def main() -> None:
             for end in ends:
                 end.close()
         if dp.rank() == 0:
-            share = look / WATCH_INTERVAL
+            share = look / links.interval
             print(
                 f"{count:<3}| {times['stopped'] * 1e3:.3f} ms | {times['watching'] * 1e3:.3f} ms | "
                 f"{times['watching'] / times['stopped']:.4f} | {look * 1e6:.0f} us | "

@@ -270,3 +270,40 @@ dist.init_process_group("gloo", store=Noting(), rank=0, world_size=1)
 print(next(v for k, v in written.items() if k.rpartition("/")[2] == "0").hex())
 dist.destroy_process_group()
 """
+
+
+def test_a_connection_found_lost_cuts_the_others_to_its_host_and_no_others() -> None:
+    """The peer's host has not answered one connection for the link timeout, so it answers
+    none: `_fail` shuts down every other watched Gloo connection to that address too (a call
+    may wait on another group's connection than the one found first), and no connection to
+    another address. A reader blocked on the other connection to the lost address wakes."""
+    import threading
+
+    from dataparallel.backends.connections import _fail, _links
+
+    with socket.create_server(("127.0.0.1", 0), backlog=3) as server:
+        ends = [socket.create_connection(server.getsockname(), timeout=30) for _ in range(3)]
+        peers = [server.accept()[0] for _ in ends]
+        first, same, other = ends
+        watched = {_inode(same): ("10.0.0.7", 2471), _inode(other): ("10.0.0.8", 1)}
+        try:
+            _links.watch(watched, 3600.0, _fail)  # never lost by itself: idle, and an hour
+            got: list[bytes] = []
+            reader = threading.Thread(target=lambda: got.append(same.recv(1)))
+            reader.start()
+            _fail(first, ("10.0.0.7", 2470))
+            reader.join(timeout=30)  # a guard: the shutdown wakes it at once
+            assert got == [b""], "the other connection to the lost host stayed open"
+            other.sendall(b"x")
+            assert peers[2].recv(1) == b"x"  # the connection to another host is left alone
+            assert _links.forget("10.0.0.8", _fail) == {_inode(other)}
+            assert _links.forget("10.0.0.7", _fail) == set()  # no longer watched
+        finally:
+            _links.forget("10.0.0.8", _fail)
+            for sock in ends + peers:
+                sock.close()
+
+
+def _inode(sock: socket.socket) -> str:
+    """The socket's inode, as `connections` names it."""
+    return os.readlink(f"/proc/self/fd/{sock.fileno()}")[8:-1]

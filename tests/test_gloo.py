@@ -368,9 +368,9 @@ class _Groups:
     def __init__(self) -> None:
         self.made: list[list[int]] = []
 
-    def new_group(self, ranks: list[int], backend: str, timeout: object) -> list[int]:
+    def group(self, ranks: list[int]) -> tuple[list[int], set[str]]:
         self.made.append(ranks)
-        return ranks
+        return ranks, set()
 
 
 @pytest.mark.parametrize(
@@ -399,7 +399,7 @@ def test_hierarchy_groups_follow_the_hosts(
     from dataparallel.config import Settings
 
     fake = _Groups()
-    built = Hierarchy.build(fake, hosts, 0, Settings(hierarchical=forced), None)
+    built = Hierarchy.build(fake, fake.group, hosts, 0, Settings(hierarchical=forced))
     assert (built is None) == (groups is None)
     assert fake.made == (groups or [])
 
@@ -409,4 +409,5 @@ def test_forced_hierarchy_over_unequal_hosts_says_why() -> None:
     from dataparallel.config import Settings
 
     with pytest.raises(ValueError, match=r"same number of ranks on every host.*\[1, 2\]"):
-        Hierarchy.build(_Groups(), ["a", "a", "b"], 0, Settings(hierarchical=True), None)
+        fake = _Groups()
+        Hierarchy.build(fake, fake.group, ["a", "a", "b"], 0, Settings(hierarchical=True))

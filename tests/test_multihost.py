@@ -999,3 +999,47 @@ def _kill_everything_in(host: Host) -> None:
                 with contextlib.suppress(OSError):
                     if os.stat(f"/proc/{entry}/ns/net").st_ino == space:
                         os.kill(int(entry), signal.SIGKILL)
+
+
+def test_elastic_split_while_a_group_over_the_world_connects(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path
+) -> None:
+    """`-H a:1,b:1,c:1 --min-np 2`: after 7 steps every worker makes a group of the world
+    (`dp.new_group`); worker 2 (host c) stops as that group begins to form, the others waiting
+    for its address, and c stops reaching b (`ip route add prohibit`, in c alone) while the
+    launcher on a reaches both; then worker 2 goes on, and the pair of b and c cannot connect.
+    The group connects within the round's connect limit as the round's own group does
+    (`gloo.group.bound_connects`); a worker whose group did not connect reports each member it
+    cannot reach as a split, the launcher drops c (its worker joined later), and w0 and w1
+    re-form, make the group again and finish, every sample once an epoch and the weights the
+    replay's. Before, the group waited five times the group's timeout for its connects, and
+    worker 2's failure to connect ended the run."""
+    from test_elastic_runs import check_run
+
+    a, b, c = three_hosts
+    go = tmp_path / "go"
+    spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
+    options = ["--link-timeout", "1", "--timeout", "150"]
+    args = ["--new-group", f"w2:7:{go}"]
+    job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, args, spec)
+    paused = Path(f"{go}.paused")
+
+    def split() -> None:
+        done = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
+        assert done.returncode == 0, done.stderr
+        go.touch()
+
+    try:
+        status, out, err = _cut_once(
+            job, ssh3.env, tmp_path, paused, c, "worker 2 never began the group", cut=split
+        )
+        assert status == 0, out + err
+        said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
+        assert said in err, err
+        assert f"host {c.address} has no worker left" in err, err
+        assert "was lost" not in err.replace(said, ""), err  # w0 and w1 stay
+        check_run(tmp_path, [3, 2])
+        _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
+        assert leftovers(three_hosts, "elastic_train.py") == []
+    finally:
+        _kill_everything_in(c)

@@ -33,7 +33,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from dataparallel.backends.base import Backend
-from dataparallel.backends.rendezvous import gloo_connecting, interface_toward
+from dataparallel.backends.gloo.group import gloo_group
+from dataparallel.backends.rendezvous import interface_toward
 from dataparallel.config import Settings
 from dataparallel.errors import DataParallelError
 
@@ -121,14 +122,17 @@ def _make_group(backend: Backend, settings: Settings) -> Callable[[], None] | No
     if settings.gloo_socket_ifname is None and toward is not None:
         interface = interface_toward(*toward)
     hook = sys.excepthook  # init_process_group wraps it; the world manages its own
-    with gloo_connecting(interface):
+
+    def make(connecting: datetime.timedelta | None) -> None:
         dist.init_process_group(
             kind,
             store=dist.PrefixStore(_STORE_PREFIX, store),
             rank=backend.rank,
             world_size=backend.size,
-            timeout=wait,
+            timeout=connecting,
         )
+
+    gloo_group(make, interface, wait)
     sys.excepthook = hook
     group = dist.group.WORLD
 

@@ -37,6 +37,11 @@ Options:
                         fails once while it exists, and removes it), then waits until it is gone
     --set-epoch-at-start  call `sampler.set_epoch(epoch)` at the start of every epoch (torch's
                         DistributedSampler habit) instead of `set_epoch(epoch + 1)` at its end
+    --new-group W:S:FILE  every worker makes a group of the whole world (`dp.new_group`) before
+                        the step that begins after S steps; worker W, the first time, creates
+                        FILE.paused as that group begins to form (after `new_group` agreed on
+                        its ranks) and waits there until FILE exists: the others wait for its
+                        address in the group's rendezvous (the test cuts links meanwhile)
 """
 
 from __future__ import annotations
@@ -132,6 +137,22 @@ def stall_grouping(generation: int, path: str) -> None:
     rounds._make_group = stalling  # type: ignore[assignment]
 
 
+def pause_grouping(path: str) -> None:
+    """The first time this worker's engine makes a group (`GlooBackend.split`), create
+    `path`.paused and wait there until `path` exists."""
+    from dataparallel.backends.gloo.backend import GlooBackend
+
+    split = GlooBackend.split
+
+    def pausing(self: GlooBackend, ranks: object) -> object:
+        if not os.path.exists(path + ".paused"):
+            open(path + ".paused", "w").close()
+            wait_until(lambda: os.path.exists(path))
+        return split(self, ranks)  # type: ignore[arg-type]
+
+    GlooBackend.split = pausing  # type: ignore[assignment, method-assign]
+
+
 def wait_for_round(generation: int, formed: bool = False) -> None:
     """Wait until the launcher has opened round `generation` (`formed`: until it formed)."""
     from dataparallel.config import Settings
@@ -176,6 +197,7 @@ def main() -> None:
     parser.add_argument("--die-after-finish", default="")
     parser.add_argument("--fail-discovery")
     parser.add_argument("--set-epoch-at-start", action="store_true")
+    parser.add_argument("--new-group", default="::")
     args = parser.parse_args()
     me = os.environ.get("DATAPARALLEL_ELASTIC_WORKER", "")
     dies_after = {w: int(k) for w, _, k in (d.partition(":") for d in args.die)}.get(me)
@@ -191,6 +213,9 @@ def main() -> None:
     stall_worker, stall_round, stall_path = args.stall_forming.split(":", 2)
     if me == stall_worker:
         stall_forming(int(stall_round), stall_path)
+    grouper, group_at, group_file = args.new_group.split(":", 2)
+    if me == grouper:
+        pause_grouping(group_file)
     if me in args.die_initializing:
         os.kill(os.getpid(), signal.SIGKILL)
     slots = [(path, int(k), line) for path, k, line in (s.split(":", 2) for s in args.slots)]
@@ -246,6 +271,8 @@ def main() -> None:
             if args.set_epoch_at_start:  # also on re-entry, for the epoch rolled back into
                 sampler.set_epoch(state.epoch)
             for b in range(sampler.steps(args.batch)):
+                if group_at and state.steps == int(group_at):
+                    dp.new_group(range(dp.size()))
                 indices = sampler.get_indices(b, args.batch)
                 g = gradient(state.w, indices)
                 if dies_after is not None and commits >= dies_after:

@@ -14,18 +14,19 @@ that:
   stalled, not reading), so only a peer out of reach is ever taken for gone; and the asks are
   sent only while nothing is in flight, so a full receive window (a peer busy elsewhere) is not
   one either.
-- The watch (`Links`, a thread looking every `WATCH_INTERVAL` seconds, in processes that have
-  such connections) judges each watched connection by `TCP_INFO`: one that waits on its peer
-  (data in flight unacknowledged, or keep-alive asks unanswered) with no acknowledgement for
-  the link timeout is *lost*, and handed to its callback, once. Gloo's (`keep_alive`) is shut
-  down at once (`_fail`), its peer's address noted (`found_lost`): the Gloo call waiting on it
-  wakes with "Connection closed by peer", which `translate_error` makes a `LinkLostError` for
-  an address noted here. This covers data in flight, which keep-alive does not (TCP alone
-  would retransmit for about 15 minutes, `tcp_retries2`); waiting instead for the kernel to
-  fail it (a `TCP_USER_TIMEOUT`) would wait for its next retransmission, backed off to 0.2,
-  0.6, 1.4 s after the first send. (Given to every connection from the start,
-  `TCP_USER_TIMEOUT` would also fail a healthy one whose peer does not read for that long: its
-  window full, the peer's kernel answering.)
+- The watch (`Links`, a thread looking every eighth of the link timeout, `look_interval`, in
+  processes that have such connections) judges each watched connection by `TCP_INFO`: one that
+  waits on its peer (data in flight unacknowledged, or keep-alive asks unanswered) with no
+  acknowledgement for the link timeout is *lost*, and handed to its callback, once (a look
+  late at most: an eighth of the timeout). Gloo's (`keep_alive`) is shut down at once
+  (`_fail`), with every other Gloo connection to the same host, its peer's address noted
+  (`found_lost`): the Gloo call waiting on any of them wakes with "Connection closed by peer",
+  which `translate_error` makes a `LinkLostError` for an address noted here. This covers data
+  in flight, which keep-alive does not (TCP alone would retransmit for about 15 minutes,
+  `tcp_retries2`); waiting instead for the kernel to fail it (a `TCP_USER_TIMEOUT`) would wait
+  for its next retransmission, backed off to 0.2, 0.6, 1.4 s after the first send. (Given to
+  every connection from the start, `TCP_USER_TIMEOUT` would also fail a healthy one whose peer
+  does not read for that long: its window full, the peer's kernel answering.)
 - `watch_every`: a rank that mpiexec started on another host than the launcher's has MPI's
   connections, made by MPI whenever it needs one and never reported: the watch adopts every
   new connection of the process to another address as it appears, gives it keep-alive asks
@@ -69,6 +70,7 @@ __all__ = [
     "forget_lost",
     "found_lost",
     "keep_alive",
+    "look_interval",
     "shut_down",
     "stalled",
     "tcp_sockets",
@@ -78,8 +80,11 @@ __all__ = [
 
 Peer = tuple[str, int]  # a connection's remote (IPv4 address, port)
 
-# How often the watched connections are looked at for a peer that does not answer.
+# The longest interval between two looks at the watched connections (`look_interval`).
 WATCH_INTERVAL = 0.25
+# The looks within a link timeout, and the shortest interval between two (seconds).
+LOOKS_PER_TIMEOUT = 8
+LEAST_INTERVAL = 0.05
 # The longest `Links.stop` waits for the thread (seconds); a look takes milliseconds.
 _STOP_WAIT = 5.0
 # struct tcp_info (linux/tcp.h): 8 single bytes, then 32-bit fields; the ones read here are
@@ -90,6 +95,18 @@ _TCP_INFO = struct.Struct("=8B13I")
 # The most unanswered keep-alive asks Linux takes (TCP_KEEPCNT): the kernel acts long after
 # the watch has (`watch_every`).
 _KEEPCNT_MOST = 127
+
+
+def look_interval(link_timeout: float) -> float:
+    """How often to look at connections whose peer is lost after `link_timeout` seconds: an
+    eighth of it, so that the look that finds a loss comes an eighth late at most, between
+    `LEAST_INTERVAL` (a look reads every watched connection: a busy process's thread) and
+    `WATCH_INTERVAL`.
+
+    >>> look_interval(5), look_interval(1), look_interval(0.5), look_interval(0.1)
+    (0.25, 0.125, 0.0625, 0.05)
+    """
+    return min(WATCH_INTERVAL, max(LEAST_INTERVAL, link_timeout / LOOKS_PER_TIMEOUT))
 
 
 def connections() -> dict[str, Peer]:
@@ -155,14 +172,26 @@ def forget_lost() -> None:
 
 
 def _fail(connection: socket.socket, peer: Peer) -> None:
-    """Note `peer`'s address as lost, and shut `connection` down: a call waiting on it wakes
-    at once, as if the peer had closed it. Its user timeout of a millisecond then has the
-    kernel drop it at its next retransmission, instead of sending its data and its end for
-    minutes to a peer that does not answer."""
+    """Note `peer`'s address as lost, and shut `connection` down, and every other watched
+    connection of this process's groups to that address: a call waiting on any of them wakes
+    at once, as if the peer had closed it. The peer's host has not answered this one for the
+    link timeout, so it answers none: the one a call waits on may belong to another group
+    than the one found first (an idle group's keep-alive asks go unanswered before the step's
+    data does), and would otherwise be found only once its own wait had lasted that long.
+    Each one's user timeout of a millisecond then has the kernel drop it at its next
+    retransmission, instead of sending its data and its end for minutes to a peer that does
+    not answer."""
     _lost.add(peer[0])  # before the shutdown: the waiting call's error may come at once
+    _cut(connection)
+    for _, fd in _socket_fds(_links.forget(peer[0], _fail)):
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as other:
+            _cut(other)
+
+
+def _cut(connection: socket.socket) -> None:
     with contextlib.suppress(OSError):
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1)
-    connection.shutdown(socket.SHUT_RDWR)
+        connection.shutdown(socket.SHUT_RDWR)
 
 
 def stalled(
@@ -209,12 +238,14 @@ class _Adopting:
 
 
 class Links:
-    """A watch over connections: a thread that, every `WATCH_INTERVAL` seconds, reads each
-    watched connection's `TCP_INFO` (`look`), hands one that waited on its peer with no
-    acknowledgement for its link timeout to its callback and forgets it, and forgets those
-    closed. The process has one (`keep_alive`, `watch_every`); a benchmark makes its own."""
+    """A watch over connections: a thread that, every `look_interval` of the least link timeout
+    watched, reads each watched connection's `TCP_INFO` (`look`), hands one that waited on its
+    peer with no acknowledgement for its link timeout to its callback and forgets it, and
+    forgets those closed. The process has one (`keep_alive`, `watch_every`); a benchmark makes
+    its own."""
 
     def __init__(self) -> None:
+        self.interval = WATCH_INTERVAL  # between two looks (`look_interval`)
         self._watched: dict[str, _Watched] = {}
         self._adopting: _Adopting | None = None
         self._lock = threading.Lock()
@@ -233,7 +264,17 @@ class Links:
         with self._lock:
             for inode, peer in peers.items():
                 self._watched[inode] = _Watched(peer, link_timeout, lost)
+            self.interval = min(self.interval, look_interval(link_timeout))
         self.start()
+
+    def forget(self, address: str, lost: Callable[[socket.socket, Peer], None]) -> set[str]:
+        """Stop watching the connections to `address` that would be handed to `lost`; return
+        them (socket inodes)."""
+        with self._lock:
+            gone = {i for i, e in self._watched.items() if e.peer[0] == address and e.lost is lost}
+            for inode in gone:
+                del self._watched[inode]
+        return gone
 
     def adopt(
         self,
@@ -246,6 +287,7 @@ class Links:
         after two minutes."""
         with self._lock:
             self._adopting = _Adopting(link_timeout, lost, set(ignore))
+            self.interval = min(self.interval, look_interval(link_timeout))
         self.start()
 
     def start(self) -> None:
@@ -271,7 +313,7 @@ class Links:
             thread.join(timeout=_STOP_WAIT)
 
     def _run(self) -> None:
-        while not self._stop.wait(WATCH_INTERVAL):
+        while not self._stop.wait(self.interval):
             self.look()
 
     def look(self) -> None:
@@ -293,7 +335,7 @@ class Links:
                 ack_age, sent_age = fields[8 + 12] / 1000, fields[8 + 9] / 1000
                 # At most a look's interval: a connection still connecting has sent no data and
                 # heard no acknowledgement, and both ages read as the machine's uptime.
-                silent = min(ack_age, sent_age, WATCH_INTERVAL) if unacked else 0.0
+                silent = min(ack_age, sent_age, self.interval) if unacked else 0.0
                 entry.since = stalled(entry.since, now, unacked + probes, ack_age, silent)
                 if entry.since is not None and now - entry.since >= entry.link_timeout:
                     with self._lock:

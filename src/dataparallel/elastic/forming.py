@@ -16,11 +16,12 @@ wrapper must outlive the group (torch calls back into it): `rounds` keeps it.
 Once the addresses are read, Gloo connects each pair of members, and that wait is Gloo's own:
 nothing outside it can cut it short. `rounds` gives it a deadline (`config.connect_limit`)
 shorter than the group's timeout, which torch takes for the connects and the collectives alike
-(the collectives get theirs back once the group formed). The rendezvous' waits above take no
-part in it: they last the store's timeout, and a newer round ends them. A group that did not
-connect may have met a member it cannot reach, though the launcher reaches both (a split, that
-no one else reports): `unreached` tries each member's Gloo address, which the rendezvous read,
-within the link timeout.
+(the collectives get theirs back once the group formed), for the round's group and for every
+group made over it after (`gloo.group.bound_connects`), which meet in the same store. The
+rendezvous' waits above take no part in it: they last the store's timeout, and a newer round
+ends them. A group that did not connect may have met a member it cannot reach, though the
+launcher reaches both (a split, that no one else reports): `unreached` tries each member host's
+Gloo address, which the rendezvous read, within the link timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dataparallel.backends.connections import Peer, unreachable
@@ -140,20 +141,19 @@ def _left_out(store: Store, generation: int, members: tuple[str, ...]) -> list[s
     return [m for m in members if m not in newer]
 
 
-def unreached(watched: Store, members: Sequence[str], me: str, wait: float) -> list[str]:
-    """Return the members of a round whose group did not connect that this worker cannot reach:
-    those whose Gloo address, as the rendezvous read it (`watching`), answers no connect within
-    `wait` seconds (`connections.unreachable`). A member whose address was not read, or reads
-    otherwise than `gloo_address` knows, is not tried."""
+def unreached(watched: Store, wait: float) -> list[str]:
+    """Return the addresses of the hosts of a round's members, as its groups' rendezvous read
+    them (`watching`), whose Gloo device answers no connect within `wait` seconds
+    (`connections.unreachable`): a group that did not connect met them. Each host is tried
+    once; what reads otherwise than `gloo_address` knows is not tried. The addresses are those
+    each member publishes too (`liveness.address_key`: Gloo binds to that interface)."""
     read: Mapping[str, bytes] = getattr(watched, "read", {})
-    at: dict[Peer, str] = {}
-    for key, value in read.items():
-        rank = key.rpartition("/")[2]
-        member = members[int(rank)] if rank.isdigit() and int(rank) < len(members) else me
+    at: dict[str, Peer] = {}
+    for value in read.values():
         address = gloo_address(value)
-        if member != me and address is not None:
-            at[address] = member
-    return sorted({at[peer] for peer in unreachable(at, wait)})
+        if address is not None:
+            at.setdefault(address[0], address)
+    return sorted(peer[0] for peer in unreachable(list(at.values()), wait))
 
 
 def gloo_address(value: bytes) -> Peer | None:

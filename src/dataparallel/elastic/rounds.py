@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import sys
 import time
@@ -36,7 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dataparallel.backends.rendezvous import gloo_connecting, interface_toward
+from dataparallel.backends.gloo.group import bound_connects, gloo_group
+from dataparallel.backends.rendezvous import interface_toward
 from dataparallel.config import Settings, connect_limit
 from dataparallel.elastic import liveness
 from dataparallel.elastic.forming import round_key, unreached, watching
@@ -65,8 +67,6 @@ __all__ = [
 ]
 
 LATEST = "latest"
-# Gloo waits five times its timeout for a pair's first connect (`transport/tcp/pair.h`).
-GLOO_CONNECTS = 5
 # The value of a round's `ready` key: every member arrived, or the launcher opened a newer one
 # first (a member died before the round formed). Whichever is written first stays.
 FORMED, SUPERSEDED = "formed", "superseded"
@@ -223,8 +223,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
                 with liveness.changing_world():
                     _make_group(store, chosen, settings)
                     _current = chosen
-            except RuntimeError as exc:  # a member died, or is out of reach, meanwhile
-                _report_unreached(store, chosen, settings)
+            except RuntimeError as exc:  # a member died, or is out of reach (`_unconnected`)
                 leave()
                 if not _exists(store, round_key(generation + 1), _left(deadline)):
                     raise NoWorldError(
@@ -282,18 +281,28 @@ def _report_split(store: Store, joined: Round, address: str) -> None:
         store.set(liveness.split_key(joined.generation, number), report)
 
 
-def _report_unreached(store: Store, chosen: Round, settings: Settings) -> None:
-    """After round `chosen`'s group failed to connect, report each member this worker cannot
-    reach (`forming.unreached`, within the link timeout) as a split (`report_split`): the
-    launcher may still reach both, see no worker lost, and open no next round. Nothing is tried
-    once the launcher opened the next round (a member was lost: that settles it)."""
-    if _watched is None or store.check([round_key(chosen.generation + 1)]):
-        return
-    with contextlib.suppress(OSError):
-        for member in unreached(_watched, chosen.members, chosen.me, settings.link_timeout):
-            key = liveness.address_key(member)
-            if store.check([key]):
-                _report_split(store, chosen, bytes(store.get(key)).decode())
+def _unconnected(
+    store: Store, chosen: Round, settings: Settings, error: BaseException
+) -> Exception:
+    """Return the error for a Gloo group of round `chosen` that did not connect (`error`: the
+    round's own group, the world's, its private duplicate, the hierarchy's, `dp.new_group`'s;
+    `gloo.group.bound_connects`), after reporting each member host this worker cannot reach
+    (`forming.unreached`, within the link timeout) as a split: the launcher may still reach
+    both, see no worker lost, and open no next round. Nothing is tried once the launcher
+    opened the next round (a member was lost: that settles it). A `RankFailedError`: the
+    worker leaves the round and joins the next, wherever the group was being made."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    said = "the launcher opened the next round"
+    with contextlib.suppress(OSError, RuntimeError):
+        if _watched is not None and not store.check([round_key(chosen.generation + 1)]):
+            cut = unreached(_watched, settings.link_timeout)
+            for address in cut:
+                _report_split(store, chosen, address)
+            said = f"out of reach: {', '.join(cut)} (reported)" if cut else "every member answers"
+    return RankFailedError(
+        f"a Gloo group of round {chosen.generation} did not connect its members within "
+        f"{connect_limit(settings.link_timeout):g} s ({first}); {said}."
+    )
 
 
 def supersede(store: Store, generation: int) -> bool:
@@ -325,9 +334,10 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     # A worker always has its elastic timeout when the setting's is unset.
     seconds = settings.group_timeout
     timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
-    # torch takes one timeout for the connects and the collectives: the group connects within
-    # its own limit (`forming`), and the collectives get theirs once it formed.
-    connecting = datetime.timedelta(seconds=connect_limit(settings.link_timeout) / GLOO_CONNECTS)
+    # Every group made over the round's, as the round's own, connects within the round's limit
+    # (`forming`), and its collectives get their timeout once it formed.
+    unconnected = functools.partial(_unconnected, store, chosen, settings)
+    bound_connects(connect_limit(settings.link_timeout), unconnected)
     assert settings.elastic_store is not None
     liveness.publish_address(store, chosen.me, settings)
     # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
@@ -335,11 +345,13 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     interface = None
     if settings.gloo_socket_ifname is None:
         interface = interface_toward(*settings.elastic_store)
-    with gloo_connecting(interface):
+
+    def make(connecting: datetime.timedelta | None) -> None:
         dist.init_process_group(
             "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=connecting
         )
-    dist.distributed_c10d._set_pg_timeout(timeout or dist.distributed_c10d.default_pg_timeout)
+
+    gloo_group(make, interface, timeout)
 
 
 def leave() -> None:

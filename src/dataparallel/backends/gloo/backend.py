@@ -57,9 +57,9 @@ from dataparallel.backends.base import (
     ReduceOp,
 )
 from dataparallel.backends.connections import found_lost, shut_down
-from dataparallel.backends.gloo.group import join_group
+from dataparallel.backends.gloo.group import gloo_group, join_group
 from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Carried, Hierarchy
-from dataparallel.backends.rendezvous import gloo_connecting, remove_if_every_store_left
+from dataparallel.backends.rendezvous import remove_if_every_store_left
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
 from dataparallel.types import WireDtype
@@ -362,10 +362,9 @@ class GlooBackend(Backend):
             interface=joined.interface,
             sockets=joined.sockets,
         )
-        with gloo_connecting(joined.interface) as made:
-            engine.hierarchy = engine._hierarchy(settings)
-        if joined.sockets:  # its hierarchy's groups are cut with it
-            engine._sockets |= made
+        engine.hierarchy = engine._hierarchy(settings)
+        if joined.sockets and engine.hierarchy is not None:  # its groups are cut with it
+            engine._sockets |= engine.hierarchy.sockets
         return engine
 
     def _hierarchy(self, settings: Settings) -> Hierarchy | None:
@@ -384,7 +383,7 @@ class GlooBackend(Backend):
         hosts = self._hostnames
         if hosts is None:
             hosts = [str(h) for h in self.allgather_object(self.rank - self.local_rank)]
-        return Hierarchy.build(self._dist, hosts, self.rank, settings, self._timeout)
+        return Hierarchy.build(self._dist, self._new_group, hosts, self.rank, settings)
 
     # -- reductions --------------------------------------------------------------------------
 
@@ -696,12 +695,22 @@ class GlooBackend(Backend):
         sys.stdout.flush()
         os._exit(code)
 
+    def _new_group(self, ranks: Sequence[int] | None = None) -> tuple[ProcessGroup, set[str]]:
+        """A Gloo group of torch's `ranks` (None: all), made as this engine's group was
+        (`group.gloo_group`: its interface, its timeout, the round's connect limit), and
+        its connections (collective over torch's default group)."""
+        dist = self._dist
+        group, made = gloo_group(
+            lambda wait: dist.new_group(ranks=ranks, backend="gloo", timeout=wait),
+            self._interface,
+            self._timeout,
+        )
+        assert group is not None  # torch's default group is made otherwise
+        return group, made
+
     def split(self, ranks: Sequence[int]) -> GlooBackend | None:
         """Return an engine on a Gloo group of `ranks` (collective over the whole world)."""
-        with gloo_connecting(self._interface) as made:
-            group = self._dist.new_group(
-                ranks=[self._global(r) for r in ranks], backend="gloo", timeout=self._timeout
-            )
+        group, made = self._new_group([self._global(r) for r in ranks])
         if self.rank not in ranks:
             return None
         return GlooBackend(
@@ -723,18 +732,18 @@ class GlooBackend(Backend):
         of some processes returns itself (every process, member or not, makes a Gloo group)."""
         if self.size != self._dist.get_world_size():
             return self
-        with gloo_connecting(self._interface) as made:
-            group = self._dist.new_group(backend="gloo", timeout=self._timeout)
-            twin = GlooBackend(
-                self._dist,
-                group,
-                owns_default_group=False,
-                local=(self.local_rank, self.local_size),
-                timeout=self._timeout,
-                interface=self._interface,
-            )
-            if self.hierarchy is not None:  # the communication thread's engine: its own groups
-                twin.hierarchy = self.hierarchy.duplicate(self._timeout)
+        group, made = self._new_group()
+        twin = GlooBackend(
+            self._dist,
+            group,
+            owns_default_group=False,
+            local=(self.local_rank, self.local_size),
+            timeout=self._timeout,
+            interface=self._interface,
+        )
+        if self.hierarchy is not None:  # the communication thread's engine: its own groups
+            twin.hierarchy = self.hierarchy.duplicate()
+            made |= twin.hierarchy.sockets
         twin._sockets = frozenset(made)  # its group's and its hierarchy's
         return twin
 

@@ -8,16 +8,21 @@
   as the setting's timeout (as does every group made for the engine).
 - the local rank and size are the launcher's where it set them consistently, else found by
   the engine from the host names.
+- every Gloo group the library makes (this one, the engine's groups, an elastic round's) is
+  made by `gloo_group`: one place binds it, watches its connections, and bounds its connects
+  where an elastic round asks (`bound_connects`).
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
 from dataparallel.backends.rendezvous import (
+    Meeting,
     gloo_connecting,
     interface_toward,
     parse_init_method,
@@ -30,7 +35,14 @@ from dataparallel.errors import BackendUnavailableError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Joined", "import_torch_distributed", "join_group"]
+__all__ = [
+    "GLOO_CONNECTS",
+    "Joined",
+    "bound_connects",
+    "gloo_group",
+    "import_torch_distributed",
+    "join_group",
+]
 
 
 class Joined(NamedTuple):
@@ -68,6 +80,71 @@ def import_torch_distributed() -> ModuleType:
     return dist
 
 
+# Gloo waits five times its timeout for a pair's first connect (`transport/tcp/pair.h`).
+GLOO_CONNECTS = 5
+
+
+class _Bound(NamedTuple):
+    """How every Gloo group connects while the default group is an elastic round's."""
+
+    limit: float  # seconds
+    unconnected: Callable[[BaseException], BaseException]
+
+
+_bound: _Bound | None = None
+
+
+def bound_connects(limit: float, unconnected: Callable[[BaseException], BaseException]) -> None:
+    """From now on every Gloo group (`gloo_group`) connects its members within `limit` seconds
+    (elsewhere: within torch's five times the group's timeout), and one that does not raises
+    `unconnected(error)`.
+
+    For the groups of an elastic round (`elastic/rounds.py`), whose members all arrived in the
+    round: one that has not connected to another by then cannot reach it, and waiting torch's
+    five timeouts (52 minutes at the elastic default) would hold up every member. Only there:
+    the store's waits for the members' addresses take Gloo's connect deadline too, and only a
+    round's store keeps its own (`forming.watching`), so elsewhere a member arriving late
+    would fail the group."""
+    global _bound
+    _bound = _Bound(limit, unconnected)
+
+
+def gloo_group(
+    make: Callable[[datetime.timedelta | None], ProcessGroup | None],
+    interface: str | None,
+    timeout: datetime.timedelta | None,
+) -> tuple[ProcessGroup | None, set[str]]:
+    """Make a Gloo group by `make(timeout)` (torch's `init_process_group` or `new_group`) as
+    every group of the library is made: bound to `interface`, its connections watched
+    (`rendezvous.gloo_connecting`), and, where `bound_connects` set a limit, connected within
+    it, its collectives then given `timeout` (torch takes one timeout for the connects and the
+    collectives: None is torch's default). Return the group (None: torch's default group, now
+    made) and its connections (socket inodes).
+
+    Raises:
+        What `bound_connects` says for a group that did not connect within its limit; else
+        what `make` raises.
+    """
+    bound = _bound
+    connecting = timeout
+    if bound is not None:
+        connecting = datetime.timedelta(seconds=bound.limit / GLOO_CONNECTS)
+    try:
+        with gloo_connecting(interface) as made:
+            group = make(connecting)
+    except RuntimeError as exc:
+        if bound is None:
+            raise
+        raise bound.unconnected(exc) from exc
+    if bound is not None:
+        import torch.distributed as dist
+
+        c10d = dist.distributed_c10d
+        if not c10d._rank_not_in_group(group):  # a member: its collectives wait `timeout`
+            c10d._set_pg_timeout(timeout or c10d.default_pg_timeout, group)
+    return group, made
+
+
 def join_group(
     init_method: str | None, rank: int | None, world_size: int | None, settings: Settings
 ) -> Joined:
@@ -89,17 +166,21 @@ def join_group(
     interface = None
     if settings.gloo_socket_ifname is None and rendezvous.master is not None:
         interface = interface_toward(*rendezvous.master)
+    agent = settings.agent_store and rendezvous.url == "env://"
+    met: list[Meeting] = []  # its store's connection is made with the group's, and watched
+
+    def make(connecting: datetime.timedelta | None) -> None:
+        met.append(rendezvous_store(dist, rendezvous, timeout, agent_store=agent))
+        dist.init_process_group(
+            "gloo",
+            store=met[0].store,
+            rank=rendezvous.rank,
+            world_size=rendezvous.world_size,
+            timeout=connecting,
+        )
+
     try:
-        with gloo_connecting(interface):
-            agent = settings.agent_store and rendezvous.url == "env://"
-            meeting = rendezvous_store(dist, rendezvous, timeout, agent_store=agent)
-            dist.init_process_group(
-                "gloo",
-                store=meeting.store,
-                rank=rendezvous.rank,
-                world_size=rendezvous.world_size,
-                timeout=timeout,
-            )
+        gloo_group(make, interface, timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise rendezvous_error(exc, rendezvous) from exc
     local = None
@@ -112,7 +193,7 @@ def join_group(
         None,
         owns_default_group=True,
         local=local,
-        store_file=meeting.file,
+        store_file=met[0].file,
         timeout=timeout,
         interface=interface,
     )
@@ -140,8 +221,9 @@ def _over_existing_group(
     interface = None
     if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
         interface = interface_toward(*settings.elastic_store)
-    with gloo_connecting(interface) as made:
-        group = dist.new_group(backend="gloo", timeout=timeout)
+    group, made = gloo_group(
+        lambda connecting: dist.new_group(backend="gloo", timeout=connecting), interface, timeout
+    )
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
     return Joined(
         dist,

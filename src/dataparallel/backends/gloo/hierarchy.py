@@ -25,14 +25,17 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
     from dataparallel.config import Settings
+
+# How a hierarchy makes each of its groups: torch's ranks -> the group and its connections.
+MakeGroup = Callable[[list[int]], tuple[Any, set[str]]]
 
 __all__ = ["IN_FLIGHT", "MIN_BYTES", "Carried", "Hierarchy", "interleaved"]
 
@@ -92,21 +95,25 @@ class Hierarchy:
     """This rank's two Gloo groups: the ranks of its host (`local`), and the ranks of the same
     local rank on every host (`across`)."""
 
-    def __init__(
-        self, dist: ModuleType, hosts: list[str], rank: int, timeout: timedelta | None
-    ) -> None:
-        """Make the groups of a world whose rank `r` lives on host `hosts[r]` (collective over
-        torch's default group, which this world must be: every rank makes every group, in the
-        same order). Every host holds the same number of ranks."""
-        self._dist, self.hosts, self.rank = dist, hosts, rank
+    def __init__(self, dist: ModuleType, make: MakeGroup, hosts: list[str], rank: int) -> None:
+        """Make the groups of a world whose rank `r` lives on host `hosts[r]` by `make(ranks)`
+        (the engine's way: `GlooBackend._new_group`; collective over torch's default group,
+        which this world must be: every rank makes every group, in the same order). Every
+        host holds the same number of ranks."""
+        self._dist, self._make, self.hosts, self.rank = dist, make, hosts, rank
         labels = list(dict.fromkeys(hosts))  # in order of first rank
         members = [[r for r, h in enumerate(hosts) if h == label] for label in labels]
         self.local_size = len(members[0])
-        local_groups = [dist.new_group(ranks=m, backend="gloo", timeout=timeout) for m in members]
-        across_groups = [
-            dist.new_group(ranks=[m[i] for m in members], backend="gloo", timeout=timeout)
-            for i in range(self.local_size)
-        ]
+        made: set[str] = set()
+
+        def group(ranks: list[int]) -> ProcessGroup:
+            formed, sockets = make(ranks)
+            made.update(sockets)
+            return formed
+
+        local_groups = [group(m) for m in members]
+        across_groups = [group([m[i] for m in members]) for i in range(self.local_size)]
+        self.sockets = frozenset(made)  # the groups' connections (`GlooBackend.sever`)
         host = labels.index(hosts[rank])
         self.local_rank = members[host].index(rank)
         self.local, self.across = local_groups[host], across_groups[self.local_rank]
@@ -121,12 +128,7 @@ class Hierarchy:
 
     @classmethod
     def build(
-        cls,
-        dist: ModuleType,
-        hosts: list[str],
-        rank: int,
-        settings: Settings,
-        timeout: timedelta | None,
+        cls, dist: ModuleType, make: MakeGroup, hosts: list[str], rank: int, settings: Settings
     ) -> Hierarchy | None:
         """Return the hierarchy of a world whose rank `r` lives on host `hosts[r]` (any label
         the ranks agree on), or None where the flat ring stays (collective, as the groups)."""
@@ -142,12 +144,12 @@ class Hierarchy:
                     f"the hosts hold {sorted(counts)}: unset it for the flat ring."
                 )
             return None
-        return cls(dist, hosts, rank, timeout)
+        return cls(dist, make, hosts, rank)
 
-    def duplicate(self, timeout: timedelta | None) -> Hierarchy:
+    def duplicate(self) -> Hierarchy:
         """The same hierarchy on groups of its own (collective): for an engine of the same
         processes used from another thread, whose calls must not meet these groups' calls."""
-        return Hierarchy(self._dist, self.hosts, self.rank, timeout)
+        return Hierarchy(self._dist, self._make, self.hosts, self.rank)
 
     def start(self, tensor: torch.Tensor, op: object) -> Carried:
         """Start the three steps on the contiguous 1-D `tensor`, reduced in place.
