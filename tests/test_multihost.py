@@ -789,35 +789,7 @@ def test_elastic_split_drops_the_later_host_and_the_others_go_on(
     (`rounds.report_split`), and the launcher drops one side: of b and c, one worker each, c,
     whose worker joined later. w0 and w1 re-form and finish, every sample once an epoch and
     the weights the replay's."""
-    from test_elastic_runs import check_run
-
-    a, b, c = three_hosts
-    go = tmp_path / "go"
-    spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
-    options = ["--link-timeout", "1", "--timeout", "150"]
-    args = ["--pause", f"w2:3:{go}"]
-    job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, args, spec)
-    paused = Path(f"{go}.paused")
-
-    def split() -> None:
-        done = _ip("-n", c.namespace, "route", "add", "prohibit", f"{b.address}/32")
-        assert done.returncode == 0, done.stderr
-        go.touch()
-
-    try:
-        status, out, err = _cut_once(
-            job, ssh3.env, tmp_path, paused, c, "worker 2 never paused", cut=split
-        )
-        assert status == 0, out + err
-        said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
-        assert said in err, err
-        assert f"host {c.address} has no worker left" in err, err
-        assert "was lost" not in err.replace(said, ""), err  # w0 and w1 stay
-        check_run(tmp_path, [3, 2])
-        _wait_for(lambda: not leftovers(three_hosts, "elastic_train.py"), 60)
-        assert leftovers(three_hosts, "elastic_train.py") == []
-    finally:
-        _kill_everything_in(c)
+    _split_c_from_b_and_go_on(three_hosts, ssh3, tmp_path, "--pause", 3, "worker 2 never paused")
 
 
 def test_elastic_split_inside_a_jitted_jax_step(
@@ -1012,15 +984,26 @@ def test_elastic_split_while_a_group_over_the_world_connects(
     (`gloo.group.bound_connects`); a worker whose group did not connect reports each member it
     cannot reach as a split, the launcher drops c (its worker joined later), and w0 and w1
     re-form, make the group again and finish, every sample once an epoch and the weights the
-    replay's. Before, the group waited five times the group's timeout for its connects, and
-    worker 2's failure to connect ended the run."""
+    replay's. (A group whose connects had no limit would wait five times the group's timeout.)"""
+    _split_c_from_b_and_go_on(
+        three_hosts, ssh3, tmp_path, "--new-group", 7, "worker 2 never began the group"
+    )
+
+
+def _split_c_from_b_and_go_on(
+    three_hosts: tuple[Host, ...], ssh3: Ssh, tmp_path: Path, stop: str, step: int, never: str
+) -> None:
+    """`-H a:1,b:1,c:1 --min-np 2` of `elastic_train.py`: worker 2 stops where `stop` says after
+    commit `step`, then c stops reaching b while a reaches both, and worker 2 goes on. c must be
+    dropped as a split (its worker joined later), w0 and w1 finish with every sample once an
+    epoch and the replay's weights, and no worker is left on any host."""
     from test_elastic_runs import check_run
 
     a, b, c = three_hosts
     go = tmp_path / "go"
     spec = f"{a.address}:1,{b.address}:1,{c.address}:1"
     options = ["--link-timeout", "1", "--timeout", "150"]
-    args = ["--new-group", f"w2:7:{go}"]
+    args = [stop, f"w2:{step}:{go}"]
     job = elastic_hosts_job(three_hosts, ssh3, tmp_path / "out.json", options, args, spec)
     paused = Path(f"{go}.paused")
 
@@ -1030,9 +1013,7 @@ def test_elastic_split_while_a_group_over_the_world_connects(
         go.touch()
 
     try:
-        status, out, err = _cut_once(
-            job, ssh3.env, tmp_path, paused, c, "worker 2 never began the group", cut=split
-        )
+        status, out, err = _cut_once(job, ssh3.env, tmp_path, paused, c, never, cut=split)
         assert status == 0, out + err
         said = f"worker 2 on {c.address} was lost (its host and {b.address} cannot reach each "
         assert said in err, err
