@@ -190,29 +190,31 @@ class Hierarchy:
         return (carried.seq % (1 << 29)) * 2 + step
 
     def _scatter_loop(self) -> None:
-        while (carried := self._inside.get()) is not None:
-            try:
-                if self._broken is not None:  # the calls no longer line up across ranks
-                    raise self._broken
-                self.scatter(carried)
-            except BaseException as error:
-                self._broken = self._broken or error
-                carried.fail(error)
-                continue
-            self._outside.put(carried)
-        self._outside.put(None)
+        self._carry(self._inside, self.scatter, self._outside.put)
+        self._outside.put(None)  # the second lane ends after the calls passed on
 
     def _gather_loop(self) -> None:
-        while (carried := self._outside.get()) is not None:
+        self._carry(self._outside, self.gather, Carried.done)
+
+    def _carry(
+        self,
+        calls: queue.SimpleQueue[Carried | None],
+        part: Callable[[Carried], None],
+        then: Callable[[Carried], object],
+    ) -> None:
+        """A lane: each call from `calls` through this lane's `part`, then `then`, until None.
+        Once a part failed, every later call fails with that error: the calls no longer line up
+        across ranks."""
+        while (carried := calls.get()) is not None:
             try:
                 if self._broken is not None:
                     raise self._broken
-                self.gather(carried)
+                part(carried)
             except BaseException as error:
                 self._broken = self._broken or error
                 carried.fail(error)
                 continue
-            carried.done()
+            then(carried)
 
     def scatter(self, carried: Carried) -> None:
         """The first lane's part of a call: this rank's slice reduced inside the host (each
