@@ -238,11 +238,7 @@ class HostPack:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.name = dtype_name(self.dtype)
         edges = [0, *itertools.accumulate(p.numel() for p in params)]
-        # Each gradient's place in the pack's region: start, stop, shape.
-        self.places = [
-            (start, stop, tuple(p.shape))
-            for (start, stop), p in zip(itertools.pairwise(edges), params, strict=True)
-        ]
+        self.places = list(itertools.pairwise(edges))  # each gradient's (start, stop) in the region
         self.family: Family | None = None  # learnt from the first gradient sent
 
     def gradients(self) -> list[torch.Tensor] | None:
@@ -263,11 +259,12 @@ class HostPack:
                 return None
         return cast("list[torch.Tensor]", grads)
 
-    def works(self, grads: list[torch.Tensor]) -> list[np.ndarray]:
-        """The gradients' writable host views in their storage dtype (`TorchFamily.host_view`)."""
-        if self.dtype is torch.bfloat16:
-            return [g.detach().view(torch.int16).numpy().view(np.uint16) for g in grads]
-        return [g.detach().numpy() for g in grads]
+    def works(self, family: Family, grads: list[torch.Tensor]) -> list[np.ndarray]:
+        """The gradients' writable host views in their storage dtype (`family.host_view`: one
+        for each of the gradients `gradients` returned, dense on the host)."""
+        views = [family.host_view(g) for g in grads]
+        assert all(view is not None for view in views)  # (what `gradients` checked)
+        return cast("list[np.ndarray]", views)
 
 
 def kept_flags(n: int, joining: bool) -> np.ndarray:

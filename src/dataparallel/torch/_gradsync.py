@@ -877,8 +877,9 @@ class GradientSync:
         if plan.family is None:
             name = self._params[self._buckets[b].members[0]][0]
             plan.family = grad_family(self.owner, name, grads[0])
-        deliver = partial(_adopt_pack, grads, plan.places)
-        return plan.family, list(grads), plan.works(grads), plan.name, deliver
+        family = plan.family
+        deliver = partial(_adopt_pack, family, grads, plan.places)
+        return family, list(grads), plan.works(family, grads), plan.name, deliver
 
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
@@ -1009,16 +1010,15 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
 
 
 def _adopt_pack(
-    grads: list[torch.Tensor], places: list[tuple[int, int, tuple[int, ...]]], region: Any
+    family: Family, grads: list[torch.Tensor], places: list[tuple[int, int]], region: Any
 ) -> None:
-    """`_adopt` of a pack's gradients (`HostPack`), each at its place (start, stop, shape) in
-    `region`, the pack's reduced values in its bucket's memory: each its own tensor of that
-    memory, as `_adopt` makes it, so that each stays `_alone` for the next step."""
-    bits = grads[0].dtype is torch.bfloat16
+    """`_adopt` of a pack's gradients (`HostPack`), each at its place (start, stop) in `region`,
+    the pack's reduced values in its bucket's memory, under one `no_grad`: each its own tensor of
+    that memory, so that each stays `_alone` for the next step."""
     with torch.no_grad():
-        for grad, (start, stop, shape) in zip(grads, places, strict=True):
-            values = torch.from_numpy(region[start:stop].reshape(shape))
-            grad.set_(values.view(torch.bfloat16) if bits else values)  # type: ignore[call-overload]
+        for grad, (start, stop) in zip(grads, places, strict=True):
+            values = cast("torch.Tensor", family.adopt(grad, region[start:stop]))
+            grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
 
 
 def _alone(t: torch.Tensor) -> bool:
