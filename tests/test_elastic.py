@@ -239,17 +239,13 @@ def test_a_worker_that_can_join_no_world_leaves_the_elastic_loop(
 
 
 class _Reports:
-    """The launcher's store as `rounds.report_split` uses it: counts and values, by key."""
+    """The launcher's store as `rounds.report_split` uses it: the values pushed, by queue."""
 
     def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
+        self.queues: dict[str, list[str]] = {}
 
-    def add(self, key: str, amount: int) -> int:
-        self.values[key] = self.values.get(key, 0) + amount
-        return int(self.values[key])
-
-    def set(self, key: str, value: str) -> None:
-        self.values[key] = value
+    def queue_push(self, key: str, value: str) -> None:
+        self.queues.setdefault(key, []).append(value)
 
 
 @pytest.mark.parametrize("route", ["callback", "ffi"])
@@ -293,9 +289,8 @@ def test_a_link_lost_inside_a_jitted_step_is_reported_as_a_split(
 
     with pytest.raises(rounds.NoWorldError):
         run_fn(train, reset)(ObjectState(epoch=0))
-    assert reports.values.get(liveness.split_key(4)) == 1, f"no split reported: {reports.values}"
-    said = json.loads(reports.values[liveness.split_key(4, 1)])
-    assert said == {"worker": "w0", "address": address}
+    said = [json.loads(report) for report in reports.queues.get(liveness.SPLITS, [])]
+    assert said == [{"round": 4, "worker": "w0", "address": address}], reports.queues
 
 
 def test_check_host_updates_outside_an_elastic_run_does_nothing() -> None:
@@ -569,7 +564,7 @@ from dataparallel.backends.gloo.group import import_torch_distributed
 from dataparallel.backends.connections import tcp_sockets
 from dataparallel.config import Settings
 from dataparallel.backends.connections import tcp_sockets
-from dataparallel.elastic import liveness
+from dataparallel.elastic import liveness, rounds
 
 dist = import_torch_distributed()
 server = dist.TCPStore(
@@ -582,8 +577,12 @@ def connections():
     return sum(remote[1] == port for _, remote in tcp_sockets())
 
 
-before = connections()  # the server's own client
-liveness.watch(settings, 0, tuple)
+client = dist.TCPStore(
+    sys.argv[1], port, is_master=False, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+)
+before = connections()  # the server's own client and the worker's
+liveness.watch(settings, 0, tuple, client)
 # The watch's own connection to the store shows in this process's sockets once it is made.
 deadline = time.monotonic() + 60
 while connections() == before and time.monotonic() < deadline:
@@ -595,12 +594,12 @@ print(",".join(names), flush=True)
 class Waker:
     # Opens rounds while the interpreter finalizes, as the launcher may at the end of a run:
     # a thread of the watch still inside the store's C++ then wakes after Python has gone.
-    def __init__(self, store, sleep):
-        self.store, self.sleep = store, sleep
+    def __init__(self, store, sleep, publish):
+        self.store, self.sleep, self.publish = store, sleep, publish
 
     def __del__(self):
         for generation in range(1, 6):
-            self.store.set(f"round/{generation}", "[]")
+            self.publish(self.store, generation, ["w0"], [], True)
             self.sleep(0.2)
 
 
@@ -608,7 +607,7 @@ module = type(sys)("waker")
 module.waker = Waker(dist.TCPStore(
     sys.argv[1], port, is_master=False, wait_for_workers=False,
     timeout=datetime.timedelta(seconds=60),
-), time.sleep)
+), time.sleep, rounds.publish)
 sys.modules["waker"] = module  # the last module in: its globals go first as Python finalizes
 """
 

@@ -59,6 +59,7 @@ __all__ = [
     "join",
     "leave",
     "newest",
+    "publish",
     "ready_key",
     "rejoin",
     "removed_key",
@@ -230,7 +231,7 @@ def join(after: int, settings: Settings | None = None) -> Round:
                         f"round {generation}'s Gloo group did not form: {exc}"
                     ) from exc
             else:
-                liveness.watch(settings, generation, _world)
+                liveness.watch(settings, generation, _world, store)
                 return chosen
         after = generation  # a member died before it formed: the launcher opened a newer one
 
@@ -274,11 +275,10 @@ def report_split(error: BaseException) -> None:
 
 
 def _report_split(store: Store, joined: Round, address: str) -> None:
-    """Report, under round `joined`, that this worker lost its link to the peer at `address`."""
-    report = json.dumps({"worker": joined.me, "address": address})
+    """Report, in round `joined`, that this worker lost its link to the peer at `address`."""
+    report = json.dumps({"round": joined.generation, "worker": joined.me, "address": address})
     with contextlib.suppress(RuntimeError):  # the store gone: the launcher is ending the run
-        number = store.add(liveness.split_key(joined.generation), 1)
-        store.set(liveness.split_key(joined.generation, number), report)
+        store.queue_push(liveness.SPLITS, report)
 
 
 def _unconnected(
@@ -303,6 +303,26 @@ def _unconnected(
         f"a Gloo group of round {chosen.generation} did not connect its members within "
         f"{connect_limit(settings.link_timeout):g} s ({first}); {said}."
     )
+
+
+def publish(
+    store: Store,
+    generation: int,
+    members: list[str],
+    cut_off: list[str],
+    notify: bool,
+) -> None:
+    """Open round `generation` of `members` (in rank order), as the launcher does: the workers
+    it leaves out because their link is gone (`cut_off`) first, so that its followers read them
+    once it opens; then the round, then `latest`; then, where the workers follow the rounds
+    (`notify`: `liveness.follows`), the round's number on each member's notice queue."""
+    if cut_off:
+        store.set(liveness.unreachable_key(generation), json.dumps(cut_off))
+    store.set(round_key(generation), json.dumps(members))
+    store.set(LATEST, str(generation))
+    if notify:
+        for member in members:
+            store.queue_push(liveness.notice_key(member), str(generation))
 
 
 def supersede(store: Store, generation: int) -> bool:
