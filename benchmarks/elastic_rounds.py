@@ -23,8 +23,9 @@ also follows the rounds and beats as a worker on another host than the launcher 
 (per N, per repeat): none (the reference); *polled*, the follower as it was (a thread that every
 0.1 s beats and asks whether the next round opened); *notified*, the library's own
 (`elastic.liveness`: the follower blocked on its notice queue, which the round's publication
-fills, `rounds.publish`, and a beat every 0.1 s on a thread of its own; the publication's notices
-counted in the membership). Printed per N and case:
+fills, `rounds.publish`, and a beat every 0.1 s on a thread of its own). Each round is published
+as after a host lost by its link (one worker listed as cut off), so that the notices, one push
+a member, count in the membership. Printed per N and case:
 the membership and the rendezvous (watched store) as above, and how long one look of the
 launcher's at every worker's heartbeat takes (`liveness.Heartbeats.silent`, which its loop makes
 every 0.1 s), median of 5 looks while the followers run.
@@ -160,7 +161,7 @@ def one_round(
     go.wait()  # every client connected and waiting: only the round's own work is timed
     start = time.perf_counter()
     supersede(master, generation - 1)
-    publish(master, generation, members, [], notify)
+    publish(master, generation, members, ["lost"], notify)  # as after a host lost by its link
     for t in threads:
         t.join()
     if len(formed) != n or len(meshed) != n:

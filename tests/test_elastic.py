@@ -582,7 +582,7 @@ client = dist.TCPStore(
     timeout=datetime.timedelta(seconds=60),
 )
 before = connections()  # the server's own client and the worker's
-liveness.watch(settings, 0, tuple, client)
+liveness.watch(settings, 0, lambda: (0, ("w0",)), client)
 # The watch's own connection to the store shows in this process's sockets once it is made.
 deadline = time.monotonic() + 60
 while connections() == before and time.monotonic() < deadline:
@@ -599,7 +599,7 @@ class Waker:
 
     def __del__(self):
         for generation in range(1, 6):
-            self.publish(self.store, generation, ["w0"], [], True)
+            self.publish(self.store, generation, ["w0"], ["w9"], True)  # a notice to w0
             self.sleep(0.2)
 
 
@@ -800,10 +800,10 @@ print(json.dumps({"got": got, "followed": follower.is_alive()}), flush=True)
 @alone
 def test_a_round_listing_a_member_lost_by_its_link_wakes_the_follower_to_cut_it() -> None:
     """A worker's round follower (`elastic.liveness._follow`) waits on its notice queue, which
-    the launcher's publication of a round fills (`rounds.publish`): a round that lists a member
-    of its world as lost by its link makes it cut its connections to that member's address (a
-    reader blocked on one wakes with the stream's end); a round that lists none cuts nothing;
-    the worker's own empty notice ends the wait.
+    the launcher's publication of a round that lists workers lost by their link fills
+    (`rounds.publish`): such a round makes it cut its connections to the address of the member
+    of its world it lists (a reader blocked on one wakes with the stream's end); the worker's
+    own empty notice ends the wait.
 
     The cut runs in a process of its own: it cuts every connection of its process to the
     address, and a rank of a multi-rank test pass holds its engine's connections to 127.0.0.1;
@@ -827,7 +827,7 @@ def test_a_round_listing_a_member_lost_by_its_link_wakes_the_follower_to_cut_it(
     ) as worker:
         assert worker.stdout is not None
         assert worker.stdout.readline() == "following\n"
-        rounds.publish(store, 1, ["w0", "w1", "w2"], [], notify=True)  # w2 joins: no cut
+        rounds.publish(store, 1, ["w0", "w1", "w2"], [], notify=True)  # w2 joins: no notice
         rounds.publish(store, 2, ["w0"], ["w1"], notify=True)  # w1 lost by its link
         said = json.loads(worker.stdout.readline())
     assert worker.returncode == 0

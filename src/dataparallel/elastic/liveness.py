@@ -13,8 +13,9 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
   (ssh's `ServerAliveInterval` counts whole seconds). The launcher notes the workers it lost so,
   by their link, in the round without them (`unreachable_key`) before it opens that round. Each
   worker follows the rounds (`_follow`: a store client of its own, blocked on the worker's
-  notice queue, `notice_key`, where the launcher pushes each round it opens: a round is read
-  the moment it opens, and a worker waiting costs the store nothing). When a round opens that
+  notice queue, `notice_key`, where the launcher pushes each round it opens that names workers
+  lost by their link: such a round is read the moment it opens, and a worker waiting costs the
+  store nothing). When a round opens that
   names members of this worker's world as lost by their link, it shuts down this process's
   connections to their addresses (`address_key`, which each worker publishes as it
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
@@ -114,8 +115,8 @@ def heartbeat_key(worker: str) -> str:
 
 def notice_key(worker: str) -> str:
     """The queue where the launcher pushes the number of each round it opens with `worker` in
-    it, where `follows` says the worker watches (`rounds.publish`); the worker's own empty
-    value wakes its follower at exit."""
+    it that names workers lost by their link, where `follows` says the worker watches
+    (`rounds.publish`); the worker's own empty value wakes its follower at exit."""
     return f"notice/{worker}"
 
 
@@ -224,8 +225,8 @@ def _follow(
     world: Callable[[], tuple[int, Sequence[str]]],
     me: str,
 ) -> None:
-    """Wait for each round the launcher opens after `generation` (its notice), and cut the
-    connections to the members of this worker's world that it lists as lost by their link."""
+    """Wait for each round the launcher opens after `generation` naming workers lost by their
+    link (its notice), and cut the connections to those of this worker's world."""
     from dataparallel.backends.gloo.group import import_torch_distributed
 
     dist = import_torch_distributed()
