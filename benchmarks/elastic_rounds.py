@@ -96,13 +96,15 @@ def worker(
 
 
 def polled(port: int, me: str, generation: int, stop: threading.Event) -> None:
-    """The round follower as it was: every 0.1 s, a beat and a look for the next round."""
+    """The round follower as it was: every 0.1 s, a beat and a look for the next round; when
+    one opened, the look and the read of the workers it lost by their link."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     while not stop.wait(0.1):
         store.add(liveness.heartbeat_key(me), 1)
         if store.check([round_key(generation + 1)]):
             generation += 1
-            store.check([liveness.unreachable_key(generation)])
+            store.check([round_key(generation)])  # as the look and the read of the lost workers'
+            store.get(round_key(generation))  # list under a key of the round's
 
 
 class Followers:

@@ -10,12 +10,12 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
 - Each worker on another host than the launcher's store beats every `BEAT` seconds (a counter
   under `heartbeat_key`, `_beat`), and the launcher (`Heartbeats`) takes one whose counter
   stood still for the link timeout for out of reach; its ssh to the worker gives up too, later
-  (ssh's `ServerAliveInterval` counts whole seconds). The launcher notes the workers it lost so,
-  by their link, in the round without them (`unreachable_key`) before it opens that round. Each
-  worker follows the rounds (`_follow`: a store client of its own, blocked on the worker's
-  notice queue, `notice_key`, where the launcher pushes each round it opens that names workers
-  lost by their link: such a round is read the moment it opens, and a worker waiting costs the
-  store nothing). When a round opens that
+  (ssh's `ServerAliveInterval` counts whole seconds). Each worker follows the rounds
+  (`_follow`: a store client of its own, blocked on the worker's notice queue, `notice_key`):
+  when the launcher opens a round without workers it lost so, by their link, it pushes the
+  round and those workers onto the notice queue of each member, which reads them the moment the
+  round opens (a worker waiting costs the store nothing, and reading costs it nothing more).
+  When a round opens that
   names members of this worker's world as lost by their link, it shuts down this process's
   connections to their addresses (`address_key`, which each worker publishes as it
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
@@ -73,7 +73,6 @@ __all__ = [
     "heartbeat_key",
     "notice_key",
     "publish_address",
-    "unreachable_key",
     "watch",
 ]
 
@@ -114,9 +113,10 @@ def heartbeat_key(worker: str) -> str:
 
 
 def notice_key(worker: str) -> str:
-    """The queue where the launcher pushes the number of each round it opens with `worker` in
-    it that names workers lost by their link, where `follows` says the worker watches
-    (`rounds.publish`); the worker's own empty value wakes its follower at exit."""
+    """The queue where the launcher pushes each round it opens with `worker` in it that leaves
+    out workers lost by their link, where `follows` says the worker watches (`rounds.publish`):
+    JSON `{"round": G, "lost": [ID, ...]}`. The worker's own empty value wakes its follower at
+    exit."""
     return f"notice/{worker}"
 
 
@@ -124,12 +124,6 @@ def follows(store_host: str) -> bool:
     """Whether the workers of a run whose store they reach at `store_host` watch the rounds:
     only where a link can be lost (not on loopback)."""
     return not _is_loopback(store_host)
-
-
-def unreachable_key(generation: int) -> str:
-    """The key where the launcher lists, as JSON, the workers that round `generation` leaves
-    out because their link is gone (their ssh stopped answering), before it opens the round."""
-    return f"round/{generation}/unreachable"
 
 
 @contextlib.contextmanager
@@ -239,14 +233,9 @@ def _follow(
                 continue
             if not notice or _stop.is_set():
                 return  # this worker's own notice: it is exiting
-            opened, lost = int(notice), set()
-            for newer in range(generation + 1, opened + 1):
-                key = unreachable_key(newer)
-                if store.check([key]):
-                    lost |= {(newer, worker) for worker in json.loads(store.get(key))}
-            generation = max(generation, opened)
-            if lost:
-                _cut(store, store_at, lost, world)
+            said = json.loads(notice)
+            if said["round"] > generation:  # else a round before this worker's first world
+                _cut(store, store_at, said["round"], said["lost"], world)
     except RuntimeError:  # the store is gone or silent: `_probe` (or the launcher's end) settles it
         return
 
@@ -254,18 +243,19 @@ def _follow(
 def _cut(
     store: Store,
     store_at: tuple[str, int],
-    lost: set[tuple[int, str]],
+    generation: int,
+    lost: list[str],
     world: Callable[[], tuple[int, Sequence[str]]],
 ) -> None:
-    """Cut the connections to the members of this worker's world that rounds after it list as
-    lost by their link (`lost`: round, worker)."""
+    """Cut the connections to the members of this worker's world that round `generation` leaves
+    out as `lost` by their link."""
     if not _changing.acquire(blocking=False):
         return  # between worlds: the old one's connections are closing anyway
     try:
         joined, members = world()
-        # A round this world already follows is without them: its connections stay.
-        gone = {worker for newer, worker in lost if newer > joined} & set(members)
-        keys = [address_key(m) for m in sorted(gone)]
+        if joined >= generation:
+            return  # this world is already without them: its connections stay
+        keys = [address_key(m) for m in members if m in lost]
         addresses = {bytes(store.get(k)).decode() for k in keys if store.check([k])}
         cut_connections(addresses, keep=_resolved(store_at))
     finally:

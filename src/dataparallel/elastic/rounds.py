@@ -326,19 +326,18 @@ def publish(
     cut_off: list[str],
     notify: bool,
 ) -> None:
-    """Open round `generation` of `members` (in rank order), as the launcher does: the workers
-    it leaves out because their link is gone (`cut_off`) first, so that its followers read them
-    once it opens; then the round, then `latest`; then, where there are such workers and the
-    others follow the rounds (`notify`: `liveness.follows`), the round's number on each
-    member's notice queue: they have connections to cut. A round without (a worker died, or
-    joined) needs nothing of the followers, and costs the store nothing more."""
-    if cut_off:
-        store.set(liveness.unreachable_key(generation), json.dumps(cut_off))
+    """Open round `generation` of `members` (in rank order), as the launcher does: the round,
+    then `latest`; then, where it leaves out workers because their link is gone (`cut_off`)
+    and the others follow the rounds (`notify`: `liveness.follows`), the round and those
+    workers on each member's notice queue: they have connections to cut. A round without
+    (a worker died, or joined) needs nothing of the followers, and costs the store nothing
+    more."""
     store.set(round_key(generation), json.dumps(members))
     store.set(LATEST, str(generation))
     if notify and cut_off:
+        notice = json.dumps({"round": generation, "lost": cut_off})
         for member in members:
-            store.queue_push(liveness.notice_key(member), str(generation))
+            store.queue_push(liveness.notice_key(member), notice)
 
 
 def supersede(store: Store, generation: int) -> bool:
