@@ -566,9 +566,16 @@ def soak_runs(pairs: int, link_timeouts: list[float], steps: int, busy: int) -> 
             finally:
                 hosts.close()
     finally:
+        ticks = os.sysconf("SC_CLK_TCK")
+        used = []
         for process in spinning:
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                used.append((int(stat[11]) + int(stat[12])) / ticks)  # utime + stime
             process.kill()
             process.wait()
+        if spinning:
+            print("CPU seconds of the spinning processes: " + ", ".join(f"{u:.0f}" for u in used))
 
 
 def phases(runs: list[dict[str, float]]) -> None:
