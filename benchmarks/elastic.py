@@ -57,6 +57,10 @@ link: runs of the three hosts without any failure, `STEPS` steps each, every val
 (on the machine, outside the hosts: they take the same cores). Printed per run: the steps, the
 wall time, the launcher's "was lost" lines (every one a false loss: nothing failed), and the
 longest wait of the 0.1 s thread (beyond its 0.1 s).
+
+`--gc-pauses` (one process, no launcher) times a full garbage collection of heaps of 1, 3 and
+6 million small dicts (each holding a list) beside a thread that wakes every 0.1 s, as a
+worker's heartbeat does: the collection holds the interpreter, so the thread waits as long.
 """
 
 from __future__ import annotations
@@ -418,6 +422,7 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="--hosts: three hosts, a split")
     parser.add_argument("--soak", type=int, default=0, help="--split: clean runs of N steps")
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--gc-pauses", action="store_true", help="a collection's pause, alone")
     parser.add_argument("--fully-shard", action="store_true", help="also a fully_shard model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--victim", help=argparse.SUPPRESS)
@@ -426,6 +431,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(Path(args.worker), args.victim, args.fully_shard, args.stall, args.pause, args.steps)
+        return
+    if args.gc_pauses:
+        gc_pauses()
         return
     if args.split:
         timeouts = [float(t) for t in args.link_timeouts.split(",")]
@@ -536,6 +544,35 @@ def split_runs(pairs: int, link_timeouts: list[float]) -> None:
         what = f"a split between hosts b and c (--link-timeout {t:g}), worker 2 on c"
         report(3, True, what, runs, clean, "", "3 emulated hosts")
         phases(runs)
+
+
+def gc_pauses() -> None:
+    """`--gc-pauses`: how long a full collection keeps a 0.1 s thread from its turn."""
+    import gc
+
+    def beat(gaps: list[float], stop: threading.Event) -> None:
+        last = time.monotonic()
+        while not stop.wait(0.1):
+            now = time.monotonic()
+            gaps[0] = max(gaps[0], now - last - 0.1)
+            last = now
+
+    print("| heap | gc.collect() | the 0.1 s thread's longest extra wait |")
+    print("| --- | --- | --- |")
+    for n in (1_000_000, 3_000_000, 6_000_000):
+        heap = [{"a": [i]} for i in range(n)]
+        gaps, stop = [0.0], threading.Event()
+        thread = threading.Thread(target=beat, args=(gaps, stop))
+        thread.start()
+        time.sleep(0.3)
+        begun = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - begun
+        time.sleep(0.3)
+        stop.set()
+        thread.join()
+        print(f"| {n // 10**6} M dicts + lists | {took:.3f} s | {gaps[0]:.3f} s |", flush=True)
+        del heap
 
 
 def soak_runs(pairs: int, link_timeouts: list[float], steps: int, busy: int) -> None:
