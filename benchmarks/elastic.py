@@ -59,8 +59,9 @@ wall time, the launcher's "was lost" lines (every one a false loss: nothing fail
 longest wait of the 0.1 s thread (beyond its 0.1 s).
 
 `--gc-pauses` (one process, no launcher) times a full garbage collection of heaps of 1, 3 and
-6 million small dicts (each holding a list) beside a thread that wakes every 0.1 s, as a
-worker's heartbeat does: the collection holds the interpreter, so the thread waits as long.
+6 million small dicts (each holding a list), and of the last after `gc.freeze()`, beside a
+thread that wakes every 0.1 s, as a worker's heartbeat does: the collection holds the
+interpreter, so the thread waits as long.
 """
 
 from __future__ import annotations
@@ -559,8 +560,10 @@ def gc_pauses() -> None:
 
     print("| heap | gc.collect() | the 0.1 s thread's longest extra wait |")
     print("| --- | --- | --- |")
-    for n in (1_000_000, 3_000_000, 6_000_000):
-        heap = [{"a": [i]} for i in range(n)]
+    for n, frozen in ((1, False), (3, False), (6, False), (6, True)):
+        heap = [{"a": [i]} for i in range(n * 10**6)]
+        if frozen:  # kept out of every later collection
+            gc.freeze()
         gaps, stop = [0.0], threading.Event()
         thread = threading.Thread(target=beat, args=(gaps, stop))
         thread.start()
@@ -571,7 +574,9 @@ def gc_pauses() -> None:
         time.sleep(0.3)
         stop.set()
         thread.join()
-        print(f"| {n // 10**6} M dicts + lists | {took:.3f} s | {gaps[0]:.3f} s |", flush=True)
+        what = f"{n} M dicts + lists" + (", after `gc.freeze()`" if frozen else "")
+        print(f"| {what} | {took:.3f} s | {gaps[0]:.3f} s |", flush=True)
+        gc.unfreeze()
         del heap
 
 
