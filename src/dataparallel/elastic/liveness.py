@@ -13,10 +13,9 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
   (ssh's `ServerAliveInterval` counts whole seconds). Each worker follows the rounds
   (`_follow`: a store client of its own, blocked on the worker's notice queue, `notice_key`):
   when the launcher opens a round without workers it lost so, by their link, it pushes the
-  round and those workers onto the notice queue of each member, which reads them the moment the
-  round opens (a worker waiting costs the store nothing, and reading costs it nothing more).
-  When a round opens that
-  names members of this worker's world as lost by their link, it shuts down this process's
+  round and those workers onto the notice queue of each member, which reads them the moment
+  the round opens (waiting costs the store nothing, and the notice holds what the follower
+  needs). Where they are members of this worker's world, it shuts down this process's
   connections to their addresses (`address_key`, which each worker publishes as it
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
   with "Connection closed", as when a peer dies (`RankFailedError`), and `elastic.run` re-forms.
