@@ -50,6 +50,18 @@ Every worker also runs a thread that wakes every 0.1 s, as the heartbeat's does,
 longest gap between two wakes: how long a busy machine keeps such a thread from its turn, the
 least a link timeout must exceed. `--busy N` keeps N more processes spinning in each host for
 the whole invocation (a machine busy with other work).
+
+`--hosts --split --soak STEPS` asks whether a short link timeout takes a busy machine for a lost
+link: runs of the three hosts without any failure, `STEPS` steps each, every value of
+`--link-timeouts` in turn (`--pairs` rounds), with `--busy N` processes spinning beside them
+(on the machine, outside the hosts: they take the same cores). Printed per run: the steps, the
+wall time, the launcher's "was lost" lines (every one a false loss: nothing failed), and the
+longest wait of the 0.1 s thread (beyond its 0.1 s).
+
+`--gc-pauses` (one process, no launcher) times a full garbage collection of heaps of 1, 3 and
+6 million small dicts (each holding a list), and of the last after `gc.freeze()`, beside a
+thread that wakes every 0.1 s, as a worker's heartbeat does: the collection holds the
+interpreter, so the thread waits as long.
 """
 
 from __future__ import annotations
@@ -88,7 +100,9 @@ PermitRootLogin prohibit-password
 """
 
 
-def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: bool) -> None:
+def worker(
+    notes: Path, victim: str | None, sharded: bool, stall: bool, pause: bool, steps: int
+) -> None:
     import torch
 
     import dataparallel as dp
@@ -133,7 +147,7 @@ def worker(notes: Path, victim: str | None, sharded: bool, stall: bool, pause: b
     @dp.elastic.run
     def train(state: dp.elastic.TorchState) -> None:
         note("entered")  # after `state.sync()`: the state carried over to this world
-        while state.step < STEPS:
+        while state.step < steps:
             optimizer.zero_grad()
             model(data).pow(2).mean().backward()
             if victim is not None and me in victim.split(",") and state.step == VICTIM_STEP:
@@ -302,9 +316,10 @@ def one_run(
     link_timeout: float | None = None,
     stall: bool = False,
     split: bool = False,
+    steps: int = STEPS,
 ) -> dict[str, float]:
-    """One run; with `stall`, the victims stand still and host b's link goes down; with
-    `split`, the victim pauses and host c stops reaching host b."""
+    """One run of `steps` steps; with `stall`, the victims stand still and host b's link goes
+    down; with `split`, the victim pauses and host c stops reaching host b."""
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         command = [sys.executable, "-m", "dataparallel", "run", "-n", str(workers)]
         env = None
@@ -315,8 +330,10 @@ def one_run(
             if link_timeout is not None:
                 command += ["--link-timeout", f"{link_timeout:g}"]
             env = hosts.env
-        command += ["--min-np", "2", "--backend", "gloo", "--timeout", "300", __file__]
-        command += ["--worker", tmp] + (["--victim", victim] if victim else [])
+        limit = 300 + steps // 20  # a step takes 10-30 ms here
+        command += ["--min-np", "2", "--backend", "gloo", "--timeout", str(limit), __file__]
+        command += ["--worker", tmp, "--steps", str(steps)]
+        command += ["--victim", victim] if victim else []
         command += ["--fully-shard"] if sharded else []
         command += ["--stall"] if stall else []
         command += ["--pause"] if split else []
@@ -333,7 +350,7 @@ def one_run(
             cut_when(run, Path(tmp), "paused", lambda: hosts.split(True))
             (Path(tmp) / "go").touch()
         try:
-            run.wait(timeout=330)
+            run.wait(timeout=limit + 30)
             reader.join()
         finally:
             if hosts is not None and stall:
@@ -353,7 +370,8 @@ def one_run(
             )
         notes = [json.loads(line) for path in Path(tmp).glob("*.jsonl") for line in path.open()]
     commits = sorted(n["t"] for n in notes if n["kind"] == "commit")
-    figures = {"wall": wall, "lost": float("was lost" in stderr)}
+    figures = {"wall": wall, "lost": float(stderr.count("was lost"))}
+    figures["steps"] = float(sum(n["kind"] == "commit" and n["who"] == "w0" for n in notes))
     figures["gap"] = max((n["gap"] for n in notes if n["kind"] == "gap"), default=0.0)
     deaths = [n["t"] for n in notes if n["kind"] == "died"]
     if deaths:
@@ -403,6 +421,9 @@ def main() -> None:
     )
     parser.add_argument("--busy", type=int, default=0, help="--hosts: spinning processes a host")
     parser.add_argument("--split", action="store_true", help="--hosts: three hosts, a split")
+    parser.add_argument("--soak", type=int, default=0, help="--split: clean runs of N steps")
+    parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--gc-pauses", action="store_true", help="a collection's pause, alone")
     parser.add_argument("--fully-shard", action="store_true", help="also a fully_shard model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--victim", help=argparse.SUPPRESS)
@@ -410,10 +431,17 @@ def main() -> None:
     parser.add_argument("--pause", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.victim, args.fully_shard, args.stall, args.pause)
+        worker(Path(args.worker), args.victim, args.fully_shard, args.stall, args.pause, args.steps)
+        return
+    if args.gc_pauses:
+        gc_pauses()
         return
     if args.split:
-        split_runs(args.pairs, [float(t) for t in args.link_timeouts.split(",")])
+        timeouts = [float(t) for t in args.link_timeouts.split(",")]
+        if args.soak:
+            soak_runs(args.pairs, timeouts, args.soak, args.busy)
+        else:
+            split_runs(args.pairs, timeouts)
         return
     hosts = None
     victim, what = "w1", "worker 1"
@@ -517,6 +545,79 @@ def split_runs(pairs: int, link_timeouts: list[float]) -> None:
         what = f"a split between hosts b and c (--link-timeout {t:g}), worker 2 on c"
         report(3, True, what, runs, clean, "", "3 emulated hosts")
         phases(runs)
+
+
+def gc_pauses() -> None:
+    """`--gc-pauses`: how long a full collection keeps a 0.1 s thread from its turn."""
+    import gc
+
+    def beat(gaps: list[float], stop: threading.Event) -> None:
+        last = time.monotonic()
+        while not stop.wait(0.1):
+            now = time.monotonic()
+            gaps[0] = max(gaps[0], now - last - 0.1)
+            last = now
+
+    print("| heap | gc.collect() | the 0.1 s thread's longest extra wait |")
+    print("| --- | --- | --- |")
+    for n, frozen in ((1, False), (3, False), (6, False), (6, True)):
+        heap = [{"a": [i]} for i in range(n * 10**6)]
+        if frozen:  # kept out of every later collection
+            gc.freeze()
+        gaps, stop = [0.0], threading.Event()
+        thread = threading.Thread(target=beat, args=(gaps, stop))
+        thread.start()
+        time.sleep(0.3)
+        begun = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - begun
+        time.sleep(0.3)
+        stop.set()
+        thread.join()
+        what = f"{n} M dicts + lists" + (", after `gc.freeze()`" if frozen else "")
+        print(f"| {what} | {took:.3f} s | {gaps[0]:.3f} s |", flush=True)
+        gc.unfreeze()
+        del heap
+
+
+def soak_runs(pairs: int, link_timeouts: list[float], steps: int, busy: int) -> None:
+    """`--hosts --split --soak STEPS`: runs of the three hosts without a failure, each link
+    timeout in turn, `busy` processes spinning beside them the whole time."""
+    reason = why_no_hosts()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinning = [subprocess.Popen(spin) for _ in range(busy)]
+    print(f"3 workers, 3 emulated hosts, no failure, {steps} steps a run, {busy} spinning beside")
+    print("| run (UTC) | --link-timeout | steps | wall | step | false losses | longest wait |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    try:
+        with tempfile.TemporaryDirectory(prefix="elastic-hosts-") as folder:
+            hosts = Hosts(Path(folder), count=3)
+            try:
+                for _ in range(pairs):
+                    for t in link_timeouts:
+                        begun = time.strftime("%H:%M:%S", time.gmtime())
+                        f = one_run(3, None, hosts, link_timeout=t, steps=steps)
+                        print(
+                            f"| {begun} | {t:g} | {f['steps']:.0f} | {f['wall']:.1f} s | "
+                            f"{f['step'] * 1e3:.1f} ms | {f['lost']:.0f} | {f['gap']:.3f} s |",
+                            flush=True,
+                        )
+            finally:
+                hosts.close()
+    finally:
+        ticks = os.sysconf("SC_CLK_TCK")
+        used = []
+        for process in spinning:
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                used.append((int(stat[11]) + int(stat[12])) / ticks)  # utime + stime
+            process.kill()
+            process.wait()
+        if spinning:
+            print("CPU seconds of the spinning processes: " + ", ".join(f"{u:.0f}" for u in used))
 
 
 def phases(runs: list[dict[str, float]]) -> None:

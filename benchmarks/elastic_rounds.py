@@ -17,6 +17,18 @@ bare store (the reference: what torch's own rendezvous costs); their ratio, and 
 against the smallest N (N^2 reads predict 4x per doubling for the rendezvous, N arrivals 2x for
 the membership). Process start and torch's
 import (seconds a worker, the same at any N) are left out: this is the store's share alone.
+
+`--followers` asks instead what a run's idle traffic costs the same rounds: every simulated worker
+also follows the rounds and beats as a worker on another host than the launcher does, in turn
+(per N, per repeat): none (the reference); *polled*, the follower as it was (a thread that every
+0.1 s beats and asks whether the next round opened); *notified*, the library's own
+(`elastic.liveness`: the follower blocked on its notice queue, which the round's publication
+fills, `rounds.publish`, and a beat every 0.1 s on a thread of its own). Each round is published
+as after a host lost by its link (one worker listed as cut off), so that the notices, one push
+a member, count in the membership. Printed per N and case:
+the membership and the rendezvous (watched store) as above, and how long one look of the
+launcher's at every worker's heartbeat takes (`liveness.Heartbeats.silent`, which its loop makes
+every 0.1 s), median of 5 looks while the followers run.
 """
 
 from __future__ import annotations
@@ -33,11 +45,13 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not one warning per cli
 
 import torch.distributed as dist
 
+from dataparallel.elastic import liveness
 from dataparallel.elastic.forming import round_key, watching
 from dataparallel.elastic.rounds import (
     FORMED,
     LATEST,
     arrived_key,
+    publish,
     ready_key,
     supersede,
 )
@@ -81,11 +95,58 @@ def worker(
     meshed[me] = time.perf_counter()
 
 
+def polled(port: int, me: str, generation: int, stop: threading.Event) -> None:
+    """The round follower as it was: every 0.1 s, a beat and a look for the next round; when
+    one opened, the look and the read of the workers it lost by their link."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    while not stop.wait(0.1):
+        store.add(liveness.heartbeat_key(me), 1)
+        if store.check([round_key(generation + 1)]):
+            generation += 1
+            store.check([round_key(generation)])  # as the look and the read of the lost workers'
+            store.get(round_key(generation))  # list under a key of the round's
+
+
+class Followers:
+    """`n` followers (`case` "polled" or "notified") of the workers `members`, running until
+    `stop`."""
+
+    def __init__(self, port: int, members: list[str], generation: int, case: str) -> None:
+        self.case, self.members, self.port = case, members, port
+        self.stop = threading.Event()
+        at = ("127.0.0.1", port)
+        liveness._stop = self.stop  # the library's threads end on it
+        targets: list[tuple[object, tuple[object, ...]]] = []
+        for me in members:
+            if case == "polled":
+                targets.append((polled, (port, me, generation, self.stop)))
+            else:
+                targets.append((liveness._follow, (at, generation, lambda: (-1, ()), me)))
+                targets.append((liveness._beat, (at, liveness.heartbeat_key(me))))
+        self.threads = [threading.Thread(target=t, args=a, daemon=True) for t, a in targets]
+        for thread in self.threads:
+            thread.start()
+
+    def close(self, master: dist.TCPStore) -> None:
+        self.stop.set()
+        if self.case == "notified":  # each follower's own empty notice wakes it, as at exit
+            for me in self.members:
+                master.queue_push(liveness.notice_key(me), b"")
+        for thread in self.threads:
+            thread.join()
+
+
 def one_round(
-    master: dist.TCPStore, generation: int, n: int, plain: bool = False
+    master: dist.TCPStore,
+    generation: int,
+    n: int,
+    plain: bool = False,
+    members: list[str] | None = None,
+    notify: bool = False,
 ) -> tuple[float, float]:
-    """Publish round `generation` of `n` workers and return (membership, rendezvous) seconds."""
-    members = [f"w{generation}-{i}" for i in range(n)]
+    """Publish round `generation` of `n` workers (`members`: named so; `notify`: with a notice
+    to each, as where workers follow the rounds) and return (membership, rendezvous) seconds."""
+    members = members or [f"w{generation}-{i}" for i in range(n)]
     formed: dict[str, float] = {}
     meshed: dict[str, float] = {}
     go = threading.Barrier(n + 1)
@@ -102,8 +163,7 @@ def one_round(
     go.wait()  # every client connected and waiting: only the round's own work is timed
     start = time.perf_counter()
     supersede(master, generation - 1)
-    master.set(round_key(generation), json.dumps(members))
-    master.set(LATEST, str(generation))
+    publish(master, generation, members, ["lost"], notify)  # as after a host lost by its link
     for t in threads:
         t.join()
     if len(formed) != n or len(meshed) != n:
@@ -111,14 +171,52 @@ def one_round(
     return max(formed.values()) - start, max(meshed.values()) - start
 
 
+def with_followers(master: dist.TCPStore, sizes: list[int], repeats: int) -> None:
+    """`--followers`: rounds with idle followers beside them, by case in turn."""
+    cases = ["none", "polled", "notified"]
+    runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+    generation = 1
+    for _ in range(repeats):
+        for n in sizes:
+            for case in cases:
+                members = [f"f{generation}-{i}" for i in range(n)]
+                followers = None
+                if case != "none":
+                    followers = Followers(master.port, members, generation - 1, case)
+                    time.sleep(0.3)  # every follower connected and beating
+                ear, looks = liveness.Heartbeats(3600.0), []
+                for _ in range(5):
+                    begun = time.perf_counter()
+                    ear.silent(master, members)
+                    looks.append(time.perf_counter() - begun)
+                notify = case == "notified"
+                formed, meshed = one_round(master, generation, n, members=members, notify=notify)
+                if followers is not None:
+                    followers.close(master)
+                runs.setdefault((n, case), []).append((formed, meshed, statistics.median(looks)))
+                generation += 1
+    print(f"rounds of N simulated workers (threads) with idle followers, median of {repeats} each")
+    print("| workers | followers | membership | rendezvous | a look at every heartbeat |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in sizes:
+        for case in cases:
+            r = runs[(n, case)]
+            cells = [statistics.median(x[k] for x in r) * 1e3 for k in range(3)]
+            print(f"| {n} | {case} | {cells[0]:.1f} ms | {cells[1]:.1f} ms | {cells[2]:.2f} ms |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="8,32,64,128,256")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--followers", action="store_true", help="idle followers beside")
     args = parser.parse_args()
     sizes = [int(n) for n in args.workers.split(",")]
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     one_round(master, 0, sizes[0])  # warm-up: the store's and the clients' first connections
+    if args.followers:
+        with_followers(master, sizes, args.repeats)
+        return
     generation = 1
     watched: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     plain: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}

@@ -239,17 +239,13 @@ def test_a_worker_that_can_join_no_world_leaves_the_elastic_loop(
 
 
 class _Reports:
-    """The launcher's store as `rounds.report_split` uses it: counts and values, by key."""
+    """The launcher's store as `rounds.report_split` uses it: the values pushed, by queue."""
 
     def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
+        self.queues: dict[str, list[str]] = {}
 
-    def add(self, key: str, amount: int) -> int:
-        self.values[key] = self.values.get(key, 0) + amount
-        return int(self.values[key])
-
-    def set(self, key: str, value: str) -> None:
-        self.values[key] = value
+    def queue_push(self, key: str, value: str) -> None:
+        self.queues.setdefault(key, []).append(value)
 
 
 @pytest.mark.parametrize("route", ["callback", "ffi"])
@@ -293,9 +289,8 @@ def test_a_link_lost_inside_a_jitted_step_is_reported_as_a_split(
 
     with pytest.raises(rounds.NoWorldError):
         run_fn(train, reset)(ObjectState(epoch=0))
-    assert reports.values.get(liveness.split_key(4)) == 1, f"no split reported: {reports.values}"
-    said = json.loads(reports.values[liveness.split_key(4, 1)])
-    assert said == {"worker": "w0", "address": address}
+    said = [json.loads(report) for report in reports.queues.get(liveness.SPLITS, [])]
+    assert said == [{"round": 4, "worker": "w0", "address": address}], reports.queues
 
 
 def test_check_host_updates_outside_an_elastic_run_does_nothing() -> None:
@@ -569,7 +564,7 @@ from dataparallel.backends.gloo.group import import_torch_distributed
 from dataparallel.backends.connections import tcp_sockets
 from dataparallel.config import Settings
 from dataparallel.backends.connections import tcp_sockets
-from dataparallel.elastic import liveness
+from dataparallel.elastic import liveness, rounds
 
 dist = import_torch_distributed()
 server = dist.TCPStore(
@@ -582,8 +577,12 @@ def connections():
     return sum(remote[1] == port for _, remote in tcp_sockets())
 
 
-before = connections()  # the server's own client
-liveness.watch(settings, 0, tuple)
+client = dist.TCPStore(
+    sys.argv[1], port, is_master=False, wait_for_workers=False,
+    timeout=datetime.timedelta(seconds=60),
+)
+before = connections()  # the server's own client and the worker's
+liveness.watch(settings, 0, lambda: (0, ("w0",)), client)
 # The watch's own connection to the store shows in this process's sockets once it is made.
 deadline = time.monotonic() + 60
 while connections() == before and time.monotonic() < deadline:
@@ -595,12 +594,12 @@ print(",".join(names), flush=True)
 class Waker:
     # Opens rounds while the interpreter finalizes, as the launcher may at the end of a run:
     # a thread of the watch still inside the store's C++ then wakes after Python has gone.
-    def __init__(self, store, sleep):
-        self.store, self.sleep = store, sleep
+    def __init__(self, store, sleep, publish):
+        self.store, self.sleep, self.publish = store, sleep, publish
 
     def __del__(self):
         for generation in range(1, 6):
-            self.store.set(f"round/{generation}", "[]")
+            self.publish(self.store, generation, ["w0"], ["w9"], True)  # a notice to w0
             self.sleep(0.2)
 
 
@@ -608,7 +607,7 @@ module = type(sys)("waker")
 module.waker = Waker(dist.TCPStore(
     sys.argv[1], port, is_master=False, wait_for_workers=False,
     timeout=datetime.timedelta(seconds=60),
-), time.sleep)
+), time.sleep, rounds.publish)
 sys.modules["waker"] = module  # the last module in: its globals go first as Python finalizes
 """
 
@@ -769,3 +768,165 @@ def test_a_worker_outlasts_a_store_stalled_past_the_link_timeout_but_not_past_th
         probe.join(timeout=30)
         server.join(timeout=30)
         listener.close()
+
+
+_FOLLOWER = """
+import datetime, json, socket, sys, threading
+from dataparallel.backends.gloo.group import import_torch_distributed
+from dataparallel.elastic import liveness
+
+dist = import_torch_distributed()
+at = ("127.0.0.1", int(sys.argv[1]))
+listener = socket.create_server(("127.0.0.1", 0))
+peer = socket.create_connection(listener.getsockname())  # as a Gloo connection to w1
+accepted, _ = listener.accept()
+got = []
+reader = threading.Thread(target=lambda: got.append(peer.recv(1).decode()))
+reader.start()
+world = lambda: (0, ("w0", "w1"))  # this worker's world: round 0, with w1
+follower = threading.Thread(target=liveness._follow, args=(at, 0, world, "w0"))
+follower.start()
+print("following", flush=True)
+reader.join(timeout=60)
+liveness._stop.set()
+client = dist.TCPStore(*at, is_master=False, wait_for_workers=False,
+                       timeout=datetime.timedelta(seconds=60))
+client.queue_push(liveness.notice_key("w0"), b"")  # as at exit: the follower's wait ends
+follower.join(timeout=60)
+print(json.dumps({"got": got, "followed": follower.is_alive()}), flush=True)
+"""
+
+
+@alone
+def test_a_round_listing_a_member_lost_by_its_link_wakes_the_follower_to_cut_it() -> None:
+    """A worker's round follower (`elastic.liveness._follow`) waits on its notice queue, which
+    the launcher's publication of a round that lists workers lost by their link fills
+    (`rounds.publish`): such a round makes it cut its connections to the address of the member
+    of its world it lists (a reader blocked on one wakes with the stream's end); the worker's
+    own empty notice ends the wait.
+
+    The cut runs in a process of its own: it cuts every connection of its process to the
+    address, and a rank of a multi-rank test pass holds its engine's connections to 127.0.0.1;
+    the store stays here, so that the cut cannot reach the store's own side."""
+    import datetime
+    import json
+    import subprocess
+    import sys
+
+    from dataparallel.backends.gloo.group import import_torch_distributed
+    from dataparallel.elastic import liveness, rounds
+
+    dist = import_torch_distributed()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    store.set(liveness.address_key("w1"), "127.0.0.1")
+    with subprocess.Popen(
+        [sys.executable, "-c", _FOLLOWER, str(store.port)], stdout=subprocess.PIPE, text=True
+    ) as worker:
+        assert worker.stdout is not None
+        assert worker.stdout.readline() == "following\n"
+        rounds.publish(store, 1, ["w0", "w1", "w2"], [], notify=True)  # w2 joins: no notice
+        rounds.publish(store, 2, ["w0"], ["w1"], notify=True)  # w1 lost by its link
+        said = json.loads(worker.stdout.readline())
+    assert worker.returncode == 0
+    assert said == {"got": [""], "followed": False}, said
+
+
+class _Check:
+    """The launcher's store as `rounds._unconnected` asks it: which keys are there."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys = keys
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.keys for key in keys)
+
+
+@alone
+def test_a_group_missing_its_connect_limit_while_every_member_answers_names_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Gloo group of an elastic round that did not connect within the round's limit, while
+    every member's host answers (`forming.unreached` finds none out of reach) and the launcher
+    opened no next round, ends the worker at once with `NoWorldError` naming the group: no
+    round would ever form otherwise. Where the launcher opened the next round (a member was
+    lost), the worker goes on to it (`RankFailedError`)."""
+    from dataparallel.config import Settings
+    from dataparallel.elastic import rounds
+
+    chosen = rounds.Round(3, ("w0", "w1"), "w0")
+    settings = Settings(link_timeout=0.5)
+    refused = RuntimeError("Connect timeout [10.0.0.2]:40001\nmore of torch's text")
+    monkeypatch.setattr(rounds, "_watched", _Check(set()))  # read no address: none unreached
+
+    error = rounds._unconnected(_Check(set()), chosen, settings, refused, "the group of ranks [0]")
+    assert isinstance(error, rounds.NoWorldError), error
+    said = str(error)
+    assert said.startswith("the group of ranks [0] (Gloo, round 3, members w0, w1)"), said
+    assert "Connect timeout [10.0.0.2]:40001" in said and "every member answers" in said
+
+    opened = _Check({"round/4"})
+    error = rounds._unconnected(opened, chosen, settings, refused, "the round's own group")
+    assert type(error) is dp.RankFailedError, error
+    assert "the launcher opened the next round" in str(error)
+
+
+_CONNECTS = """
+import datetime, json
+from dataparallel.backends.gloo.group import Connects, gloo_group, import_torch_distributed
+
+dist = import_torch_distributed()
+said = []
+
+def unconnected(error, name):
+    said.append(name)
+    return ValueError(name)
+
+def fail(connecting):
+    said.append(connecting.total_seconds())
+    raise RuntimeError("Connect timeout")
+
+def round_group(connecting):
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=connecting)
+
+def outcome(name):
+    try:
+        gloo_group(fail, None, datetime.timedelta(seconds=60), name)
+    except ValueError as exc:
+        return f"limited: {exc}"
+    except RuntimeError as exc:
+        return f"torch's: {exc}"
+
+gloo_group(round_group, None, datetime.timedelta(seconds=60), "round", Connects(10.0, unconnected))
+over_round = outcome("over the round's")
+dist.destroy_process_group()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # not a round's
+over_other = outcome("over another")
+dist.destroy_process_group()
+print(json.dumps({"over_round": over_round, "over_other": over_other, "said": said}))
+"""
+
+
+@alone
+def test_the_connect_limit_is_the_round_groups_and_ends_with_it() -> None:
+    """An elastic round's group keeps its connect limit (`gloo.group.Connects`) while it is
+    torch's default group: a group made over it connects within the limit (Gloo waits five
+    times the timeout it is given) and one that does not raises the limit's error, told the
+    group's name; once the round's group is gone, a group over another default group takes
+    no limit and raises torch's own error. The process's own default group: a process of its
+    own."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CONNECTS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["over_round"] == "limited: over the round's", said
+    assert said["over_other"] == "torch's: Connect timeout", said
+    assert said["said"] == [2.0, "over the round's", 60.0], said

@@ -132,7 +132,7 @@ def _make_group(backend: Backend, settings: Settings) -> Callable[[], None] | No
             timeout=connecting,
         )
 
-    gloo_group(make, interface, wait)
+    gloo_group(make, interface, wait, "torch.distributed's default group")
     sys.excepthook = hook
     group = dist.group.WORLD
 

@@ -17,7 +17,7 @@ Once the addresses are read, Gloo connects each pair of members, and that wait i
 nothing outside it can cut it short. `rounds` gives it a deadline (`config.connect_limit`)
 shorter than the group's timeout, which torch takes for the connects and the collectives alike
 (the collectives get theirs back once the group formed), for the round's group and for every
-group made over it after (`gloo.group.bound_connects`), which meet in the same store. The
+group made over it after (`gloo.group.Connects`), which meet in the same store. The
 rendezvous' waits above take no part in it: they last the store's timeout, and a newer round
 ends them. A group that did not connect may have met a member it cannot reach, though the
 launcher reaches both (a split, that no one else reports): `unreached` tries each member host's

@@ -7,14 +7,15 @@ link goes down closes nothing: its peers' calls wait on connections that will ne
 Two watches bound that, both within `dataparallel run --link-timeout` seconds
 (`DATAPARALLEL_LINK_TIMEOUT`):
 
-- Each worker on another host than the launcher's store beats every `POLL` seconds (a counter
-  under `heartbeat_key`), and the launcher (`Heartbeats`) takes one whose counter stood still
-  for the link timeout for out of reach; its ssh to the worker gives up too, later (ssh's
-  `ServerAliveInterval` counts whole seconds). The launcher notes the workers it lost so, by
-  their link, in the round without them (`unreachable_key`) before it opens that round. Each
-  worker follows the rounds (`_follow`: a store client of its own, asking every `POLL` seconds
-  for the next round's key, and beating on the same turn). When a round opens that names
-  members of this worker's world as lost by their link, it shuts down this process's
+- Each worker on another host than the launcher's store beats every `BEAT` seconds (a counter
+  under `heartbeat_key`, `_beat`), and the launcher (`Heartbeats`) takes one whose counter
+  stood still for the link timeout for out of reach; its ssh to the worker gives up too, later
+  (ssh's `ServerAliveInterval` counts whole seconds). Each worker follows the rounds
+  (`_follow`: a store client of its own, blocked on the worker's notice queue, `notice_key`):
+  when the launcher opens a round without workers it lost so, by their link, it pushes the
+  round and those workers onto the notice queue of each member, which reads them the moment
+  the round opens (waiting costs the store nothing, and the notice holds what the follower
+  needs). Where they are members of this worker's world, it shuts down this process's
   connections to their addresses (`address_key`, which each worker publishes as it
   makes a group; the store's own connection is kept): a Gloo call waiting on them fails at once
   with "Connection closed", as when a peer dies (`RankFailedError`), and `elastic.run` re-forms.
@@ -27,12 +28,13 @@ Two watches bound that, both within `dataparallel run --link-timeout` seconds
   ssh), so that nothing of it lingers on the cut host. Leaving at the link timeout itself would
   end healthy workers wherever a busy machine keeps the store's replies late.
 
-Both run only where a link can be lost: a run whose store is on loopback has every worker on the
-launcher's host (no other host could reach the store). Their threads ask the store from Python,
-each call bounded (`CALL_TIMEOUT`), and stop at exit (`atexit`: a stop event, then a join)
-before the interpreter finalizes: a thread still inside the store's C++ then, woken by a round
-the launcher opens, would die by a forced unwind through code that may not throw, and abort the
-worker (SIGABRT) after a run that went well.
+Both run only where a link can be lost (`follows`): a run whose store is on loopback has every
+worker on the launcher's host (no other host could reach the store), and there the launcher
+pushes no notices. Their threads ask the store from Python, each call but the follower's wait
+bounded (`CALL_TIMEOUT`), and stop at exit (`atexit`: a stop event, an empty notice that wakes
+the follower, then a join) before the interpreter finalizes: a thread still inside the store's
+C++ then, woken by a round the launcher opens, would die by a forced unwind through code that
+may not throw, and abort the worker (SIGABRT) after a run that went well.
 
 Connections are cut by `backends.connections` (Linux); elsewhere none is, and the survivors wait
 out Gloo's timeout.
@@ -62,25 +64,32 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
 __all__ = [
+    "SPLITS",
     "Heartbeats",
     "address_key",
     "changing_world",
+    "follows",
     "heartbeat_key",
+    "notice_key",
     "publish_address",
-    "split_key",
-    "unreachable_key",
     "watch",
 ]
 
 # How often a worker on another host checks that the launcher's store answers (seconds).
 PROBE_INTERVAL = 1.0
-# How often a worker asks the store for the next round, and beats (seconds): short against a
-# lost link's cost (peers waiting on it) and against the link timeout, long against the store's
-# round trip.
-POLL = 0.1
+# How often a worker on another host beats (seconds): short against the least link timeout (the
+# launcher's judgement is late by up to one beat), long against the store's round trip.
+BEAT = 0.1
 # The longest a store call of the watch may take (seconds): long against a loaded machine's
 # stalls (a call that fails ends the watch, and its beats), short enough for an exit to wait on.
 CALL_TIMEOUT = 10.0
+# How long the follower's wait for the next round lasts before it waits again (seconds): a
+# round may not open for days, and a store's wait that times out logs a warning.
+FOLLOW_WAIT = 86400.0
+# The queue where workers report a peer they lost by its link (`rounds.report_split`), JSON
+# `{"round": G, "worker": ID, "address": PEER'S ADDRESS}`: the launcher, blocked on it, decides
+# at once which side of a split goes on (`launch/spawn.py`); an empty value ends its wait.
+SPLITS = "splits"
 # A worker's last heartbeat, as its watch stops: it is ending (its exit follows), not silent.
 LEFT = b"left"
 
@@ -98,23 +107,22 @@ def address_key(worker: str) -> str:
 
 
 def heartbeat_key(worker: str) -> str:
-    """The key whose counter `worker` adds to every `POLL` seconds while it is in reach."""
+    """The key whose counter `worker` adds to every `BEAT` seconds while it is in reach."""
     return f"heartbeat/{worker}"
 
 
-def split_key(generation: int, number: int | None = None) -> str:
-    """The keys where workers of round `generation` report a peer they lost by its link
-    (`rounds.report_split`): the count of reports (`number` None), then report `number`
-    (from 1), JSON `{"worker": ID, "address": PEER'S ADDRESS}`. The launcher decides from
-    them which side of a split goes on."""
-    base = f"round/{generation}/split"
-    return base if number is None else f"{base}/{number}"
+def notice_key(worker: str) -> str:
+    """The queue where the launcher pushes each round it opens with `worker` in it that leaves
+    out workers lost by their link, where `follows` says the worker watches (`rounds.publish`):
+    JSON `{"round": G, "lost": [ID, ...]}`. The worker's own empty value wakes its follower at
+    exit."""
+    return f"notice/{worker}"
 
 
-def unreachable_key(generation: int) -> str:
-    """The key where the launcher lists, as JSON, the workers that round `generation` leaves
-    out because their link is gone (their ssh stopped answering), before it opens the round."""
-    return f"round/{generation}/unreachable"
+def follows(store_host: str) -> bool:
+    """Whether the workers of a run whose store they reach at `store_host` watch the rounds:
+    only where a link can be lost (not on loopback)."""
+    return not _is_loopback(store_host)
 
 
 @contextlib.contextmanager
@@ -137,86 +145,129 @@ def publish_address(store: Store, worker: str, settings: Settings) -> None:
 
 
 def watch(
-    settings: Settings, generation: int, world: Callable[[], tuple[int, Sequence[str]]]
+    settings: Settings,
+    generation: int,
+    world: Callable[[], tuple[int, Sequence[str]]],
+    client: Store,
 ) -> None:
     """Start this process's watches (once, and only if the run may span hosts): follow the
     rounds after `generation`, cutting the connections to members of this worker's world
     (`world()`: its round and members) lost by their link; and, on another host than the
-    store's, beat, and leave when the store stops answering. Both stop when the interpreter
-    exits."""
+    store's, beat, and leave when the store stops answering. All stop when the interpreter
+    exits, the follower woken through `client` (the worker's own client of the store)."""
     global _watching
     assert settings.elastic_store is not None
-    if _watching or _is_loopback(settings.elastic_store[0]):
+    me = settings.elastic_worker
+    if _watching or me is None or not follows(settings.elastic_store[0]):
         return
     _watching = True
-    far = _far(settings.elastic_store[0])
-    beat = heartbeat_key(settings.elastic_worker) if far and settings.elastic_worker else None
+    at = settings.elastic_store
     _threads.append(
         threading.Thread(
             target=_follow,
-            args=(settings.elastic_store, generation, world, beat),
+            args=(at, generation, world, me),
             name="dataparallel-rounds",
             daemon=True,
         )
     )
-    if far:
+    if _far(at[0]):
+        _threads.append(
+            threading.Thread(
+                target=_beat,
+                args=(at, heartbeat_key(me)),
+                name="dataparallel-heartbeat",
+                daemon=True,
+            )
+        )
         _threads.append(
             threading.Thread(
                 target=_probe,
-                args=(settings.elastic_store, settings.link_timeout, settings.elastic_worker),
+                args=(at, settings.link_timeout, me),
                 name="dataparallel-store-probe",
                 daemon=True,
             )
         )
-    atexit.register(_stop_watching)
+    atexit.register(_stop_watching, client, me)
     for thread in _threads:
         thread.start()
 
 
-def _stop_watching() -> None:
-    """Stop the watch's threads and wait for them: each store call is bounded."""
+def _stop_watching(client: Store, me: str) -> None:
+    """Stop the watch's threads and wait for them: the follower is woken by an empty notice of
+    this worker's own, every other call is bounded."""
     _stop.set()
+    if _threads[0].is_alive():  # else the store is gone, and the follower's wait failed
+        with contextlib.suppress(RuntimeError):
+            client.set_timeout(datetime.timedelta(seconds=CALL_TIMEOUT))
+            client.queue_push(notice_key(me), b"")
     for thread in _threads:
         thread.join(timeout=2 * CALL_TIMEOUT + PROBE_INTERVAL)
+
+
+def _client(store_at: tuple[str, int], seconds: float = CALL_TIMEOUT) -> Store:
+    from dataparallel.backends.gloo.group import import_torch_distributed
+
+    dist = import_torch_distributed()
+    timeout = datetime.timedelta(seconds=seconds)
+    return dist.TCPStore(*store_at, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 def _follow(
     store_at: tuple[str, int],
     generation: int,
     world: Callable[[], tuple[int, Sequence[str]]],
-    beat: str | None,
+    me: str,
 ) -> None:
+    """Wait for each round the launcher opens after `generation` naming workers lost by their
+    link (its notice), and cut the connections to those of this worker's world."""
     from dataparallel.backends.gloo.group import import_torch_distributed
-    from dataparallel.elastic.forming import round_key
 
     dist = import_torch_distributed()
-    timeout = datetime.timedelta(seconds=CALL_TIMEOUT)
     try:
-        store = dist.TCPStore(*store_at, is_master=False, timeout=timeout, wait_for_workers=False)
-        while not _stop.wait(POLL):
-            if beat is not None:
-                store.add(beat, 1)
-            if not store.check([round_key(generation + 1)]):
-                continue
-            generation += 1
-            key = unreachable_key(generation)
-            if not store.check([key]):
-                continue
-            lost = set(json.loads(store.get(key)))
-            if not _changing.acquire(blocking=False):
-                continue  # between worlds: the old one's connections are closing anyway
+        store = _client(store_at, FOLLOW_WAIT)
+        while not _stop.is_set():
             try:
-                joined, members = world()
-                if joined >= generation:
-                    continue  # this world is already without them: its connections stay
-                gone = [m for m in members if m in lost]
-                keys = [address_key(m) for m in gone]
-                addresses = {bytes(store.get(k)).decode() for k in keys if store.check([k])}
-                cut_connections(addresses, keep=_resolved(store_at))
-            finally:
-                _changing.release()
-        if beat is not None:
-            store.set(beat, LEFT)
+                notice = bytes(store.queue_pop(notice_key(me)))
+            except dist.DistStoreError:  # no round for a day: wait again
+                continue
+            if not notice or _stop.is_set():
+                return  # this worker's own notice: it is exiting
+            said = json.loads(notice)
+            if said["round"] > generation:  # else a round before this worker's first world
+                _cut(store, store_at, said["round"], said["lost"], world)
+    except RuntimeError:  # the store is gone or silent: `_probe` (or the launcher's end) settles it
+        return
+
+
+def _cut(
+    store: Store,
+    store_at: tuple[str, int],
+    generation: int,
+    lost: list[str],
+    world: Callable[[], tuple[int, Sequence[str]]],
+) -> None:
+    """Cut the connections to the members of this worker's world that round `generation` leaves
+    out as `lost` by their link."""
+    if not _changing.acquire(blocking=False):
+        return  # between worlds: the old one's connections are closing anyway
+    try:
+        joined, members = world()
+        if joined >= generation:
+            return  # this world is already without them: its connections stay
+        keys = [address_key(m) for m in members if m in lost]
+        addresses = {bytes(store.get(k)).decode() for k in keys if store.check([k])}
+        cut_connections(addresses, keep=_resolved(store_at))
+    finally:
+        _changing.release()
+
+
+def _beat(store_at: tuple[str, int], key: str) -> None:
+    """Add to this worker's heartbeat counter every `BEAT` seconds until exit, then say it left."""
+    try:
+        store = _client(store_at)
+        while not _stop.wait(BEAT):
+            store.add(key, 1)
+        store.set(key, LEFT.decode())
     except RuntimeError:  # the store is gone or silent: `_probe` (or the launcher's end) settles it
         return
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dataparallel.backends.gloo.group import bound_connects, gloo_group
+from dataparallel.backends.gloo.group import Connects, gloo_group
 from dataparallel.backends.rendezvous import interface_toward
 from dataparallel.config import Settings, connect_limit
 from dataparallel.elastic import liveness
@@ -59,6 +59,7 @@ __all__ = [
     "join",
     "leave",
     "newest",
+    "publish",
     "ready_key",
     "rejoin",
     "removed_key",
@@ -225,12 +226,14 @@ def join(after: int, settings: Settings | None = None) -> Round:
                     _current = chosen
             except RuntimeError as exc:  # a member died, or is out of reach (`_unconnected`)
                 leave()
+                if isinstance(exc, NoWorldError):  # every member answers: no round would help
+                    raise
                 if not _exists(store, round_key(generation + 1), _left(deadline)):
                     raise NoWorldError(
                         f"round {generation}'s Gloo group did not form: {exc}"
                     ) from exc
             else:
-                liveness.watch(settings, generation, _world)
+                liveness.watch(settings, generation, _world, store)
                 return chosen
         after = generation  # a member died before it formed: the launcher opened a newer one
 
@@ -274,35 +277,67 @@ def report_split(error: BaseException) -> None:
 
 
 def _report_split(store: Store, joined: Round, address: str) -> None:
-    """Report, under round `joined`, that this worker lost its link to the peer at `address`."""
-    report = json.dumps({"worker": joined.me, "address": address})
+    """Report, in round `joined`, that this worker lost its link to the peer at `address`."""
+    report = json.dumps({"round": joined.generation, "worker": joined.me, "address": address})
     with contextlib.suppress(RuntimeError):  # the store gone: the launcher is ending the run
-        number = store.add(liveness.split_key(joined.generation), 1)
-        store.set(liveness.split_key(joined.generation, number), report)
+        store.queue_push(liveness.SPLITS, report)
 
 
 def _unconnected(
-    store: Store, chosen: Round, settings: Settings, error: BaseException
+    store: Store, chosen: Round, settings: Settings, error: BaseException, name: str
 ) -> Exception:
-    """Return the error for a Gloo group of round `chosen` that did not connect (`error`: the
-    round's own group, the world's, its private duplicate, the hierarchy's, `dp.new_group`'s;
-    `gloo.group.bound_connects`), after reporting each member host this worker cannot reach
-    (`forming.unreached`, within the link timeout) as a split: the launcher may still reach
-    both, see no worker lost, and open no next round. Nothing is tried once the launcher
-    opened the next round (a member was lost: that settles it). A `RankFailedError`: the
-    worker leaves the round and joins the next, wherever the group was being made."""
+    """Return the error for a Gloo group of round `chosen` that did not connect (`error`; `name`
+    says which group: the round's own, the world's, its private duplicate, the hierarchy's,
+    `dp.new_group`'s; `gloo.group.Connects`), after reporting each member host this worker
+    cannot reach (`forming.unreached`, within the link timeout) as a split: the launcher may
+    still reach both, see no worker lost, and open no next round. A `RankFailedError` where
+    the launcher opened the next round (a member was lost: that settles it) or a member was
+    reported: the worker leaves the round and joins the next, wherever the group was being
+    made. Where every member's host answers and no round is coming, nothing would open one:
+    a `NoWorldError` naming the group, at once (the worker ends)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    said = "the launcher opened the next round"
+    limit = connect_limit(settings.link_timeout)
+    said, answers = "the launcher opened the next round", False
     with contextlib.suppress(OSError, RuntimeError):
         if _watched is not None and not store.check([round_key(chosen.generation + 1)]):
             cut = unreached(_watched, settings.link_timeout)
             for address in cut:
                 _report_split(store, chosen, address)
             said = f"out of reach: {', '.join(cut)} (reported)" if cut else "every member answers"
+            answers = not cut
+    if answers:
+        return NoWorldError(
+            f"{name} (Gloo, round {chosen.generation}, members {', '.join(chosen.members)}) did "
+            f"not connect its members within {limit:g} s ({first}), though the host of every "
+            "member answers and the launcher lost none: something between them refuses Gloo's "
+            "connections (a firewall, GLOO_SOCKET_IFNAME naming an interface the others do not "
+            "reach). No round would form otherwise; this worker leaves the run."
+        )
     return RankFailedError(
-        f"a Gloo group of round {chosen.generation} did not connect its members within "
-        f"{connect_limit(settings.link_timeout):g} s ({first}); {said}."
+        f"{name} (Gloo, round {chosen.generation}) did not connect its members within "
+        f"{limit:g} s ({first}); {said}."
     )
+
+
+def publish(
+    store: Store,
+    generation: int,
+    members: list[str],
+    cut_off: list[str],
+    notify: bool,
+) -> None:
+    """Open round `generation` of `members` (in rank order), as the launcher does: the round,
+    then `latest`; then, where it leaves out workers because their link is gone (`cut_off`)
+    and the others follow the rounds (`notify`: `liveness.follows`), the round and those
+    workers on each member's notice queue: they have connections to cut. A round without
+    (a worker died, or joined) needs nothing of the followers, and costs the store nothing
+    more."""
+    store.set(round_key(generation), json.dumps(members))
+    store.set(LATEST, str(generation))
+    if notify and cut_off:
+        notice = json.dumps({"round": generation, "lost": cut_off})
+        for member in members:
+            store.queue_push(liveness.notice_key(member), notice)
 
 
 def supersede(store: Store, generation: int) -> bool:
@@ -337,7 +372,7 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
     # Every group made over the round's, as the round's own, connects within the round's limit
     # (`forming`), and its collectives get their timeout once it formed.
     unconnected = functools.partial(_unconnected, store, chosen, settings)
-    bound_connects(connect_limit(settings.link_timeout), unconnected)
+    connects = Connects(connect_limit(settings.link_timeout), unconnected)
     assert settings.elastic_store is not None
     liveness.publish_address(store, chosen.me, settings)
     # Bound where the launcher's store is reached: across hosts, hostnames may resolve to
@@ -351,7 +386,7 @@ def _make_group(store: Store, chosen: Round, settings: Settings) -> None:
             "gloo", store=prefix, rank=chosen.rank, world_size=chosen.size, timeout=connecting
         )
 
-    gloo_group(make, interface, timeout)
+    gloo_group(make, interface, timeout, "the round's own group", connects)
 
 
 def leave() -> None:

@@ -104,6 +104,10 @@ _WORKER_MARGIN = 30.0
 # own exit to show, which then names the job's failure; past it, the waiting rank is named.
 _CAUSE_SECONDS = 2.0
 _LOCAL_NAMES = frozenset(("localhost", "127.0.0.1", "::1"))
+# How long the loop waits for an exit (or a report, `_WAKE`) before it looks at the rest: the
+# heartbeats, whether the newest round formed, discovery, the deadline (seconds).
+_LOOK = 0.1
+_WAKE = -1  # on `exits`: not a process's exit, a report of a split for the loop
 
 
 def split_losers(cut: set[tuple[str, str]], hosts: dict[int, str]) -> list[tuple[str, str]]:
@@ -309,7 +313,11 @@ class _Job:
         self.finished: list[int] = []
         self.lost: list[int] = []
         self.cut_off: list[str] = []  # workers lost by their link since the last round opened
-        self.split_read = 0  # the reports of a split in the newest round read so far
+        # Reports of a peer lost by its link (`rounds.report_split`), as the listener pops them
+        # from the store (`_listen`), which then wakes the loop through `exits` (`_WAKE`).
+        self.reports: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self.listener: threading.Thread | None = None
+        self.notify = False  # whether workers follow the rounds (`liveness.follows`)
         self.heartbeats: Heartbeats | None = None  # elastic, with a link timeout
         # Ranks that failed because another rank went (`RankFailedError`), and since when: the
         # job's failure is that other rank's, once its exit shows.
@@ -474,7 +482,8 @@ class _Job:
 
     def _open_store(self) -> None:
         """Start the elastic run's store (torch's), once the first discovery and the hosts have
-        answered: a run that ends before any worker starts never imports torch."""
+        answered: a run that ends before any worker starts never imports torch; and, where the
+        workers watch their links, the listener for their reports of a split."""
         from dataparallel.backends.gloo.group import import_torch_distributed
 
         self.store = import_torch_distributed().TCPStore(
@@ -485,6 +494,38 @@ class _Job:
             timeout=datetime.timedelta(seconds=60),
         )
         self.env[ELASTIC_STORE_VARIABLE] = f"{self.store_host}:{self.store.port}"
+        from dataparallel.elastic.liveness import follows
+
+        self.notify = follows(self.store_host)
+        if self.notify:  # only workers that watch their links report a split
+            self.listener = threading.Thread(
+                target=self._listen, name="dataparallel-splits", daemon=True
+            )
+            self.listener.start()
+
+    def _listen(self) -> None:
+        """Hand each report of a split to the loop as it comes, and wake the loop; end at the
+        empty report that `close` pushes (or when the store is gone)."""
+        from dataparallel.backends.gloo.group import import_torch_distributed
+        from dataparallel.elastic.liveness import FOLLOW_WAIT, SPLITS
+
+        dist = import_torch_distributed()
+        wait = datetime.timedelta(seconds=FOLLOW_WAIT)
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1", self.store.port, is_master=False, timeout=wait, wait_for_workers=False
+            )
+            while True:
+                try:
+                    report = bytes(store.queue_pop(SPLITS))
+                except dist.DistStoreError:  # no report for a day: wait again
+                    continue
+                if not report:
+                    return
+                self.reports.put(json.loads(report))
+                self.exits.put(_WAKE)
+        except RuntimeError:  # the store is gone: the run is ending
+            return
 
     def _wait(self, process: _Process) -> None:
         process.proc.wait()
@@ -527,7 +568,8 @@ class _Job:
                 return 1
             gone = len(self.lost) + len(self.finished)
             with contextlib.suppress(queue.Empty):
-                status = self._exited(self.exits.get(timeout=0.1), signals)
+                number = self.exits.get(timeout=_LOOK)
+                status = None if number == _WAKE else self._exited(number, signals)
                 if status is not None:
                     return status
             if self.left_behind:
@@ -616,17 +658,16 @@ class _Job:
         round that nothing else would open. Hosts are dropped until no two left are cut off
         from each other (`split_losers`): their workers are lost, and the others re-form
         without them."""
-        from dataparallel.elastic.liveness import address_key, split_key
+        from dataparallel.elastic.liveness import address_key
 
-        if self.store is None or self.generation < 0:
-            return
-        key = split_key(self.generation)
-        if not self.store.check([key]) or int(self.store.add(key, 0)) <= self.split_read:
-            return
         reports = []
-        while self.store.check([split_key(self.generation, self.split_read + 1)]):
-            self.split_read += 1
-            reports.append(json.loads(self.store.get(split_key(self.generation, self.split_read))))
+        with contextlib.suppress(queue.Empty):
+            while True:  # a report of an older round: that world is gone already
+                report = self.reports.get_nowait()
+                if report["round"] == self.generation:
+                    reports.append(report)
+        if not reports:
+            return
         hosts_at: dict[str, str] = {}  # a worker's address -> its host
         for process in self.running.values():
             published = address_key(process.id)
@@ -828,9 +869,7 @@ class _Job:
     def open_round(self) -> int | None:
         """Publish a round of the workers in the run, in joining order (rank order); return 1
         if the round before, found formed only now, exceeds --reset-limit."""
-        from dataparallel.elastic.forming import round_key
-        from dataparallel.elastic.liveness import unreachable_key
-        from dataparallel.elastic.rounds import LATEST, supersede
+        from dataparallel.elastic.rounds import publish, supersede
 
         status = None
         if supersede(self.store, self.generation) and self.formed < self.generation:
@@ -840,12 +879,8 @@ class _Job:
         self.members[self.generation] = list(self.running)
         for number in self.running:
             self.started_in.setdefault(number, self.generation)
-        if self.cut_off:  # before the round: its watchers read it once it opens
-            self.store.set(unreachable_key(self.generation), json.dumps(self.cut_off))
-            self.cut_off = []
-        self.store.set(round_key(self.generation), json.dumps(members))
-        self.store.set(LATEST, str(self.generation))
-        self.split_read = 0
+        publish(self.store, self.generation, members, self.cut_off, self.notify)
+        self.cut_off = []
         return status
 
     def remove(self, count: int, slots: int) -> None:
@@ -889,8 +924,15 @@ class _Job:
         stop([self.running.pop(n).proc for n in newcomers])
 
     def close(self) -> None:
-        """Stop every process still running, drain their output, and remove the run folder."""
+        """Stop every process still running and the listener, drain their output, and remove
+        the run folder."""
         stop([p.proc for p in self.everyone])
+        if self.listener is not None:
+            from dataparallel.elastic.liveness import SPLITS
+
+            with contextlib.suppress(RuntimeError):
+                self.store.queue_push(SPLITS, b"")
+            self.listener.join(timeout=5.0)
         for process in self.everyone:
             for thread in process.pumps:
                 thread.join(timeout=5.0)

@@ -704,6 +704,7 @@ class GlooBackend(Backend):
             lambda wait: dist.new_group(ranks=ranks, backend="gloo", timeout=wait),
             self._interface,
             self._timeout,
+            "a group of every rank" if ranks is None else f"the group of ranks {list(ranks)}",
         )
         assert group is not None  # torch's default group is made otherwise
         return group, made

@@ -10,12 +10,14 @@
   the engine from the host names.
 - every Gloo group the library makes (this one, the engine's groups, an elastic round's) is
   made by `gloo_group`: one place binds it, watches its connections, and bounds its connects
-  where an elastic round asks (`bound_connects`).
+  where an elastic round asks (`Connects`, kept with the round's group: every group made over
+  it while it is torch's default group connects within the round's limit).
 """
 
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -37,8 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GLOO_CONNECTS",
+    "Connects",
     "Joined",
-    "bound_connects",
     "gloo_group",
     "import_torch_distributed",
     "join_group",
@@ -84,62 +86,65 @@ def import_torch_distributed() -> ModuleType:
 GLOO_CONNECTS = 5
 
 
-class _Bound(NamedTuple):
-    """How every Gloo group connects while the default group is an elastic round's."""
-
-    limit: float  # seconds
-    unconnected: Callable[[BaseException], BaseException]
-
-
-_bound: _Bound | None = None
-
-
-def bound_connects(limit: float, unconnected: Callable[[BaseException], BaseException]) -> None:
-    """From now on every Gloo group (`gloo_group`) connects its members within `limit` seconds
-    (elsewhere: within torch's five times the group's timeout), and one that does not raises
-    `unconnected(error)`.
+class Connects(NamedTuple):
+    """How every Gloo group connects while the default group is an elastic round's.
 
     For the groups of an elastic round (`elastic/rounds.py`), whose members all arrived in the
-    round: one that has not connected to another by then cannot reach it, and waiting torch's
-    five timeouts (52 minutes at the elastic default) would hold up every member. Only there:
-    the store's waits for the members' addresses take Gloo's connect deadline too, and only a
-    round's store keeps its own (`forming.watching`), so elsewhere a member arriving late
-    would fail the group."""
-    global _bound
-    _bound = _Bound(limit, unconnected)
+    round: one that has not connected to another within `limit` seconds cannot reach it, and
+    waiting torch's five timeouts (52 minutes at the elastic default) would hold up every
+    member. Only there: the store's waits for the members' addresses take Gloo's connect
+    deadline too, and only a round's store keeps its own (`forming.watching`), so elsewhere a
+    member arriving late would fail the group."""
+
+    limit: float  # seconds
+    # The error for a group that did not connect: from torch's error and the group's name.
+    unconnected: Callable[[BaseException, str], BaseException]
+
+
+# The limit of each round's group, while it lives: the groups made over it take it.
+_round_groups: weakref.WeakKeyDictionary[ProcessGroup, Connects] = weakref.WeakKeyDictionary()
 
 
 def gloo_group(
     make: Callable[[datetime.timedelta | None], ProcessGroup | None],
     interface: str | None,
     timeout: datetime.timedelta | None,
+    name: str,
+    connects: Connects | None = None,
 ) -> tuple[ProcessGroup | None, set[str]]:
     """Make a Gloo group by `make(timeout)` (torch's `init_process_group` or `new_group`) as
     every group of the library is made: bound to `interface`, its connections watched
-    (`rendezvous.gloo_connecting`), and, where `bound_connects` set a limit, connected within
-    it, its collectives then given `timeout` (torch takes one timeout for the connects and the
-    collectives: None is torch's default). Return the group (None: torch's default group, now
-    made) and its connections (socket inodes).
+    (`rendezvous.gloo_connecting`), and, where a limit applies, connected within it, its
+    collectives then given `timeout` (torch takes one timeout for the connects and the
+    collectives: None is torch's default). The limit is `connects` for an elastic round's own
+    group (torch's default group, which `make` makes; it keeps the limit while it lives), else
+    the current default group's, if an elastic round made it. Return the group (None: torch's
+    default group, now made) and its connections (socket inodes).
 
     Raises:
-        What `bound_connects` says for a group that did not connect within its limit; else
-        what `make` raises.
+        What the limit's `unconnected` says for a group that did not connect within it (`name`
+        says which group it was); else what `make` raises.
     """
-    bound = _bound
+    import torch.distributed as dist
+
+    default = dist.group.WORLD if dist.is_initialized() else None
+    if connects is None and default is not None:
+        connects = _round_groups.get(default)
     connecting = timeout
-    if bound is not None:
-        connecting = datetime.timedelta(seconds=bound.limit / GLOO_CONNECTS)
+    if connects is not None:
+        connecting = datetime.timedelta(seconds=connects.limit / GLOO_CONNECTS)
     try:
         with gloo_connecting(interface) as made:
             group = make(connecting)
     except RuntimeError as exc:
-        if bound is None:
+        if connects is None:
             raise
-        raise bound.unconnected(exc) from exc
-    if bound is not None:
-        import torch.distributed as dist
-
+        raise connects.unconnected(exc, name) from exc
+    if connects is not None:
         c10d = dist.distributed_c10d
+        made_default = dist.group.WORLD
+        if group is None and made_default is not None:  # the round's own: the groups made
+            _round_groups[made_default] = connects  # over it connect within its limit
         if not c10d._rank_not_in_group(group):  # a member: its collectives wait `timeout`
             c10d._set_pg_timeout(timeout or c10d.default_pg_timeout, group)
     return group, made
@@ -180,7 +185,7 @@ def join_group(
         )
 
     try:
-        gloo_group(make, interface, timeout)
+        gloo_group(make, interface, timeout, "the world's group")
     except (RuntimeError, TimeoutError) as exc:
         raise rendezvous_error(exc, rendezvous) from exc
     local = None
@@ -222,7 +227,10 @@ def _over_existing_group(
     if settings.gloo_socket_ifname is None and settings.elastic_store is not None:
         interface = interface_toward(*settings.elastic_store)
     group, made = gloo_group(
-        lambda connecting: dist.new_group(backend="gloo", timeout=connecting), interface, timeout
+        lambda connecting: dist.new_group(backend="gloo", timeout=connecting),
+        interface,
+        timeout,
+        "the world's group over torch's default group",
     )
     local = _launcher_local(settings) if settings.world_size == actual[1] else None
     return Joined(
