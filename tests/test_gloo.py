@@ -362,6 +362,20 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
         assert result["train diff"] < 1e-5, result
 
 
+@pytest.mark.spawns
+def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other() -> None:
+    """Local rank 1 of host a dies as its first lane begins a call's step inside the host: every
+    other rank's allreduce raises RankFailedError (its peer's waiting for its slice, host b's
+    waiting across), none hangs (the guard's timeout would end the test)."""
+    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
+    runs = run_ranks([worker("lost")] * 4, envs, timeout=120)
+    assert runs[1][0] == 7, runs[1]
+    for rank in (0, 2, 3):
+        status, stdout, stderr = runs[rank]
+        assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
+        assert "RAISED RankFailedError" in stdout, (rank, stdout, stderr)
+
+
 class _Groups:
     """A stand-in for torch.distributed that records the groups `Hierarchy.build` makes."""
 

@@ -20,6 +20,8 @@ Scenarios:
   hierarchy allreduces of every op, several dtypes, blocking and not, compressed, gradients and
            one small buffer; prints `RESULT {json}` with the distinct values of each result and
            how many went through the hierarchy's three steps (`backends/gloo/hierarchy.py`)
+  lost     local rank 1 of the first host dies inside a hierarchical allreduce, at its first
+           lane's step inside the host; the others report what their allreduce raised
 
 With --meet DIR (and --rank, --world-size), each rank imports torch.distributed, notes DIR/R, and
 waits for every rank's note before `dp.initialize()`: a short DATAPARALLEL_TIMEOUT then covers
@@ -46,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "scenario",
-        choices=("basic", "abort", "timeout", "leave", "existing", "train", "hierarchy"),
+        choices=("basic", "abort", "timeout", "leave", "existing", "train", "hierarchy", "lost"),
     )
     parser.add_argument("--init-method")
     parser.add_argument("--rank", type=int)
@@ -84,6 +86,8 @@ def main() -> None:
     elif args.scenario == "hierarchy":
         sys.stdout.write(f"RESULT {json.dumps(hierarchy(backend))}\n")
         sys.stdout.flush()
+    elif args.scenario == "lost":
+        lost(backend)
     else:
         dp.barrier()
         held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None
@@ -179,6 +183,36 @@ def hierarchy(backend: object) -> dict[str, object]:
     result["train overlap"] = opt.gradient_sync.overlap
     result["train staged"] = staged - result["staged"]  # type: ignore[operator]
     return result
+
+
+def lost(backend: object) -> None:
+    """Local rank 1 of host a (rank 1) dies in its second hierarchical call, as its first lane
+    begins the step inside the host: its peer waits for its slice, host b's ranks wait across.
+    Every other rank reports what its allreduce raised."""
+    from dataparallel.backends.gloo import hierarchy
+    from dataparallel.backends.gloo.backend import GlooBackend
+
+    assert isinstance(backend, GlooBackend) and backend.hierarchy is not None
+    scatter = hierarchy.Hierarchy.scatter
+
+    def dying(self: hierarchy.Hierarchy, carried: hierarchy.Carried) -> None:
+        if carried.seq == 1:
+            os._exit(7)
+        scatter(self, carried)
+
+    if backend.rank == 1:
+        hierarchy.Hierarchy.scatter = dying  # type: ignore[method-assign]
+    big = 2 * hierarchy.MIN_BYTES // 4  # float32 values: over the hierarchy's threshold
+    dp.allreduce(np.ones(big, np.float32))
+    start = time.monotonic()
+    try:
+        dp.allreduce(np.ones(big, np.float32))
+    except dp.DataParallelError as exc:
+        elapsed = time.monotonic() - start
+        print(f"RAISED {type(exc).__name__} after {elapsed:.1f}s: {exc}", flush=True)
+        os._exit(0)  # the world is broken: nothing left to tear down cleanly
+    print("NOTHING RAISED", flush=True)
+    os._exit(1)
 
 
 def train(rank: int, size: int) -> dict[str, object]:
