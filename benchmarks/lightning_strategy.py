@@ -15,9 +15,12 @@ first `--skip`, the slowest rank's. Cases:
 - `strategy="ddp"`: torch's `DistributedDataParallel` over torch's Gloo group (which
   `dp.initialize()` made, and Lightning's DDP finds).
 
-A case's overhead in a round is its step time minus that round's one-process time. Printed: each
-case's median step time and median overhead over rounds, and the ratios `DataParallelStrategy /
-ddp` of both (below 1: this library's strategy is faster).
+A case's overhead in a round is its step time minus that round's one-process time; its CPU
+overhead, the CPU time of a batch (every thread of every rank, summed over the ranks: on a
+machine with fewer cores than ranks and their threads, what a step costs) minus the
+one-process case's. Printed: each case's median step time, overhead, CPU and CPU overhead over
+rounds, and the ratios `DataParallelStrategy / ddp` of the step, the overhead and the CPU
+overhead (below 1: this library's strategy is faster, or cheaper).
 
 `--before FILE` (another commit's `src/dataparallel/arrays/fusion.py`) adds a case
 `DataParallelStrategy, --before`: the same strategy whose buckets that file's `Fusion` packs and
@@ -59,17 +62,20 @@ FEATURES = ("views", "sleeps")
 
 
 class Timer(pl.Callback):
-    """Each batch's time, start to end of Lightning's batch hooks."""
+    """Each batch's time, start to end of Lightning's batch hooks, and the CPU time the process
+    spent meanwhile (every thread: Gloo's own included)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._start = 0.0
+        self.cpu: list[float] = []
+        self._start = self._cpu = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._cpu)
 
 
 class MLP(pl.LightningModule):
@@ -108,8 +114,11 @@ def fusion_of(path: str) -> type:
     return Before
 
 
-def step_time(case: str, args: argparse.Namespace, before: type | None = None) -> float:
-    """Fit once with `case`'s strategy; return the slowest rank's median batch time."""
+def step_time(
+    case: str, args: argparse.Namespace, before: type | None = None
+) -> tuple[float, float]:
+    """Fit once with `case`'s strategy; return the slowest rank's median batch time and the
+    mean CPU time of a batch summed over the ranks."""
     strategies: dict[str, Any] = {
         "one process": SingleDeviceStrategy(device=torch.device("cpu")),
         OURS: DataParallelStrategy(),
@@ -141,12 +150,14 @@ def step_time(case: str, args: argparse.Namespace, before: type | None = None) -
             stack.enter_context(_swapped(gradsync, "Fusion", before))
         off = case.removeprefix(WITHOUT).split(",") if case.startswith(WITHOUT) else []
         if "views" in off:
-            stack.enter_context(_swapped(gradsync, "_alone", lambda t: False))
+            stack.enter_context(_swapped(gradsync, "_all_alone", lambda ts: False))
         if "sleeps" in off:
             stack.enter_context(_yielding())
         trainer.fit(MLP(args.width, args.depth), torch.utils.data.DataLoader(data, args.batch))
     mine = statistics.median(timer.times[args.skip :])
-    return float(dp.allreduce(torch.tensor(mine, dtype=torch.float64), op="max"))
+    cpu = statistics.mean(timer.cpu[args.skip :])
+    slowest = float(dp.allreduce(torch.tensor(mine, dtype=torch.float64), op="max"))
+    return slowest, float(dp.allreduce(torch.tensor(cpu, dtype=torch.float64)))
 
 
 @contextlib.contextmanager
@@ -207,14 +218,18 @@ def main() -> None:
     withouts = [WITHOUT + features for features in args.without]
     cases = ["one process", OURS, DDP, *([BEFORE] if before else []), *withouts]
     times: dict[str, list[float]] = {case: [] for case in cases}
+    cpus: dict[str, list[float]] = {case: [] for case in cases}
     overheads: dict[str, list[float]] = {case: [] for case in cases[1:]}
+    cpu_over: dict[str, list[float]] = {case: [] for case in cases[1:]}
     for r in range(args.rounds):
         order = cases[1:] if r % 2 == 0 else cases[:0:-1]
         this_round = {case: step_time(case, args, before) for case in ["one process", *order]}
-        for case, t in this_round.items():
+        for case, (t, cpu) in this_round.items():
             times[case].append(t)
+            cpus[case].append(cpu)
         for case in cases[1:]:
-            overheads[case].append(this_round[case] - this_round["one process"])
+            overheads[case].append(this_round[case][0] - this_round["one process"][0])
+            cpu_over[case].append(this_round[case][1] - this_round["one process"][1])
     if dp.rank() != 0:
         return
     params = sum(p.numel() for p in MLP(args.width, args.depth).parameters())
@@ -223,14 +238,18 @@ def main() -> None:
         f"{params / 1e6:.2f} M parameters, batch {args.batch}, {args.rounds} rounds of "
         f"{args.steps} steps (median of steps {args.skip + 1}..{args.steps}, slowest rank)"
     )
-    print(f"{'case':<44} {'step ms':>9} {'overhead ms':>12}")
+    print(f"{'case':<44} {'step ms':>9} {'overhead ms':>12} {'CPU ms':>8} {'CPU overhead':>13}")
     for case in cases:
         step = statistics.median(times[case]) * 1e3
         over = statistics.median(overheads[case]) * 1e3 if case in overheads else 0.0
-        print(f"{case:<44} {step:9.2f} {over:12.2f}")
+        cpu = statistics.median(cpus[case]) * 1e3
+        cpu_above = statistics.median(cpu_over[case]) * 1e3 if case in cpu_over else 0.0
+        print(f"{case:<44} {step:9.2f} {over:12.2f} {cpu:8.2f} {cpu_above:13.2f}")
     step_ratio = statistics.median(times[OURS]) / statistics.median(times[DDP])
     over_ratio = statistics.median(overheads[OURS]) / statistics.median(overheads[DDP])
     print(f"ratio DataParallelStrategy / ddp: step {step_ratio:.2f}, overhead {over_ratio:.2f}")
+    cpu_ratio = statistics.median(cpu_over[OURS]) / statistics.median(cpu_over[DDP])
+    print(f"ratio DataParallelStrategy / ddp: CPU overhead {cpu_ratio:.2f}")
     if before:
         after = statistics.median(overheads[OURS]) / statistics.median(overheads[BEFORE])
         print(f"ratio after / before (overhead): {after:.3f}")

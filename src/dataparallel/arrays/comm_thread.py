@@ -218,7 +218,10 @@ class Router:
     ) -> None:
         """Send one bucket: `pack` (`Fusion.add_pack`), `leaves`, then `extra` host float32;
         `delivers`: per leaf, where its result's place in the bucket goes (`Fusion.add_leaf`)."""
-        self.run(lambda: self.put(leaves, extra, delivers, pack))
+        if self.thread is not None and self.threaded:
+            self.run(lambda: self.put(leaves, extra, delivers, pack))
+        else:  # (`run`'s other way, without its function)
+            self.put(leaves, extra, delivers, pack)
 
     def run(self, fn: Callable[[], object]) -> None:
         """Run `fn` where this step's calls are made, after the buckets sent before it: on the

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias, cast
 
@@ -197,8 +197,8 @@ class Fusion:
         self._opened_at: dict[BucketKey, float] = {}
         self._leaves: list[Staged] = []
         self._handed: dict[int, Deliver] = {}  # id of a work packed -> its deliver (`add`)
-        # id of a pack's first work -> its works and deliver (`add_pack`)
-        self._packs: dict[int, tuple[int, Deliver]] = {}
+        # Each open bucket's packs: (first work's place, works, deliver) (`add_pack`)
+        self._packs: dict[BucketKey, list[tuple[int, int, Deliver]]] = {}
         self.calls = 0  # communication calls made (observable for tests and the timeline)
         # Seconds between tests of a call in flight while waiting for it (`fusion.settle`);
         # 0: wait in the engine. Set by the communication thread's steps on MPI
@@ -251,8 +251,8 @@ class Fusion:
         `deliver` is not called. The calls made are `add_leaf`'s either way, so that ranks
         queueing the same arrays one way or the other make the same calls.
         """
-        self._leaves.extend((family, x, w, True) for x, w in zip(xs, works, strict=True))
-        total = sum(w.nbytes for w in works)
+        self._leaves += [(family, x, w, True) for x, w in zip(xs, works, strict=True)]
+        total = sum([w.nbytes for w in works])
         together = (
             len(works) > 1
             and self.contiguous
@@ -263,9 +263,11 @@ class Fusion:
             for work in works:
                 self.add(work, dtype, HOST_KEY)
             return
-        self._packs[id(works[0])] = (len(works), deliver)
         self.add(works[0], dtype, HOST_KEY)  # opens the bucket (or flushes nothing: they fit)
-        self._open[(*HOST_KEY, dtype)].extend(works[1:])
+        key = (*HOST_KEY, dtype)
+        opened = self._open[key]
+        self._packs.setdefault(key, []).append((len(opened) - 1, len(works), deliver))
+        opened.extend(works[1:])
         self._open_bytes += total - works[0].nbytes
 
     def add(
@@ -357,8 +359,8 @@ class Fusion:
 
     def flush(self) -> None:
         """Start communicating everything cached (after an error, none of it is kept)."""
-        opened, delivers = self._open, self._deliver
-        self._open, self._deliver, self._open_bytes = {}, {}, 0
+        opened, delivers, packs = self._open, self._deliver, self._packs
+        self._open, self._deliver, self._packs, self._open_bytes = {}, {}, {}, 0
         if self.before_launch is not None and opened:
             self.before_launch(
                 [(str(key[-1]), sum(w.size for w in works)) for key, works in opened.items()]
@@ -369,7 +371,7 @@ class Fusion:
                 self._trace_queue(bucket_key, len(works))
             given = delivers.get(bucket_key, [])
             if self.contiguous:
-                self._launch(works, dtype, given)
+                self._launch(works, dtype, given, packs.get(bucket_key, ()))
             else:
                 for i, work in enumerate(works):
                     self._launch([work], dtype, given[i : i + 1])
@@ -438,8 +440,14 @@ class Fusion:
         if opened is not None:
             self.timeline.complete("queue", opened, bucket=str(bucket_key), arrays=arrays)
 
-    def _launch(self, works: list[Work], dtype: str, delivers: list[Deliver]) -> None:
-        self._start(lambda: self._pack(works, dtype, delivers), len(works))
+    def _launch(
+        self,
+        works: list[Work],
+        dtype: str,
+        delivers: list[Deliver],
+        packs: Sequence[tuple[int, int, Deliver]] = (),
+    ) -> None:
+        self._start(lambda: self._pack(works, dtype, delivers, packs), len(works))
 
     def _start(self, pack: Callable[[], Flight], arrays: int) -> None:
         """Pack a bucket (`pack`), start its call, keep it in flight or land it."""
@@ -471,19 +479,30 @@ class Fusion:
         else:
             self._land(started)
 
-    def _pack(self, given: list[Work], dtype: str, delivers: list[Deliver]) -> Flight:
+    def _pack(
+        self,
+        given: list[Work],
+        dtype: str,
+        delivers: list[Deliver],
+        packs: Sequence[tuple[int, int, Deliver]],
+    ) -> Flight:
         # A bucket holds one kind of work, as its key says: host arrays, or GPU leaves.
         works = cast("list[np.ndarray]", given)
         if isinstance(self.action, (Scatter, Exchange)):
             return self._pack_segments(works, dtype, delivers)
         if type(given[0]) is DeviceWork:
             return self._pack_device(cast("list[DeviceWork]", given), dtype)
-        return self._pack_host(works, dtype)
+        return self._pack_host(works, dtype, packs=packs)
 
     def _pack_host(
-        self, works: list[np.ndarray], dtype: str, staged: DeviceBucket | None = None
+        self,
+        works: list[np.ndarray],
+        dtype: str,
+        staged: DeviceBucket | None = None,
+        packs: Sequence[tuple[int, int, Deliver]] = (),
     ) -> HostFlight:
-        """Pack host `works` into one buffer (one contiguous writable array: itself, in place)."""
+        """Pack host `works` into one buffer (one contiguous writable array: itself, in place);
+        `packs`: (first work, works, deliver) of each pack among them (`add_pack`)."""
         pooled: list[np.ndarray] = []
         slots: tuple[tuple[np.ndarray, int], ...] = ()
         compressed = self._compressed(dtype)
@@ -493,17 +512,11 @@ class Fusion:
         # Scaled as they are packed where the engine takes the bucket as it is: one pass, not two.
         folded = scale if dtype in self.backend.native_dtypes else None
         prescaled = False
-        packs: list[tuple[int, int, Deliver]] = []
         if len(works) == 1 and works[0].flags.c_contiguous and works[0].flags.writeable:
             buf = works[0].reshape(-1)  # zero-copy: communicate in place
             self._handed.pop(id(works[0]), None)  # the result is written into it: no deliver
         else:
-            size = sum(w.size for w in works)
-            if self._packs:
-                for at, work in enumerate(works):
-                    pack = self._packs.pop(id(work), None)
-                    if pack is not None:
-                        packs.append((at, *pack))
+            size = sum([w.size for w in works])
             handed = self._handed
             if packs or any(w.flags.writeable and id(w) in handed for w in works):
                 buf = self.pool.lend(storage_dtype(dtype), (size,))  # results handed out as views

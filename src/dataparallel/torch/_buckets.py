@@ -30,6 +30,7 @@ from dataparallel.arrays.comm_thread import Leaf, leaf_of
 from dataparallel.arrays.compression import Compressing
 from dataparallel.arrays.dtypes import dtype_name
 from dataparallel.arrays.families import Family, family_of
+from dataparallel.arrays.families.torch import TorchFamily
 from dataparallel.arrays.fusion import HOST_KEY
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
@@ -226,45 +227,33 @@ class StepTemplate:
 class HostPack:
     """A bucket of host parameters (one dtype), whose gradients a step sends as one pack
     (`Fusion.add_pack`) when each is as the layout planned it: the members' parameters, the
-    dtype and device they were laid out with, and each gradient's place in the pack's region of
-    the bucket. So a step's Python per gradient is a few attribute reads, not the way through
+    dtype they were laid out with, and each gradient's place in the pack's region of the
+    bucket. So a step's Python for the pack is a few calls a gradient inside one loop each way
+    (`gradients`, the family's `host_views` and `adopt_into`), not the way through
     `Fusion.add_leaf` that any leaf takes.
     """
 
-    __slots__ = ("device", "dtype", "family", "name", "params", "places")
+    __slots__ = ("dtype", "family", "name", "params", "places")
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.dtype, self.device = params[0].dtype, params[0].device
+        self.dtype = params[0].dtype
         self.name = dtype_name(self.dtype)
         edges = [0, *itertools.accumulate(p.numel() for p in params)]
         self.places = list(itertools.pairwise(edges))  # each gradient's (start, stop) in the region
-        self.family: Family | None = None  # learnt from the first gradient sent
+        self.family: TorchFamily | None = None  # learnt from the first gradient sent
 
     def gradients(self) -> list[torch.Tensor] | None:
-        """The members' gradients, or None unless each is dense and of its parameter's dtype and
-        device as laid out (none missing, made sparse, converted, nor a negated view): those take
-        `Fusion.add_leaf`'s way."""
+        """The members' gradients, or None unless each is dense and of its parameter's dtype as
+        laid out (none missing, made sparse, nor converted): those take `Fusion.add_leaf`'s way.
+        Where each is seen (the host, no negative or conjugate bit) the family's `host_views`
+        tells."""
         grads = [p.grad for p in self.params]
-        dtype, device, strided = self.dtype, self.device, torch.strided
+        dtype, strided = self.dtype, torch.strided
         for grad in grads:
-            if (
-                grad is None
-                or grad.layout is not strided
-                or grad.dtype is not dtype
-                or grad.device != device
-                or grad.is_neg()
-                or grad.is_conj()
-            ):
+            if grad is None or grad.layout is not strided or grad.dtype is not dtype:
                 return None
         return cast("list[torch.Tensor]", grads)
-
-    def works(self, family: Family, grads: list[torch.Tensor]) -> list[np.ndarray]:
-        """The gradients' writable host views in their storage dtype (`family.host_view`: one
-        for each of the gradients `gradients` returned, dense on the host)."""
-        views = [family.host_view(g) for g in grads]
-        assert all(view is not None for view in views)  # (what `gradients` checked)
-        return cast("list[np.ndarray]", views)
 
 
 def kept_flags(n: int, joining: bool) -> np.ndarray:

@@ -52,6 +52,7 @@ from dataparallel.arrays.actions import Reduction, reduction
 from dataparallel.arrays.comm_thread import Leaf, Pack, Router, leaf_of
 from dataparallel.arrays.compression import PowerSGDCompressor, wire_dtype
 from dataparallel.arrays.families import Family
+from dataparallel.arrays.families.torch import TorchFamily
 from dataparallel.arrays.fusion import HOST_KEY, Deliver, Fusion
 from dataparallel.arrays.replay import Add, Replay
 from dataparallel.backends.base import Backend
@@ -532,7 +533,7 @@ class GradientSync:
         if self._state != State.OPEN:
             raise RuntimeError(message("late gradient", self.owner, self.passes))
         hooks = self._hooks
-        if hooks.queue(self._end_of_pass) and not self._began:
+        if not hooks.queued and hooks.queue(self._end_of_pass) and not self._began:
             self._began = time.perf_counter()
         if self._passes + 1 < self.passes or hooks.ready[index]:
             return
@@ -866,20 +867,24 @@ class GradientSync:
 
     def _pack(self, b: int) -> Pack | None:
         """Bucket `b`'s gradients as one pack (`Fusion.add_pack`), where it holds host
-        parameters whose gradients are each as the layout planned them (`HostPack.gradients`)
-        and, packed with others, may all become views of the bucket (`_alone`); else None (each
-        gradient goes its own way). One alone is reduced in place, on any engine."""
+        parameters whose gradients are each as the layout planned them (`HostPack.gradients`),
+        seen through host views (`TorchFamily.host_views`) and, packed with others, may all
+        become their own memory in the bucket (`_all_alone`); else None (each gradient goes its
+        own way). One alone is reduced in place, on any engine."""
         plan = self._template.packs[b]
         if plan is None or (grads := plan.gradients()) is None:
             return None
-        if len(grads) > 1 and not (self._views and all(map(_alone, grads))):
-            return None
-        if plan.family is None:
-            name = self._params[self._buckets[b].members[0]][0]
-            plan.family = grad_family(self.owner, name, grads[0])
+        if len(grads) > 1 and not (self._views and _all_alone(grads)):
+            return None  # (before the views: a bfloat16 one shares its gradient's storage)
         family = plan.family
-        deliver = partial(_adopt_pack, family, grads, plan.places)
-        return family, list(grads), plan.works(family, grads), plan.name, deliver
+        if family is None:
+            name = self._params[self._buckets[b].members[0]][0]
+            family = plan.family = cast("TorchFamily", grad_family(self.owner, name, grads[0]))
+        works = family.host_views(grads)
+        if works is None:
+            return None
+        deliver = partial(family.adopt_into, grads, plan.places)
+        return family, cast("list[object]", grads), works, plan.name, deliver
 
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
@@ -1009,27 +1014,24 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
         grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
 
 
-def _adopt_pack(
-    family: Family, grads: list[torch.Tensor], places: list[tuple[int, int]], region: Any
-) -> None:
-    """`_adopt` of a pack's gradients (`HostPack`), each at its place (start, stop) in `region`,
-    the pack's reduced values in its bucket's memory, under one `no_grad`: each its own tensor of
-    that memory, so that each stays `_alone` for the next step."""
-    with torch.no_grad():
-        for grad, (start, stop) in zip(grads, places, strict=True):
-            values = cast("torch.Tensor", family.adopt(grad, region[start:stop]))
-            grad.set_(values.view(grad.shape))  # type: ignore[call-overload]
-
-
 def _alone(t: torch.Tensor) -> bool:
     """Whether `t` is contiguous, all of its storage, and the only tensor using it (no view of
     it, nor it a view of a larger buffer); False wherever that cannot be told (`_use_count`)."""
-    if _USE_COUNT is None or not t.is_contiguous() or t.storage_offset() != 0:
+    return _all_alone([t])
+
+
+def _all_alone(ts: list[torch.Tensor]) -> bool:
+    """Whether each of `ts` is `_alone`, in one loop (a pack's gradients, at every step)."""
+    count = _USE_COUNT
+    if count is None:
         return False
-    storage = t.untyped_storage()
-    if storage.nbytes() != t.nbytes:
-        return False
-    return bool(_USE_COUNT(storage._cdata) == 2)  # `t`, and `storage` here
+    for t in ts:
+        if not t.is_contiguous() or t.storage_offset() != 0:
+            return False
+        storage = t.untyped_storage()
+        if storage.nbytes() != t.nbytes or count(storage._cdata) != 2:  # `t`, and `storage` here
+            return False
+    return True
 
 
 def _use_count() -> Callable[[int], int] | None:

@@ -4,7 +4,7 @@ cannot be communicated at all (`TorchFamily.problem`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -85,6 +85,37 @@ class TorchFamily(Family["torch.Tensor"]):
 
     def adopt(self, like: torch.Tensor, host: np.ndarray) -> torch.Tensor:
         return self._tensor(like, host).to(like.device)  # on the CPU: host's memory itself
+
+    def host_views(self, xs: list[torch.Tensor]) -> list[np.ndarray] | None:
+        """Each of `xs`'s `host_view`, or None where one has none: in one call, most of them
+        made by `numpy()` alone, which refuses what `host_view` refuses (another device, a
+        negative or conjugate bit, a layout not dense) and tensors that require grad (those
+        are seen one by one, as is bfloat16, which NumPy lacks)."""
+        import torch
+
+        if xs and xs[0].dtype is not torch.bfloat16:
+            try:
+                return [x.numpy() for x in xs]
+            except (RuntimeError, TypeError):
+                pass
+        views = [self.host_view(x) for x in xs]
+        return None if any(view is None for view in views) else cast("list[np.ndarray]", views)
+
+    def adopt_into(
+        self, likes: list[torch.Tensor], places: list[tuple[int, int]], host: np.ndarray
+    ) -> None:
+        """Make each of host tensors `likes` use its place (start, stop) of 1-D `host` as its
+        memory (`set_`), without a copy: the same tensor objects, so that whoever holds one
+        sees its values, each a tensor of its own memory (`adopt`'s), not a view of a shared
+        one."""
+        import torch
+
+        with torch.no_grad():
+            for like, (start, stop) in zip(likes, places, strict=True):
+                values = torch.from_numpy(host[start:stop])
+                if like.dtype is torch.bfloat16:
+                    values = values.view(torch.bfloat16)
+                like.set_(values.view(like.shape))  # type: ignore[call-overload]
 
     def problem(self, t: torch.Tensor) -> str | None:
         """Return why tensor `t` cannot be communicated (nested, sparse, meta), or None."""
