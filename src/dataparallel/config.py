@@ -1,30 +1,8 @@
 """Every environment variable dataparallel reads, read here and nowhere else.
 
 `Settings.from_env()` validates them at once: a typo fails with the valid values, not silently.
-
-| variable | meaning | default |
-| --- | --- | --- |
-| `DATAPARALLEL_CHECK` | `0` compares only what decides the messages (dtypes, sizes) | `1` |
-| `DATAPARALLEL_DEBUG` | `1` logs every collective, prefixed with its rank, to stderr | `0` |
-| `DATAPARALLEL_TIMELINE` | path of a Chrome-trace JSON file to record every collective in | unset |
-| `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
-| `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
-| | ... and the limit of gradient buckets on the communication thread | `THREAD_BUCKET_BYTES` |
-| `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
-| `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
-| `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in a ring | interleaved |
-| `DATAPARALLEL_MPI_SLEEP` | `1`/`0`: MPICH's waits sleep between polls, or only yield | cores |
-| `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where each rank notes how it ended | unset |
-| `DATAPARALLEL_ELASTIC_STORE` | set by `dataparallel run --min-np`: its store (host:port) | unset |
-| `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
-| `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker waits for a world to re-form | `600` |
-| `DATAPARALLEL_LINK_TIMEOUT` | seconds a host may not answer: keep-alive, the link watch | `5` |
-| | (3x it, 5 s at least: a process cut off from the launcher leaves) | |
-| `DATAPARALLEL_BEACON` | `run -H` under MPI: its line to the ranks, `SECRET@HOST:PORT` | unset |
-| `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
-| `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
-
-The launchers' own variables (torchrun's, an MPI launcher's, Slurm's inside an srun step) are read
+`Settings` lists dataparallel's own variables, with what each means and its default. The
+launchers' own variables (torchrun's, an MPI launcher's, Slurm's inside an srun step) are read
 here too: see the comments above `MPI_LAUNCHER_VARIABLES`.
 """
 
@@ -183,7 +161,32 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
 
 @dataclass(frozen=True)
 class Settings:
-    """The process's configuration, as read from its environment once."""
+    """The process's configuration, as read from its environment once (`from_env`).
+
+    dataparallel's own variables:
+
+    | variable | meaning | default |
+    | --- | --- | --- |
+    | `DATAPARALLEL_CHECK` | `0` compares only what decides the messages (dtypes, sizes) | `1` |
+    | `DATAPARALLEL_DEBUG` | `1` logs every collective, prefixed with its rank, to stderr | `0` |
+    | `DATAPARALLEL_TIMELINE` | Chrome-trace JSON file to record every collective in | unset |
+    | `DATAPARALLEL_CUDA_AWARE_MPI` | `0`/`1` overrides the detection of CUDA-aware MPI | detected |
+    | `DATAPARALLEL_BUCKET_BYTES` | default fusion bucket size in bytes | `DEFAULT_BUCKET_BYTES` |
+    | | ... and the limit of gradient buckets on the communication thread | `THREAD_BUCKET_BYTES` |
+    | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
+    | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
+    | `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in a ring | interleaved |
+    | `DATAPARALLEL_MPI_SLEEP` | `1`/`0`: MPICH's waits sleep between polls, or only yield | cores |
+    | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where ranks note how they ended | unset |
+    | `DATAPARALLEL_ELASTIC_STORE` | set by `run --min-np`: its store (host:port) | unset |
+    | `DATAPARALLEL_ELASTIC_WORKER` | ... and this worker's id there | unset |
+    | `DATAPARALLEL_ELASTIC_TIMEOUT` | ... and seconds a worker awaits a re-formed world | `600` |
+    | `DATAPARALLEL_LINK_TIMEOUT` | seconds a host may not answer: keep-alive, link watch | `5` |
+    | | (3x it, 5 s at least: a process cut off from the launcher leaves) | |
+    | `DATAPARALLEL_BEACON` | `run -H`, MPI: its line to the ranks, `SECRET@HOST:PORT` | unset |
+    | `DATAPARALLEL_PREFIXED` | set by launchers that prefix every line with the rank | unset |
+    | `DATAPARALLEL_TORCH_DISTRIBUTED` | `0`: no `torch.distributed` alongside the world | `1` |
+    """
 
     check: bool = True
     debug: bool = False

@@ -13,20 +13,10 @@ engine call as a step's first one (its first buffer: the packed leaves, then the
   world stays usable.
 - the others join too: their answers meet it, all zeros, and `dp.join` returns as usual.
 
-Each rank posts one answer per `dp.join`, so the k-th answers meet. Which call: the first call
-of every step traced in the world where they all begin with the same call (first buffers of one
-length and dtype); where they differ (a second optimizer, a new model), the first call of the
-steps run since the world last agreed (a `dp.join` that returned, or a `RankJoinedError` on every
-rank), where those all begin with the same one: ranks make the same steps in the same order, so
-every rank that joins at the same point chooses alike, and a program that moves from one step to
-another (a new phase of training) is answered; a working rank that moves to a step of another
-first call after a rank joined meets an answer of another size, and fails in the engine as ranks
-running steps of different sizes do. Where neither tells (steps of several first calls
-run since, alternating), nothing is posted (`step_of` says None) and a jitted step after a join
-waits, as before. The steps run are noted by the host (`ran`, by the callback and FFI bridges,
-once per step before its first call); mpi4jax's calls never reach the host, so where one of its
-steps begins otherwise, the runs cannot tell. Registered per engine by `jax/_jit.py` when it
-traces a packed step; `dp.finalize()` clears it.
+Each rank posts one answer per `dp.join`, so the k-th answers meet. Which call it posts:
+`step_of` decides, alike on every rank that joins at the same point; where it cannot tell,
+nothing is posted and a jitted step after a join waits. The steps are registered per engine by
+`jax/_jit.py` when it traces a packed step (`register_step`); `dp.finalize()` clears them.
 """
 
 from __future__ import annotations
@@ -103,7 +93,11 @@ def register_step(
 
 def ran(engine: Backend, step: JittedStep) -> None:
     """Note that a step beginning with `step` runs on `engine` (on the host, before its first
-    call: once per step, so it costs a set's lookup)."""
+    call: once per step, so it costs a set's lookup).
+
+    Called by the callback and FFI bridges; mpi4jax's calls never reach the host, so where one
+    of its steps begins otherwise, the runs cannot tell (`register_step`'s `seen`).
+    """
     traced = _traced.get(id(engine))
     if traced is not None and step not in traced.ran:
         traced.ran.add(step)
@@ -121,7 +115,17 @@ def step_of(engine: Backend) -> JittedStep | None:
     """The first call that the next jitted step on `engine` makes, or None where it cannot be
     told: the one first call of every step traced, else of every step run since the world last
     agreed (`agreed`) when no step the host cannot see begins otherwise; None where neither
-    tells (or nothing was traced). Waits first for the steps dispatched to run."""
+    tells (or nothing was traced). Waits first for the steps dispatched to run.
+
+    Every step traced in the world may begin with the same call (first buffers of one length and
+    dtype). Where they differ (a second optimizer, a new model), the steps run since the world
+    last agreed (a `dp.join` that returned, or a `RankJoinedError` on every rank) may all begin
+    with the same one: ranks make the same steps in the same order, so every rank that joins at
+    the same point chooses alike, and a program that moves from one step to another (a new phase
+    of training) is answered. A working rank that moves to a step of another first call after a
+    rank joined meets an answer of another size, and fails in the engine as ranks running steps
+    of different sizes do. Steps of several first calls run since, alternating, tell nothing.
+    """
     traced = _traced.get(id(engine))
     if traced is None:
         return None

@@ -16,21 +16,12 @@ buckets go out while backward runs, on the communication thread, or all at its e
 - Every step begins with a handshake (`protocol.handshake`) before its first bucket: a step that
   does not line up with the other ranks' raises `CollectiveMismatchError` on every rank instead of
   hanging. Ranks that have joined (`dp.join`) answer it by replaying the step's buckets with zeros.
-  Once every rank has promised, in the words of a step's flags, that its next call is the same
-  step again (nothing else called on the engine between two steps, the layout unchanged), that
-  step goes without a handshake, as Horovod's response cache skips its negotiation: a rank that
-  calls something else first keeps its promise on zeros (`protocol.owe`), and the ranks that made
-  the step raise `CollectiveMismatchError` at its end (or, where it joins, count it as joined).
-- A rank whose backward failed after its gradients began to go out completes the step's messages
-  at its next `zero_grad()`/`step()`, flagged abandoned: the other ranks' `step()` raises
-  `RankFailedError` instead of applying an incomplete average.
+  A step that every rank promised goes without one (`_may_promise`).
+- A backward that failed midway is completed at the next step, flagged abandoned (`reset`).
 
-A gradient packed with others takes its place in the bucket's memory as its own once reduced
-(`_adopt`), instead of a copy out of it, where nothing else sees its memory and the engine moves
-calls on by itself (Gloo, NCCL; on MPI it made steps slower, for reasons not found: see
-`_views`). The parameters are
-re-read at every step (`refresh`) and rebucketed once after the first, in the order rank 0's
-gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
+Once reduced, a packed gradient takes its bucket's memory as its own where it can (`_adopt`).
+The parameters are re-read at every step (`refresh`) and rebucketed once after the first, in the
+order rank 0's gradients arrived (as DDP). Sparse gradients: `_sparse`. Sharp bits:
 docs/sharp-bits.md.
 """
 
@@ -649,6 +640,12 @@ class GradientSync:
         return digest(self._summary + self._low.describe())
 
     # -- a step made without a handshake, as every rank promised ------------------------------
+    # Once every rank has promised, in the words of a step's flags, that its next call is the same
+    # step again (nothing else called on the engine between two steps, the layout unchanged), that
+    # step goes without a handshake, as Horovod's response cache skips its negotiation: a rank
+    # that calls something else first keeps its promise on zeros (`protocol.owe`), and the ranks
+    # that made the step raise `CollectiveMismatchError` at its end (or, where it joins, count it
+    # as joined).
 
     def _may_promise(self) -> bool:
         """Whether this rank promises, in this step's flags, that its next call on the engine is
@@ -888,7 +885,12 @@ class GradientSync:
 
     def reset(self) -> None:
         """Begin a new step (a step whose last backward pass raised midway is completed first,
-        flagged abandoned, so every rank's messages still line up)."""
+        flagged abandoned, so every rank's messages still line up).
+
+        A rank whose backward failed after its gradients began to go out so completes the step's
+        messages at its next `zero_grad()`/`step()`: the other ranks' `step()` raises
+        `RankFailedError` instead of applying an incomplete average.
+        """
         self._reset(None)
 
     def _reset(self, current: NamedParams | None) -> None:
@@ -1008,6 +1010,7 @@ def _adopt(family: Family, grad: torch.Tensor, place: np.ndarray) -> None:
     buffer: the bucket's memory is lent until no gradient uses it). The same tensor object, so
     that whoever holds it sees the result; given only gradients nothing else sees the memory of
     (`_alone`): a flat buffer the user made the gradients views of is written into, as before.
+    Only on engines that move calls on by themselves (Gloo, NCCL; `GradientSync._views`).
     """
     with torch.no_grad():
         values = cast("torch.Tensor", family.adopt(grad, place))  # `place`'s memory itself

@@ -15,15 +15,9 @@ memory. What Gloo lacks against MPI is filled in here, exactly:
   reduce takes a whole allreduce instead, of which this rank keeps its segment.
 - `abort`: Gloo has none. The failing rank prints why and leaves with `os._exit`; the other ranks
   see the connection close and raise `RankFailedError` (`translate_error`).
-- teardown: torch leaves a group's connections open while anything holds the group or one of its
-  work objects, so `close()` (`dp.finalize()`, or the interpreter's exit) destroys the group and
-  lets go of it and of its handles in flight (`GlooHandle.forget`). The connections close, and a
-  peer still in a collective with this process fails at once (`RankFailedError`) instead of
-  waiting out the timeout: an elastic run's survivors rely on it (docs/elastic.md). Letting go
-  of the group joins its worker threads, so it waits for the calls they are in, which may wait
-  on a peer that waits on this process: a broken world's engines are first cut (`sever`: the
-  connections the group made are shut down, and those calls fail), then released side by side
-  (`release()` hands the last step to the caller).
+- teardown: torch leaves a group's connections open while anything holds the group, so `close()`
+  destroys the group and lets go of it: a peer still in a collective with this process fails at
+  once instead of waiting out the timeout.
 
 Joining the group (rendezvous, network interface, a user's own default group): `group.py`.
 """
@@ -757,7 +751,18 @@ class GlooBackend(Backend):
 
     def close(self) -> None:
         """Destroy the Gloo group and let go of it and of the handles in flight, so that its
-        connections close (safe to call twice; also run at interpreter exit)."""
+        connections close (safe to call twice; run by `dp.finalize()` and at interpreter exit).
+
+        torch leaves a group's connections open while anything holds the group or one of its
+        work objects, hence the letting go of the handles too (`GlooHandle.forget`). Once the
+        connections close, a peer still in a collective with this process fails at once
+        (`RankFailedError`) instead of waiting out the timeout: an elastic run's survivors rely
+        on it (docs/elastic.md). Letting go of the group joins its worker threads, so it waits
+        for the calls they are in, which may wait on a peer that waits on this process: a broken
+        world's engines are first cut (`sever`: the connections the group made are shut down,
+        and those calls fail), then released side by side (`release()` hands the last step to
+        the caller).
+        """
         self.release()()
 
     def release(self) -> Callable[[], None]:

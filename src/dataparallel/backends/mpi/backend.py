@@ -1,32 +1,20 @@
 """MPI through mpi4py's buffer interface: upper-case calls only, arrays never go through pickle.
 
 A call in flight is an `MPIHandle`; with a timeout, every wait tests the MPI request until the
-deadline (`wait_request`), so that a peer that never joins raises instead of hanging the job.
+deadline (`wait_request`), so that a peer that never joins raises instead of hanging the job. Its
+buffers are kept until MPI has completed it, even where its caller lets go of it first
+(`Unfinished`).
 
 MPICH waits by polling without pause, a core's worth of CPU for as long as the wait lasts, now and
 then calling `sched_yield`, which gives the core up only to a task that is queued on it. Where a
 machine runs more ranks than it has cores (`crowded`), the rank that waits for a slower one takes
 the core that rank computes on. There the world's engine makes MPICH sleep where it would yield
-(`MPIR_CVAR_ENABLE_HEAVY_YIELD=1`: a `nanosleep`), for every wait of the process, written at run
-time (`library.control`) and put back by `close()`. With a core for each rank the polling costs
-nobody and answers sooner, so it is left. `DATAPARALLEL_MPI_SLEEP=1/0` overrides the choice;
-other MPI libraries, which have no such variable, are left as they are.
+(`MPIBackend.sleep`). With a core for each rank the polling costs nobody and answers sooner, so
+it is left. `DATAPARALLEL_MPI_SLEEP=1/0` overrides the choice; other MPI libraries, which have no
+such variable, are left as they are.
 
-16-bit sums are one call: MPI has no bfloat16, and MPICH's float16 sum is a scalar loop, so, as
-Horovod does, this module registers its own sum (`half_sum`, `MPI.Op.Create`). MPI calls it once
-per piece of the buffer it reduces, never per value, and it adds with `backends/half.py`'s `add16`
-(each sum rounded once to 16 bits, as a native half sum is). The values travel as `UINT16_T`, two
-bytes that MPI only moves. MPICH reduces with a user-defined op by recursive doubling, `log2(p)`
-times the buffer at `p` ranks against a ring's `2 (p - 1) / p`, which is why only SUM goes this
-way: PROD, MIN and MAX keep `half.TwoPhase`. The ops belong to no world: made once per process,
-freed with the caches at `dp.finalize()` (mpi4py has a few dozen slots for user-defined ops).
-
-A call in flight holds its buffers until MPI has completed it, even when its caller lets go of
-it first (an error raised between the start and the wait, an object dropped with a call in
-flight): mpi4py frees a dropped request with `MPI_Request_free`, which lets the call run on, and
-MPI would go on writing into memory that Python has freed, corrupting the heap (a crash later,
-anywhere). `MPIHandle` hands such a call to `Unfinished` instead, which keeps it until MPI says
-it completed.
+16-bit sums are one call, with this module's own op (`half_sum`); PROD, MIN and MAX keep
+`half.TwoPhase`.
 
 The library itself (imported, CUDA-aware or not, able to start under the launcher's PMI):
 `library.py`; the count of calls that makes leaving collective: `board.py`.
@@ -141,6 +129,12 @@ def _cpus() -> set[int]:
 class Unfinished:
     """Calls whose caller let go of them before MPI completed them, kept with their buffers.
 
+    A caller lets go of a call in flight where an error is raised between its start and its
+    wait, or where an object holding it is dropped. mpi4py frees a dropped request with
+    `MPI_Request_free`, which lets the call run on, and MPI would go on writing into memory that
+    Python has freed, corrupting the heap (a crash later, anywhere): `MPIHandle` hands such a
+    call here instead, and it is kept until MPI says it completed.
+
     `keep` takes a request and the buffers MPI reads and writes for it; `release` lets go of
     those MPI has completed. Every call of an engine begins with `release`, so what a program
     drops is let go of at its next call. Module-level and never cleared at `dp.finalize()`: a
@@ -187,7 +181,8 @@ UNFINISHED = Unfinished()
 
 class MPIHandle:
     """An MPI request in flight, and the buffers MPI uses for it; waited for against the
-    engine's timeout. Dropped before its completion was seen, it hands both to `UNFINISHED`."""
+    engine's timeout. Dropped before its completion was seen, it hands both to `UNFINISHED`
+    (`Unfinished` says why)."""
 
     __slots__ = ("_buffers", "_rank", "_request", "_timeout", "_what")
 
@@ -216,7 +211,17 @@ _OPS: dict[WireDtype, MPI.Op] = {}
 
 
 def half_sum(mpi: ModuleType, dtype: WireDtype) -> MPI.Op:
-    """Return the MPI op that sums `dtype` (`"float16"`, `"bfloat16"`) values sent as `UINT16_T`."""
+    """Return the MPI op that sums `dtype` (`"float16"`, `"bfloat16"`) values sent as `UINT16_T`.
+
+    MPI has no bfloat16, and MPICH's float16 sum is a scalar loop, so, as Horovod does, this
+    module registers its own sum (`MPI.Op.Create`). MPI calls it once per piece of the buffer it
+    reduces, never per value, and it adds with `backends/half.py`'s `add16` (each sum rounded once
+    to 16 bits, as a native half sum is). The values travel as `UINT16_T`, two bytes that MPI only
+    moves. MPICH reduces with a user-defined op by recursive doubling, `log2(p)` times the buffer
+    at `p` ranks against a ring's `2 (p - 1) / p`, which is why only SUM goes this way: PROD, MIN
+    and MAX keep `half.TwoPhase`. The ops belong to no world: made once per process, freed with
+    the caches at `dp.finalize()` (mpi4py has a few dozen slots for user-defined ops).
+    """
     op = _OPS.get(dtype)
     if op is None:
         view = np.float16 if dtype == "float16" else np.uint16
@@ -333,7 +338,12 @@ class MPIBackend(Backend):
     def sleep(self) -> None:
         """Make MPICH's waits sleep between polls instead of yielding, for the whole process,
         until this engine closes (the module's docstring says why); no change with an MPI
-        library that has no such variable."""
+        library that has no such variable.
+
+        MPICH's `MPIR_CVAR_ENABLE_HEAVY_YIELD=1` makes every wait of the process call
+        `nanosleep` where it would call `sched_yield`; it is written at run time
+        (`library.control`) and put back by `close()`.
+        """
         if self._slept is None:
             self._slept = control(self._mpi, SLEEP_VARIABLE, 1)
         self.sleeps = self._slept is not None
