@@ -22,6 +22,7 @@ ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -117,6 +118,7 @@ class Hierarchy:
         host = labels.index(hosts[rank])
         self.local_rank = members[host].index(rank)
         self.local, self.across = local_groups[host], across_groups[self.local_rank]
+        self._groups = [self.local, self.across]  # this rank's: `close` destroys them
         self._peers = members[host]  # the global ranks of this host, by local rank
         self._hosts = len(labels)
         # The two lanes (`start`): started with the first call, ended by `close`.
@@ -176,10 +178,20 @@ class Hierarchy:
         return carried
 
     def close(self) -> None:
-        """End the lanes once the calls queued before are done (safe to call twice)."""
-        if self._lanes:
+        """End the lanes once the calls queued before are done, then destroy this rank's two
+        groups, as the engine destroys its own, while the interpreter is whole: a Gloo group
+        left to the interpreter's teardown can abort the process there. Safe to call twice; on
+        a broken world, after the engine's `sever` (the lanes' calls then fail at once)."""
+        lanes, self._lanes = self._lanes, []
+        if lanes:
             self._inside.put(None)
-            self._lanes = []
+            for lane in lanes:
+                lane.join()
+        if self._groups:
+            for group in self._groups:
+                with contextlib.suppress(ValueError, RuntimeError):  # gone with torch's default
+                    self._dist.destroy_process_group(group)
+            self._groups = []
 
     def _bounds(self, n: int) -> list[int]:
         """Where each local rank's slice of an `n`-element buffer begins, and the end."""
