@@ -68,9 +68,11 @@ __all__ = [
     "Heartbeats",
     "address_key",
     "changing_world",
+    "client",
     "follows",
     "heartbeat_key",
     "notice_key",
+    "popped",
     "publish_address",
     "watch",
 ]
@@ -204,12 +206,31 @@ def _stop_watching(client: Store, me: str) -> None:
         thread.join(timeout=2 * CALL_TIMEOUT + PROBE_INTERVAL)
 
 
-def _client(store_at: tuple[str, int], seconds: float = CALL_TIMEOUT) -> Store:
+def client(store_at: tuple[str, int], seconds: float = CALL_TIMEOUT) -> Store:
+    """A client of the store at `store_at` whose calls wait at most `seconds`."""
     from dataparallel.backends.gloo.group import import_torch_distributed
 
     dist = import_torch_distributed()
     timeout = datetime.timedelta(seconds=seconds)
     return dist.TCPStore(*store_at, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def popped(store: Store, queue: str) -> Iterator[bytes]:
+    """Each value pushed onto the store's `queue`, as it comes, until an empty value (the
+    waiter's end), through `store`, a client that only waits there (`client(..., FOLLOW_WAIT)`);
+    raises RuntimeError where the store is gone. The launcher's split reports (`SPLITS`) and a
+    worker's notices (`notice_key`)."""
+    from dataparallel.backends.gloo.group import import_torch_distributed
+
+    dist = import_torch_distributed()
+    while True:
+        try:
+            value = bytes(store.queue_pop(queue))
+        except dist.DistStoreError:  # nothing for a day: wait again
+            continue
+        if not value:
+            return
+        yield value
 
 
 def _follow(
@@ -220,18 +241,11 @@ def _follow(
 ) -> None:
     """Wait for each round the launcher opens after `generation` naming workers lost by their
     link (its notice), and cut the connections to those of this worker's world."""
-    from dataparallel.backends.gloo.group import import_torch_distributed
-
-    dist = import_torch_distributed()
     try:
-        store = _client(store_at, FOLLOW_WAIT)
-        while not _stop.is_set():
-            try:
-                notice = bytes(store.queue_pop(notice_key(me)))
-            except dist.DistStoreError:  # no round for a day: wait again
-                continue
-            if not notice or _stop.is_set():
-                return  # this worker's own notice: it is exiting
+        store = client(store_at, FOLLOW_WAIT)
+        for notice in popped(store, notice_key(me)):  # until this worker's own, at exit
+            if _stop.is_set():
+                return
             said = json.loads(notice)
             if said["round"] > generation:  # else a round before this worker's first world
                 _cut(store, store_at, said["round"], said["lost"], world)
@@ -264,7 +278,7 @@ def _cut(
 def _beat(store_at: tuple[str, int], key: str) -> None:
     """Add to this worker's heartbeat counter every `BEAT` seconds until exit, then say it left."""
     try:
-        store = _client(store_at)
+        store = client(store_at)
         while not _stop.wait(BEAT):
             store.add(key, 1)
         store.set(key, LEFT.decode())

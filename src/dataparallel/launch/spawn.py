@@ -506,22 +506,10 @@ class _Job:
     def _listen(self) -> None:
         """Hand each report of a split to the loop as it comes, and wake the loop; end at the
         empty report that `close` pushes (or when the store is gone)."""
-        from dataparallel.backends.gloo.group import import_torch_distributed
-        from dataparallel.elastic.liveness import FOLLOW_WAIT, SPLITS
+        from dataparallel.elastic.liveness import FOLLOW_WAIT, SPLITS, client, popped
 
-        dist = import_torch_distributed()
-        wait = datetime.timedelta(seconds=FOLLOW_WAIT)
         try:
-            store = dist.TCPStore(
-                "127.0.0.1", self.store.port, is_master=False, timeout=wait, wait_for_workers=False
-            )
-            while True:
-                try:
-                    report = bytes(store.queue_pop(SPLITS))
-                except dist.DistStoreError:  # no report for a day: wait again
-                    continue
-                if not report:
-                    return
+            for report in popped(client(("127.0.0.1", self.store.port), FOLLOW_WAIT), SPLITS):
                 self.reports.put(json.loads(report))
                 self.exits.put(_WAKE)
         except RuntimeError:  # the store is gone: the run is ending
