@@ -52,7 +52,7 @@ from dataparallel.backends.base import (
 )
 from dataparallel.backends.connections import found_lost, shut_down
 from dataparallel.backends.gloo.group import gloo_group, join_group
-from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Carried, Hierarchy
+from dataparallel.backends.gloo.hierarchy import IN_FLIGHT, MIN_BYTES, Hierarchy
 from dataparallel.backends.rendezvous import remove_if_every_store_left
 from dataparallel.config import LINK_TIMEOUT_VARIABLE, Settings
 from dataparallel.errors import CollectiveTimeoutError, LinkLostError, RankFailedError
@@ -310,7 +310,7 @@ class GlooBackend(Backend):
             ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX,
         }
-        self._options: dict[tuple[object, bool], AllreduceOptions] = {}  # `_all_reduce`'s
+        self._options: dict[object, AllreduceOptions] = {}  # `_reduce_in_flight`'s
         atexit.register(self.close)
 
     @property
@@ -382,19 +382,17 @@ class GlooBackend(Backend):
     # -- reductions --------------------------------------------------------------------------
 
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
+        """`iallreduce`'s call, waited for."""
         buf = writable(flat(buf, "allreduce"), "allreduce")
         if buf.dtype.kind == "c" and op is ReduceOp.PROD:
             buf[...] = self._gathered_product(buf)
             return
         wire, finish = wire_for(buf, op)
-        if self._hierarchical(wire):
-            tensor = self._torch.from_numpy(wire)
-            try:
-                self._in_steps("allreduce", tensor, op).wait()
-            except RuntimeError as exc:
-                raise translate_error(exc, "allreduce", self.rank) from exc
-        else:
-            self._call("allreduce", self._dist.all_reduce, wire, op=self._ops[op])
+        work = self._reduce_in_flight("allreduce", self._torch.from_numpy(wire), op, wire.nbytes)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise translate_error(exc, "allreduce", self.rank) from exc
         if finish is not None:
             finish()
 
@@ -405,7 +403,7 @@ class GlooBackend(Backend):
             return DoneHandle()
         wire, finish = wire_for(buf, op)
         tensor = self._torch.from_numpy(wire)
-        work = self._reduce_in_flight(tensor, op, self._hierarchical(wire))
+        work = self._reduce_in_flight("iallreduce", tensor, op, wire.nbytes)
         return GlooHandle(self, work, (wire, tensor), finish)
 
     def iallreduce_half(self, buf: HostBuffer, op: ReduceOp, dtype: WireDtype) -> Handle:
@@ -414,44 +412,37 @@ class GlooBackend(Backend):
             return self.iallreduce(buf, op)
         bits = writable(flat(buf, "iallreduce"), "iallreduce")
         tensor = self._torch.from_numpy(bits.view(np.int16)).view(self._torch.bfloat16)
-        work = self._reduce_in_flight(tensor, op, self._hierarchical(bits))
+        work = self._reduce_in_flight("iallreduce", tensor, op, bits.nbytes)
         return GlooHandle(self, work, (bits, tensor), None)
 
-    def _hierarchical(self, wire: np.ndarray) -> bool:
-        return self.hierarchy is not None and wire.nbytes >= MIN_BYTES
-
-    def _in_steps(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> Carried:
-        assert self.hierarchy is not None
-        self._refuse_if_closed(what)
+    def _reduce_in_flight(self, what: str, tensor: torch.Tensor, op: ReduceOp, nbytes: int) -> Work:
+        """Start an allreduce of `tensor` (`nbytes` long): the hierarchy's three steps where it
+        takes buffers of that size, else one ring, the group's own call where the group is named
+        (torch's default group is found by `dist.all_reduce`): what torch's function checks
+        first (a group this rank is not in, a coalescing block, torch function modes) concerns
+        no call this engine makes, and a bucket's launch would pay for it at every step.
+        Complex values go as pairs of reals, as torch sends them. One frame from the caller to
+        Gloo: every bucket of every step comes this way."""
+        group = self.group  # before the check: `release` on another thread sets None after it
+        if self._closed:  # its group is gone: None would name torch's default group
+            self._refuse_if_closed(what)
+        reduce_op = self._ops[op]
         try:
-            return self.hierarchy.start(tensor, self._ops[op])
+            if self.hierarchy is not None and nbytes >= MIN_BYTES:
+                # `Carried` has the two methods of a torch work object that handles call
+                return self.hierarchy.start(tensor, reduce_op)  # type: ignore[return-value]
+            if group is None:
+                return self._dist.all_reduce(tensor, op=reduce_op, async_op=True)
+            if tensor.is_complex():
+                tensor = self._torch.view_as_real(tensor)
+            options = self._options.get(reduce_op)
+            if options is None:  # the group copies them into each call: made once
+                options = self._options[reduce_op] = self._dist.AllreduceOptions()
+                options.reduceOp = reduce_op
+                options.asyncOp = True
+            return group.allreduce([tensor], options)
         except RuntimeError as exc:
             raise translate_error(exc, what, self.rank) from exc
-
-    def _reduce_in_flight(self, tensor: torch.Tensor, op: ReduceOp, stepped: bool) -> Work:
-        """Start an allreduce of `tensor`: one ring, or the hierarchy's three steps."""
-        if stepped:  # `Carried` has the two methods of a torch work object that handles call
-            return self._in_steps("iallreduce", tensor, op)  # type: ignore[return-value]
-        return self._start("iallreduce", self._all_reduce, tensor, op=self._ops[op])
-
-    def _all_reduce(
-        self, tensor: torch.Tensor, *, group: ProcessGroup | None, op: object, async_op: bool
-    ) -> Work:
-        """`dist.all_reduce`, made as the group's own call where the group is named (torch's
-        default group is found by `dist`): what torch's function checks first (a group this
-        rank is not in, a coalescing block, torch function modes) concerns no call this engine
-        makes, and a bucket's launch would pay for it at every step. Complex values go as pairs
-        of reals, as torch sends them."""
-        if group is None:
-            return self._dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        if tensor.is_complex():
-            tensor = self._torch.view_as_real(tensor)
-        options = self._options.get((op, async_op))
-        if options is None:  # the group copies them into each call: made once
-            options = self._options[op, async_op] = self._dist.AllreduceOptions()
-            options.reduceOp = op
-            options.asyncOp = async_op
-        return group.allreduce([tensor], options)
 
     def reduce(self, buf: Buffer, op: ReduceOp, root: int) -> None:
         buf = flat(buf, "reduce")
