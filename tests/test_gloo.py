@@ -376,6 +376,18 @@ def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other() -> None:
         assert "RAISED RankFailedError" in stdout, (rank, stdout, stderr)
 
 
+@pytest.mark.spawns
+def test_a_program_that_ends_with_the_library_threads_busy_exits_cleanly() -> None:
+    """Every rank ends without dp.finalize() while the communication thread is inside torch's
+    calls and the hierarchy's lanes are started: the library's exit hook ends them before the
+    interpreter finalizes, where a thread taking the GIL back aborts the process ("terminate
+    called without an active exception", -6; without the hook, every rank did)."""
+    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
+    for status, stdout, stderr in run_ranks([worker("busy", "--no-finalize")] * 4, envs):
+        assert "LEFT" in stdout, stdout + stderr
+        assert status == 0 and "terminate called" not in stderr, f"{status}:\n{stderr}"
+
+
 class _Groups:
     """A stand-in for torch.distributed that records the groups `Hierarchy.build` makes."""
 

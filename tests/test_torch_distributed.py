@@ -142,6 +142,18 @@ def test_a_torchrun_script_runs_under_dataparallel_run(backend: str, n: int) -> 
     assert sorted(_lines(done.stdout, "dp")) == list(range(n)), done.stdout
 
 
+@pytest.mark.parametrize(("backend", "n"), [ENGINES[0], ENGINES[3]])
+def test_a_script_that_leaves_its_group_has_it_destroyed_at_exit(backend: str, n: int) -> None:
+    """A torchrun script that never destroys its group: `dataparallel run` destroys it at exit,
+    while the interpreter is whole (a Gloo worker freeing its last call at the interpreter's
+    finalization aborts the rank: `runner._destroy_torch_group`), and the rank exits 0."""
+    done = run_job(["torchrun_plain.py", "--leave-group"], ranks=n, backend=backend, cwd=SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _lines(done.stdout, "exit") == {
+        r: {"rank": str(r), "initialized": "True"} for r in range(n)
+    }, done.stdout
+
+
 @needs_mpi
 def test_init_process_group_after_dp_initialize_makes_the_programs_own_group() -> None:
     """A Horovod program's `hvd.init()` then `dist.init_process_group()`: the program's group

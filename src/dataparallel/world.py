@@ -4,6 +4,7 @@ and the calls that read it. What `initialize` checks and installs around the eng
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import dataclasses
@@ -307,6 +308,9 @@ def initialize(
         break
     if settings.timeline:
         _world.recording = Timeline(settings.timeline, made.rank, made.size)
+    # After the exit hooks of the engine (`create`) and the timeline, so that it runs first.
+    atexit.unregister(_finalize_at_exit)
+    atexit.register(_finalize_at_exit)
     if made.size > 1:
         _abort_on_uncaught_exceptions(made)
     _world.restore_excepthook = excepthook_restorer(hook_before)
@@ -326,7 +330,8 @@ def initialized() -> bool:
 
 
 def finalize() -> None:
-    """Wait for requests in flight, then tear the process group down. Safe to call twice.
+    """Wait for requests in flight, then tear the process group down. Safe to call twice; run at
+    the interpreter's exit for a program that did not call it (`_finalize_at_exit`).
 
     In order: the requests in flight are waited for, the communication thread is stopped, the
     timeline closed, the private duplicates of the engines (`World.private`), the groups' engines
@@ -356,6 +361,24 @@ def finalize() -> None:
     first = _end(world, steps)
     if first is not None:
         raise first
+
+
+def _finalize_at_exit() -> None:
+    """`finalize`, at the interpreter's exit, for a program that ended without calling it.
+
+    Every thread the world started must have ended before the interpreter finalizes: from then
+    on CPython (3.11, 3.12) ends a thread that takes the GIL back with `pthread_exit`, whose
+    unwinding through a C++ destructor on the thread's stack calls `std::terminate` ("terminate
+    called without an active exception", exit status -6). torch takes the GIL back in
+    destructors: at the end of every call that let it go (pybind11's `gil_scoped_release`),
+    and when it frees a tensor (it lets the GIL go meanwhile, and a tensor made from NumPy
+    memory, as every buffer of the engines is, takes it again to free that). So the
+    communication thread still running a job, or only dropping its last one, once the
+    interpreter finalizes, aborts the process after its work is done; `finalize`
+    joins it, and the hierarchy's lanes (`Hierarchy.close`), before closing the engines, in that
+    order, while the interpreter is whole. The engines' own exit hooks cannot: each closes one
+    engine, and none knows the thread that uses it."""
+    finalize()
 
 
 def abandon() -> None:

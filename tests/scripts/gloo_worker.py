@@ -22,6 +22,10 @@ Scenarios:
            how many went through the hierarchy's three steps (`backends/gloo/hierarchy.py`)
   lost     local rank 1 of the first host dies inside a hierarchical allreduce, at its first
            lane's step inside the host; the others report what their allreduce raised
+  busy     a hierarchical allreduce (where the world has a hierarchy: its lanes run), then a job
+           left running on the communication thread, torch calls that each let the GIL go until
+           the world is finalized; run with --no-finalize: the program ends as it is and
+           prints `LEFT` first
 
 With --meet DIR (and --rank, --world-size), each rank imports torch.distributed, notes DIR/R, and
 waits for every rank's note before `dp.initialize()`: a short DATAPARALLEL_TIMEOUT then covers
@@ -42,14 +46,22 @@ import dataparallel as dp
 from dataparallel.backends.base import ReduceOp
 
 BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
+SCENARIOS = (
+    "basic",
+    "abort",
+    "timeout",
+    "leave",
+    "existing",
+    "train",
+    "hierarchy",
+    "lost",
+    "busy",
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "scenario",
-        choices=("basic", "abort", "timeout", "leave", "existing", "train", "hierarchy", "lost"),
-    )
+    parser.add_argument("scenario", choices=SCENARIOS)
     parser.add_argument("--init-method")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world-size", type=int)
@@ -88,6 +100,8 @@ def main() -> None:
         sys.stdout.flush()
     elif args.scenario == "lost":
         lost(backend)
+    elif args.scenario == "busy":
+        busy()
     else:
         dp.barrier()
         held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None
@@ -183,6 +197,32 @@ def hierarchy(backend: object) -> dict[str, object]:
     result["train overlap"] = opt.gradient_sync.overlap
     result["train staged"] = staged - result["staged"]  # type: ignore[operator]
     return result
+
+
+def busy() -> None:
+    """Leave the lanes started and the communication thread inside torch's calls, as a program
+    that ends right after its last step may: each call lets the GIL go and takes it back, which
+    aborts the process once the interpreter finalizes, unless the library ends the thread first
+    (its exit hook). The job ends when the world is finalized, and only then."""
+    import threading
+
+    import torch
+
+    from dataparallel import world
+    from dataparallel.backends.gloo import hierarchy
+
+    dp.allreduce(np.ones(2 * hierarchy.MIN_BYTES // 4, np.float32))  # over the threshold
+    x = torch.ones(64, 64)
+    started = threading.Event()
+
+    def job() -> None:
+        started.set()
+        while dp.initialized():
+            torch.mm(x, x)
+
+    world.current().comm_thread.submit(job)
+    started.wait()
+    print("LEFT", flush=True)
 
 
 def lost(backend: object) -> None:

@@ -127,9 +127,7 @@ if __name__ == "__main__":
             **COMMON,  # type: ignore[arg-type]
         )
         fit(trainer, which, trainer.global_rank, trainer.world_size)
-        # torch's documented shutdown: a Gloo group left to the interpreter's teardown may abort
-        # the process ("terminate called without an active exception", pytorch/pytorch#190489),
-        # seen once in this file's two-node job while rank 0 still fitted its reference.
-        torch.distributed.destroy_process_group()
+        # The group is left to `dataparallel run`, as a plain script leaves it (its exit hook
+        # destroys it: `launch/runner.py`).
     else:
         optimizer_fit(which)

@@ -1,6 +1,8 @@
 """A torchrun script, unchanged: torchrun's variables and its own init_process_group (env://).
 
 With `--dp-after`, it then calls dp.initialize() too, which joins the group the script made.
+With `--leave-group`, it ends without destroying its group, and prints `exit rank=R` when
+`destroy_process_group()` is called after its end (by `dataparallel run`'s exit hook).
 """
 
 import os
@@ -33,4 +35,13 @@ if "--dp-after" in sys.argv:
     say(f"dp rank={dp.rank()} size={dp.size()} sum={total[0]:g}")
     dp.finalize()
     assert dist.is_initialized(), "dp.finalize() destroyed the script's own group"
-dist.destroy_process_group()
+if "--leave-group" in sys.argv:
+    destroy = dist.destroy_process_group
+
+    def noted(group: dist.ProcessGroup | None = None) -> None:
+        say(f"exit rank={rank} initialized={dist.is_initialized()}")
+        destroy(group)
+
+    dist.destroy_process_group = noted
+else:
+    dist.destroy_process_group()

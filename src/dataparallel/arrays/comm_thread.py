@@ -4,7 +4,9 @@
 time, in the order they were submitted. Every rank submits the same jobs in the same order, so the
 calls stay aligned across ranks. What a job raises is kept on it and re-raised by `Job.wait()` on
 the caller's thread; the jobs after it still run (`Router` skips the rest of a failed step). The
-thread starts on the first `submit` and is joined by `close()` (`dp.finalize()`).
+thread starts on the first `submit` and is joined by `close()` (`dp.finalize()`, run at exit too:
+a thread of torch calls still running as the interpreter finalizes aborts the process,
+`world._finalize_at_exit`).
 
 `Router`, the engine under `GradientSync`, sends a step's buckets on a private duplicate of the
 caller's engine (`Privates`, `World.private`), so that collectives the program makes meanwhile on

@@ -7,9 +7,11 @@ exception prints its traceback once, prefixed with the rank, and aborts the job
 (`MPI.COMM_WORLD.Abort`, or a non-zero exit on which the launcher stops the others); Ctrl-C
 prints `[rank R] KeyboardInterrupt` and leaves with 130 without aborting (the launcher signalled
 every rank), even for a rank blocked in an engine's C code where Python sees no signal
-(`_Interrupts`); a normal exit runs `dp.finalize()`. torchrun's variables are set before the
-script runs, under MPI too, so a torchrun script runs unchanged; the run folder gets notes of how
-each rank ended (`dataparallel.runnotes`). Exit statuses: docs/launching.md.
+(`_Interrupts`); a normal exit runs `dp.finalize()`, and at the interpreter's exit destroys
+torch's default process group where the script left it (`_destroy_torch_group`). torchrun's
+variables are set before the script runs, under MPI too, so a torchrun script runs unchanged; the
+run folder gets notes of how each rank ended (`dataparallel.runnotes`). Exit statuses:
+docs/launching.md.
 
 Under an MPI launcher MPI is initialized *before* the script runs (mpi4py's defaults, so
 `MPI_THREAD_MULTIPLE`): a rank that fails before its own `dp.initialize()` could not abort the job
@@ -27,8 +29,10 @@ Options (before the script):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import gc
 import os
 import runpy
 import select
@@ -542,6 +546,26 @@ def _finalize_world() -> None:
         world.finalize()
 
 
+def _destroy_torch_group() -> None:
+    """Destroy torch's default process group where the script left it (a plain torch or
+    Lightning script: `destroy_process_group()` is torch's documented shutdown), and collect
+    it, while the interpreter is whole; an exit hook registered before the script runs, so it
+    comes after the script's own.
+
+    A Gloo group's worker threads free each finished call's work object, whose thread-local
+    state holds a Python object: freeing it takes the GIL. Once the interpreter finalizes,
+    CPython (3.11, 3.12) ends a thread that takes the GIL with `pthread_exit`, and its unwinding
+    through torch's destructors calls `std::terminate` ("terminate called without an active
+    exception", status 134): a rank whose last collective's work a worker had not freed yet
+    aborted after its script succeeded. The group destroyed, its last reference gone (the
+    collection), its threads are joined here."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def _watch_os_exit(run_dir: str, rank: int) -> None:
     """Make `os._exit` in this process note that the rank left before its script finished."""
     pid = os.getpid()
@@ -592,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         hold_alive(run_dir, rank)  # open until this process ends
         _watch_os_exit(run_dir, rank)
     _Interrupts(rank, options.prefixed, run_dir).start()
+    atexit.register(_destroy_torch_group)
     code, peer_gone = _guarded(lambda: _run(options), options.prefixed)
     interrupted = code == _INTERRUPTED
     if code == 0:

@@ -178,10 +178,14 @@ class Hierarchy:
         return carried
 
     def close(self) -> None:
-        """End the lanes once the calls queued before are done, then destroy this rank's two
-        groups, as the engine destroys its own, while the interpreter is whole: a Gloo group
-        left to the interpreter's teardown can abort the process there. Safe to call twice; on
-        a broken world, after the engine's `sever` (the lanes' calls then fail at once)."""
+        """End the lanes once the calls queued before are done, and wait for them, then destroy
+        this rank's two groups, as the engine destroys its own. Safe to call twice; on a broken
+        world, after the engine's `sever` (the lanes' calls then fail at once).
+
+        A lane must have ended before the interpreter finalizes: one that only drops its last
+        call then (its tensor, whose freeing lets the GIL go and takes it back) is ended by
+        CPython inside torch's destructor, which aborts the process ("terminate called without
+        an active exception"; `world._finalize_at_exit`)."""
         lanes, self._lanes = self._lanes, []
         if lanes:
             self._inside.put(None)
