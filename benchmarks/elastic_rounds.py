@@ -36,8 +36,10 @@ get: the look as it was, written here), and *one*, the library's (`Heartbeats.si
 `multi_get` for every worker heard). Every worker's follower and beat run as in *notified*; the
 launcher's ear is a process of its own (as the launcher is; in this one it would share the
 interpreter's lock with a thousand threads), looking every 0.1 s from before the round to its
-end. Printed per N and case: the membership and the rendezvous, and the median look idle (the
-followers beating, before the round) and during the round.
+end; the two in turn, the first of each pair swapped every repeat (each round's keys stay in
+the store, which the later rounds find fuller). Printed per N and case: the membership and the
+rendezvous, and the median look idle (the followers beating, before the round) and during the
+round.
 """
 
 from __future__ import annotations
@@ -123,7 +125,17 @@ class Followers:
     """`n` followers (`case` "polled" or "notified") of the workers `members`, running until
     `stop`."""
 
-    def __init__(self, port: int, members: list[str], generation: int, case: str) -> None:
+    def __init__(
+        self,
+        port: int,
+        members: list[str],
+        generation: int,
+        case: str,
+        master: dist.TCPStore | None = None,
+    ) -> None:
+        """With `master`, the followers start 16 at a time, each 16 once beating: hundreds of
+        clients connecting at once overflow the store's backlog, and some wait seconds (or
+        give up) before they beat."""
         self.case, self.members, self.port = case, members, port
         self.stop = threading.Event()
         at = ("127.0.0.1", port)
@@ -136,8 +148,17 @@ class Followers:
                 targets.append((liveness._follow, (at, generation, lambda: (-1, ()), me)))
                 targets.append((liveness._beat, (at, liveness.heartbeat_key(me))))
         self.threads = [threading.Thread(target=t, args=a, daemon=True) for t, a in targets]
-        for thread in self.threads:
-            thread.start()
+        step = 32 if master is not None and case == "notified" else len(self.threads)
+        for first in range(0, len(self.threads), step):
+            for thread in self.threads[first : first + step]:
+                thread.start()
+            if master is not None and case == "notified":
+                beats = [liveness.heartbeat_key(m) for m in members[first // 2 : first // 2 + 16]]
+                guard = time.monotonic() + 60
+                while not master.check(beats):
+                    if time.monotonic() > guard:
+                        raise RuntimeError(f"followers not beating after 60 s: {beats}")
+                    time.sleep(0.01)
 
     def close(self, master: dist.TCPStore) -> None:
         self.stop.set()
@@ -298,14 +319,11 @@ def with_looks(master: dist.TCPStore, sizes: list[int], repeats: int) -> None:
         return list(json.loads(looker.stdout.readline()))
 
     generation = 1
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for n in sizes:
-            for case in cases:
+            for case in cases if repeat % 2 == 0 else cases[::-1]:  # ABBA: the store grows
                 members = [f"l{generation}-{i}" for i in range(n)]
-                followers = Followers(master.port, members, generation - 1, "notified")
-                beats = [liveness.heartbeat_key(m) for m in members]
-                while not master.check(beats):  # every follower connected and beating
-                    time.sleep(0.05)
+                followers = Followers(master.port, members, generation - 1, "notified", master)
                 time.sleep(0.2)
                 tell("watch " + json.dumps({"case": case, "workers": members}))
                 report()  # the looks before
