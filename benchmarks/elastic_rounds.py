@@ -29,6 +29,17 @@ a member, count in the membership. Printed per N and case:
 the membership and the rendezvous (watched store) as above, and how long one look of the
 launcher's at every worker's heartbeat takes (`liveness.Heartbeats.silent`, which its loop makes
 every 0.1 s), median of 5 looks while the followers run.
+
+`--looks` asks what the launcher's look at the heartbeats costs the same rounds, the way it reads
+them in turn (per N, per repeat): *each*, one round trip a worker (a check where not heard yet, a
+get: the look as it was, written here), and *one*, the library's (`Heartbeats.silent`: one
+`multi_get` for every worker heard). Every worker's follower and beat run as in *notified*; the
+launcher's ear is a process of its own (as the launcher is; in this one it would share the
+interpreter's lock with a thousand threads), looking every 0.1 s from before the round to its
+end; the two in turn, the first of each pair swapped every repeat (each round's keys stay in
+the store, which the later rounds find fuller). Printed per N and case: the membership and the
+rendezvous, and the median look idle (the followers beating, before the round) and during the
+round.
 """
 
 from __future__ import annotations
@@ -37,7 +48,10 @@ import argparse
 import datetime
 import json
 import os
+import select
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -111,7 +125,17 @@ class Followers:
     """`n` followers (`case` "polled" or "notified") of the workers `members`, running until
     `stop`."""
 
-    def __init__(self, port: int, members: list[str], generation: int, case: str) -> None:
+    def __init__(
+        self,
+        port: int,
+        members: list[str],
+        generation: int,
+        case: str,
+        master: dist.TCPStore | None = None,
+    ) -> None:
+        """With `master`, the followers start 16 at a time, each 16 once beating: hundreds of
+        clients connecting at once overflow the store's backlog, and some wait seconds (or
+        give up) before they beat."""
         self.case, self.members, self.port = case, members, port
         self.stop = threading.Event()
         at = ("127.0.0.1", port)
@@ -124,8 +148,17 @@ class Followers:
                 targets.append((liveness._follow, (at, generation, lambda: (-1, ()), me)))
                 targets.append((liveness._beat, (at, liveness.heartbeat_key(me))))
         self.threads = [threading.Thread(target=t, args=a, daemon=True) for t, a in targets]
-        for thread in self.threads:
-            thread.start()
+        step = 32 if master is not None and case == "notified" else len(self.threads)
+        for first in range(0, len(self.threads), step):
+            for thread in self.threads[first : first + step]:
+                thread.start()
+            if master is not None and case == "notified":
+                beats = [liveness.heartbeat_key(m) for m in members[first // 2 : first // 2 + 16]]
+                guard = time.monotonic() + 60
+                while not master.check(beats):
+                    if time.monotonic() > guard:
+                        raise RuntimeError(f"followers not beating after 60 s: {beats}")
+                    time.sleep(0.01)
 
     def close(self, master: dist.TCPStore) -> None:
         self.stop.set()
@@ -205,17 +238,150 @@ def with_followers(master: dist.TCPStore, sizes: list[int], repeats: int) -> Non
             print(f"| {n} | {case} | {cells[0]:.1f} ms | {cells[1]:.1f} ms | {cells[2]:.2f} ms |")
 
 
+class EachHeartbeats(liveness.Heartbeats):
+    """The launcher's look as it was: a round trip a worker (and a check before a worker is
+    heard)."""
+
+    def silent(self, store: dist.Store, workers: list[str]) -> dict[str, float]:  # type: ignore[override]
+        now = time.monotonic()
+        quiet = {}
+        for worker in workers:
+            key = liveness.heartbeat_key(worker)
+            heard = self._heard.get(worker)
+            if worker in self._done or (heard is None and not store.check([key])):
+                continue
+            value = bytes(store.get(key))
+            if value == liveness.LEFT:
+                self._done.add(worker)
+            elif heard is None or value != heard[0]:
+                self._heard[worker] = (value, now)
+            elif now - heard[1] >= self.limit:
+                quiet[worker] = now - heard[1]
+                self._done.add(worker)
+        return quiet
+
+
+def ear(port: int) -> None:
+    """`--ear PORT`: the launcher's look at the heartbeats, in a process of its own, every 0.1 s
+    at the workers of the last `watch` line on stdin (JSON: case and workers); `report` prints
+    the looks' seconds since the last report (JSON) and starts anew; end of input ends it."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    looking: liveness.Heartbeats | None = None
+    workers: list[str] = []
+    looks: list[float] = []
+    pending = b""  # what stdin said, not yet a whole line
+    print("ready", flush=True)
+    due = time.monotonic()
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], max(0.0, due - time.monotonic()))
+        if ready:
+            said = os.read(sys.stdin.fileno(), 65536)
+            if not said:
+                return
+            *lines, pending = (pending + said).split(b"\n")
+            for line in lines:
+                if line.startswith(b"watch "):
+                    told = json.loads(line[len(b"watch ") :])
+                    kind = EachHeartbeats if told["case"] == "each" else liveness.Heartbeats
+                    looking, workers = kind(3600.0), told["workers"]
+                elif line == b"report":
+                    print(json.dumps(looks), flush=True)
+                    looks = []
+            continue
+        due = max(due + 0.1, time.monotonic() - 0.1)
+        if looking is not None:
+            begun = time.perf_counter()
+            looking.silent(store, workers)
+            looks.append(time.perf_counter() - begun)
+
+
+def with_looks(master: dist.TCPStore, sizes: list[int], repeats: int) -> None:
+    """`--looks`: rounds with the launcher's ear looking beside them, by case in turn."""
+    cases = ["each", "one"]
+    runs: dict[tuple[int, str], list[tuple[float, float, float, float | None]]] = {}
+    looker = subprocess.Popen(
+        [sys.executable, __file__, "--ear", str(master.port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert looker.stdin is not None and looker.stdout is not None
+    assert looker.stdout.readline() == "ready\n"
+
+    def tell(line: str) -> None:
+        assert looker.stdin is not None
+        looker.stdin.write(line + "\n")
+        looker.stdin.flush()
+
+    def report() -> list[float]:
+        tell("report")
+        assert looker.stdout is not None
+        return list(json.loads(looker.stdout.readline()))
+
+    generation = 1
+    for repeat in range(repeats):
+        for n in sizes:
+            for case in cases if repeat % 2 == 0 else cases[::-1]:  # ABBA: the store grows
+                members = [f"l{generation}-{i}" for i in range(n)]
+                followers = Followers(master.port, members, generation - 1, "notified", master)
+                time.sleep(0.2)
+                tell("watch " + json.dumps({"case": case, "workers": members}))
+                report()  # the looks before
+                time.sleep(0.65)
+                idle = report()[1:]  # the first look checks every worker, once
+                formed, meshed = one_round(master, generation, n, members=members, notify=True)
+                busy = report()
+                tell("watch " + json.dumps({"case": case, "workers": []}))
+                followers.close(master)
+                runs.setdefault((n, case), []).append(
+                    (
+                        formed,
+                        meshed,
+                        statistics.median(idle),
+                        statistics.median(busy) if busy else None,
+                    )
+                )
+                generation += 1
+    looker.stdin.close()
+    looker.wait()
+    print(
+        "rounds of N simulated workers (threads) with the launcher's ear looking, "
+        f"median of {repeats} each"
+    )
+    print(
+        "| workers | the launcher's look | membership | rendezvous | a look, idle "
+        "| a look, in the round |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n in sizes:
+        for case in cases:
+            r = runs[(n, case)]
+            cells = [f"{statistics.median(x[k] for x in r) * 1e3:.1f} ms" for k in range(2)]
+            cells.append(f"{statistics.median(x[2] for x in r) * 1e3:.2f} ms")
+            busy = [x[3] for x in r if x[3] is not None]  # none where the round was quicker
+            cells.append(f"{statistics.median(busy) * 1e3:.2f} ms" if busy else "-")
+            print(f"| {n} | {case} | {' | '.join(cells)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="8,32,64,128,256")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--followers", action="store_true", help="idle followers beside")
+    parser.add_argument("--looks", action="store_true", help="the launcher's looks beside")
+    parser.add_argument("--ear", type=int, help=argparse.SUPPRESS)  # --looks' own process
     args = parser.parse_args()
+    if args.ear is not None:
+        ear(args.ear)
+        return
     sizes = [int(n) for n in args.workers.split(",")]
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     one_round(master, 0, sizes[0])  # warm-up: the store's and the clients' first connections
     if args.followers:
         with_followers(master, sizes, args.repeats)
+        return
+    if args.looks:
+        with_looks(master, sizes, args.repeats)
         return
     generation = 1
     watched: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}

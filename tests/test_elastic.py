@@ -672,6 +672,26 @@ def test_heartbeats_find_a_worker_silent_for_the_link_timeout() -> None:
     assert 0.3 <= said["w1"] <= time.monotonic() - begun + 0.3
     store.add(heartbeat_key("w1"), 1)  # beats again (a stalled worker): said once only
     assert ear.silent(store, workers) == {}
+    # One round trip reads every counter heard before; one not yet heard is checked first.
+    counted = _Counted(store)
+    store.add(heartbeat_key("w2"), 1)  # w2 begins to beat
+    assert ear.silent(counted, workers) == {}
+    assert counted.calls == ["check", "multi_get"], counted.calls
+    counted.calls.clear()
+    assert ear.silent(counted, workers) == {}
+    assert counted.calls == ["multi_get"], counted.calls
+
+
+class _Counted:
+    """A store that notes the name of each call made through it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls.append(name)
+        return getattr(self.store, name)
 
 
 @alone  # seconds of waiting on a store of its own
@@ -930,3 +950,101 @@ def test_the_connect_limit_is_the_round_groups_and_ends_with_it() -> None:
     assert said["over_round"] == "limited: over the round's", said
     assert said["over_other"] == "torch's: Connect timeout", said
     assert said["said"] == [2.0, "over the round's", 60.0], said
+
+
+_LATE_MEMBER = """
+import datetime, json, sys, time
+import dataparallel as dp
+from dataparallel.config import Settings
+from dataparallel.elastic import rounds
+
+joined = rounds.join(-1)  # round 0, torch's default group made over it
+store = rounds.connect(Settings.from_env())
+others = [f"gave-up/{m}" for m in joined.members if m != joined.me]
+guard = datetime.timedelta(seconds=60)
+if joined.me == sys.argv[1]:  # answers the store, but makes the group only once the rest gave up
+    store.wait(others, guard)
+begun = time.monotonic()
+try:
+    dp.initialize("gloo")  # the world's group over the round's: the limit is the round's
+except rounds.NoWorldError as exc:
+    said = {"error": str(exc)}
+else:
+    said = {"error": None}
+said.update(me=joined.me, seconds=time.monotonic() - begun)
+print(json.dumps(said), flush=True)
+store.set(f"gave-up/{joined.me}", "1")
+store.wait(others, guard)  # every member alive until each one made its try
+"""
+
+
+@alone
+@pytest.mark.spawns
+def test_a_real_group_missing_its_connect_limit_ends_every_member_naming_it() -> None:
+    """A Gloo group made over an elastic round's group (`dp.initialize()` in a worker), which one
+    member joins only once the others gave up on it: the member's process and host answer all
+    along, the launcher opens no next round, so no round would help. Every member raises
+    `NoWorldError` naming the group, the round and its members: those that waited for the late
+    member's address after their store's wait (the elastic timeout), the late one after the
+    round's connect limit (the others' connections refused or unanswered). None hangs.
+
+    The test is the launcher: its store, round 0 published as `dataparallel run` does."""
+    import datetime
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dataparallel.backends.gloo.group import import_torch_distributed
+    from dataparallel.config import connect_limit
+    from dataparallel.elastic import rounds
+
+    dist = import_torch_distributed()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    members = ["w0", "w1", "w2"]
+    elastic_timeout, link_timeout = 6.0, 0.5
+    limit = connect_limit(link_timeout)
+    workers = []
+    for me in members:
+        env = dict(os.environ)
+        for name in [n for n in env if n.startswith(("DATAPARALLEL_", "MASTER_", "WORLD_"))]:
+            del env[name]  # this test's own world: none of a pass's
+        env.update(
+            DATAPARALLEL_ELASTIC_STORE=f"127.0.0.1:{store.port}",
+            DATAPARALLEL_ELASTIC_WORKER=me,
+            DATAPARALLEL_ELASTIC_TIMEOUT=f"{elastic_timeout:g}",
+            DATAPARALLEL_LINK_TIMEOUT=f"{link_timeout:g}",
+            TORCH_CPP_LOG_LEVEL="ERROR",
+        )
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _LATE_MEMBER, "w2"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    rounds.publish(store, 0, members, [], notify=False)
+    said = {}
+    try:
+        for me, worker in zip(members, workers, strict=True):
+            out, err = worker.communicate(timeout=120)  # the guard: each ends within seconds
+            assert worker.returncode == 0, f"{me}: {err}"
+            said[me] = json.loads(out.splitlines()[-1])
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    name = "the world's group over torch's default group (Gloo, round 0, members w0, w1, w2)"
+    for me in members:
+        error = said[me]["error"]
+        assert error is not None and error.startswith(name), said[me]
+        assert "the host of every member answers" in error, error
+    for me in ("w0", "w1"):  # the late member's address never came: the store's wait
+        assert elastic_timeout <= said[me]["seconds"] < elastic_timeout + limit, said[me]
+    assert said["w2"]["seconds"] < limit + 2.0, said["w2"]  # the others' connections: the limit

@@ -240,7 +240,9 @@ def _follow(
     me: str,
 ) -> None:
     """Wait for each round the launcher opens after `generation` naming workers lost by their
-    link (its notice), and cut the connections to those of this worker's world."""
+    link (its notice), and cut the connections to those of this worker's world. Through a
+    client of its own: a store client's call holds its connection until answered, so the beats
+    (`_beat`) through this one would wait for the next notice."""
     try:
         store = client(store_at, FOLLOW_WAIT)
         for notice in popped(store, notice_key(me)):  # until this worker's own, at exit
@@ -301,15 +303,26 @@ class Heartbeats:
         self._done: set[str] = set()  # said silent, or left
 
     def silent(self, store: Store, workers: Iterable[str]) -> dict[str, float]:
-        """Return the `workers` silent for the limit, with how long (seconds); each once."""
+        """Return the `workers` silent for the limit, with how long (seconds); each once.
+
+        The launcher looks at every worker of another host each tenth of a second: one round
+        trip reads every counter (`multi_get`), whatever the number of workers. It waits for a
+        key not there, so it reads only the workers seen beating; those not yet seen are
+        checked before, all in one round trip, else one each (only while some do not beat)."""
         now = time.monotonic()
+        watched = [worker for worker in workers if worker not in self._done]
+        unheard = [worker for worker in watched if worker not in self._heard]
+        if unheard and not store.check([heartbeat_key(worker) for worker in unheard]):
+            some = len(unheard) > 1  # one alone was just checked
+            beating = {w for w in unheard if some and store.check([heartbeat_key(w)])}
+            watched = [w for w in watched if w in self._heard or w in beating]
+        if not watched:
+            return {}
+        values = store.multi_get([heartbeat_key(worker) for worker in watched])
         quiet = {}
-        for worker in workers:
-            key = heartbeat_key(worker)
+        for worker, read in zip(watched, values, strict=True):
+            value = bytes(read)
             heard = self._heard.get(worker)
-            if worker in self._done or (heard is None and not store.check([key])):
-                continue  # done with, or not beating yet
-            value = bytes(store.get(key))
             if value == LEFT:
                 self._done.add(worker)
             elif heard is None or value != heard[0]:
