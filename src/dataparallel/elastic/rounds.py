@@ -296,7 +296,11 @@ def _unconnected(
     made. Where every member's host answers and no round is coming, nothing would open one:
     a `NoWorldError` naming the group, at once (the worker ends)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    limit = connect_limit(settings.link_timeout)
+    # Which wait ran out is in Gloo's own line: a member's address is waited for in the store
+    waited = (
+        "a member's address waited for up to the store's timeout, "
+        f"a connection up to {connect_limit(settings.link_timeout):g} s"
+    )
     said, answers = "the launcher opened the next round", False
     with contextlib.suppress(OSError, RuntimeError):
         if _watched is not None and not store.check([round_key(chosen.generation + 1)]):
@@ -308,14 +312,14 @@ def _unconnected(
     if answers:
         return NoWorldError(
             f"{name} (Gloo, round {chosen.generation}, members {', '.join(chosen.members)}) did "
-            f"not connect its members within {limit:g} s ({first}), though the host of every "
+            f"not connect its members ({first}; {waited}), though the host of every "
             "member answers and the launcher lost none: something between them refuses Gloo's "
             "connections (a firewall, GLOO_SOCKET_IFNAME naming an interface the others do not "
             "reach). No round would form otherwise; this worker leaves the run."
         )
     return RankFailedError(
-        f"{name} (Gloo, round {chosen.generation}) did not connect its members within "
-        f"{limit:g} s ({first}); {said}."
+        f"{name} (Gloo, round {chosen.generation}) did not connect its members ({first}; "
+        f"{waited}); {said}."
     )
 
 
