@@ -244,20 +244,13 @@ class EachHeartbeats(liveness.Heartbeats):
 
     def silent(self, store: dist.Store, workers: list[str]) -> dict[str, float]:  # type: ignore[override]
         now = time.monotonic()
-        quiet = {}
+        quiet: dict[str, float] = {}
         for worker in workers:
             key = liveness.heartbeat_key(worker)
             heard = self._heard.get(worker)
             if worker in self._done or (heard is None and not store.check([key])):
                 continue
-            value = bytes(store.get(key))
-            if value == liveness.LEFT:
-                self._done.add(worker)
-            elif heard is None or value != heard[0]:
-                self._heard[worker] = (value, now)
-            elif now - heard[1] >= self.limit:
-                quiet[worker] = now - heard[1]
-                self._done.add(worker)
+            self.note(worker, bytes(store.get(key)), now, quiet)
         return quiet
 
 

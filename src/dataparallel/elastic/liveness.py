@@ -319,18 +319,22 @@ class Heartbeats:
         if not watched:
             return {}
         values = store.multi_get([heartbeat_key(worker) for worker in watched])
-        quiet = {}
+        quiet: dict[str, float] = {}
         for worker, read in zip(watched, values, strict=True):
-            value = bytes(read)
-            heard = self._heard.get(worker)
-            if value == LEFT:
-                self._done.add(worker)
-            elif heard is None or value != heard[0]:
-                self._heard[worker] = (value, now)
-            elif now - heard[1] >= self.limit:
-                quiet[worker] = now - heard[1]
-                self._done.add(worker)
+            self.note(worker, bytes(read), now, quiet)
         return quiet
+
+    def note(self, worker: str, value: bytes, now: float, quiet: dict[str, float]) -> None:
+        """Take `worker`'s counter `value`, read at `now`: a new value is a beat; the same one
+        for the limit puts the worker in `quiet` (with how long), once; `LEFT` ends the watch."""
+        heard = self._heard.get(worker)
+        if value == LEFT:
+            self._done.add(worker)
+        elif heard is None or value != heard[0]:
+            self._heard[worker] = (value, now)
+        elif now - heard[1] >= self.limit:
+            quiet[worker] = now - heard[1]
+            self._done.add(worker)
 
 
 def _probe(store_at: tuple[str, int], link_timeout: float, worker: str | None) -> None:
