@@ -424,8 +424,7 @@ class GlooBackend(Backend):
         Complex values go as pairs of reals, as torch sends them. One frame from the caller to
         Gloo: every bucket of every step comes this way."""
         group = self.group  # before the check: `release` on another thread sets None after it
-        if self._closed:  # its group is gone: None would name torch's default group
-            self._refuse_if_closed(what)
+        self._refuse_if_closed(what)
         reduce_op = self._ops[op]
         try:
             if self.hierarchy is not None and nbytes >= MIN_BYTES:
