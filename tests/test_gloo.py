@@ -354,12 +354,40 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
         assert result["gradients"] == [[mean], [mean]]  # the 7-value tensor rides in a bucket
         assert result["small"] == [total] and result["pieces"] == [total]
         assert result["in flight"] == [[total * k] for k in (1, 2, 3, 4)], result
+        # the steps inside each host through shared memory: results as the sends give, bit for
+        # bit, on every rank; each file's name removed once the host's ranks had mapped it
+        assert result["shares memory"] is True, result
+        assert result["noisy"] == result["noisy by sends"] == results[0]["noisy"], result
+        assert result["files left"] == [], result
         # sum, avg, min, max, prod, int64, float16, non-blocking, bf16, the gradients' bucket,
-        # the 2.4 MB buffer, the 4 in flight; not the 8-value one (below the threshold: the ring)
-        assert result["staged"] == 15, result
+        # the 2.4 MB buffer, the 4 in flight, the two noisy ones; not the 8-value one (below
+        # the threshold: the ring)
+        assert result["staged"] == 17, result
         # 3 steps on the communication thread, a bucket each, through its engine's hierarchy
         assert result["train overlap"] is True and result["train staged"] == 3, result
         assert result["train diff"] < 1e-5, result
+
+
+@pytest.mark.spawns
+def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other_and_leaves_no_file() -> None:
+    """Local rank 1 of host a dies in the middle of a call's steps through shared memory, its
+    file made and written, its word to its peer unsaid: every other rank's allreduce raises
+    RankFailedError (its peer's waiting for the word, host b's waiting across), none waits out
+    a timeout, and no shared memory file of either host is left."""
+    from dataparallel.backends.gloo.shared import SHARED_DIR
+
+    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
+    runs = run_ranks([worker("lost")] * 4, envs, timeout=120)
+    assert runs[1][0] == 7, runs[1]
+    tokens = set()
+    for rank in (0, 2, 3):
+        status, stdout, stderr = runs[rank]
+        assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
+        assert "RAISED RankFailedError" in stdout, (rank, stdout, stderr)
+        tokens |= {line.split()[1] for line in stdout.splitlines() if line.startswith("TOKEN ")}
+    assert len(tokens) == 2, tokens  # one a host
+    for token in tokens:
+        assert not list(SHARED_DIR.glob(f"{token}*")), token
 
 
 class _Groups:
@@ -371,6 +399,16 @@ class _Groups:
     def group(self, ranks: list[int]) -> tuple[list[int], set[str]]:
         self.made.append(ranks)
         return ranks, set()
+
+    # The host's agreement on shared memory (`SharedSlots.join`), as one rank alone sees it
+    class ReduceOp:
+        MIN = "min"
+
+    def broadcast_object_list(self, objects: list[object], src: int, group: object) -> None:
+        pass
+
+    def all_reduce(self, tensor: object, op: object, group: object) -> None:
+        pass
 
 
 @pytest.mark.parametrize(
