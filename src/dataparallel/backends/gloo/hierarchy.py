@@ -18,6 +18,11 @@ ranks of its own, cost more than the third of the bytes they save; across a slow
 but nothing here knows the link's speed: `DATAPARALLEL_HIERARCHICAL=1` turns them on there
 (docs/network.md has the figures by size and link). Every host must hold the same number of
 ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
+
+Inside a host the steps go through shared memory where the host's ranks share it (`shared.py`:
+each rank's buffer written once into a file its peers map, only a word per step over the host's
+group), else by point-to-point sends over the host's group; either way each slice is folded in
+the same order, so the results are the same bits.
 """
 
 from __future__ import annotations
@@ -213,12 +218,14 @@ class Hierarchy:
         """The tag of a call's sends inside the host: its number and the step (`_STEPS`)."""
         return (carried.seq % (1 << 28)) * _STEPS + step
 
+    # Each part is looked up at each call, so that one replaced on the class (a benchmark's
+    # timing, benchmarks/hierarchy.py --phases) takes effect in lanes already running.
     def _scatter_loop(self) -> None:
-        self._carry(self._inside, self.scatter, self._outside.put)
+        self._carry(self._inside, lambda carried: self.scatter(carried), self._outside.put)
         self._outside.put(None)  # the second lane ends after the calls passed on
 
     def _gather_loop(self) -> None:
-        self._carry(self._outside, self.gather, Carried.done)
+        self._carry(self._outside, lambda carried: self.gather(carried), Carried.done)
 
     def _carry(
         self,
