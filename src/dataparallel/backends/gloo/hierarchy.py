@@ -257,10 +257,11 @@ class Hierarchy:
         Through shared memory: this rank writes the parts of the buffer its peers reduce into
         its file for the call's slot and says so to each peer (a word over the host's group,
         which also tells them the file's generation); once every peer has said so, it folds each
-        peer's copy of its slice into its own, in local rank order, as the sends do. A file is
-        written again `SLOTS` calls later, once this rank's second lane has ended the call
-        `SLOTS - 1` back: each peer had then ended the call before (its word for the last call
-        came after that), so no peer still reads what is written over."""
+        peer's copy of its slice into its own, in local rank order, as the sends do. A slot's
+        file is written again `SLOTS` calls later, and only once this rank's second lane has
+        ended the call `SLOTS - 1` back: every peer waits so before its word for a call, so
+        their words for the call before say that they ended the call that last used the slot,
+        and none still reads what is written over."""
         shared, me = self._shared, self.local_rank
         if shared is not None:
             if len(self._recent) == self._recent.maxlen:
