@@ -13,7 +13,7 @@ import json
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _jobs import free_port, run_ranks
@@ -23,6 +23,9 @@ from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 
 pytest.importorskip("torch.distributed")
+
+if TYPE_CHECKING:
+    import torch
 
 from dataparallel.backends.gloo import GlooBackend
 from dataparallel.backends.rendezvous import (
@@ -354,26 +357,40 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
         assert result["gradients"] == [[mean], [mean]]  # the 7-value tensor rides in a bucket
         assert result["small"] == [total] and result["pieces"] == [total]
         assert result["in flight"] == [[total * k] for k in (1, 2, 3, 4)], result
+        # the steps inside each host through shared memory: results as the sends give, bit for
+        # bit, on every rank; each file's name removed once the host's ranks had mapped it
+        assert result["shares memory"] is True, result
+        assert result["noisy"] == result["noisy by sends"] == results[0]["noisy"], result
+        assert result["files left"] == [], result
         # sum, avg, min, max, prod, int64, float16, non-blocking, bf16, the gradients' bucket,
-        # the 2.4 MB buffer, the 4 in flight; not the 8-value one (below the threshold: the ring)
-        assert result["staged"] == 15, result
+        # the 2.4 MB buffer, the 4 in flight, the two noisy ones; not the 8-value one (below
+        # the threshold: the ring)
+        assert result["staged"] == 17, result
         # 3 steps on the communication thread, a bucket each, through its engine's hierarchy
         assert result["train overlap"] is True and result["train staged"] == 3, result
         assert result["train diff"] < 1e-5, result
 
 
 @pytest.mark.spawns
-def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other() -> None:
-    """Local rank 1 of host a dies as its first lane begins a call's step inside the host: every
-    other rank's allreduce raises RankFailedError (its peer's waiting for its slice, host b's
-    waiting across), none hangs (the guard's timeout would end the test)."""
+def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other_and_leaves_no_file() -> None:
+    """Local rank 1 of host a dies in the middle of a call's steps through shared memory, its
+    file made and written, its word to its peer unsaid: every other rank's allreduce raises
+    RankFailedError (its peer's waiting for the word, host b's waiting across), none waits out
+    a timeout, and no shared memory file of either host is left."""
+    from dataparallel.backends.gloo.shared import SHARED_DIR
+
     envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
     runs = run_ranks([worker("lost")] * 4, envs, timeout=120)
     assert runs[1][0] == 7, runs[1]
+    tokens = set()
     for rank in (0, 2, 3):
         status, stdout, stderr = runs[rank]
         assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
         assert "RAISED RankFailedError" in stdout, (rank, stdout, stderr)
+        tokens |= {line.split()[1] for line in stdout.splitlines() if line.startswith("TOKEN ")}
+    assert len(tokens) == 2, tokens  # one a host
+    for token in tokens:
+        assert not list(SHARED_DIR.glob(f"{token}*")), token
 
 
 @pytest.mark.spawns
@@ -391,12 +408,27 @@ def test_a_program_that_ends_with_the_library_threads_busy_exits_cleanly() -> No
 class _Groups:
     """A stand-in for torch.distributed that records the groups `Hierarchy.build` makes."""
 
-    def __init__(self) -> None:
-        self.made: list[list[int]] = []
-
     def group(self, ranks: list[int]) -> tuple[list[int], set[str]]:
         self.made.append(ranks)
         return ranks, set()
+
+    # The host's agreement on shared memory (`SharedSlots.join`), as one rank alone sees it
+    class ReduceOp:
+        MIN = "min"
+
+    def broadcast_object_list(self, objects: list[object], src: int, group: object) -> None:
+        pass
+
+    def __init__(self, shared: bool = True) -> None:
+        self.made: list[list[int]] = []
+        self.destroyed: list[object] = []
+        self._shared = shared  # whether every rank of the host sees the leader's file
+
+    def all_reduce(self, tensor: torch.Tensor, op: object, group: object) -> None:
+        tensor.mul_(int(self._shared))
+
+    def destroy_process_group(self, group: object) -> None:
+        self.destroyed.append(group)
 
 
 @pytest.mark.parametrize(
@@ -412,7 +444,9 @@ class _Groups:
             [[0, 1, 4, 5], [2, 3, 6, 7], [0, 2], [1, 3], [4, 6], [5, 7]],
         ),
         (["a", "a", "b", "b"], False, None),  # DATAPARALLEL_HIERARCHICAL=0
-        (["a", "a", "a", "a"], None, None),  # one host: the ring
+        # one host: its ranks' shared memory, no group across
+        (["a", "a", "a", "a"], None, [[0, 1, 2, 3]]),
+        (["a", "a", "a", "a"], False, None),
         (["a", "b", "c"], None, None),  # a rank a host: nothing to gain
         (["a", "b", "c"], True, [[0], [1], [2], [0, 1, 2]]),
         (["a", "a", "b"], None, None),  # unequal hosts: the ring
@@ -428,6 +462,25 @@ def test_hierarchy_groups_follow_the_hosts(
     built = Hierarchy.build(fake, fake.group, hosts, 0, Settings(hierarchical=forced))
     assert (built is None) == (groups is None)
     assert fake.made == (groups or [])
+    if built is not None:
+        built.close()
+        assert fake.destroyed == [g for g in groups or [] if 0 in g]  # this rank's
+
+
+def test_one_host_whose_ranks_share_no_memory_keeps_the_ring() -> None:
+    """Where a rank of the host does not see the leader's shared memory file, the steps by
+    sends would only slow Gloo's ring down: the group made to agree is destroyed, the ring
+    stays; `DATAPARALLEL_HIERARCHICAL=1` keeps the steps anyway."""
+    from dataparallel.backends.gloo.hierarchy import Hierarchy
+    from dataparallel.config import Settings
+
+    fake = _Groups(shared=False)
+    assert Hierarchy.build(fake, fake.group, ["a"] * 3, 0, Settings()) is None
+    assert fake.made == fake.destroyed == [[0, 1, 2]]
+    fake = _Groups(shared=False)
+    forced = Hierarchy.build(fake, fake.group, ["a"] * 3, 0, Settings(hierarchical=True))
+    assert forced is not None and not forced.shares_memory
+    forced.close()
 
 
 def test_forced_hierarchy_over_unequal_hosts_says_why() -> None:
