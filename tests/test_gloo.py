@@ -321,6 +321,22 @@ def test_gloo_binds_to_the_interface_that_reaches_rank_0() -> None:
 # -- hierarchical allreduce (backends/gloo/hierarchy.py) ---------------------------------------
 
 
+def _one_host_of_three(port: str, **extra: str) -> list[dict[str, str]]:
+    """torchrun's variables for 3 ranks on one node of this machine."""
+    return [
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": "3",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            **extra,
+        }
+        for r in range(3)
+    ]
+
+
 def _two_hosts_of_two(port: str, **extra: str) -> list[dict[str, str]]:
     """torchrun's variables for 2 nodes of 2 ranks on this machine (ranks numbered by node)."""
     return [
@@ -372,23 +388,64 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
 
 
 @pytest.mark.spawns
-def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other_and_leaves_no_file() -> None:
-    """Local rank 1 of host a dies in the middle of a call's steps through shared memory, its
-    file made and written, its word to its peer unsaid: every other rank's allreduce raises
-    RankFailedError (its peer's waiting for the word, host b's waiting across), none waits out
-    a timeout, and no shared memory file of either host is left."""
+def test_one_host_reduces_big_buffers_through_shared_memory() -> None:
+    """Three ranks on one host, nothing set: every big allreduce goes through the host's shared
+    memory (each rank's slice reduced from its peers' files, no group across) and gives what
+    the ring gives, for every op, dtype and path, the same bits on every rank; the
+    communication thread's engine through its own; no file is left behind."""
+    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_OVERLAP="1")
+    results = results_of(run_ranks([worker("hierarchy")] * 3, envs))
+    total, mean = 6.0, 2.0  # ranks give 1, 2, 3
+    for rank, result in enumerate(results):
+        assert result["hierarchical"] is True and result["shares memory"] is True, result
+        assert result["local"] == [rank, 3] and result["groups"] == [rank, 3]
+        assert result["sum"] == [total] and result["avg"] == [mean]
+        assert result["min"] == [1.0] and result["max"] == [3.0] and result["prod"] == [6.0]
+        assert result["int64"] == [total] and result["float16"] == [total]
+        assert result["nonblocking"] == [total] and result["bf16 wire"] == [total]
+        assert result["gradients"] == [[mean], [mean]]
+        assert result["small"] == [total] and result["pieces"] == [total]
+        assert result["in flight"] == [[total * k] for k in (1, 2, 3, 4)], result
+        assert result["noisy"] == result["noisy by sends"] == results[0]["noisy"], result
+        assert result["files left"] == [], result
+        assert result["staged"] == 17, result  # as across two hosts: the 8-value one rings
+        assert result["train overlap"] is True and result["train staged"] == 3, result
+        assert result["train diff"] < 1e-5, result
+
+
+@pytest.mark.spawns
+def test_one_host_keeps_the_ring_where_told() -> None:
+    """`DATAPARALLEL_HIERARCHICAL=0` on one host: no hierarchy, every call Gloo's ring."""
+    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_HIERARCHICAL="0")
+    for result in results_of(run_ranks([worker("hierarchy")] * 3, envs)):
+        assert result["hierarchical"] is False and result["staged"] == 0, result
+        assert result["sum"] == [6.0] and result["pieces"] == [6.0], result
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("hosts", ["two hosts of two", "one host of three"])
+def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other_and_leaves_no_file(
+    hosts: str,
+) -> None:
+    """Local rank 1 of the first host dies in the middle of a call's steps through shared
+    memory, its file made and written, its word to its peers unsaid: every other rank's
+    allreduce raises RankFailedError (its peers' waiting for the word, another host's waiting
+    across), none waits out a timeout, and no shared memory file of any host is left."""
     from dataparallel.backends.gloo.shared import SHARED_DIR
 
-    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
-    runs = run_ranks([worker("lost")] * 4, envs, timeout=120)
+    if hosts == "two hosts of two":
+        envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
+    else:
+        envs = _one_host_of_three(str(free_port()))
+    runs = run_ranks([worker("lost")] * len(envs), envs, timeout=120)
     assert runs[1][0] == 7, runs[1]
     tokens = set()
-    for rank in (0, 2, 3):
+    for rank in [r for r in range(len(envs)) if r != 1]:
         status, stdout, stderr = runs[rank]
         assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
         assert "RAISED RankFailedError" in stdout, (rank, stdout, stderr)
         tokens |= {line.split()[1] for line in stdout.splitlines() if line.startswith("TOKEN ")}
-    assert len(tokens) == 2, tokens  # one a host
+    assert len(tokens) == (2 if hosts == "two hosts of two" else 1), tokens  # one a host
     for token in tokens:
         assert not list(SHARED_DIR.glob(f"{token}*")), token
 
