@@ -414,6 +414,19 @@ def test_one_host_reduces_big_buffers_through_shared_memory() -> None:
 
 
 @pytest.mark.spawns
+def test_one_host_whose_shared_memory_is_full_falls_back_to_the_ring() -> None:
+    """Rank 1 can have no file for the big calls (as a full /dev/shm refuses it): those calls
+    take Gloo's ring on every rank, with the right sums, and rank 1 asks for such a file once;
+    a smaller call, whose file it can have, still goes through shared memory."""
+    envs = _one_host_of_three(str(free_port()))
+    results = results_of(run_ranks([worker("full")] * 3, envs))
+    for result in results:
+        assert result["big"] == [[6.0], [12.0], [18.0]] and result["small"] == [6.0], result
+        assert result["through shared memory"] == 1, result  # the small call only
+    assert results[1]["asked"] == [1600 * 1024, 128 * 1024], results[1]  # sizes in 64 KiB
+
+
+@pytest.mark.spawns
 def test_one_host_keeps_the_ring_where_told() -> None:
     """`DATAPARALLEL_HIERARCHICAL=0` on one host: no hierarchy, every call Gloo's ring."""
     envs = _one_host_of_three(str(free_port()), DATAPARALLEL_HIERARCHICAL="0")

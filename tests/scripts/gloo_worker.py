@@ -23,6 +23,9 @@ Scenarios:
   lost     local rank 1 of the first host dies inside a hierarchical allreduce, in the middle of
            its steps through shared memory; the others report what their allreduce raised and
            the token of their host's shared memory files (`backends/gloo/shared.py`)
+  full     on one host, /dev/shm full for rank 1's big files: its big calls fall back on every
+           rank, its small ones still go through shared memory; prints `RESULT {json}` with
+           their values, the files rank 1 asked for and the calls through shared memory
   busy     a hierarchical allreduce (where the world has a hierarchy: its lanes run), then a job
            left running on the communication thread, torch calls that each let the GIL go until
            the world is finalized; run with --no-finalize: the program ends as it is and
@@ -59,6 +62,7 @@ SCENARIOS = (
     "hierarchy",
     "lost",
     "busy",
+    "full",
 )
 
 
@@ -105,6 +109,9 @@ def main() -> None:
         lost(backend)
     elif args.scenario == "busy":
         busy()
+    elif args.scenario == "full":
+        sys.stdout.write(f"RESULT {json.dumps(full(backend))}\n")
+        sys.stdout.flush()
     else:
         dp.barrier()
         held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None
@@ -239,6 +246,49 @@ def busy() -> None:
     world.current().comm_thread.submit(job)
     started.wait()
     print("LEFT", flush=True)
+
+
+def full(backend: object) -> dict[str, object]:
+    """Rank 1 can have no shared memory file of 1 MiB or more (as where /dev/shm is full): each
+    call of that size falls back to Gloo's ring on every rank (rank 1 asks for such a file
+    once), while calls of 64 KiB to 1 MiB still go through shared memory."""
+    from dataparallel.backends.gloo import shared
+    from dataparallel.backends.gloo.backend import GlooBackend
+
+    assert isinstance(backend, GlooBackend) and backend.hierarchy is not None
+    assert backend.hierarchy.shares_memory and not backend.hierarchy.spans_hosts
+    engine_module = sys.modules[GlooBackend.__module__]
+    engine_module.MIN_BYTES = 64 * 1024  # type: ignore[attr-defined]
+    made = shared._map
+    asked: list[int] = []
+
+    def refusing(path: object, create: int = 0) -> object:
+        if create:
+            asked.append(create)
+            if create >= 1 << 20:
+                raise OSError(28, "No space left on device")  # what posix_fallocate raises
+        return made(path, create)  # type: ignore[arg-type]
+
+    if backend.rank == 1:
+        shared._map = refusing  # type: ignore[assignment]
+    through = 0
+    combine = sys.modules[type(backend.hierarchy).__module__]._combiner
+
+    def counted(*args: object) -> object:
+        nonlocal through
+        through += 1
+        return combine(*args)
+
+    sys.modules[type(backend.hierarchy).__module__]._combiner = counted
+    r = backend.rank + 1.0
+    big = [dp.allreduce(np.full(400_000, r * k, np.float32)) for k in (1, 2, 3)]
+    small = dp.allreduce(np.full(30_000, r, np.float32))
+    return {
+        "big": [sorted({float(v) for v in b}) for b in big],
+        "small": sorted({float(v) for v in small}),
+        "asked": asked,
+        "through shared memory": through,
+    }
 
 
 def lost(backend: object) -> None:

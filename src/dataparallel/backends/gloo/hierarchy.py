@@ -75,13 +75,15 @@ class Carried:
     `is_completed` says without blocking whether the lanes have written its result, `wait`
     blocks until they have and raises what a step of it raised."""
 
-    __slots__ = ("ended", "error", "generations", "op", "seq", "tensor", "work")
+    __slots__ = ("ended", "error", "generations", "op", "ringed", "seq", "tensor", "work")
 
     def __init__(self, tensor: torch.Tensor, op: object, seq: int) -> None:
         self.tensor, self.op, self.seq = tensor, op, seq
         self.work: _Work | None = None  # the step across hosts, once started
         # Each local rank's file for this call (`SharedSlots`), where it goes through them
         self.generations: list[int] | None = None
+        # Reduced whole by Gloo's ring on the host's group: one host where no file could be had
+        self.ringed = False
         self.error: BaseException | None = None
         self.ended = threading.Event()  # set once the lanes are done with it, failed or not
 
@@ -289,7 +291,9 @@ class Hierarchy:
     def scatter(self, carried: Carried) -> None:
         """The first lane's part of a call: this rank's slice reduced inside the host (through
         shared memory where the host's ranks share it, else by sends: `_scatter_by_sends`),
-        then the step across hosts started on it.
+        then the step across hosts started on it. A call for which a rank of the host could
+        have no file (/dev/shm full) takes the sends, or on a lone host Gloo's ring over the
+        host's group, which the sends would only slow.
 
         Through shared memory: this rank writes the parts of the buffer its peers reduce into
         its file for the call's slot and says so to each peer (a word over the host's group,
@@ -324,6 +328,12 @@ class Hierarchy:
                         theirs = _typed(shared.peer(j, slot, g), tensor)
                         combine(own, theirs[bounds[me] : bounds[me + 1]])
                 self._start_across(carried, own)
+                return
+            if not self.spans_hosts:  # the host is the world: its ring beats the sends
+                carried.work = self._dist.all_reduce(
+                    tensor, op=carried.op, group=self.local, async_op=True
+                )
+                carried.ringed = True
                 return
         self._scatter_by_sends(carried)
 
@@ -366,6 +376,8 @@ class Hierarchy:
         if carried.work is not None:
             carried.work.wait()
             carried.work = None
+        if carried.ringed:
+            return
         tensor, dist, me = carried.tensor, self._dist, self.local_rank
         bounds = self._bounds(tensor.numel())
         mine = tensor[bounds[me] : bounds[me + 1]]

@@ -10,7 +10,8 @@ Files: one per rank and slot (`SLOTS`; a call takes slot `seq % SLOTS`), made as
 (a generation per size: a call needing more than its slot holds, or a quarter of it, makes the
 next), named `dataparallel-<host's token>-<local rank>-<slot>-<generation>`. The space is taken
 with `posix_fallocate`, so a full /dev/shm fails with ENOSPC when made, never with SIGBUS when
-written; a rank that cannot make one says so and the call takes the sends (`Hierarchy.scatter`).
+written; a rank that cannot make one says so and the call takes the sends, or on one host Gloo's
+ring (`Hierarchy.scatter`), as every later call of that size or more on this rank does.
 A name is removed (`settle`) once every peer has mapped it: the mapping lives on without it, and
 a rank that dies later leaves nothing behind. What is left where a rank died between making a
 file and its peers mapping it is removed by the others (`remove_all`, on a failed step and at
@@ -51,6 +52,8 @@ class SharedSlots:
         self._own: dict[int, tuple[int, torch.Tensor]] = {}
         self._unsettled: dict[int, Path] = {}
         self._generation = 0
+        # The smallest size no file could be had for (/dev/shm full): not tried again
+        self._refused: int | None = None
         # Each peer's file for each slot, as mapped here: (local rank, slot) -> (generation, bytes)
         self._peers: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self._lock = threading.Lock()  # between making a file and `close`
@@ -89,11 +92,14 @@ class SharedSlots:
 
     def offer(self, slot: int, nbytes: int) -> int:
         """Make sure this rank's file for `slot` holds `nbytes`, and return its generation (the
-        peers find it by it), or -1 where no file could be had: the call then takes the sends."""
+        peers find it by it), or -1 where no file could be had: the call then goes another way,
+        and so does every later call of that size or more (no file asked for again)."""
         held = self._own.get(slot)
         if held is not None and nbytes <= held[1].numel() < 4 * max(nbytes, GRAIN):
             return held[0]
         size = -(-nbytes // GRAIN) * GRAIN
+        if self._refused is not None and size >= self._refused:
+            return -1
         with self._lock:
             if self._closed:
                 return -1
@@ -103,6 +109,7 @@ class SharedSlots:
                 mapped = _map(path, create=size)
             except OSError:
                 path.unlink(missing_ok=True)
+                self._refused = size if self._refused is None else min(size, self._refused)
                 return -1
             stale = self._unsettled.pop(slot, None)
             if stale is not None:  # a call that failed before its peers mapped it
