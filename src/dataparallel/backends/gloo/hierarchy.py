@@ -17,7 +17,9 @@ crosses only at the hosts' boundaries, and on a fast link the three steps, each 
 ranks of its own, cost more than the third of the bytes they save; across a slow link they pay,
 but nothing here knows the link's speed: `DATAPARALLEL_HIERARCHICAL=1` turns them on there
 (docs/network.md has the figures by size and link). Every host must hold the same number of
-ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
+ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too. A world on one
+host is a hierarchy too, unless told otherwise, where its ranks share memory: its steps inside
+the host, through that memory, are the whole allreduce (`Hierarchy._on_one_host`).
 
 Inside a host the steps go through shared memory where the host's ranks share it (`shared.py`:
 each rank's buffer written once into a file its peers map, only a word per step over the host's
@@ -228,9 +230,9 @@ class Hierarchy:
 
     def close(self) -> None:
         """End the lanes once the calls queued before are done, and wait for them, then destroy
-        this rank's two groups, as the engine destroys its own, and remove the host's shared
-        memory files. Safe to call twice; on a broken
-        world, after the engine's `sever` (the lanes' calls then fail at once).
+        this rank's groups, as the engine destroys its own, and remove the host's shared memory
+        files. Safe to call twice; on a broken world, after the engine's `sever` (the lanes'
+        calls then fail at once).
 
         A lane must have ended before the interpreter finalizes: one that only drops its last
         call then (its tensor, whose freeing lets the GIL go and takes it back) is ended by
