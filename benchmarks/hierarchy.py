@@ -34,7 +34,8 @@ outnumber the machine's cores) beside MPICH's default wait, which only yields; `
 `hvd0` hold Horovod's `DistributedOptimizer` with `HOROVOD_HIERARCHICAL_ALLREDUCE=1` / `=0`
 (from `--hvd-venv`, initialized once for the job; MPICH's waits sleeping from the start where
 the ranks outnumber the cores, `horovod_waits`) beside every case of `dp`: the whole table in
-one job, each row against every other in the same processes. Every job
+one job, each row against every other in the same processes; `inside` holds dp by host with
+its steps inside the hosts through shared memory and by sends (`by_sends`). Every job
 also times one process alone (the floor) and dp's ring (the reference): each case's overhead is
 its step minus the floor, and its ratio is to the ring measured in the same job. After each job
 the link's loss counters are printed (the shaper's drops, TCP's retransmits and timeouts, the
@@ -73,6 +74,8 @@ LAYOUTS = {"by host": 2, "alternating": 1}
 # --train's dp cases, and the modes `--modes` holds dp MPI in (`network.variants`' names).
 HIERARCHICAL = "dp Gloo, hierarchical (DATAPARALLEL_HIERARCHICAL=1)"
 FLAT = "dp Gloo, flat (DATAPARALLEL_HIERARCHICAL=0)"
+# The hierarchical case with its steps inside the hosts by sends over TCP, not shared memory
+SENDS = "dp Gloo, hierarchical, sends inside the hosts"
 MPI_CASE = "dp MPI (MPICH's own allreduce)"
 # dp MPI with MPICH's waits only yielding (spinning) where the topology makes them sleep.
 MPI_SPIN = "dp MPI, MPICH's waits only yield (DATAPARALLEL_MPI_SLEEP=0)"
@@ -114,6 +117,29 @@ def gloo_world() -> Iterator[tuple[Any, Any, Any]]:
         ring.close()
         dist.destroy_process_group()
         dp.finalize()
+
+
+@contextlib.contextmanager
+def by_sends() -> Iterator[Any]:
+    """dp's Gloo engine by host with the steps inside the hosts by sends (`Hierarchy.scatter`),
+    its communication thread's twin too: shared memory's reference in the same processes."""
+    from dataparallel.backends.gloo.backend import GlooBackend
+    from dataparallel.config import Settings
+
+    def sending(engine: Any) -> Any:
+        if engine.hierarchy is not None and engine.hierarchy._shared is not None:
+            engine.hierarchy._shared.close()  # every rank at once: the host agrees
+            engine.hierarchy._shared = None
+        return engine
+
+    settings = dataclasses.replace(Settings.from_env(), hierarchical=True)
+    engine = sending(GlooBackend.create(settings=settings))
+    duplicate = engine.duplicate
+    engine.duplicate = lambda: sending(duplicate())
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def report(comm: Any, result: dict[str, Any]) -> None:
@@ -209,6 +235,7 @@ JOBS: dict[str, tuple[str, ...]] = {
     "flat": (FLAT,),
     "mpi": (MPI_CASE,),
     "sleep": (FLAT, MPI_CASE, MPI_SPIN),
+    "inside": (HIERARCHICAL, SENDS, FLAT),
 }
 
 
@@ -233,8 +260,10 @@ def train_work(args: argparse.Namespace) -> None:
     wanted = JOBS[args.job]
     flags = [c.split(":")[1] for c in wanted if c.startswith("Horovod:")]
     # dp over MPI (Horovod, also MPI, runs beside it), torch's Gloo group for DDP, dp's Gloo engines
-    with gloo_world() as (comm, ring, by_host):
+    with gloo_world() as (comm, ring, by_host), contextlib.ExitStack() as stack:
         engines = {HIERARCHICAL: by_host, FLAT: ring}
+        if SENDS in wanted:
+            engines[SENDS] = stack.enter_context(by_sends())
         horovod = Horovod()
         if flags and horovod.hvd is None:
             raise SystemExit(f"job {args.job} needs Horovod: {horovod.reason}")

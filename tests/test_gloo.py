@@ -13,7 +13,7 @@ import json
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _jobs import free_port, run_ranks
@@ -23,6 +23,9 @@ from dataparallel.backends.base import Backend
 from dataparallel.config import Settings
 
 pytest.importorskip("torch.distributed")
+
+if TYPE_CHECKING:
+    import torch
 
 from dataparallel.backends.gloo import GlooBackend
 from dataparallel.backends.rendezvous import (
@@ -318,6 +321,22 @@ def test_gloo_binds_to_the_interface_that_reaches_rank_0() -> None:
 # -- hierarchical allreduce (backends/gloo/hierarchy.py) ---------------------------------------
 
 
+def _one_host_of_three(port: str, **extra: str) -> list[dict[str, str]]:
+    """torchrun's variables for 3 ranks on one node of this machine."""
+    return [
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": "3",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            **extra,
+        }
+        for r in range(3)
+    ]
+
+
 def _two_hosts_of_two(port: str, **extra: str) -> list[dict[str, str]]:
     """torchrun's variables for 2 nodes of 2 ranks on this machine (ranks numbered by node)."""
     return [
@@ -354,26 +373,94 @@ def test_hierarchical_allreduce_across_two_nodes_of_two_ranks() -> None:
         assert result["gradients"] == [[mean], [mean]]  # the 7-value tensor rides in a bucket
         assert result["small"] == [total] and result["pieces"] == [total]
         assert result["in flight"] == [[total * k] for k in (1, 2, 3, 4)], result
+        # the steps inside each host through shared memory: results as the sends give, bit for
+        # bit, on every rank; each file's name removed once the host's ranks had mapped it
+        assert result["shares memory"] is True, result
+        assert result["noisy"] == result["noisy by sends"] == results[0]["noisy"], result
+        assert result["files left"] == [], result
         # sum, avg, min, max, prod, int64, float16, non-blocking, bf16, the gradients' bucket,
-        # the 2.4 MB buffer, the 4 in flight; not the 8-value one (below the threshold: the ring)
-        assert result["staged"] == 15, result
+        # the 2.4 MB buffer, the 4 in flight, the two noisy ones; not the 8-value one (below
+        # the threshold: the ring)
+        assert result["staged"] == 17, result
         # 3 steps on the communication thread, a bucket each, through its engine's hierarchy
         assert result["train overlap"] is True and result["train staged"] == 3, result
         assert result["train diff"] < 1e-5, result
 
 
 @pytest.mark.spawns
-def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other() -> None:
-    """Local rank 1 of host a dies as its first lane begins a call's step inside the host: every
-    other rank's allreduce raises RankFailedError (its peer's waiting for its slice, host b's
-    waiting across), none hangs (the guard's timeout would end the test)."""
-    envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
-    runs = run_ranks([worker("lost")] * 4, envs, timeout=120)
+def test_one_host_reduces_big_buffers_through_shared_memory() -> None:
+    """Three ranks on one host, nothing set: every big allreduce goes through the host's shared
+    memory (each rank's slice reduced from its peers' files, no group across) and gives what
+    the ring gives, for every op, dtype and path, the same bits on every rank; the
+    communication thread's engine through its own; no file is left behind."""
+    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_OVERLAP="1")
+    results = results_of(run_ranks([worker("hierarchy")] * 3, envs))
+    total, mean = 6.0, 2.0  # ranks give 1, 2, 3
+    for rank, result in enumerate(results):
+        assert result["hierarchical"] is True and result["shares memory"] is True, result
+        assert result["local"] == [rank, 3] and result["groups"] == [rank, 3]
+        assert result["sum"] == [total] and result["avg"] == [mean]
+        assert result["min"] == [1.0] and result["max"] == [3.0] and result["prod"] == [6.0]
+        assert result["int64"] == [total] and result["float16"] == [total]
+        assert result["nonblocking"] == [total] and result["bf16 wire"] == [total]
+        assert result["gradients"] == [[mean], [mean]]
+        assert result["small"] == [total] and result["pieces"] == [total]
+        assert result["in flight"] == [[total * k] for k in (1, 2, 3, 4)], result
+        assert result["noisy"] == result["noisy by sends"] == results[0]["noisy"], result
+        assert result["files left"] == [], result
+        assert result["staged"] == 17, result  # as across two hosts: the 8-value one rings
+        assert result["train overlap"] is True and result["train staged"] == 3, result
+        assert result["train diff"] < 1e-5, result
+
+
+@pytest.mark.spawns
+def test_one_host_whose_shared_memory_is_full_falls_back_to_the_ring() -> None:
+    """Rank 1 can have no file for the big calls (as a full /dev/shm refuses it): those calls
+    take Gloo's ring on every rank, with the right sums, and rank 1 asks for such a file once;
+    a smaller call, whose file it can have, still goes through shared memory."""
+    envs = _one_host_of_three(str(free_port()))
+    results = results_of(run_ranks([worker("full")] * 3, envs))
+    for result in results:
+        assert result["big"] == [[6.0], [12.0], [18.0]] and result["small"] == [6.0], result
+        assert result["through shared memory"] == 1, result  # the small call only
+    assert results[1]["asked"] == [1600 * 1024, 128 * 1024], results[1]  # sizes in 64 KiB
+
+
+@pytest.mark.spawns
+def test_one_host_keeps_the_ring_where_told() -> None:
+    """`DATAPARALLEL_HIERARCHICAL=0` on one host: no hierarchy, every call Gloo's ring."""
+    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_HIERARCHICAL="0")
+    for result in results_of(run_ranks([worker("hierarchy")] * 3, envs)):
+        assert result["hierarchical"] is False and result["staged"] == 0, result
+        assert result["sum"] == [6.0] and result["pieces"] == [6.0], result
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("hosts", ["two hosts of two", "one host of three"])
+def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other_and_leaves_no_file(
+    hosts: str,
+) -> None:
+    """Local rank 1 of the first host dies in the middle of a call's steps through shared
+    memory, its file made and written, its word to its peers unsaid: every other rank's
+    allreduce raises RankFailedError (its peers' waiting for the word, another host's waiting
+    across), none waits out a timeout, and no shared memory file of any host is left."""
+    from dataparallel.backends.gloo.shared import SHARED_DIR
+
+    if hosts == "two hosts of two":
+        envs = _two_hosts_of_two(str(free_port()), DATAPARALLEL_HIERARCHICAL="1")
+    else:
+        envs = _one_host_of_three(str(free_port()))
+    runs = run_ranks([worker("lost")] * len(envs), envs, timeout=120)
     assert runs[1][0] == 7, runs[1]
-    for rank in (0, 2, 3):
+    tokens = set()
+    for rank in [r for r in range(len(envs)) if r != 1]:
         status, stdout, stderr = runs[rank]
         assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
         assert "RAISED RankFailedError" in stdout, (rank, stdout, stderr)
+        tokens |= {line.split()[1] for line in stdout.splitlines() if line.startswith("TOKEN ")}
+    assert len(tokens) == (2 if hosts == "two hosts of two" else 1), tokens  # one a host
+    for token in tokens:
+        assert not list(SHARED_DIR.glob(f"{token}*")), token
 
 
 @pytest.mark.spawns
@@ -391,12 +478,27 @@ def test_a_program_that_ends_with_the_library_threads_busy_exits_cleanly() -> No
 class _Groups:
     """A stand-in for torch.distributed that records the groups `Hierarchy.build` makes."""
 
-    def __init__(self) -> None:
-        self.made: list[list[int]] = []
-
     def group(self, ranks: list[int]) -> tuple[list[int], set[str]]:
         self.made.append(ranks)
         return ranks, set()
+
+    # The host's agreement on shared memory (`SharedSlots.join`), as one rank alone sees it
+    class ReduceOp:
+        MIN = "min"
+
+    def broadcast_object_list(self, objects: list[object], src: int, group: object) -> None:
+        pass
+
+    def __init__(self, shared: bool = True) -> None:
+        self.made: list[list[int]] = []
+        self.destroyed: list[object] = []
+        self._shared = shared  # whether every rank of the host sees the leader's file
+
+    def all_reduce(self, tensor: torch.Tensor, op: object, group: object) -> None:
+        tensor.mul_(int(self._shared))
+
+    def destroy_process_group(self, group: object) -> None:
+        self.destroyed.append(group)
 
 
 @pytest.mark.parametrize(
@@ -412,7 +514,9 @@ class _Groups:
             [[0, 1, 4, 5], [2, 3, 6, 7], [0, 2], [1, 3], [4, 6], [5, 7]],
         ),
         (["a", "a", "b", "b"], False, None),  # DATAPARALLEL_HIERARCHICAL=0
-        (["a", "a", "a", "a"], None, None),  # one host: the ring
+        # one host: its ranks' shared memory, no group across
+        (["a", "a", "a", "a"], None, [[0, 1, 2, 3]]),
+        (["a", "a", "a", "a"], False, None),
         (["a", "b", "c"], None, None),  # a rank a host: nothing to gain
         (["a", "b", "c"], True, [[0], [1], [2], [0, 1, 2]]),
         (["a", "a", "b"], None, None),  # unequal hosts: the ring
@@ -428,6 +532,25 @@ def test_hierarchy_groups_follow_the_hosts(
     built = Hierarchy.build(fake, fake.group, hosts, 0, Settings(hierarchical=forced))
     assert (built is None) == (groups is None)
     assert fake.made == (groups or [])
+    if built is not None:
+        built.close()
+        assert fake.destroyed == [g for g in groups or [] if 0 in g]  # this rank's
+
+
+def test_one_host_whose_ranks_share_no_memory_keeps_the_ring() -> None:
+    """Where a rank of the host does not see the leader's shared memory file, the steps by
+    sends would only slow Gloo's ring down: the group made to agree is destroyed, the ring
+    stays; `DATAPARALLEL_HIERARCHICAL=1` keeps the steps anyway."""
+    from dataparallel.backends.gloo.hierarchy import Hierarchy
+    from dataparallel.config import Settings
+
+    fake = _Groups(shared=False)
+    assert Hierarchy.build(fake, fake.group, ["a"] * 3, 0, Settings()) is None
+    assert fake.made == fake.destroyed == [[0, 1, 2]]
+    fake = _Groups(shared=False)
+    forced = Hierarchy.build(fake, fake.group, ["a"] * 3, 0, Settings(hierarchical=True))
+    assert forced is not None and not forced.shares_memory
+    forced.close()
 
 
 def test_forced_hierarchy_over_unequal_hosts_says_why() -> None:

@@ -175,7 +175,7 @@ class Settings:
     | | ... and the limit of gradient buckets on the communication thread | `THREAD_BUCKET_BYTES` |
     | `DATAPARALLEL_TIMEOUT` | seconds before a blocked collective fails | none |
     | `DATAPARALLEL_OVERLAP` | `1`/`0`: reduce gradients during / after backward | timed |
-    | `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in a ring | interleaved |
+    | `DATAPARALLEL_HIERARCHICAL` | `1`/`0`: Gloo allreduces by host, or in a ring | topology |
     | `DATAPARALLEL_MPI_SLEEP` | `1`/`0`: MPICH's waits sleep between polls, or only yield | cores |
     | `DATAPARALLEL_RUN_DIR` | set by `dataparallel run`: where ranks note how they ended | unset |
     | `DATAPARALLEL_ELASTIC_STORE` | set by `run --min-np`: its store (host:port) | unset |
@@ -198,7 +198,8 @@ class Settings:
     # Gradients reduced during backward (True), after it (False), or chosen per machine (None).
     overlap: bool | None = None
     # Gloo's big allreduces in three steps through the hosts (True), one ring (False), or by
-    # the topology: three steps where the world spans hosts of several ranks (None).
+    # the topology (None): three steps where the hosts interleave in rank order, and on one host
+    # whose ranks share /dev/shm the steps inside it through shared memory (`Hierarchy.build`).
     hierarchical: bool | None = None
     # MPICH's waits sleep between polls (True), only yield, a core's worth of CPU (False), or
     # sleep where a machine runs more ranks than it has cores (None).

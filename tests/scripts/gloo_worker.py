@@ -20,8 +20,12 @@ Scenarios:
   hierarchy allreduces of every op, several dtypes, blocking and not, compressed, gradients and
            one small buffer; prints `RESULT {json}` with the distinct values of each result and
            how many went through the hierarchy's three steps (`backends/gloo/hierarchy.py`)
-  lost     local rank 1 of the first host dies inside a hierarchical allreduce, at its first
-           lane's step inside the host; the others report what their allreduce raised
+  lost     local rank 1 of the first host dies inside a hierarchical allreduce, in the middle of
+           its steps through shared memory; the others report what their allreduce raised and
+           the token of their host's shared memory files (`backends/gloo/shared.py`)
+  full     on one host, /dev/shm full for rank 1's big files: its big calls fall back on every
+           rank, its small ones still go through shared memory; prints `RESULT {json}` with
+           their values, the files rank 1 asked for and the calls through shared memory
   busy     a hierarchical allreduce (where the world has a hierarchy: its lanes run), then a job
            left running on the communication thread, torch calls that each let the GIL go until
            the world is finalized; run with --no-finalize: the program ends as it is and
@@ -35,6 +39,7 @@ the rendezvous alone, never one rank's slower start.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -44,6 +49,7 @@ import numpy as np
 
 import dataparallel as dp
 from dataparallel.backends.base import ReduceOp
+from dataparallel.backends.gloo.shared import SHARED_DIR
 
 BULK = 1 << 20  # float32 values of the basic scenario's large allreduce
 SCENARIOS = (
@@ -56,6 +62,7 @@ SCENARIOS = (
     "hierarchy",
     "lost",
     "busy",
+    "full",
 )
 
 
@@ -102,6 +109,9 @@ def main() -> None:
         lost(backend)
     elif args.scenario == "busy":
         busy()
+    elif args.scenario == "full":
+        sys.stdout.write(f"RESULT {json.dumps(full(backend))}\n")
+        sys.stdout.flush()
     else:
         dp.barrier()
         held = backend.iallreduce(np.ones(3), ReduceOp.SUM) if args.scenario == "leave" else None
@@ -159,7 +169,17 @@ def hierarchy(backend: object) -> dict[str, object]:
         "hierarchical": hier is not None,
         "groups": None if hier is None else [hier.local_rank, hier.local_size],
         "local": [backend.local_rank, backend.local_size],
+        "shares memory": hier is not None and hier.shares_memory,
     }
+    if hier is not None and hier.shares_memory:
+        # Floats whose sum rounds: the same bits on every rank, through shared memory and sends.
+        noisy = np.random.default_rng(backend.rank).standard_normal(odd).astype(np.float32)
+        through = dp.allreduce(noisy.copy())
+        shared, hier._shared = hier._shared, None  # the sends, at the same call on every rank
+        by_sends = dp.allreduce(noisy.copy())
+        hier._shared = shared
+        result["noisy"] = hashlib.sha256(through.tobytes()).hexdigest()
+        result["noisy by sends"] = hashlib.sha256(by_sends.tobytes()).hexdigest()
     for op in ("sum", "avg", "min", "max", "prod"):
         result[op] = values(dp.allreduce(np.full(odd, r, np.float32), op))
     result["int64"] = values(dp.allreduce(np.full(odd, int(r), np.int64)))
@@ -177,6 +197,9 @@ def hierarchy(backend: object) -> dict[str, object]:
     flying = [dp.iallreduce(np.full(odd, r * (k + 1), np.float32)) for k in range(4)]
     result["in flight"] = [values(h.wait()) for h in reversed(flying)][::-1]
     result["staged"] = staged
+    if hier is not None and hier.shares_memory:
+        dp.barrier()  # every rank's calls ended: each file's name went once its peers mapped it
+        result["files left"] = [p.name for p in SHARED_DIR.glob(f"{hier._shared.prefix}*")]
     # Training on the communication thread (DATAPARALLEL_OVERLAP=1): its engine's own groups.
     torch.manual_seed(0)
     ours, whole = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
@@ -225,31 +248,78 @@ def busy() -> None:
     print("LEFT", flush=True)
 
 
+def full(backend: object) -> dict[str, object]:
+    """Rank 1 can have no shared memory file of 1 MiB or more (as where /dev/shm is full): each
+    call of that size falls back to Gloo's ring on every rank (rank 1 asks for such a file
+    once), while calls of 64 KiB to 1 MiB still go through shared memory."""
+    from dataparallel.backends.gloo import shared
+    from dataparallel.backends.gloo.backend import GlooBackend
+
+    assert isinstance(backend, GlooBackend) and backend.hierarchy is not None
+    assert backend.hierarchy.shares_memory and not backend.hierarchy.spans_hosts
+    engine_module = sys.modules[GlooBackend.__module__]
+    engine_module.MIN_BYTES = 64 * 1024  # type: ignore[attr-defined]
+    made = shared._map
+    asked: list[int] = []
+
+    def refusing(path: object, create: int = 0) -> object:
+        if create:
+            asked.append(create)
+            if create >= 1 << 20:
+                raise OSError(28, "No space left on device")  # what posix_fallocate raises
+        return made(path, create)  # type: ignore[arg-type]
+
+    if backend.rank == 1:
+        shared._map = refusing  # type: ignore[assignment]
+    through = 0
+    combine = sys.modules[type(backend.hierarchy).__module__]._combiner
+
+    def counted(*args: object) -> object:
+        nonlocal through
+        through += 1
+        return combine(*args)
+
+    sys.modules[type(backend.hierarchy).__module__]._combiner = counted
+    r = backend.rank + 1.0
+    big = [dp.allreduce(np.full(400_000, r * k, np.float32)) for k in (1, 2, 3)]
+    small = dp.allreduce(np.full(30_000, r, np.float32))
+    return {
+        "big": [sorted({float(v) for v in b}) for b in big],
+        "small": sorted({float(v) for v in small}),
+        "asked": asked,
+        "through shared memory": through,
+    }
+
+
 def lost(backend: object) -> None:
-    """Local rank 1 of host a (rank 1) dies in its second hierarchical call, as its first lane
-    begins the step inside the host: its peer waits for its slice, host b's ranks wait across.
-    Every other rank reports what its allreduce raised."""
+    """Local rank 1 of host a (rank 1) dies in its second call, its shared file for the call
+    made and written, before telling its peer; every other rank reports what its allreduce
+    raised, and its host's token."""
     from dataparallel.backends.gloo import hierarchy
     from dataparallel.backends.gloo.backend import GlooBackend
 
     assert isinstance(backend, GlooBackend) and backend.hierarchy is not None
-    scatter = hierarchy.Hierarchy.scatter
+    assert backend.hierarchy.shares_memory
+    engine_module = sys.modules[GlooBackend.__module__]
+    engine_module.MIN_BYTES = 64 * 1024  # type: ignore[attr-defined]
+    token = backend.hierarchy._shared.prefix  # type: ignore[union-attr]
+    meet = hierarchy.Hierarchy._meet
 
-    def dying(self: hierarchy.Hierarchy, carried: hierarchy.Carried) -> None:
+    def dying(self: hierarchy.Hierarchy, carried: hierarchy.Carried, *args: int) -> list[int]:
         if carried.seq == 1:
-            os._exit(7)
-        scatter(self, carried)
+            os._exit(7)  # its bigger file made and written, its peer waiting for its word
+        return meet(self, carried, *args)
 
     if backend.rank == 1:
-        hierarchy.Hierarchy.scatter = dying  # type: ignore[method-assign]
-    big = 2 * hierarchy.MIN_BYTES // 4  # float32 values: over the hierarchy's threshold
-    dp.allreduce(np.ones(big, np.float32))
+        hierarchy.Hierarchy._meet = dying  # type: ignore[method-assign]
+    dp.allreduce(np.ones(100_000, np.float32))
     start = time.monotonic()
     try:
-        dp.allreduce(np.ones(big, np.float32))
+        dp.allreduce(np.ones(400_000, np.float32))
     except dp.DataParallelError as exc:
         elapsed = time.monotonic() - start
         print(f"RAISED {type(exc).__name__} after {elapsed:.1f}s: {exc}", flush=True)
+        print(f"TOKEN {token}", flush=True)
         os._exit(0)  # the world is broken: nothing left to tear down cleanly
     print("NOTHING RAISED", flush=True)
     os._exit(1)

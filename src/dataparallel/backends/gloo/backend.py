@@ -315,9 +315,12 @@ class GlooBackend(Backend):
 
     @property
     def calls_in_flight(self) -> int:
-        """Where the hierarchy's lanes carry the calls (`Hierarchy.start`), a step's buckets all
-        go to them as they come, so that the link never waits for the caller to land one."""
-        return 1 if self.hierarchy is None else IN_FLIGHT
+        """Where the hierarchy's lanes carry the calls across hosts (`Hierarchy.start`), a
+        step's buckets all go to them as they come, so that the link never waits for the caller
+        to land one. On one host its lanes overlap one call's end with the next's start, as
+        Gloo's ring does: one call left in flight."""
+        spans = self.hierarchy is not None and self.hierarchy.spans_hosts
+        return IN_FLIGHT if spans else 1
 
     @property
     def owns_default_group(self) -> bool:
@@ -362,19 +365,17 @@ class GlooBackend(Backend):
         return engine
 
     def _hierarchy(self, settings: Settings) -> Hierarchy | None:
-        """The hierarchy of this world, where it spans hosts (collective; `Hierarchy.build`).
-        Hosts are the hostnames where this engine gathered them, else the launcher's nodes
-        (ranks numbered node by node, as every launcher does)."""
-        one_host = self.local_size == self.size  # known without a collective
-        if (
-            settings.hierarchical is False
-            or self.size == 1
-            or (one_host and not settings.hierarchical)
-        ):
+        """The hierarchy of this world (collective; `Hierarchy.build` decides): where it spans
+        hosts, or on one host, whose steps go through shared memory. Hosts are the hostnames
+        where this engine gathered them, else the launcher's nodes (ranks numbered node by
+        node, as every launcher does)."""
+        if settings.hierarchical is False or self.size == 1:
             return None
         if self.size != self._dist.get_world_size():
             return None  # its groups would need every process of torch's world
         hosts = self._hostnames
+        if hosts is None and self.local_size == self.size:  # one host, known without a call
+            hosts = ["0"] * self.size
         if hosts is None:
             hosts = [str(h) for h in self.allgather_object(self.rank - self.local_rank)]
         return Hierarchy.build(self._dist, self._new_group, hosts, self.rank, settings)

@@ -17,7 +17,14 @@ crosses only at the hosts' boundaries, and on a fast link the three steps, each 
 ranks of its own, cost more than the third of the bytes they save; across a slow link they pay,
 but nothing here knows the link's speed: `DATAPARALLEL_HIERARCHICAL=1` turns them on there
 (docs/network.md has the figures by size and link). Every host must hold the same number of
-ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too.
+ranks; otherwise the flat ring stays. Buffers under `MIN_BYTES` stay flat too. A world on one
+host is a hierarchy too, unless told otherwise, where its ranks share memory: its steps inside
+the host, through that memory, are the whole allreduce (`Hierarchy._on_one_host`).
+
+Inside a host the steps go through shared memory where the host's ranks share it (`shared.py`:
+each rank's buffer written once into a file its peers map, only a word per step over the host's
+group), else by point-to-point sends over the host's group; either way each slice is folded in
+the same order, so the results are the same bits.
 """
 
 from __future__ import annotations
@@ -25,9 +32,12 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
+
+from dataparallel.backends.gloo.shared import SLOTS, SharedSlots
 
 if TYPE_CHECKING:
     import torch
@@ -67,29 +77,33 @@ class Carried:
     `is_completed` says without blocking whether the lanes have written its result, `wait`
     blocks until they have and raises what a step of it raised."""
 
-    __slots__ = ("_done", "error", "op", "seq", "tensor", "work")
+    __slots__ = ("ended", "error", "generations", "op", "ringed", "seq", "tensor", "work")
 
     def __init__(self, tensor: torch.Tensor, op: object, seq: int) -> None:
         self.tensor, self.op, self.seq = tensor, op, seq
         self.work: _Work | None = None  # the step across hosts, once started
+        # Each local rank's file for this call (`SharedSlots`), where it goes through them
+        self.generations: list[int] | None = None
+        # Reduced whole by Gloo's ring on the host's group: one host where no file could be had
+        self.ringed = False
         self.error: BaseException | None = None
-        self._done = threading.Event()
+        self.ended = threading.Event()  # set once the lanes are done with it, failed or not
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self.ended.is_set()
 
     def wait(self) -> bool:
-        self._done.wait()
+        self.ended.wait()
         if self.error is not None:
             raise self.error
         return True
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self._done.set()
+        self.ended.set()
 
     def done(self) -> None:
-        self._done.set()
+        self.ended.set()
 
 
 class Hierarchy:
@@ -113,14 +127,24 @@ class Hierarchy:
             return formed
 
         local_groups = [group(m) for m in members]
-        across_groups = [group([m[i] for m in members]) for i in range(self.local_size)]
+        across = range(self.local_size if len(members) > 1 else 0)  # none on one host
+        across_groups = [group([m[i] for m in members]) for i in across]
         self.sockets = frozenset(made)  # the groups' connections (`GlooBackend.sever`)
         host = labels.index(hosts[rank])
         self.local_rank = members[host].index(rank)
-        self.local, self.across = local_groups[host], across_groups[self.local_rank]
-        self._groups = [self.local, self.across]  # this rank's: `close` destroys them
+        self.local = local_groups[host]
+        self.across = across_groups[self.local_rank] if across_groups else None
+        self._groups = [g for g in (self.local, self.across) if g is not None]  # `close`'s
         self._peers = members[host]  # the global ranks of this host, by local rank
         self._hosts = len(labels)
+        # Where the host's ranks share memory, the steps inside it go through it (`shared.py`)
+        self._shared = (
+            SharedSlots.join(dist, self.local, self._peers[0], self.local_rank)
+            if self.local_size > 1
+            else None
+        )
+        # The first lane's last calls, ended or not: their events only, not their buffers
+        self._recent: deque[threading.Event] = deque(maxlen=SLOTS - 1)
         # The two lanes (`start`): started with the first call, ended by `close`.
         self._inside: queue.SimpleQueue[Carried | None] = queue.SimpleQueue()
         self._outside: queue.SimpleQueue[Carried | None] = queue.SimpleQueue()
@@ -136,6 +160,8 @@ class Hierarchy:
         the ranks agree on), or None where the flat ring stays (collective, as the groups)."""
         forced = settings.hierarchical
         counts = [hosts.count(h) for h in dict.fromkeys(hosts)]
+        if forced is not False and len(counts) == 1 and counts[0] > 1:
+            return cls._on_one_host(dist, make, hosts, rank, forced)
         spans = len(counts) > 1 and max(counts) > 1
         if forced is False or (forced is None and not (spans and interleaved(hosts))):
             return None
@@ -147,6 +173,21 @@ class Hierarchy:
                 )
             return None
         return cls(dist, make, hosts, rank)
+
+    @classmethod
+    def _on_one_host(
+        cls, dist: ModuleType, make: MakeGroup, hosts: list[str], rank: int, forced: bool | None
+    ) -> Hierarchy | None:
+        """A world on one host: its steps inside the host are the whole allreduce, and through
+        shared memory they copy each buffer once in and once out, where Gloo's ring sends it
+        through the kernel's sockets (twice the copies, and a wake-up per segment). Kept where
+        the ranks share memory or `DATAPARALLEL_HIERARCHICAL=1` asks for the steps anyway;
+        otherwise the ring, which the steps by sends would only slow."""
+        made = cls(dist, make, hosts, rank)
+        if made.shares_memory or forced:
+            return made
+        made.close()
+        return None
 
     def duplicate(self) -> Hierarchy:
         """The same hierarchy on groups of its own (collective): for an engine of the same
@@ -177,10 +218,21 @@ class Hierarchy:
         self._inside.put(carried)
         return carried
 
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the world spans several hosts: a step across them follows the steps inside."""
+        return self._hosts > 1
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether the steps inside the host go through shared memory (`shared.py`)."""
+        return self._shared is not None
+
     def close(self) -> None:
         """End the lanes once the calls queued before are done, and wait for them, then destroy
-        this rank's two groups, as the engine destroys its own. Safe to call twice; on a broken
-        world, after the engine's `sever` (the lanes' calls then fail at once).
+        this rank's groups, as the engine destroys its own, and remove the host's shared memory
+        files. Safe to call twice; on a broken world, after the engine's `sever` (the lanes'
+        calls then fail at once).
 
         A lane must have ended before the interpreter finalizes: one that only drops its last
         call then (its tensor, whose freeing lets the GIL go and takes it back) is ended by
@@ -196,14 +248,16 @@ class Hierarchy:
                 with contextlib.suppress(ValueError, RuntimeError):  # gone with torch's default
                     self._dist.destroy_process_group(group)
             self._groups = []
+        if self._shared is not None:
+            self._shared.close()
 
     def _bounds(self, n: int) -> list[int]:
         """Where each local rank's slice of an `n`-element buffer begins, and the end."""
         return [n * i // self.local_size for i in range(self.local_size + 1)]
 
     def _tag(self, carried: Carried, step: int) -> int:
-        """The tag of a call's sends inside the host: its number and the step (0 or 1)."""
-        return (carried.seq % (1 << 29)) * 2 + step
+        """The tag of a call's sends inside the host: its number and the step (`_STEPS`)."""
+        return (carried.seq % (1 << 28)) * _STEPS + step
 
     # Each part is looked up at each call, so that one replaced on the class (a benchmark's
     # timing, benchmarks/hierarchy.py --phases) takes effect in lanes already running.
@@ -229,21 +283,71 @@ class Hierarchy:
                     raise self._broken
                 part(carried)
             except BaseException as error:
+                if self._broken is None and self._shared is not None:
+                    self._shared.remove_all()  # with what a peer that died left, if one did
                 self._broken = self._broken or error
                 carried.fail(error)
                 continue
             then(carried)
 
     def scatter(self, carried: Carried) -> None:
-        """The first lane's part of a call: this rank's slice reduced inside the host (each
-        peer's slice sent to it, theirs of this rank's received and combined in local rank
-        order), then the step across hosts started on it."""
+        """The first lane's part of a call: this rank's slice reduced inside the host (through
+        shared memory where the host's ranks share it, else by sends: `_scatter_by_sends`),
+        then the step across hosts started on it. A call for which a rank of the host could
+        have no file (/dev/shm full) takes the sends, or on a lone host Gloo's ring over the
+        host's group, which the sends would only slow.
+
+        Through shared memory: this rank writes the parts of the buffer its peers reduce into
+        its file for the call's slot and says so to each peer (a word over the host's group,
+        which also tells them the file's generation); once every peer has said so, it folds each
+        peer's copy of its slice into its own, in local rank order, as the sends do. A slot's
+        file is written again `SLOTS` calls later, and only once this rank's second lane has
+        ended the call `SLOTS - 1` back: every peer waits so before its word for a call, so
+        their words for the call before say that they ended the call that last used the slot,
+        and none still reads what is written over."""
+        shared, me = self._shared, self.local_rank
+        if shared is not None:
+            if len(self._recent) == self._recent.maxlen:
+                self._recent[0].wait()
+            self._recent.append(carried.ended)
+            tensor = carried.tensor
+            slot = carried.seq % SLOTS
+            nbytes = tensor.numel() * tensor.element_size()
+            generation = shared.offer(slot, nbytes)
+            bounds = self._bounds(tensor.numel())
+            if generation >= 0:
+                mine = _typed(shared.own(slot), tensor)
+                for j in range(self.local_size):
+                    if j != me:
+                        mine[bounds[j] : bounds[j + 1]].copy_(tensor[bounds[j] : bounds[j + 1]])
+            generations = self._meet(carried, _SAID_WRITTEN, generation)
+            if min(generations) >= 0:
+                carried.generations = generations
+                own = tensor[bounds[me] : bounds[me + 1]]
+                combine = _combiner(self._dist, carried.op)
+                for j, g in enumerate(generations):
+                    if j != me:
+                        theirs = _typed(shared.peer(j, slot, g), tensor)
+                        combine(own, theirs[bounds[me] : bounds[me + 1]])
+                self._start_across(carried, own)
+                return
+            if not self.spans_hosts:  # the host is the world: its ring beats the sends
+                carried.work = self._dist.all_reduce(
+                    tensor, op=carried.op, group=self.local, async_op=True
+                )
+                carried.ringed = True
+                return
+        self._scatter_by_sends(carried)
+
+    def _scatter_by_sends(self, carried: Carried) -> None:
+        """The first lane's part by sends: each peer's slice sent to it, theirs of this rank's
+        received and combined in local rank order, the step across started."""
         import torch
 
         tensor, dist, me = carried.tensor, self._dist, self.local_rank
         bounds = self._bounds(tensor.numel())
         mine = tensor[bounds[me] : bounds[me + 1]]
-        tag = self._tag(carried, 0)
+        tag = self._tag(carried, _SCATTER)
         sends, received = [], []
         for j, peer in enumerate(self._peers):
             if j == me:
@@ -258,19 +362,39 @@ class Hierarchy:
             combine(mine, theirs)
         for work in sends:  # the gather writes over what they send
             work.wait()
+        self._start_across(carried, mine)
+
+    def _start_across(self, carried: Carried, mine: torch.Tensor) -> None:
         if self._hosts > 1:
-            carried.work = dist.all_reduce(mine, op=carried.op, group=self.across, async_op=True)
+            carried.work = self._dist.all_reduce(
+                mine, op=carried.op, group=self.across, async_op=True
+            )
 
     def gather(self, carried: Carried) -> None:
         """The second lane's part: wait for the step across, then share the slices inside the
-        host, each received into its place in the buffer."""
+        host: through shared memory where the first lane went through it (this rank's slice
+        written into its own file, where no peer reads any more, a word to each peer, and each
+        peer's slice copied from its file), else by sends, each received into its place."""
         if carried.work is not None:
             carried.work.wait()
             carried.work = None
+        if carried.ringed:
+            return
         tensor, dist, me = carried.tensor, self._dist, self.local_rank
         bounds = self._bounds(tensor.numel())
         mine = tensor[bounds[me] : bounds[me + 1]]
-        tag = self._tag(carried, 1)
+        shared, generations = self._shared, carried.generations
+        if shared is not None and generations is not None:
+            slot = carried.seq % SLOTS
+            _typed(shared.own(slot), tensor)[bounds[me] : bounds[me + 1]].copy_(mine)
+            self._meet(carried, _SAID_REDUCED, 0)
+            for j, g in enumerate(generations):
+                if j != me:
+                    theirs = _typed(shared.peer(j, slot, g), tensor)
+                    tensor[bounds[j] : bounds[j + 1]].copy_(theirs[bounds[j] : bounds[j + 1]])
+            shared.settle(slot)  # every peer has mapped this rank's file: its name can go
+            return
+        tag = self._tag(carried, _GATHER)
         works = []
         for j, peer in enumerate(self._peers):
             if j == me:
@@ -280,6 +404,40 @@ class Hierarchy:
             works.append(dist.irecv(place, src=peer, group=self.local, tag=tag))
         for work in works:
             work.wait()
+
+    def _meet(self, carried: Carried, step: int, word: int) -> list[int]:
+        """Send `word` to every peer of the host and return each local rank's (this rank's own
+        in its place): a step's "done" over the host's group, whose failures and timeout are
+        those of any Gloo call."""
+        import torch
+
+        dist, me, tag = self._dist, self.local_rank, self._tag(carried, step)
+        said = torch.tensor([word], dtype=torch.int64)
+        sends, received = [], []
+        for j, peer in enumerate(self._peers):
+            if j == me:
+                continue
+            sends.append(dist.isend(said, dst=peer, group=self.local, tag=tag))
+            box = torch.empty(1, dtype=torch.int64)
+            received.append((j, dist.irecv(box, src=peer, group=self.local, tag=tag), box))
+        words = [word] * self.local_size
+        for j, work, box in received:
+            work.wait()
+            words[j] = int(box.item())
+        for work in sends:
+            work.wait()
+        return words
+
+
+# A call's messages inside the host, each its own tag (`Hierarchy._tag`): the slices sent, the
+# reduced slices sent back, and, through shared memory, the words for each.
+_SCATTER, _GATHER, _SAID_WRITTEN, _SAID_REDUCED = range(4)
+_STEPS = 4
+
+
+def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The first bytes of a shared file, as a 1-D tensor of `like`'s dtype and length."""
+    return raw[: like.numel() * like.element_size()].view(like.dtype)
 
 
 def _combiner(dist: ModuleType, op: object) -> Callable[[torch.Tensor, torch.Tensor], object]:
