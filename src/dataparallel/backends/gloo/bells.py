@@ -7,7 +7,7 @@ Gloo's TCP loop thread on both sides and a wake-up of the waiting lane: where th
 outnumber its cores, those wake-ups are what a step waits for. Here each rank has a small file
 of its own (its bell) that its peers map: a step's word is a count stored in it (and, for the
 first step, the generation beside it), and a peer that waits for it sleeps on the count with a
-futex, which the storing rank wakes. One system call a side, no thread between.
+futex, which the saying rank wakes. One system call a side, no thread between.
 
 What a message over Gloo gave for free is kept: a peer that dies is seen through a handle on
 its process (`os.pidfd_open`, checked with its start time, so that a process of another pid
@@ -133,7 +133,7 @@ class Bells:
         assert own is not None
         return cls(own, peers, slots)
 
-    def ring(self, word: int, seq: int, said: int = 0) -> None:
+    def say(self, word: int, seq: int, said: int = 0) -> None:
         """Say `word` (`SAID_WRITTEN` or `SAID_REDUCED`) of call `seq` to every peer: the
         generation `said` first, for the first word, then the count, then wake the waiting."""
         own = self._own
@@ -144,7 +144,7 @@ class Bells:
         count.value = (seq + 1) & 0xFFFFFFFF
         self._wake(ctypes.addressof(count))
 
-    def listen(self, word: int, seq: int, timeout: float | None) -> dict[int, int]:
+    def hear(self, word: int, seq: int, timeout: float | None) -> dict[int, int]:
         """Wait until every peer has said `word` of call `seq`; return what each said with it
         (the generation, for the first word). Raises `RankFailedError` where a peer's process
         ended or it closed its world, `CollectiveTimeoutError` after `timeout` seconds."""

@@ -22,9 +22,9 @@ host is a hierarchy too, unless told otherwise, where its ranks share memory: it
 the host, through that memory, are the whole allreduce (`Hierarchy._on_one_host`).
 
 Inside a host the steps go through shared memory where the host's ranks share it (`shared.py`:
-each rank's buffer written once into a file its peers map, only a word per step over the host's
-group), else by point-to-point sends over the host's group; either way each slice is folded in
-the same order, so the results are the same bits.
+each rank's buffer written once into a file its peers map, a word per step through a bell
+beside them: `bells.py`), else by point-to-point sends over the host's group; either way each
+slice is folded in the same order, so the results are the same bits.
 """
 
 from __future__ import annotations
@@ -328,8 +328,8 @@ class Hierarchy:
         host's group, which the sends would only slow.
 
         Through shared memory: this rank writes the parts of the buffer its peers reduce into
-        its file for the call's slot and says so to each peer (a word over the host's group,
-        which also tells them the file's generation); once every peer has said so, it folds each
+        its file for the call's slot and says so to each peer (a word through its bell, which
+        also tells them the file's generation); once every peer has said so, it folds each
         peer's copy of its slice into its own, in local rank order, as the sends do. A slot's
         file is written again `SLOTS` calls later, and only once this rank's second lane has
         ended the call `SLOTS - 1` back: every peer waits so before its word for a call, so
@@ -440,9 +440,9 @@ class Hierarchy:
         and return what each local rank said with it (this rank's own in its place), once all
         have: a step's "done", whose failures end the wait as a Gloo call's would."""
         assert self._bells is not None  # the steps through shared memory have bells
-        self._bells.ring(word, carried.seq, said)
+        self._bells.say(word, carried.seq, said)
         words = [said] * self.local_size
-        for j, theirs in self._bells.listen(word, carried.seq, self._timeout).items():
+        for j, theirs in self._bells.hear(word, carried.seq, self._timeout).items():
             words[j] = theirs
         return words
 
