@@ -464,6 +464,24 @@ def test_a_rank_dying_inside_the_hierarchys_steps_fails_every_other_and_leaves_n
 
 
 @pytest.mark.spawns
+def test_a_rank_silent_inside_the_steps_on_one_host_times_the_others_out(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 of one host of three hangs in a call's steps, alive and silent: ranks 0 and 2
+    wait for its word through the host's shared memory for the world's timeout, and raise
+    CollectiveTimeoutError (a RankFailedError would mean they waited for it to exit, which it
+    does only once both have raised)."""
+    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_TIMEOUT="2", STUCK_DIR=str(tmp_path))
+    runs = run_ranks([worker("stuck")] * 3, envs, timeout=120)
+    assert runs[1][0] == 5, runs[1]
+    for rank in (0, 2):
+        status, stdout, stderr = runs[rank]
+        assert status == 0, f"rank {rank} exited with {status}:\n{stdout}\n{stderr}"
+        assert "RAISED CollectiveTimeoutError" in stdout, (rank, stdout, stderr)
+        assert "local rank 1 of this host did not say it" in stdout, stdout
+
+
+@pytest.mark.spawns
 def test_a_program_that_ends_with_the_library_threads_busy_exits_cleanly() -> None:
     """Every rank ends without dp.finalize() while the communication thread is inside torch's
     calls and the hierarchy's lanes are started: the library's exit hook ends them before the
@@ -473,6 +491,20 @@ def test_a_program_that_ends_with_the_library_threads_busy_exits_cleanly() -> No
     for status, stdout, stderr in run_ranks([worker("busy", "--no-finalize")] * 4, envs):
         assert "LEFT" in stdout, stdout + stderr
         assert status == 0 and "terminate called" not in stderr, f"{status}:\n{stderr}"
+
+
+@pytest.fixture
+def bells(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's bells as one rank alone has them (`_Groups`' world has no peer processes):
+    made wherever shared memory is agreed on."""
+    from dataparallel.backends.gloo import hierarchy
+
+    class Alone:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(hierarchy.Bells, "join", classmethod(lambda cls, *args: Alone()))
+    monkeypatch.setattr(hierarchy.bells, "available", lambda: True)
 
 
 class _Groups:
@@ -523,7 +555,7 @@ class _Groups:
     ],
 )
 def test_hierarchy_groups_follow_the_hosts(
-    hosts: list[str], forced: bool | None, groups: list[list[int]] | None
+    hosts: list[str], forced: bool | None, groups: list[list[int]] | None, bells: None
 ) -> None:
     from dataparallel.backends.gloo.hierarchy import Hierarchy
     from dataparallel.config import Settings
@@ -537,7 +569,7 @@ def test_hierarchy_groups_follow_the_hosts(
         assert fake.destroyed == [g for g in groups or [] if 0 in g]  # this rank's
 
 
-def test_one_host_whose_ranks_share_no_memory_keeps_the_ring() -> None:
+def test_one_host_whose_ranks_share_no_memory_keeps_the_ring(bells: None) -> None:
     """Where a rank of the host does not see the leader's shared memory file, the steps by
     sends would only slow Gloo's ring down: the group made to agree is destroyed, the ring
     stays; `DATAPARALLEL_HIERARCHICAL=1` keeps the steps anyway."""

@@ -23,6 +23,8 @@ Scenarios:
   lost     local rank 1 of the first host dies inside a hierarchical allreduce, in the middle of
            its steps through shared memory; the others report what their allreduce raised and
            the token of their host's shared memory files (`backends/gloo/shared.py`)
+  stuck    as lost, but local rank 1 hangs instead, until every other rank has raised (each
+           notes it in $STUCK_DIR), then exits 5
   full     on one host, /dev/shm full for rank 1's big files: its big calls fall back on every
            rank, its small ones still go through shared memory; prints `RESULT {json}` with
            their values, the files rank 1 asked for and the calls through shared memory
@@ -44,6 +46,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -63,6 +66,7 @@ SCENARIOS = (
     "lost",
     "busy",
     "full",
+    "stuck",
 )
 
 
@@ -105,8 +109,8 @@ def main() -> None:
     elif args.scenario == "hierarchy":
         sys.stdout.write(f"RESULT {json.dumps(hierarchy(backend))}\n")
         sys.stdout.flush()
-    elif args.scenario == "lost":
-        lost(backend)
+    elif args.scenario in ("lost", "stuck"):
+        lost(backend, stuck=args.scenario == "stuck")
     elif args.scenario == "busy":
         busy()
     elif args.scenario == "full":
@@ -291,10 +295,10 @@ def full(backend: object) -> dict[str, object]:
     }
 
 
-def lost(backend: object) -> None:
-    """Local rank 1 of host a (rank 1) dies in its second call, its shared file for the call
-    made and written, before telling its peer; every other rank reports what its allreduce
-    raised, and its host's token."""
+def lost(backend: object, stuck: bool) -> None:
+    """Local rank 1 of host a (rank 1) dies in its second call (or hangs there, `stuck`), its
+    shared file for the call made and written, before telling its peer; every other rank
+    reports what its allreduce raised, and its host's token."""
     from dataparallel.backends.gloo import hierarchy
     from dataparallel.backends.gloo.backend import GlooBackend
 
@@ -306,6 +310,11 @@ def lost(backend: object) -> None:
     meet = hierarchy.Hierarchy._meet
 
     def dying(self: hierarchy.Hierarchy, carried: hierarchy.Carried, *args: int) -> list[int]:
+        if carried.seq == 1 and stuck:  # alive, silent, until every other rank has raised
+            notes = Path(os.environ["STUCK_DIR"])
+            while len(list(notes.glob("raised-*"))) < backend.size - 1:
+                time.sleep(0.05)
+            os._exit(5)
         if carried.seq == 1:
             os._exit(7)  # its bigger file made and written, its peer waiting for its word
         return meet(self, carried, *args)
@@ -320,6 +329,8 @@ def lost(backend: object) -> None:
         elapsed = time.monotonic() - start
         print(f"RAISED {type(exc).__name__} after {elapsed:.1f}s: {exc}", flush=True)
         print(f"TOKEN {token}", flush=True)
+        if stuck:
+            (Path(os.environ["STUCK_DIR"]) / f"raised-{backend.rank}").touch()
         os._exit(0)  # the world is broken: nothing left to tear down cleanly
     print("NOTHING RAISED", flush=True)
     os._exit(1)

@@ -737,8 +737,11 @@ class GlooBackend(Backend):
         """Shut down the connections the group made (`Backend.sever`): its calls in flight,
         here and at the peers, fail at once ("Connection closed"). Known for groups made over
         an existing default group (`split`, `duplicate`, an elastic round's world), whose
-        world can lose a member and go on; a default group this engine made has none listed."""
+        world can lose a member and go on; a default group this engine made has none listed.
+        The hierarchy's waits on its host's words through shared memory end too."""
         shut_down(self._sockets)
+        if self.hierarchy is not None:
+            self.hierarchy.sever()
 
     def close(self) -> None:
         """Destroy the Gloo group and let go of it and of the handles in flight, so that its

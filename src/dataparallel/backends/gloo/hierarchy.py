@@ -22,9 +22,9 @@ host is a hierarchy too, unless told otherwise, where its ranks share memory: it
 the host, through that memory, are the whole allreduce (`Hierarchy._on_one_host`).
 
 Inside a host the steps go through shared memory where the host's ranks share it (`shared.py`:
-each rank's buffer written once into a file its peers map, only a word per step over the host's
-group), else by point-to-point sends over the host's group; either way each slice is folded in
-the same order, so the results are the same bits.
+each rank's buffer written once into a file its peers map, a word per step through a bell
+beside them: `bells.py`), else by point-to-point sends over the host's group; either way each
+slice is folded in the same order, so the results are the same bits.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dataparallel.backends.gloo.shared import SLOTS, SharedSlots
+from dataparallel.backends.gloo import bells
+from dataparallel.backends.gloo.bells import SAID_REDUCED, SAID_WRITTEN, Bells
+from dataparallel.backends.gloo.shared import SHARED_DIR, SLOTS, SharedSlots
 
 if TYPE_CHECKING:
     import torch
@@ -110,12 +112,24 @@ class Hierarchy:
     """This rank's two Gloo groups: the ranks of its host (`local`), and the ranks of the same
     local rank on every host (`across`)."""
 
-    def __init__(self, dist: ModuleType, make: MakeGroup, hosts: list[str], rank: int) -> None:
+    def __init__(
+        self,
+        dist: ModuleType,
+        make: MakeGroup,
+        hosts: list[str],
+        rank: int,
+        timeout: float | None = None,
+    ) -> None:
         """Make the groups of a world whose rank `r` lives on host `hosts[r]` by `make(ranks)`
         (the engine's way: `GlooBackend._new_group`; collective over torch's default group,
         which this world must be: every rank makes every group, in the same order). Every
-        host holds the same number of ranks."""
+        host holds the same number of ranks. `timeout`: seconds a step inside the host waits
+        for a peer's word (None: torch's default for its groups)."""
         self._dist, self._make, self.hosts, self.rank = dist, make, hosts, rank
+        default = getattr(dist, "default_pg_timeout", None)  # a timedelta
+        if timeout is None and default is not None:
+            timeout = default.total_seconds()
+        self._timeout = timeout
         labels = list(dict.fromkeys(hosts))  # in order of first rank
         members = [[r for r, h in enumerate(hosts) if h == label] for label in labels]
         self.local_size = len(members[0])
@@ -137,12 +151,26 @@ class Hierarchy:
         self._groups = [g for g in (self.local, self.across) if g is not None]  # `close`'s
         self._peers = members[host]  # the global ranks of this host, by local rank
         self._hosts = len(labels)
-        # Where the host's ranks share memory, the steps inside it go through it (`shared.py`)
+        # Where the host's ranks share memory, the steps inside it go through it (`shared.py`),
+        # their words through bells (`bells.py`): both, or neither
         self._shared = (
             SharedSlots.join(dist, self.local, self._peers[0], self.local_rank)
-            if self.local_size > 1
+            if self.local_size > 1 and bells.available()
             else None
         )
+        self._bells: Bells | None = None
+        if self._shared is not None:
+            self._bells = Bells.join(
+                dist,
+                self.local,
+                str(SHARED_DIR / self._shared.prefix),
+                self.local_rank,
+                self.local_size,
+                SLOTS,
+            )
+            if self._bells is None:
+                self._shared.close()
+                self._shared = None
         # The first lane's last calls, ended or not: their events only, not their buffers
         self._recent: deque[threading.Event] = deque(maxlen=SLOTS - 1)
         # The two lanes (`start`): started with the first call, ended by `close`.
@@ -161,7 +189,7 @@ class Hierarchy:
         forced = settings.hierarchical
         counts = [hosts.count(h) for h in dict.fromkeys(hosts)]
         if forced is not False and len(counts) == 1 and counts[0] > 1:
-            return cls._on_one_host(dist, make, hosts, rank, forced)
+            return cls._on_one_host(dist, make, hosts, rank, settings)
         spans = len(counts) > 1 and max(counts) > 1
         if forced is False or (forced is None and not (spans and interleaved(hosts))):
             return None
@@ -172,19 +200,19 @@ class Hierarchy:
                     f"the hosts hold {sorted(counts)}: unset it for the flat ring."
                 )
             return None
-        return cls(dist, make, hosts, rank)
+        return cls(dist, make, hosts, rank, settings.timeout)
 
     @classmethod
     def _on_one_host(
-        cls, dist: ModuleType, make: MakeGroup, hosts: list[str], rank: int, forced: bool | None
+        cls, dist: ModuleType, make: MakeGroup, hosts: list[str], rank: int, settings: Settings
     ) -> Hierarchy | None:
         """A world on one host: its steps inside the host are the whole allreduce, and through
         shared memory they copy each buffer once in and once out, where Gloo's ring sends it
         through the kernel's sockets (twice the copies, and a wake-up per segment). Kept where
         the ranks share memory or `DATAPARALLEL_HIERARCHICAL=1` asks for the steps anyway;
         otherwise the ring, which the steps by sends would only slow."""
-        made = cls(dist, make, hosts, rank)
-        if made.shares_memory or forced:
+        made = cls(dist, make, hosts, rank, settings.timeout)
+        if made.shares_memory or settings.hierarchical:
             return made
         made.close()
         return None
@@ -192,7 +220,7 @@ class Hierarchy:
     def duplicate(self) -> Hierarchy:
         """The same hierarchy on groups of its own (collective): for an engine of the same
         processes used from another thread, whose calls must not meet these groups' calls."""
-        return Hierarchy(self._dist, self._make, self.hosts, self.rank)
+        return Hierarchy(self._dist, self._make, self.hosts, self.rank, self._timeout)
 
     def start(self, tensor: torch.Tensor, op: object) -> Carried:
         """Start the three steps on the contiguous 1-D `tensor`, reduced in place.
@@ -248,6 +276,8 @@ class Hierarchy:
                 with contextlib.suppress(ValueError, RuntimeError):  # gone with torch's default
                     self._dist.destroy_process_group(group)
             self._groups = []
+        if self._bells is not None:
+            self._bells.close()
         if self._shared is not None:
             self._shared.close()
 
@@ -256,8 +286,8 @@ class Hierarchy:
         return [n * i // self.local_size for i in range(self.local_size + 1)]
 
     def _tag(self, carried: Carried, step: int) -> int:
-        """The tag of a call's sends inside the host: its number and the step (`_STEPS`)."""
-        return (carried.seq % (1 << 28)) * _STEPS + step
+        """The tag of a call's sends inside the host: its number and the step (0 or 1)."""
+        return (carried.seq % (1 << 29)) * 2 + step
 
     # Each part is looked up at each call, so that one replaced on the class (a benchmark's
     # timing, benchmarks/hierarchy.py --phases) takes effect in lanes already running.
@@ -298,8 +328,8 @@ class Hierarchy:
         host's group, which the sends would only slow.
 
         Through shared memory: this rank writes the parts of the buffer its peers reduce into
-        its file for the call's slot and says so to each peer (a word over the host's group,
-        which also tells them the file's generation); once every peer has said so, it folds each
+        its file for the call's slot and says so to each peer (a word through its bell, which
+        also tells them the file's generation); once every peer has said so, it folds each
         peer's copy of its slice into its own, in local rank order, as the sends do. A slot's
         file is written again `SLOTS` calls later, and only once this rank's second lane has
         ended the call `SLOTS - 1` back: every peer waits so before its word for a call, so
@@ -320,7 +350,7 @@ class Hierarchy:
                 for j in range(self.local_size):
                     if j != me:
                         mine[bounds[j] : bounds[j + 1]].copy_(tensor[bounds[j] : bounds[j + 1]])
-            generations = self._meet(carried, _SAID_WRITTEN, generation)
+            generations = self._meet(carried, SAID_WRITTEN, generation)
             if min(generations) >= 0:
                 carried.generations = generations
                 own = tensor[bounds[me] : bounds[me + 1]]
@@ -387,7 +417,7 @@ class Hierarchy:
         if shared is not None and generations is not None:
             slot = carried.seq % SLOTS
             _typed(shared.own(slot), tensor)[bounds[me] : bounds[me + 1]].copy_(mine)
-            self._meet(carried, _SAID_REDUCED, 0)
+            self._meet(carried, SAID_REDUCED, 0)
             for j, g in enumerate(generations):
                 if j != me:
                     theirs = _typed(shared.peer(j, slot, g), tensor)
@@ -405,34 +435,27 @@ class Hierarchy:
         for work in works:
             work.wait()
 
-    def _meet(self, carried: Carried, step: int, word: int) -> list[int]:
-        """Send `word` to every peer of the host and return each local rank's (this rank's own
-        in its place): a step's "done" over the host's group, whose failures and timeout are
-        those of any Gloo call."""
-        import torch
-
-        dist, me, tag = self._dist, self.local_rank, self._tag(carried, step)
-        said = torch.tensor([word], dtype=torch.int64)
-        sends, received = [], []
-        for j, peer in enumerate(self._peers):
-            if j == me:
-                continue
-            sends.append(dist.isend(said, dst=peer, group=self.local, tag=tag))
-            box = torch.empty(1, dtype=torch.int64)
-            received.append((j, dist.irecv(box, src=peer, group=self.local, tag=tag), box))
-        words = [word] * self.local_size
-        for j, work, box in received:
-            work.wait()
-            words[j] = int(box.item())
-        for work in sends:
-            work.wait()
+    def _meet(self, carried: Carried, word: int, said: int) -> list[int]:
+        """Say `word` of this call to every peer of the host through the bells, with `said`,
+        and return what each local rank said with it (this rank's own in its place), once all
+        have: a step's "done", whose failures end the wait as a Gloo call's would."""
+        assert self._bells is not None  # the steps through shared memory have bells
+        self._bells.say(word, carried.seq, said)
+        words = [said] * self.local_size
+        for j, theirs in self._bells.hear(word, carried.seq, self._timeout).items():
+            words[j] = theirs
         return words
 
+    def sever(self) -> None:
+        """End the waits on the host's words, here and at the peers (`GlooBackend.sever`: the
+        groups' connections are shut down beside)."""
+        if self._bells is not None:
+            self._bells.sever()
 
-# A call's messages inside the host, each its own tag (`Hierarchy._tag`): the slices sent, the
-# reduced slices sent back, and, through shared memory, the words for each.
-_SCATTER, _GATHER, _SAID_WRITTEN, _SAID_REDUCED = range(4)
-_STEPS = 4
+
+# A call's messages inside the host by sends, each its own tag (`Hierarchy._tag`): the slices
+# sent, the reduced slices sent back.
+_SCATTER, _GATHER = 0, 1
 
 
 def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

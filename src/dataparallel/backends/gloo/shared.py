@@ -2,9 +2,9 @@
 
 Inside a host the hierarchy's data need not go through TCP at all: each rank writes the parts
 of a buffer its peers reduce into a file of its own under /dev/shm, mapped by every rank of the
-host, and each reduces its slice straight from its peers' files. Only a word per peer still
-travels over the host's Gloo group, to say "written" (`Hierarchy`): so a peer that dies or hangs
-fails the waiting rank exactly as a data message would, with Gloo's errors and timeout.
+host, and each reduces its slice straight from its peers' files. The words that say "written"
+go through shared memory too (`bells.py`), which sees a peer that dies or hangs as a Gloo
+message would.
 
 Files: one per rank and slot (`SLOTS`; a call takes slot `seq % SLOTS`), made as the call needs
 (a generation per size: a call needing more than its slot holds, or a quarter of it, makes the
