@@ -167,9 +167,10 @@ def test_jitted_reducescatter_splits_rows_as_the_eager_one(
         got = jax.jit(lambda v, o=options: dp.reducescatter(v, **o))(floats)
         want = dp.reducescatter(eager(floats), **options)
         np.testing.assert_allclose(np.asarray(got["odd"]), want["odd"], err_msg=str(options))
-    batched = jax.jit(jax.vmap(dp.reducescatter, in_axes=1, out_axes=1))(x["odd"])
-    columns = [dp.reducescatter(np.array(x["odd"])[:, j]) for j in range(2)]
-    np.testing.assert_array_equal(np.asarray(batched), np.stack(columns, axis=1))
+    if bridge == "ffi" or size == 1:  # ordered io_callbacks do not batch
+        batched = jax.jit(jax.vmap(dp.reducescatter, in_axes=1, out_axes=1))(x["odd"])
+        columns = [dp.reducescatter(np.array(x["odd"])[:, j]) for j in range(2)]
+        np.testing.assert_array_equal(np.asarray(batched), np.stack(columns, axis=1))
     with pytest.raises(ValueError, match="splits the first axis"):
         jax.jit(dp.reducescatter)(on_device(np.float32(1.0)))
 
