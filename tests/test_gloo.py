@@ -471,8 +471,12 @@ def test_a_rank_silent_inside_the_steps_on_one_host_times_the_others_out(
     wait for its word through the host's shared memory for the world's timeout, and raise
     CollectiveTimeoutError (a RankFailedError would mean they waited for it to exit, which it
     does only once both have raised)."""
-    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_TIMEOUT="2", STUCK_DIR=str(tmp_path))
-    runs = run_ranks([worker("stuck")] * 3, envs, timeout=120)
+    # every rank started before the world is made: the short timeout covers the world alone
+    (tmp_path / "meet").mkdir()
+    meet = ["--meet", str(tmp_path / "meet"), "--world-size", "3"]
+    envs = _one_host_of_three(str(free_port()), DATAPARALLEL_TIMEOUT="3", STUCK_DIR=str(tmp_path))
+    commands = [worker("stuck", *meet, "--rank", str(r)) for r in range(3)]
+    runs = run_ranks(commands, envs, timeout=120)
     assert runs[1][0] == 5, runs[1]
     for rank in (0, 2):
         status, stdout, stderr = runs[rank]

@@ -9,7 +9,7 @@ from dataparallel.arrays.actions import Scatter, reduction, reduction_error
 from dataparallel.arrays.nan import FLOATING, has_nan, nan_mask
 from dataparallel.arrays.replay import Replay
 from dataparallel.backends.base import Backend, ReduceOp
-from dataparallel.collectives import _replays
+from dataparallel.collectives import _replays, traced
 from dataparallel.collectives._agree import Call, agree
 from dataparallel.collectives._call import Leaf, context, leaves_of, prepared
 from dataparallel.collectives._split import check_rows, host_work, run_split, scatter_masks
@@ -57,6 +57,8 @@ def reducescatter(
     >>> dp.reducescatter({"w": np.arange(3.0)}, op="avg")
     {'w': array([0., 1., 2.])}
     """
+    if traced.is_traced(x):  # inside jax.jit: traced into the program
+        return traced.call("reducescatter", x, backend_of(backend, group), op=op, scale=scale)
     ctx = context(backend_of(backend, group))
 
     def prepare() -> tuple[tree.Flat, list[Leaf], Scatter]:

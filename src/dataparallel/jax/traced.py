@@ -46,7 +46,15 @@ from dataparallel.protocol import handshake
 
 __all__ = ["trace_collective"]
 
-_COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "alltoall", "barrier")
+_COLLECTIVES = (
+    "allreduce",
+    "reduce",
+    "reducescatter",
+    "broadcast",
+    "allgather",
+    "alltoall",
+    "barrier",
+)
 _POINT_TO_POINT = ("send", "recv", "sendrecv")
 HostCall = Callable[[list[np.ndarray], list[np.ndarray]], None]
 
@@ -191,7 +199,12 @@ def _check_root(root: object, size: int) -> int:
 
 
 def _check_reduction(
-    flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
+    flat: tree.Flat,
+    leaves: list[jax.Array],
+    dtypes: list[str],
+    size: int,
+    options: dict[str, Any],
+    what: str = "dp.allreduce",
 ) -> Checked:
     op, scale = options["op"], options.get("scale")
     if options.get("compression") is not None:
@@ -205,7 +218,7 @@ def _check_reduction(
     for dtype, path in zip(dtypes, flat.paths, strict=True):
         if dtype not in WIRE:
             raise TypeError(
-                f"{path}: dp.allreduce inside jax.jit reduces {', '.join(WIRE)} values, got "
+                f"{path}: {what} inside jax.jit reduces {', '.join(WIRE)} values, got "
                 f"{dtype}; convert the leaf (x.astype(...)), or reduce it outside jax.jit."
             )
         error = reduction_error(dtype, op, scale)
@@ -255,6 +268,53 @@ def _trace_reduction(
     if private.rank != root:  # the others get their own values back, as eagerly
         return list(leaves), None
     return [_finish(r, leaf, factor) for r, leaf in zip(reduced, leaves, strict=True)], None
+
+
+def _check_scatter(
+    flat: tree.Flat, leaves: list[jax.Array], dtypes: list[str], size: int, options: dict[str, Any]
+) -> Checked:
+    checked = _check_reduction(flat, leaves, dtypes, size, options, "dp.reducescatter")
+    for leaf, path in zip(leaves, flat.paths, strict=True):
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{path}: dp.reducescatter splits the first axis, and a number has none."
+            )
+    return checked
+
+
+def _trace_reducescatter(
+    leaves: list[jax.Array],
+    engine: Backend,
+    privates: Callable[[Backend], Backend],
+    summary: str,
+    options: Checked,
+) -> tuple[list[jax.Array], None]:
+    """Each leaf reduced and split by rows as the eager call splits it (rank r keeps
+    `n // size` rows, one more when `r < n % size`): each rank's program has its own result
+    shapes, and its own key."""
+    engine_op, average = parse_op(options["op"])
+    scale, size = options["scale"], engine.size
+    factor = (1.0 / size if average else 1.0) * (1.0 if scale is None else scale)
+    if size == 1:
+        return [_finish(leaf, leaf, factor) for leaf in leaves], None
+    private = privates(engine)
+    wires = [leaf.astype(WIRE[str(np.dtype(leaf.dtype))]) for leaf in leaves]
+    rows = [[w.shape[0] // size + (r < w.shape[0] % size) for r in range(size)] for w in wires]
+    mine = [counts[private.rank] for counts in rows]
+    outputs = [
+        jax.ShapeDtypeStruct((n, *w.shape[1:]), w.dtype) for n, w in zip(mine, wires, strict=True)
+    ]
+
+    def host(sent: list[np.ndarray], received: list[np.ndarray]) -> None:
+        for s, r, counts in zip(sent, received, rows, strict=True):
+            per_row = s.size // s.shape[0] if s.shape[0] else 0  # a batch may widen the rows
+            send = np.ascontiguousarray(s).reshape(-1)
+            private.reduce_scatter(send, r.reshape(-1), [n * per_row for n in counts], engine_op)
+
+    summary = f"{summary}|at rank {private.rank}"  # each rank keeps rows of its own
+    name = "dp.reducescatter inside jax.jit"
+    done = _run(wires, outputs, False, host, private, summary, "rows", name)
+    return [_finish(d, leaf, factor) for d, leaf in zip(done, leaves, strict=True)], None
 
 
 def _finish(reduced: jax.Array, leaf: jax.Array, factor: float) -> jax.Array:
@@ -485,6 +545,7 @@ def _description(flat: tree.Flat | None, leaves: list[jax.Array], tag: int) -> s
 _PARTS = {
     "allreduce": _Parts(_check_reduction, _trace_reduction),
     "reduce": _Parts(_check_reduction, _trace_reduction),
+    "reducescatter": _Parts(_check_scatter, _trace_reducescatter),
     "broadcast": _Parts(_check_broadcast, _trace_broadcast),
     "allgather": _Parts(_check_gather, _trace_allgather),
     "alltoall": _Parts(_check_alltoall, _trace_alltoall),

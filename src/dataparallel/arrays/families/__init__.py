@@ -85,8 +85,9 @@ def family_of(x: object, path: str = "x") -> Family:
         if name == "jax" and "Tracer" in type(x).__name__:
             raise TypeError(
                 f"{path}: got a traced JAX value, which this call cannot take: inside jax.jit "
-                "use dp.allreduce, dp.reduce, dp.broadcast, dp.allgather, dp.alltoall (equal "
-                "splits) or dp.DistributedOptimizer for optax; call the others outside jax.jit."
+                "use dp.allreduce, dp.reduce, dp.reducescatter, dp.broadcast, dp.allgather, "
+                "dp.alltoall (equal splits) or dp.DistributedOptimizer for optax; call the others "
+                "outside jax.jit."
             )
         if name == "torch":
             problem = _TORCH.problem(cast("torch.Tensor", x))  # array_family checked
