@@ -237,10 +237,8 @@ def _trace_reduction(
     summary: str,
     options: Checked,
 ) -> tuple[list[jax.Array], None]:
-    op, scale, root = options["op"], options["scale"], options.get("root")
-    engine_op, average = parse_op(op)
-    size = engine.size
-    factor = (1.0 / size if average else 1.0) * (1.0 if scale is None else scale)
+    op, root, size = options["op"], options.get("root"), engine.size
+    engine_op, factor = _reduced_by(options, size)
     if size == 1:
         return [_finish(leaf, leaf, factor) for leaf in leaves], None
     private = privates(engine)
@@ -292,9 +290,8 @@ def _trace_reducescatter(
     """Each leaf reduced and split by rows as the eager call splits it (rank r keeps
     `n // size` rows, one more when `r < n % size`): each rank's program has its own result
     shapes, and its own key."""
-    engine_op, average = parse_op(options["op"])
-    scale, size = options["scale"], engine.size
-    factor = (1.0 / size if average else 1.0) * (1.0 if scale is None else scale)
+    size = engine.size
+    engine_op, factor = _reduced_by(options, size)
     if size == 1:
         return [_finish(leaf, leaf, factor) for leaf in leaves], None
     private = privates(engine)
@@ -315,6 +312,14 @@ def _trace_reducescatter(
     name = "dp.reducescatter inside jax.jit"
     done = _run(wires, outputs, False, host, private, summary, "rows", name)
     return [_finish(d, leaf, factor) for d, leaf in zip(done, leaves, strict=True)], None
+
+
+def _reduced_by(options: Checked, size: int) -> tuple[ReduceOp, float]:
+    """The engine's op of a checked reduction, and the factor its result is multiplied by
+    after (the average's `1 / size`, times `scale`)."""
+    engine_op, average = parse_op(options["op"])
+    scale = options["scale"]
+    return engine_op, (1.0 / size if average else 1.0) * (1.0 if scale is None else scale)
 
 
 def _finish(reduced: jax.Array, leaf: jax.Array, factor: float) -> jax.Array:
