@@ -150,7 +150,6 @@ class Hierarchy:
         self.across = across_groups[self.local_rank] if across_groups else None
         self._groups = [g for g in (self.local, self.across) if g is not None]  # `close`'s
         self._peers = members[host]  # the global ranks of this host, by local rank
-        self._hosts = len(labels)
         # Where the host's ranks share memory, the steps inside it go through it (`shared.py`),
         # their words through bells (`bells.py`): both, or neither
         self._shared = (
@@ -249,7 +248,7 @@ class Hierarchy:
     @property
     def spans_hosts(self) -> bool:
         """Whether the world spans several hosts: a step across them follows the steps inside."""
-        return self._hosts > 1
+        return self.across is not None
 
     @property
     def shares_memory(self) -> bool:
@@ -395,7 +394,7 @@ class Hierarchy:
         self._start_across(carried, mine)
 
     def _start_across(self, carried: Carried, mine: torch.Tensor) -> None:
-        if self._hosts > 1:
+        if self.across is not None:
             carried.work = self._dist.all_reduce(
                 mine, op=carried.op, group=self.across, async_op=True
             )
